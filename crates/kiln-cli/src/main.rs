@@ -1,0 +1,297 @@
+//! `kiln`: the command-line front end. Argument parsing only; the work is in the `kiln` library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
+use kiln::backend::{Cpu, CpuDevice, CpuTrain};
+use kiln::data::{Columns, DataArgs, TextEncoding};
+use kiln::tasks::text_classification::{self as tc, ClassificationOptions};
+use kiln::train::TrainingArguments;
+
+#[derive(Parser)]
+#[command(
+    name = "kiln",
+    version,
+    about = "Hugging Face Transformers training in Rust"
+)]
+struct Cli {
+    /// Worker threads for the CPU backend (default: all cores).
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Fine-tune a model (BERT-family sequence classification).
+    Train(TrainCmd),
+    /// Evaluate a fine-tuned model on labelled data.
+    Eval(EvalCmd),
+    /// Classify texts with a fine-tuned model; JSON lines out.
+    Predict(PredictCmd),
+}
+
+#[derive(Args, Clone)]
+struct DataOpts {
+    /// Training data (.csv, .tsv, .jsonl or .parquet).
+    #[arg(long)]
+    train_file: Option<PathBuf>,
+    /// Evaluation data (same formats).
+    #[arg(long)]
+    eval_file: Option<PathBuf>,
+    /// Hold out this fraction of the training data for evaluation (seeded by --seed).
+    #[arg(long)]
+    eval_split: Option<f64>,
+    #[arg(long, default_value = "text")]
+    text_column: String,
+    #[arg(long)]
+    text_pair_column: Option<String>,
+    #[arg(long, default_value = "label")]
+    label_column: String,
+    /// Encoding of CSV/TSV files: utf-8, latin-1, windows-1252.
+    #[arg(long, default_value = "utf-8")]
+    encoding: String,
+    /// Fail on the first malformed row instead of skipping and counting it.
+    #[arg(long)]
+    strict: bool,
+    #[arg(long)]
+    max_train_samples: Option<usize>,
+    #[arg(long)]
+    max_eval_samples: Option<usize>,
+    /// Truncate to this many tokens.
+    #[arg(long, default_value_t = 128)]
+    max_length: usize,
+    /// Pad every batch to --max-length (fixed shapes) instead of the longest example in the batch.
+    #[arg(long)]
+    pad_to_max_length: bool,
+}
+
+#[derive(Args)]
+struct TrainCmd {
+    /// A Hugging Face model folder (config.json, model.safetensors, tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// A YAML or JSON file of TrainingArguments; flags given on the command line override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[command(flatten)]
+    data: DataOpts,
+    #[command(flatten)]
+    args: TrainingArguments,
+}
+
+#[derive(Args)]
+struct EvalCmd {
+    #[arg(long)]
+    model: PathBuf,
+    #[command(flatten)]
+    data: DataOpts,
+    #[arg(long, default_value_t = 32)]
+    per_device_eval_batch_size: usize,
+    /// Also write the metrics and the per-class report here (JSON).
+    #[arg(long)]
+    output: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct PredictCmd {
+    #[arg(long)]
+    model: PathBuf,
+    /// One text to classify.
+    #[arg(long, conflicts_with = "input")]
+    text: Vec<String>,
+    /// A file of texts: .txt (one per line), or .csv/.jsonl/.parquet with --text-column.
+    #[arg(long)]
+    input: Option<PathBuf>,
+    #[arg(long, default_value = "text")]
+    text_column: String,
+    #[arg(long, default_value = "utf-8")]
+    encoding: String,
+    /// Write JSON lines here instead of standard output.
+    #[arg(long)]
+    output: Option<PathBuf>,
+    #[arg(long, default_value_t = 128)]
+    max_length: usize,
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+}
+
+impl DataOpts {
+    fn to_data_args(&self, seed: u64, labelled: bool) -> Result<DataArgs> {
+        Ok(DataArgs {
+            train_file: self.train_file.clone(),
+            eval_file: self.eval_file.clone(),
+            eval_split: self.eval_split,
+            columns: Columns {
+                text: self.text_column.clone(),
+                text_pair: self.text_pair_column.clone(),
+                label: labelled.then(|| self.label_column.clone()),
+            },
+            encoding: self.encoding.parse::<TextEncoding>()?,
+            strict: self.strict,
+            max_train_samples: self.max_train_samples,
+            max_eval_samples: self.max_eval_samples,
+            seed,
+        })
+    }
+    fn options(&self, model: &std::path::Path, seed: u64) -> Result<ClassificationOptions> {
+        Ok(ClassificationOptions {
+            model_dir: model.to_path_buf(),
+            data: self.to_data_args(seed, true)?,
+            max_length: self.max_length,
+            pad_to_max_length: self.pad_to_max_length,
+        })
+    }
+}
+
+/// TrainingArguments from `--config` with every flag given on the command line laid over it.
+fn merged_training_args(cmd: &TrainCmd, matches: &ArgMatches) -> Result<TrainingArguments> {
+    let Some(path) = &cmd.config else {
+        return Ok(cmd.args.clone());
+    };
+    let file = TrainingArguments::from_file(path)?;
+    let mut base = serde_json::to_value(&file)?;
+    let flags = serde_json::to_value(&cmd.args)?;
+    let (Some(base_map), Some(flag_map)) = (base.as_object_mut(), flags.as_object()) else {
+        bail!("training arguments are not an object");
+    };
+    for (key, value) in flag_map {
+        if matches.value_source(key) == Some(clap::parser::ValueSource::CommandLine) {
+            base_map.insert(key.clone(), value.clone());
+        }
+    }
+    Ok(serde_json::from_value(base)?)
+}
+
+/// Hugging Face scripts spell flags with underscores (`--per_device_train_batch_size`); accept both.
+fn normalize_flag(arg: String) -> String {
+    match arg.strip_prefix("--") {
+        Some(rest) if rest.contains('_') => {
+            let (name, value) = rest
+                .split_once('=')
+                .map_or((rest, None), |(n, v)| (n, Some(v)));
+            let name = name.replace('_', "-");
+            match value {
+                Some(v) => format!("--{name}={v}"),
+                None => format!("--{name}"),
+            }
+        }
+        _ => arg,
+    }
+}
+
+fn read_texts(cmd: &PredictCmd) -> Result<Vec<String>> {
+    if !cmd.text.is_empty() {
+        return Ok(cmd.text.clone());
+    }
+    let Some(path) = &cmd.input else {
+        bail!("give --text \"...\" or --input FILE");
+    };
+    if path.extension().and_then(|e| e.to_str()) == Some("txt") {
+        let s = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
+        return Ok(s
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(str::to_string)
+            .collect());
+    }
+    let cols = Columns {
+        text: cmd.text_column.clone(),
+        text_pair: None,
+        label: None,
+    };
+    let (rows, report) =
+        kiln::data::reader::read_examples(path, &cols, cmd.encoding.parse()?, false)?;
+    tracing::info!("{}: {}", path.display(), report.summary());
+    Ok(rows.into_iter().map(|r| r.text).collect())
+}
+
+fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
+    let device = CpuDevice::default();
+    match cli.command {
+        Command::Train(cmd) => {
+            let sub = matches.subcommand_matches("train").expect("train matches");
+            let args = merged_training_args(&cmd, sub)?;
+            let opts = cmd.data.options(&cmd.model, args.seed)?;
+            let (out, eval) = tc::train::<CpuTrain>(&opts, args, &device, |_| {})?;
+            println!("{}", serde_json::to_string_pretty(&out.metrics)?);
+            if let Some(ev) = eval {
+                println!("{}", serde_json::to_string_pretty(&ev.metrics)?);
+            }
+        }
+        Command::Eval(cmd) => {
+            let opts = cmd.data.options(&cmd.model, 42)?;
+            let out = tc::eval::<Cpu>(&opts, cmd.per_device_eval_batch_size, &device)?;
+            let json = serde_json::json!({"metrics": out.metrics, "report": out.report});
+            if let Some(path) = &cmd.output {
+                std::fs::write(path, serde_json::to_vec_pretty(&json)?)
+                    .with_context(|| format!("{}", path.display()))?;
+            }
+            println!("{}", serde_json::to_string_pretty(&out.metrics)?);
+            if let Some(r) = out.report {
+                for c in r.per_class {
+                    println!(
+                        "{:>16}  precision {:.4}  recall {:.4}  f1 {:.4}  support {}",
+                        c.label, c.precision, c.recall, c.f1, c.support
+                    );
+                }
+                println!(
+                    "confusion (rows: true, columns: predicted): {:?}",
+                    r.confusion
+                );
+            }
+        }
+        Command::Predict(cmd) => {
+            let texts = read_texts(&cmd)?;
+            let preds =
+                tc::predict::<Cpu>(&cmd.model, &texts, cmd.max_length, cmd.batch_size, &device)?;
+            let mut out: Box<dyn std::io::Write> = match &cmd.output {
+                Some(p) => Box::new(std::io::BufWriter::new(
+                    std::fs::File::create(p).with_context(|| format!("{}", p.display()))?,
+                )),
+                None => Box::new(std::io::stdout().lock()),
+            };
+            for p in preds {
+                writeln!(out, "{}", serde_json::to_string(&p)?)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KILN_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+    let argv: Vec<String> = std::env::args().map(normalize_flag).collect();
+    let matches = Cli::command().get_matches_from(argv);
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
+    if let Some(n) = cli.threads {
+        // One pool for element-wise work (rayon) and the GEMM kernels (matrixmultiply).
+        std::env::set_var("MATMUL_NUM_THREADS", n.to_string());
+        let _ = rayon_init(n);
+    }
+    match run(cli, &matches) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn rayon_init(n: usize) -> Result<()> {
+    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    Ok(())
+}

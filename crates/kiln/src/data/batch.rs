@@ -1,0 +1,128 @@
+//! Ordering examples into batches and padding them into tensors.
+
+use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
+
+use super::tokenize::Encoded;
+
+/// How a batch is padded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Padding {
+    /// To the longest example in the batch (dynamic padding; the default).
+    Longest,
+    /// Always to this length (fixed shapes, as `padding="max_length"`).
+    MaxLength(usize),
+}
+
+/// A padded batch of token ids on the host, row-major `[batch, seq]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TextBatch {
+    pub batch: usize,
+    pub seq: usize,
+    pub input_ids: Vec<i64>,
+    /// 1 for real tokens, 0 for padding.
+    pub attention_mask: Vec<i64>,
+    pub token_type_ids: Vec<i64>,
+}
+
+/// Pads `examples` into one batch. Padding positions get `pad_id`, token type 0 and mask 0.
+pub fn collate(examples: &[&Encoded], padding: Padding, pad_id: u32) -> TextBatch {
+    let longest = examples
+        .iter()
+        .map(|e| e.input_ids.len())
+        .max()
+        .unwrap_or(1);
+    let t = match padding {
+        Padding::Longest => longest,
+        Padding::MaxLength(n) => n.max(longest),
+    };
+    let b = examples.len();
+    let mut ids = vec![pad_id as i64; b * t];
+    let mut types = vec![0i64; b * t];
+    let mut mask = vec![0i64; b * t];
+    for (row, e) in examples.iter().enumerate() {
+        for (j, (&id, &ty)) in e.input_ids.iter().zip(&e.token_type_ids).enumerate() {
+            ids[row * t + j] = id as i64;
+            types[row * t + j] = ty as i64;
+            mask[row * t + j] = 1;
+        }
+    }
+    TextBatch {
+        batch: b,
+        seq: t,
+        input_ids: ids,
+        attention_mask: mask,
+        token_type_ids: types,
+    }
+}
+
+/// The order in which one epoch visits the examples: a permutation seeded by `(seed, epoch)`, so an
+/// epoch's order never depends on what ran before it (which makes resuming exact).
+///
+/// With `group_by_length`, the permutation is cut into mega-batches of 50 batches and each is sorted
+/// by length, longest first, so a batch holds examples of similar length (less padding), while the
+/// order of mega-batches stays random — transformers' `LengthGroupedSampler` scheme.
+pub fn epoch_order(
+    lengths: &[usize],
+    seed: u64,
+    epoch: u64,
+    shuffle: bool,
+    group_by_length: Option<usize>,
+) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..lengths.len()).collect();
+    if !shuffle {
+        return order;
+    }
+    let mut rng = StdRng::seed_from_u64(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ epoch);
+    order.shuffle(&mut rng);
+    if let Some(batch_size) = group_by_length {
+        for mega in order.chunks_mut(batch_size.max(1) * 50) {
+            mega.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
+        }
+    }
+    order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn collate_pads_to_longest_or_fixed_length() {
+        let a = Encoded {
+            input_ids: vec![101, 7, 102],
+            token_type_ids: vec![0, 0, 0],
+        };
+        let b = Encoded {
+            input_ids: vec![101, 102],
+            token_type_ids: vec![0, 0],
+        };
+        let d = collate(&[&a, &b], Padding::Longest, 0);
+        assert_eq!((d.batch, d.seq), (2, 3));
+        assert_eq!(d.input_ids, vec![101, 7, 102, 101, 102, 0]);
+        assert_eq!(d.attention_mask, vec![1, 1, 1, 1, 1, 0]);
+        let f = collate(&[&a, &b], Padding::MaxLength(5), 0);
+        assert_eq!(f.seq, 5);
+        assert_eq!(f.attention_mask, vec![1, 1, 1, 0, 0, 1, 1, 0, 0, 0]);
+    }
+
+    #[test]
+    fn epoch_order_is_a_permutation_that_changes_per_epoch() {
+        let lengths = vec![3; 100];
+        let a = epoch_order(&lengths, 42, 0, true, None);
+        let b = epoch_order(&lengths, 42, 1, true, None);
+        let mut sorted = a.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..100).collect::<Vec<_>>());
+        assert_ne!(a, b);
+        assert_eq!(a, epoch_order(&lengths, 42, 0, true, None));
+    }
+
+    #[test]
+    fn grouping_by_length_sorts_within_megabatches() {
+        let lengths: Vec<usize> = (0..400).map(|i| (i * 7919) % 97).collect();
+        let order = epoch_order(&lengths, 1, 0, true, Some(4));
+        for mega in order.chunks(200) {
+            assert!(mega.windows(2).all(|w| lengths[w[0]] >= lengths[w[1]]));
+        }
+    }
+}

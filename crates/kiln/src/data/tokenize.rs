@@ -1,0 +1,78 @@
+//! Tokenization through Hugging Face's `tokenizers` crate, reading the model's own `tokenizer.json`.
+
+use std::path::Path;
+
+use tokenizers::{Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy};
+
+use crate::error::{KilnError, Result};
+
+/// One tokenized example (no padding: batches pad dynamically).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Encoded {
+    pub input_ids: Vec<u32>,
+    pub token_type_ids: Vec<u32>,
+}
+
+/// A tokenizer that truncates to `max_length` and never pads (padding is the batcher's job).
+pub struct TextTokenizer {
+    inner: Tokenizer,
+    pub max_length: usize,
+    pub pad_id: u32,
+}
+
+impl TextTokenizer {
+    /// Loads `tokenizer.json`, overriding any padding or truncation baked into the file
+    /// (all-MiniLM-L6-v2's forces both to 128).
+    pub fn from_file(path: &Path, max_length: usize) -> Result<Self> {
+        let mut inner = Tokenizer::from_file(path).map_err(|e| {
+            KilnError::Config(format!("{}: cannot load tokenizer: {e}", path.display()))
+        })?;
+        let pad_id = inner
+            .get_padding()
+            .map(|p| p.pad_id)
+            .or_else(|| inner.token_to_id("[PAD]"))
+            .or_else(|| inner.token_to_id("<pad>"))
+            .unwrap_or(0);
+        inner.with_padding(None);
+        inner
+            .with_truncation(Some(TruncationParams {
+                max_length,
+                strategy: TruncationStrategy::LongestFirst,
+                stride: 0,
+                direction: TruncationDirection::Right,
+            }))
+            .map_err(|e| KilnError::Config(format!("{}: {e}", path.display())))?;
+        Ok(Self {
+            inner,
+            max_length,
+            pad_id,
+        })
+    }
+
+    /// Encodes a batch of texts (or text pairs) with special tokens, in parallel.
+    pub fn encode(&self, texts: &[(String, Option<String>)]) -> Result<Vec<Encoded>> {
+        let inputs: Vec<tokenizers::EncodeInput> = texts
+            .iter()
+            .map(|(a, b)| match b {
+                Some(b) => (a.as_str(), b.as_str()).into(),
+                None => a.as_str().into(),
+            })
+            .collect();
+        let encodings = self
+            .inner
+            .encode_batch(inputs, true)
+            .map_err(|e| KilnError::Data(format!("tokenization failed: {e}")))?;
+        Ok(encodings
+            .into_iter()
+            .map(|e| Encoded {
+                input_ids: e.get_ids().to_vec(),
+                token_type_ids: e.get_type_ids().to_vec(),
+            })
+            .collect())
+    }
+
+    /// The tokenizer file as loaded (padding/truncation overrides are not saved into it).
+    pub fn inner(&self) -> &Tokenizer {
+        &self.inner
+    }
+}

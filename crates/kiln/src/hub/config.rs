@@ -1,0 +1,133 @@
+//! Hugging Face `config.json` for BERT-family models. Unknown fields are kept and written back, so a
+//! checkpoint saved by kiln carries everything `transformers.AutoConfig` expects.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{KilnError, Result};
+
+fn d_act() -> String {
+    "gelu".into()
+}
+fn d_dropout() -> f64 {
+    0.1
+}
+fn d_init_range() -> f64 {
+    0.02
+}
+fn d_ln_eps() -> f64 {
+    1e-12
+}
+fn d_type_vocab() -> usize {
+    2
+}
+fn d_max_pos() -> usize {
+    512
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BertConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub intermediate_size: usize,
+    #[serde(default = "d_act")]
+    pub hidden_act: String,
+    #[serde(default = "d_dropout")]
+    pub hidden_dropout_prob: f64,
+    #[serde(default = "d_dropout")]
+    pub attention_probs_dropout_prob: f64,
+    #[serde(default = "d_max_pos")]
+    pub max_position_embeddings: usize,
+    #[serde(default = "d_type_vocab")]
+    pub type_vocab_size: usize,
+    #[serde(default = "d_init_range")]
+    pub initializer_range: f64,
+    #[serde(default = "d_ln_eps")]
+    pub layer_norm_eps: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub classifier_dropout: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pad_token_id: Option<usize>,
+    /// `{"0": "negative", ...}` — JSON object keys are strings in HF configs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id2label: Option<BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label2id: Option<BTreeMap<String, usize>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub architectures: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_type: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub problem_type: Option<String>,
+    /// Every other field (torch_dtype, transformers_version, ...), preserved verbatim.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+impl BertConfig {
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| KilnError::io(path, e))?;
+        let cfg: Self = serde_json::from_str(&text).map_err(|e| KilnError::Parse {
+            path: path.to_path_buf(),
+            line: e.line(),
+            msg: e.to_string(),
+        })?;
+        if cfg.hidden_size % cfg.num_attention_heads != 0 {
+            return Err(KilnError::Config(format!(
+                "{}: hidden_size {} is not a multiple of num_attention_heads {}",
+                path.display(),
+                cfg.hidden_size,
+                cfg.num_attention_heads
+            )));
+        }
+        if cfg.hidden_act != "gelu" {
+            return Err(KilnError::Config(format!(
+                "{}: hidden_act {:?} is not supported (only \"gelu\")",
+                path.display(),
+                cfg.hidden_act
+            )));
+        }
+        Ok(cfg)
+    }
+
+    /// Label names in id order, if the config has a complete `id2label`.
+    pub fn labels(&self) -> Option<Vec<String>> {
+        let map = self.id2label.as_ref()?;
+        (0..map.len())
+            .map(|i| map.get(&i.to_string()).cloned())
+            .collect()
+    }
+
+    /// Record the label set (id order) the way transformers does.
+    pub fn set_labels(&mut self, labels: &[String]) {
+        self.id2label = Some(
+            labels
+                .iter()
+                .enumerate()
+                .map(|(i, l)| (i.to_string(), l.clone()))
+                .collect(),
+        );
+        self.label2id = Some(
+            labels
+                .iter()
+                .enumerate()
+                .map(|(i, l)| (l.clone(), i))
+                .collect(),
+        );
+        self.architectures = Some(vec!["BertForSequenceClassification".into()]);
+        self.model_type = Some("bert".into());
+        self.problem_type = Some("single_label_classification".into());
+    }
+
+    pub fn classifier_dropout_prob(&self) -> f64 {
+        self.classifier_dropout.unwrap_or(self.hidden_dropout_prob)
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("config serialises")
+    }
+}

@@ -1,0 +1,19 @@
+//! Hugging Face model folders: `config.json`, `model.safetensors`, `tokenizer.json`.
+
+pub mod config;
+pub mod weights;
+
+use std::path::Path;
+
+use crate::error::{KilnError, Result};
+
+/// Writes `bytes` to `path` through a temporary file in the same folder and a rename, so a reader
+/// (or a crash) never sees a half-written file.
+pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(|e| KilnError::io(dir, e))?;
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    std::fs::write(&tmp, bytes).map_err(|e| KilnError::io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| KilnError::io(path, e))
+}

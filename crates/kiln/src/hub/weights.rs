@@ -1,0 +1,308 @@
+//! Moving parameters between a Burn module and safetensors files, by Hugging Face parameter path.
+//!
+//! A parameter's path is the chain of struct field names that leads to it (`bert.encoder.layer.3.
+//! attention.self.query.weight`); a trailing `_` on a field name escapes a Rust keyword and is dropped.
+//! Every tensor is stored in PyTorch's own layout, so loading and saving never transpose.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::{backend::Backend, Tensor, TensorData};
+use safetensors::{Dtype, SafeTensors};
+
+use crate::error::{KilnError, Result};
+
+/// A named, shaped f32 tensor on the host.
+#[derive(Debug, Clone)]
+pub struct HostTensor {
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+/// Tracks the current parameter path while walking a module.
+#[derive(Default)]
+pub(crate) struct PathTracker {
+    parts: Vec<String>,
+    containers: Vec<String>,
+}
+
+impl PathTracker {
+    pub(crate) fn enter(&mut self, name: &str, container: &str) {
+        self.parts
+            .push(name.strip_suffix('_').unwrap_or(name).to_string());
+        self.containers.push(container.to_string());
+    }
+    pub(crate) fn exit(&mut self) {
+        self.parts.pop();
+        self.containers.pop();
+    }
+    pub(crate) fn path(&self) -> String {
+        self.parts.join(".")
+    }
+    /// The struct type that owns the current parameter, e.g. `LayerNorm`.
+    pub(crate) fn owner(&self) -> &str {
+        self.containers
+            .last()
+            .map(|c| c.strip_prefix("Struct:").unwrap_or(c))
+            .unwrap_or("")
+    }
+}
+
+/// One float parameter as seen by [`for_each_param`].
+pub struct ParamInfo<'a> {
+    /// Hugging Face path, e.g. `classifier.weight`.
+    pub path: &'a str,
+    /// Name of the struct that owns the parameter (`Linear`, `LayerNorm`, `Embedding`, ...).
+    pub owner: &'a str,
+}
+
+struct Visit<'f, F> {
+    tracker: PathTracker,
+    f: &'f mut F,
+}
+
+/// A float parameter handed to [`for_each_param`]'s callback: its value, flattened to 1-D.
+pub type FlatParam<B> = Tensor<B, 1>;
+
+impl<B: Backend, F: FnMut(&ParamInfo, burn::module::ParamId, FlatParam<B>)> ModuleVisitor<B>
+    for Visit<'_, F>
+{
+    fn enter_module(&mut self, name: &str, container: &str) {
+        self.tracker.enter(name, container);
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.tracker.exit();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let path = self.tracker.path();
+        let info = ParamInfo {
+            path: &path,
+            owner: self.tracker.owner(),
+        };
+        let value = param.val();
+        let n = value.shape().num_elements();
+        (self.f)(&info, param.id, value.reshape([n]));
+    }
+}
+
+/// Calls `f` for every float parameter of `module`, in declaration order.
+pub fn for_each_param<B: Backend, M: Module<B>>(
+    module: &M,
+    mut f: impl FnMut(&ParamInfo, burn::module::ParamId, FlatParam<B>),
+) {
+    let mut v = Visit {
+        tracker: PathTracker::default(),
+        f: &mut f,
+    };
+    module.visit(&mut v);
+}
+
+struct Map<'f, F> {
+    tracker: PathTracker,
+    f: &'f mut F,
+}
+
+impl<B: Backend, F> ModuleMapper<B> for Map<'_, F>
+where
+    F: FnMut(&ParamInfo, &[usize], Tensor<B, 1>) -> Option<Tensor<B, 1>>,
+{
+    fn enter_module(&mut self, name: &str, container: &str) {
+        self.tracker.enter(name, container);
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.tracker.exit();
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let path = self.tracker.path();
+        let info = ParamInfo {
+            path: &path,
+            owner: self.tracker.owner(),
+        };
+        let (id, value, mapper) = param.consume();
+        let shape = value.dims();
+        let require_grad = value.is_require_grad();
+        let n = value.shape().num_elements();
+        let flat = value.clone().reshape([n]);
+        let value = match (self.f)(&info, &shape, flat) {
+            Some(new) => {
+                let new = new.reshape(shape);
+                if require_grad {
+                    new.detach().require_grad()
+                } else {
+                    new.detach()
+                }
+            }
+            None => value,
+        };
+        Param::from_mapped_value(id, value, mapper)
+    }
+}
+
+/// Rebuilds `module`, replacing each float parameter for which `f` returns a new flat value.
+pub fn map_params<B: Backend, M: Module<B>>(
+    module: M,
+    mut f: impl FnMut(&ParamInfo, &[usize], Tensor<B, 1>) -> Option<Tensor<B, 1>>,
+) -> M {
+    let mut m = Map {
+        tracker: PathTracker::default(),
+        f: &mut f,
+    };
+    module.map(&mut m)
+}
+
+/// Reads every tensor of a safetensors file as f32 (f32, f16, bf16 and f64 are converted; integer
+/// buffers such as `embeddings.position_ids` are skipped: they are not parameters).
+pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>> {
+    let bytes = std::fs::read(path).map_err(|e| KilnError::io(path, e))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
+        KilnError::Weights(format!("{}: not a safetensors file: {e}", path.display()))
+    })?;
+    let mut out = BTreeMap::new();
+    for (name, view) in st.tensors() {
+        let raw = view.data();
+        let data: Vec<f32> = match view.dtype() {
+            Dtype::F32 => raw
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Dtype::F16 => raw
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::BF16 => raw
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::F64 => raw
+                .chunks_exact(8)
+                .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32)
+                .collect(),
+            _ => continue,
+        };
+        out.insert(
+            name,
+            HostTensor {
+                shape: view.shape().to_vec(),
+                data,
+            },
+        );
+    }
+    Ok(out)
+}
+
+/// Writes named f32 tensors as safetensors (metadata `format: pt`, which transformers requires),
+/// atomically: a temporary file in the same folder, then a rename.
+pub fn write_safetensors(path: &Path, tensors: &BTreeMap<String, HostTensor>) -> Result<()> {
+    let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
+        .iter()
+        .map(|(k, t)| {
+            let b = t.data.iter().flat_map(|x| x.to_le_bytes()).collect();
+            (k.clone(), b, t.shape.clone())
+        })
+        .collect();
+    let views = bytes
+        .iter()
+        .map(|(k, b, s)| {
+            let v = safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b)
+                .expect("shape matches data");
+            (k.clone(), v)
+        })
+        .collect::<Vec<_>>();
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let data = safetensors::serialize(views, Some(meta))
+        .map_err(|e| KilnError::Weights(format!("{}: {e}", path.display())))?;
+    crate::hub::atomic_write(path, &data)
+}
+
+/// Every float parameter of `module` as host tensors keyed by Hugging Face path.
+pub fn module_tensors<B: Backend, M: Module<B>>(module: &M) -> BTreeMap<String, HostTensor> {
+    let mut out = BTreeMap::new();
+    let mut shapes = Vec::new();
+    // Shapes are lost by flattening; collect them with a second small visitor.
+    struct Shapes<'a>(&'a mut Vec<Vec<usize>>);
+    impl<B: Backend> ModuleVisitor<B> for Shapes<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            self.0.push(p.val().dims().to_vec());
+        }
+    }
+    module.visit(&mut Shapes(&mut shapes));
+    let mut i = 0;
+    for_each_param(module, |info, _, flat| {
+        let data = flat
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .expect("f32 data");
+        out.insert(
+            info.path.to_string(),
+            HostTensor {
+                shape: shapes[i].clone(),
+                data,
+            },
+        );
+        i += 1;
+    });
+    out
+}
+
+/// What [`load_into`] did.
+#[derive(Debug, Default, Clone)]
+pub struct LoadReport {
+    pub loaded: Vec<String>,
+    /// Parameters the files did not have (they keep their fresh initialisation).
+    pub missing: Vec<String>,
+    /// Tensors in the files that the model has no parameter for.
+    pub unexpected: Vec<String>,
+}
+
+/// Loads `tensors` into `module` by path. `strip_prefix` is the base-model prefix (`bert`) that a
+/// checkpoint of the bare encoder lacks, the way transformers' `base_model_prefix` handling works.
+pub fn load_into<B: Backend, M: Module<B>>(
+    module: M,
+    tensors: &BTreeMap<String, HostTensor>,
+    base_prefix: Option<&str>,
+    device: &B::Device,
+) -> Result<(M, LoadReport)> {
+    let mut report = LoadReport::default();
+    let mut used = std::collections::HashSet::new();
+    let mut error = None;
+    let module = map_params(module, |info, shape, current: Tensor<B, 1>| {
+        let mut candidates = vec![info.path.to_string()];
+        if let Some(prefix) = base_prefix {
+            if let Some(rest) = info.path.strip_prefix(&format!("{prefix}.")) {
+                candidates.push(rest.to_string());
+            }
+        }
+        let Some((key, t)) = candidates
+            .iter()
+            .find_map(|c| tensors.get(c).map(|t| (c.clone(), t)))
+        else {
+            report.missing.push(info.path.to_string());
+            return None;
+        };
+        used.insert(key.clone());
+        if t.shape != shape {
+            error.get_or_insert(KilnError::Weights(format!(
+                "tensor {key}: checkpoint shape {:?} does not match the model's {:?} (check config.json)",
+                t.shape, shape
+            )));
+            return None;
+        }
+        report.loaded.push(info.path.to_string());
+        let _ = current;
+        Some(Tensor::from_data(
+            TensorData::new(t.data.clone(), [t.data.len()]),
+            device,
+        ))
+    });
+    if let Some(e) = error {
+        return Err(e);
+    }
+    report.unexpected = tensors
+        .keys()
+        .filter(|k| !used.contains(*k))
+        .cloned()
+        .collect();
+    Ok((module, report))
+}

@@ -1,0 +1,4 @@
+//! Model architectures, one file each, with Hugging Face parameter names.
+
+pub mod bert;
+pub mod layers;

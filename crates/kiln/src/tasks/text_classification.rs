@@ -1,0 +1,319 @@
+//! Text classification with a BERT-family encoder: `kiln train`, `kiln eval`, `kiln predict`.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::activation::softmax;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use tracing::{info, warn};
+
+use crate::data::batch::{collate, TextBatch};
+use crate::data::{self, DataArgs, LabelSet, Padding, TextClassificationSet, TextTokenizer};
+use crate::error::{KilnError, Result};
+use crate::hub::config::BertConfig;
+use crate::hub::weights::{load_into, read_safetensors};
+use crate::models::bert::BertForSequenceClassification;
+use crate::train::checkpoint::ModelFiles;
+use crate::train::metrics::argmax;
+use crate::train::trainer::{evaluate, format_metrics, write_json, EvalOutput, TrainOutput};
+use crate::train::{BatchSource, Classifier, CrossEntropy, Trainer, TrainingArguments};
+
+/// Batches of a tokenized classification set.
+pub struct ClassificationBatches<'a> {
+    pub set: &'a TextClassificationSet,
+    pub padding: Padding,
+    pub pad_id: u32,
+}
+
+impl BatchSource for ClassificationBatches<'_> {
+    type Batch = TextBatch;
+    fn len(&self) -> usize {
+        self.set.len()
+    }
+    fn lengths(&self) -> Vec<usize> {
+        self.set.lengths()
+    }
+    fn batch(&self, indices: &[usize]) -> (TextBatch, Vec<i64>) {
+        let ex: Vec<_> = indices.iter().map(|&i| &self.set.examples[i]).collect();
+        let labels = indices.iter().map(|&i| self.set.labels[i] as i64).collect();
+        (collate(&ex, self.padding, self.pad_id), labels)
+    }
+}
+
+/// A Hugging Face model folder's files.
+pub struct ModelDir {
+    pub dir: PathBuf,
+}
+
+impl ModelDir {
+    pub fn new(dir: &Path) -> Result<Self> {
+        if !dir.is_dir() {
+            return Err(KilnError::Config(format!(
+                "{}: model folder not found",
+                dir.display()
+            )));
+        }
+        for f in ["config.json", "tokenizer.json"] {
+            if !dir.join(f).exists() {
+                return Err(KilnError::Config(format!(
+                    "{}: no {f} in the model folder",
+                    dir.display()
+                )));
+            }
+        }
+        if !dir.join("model.safetensors").exists() {
+            let hint = if dir.join("pytorch_model.bin").exists() {
+                " (only pytorch_model.bin: convert it with `transformers` save_pretrained(safe_serialization=True))"
+            } else {
+                ""
+            };
+            return Err(KilnError::Config(format!(
+                "{}: no model.safetensors{hint}",
+                dir.display()
+            )));
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+        })
+    }
+    pub fn config(&self) -> Result<BertConfig> {
+        BertConfig::from_file(&self.dir.join("config.json"))
+    }
+    pub fn tokenizer(&self, max_length: usize) -> Result<TextTokenizer> {
+        TextTokenizer::from_file(&self.dir.join("tokenizer.json"), max_length)
+    }
+}
+
+/// Loads `BertForSequenceClassification` from a folder. With `labels`, the head has that many
+/// classes (a head of another size, or none, is freshly initialised and reported); without, the
+/// config's `id2label` decides.
+pub fn load_classifier<B: Backend>(
+    md: &ModelDir,
+    labels: Option<&LabelSet>,
+    seed: u64,
+    device: &B::Device,
+) -> Result<(BertForSequenceClassification<B>, BertConfig, LabelSet)> {
+    let mut config = md.config()?;
+    let saved = config.labels().map(LabelSet::new);
+    let labels = match (labels, saved.clone()) {
+        (Some(l), _) => l.clone(),
+        (None, Some(s)) => s,
+        (None, None) => {
+            return Err(KilnError::Config(format!(
+                "{}: config.json has no id2label — is this a fine-tuned classifier?",
+                md.dir.display()
+            )))
+        }
+    };
+    let head_matches = saved.as_ref() == Some(&labels);
+    config.set_labels(labels.names());
+    B::seed(device, seed);
+    let model = BertForSequenceClassification::new(&config, labels.len(), device);
+    let path = md.dir.join("model.safetensors");
+    let mut tensors = read_safetensors(&path)?;
+    if !head_matches {
+        // A different label set: the saved head (if any) does not apply.
+        tensors.retain(|k, _| !k.starts_with("classifier."));
+    }
+    let (model, report) = load_into(model, &tensors, Some("bert"), device)?;
+    if !report.missing.is_empty() {
+        let head_only = report.missing.iter().all(|m| m.starts_with("classifier."));
+        let msg = format!(
+            "{}: newly initialized (not in {}): {}",
+            "BertForSequenceClassification",
+            path.display(),
+            report.missing.join(", ")
+        );
+        if head_only {
+            info!(
+                "{msg} — a fresh classification head for labels {:?}",
+                labels.names()
+            );
+        } else {
+            warn!("{msg}");
+        }
+    }
+    if !report.unexpected.is_empty() {
+        info!(
+            "unused tensors in {}: {}",
+            path.display(),
+            report.unexpected.join(", ")
+        );
+    }
+    Ok((model, config, labels))
+}
+
+/// Options of `kiln train` / `kiln eval` beyond TrainingArguments.
+#[derive(Debug, Clone)]
+pub struct ClassificationOptions {
+    pub model_dir: PathBuf,
+    pub data: DataArgs,
+    pub max_length: usize,
+    pub pad_to_max_length: bool,
+}
+
+impl ClassificationOptions {
+    fn padding(&self) -> Padding {
+        if self.pad_to_max_length {
+            Padding::MaxLength(self.max_length)
+        } else {
+            Padding::Longest
+        }
+    }
+}
+
+fn log_reports(reports: &[(PathBuf, data::ReadReport)]) {
+    for (path, r) in reports {
+        info!("{}: {}", path.display(), r.summary());
+        for s in r.skipped.iter().skip(1).take(4) {
+            info!("  also skipped {s}");
+        }
+    }
+}
+
+/// Fine-tunes a classifier. Returns the training summary and the final evaluation (if any).
+pub fn train<B: AutodiffBackend>(
+    opts: &ClassificationOptions,
+    args: TrainingArguments,
+    device: &B::Device,
+    customize: impl FnOnce(&mut Trainer<B, BertForSequenceClassification<B>, CrossEntropy>),
+) -> Result<(TrainOutput, Option<EvalOutput>)> {
+    let md = ModelDir::new(&opts.model_dir)?;
+    let tok = md.tokenizer(opts.max_length)?;
+    let data = data::prepare(&opts.data, &tok, None)?;
+    log_reports(&data.reports);
+    let train_set = data
+        .train
+        .as_ref()
+        .ok_or_else(|| KilnError::Config("kiln train needs --train-file".into()))?;
+    let (model, config, labels) = load_classifier::<B>(&md, Some(&data.labels), args.seed, device)?;
+    info!(
+        "labels {:?}; {} train / {} eval examples",
+        labels.names(),
+        train_set.len(),
+        data.eval.as_ref().map_or(0, |e| e.len())
+    );
+    let files = ModelFiles {
+        config_json: config.to_json(),
+        tokenizer_json: Some(md.dir.join("tokenizer.json")),
+    };
+    let output_dir = args.output_dir.clone();
+    let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), CrossEntropy, files);
+    trainer.label_names = Some(labels.names().to_vec());
+    customize(&mut trainer);
+    let batches = |set| ClassificationBatches {
+        set,
+        padding: opts.padding(),
+        pad_id: tok.pad_id,
+    };
+    let train_b = batches(train_set);
+    let eval_b = data.eval.as_ref().map(batches);
+    let out = trainer.train(&train_b, eval_b.as_ref())?;
+    info!(
+        "***** train metrics *****  {}",
+        format_metrics(&out.metrics)
+    );
+    let eval_out = match &eval_b {
+        Some(e) => {
+            let ev = trainer.evaluate(e)?;
+            info!("***** eval metrics *****  {}", format_metrics(&ev.metrics));
+            write_json(&output_dir.join("eval_results.json"), &ev.metrics)?;
+            if let Some(r) = &ev.report {
+                write_json(&output_dir.join("eval_report.json"), r)?;
+            }
+            let mut all = out.metrics.clone();
+            all.extend(ev.metrics.clone());
+            write_json(&output_dir.join("all_results.json"), &all)?;
+            Some(ev)
+        }
+        None => None,
+    };
+    Ok((out, eval_out))
+}
+
+/// Evaluates a fine-tuned classifier on labelled data.
+pub fn eval<B: Backend>(
+    opts: &ClassificationOptions,
+    batch_size: usize,
+    device: &B::Device,
+) -> Result<EvalOutput> {
+    let md = ModelDir::new(&opts.model_dir)?;
+    let tok = md.tokenizer(opts.max_length)?;
+    let (model, _, labels) = load_classifier::<B>(&md, None, 0, device)?;
+    let data = data::prepare(&opts.data, &tok, Some(labels.clone()))?;
+    log_reports(&data.reports);
+    let set = data
+        .eval
+        .as_ref()
+        .ok_or_else(|| KilnError::Config("kiln eval needs --eval-file".into()))?;
+    let src = ClassificationBatches {
+        set,
+        padding: opts.padding(),
+        pad_id: tok.pad_id,
+    };
+    evaluate(
+        &model,
+        &src,
+        batch_size,
+        &CrossEntropy,
+        Some(labels.names()),
+        None,
+    )
+}
+
+/// One prediction: the most probable label and every label's probability.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Prediction {
+    pub text: String,
+    pub label: String,
+    pub score: f32,
+    pub probabilities: std::collections::BTreeMap<String, f32>,
+    pub logits: Vec<f32>,
+}
+
+/// Classifies raw texts with a fine-tuned model.
+pub fn predict<B: Backend>(
+    model_dir: &Path,
+    texts: &[String],
+    max_length: usize,
+    batch_size: usize,
+    device: &B::Device,
+) -> Result<Vec<Prediction>> {
+    let md = ModelDir::new(model_dir)?;
+    let tok = md.tokenizer(max_length)?;
+    let (model, _, labels) = load_classifier::<B>(&md, None, 0, device)?;
+    let mut out = Vec::with_capacity(texts.len());
+    for chunk in texts.chunks(batch_size.max(1)) {
+        let pairs: Vec<(String, Option<String>)> =
+            chunk.iter().map(|t| (t.clone(), None)).collect();
+        let enc = tok.encode(&pairs)?;
+        let refs: Vec<_> = enc.iter().collect();
+        let batch = collate(&refs, Padding::Longest, tok.pad_id);
+        let logits = model.logits(&batch);
+        let probs = softmax(logits.clone(), 1);
+        let rows = |t: burn::tensor::Tensor<B, 2>| -> Vec<Vec<f32>> {
+            let c = t.dims()[1];
+            let v = t
+                .into_data()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .expect("f32");
+            v.chunks(c).map(|r| r.to_vec()).collect()
+        };
+        for ((text, l), p) in chunk.iter().zip(rows(logits)).zip(rows(probs)) {
+            let best = argmax(&p);
+            out.push(Prediction {
+                text: text.clone(),
+                label: labels.names()[best].clone(),
+                score: p[best],
+                probabilities: labels
+                    .names()
+                    .iter()
+                    .cloned()
+                    .zip(p.iter().copied())
+                    .collect(),
+                logits: l,
+            });
+        }
+    }
+    Ok(out)
+}

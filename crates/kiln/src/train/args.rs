@@ -1,0 +1,167 @@
+//! `TrainingArguments` with Hugging Face's names and defaults. The same struct is the CLI's flags
+//! (`--per-device-train-batch-size`, underscores accepted too) and a YAML/JSON file's keys.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::schedule::SchedulerType;
+use crate::error::{KilnError, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum IntervalStrategy {
+    No,
+    #[default]
+    Steps,
+    Epoch,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, clap::Args)]
+#[serde(default)]
+pub struct TrainingArguments {
+    /// Where checkpoints, logs and the final model go.
+    #[arg(long, default_value = "runs/kiln")]
+    pub output_dir: PathBuf,
+    #[arg(long, default_value_t = 3.0)]
+    pub num_train_epochs: f64,
+    /// If > 0, the total number of optimizer steps (overrides num_train_epochs).
+    #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
+    pub max_steps: i64,
+    #[arg(long, default_value_t = 8)]
+    pub per_device_train_batch_size: usize,
+    #[arg(long, default_value_t = 8)]
+    pub per_device_eval_batch_size: usize,
+    #[arg(long, default_value_t = 1)]
+    pub gradient_accumulation_steps: usize,
+    #[arg(long, default_value_t = 5e-5)]
+    pub learning_rate: f64,
+    /// Decoupled weight decay (not applied to biases and LayerNorm weights).
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f64,
+    #[arg(long, default_value_t = 0.9)]
+    pub adam_beta1: f64,
+    #[arg(long, default_value_t = 0.999)]
+    pub adam_beta2: f64,
+    #[arg(long, default_value_t = 1e-8)]
+    pub adam_epsilon: f64,
+    /// Clip gradients to this global L2 norm (0 disables).
+    #[arg(long, default_value_t = 1.0)]
+    pub max_grad_norm: f64,
+    #[arg(long, value_enum, default_value_t = SchedulerType::Linear)]
+    pub lr_scheduler_type: SchedulerType,
+    #[arg(long, default_value_t = 0)]
+    pub warmup_steps: u64,
+    /// Fraction of total steps used for warmup (when warmup_steps is 0).
+    #[arg(long, default_value_t = 0.0)]
+    pub warmup_ratio: f64,
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    #[arg(long, default_value_t = 500)]
+    pub logging_steps: u64,
+    #[arg(long, value_enum, default_value_t = IntervalStrategy::No)]
+    pub eval_strategy: IntervalStrategy,
+    /// Evaluate every N steps with eval_strategy=steps (default: logging_steps).
+    #[arg(long)]
+    pub eval_steps: Option<u64>,
+    #[arg(long, value_enum, default_value_t = IntervalStrategy::Steps)]
+    pub save_strategy: IntervalStrategy,
+    #[arg(long, default_value_t = 500)]
+    pub save_steps: u64,
+    /// Keep at most this many checkpoints (oldest deleted first; the best one is kept).
+    #[arg(long)]
+    pub save_total_limit: Option<usize>,
+    #[arg(long, default_value_t = false)]
+    pub load_best_model_at_end: bool,
+    /// `loss`, `accuracy`, `f1`, `f1_macro`, ... (an `eval_` prefix is optional).
+    #[arg(long)]
+    pub metric_for_best_model: Option<String>,
+    /// Defaults to false for metrics containing "loss", true otherwise.
+    #[arg(long)]
+    pub greater_is_better: Option<bool>,
+    #[arg(long, default_value_t = false)]
+    pub dataloader_drop_last: bool,
+    /// Batch examples of similar length together (less padding).
+    #[arg(long, default_value_t = false)]
+    pub group_by_length: bool,
+    /// A checkpoint folder, or `latest` for the newest checkpoint in output_dir.
+    #[arg(long)]
+    pub resume_from_checkpoint: Option<String>,
+}
+
+impl Default for TrainingArguments {
+    fn default() -> Self {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            a: TrainingArguments,
+        }
+        Wrap::parse_from(["kiln"]).a
+    }
+}
+
+impl TrainingArguments {
+    /// Reads a YAML or JSON file (by extension) of TrainingArguments keys; absent keys keep defaults.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| KilnError::io(path, e))?;
+        let is_json = path.extension().and_then(|e| e.to_str()) == Some("json");
+        if is_json {
+            serde_json::from_str(&text).map_err(|e| KilnError::Parse {
+                path: path.to_path_buf(),
+                line: e.line(),
+                msg: e.to_string(),
+            })
+        } else {
+            serde_yaml_ng::from_str(&text).map_err(|e| KilnError::Parse {
+                path: path.to_path_buf(),
+                line: e.location().map(|l| l.line()).unwrap_or(0),
+                msg: e.to_string(),
+            })
+        }
+    }
+
+    /// The metric that selects the best checkpoint, as `eval_<name>`, and whether higher is better.
+    pub fn best_metric(&self) -> (String, bool) {
+        let m = self
+            .metric_for_best_model
+            .clone()
+            .unwrap_or_else(|| "loss".into());
+        let m = if m.starts_with("eval_") {
+            m
+        } else {
+            format!("eval_{m}")
+        };
+        let greater = self.greater_is_better.unwrap_or(!m.contains("loss"));
+        (m, greater)
+    }
+
+    pub fn eval_interval(&self) -> u64 {
+        self.eval_steps.unwrap_or(self.logging_steps).max(1)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(KilnError::Config(m));
+        if self.per_device_train_batch_size == 0 || self.per_device_eval_batch_size == 0 {
+            return bad("batch sizes must be at least 1".into());
+        }
+        if self.gradient_accumulation_steps == 0 {
+            return bad("gradient_accumulation_steps must be at least 1".into());
+        }
+        if !(0.0..=1.0).contains(&self.warmup_ratio) {
+            return bad(format!(
+                "warmup_ratio must be in [0, 1], got {}",
+                self.warmup_ratio
+            ));
+        }
+        if self.load_best_model_at_end
+            && (self.eval_strategy == IntervalStrategy::No
+                || self.eval_strategy != self.save_strategy)
+        {
+            return bad(
+                "load_best_model_at_end needs eval_strategy equal to save_strategy (and not \"no\")".into(),
+            );
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,213 @@
+//! AdamW exactly as `torch.optim.AdamW`, with the two Hugging Face Trainer conventions Burn's optimizer
+//! lacks: weight decay is skipped for biases and LayerNorm weights, and gradients are clipped by one
+//! global L2 norm over all parameters (`max_grad_norm`), not per tensor.
+//!
+//! State is keyed by parameter path, so it saves to and resumes from safetensors exactly.
+
+use std::collections::BTreeMap;
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Tensor, TensorData};
+
+use crate::hub::weights::{map_params, HostTensor, ParamInfo, PathTracker};
+
+/// Gradients summed over the micro-batches of one optimizer step, flattened, keyed by path.
+pub struct GradAccumulator<B: Backend> {
+    pub grads: BTreeMap<String, Tensor<B, 1>>,
+}
+
+impl<B: Backend> Default for GradAccumulator<B> {
+    fn default() -> Self {
+        Self {
+            grads: BTreeMap::new(),
+        }
+    }
+}
+
+struct GradVisit<'a, AB: AutodiffBackend> {
+    tracker: PathTracker,
+    grads: &'a AB::Gradients,
+    acc: &'a mut GradAccumulator<AB::InnerBackend>,
+}
+
+impl<AB: AutodiffBackend> ModuleVisitor<AB> for GradVisit<'_, AB> {
+    fn enter_module(&mut self, name: &str, container: &str) {
+        self.tracker.enter(name, container);
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.tracker.exit();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+        let Some(g) = param.val().grad(self.grads) else {
+            return;
+        };
+        let n = g.shape().num_elements();
+        let g = g.reshape([n]);
+        let path = self.tracker.path();
+        let entry = match self.acc.grads.remove(&path) {
+            Some(prev) => prev + g,
+            None => g,
+        };
+        self.acc.grads.insert(path, entry);
+    }
+}
+
+impl<B: Backend> GradAccumulator<B> {
+    /// Adds the gradients of `model`'s parameters found in `grads`.
+    pub fn accumulate<AB, M>(&mut self, model: &M, grads: &AB::Gradients)
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        let mut v = GradVisit::<AB> {
+            tracker: PathTracker::default(),
+            grads,
+            acc: self,
+        };
+        model.visit(&mut v);
+    }
+
+    /// The global L2 norm of all gradients (one host sync).
+    pub fn global_norm(&self) -> f64 {
+        let total = self
+            .grads
+            .values()
+            .map(|g| g.clone().powi_scalar(2).sum())
+            .reduce(|a, b| a + b);
+        match total {
+            Some(t) => (t.into_scalar().elem_f64()).sqrt(),
+            None => 0.0,
+        }
+    }
+
+    /// Multiplies every gradient by `factor`.
+    pub fn scale(&mut self, factor: f64) {
+        for g in self.grads.values_mut() {
+            *g = g.clone() * factor;
+        }
+    }
+
+    /// Clips to `max_norm` like `torch.nn.utils.clip_grad_norm_`; returns the norm before clipping.
+    pub fn clip_global_norm(&mut self, max_norm: f64) -> f64 {
+        let norm = self.global_norm();
+        if max_norm > 0.0 {
+            let coef = max_norm / (norm + 1e-6);
+            if coef < 1.0 {
+                self.scale(coef);
+            }
+        }
+        norm
+    }
+}
+
+trait ElemF64 {
+    fn elem_f64(self) -> f64;
+}
+impl<E: burn::tensor::ElementConversion> ElemF64 for E {
+    fn elem_f64(self) -> f64 {
+        self.elem::<f64>()
+    }
+}
+
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
+pub struct AdamWConfig {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+/// Whether decoupled weight decay applies: not to biases nor normalisation weights (transformers'
+/// `get_decay_parameter_names`).
+pub fn decays(info: &ParamInfo) -> bool {
+    !(info.path.ends_with("bias") || info.owner.contains("Norm"))
+}
+
+/// AdamW moments for every parameter, on the inner (non-autodiff) backend.
+pub struct AdamW<B: Backend> {
+    pub cfg: AdamWConfig,
+    /// Number of optimizer steps taken (torch's per-parameter `step`; equal for all parameters).
+    pub step: u64,
+    moments: BTreeMap<String, (Tensor<B, 1>, Tensor<B, 1>)>,
+}
+
+impl<B: Backend> AdamW<B> {
+    pub fn new(cfg: AdamWConfig) -> Self {
+        Self {
+            cfg,
+            step: 0,
+            moments: BTreeMap::new(),
+        }
+    }
+
+    /// One update of every parameter that has a gradient, at learning rate `lr`.
+    pub fn step<AB, M>(&mut self, model: M, lr: f64, mut grads: GradAccumulator<B>) -> M
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        self.step += 1;
+        let c = self.cfg;
+        let t = self.step as i32;
+        let bc1 = 1.0 - c.beta1.powi(t);
+        let bc2_sqrt = (1.0 - c.beta2.powi(t)).sqrt();
+        let moments = &mut self.moments;
+        map_params(model, |info, _shape, value: Tensor<AB, 1>| {
+            let g = grads.grads.remove(info.path)?;
+            let mut p = value.inner();
+            if decays(info) && c.weight_decay != 0.0 {
+                p = p * (1.0 - lr * c.weight_decay);
+            }
+            let (m, v) = match moments.remove(info.path) {
+                Some(mv) => mv,
+                None => (g.zeros_like(), g.zeros_like()),
+            };
+            let m = m * c.beta1 + g.clone() * (1.0 - c.beta1);
+            let v = v * c.beta2 + g.powi_scalar(2) * (1.0 - c.beta2);
+            let denom = v.clone().sqrt() / bc2_sqrt + c.eps;
+            let p = p - (m.clone() / denom) * (lr / bc1);
+            moments.insert(info.path.to_string(), (m, v));
+            Some(Tensor::from_inner(p))
+        })
+    }
+
+    /// Moments as named host tensors (`<path>.exp_avg`, `<path>.exp_avg_sq`), torch's names.
+    pub fn state_tensors(&self) -> BTreeMap<String, HostTensor> {
+        let host = |t: &Tensor<B, 1>| HostTensor {
+            shape: t.dims().to_vec(),
+            data: t
+                .to_data()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .expect("f32 data"),
+        };
+        let mut out = BTreeMap::new();
+        for (k, (m, v)) in &self.moments {
+            out.insert(format!("{k}.exp_avg"), host(m));
+            out.insert(format!("{k}.exp_avg_sq"), host(v));
+        }
+        out
+    }
+
+    /// Restores moments saved by [`Self::state_tensors`].
+    pub fn load_state(
+        &mut self,
+        step: u64,
+        tensors: &BTreeMap<String, HostTensor>,
+        device: &B::Device,
+    ) {
+        self.step = step;
+        self.moments.clear();
+        let dev = |t: &HostTensor| {
+            Tensor::<B, 1>::from_data(TensorData::new(t.data.clone(), [t.data.len()]), device)
+        };
+        for (k, m) in tensors {
+            if let Some(path) = k.strip_suffix(".exp_avg") {
+                if let Some(v) = tensors.get(&format!("{path}.exp_avg_sq")) {
+                    self.moments.insert(path.to_string(), (dev(m), dev(v)));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,579 @@
+//! The training loop: Hugging Face `Trainer` semantics (accumulation, global-norm clipping, AdamW,
+//! warmup schedules, step/epoch evaluation and saving, best-model tracking, exact resume).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use burn::module::AutodiffModule;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Int, Tensor, TensorData};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{json, Map, Value};
+use tracing::info;
+
+use super::args::{IntervalStrategy, TrainingArguments};
+use super::checkpoint::{
+    read_json, resolve_resume, rotate_checkpoints, save_checkpoint, write_model_dir, Checkpoint,
+    ModelFiles, SchedulerState, TrainerState,
+};
+use super::metrics::{classification_report, ClassificationReport, Predictions};
+use super::optim::{AdamW, AdamWConfig, GradAccumulator};
+use super::schedule::lr_factor;
+use super::task::{BatchSource, Classifier, CrossEntropy, Loss};
+use crate::data::batch::epoch_order;
+use crate::error::{KilnError, Result};
+use crate::hub::weights::{load_into, module_tensors, read_safetensors};
+
+/// A user metric: extra `(name, value)` pairs computed from an evaluation's predictions.
+pub type MetricFn = Box<dyn Fn(&Predictions) -> Vec<(String, f64)> + Send + Sync>;
+
+/// The outcome of an evaluation.
+#[derive(Debug, Clone)]
+pub struct EvalOutput {
+    /// `eval_loss`, `eval_accuracy`, `eval_f1`, ... plus runtime and throughput.
+    pub metrics: BTreeMap<String, f64>,
+    pub report: Option<ClassificationReport>,
+    pub predictions: Predictions,
+}
+
+/// The outcome of training.
+#[derive(Debug, Clone)]
+pub struct TrainOutput {
+    pub global_step: u64,
+    pub metrics: BTreeMap<String, f64>,
+}
+
+pub struct Trainer<B: AutodiffBackend, M, L = CrossEntropy> {
+    pub args: TrainingArguments,
+    pub model: M,
+    pub device: B::Device,
+    pub loss: L,
+    /// Class names for classification metrics; `None` for language modelling (perplexity instead).
+    pub label_names: Option<Vec<String>>,
+    pub compute_metrics: Option<MetricFn>,
+    pub files: ModelFiles,
+    pub state: TrainerState,
+    optimizer: AdamW<B::InnerBackend>,
+    /// Whether to show a progress bar (rank 0, interactive).
+    pub progress: bool,
+}
+
+fn targets_tensor<B: Backend>(t: Vec<i64>, device: &B::Device) -> Tensor<B, 1, Int> {
+    let n = t.len();
+    Tensor::from_data(TensorData::new(t, [n]), device)
+}
+
+/// Rows of a `[N, C]` tensor as host vectors.
+fn host_rows<B: Backend>(t: Tensor<B, 2>) -> Vec<Vec<f32>> {
+    let [_, c] = t.dims();
+    let v = t
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("f32");
+    v.chunks(c.max(1)).map(|r| r.to_vec()).collect()
+}
+
+impl<B, M, L> Trainer<B, M, L>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B> + Classifier<B> + Clone,
+    M::InnerModule: Classifier<B::InnerBackend, Batch = M::Batch>,
+    L: Loss,
+{
+    pub fn new(
+        args: TrainingArguments,
+        model: M,
+        device: B::Device,
+        loss: L,
+        files: ModelFiles,
+    ) -> Self {
+        let optimizer = AdamW::new(AdamWConfig {
+            beta1: args.adam_beta1,
+            beta2: args.adam_beta2,
+            eps: args.adam_epsilon,
+            weight_decay: args.weight_decay,
+        });
+        Self {
+            args,
+            model,
+            device,
+            loss,
+            label_names: None,
+            compute_metrics: None,
+            files,
+            state: TrainerState::default(),
+            optimizer,
+            progress: true,
+        }
+    }
+
+    fn log(&mut self, mut entry: Map<String, Value>) -> Result<()> {
+        entry.insert("step".into(), json!(self.state.global_step));
+        entry.insert("epoch".into(), json!(round4(self.state.epoch)));
+        let line = serde_json::to_string(&entry).expect("json");
+        let path = self.args.output_dir.join("log.jsonl");
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(|e| KilnError::io(&path, e))?;
+        writeln!(f, "{line}").map_err(|e| KilnError::io(&path, e))?;
+        self.state.log_history.push(entry);
+        Ok(())
+    }
+
+    /// Restores model, optimizer and trainer state from a checkpoint folder.
+    fn resume(&mut self, dir: &Path) -> Result<SchedulerState> {
+        let weights = read_safetensors(&dir.join("model.safetensors"))?;
+        let (model, report) = load_into(self.model.clone(), &weights, None, &self.device)?;
+        if !report.missing.is_empty() {
+            return Err(KilnError::Checkpoint(format!(
+                "{}: checkpoint lacks parameters {:?}",
+                dir.display(),
+                report.missing
+            )));
+        }
+        self.model = model;
+        self.state = read_json(&dir.join("trainer_state.json"))?;
+        let sched: SchedulerState = read_json(&dir.join("scheduler.json"))?;
+        let moments = read_safetensors(&dir.join("optimizer.safetensors"))?;
+        self.optimizer
+            .load_state(sched.step, &moments, &self.device);
+        info!(
+            "resumed from {} at step {} (epoch {:.2})",
+            dir.display(),
+            self.state.global_step,
+            self.state.epoch
+        );
+        Ok(sched)
+    }
+
+    /// Trains on `train`, evaluating on `eval` as the arguments say; saves the final model in
+    /// `output_dir`.
+    pub fn train<S, E>(&mut self, train: &S, eval: Option<&E>) -> Result<TrainOutput>
+    where
+        S: BatchSource<Batch = M::Batch>,
+        E: BatchSource<Batch = M::Batch>,
+    {
+        let a = self.args.clone();
+        a.validate()?;
+        if a.eval_strategy != IntervalStrategy::No && eval.is_none() {
+            return Err(KilnError::Config(
+                "eval_strategy needs evaluation data (--eval-file or --eval-split)".into(),
+            ));
+        }
+        std::fs::create_dir_all(&a.output_dir).map_err(|e| KilnError::io(&a.output_dir, e))?;
+        let n = train.len();
+        let bs = a.per_device_train_batch_size;
+        let batches_per_epoch = if a.dataloader_drop_last {
+            n / bs
+        } else {
+            n.div_ceil(bs)
+        };
+        if batches_per_epoch == 0 {
+            return Err(KilnError::Data(format!(
+                "{n} training examples make no full batch of {bs} (dataloader_drop_last)"
+            )));
+        }
+        let updates_per_epoch = batches_per_epoch.div_ceil(a.gradient_accumulation_steps) as u64;
+        let total = if a.max_steps > 0 {
+            a.max_steps as u64
+        } else {
+            (a.num_train_epochs * updates_per_epoch as f64).ceil() as u64
+        };
+        let warmup = if a.warmup_steps > 0 {
+            a.warmup_steps
+        } else {
+            (a.warmup_ratio * total as f64).ceil() as u64
+        };
+
+        self.state = TrainerState {
+            max_steps: total,
+            num_train_epochs: total as f64 / updates_per_epoch as f64,
+            logging_steps: a.logging_steps,
+            eval_steps: a.eval_interval(),
+            save_steps: a.save_steps,
+            train_batch_size: bs,
+            is_local_process_zero: true,
+            is_world_process_zero: true,
+            ..TrainerState::default()
+        };
+        if let Some(spec) = &a.resume_from_checkpoint {
+            let dir = resolve_resume(spec, &a.output_dir)?;
+            let sched = self.resume(&dir)?;
+            if sched.total_steps != total || sched.seed != a.seed {
+                tracing::warn!(
+                    "resuming with different total steps ({} → {total}) or seed ({} → {}): the run will not match an uninterrupted one",
+                    sched.total_steps, sched.seed, a.seed
+                );
+            }
+            self.state.max_steps = total;
+        }
+
+        info!("***** Running training *****");
+        info!("  Num examples = {n}");
+        info!("  Num epochs = {:.2}", self.state.num_train_epochs);
+        info!("  Instantaneous batch size per device = {bs}");
+        info!(
+            "  Total train batch size (w. accumulation) = {}",
+            bs * a.gradient_accumulation_steps
+        );
+        info!(
+            "  Gradient accumulation steps = {}",
+            a.gradient_accumulation_steps
+        );
+        info!("  Total optimization steps = {total} (warmup {warmup})");
+
+        let bar = if self.progress {
+            let pb = ProgressBar::new(total);
+            pb.set_style(
+                ProgressStyle::with_template(
+                    "{bar:30.cyan/blue} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+                )
+                .expect("template"),
+            );
+            pb.set_position(self.state.global_step);
+            pb
+        } else {
+            ProgressBar::hidden()
+        };
+
+        let lengths = train.lengths();
+        let start = Instant::now();
+        let start_step = self.state.global_step;
+        let (mut samples, mut run_loss_sum) = (0usize, 0.0f64);
+        let (mut log_loss_sum, mut log_steps) = (0.0f64, 0u64);
+        let mut pending_eval: Option<BTreeMap<String, f64>> = None;
+        let first_epoch = start_step / updates_per_epoch;
+        let skip_groups = (start_step % updates_per_epoch) as usize;
+
+        'epochs: for epoch in first_epoch.. {
+            if self.state.global_step >= total {
+                break;
+            }
+            let order = epoch_order(
+                &lengths,
+                a.seed,
+                epoch,
+                true,
+                a.group_by_length.then_some(bs),
+            );
+            let batches: Vec<&[usize]> = order
+                .chunks(bs)
+                .filter(|c| !a.dataloader_drop_last || c.len() == bs)
+                .collect();
+            for (g, group) in batches.chunks(a.gradient_accumulation_steps).enumerate() {
+                if epoch == first_epoch && g < skip_groups {
+                    continue;
+                }
+                // Dropout masks come from the backend RNG, re-seeded per step: resuming is exact.
+                B::seed(
+                    &self.device,
+                    a.seed
+                        .wrapping_mul(1_000_003)
+                        .wrapping_add(self.state.global_step),
+                );
+                let mut acc = GradAccumulator::default();
+                let mut step_loss = 0.0;
+                for idx in group {
+                    let (batch, targets) = train.batch(idx);
+                    let logits = self.model.logits(&batch);
+                    let loss = self
+                        .loss
+                        .loss(logits, targets_tensor::<B>(targets, &self.device))
+                        / group.len() as f64;
+                    step_loss += loss.clone().into_scalar().elem::<f64>();
+                    let grads = loss.backward();
+                    acc.accumulate::<B, M>(&self.model, &grads);
+                    samples += idx.len();
+                }
+                let last_grad_norm = acc.clip_global_norm(a.max_grad_norm);
+                let lr = a.learning_rate
+                    * lr_factor(a.lr_scheduler_type, self.state.global_step, warmup, total);
+                self.model = self.optimizer.step::<B, M>(self.model.clone(), lr, acc);
+                self.state.global_step += 1;
+                self.state.epoch = self.state.global_step as f64 / updates_per_epoch as f64;
+                let last_lr = a.learning_rate
+                    * lr_factor(a.lr_scheduler_type, self.state.global_step, warmup, total);
+                run_loss_sum += step_loss;
+                log_loss_sum += step_loss;
+                log_steps += 1;
+                let elapsed = start.elapsed().as_secs_f64();
+                bar.set_position(self.state.global_step);
+                bar.set_message(format!(
+                    "loss {:.4} lr {:.2e} {:.1} samples/s",
+                    step_loss,
+                    lr,
+                    samples as f64 / elapsed.max(1e-9)
+                ));
+
+                let step = self.state.global_step;
+                let epoch_end = g + 1 == batches.len().div_ceil(a.gradient_accumulation_steps);
+                if a.logging_steps > 0 && step % a.logging_steps == 0 {
+                    let loss = log_loss_sum / log_steps as f64;
+                    let entry = json!({"loss": round4(loss), "grad_norm": last_grad_norm,
+                                       "learning_rate": last_lr});
+                    bar.suspend(|| {
+                        info!(
+                            "step {step}/{total} loss {loss:.4} grad_norm {last_grad_norm:.3} lr {last_lr:.3e} epoch {:.2}",
+                            self.state.epoch
+                        )
+                    });
+                    self.log(entry.as_object().cloned().unwrap_or_default())?;
+                    (log_loss_sum, log_steps) = (0.0, 0);
+                }
+                let due = |s: IntervalStrategy, every: u64| match s {
+                    IntervalStrategy::No => false,
+                    IntervalStrategy::Steps => step % every.max(1) == 0,
+                    IntervalStrategy::Epoch => epoch_end,
+                };
+                if let Some(ev) = eval {
+                    if due(a.eval_strategy, a.eval_interval()) {
+                        let out = bar.suspend(|| self.evaluate(ev))?;
+                        self.log_eval(&out)?;
+                        pending_eval = Some(out.metrics);
+                    }
+                }
+                if due(a.save_strategy, a.save_steps) || (step >= total && a.load_best_model_at_end)
+                {
+                    let sched = SchedulerState {
+                        step: self.optimizer.step,
+                        last_lr,
+                        warmup_steps: warmup,
+                        total_steps: total,
+                        seed: a.seed,
+                    };
+                    bar.suspend(|| self.save_checkpoint(&sched, pending_eval.take()))?;
+                }
+                if step >= total {
+                    break 'epochs;
+                }
+            }
+        }
+        bar.finish_and_clear();
+
+        let runtime = start.elapsed().as_secs_f64();
+        let steps_run = self.state.global_step - start_step;
+        let mut metrics: BTreeMap<String, f64> = BTreeMap::new();
+        metrics.insert("train_runtime".into(), round4(runtime));
+        metrics.insert(
+            "train_samples_per_second".into(),
+            round3(samples as f64 / runtime),
+        );
+        metrics.insert(
+            "train_steps_per_second".into(),
+            round3(steps_run as f64 / runtime),
+        );
+        metrics.insert("train_loss".into(), run_loss_sum / steps_run.max(1) as f64);
+        metrics.insert("epoch".into(), round4(self.state.epoch));
+        let mut entry: Map<String, Value> =
+            metrics.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
+        entry.insert("total_flos".into(), json!(0));
+        self.log(entry)?;
+
+        if a.load_best_model_at_end {
+            if let Some(best) = self.state.best_model_checkpoint.clone() {
+                info!(
+                    "loading best model from {best} ({:?})",
+                    self.state.best_metric
+                );
+                let w = read_safetensors(&PathBuf::from(&best).join("model.safetensors"))?;
+                self.model = load_into(self.model.clone(), &w, None, &self.device)?.0;
+            }
+        }
+        self.save_model(&a.output_dir)?;
+        write_json(&a.output_dir.join("train_results.json"), &metrics)?;
+        Ok(TrainOutput {
+            global_step: self.state.global_step,
+            metrics,
+        })
+    }
+
+    fn log_eval(&mut self, out: &EvalOutput) -> Result<()> {
+        let entry: Map<String, Value> = out
+            .metrics
+            .iter()
+            .map(|(k, v)| (k.clone(), json!(v)))
+            .collect();
+        info!(
+            "eval at step {}: {}",
+            self.state.global_step,
+            format_metrics(&out.metrics)
+        );
+        self.log(entry)
+    }
+
+    fn save_checkpoint(
+        &mut self,
+        sched: &SchedulerState,
+        eval_metrics: Option<BTreeMap<String, f64>>,
+    ) -> Result<()> {
+        let a = &self.args;
+        let dir = super::checkpoint::checkpoint_dir(&a.output_dir, self.state.global_step);
+        if let Some(m) = eval_metrics {
+            let (name, greater) = a.best_metric();
+            if let Some(&v) = m.get(&name) {
+                let better = match self.state.best_metric {
+                    None => true,
+                    Some(b) => (greater && v > b) || (!greater && v < b),
+                };
+                if better {
+                    self.state.best_metric = Some(v);
+                    self.state.best_model_checkpoint = Some(dir.display().to_string());
+                }
+            } else {
+                tracing::warn!("metric_for_best_model {name} is not among the eval metrics");
+            }
+        }
+        let model = module_tensors(&self.model);
+        let opt = self.optimizer.state_tensors();
+        let args_json = serde_json::to_string_pretty(&self.args).expect("json");
+        let path = save_checkpoint(
+            &self.args.output_dir,
+            &Checkpoint {
+                model: &model,
+                files: &self.files,
+                optimizer: &opt,
+                state: &self.state,
+                scheduler: sched,
+                training_args_json: &args_json,
+            },
+        )?;
+        info!("saved {}", path.display());
+        if let Some(limit) = self.args.save_total_limit {
+            let best = self.state.best_model_checkpoint.clone().map(PathBuf::from);
+            rotate_checkpoints(&self.args.output_dir, limit, best.as_deref())?;
+        }
+        Ok(())
+    }
+
+    /// Saves the model (config.json, model.safetensors, tokenizer.json) and trainer state to `dir`.
+    pub fn save_model(&self, dir: &Path) -> Result<()> {
+        write_model_dir(dir, &module_tensors(&self.model), &self.files)?;
+        write_json(&dir.join("trainer_state.json"), &self.state)?;
+        let args = serde_json::to_string_pretty(&self.args).expect("json");
+        crate::hub::atomic_write(&dir.join("training_args.json"), args.as_bytes())?;
+        info!("saved model to {}", dir.display());
+        Ok(())
+    }
+
+    /// Evaluates the current model (no dropout, no gradients) on `eval`.
+    pub fn evaluate<E: BatchSource<Batch = M::Batch>>(&self, eval: &E) -> Result<EvalOutput> {
+        evaluate(
+            &self.model.valid(),
+            eval,
+            self.args.per_device_eval_batch_size,
+            &self.loss,
+            self.label_names.as_deref(),
+            self.compute_metrics.as_ref(),
+        )
+    }
+}
+
+/// Evaluates `model` on every example of `eval`, in order.
+pub fn evaluate<B, M, E, L>(
+    model: &M,
+    eval: &E,
+    batch_size: usize,
+    loss_fn: &L,
+    label_names: Option<&[String]>,
+    compute_metrics: Option<&MetricFn>,
+) -> Result<EvalOutput>
+where
+    B: Backend,
+    M: Classifier<B>,
+    E: BatchSource<Batch = M::Batch>,
+    L: Loss,
+{
+    let start = Instant::now();
+    let device = model
+        .devices()
+        .into_iter()
+        .next()
+        .expect("model has a device");
+    let (mut loss_sum, mut count) = (0.0, 0usize);
+    let mut preds = Predictions::default();
+    let order: Vec<usize> = (0..eval.len()).collect();
+    for idx in order.chunks(batch_size.max(1)) {
+        let (batch, targets) = eval.batch(idx);
+        let counted = targets
+            .iter()
+            .filter(|&&t| t != super::task::IGNORE_INDEX)
+            .count();
+        let logits = model.logits(&batch);
+        let loss = loss_fn.loss(
+            logits.clone(),
+            targets_tensor::<B>(targets.clone(), &device),
+        );
+        loss_sum += loss.into_scalar().elem::<f64>() * counted as f64;
+        count += counted;
+        if label_names.is_some() {
+            preds.logits.extend(host_rows(logits));
+            preds
+                .labels
+                .extend(targets.iter().map(|&t| t.max(0) as usize));
+        }
+    }
+    let runtime = start.elapsed().as_secs_f64();
+    let eval_loss = loss_sum / count.max(1) as f64;
+    let mut metrics = BTreeMap::new();
+    metrics.insert("eval_loss".to_string(), eval_loss);
+    let mut report = None;
+    match label_names {
+        Some(names) => {
+            let r = classification_report(&preds.labels, &preds.predicted(), names);
+            metrics.insert("eval_accuracy".into(), r.accuracy);
+            metrics.insert("eval_f1".into(), r.f1_weighted);
+            metrics.insert("eval_f1_weighted".into(), r.f1_weighted);
+            metrics.insert("eval_f1_macro".into(), r.f1_macro);
+            report = Some(r);
+        }
+        None => {
+            metrics.insert("eval_perplexity".into(), eval_loss.exp());
+        }
+    }
+    if let Some(f) = compute_metrics {
+        for (k, v) in f(&preds) {
+            let k = if k.starts_with("eval_") {
+                k
+            } else {
+                format!("eval_{k}")
+            };
+            metrics.insert(k, v);
+        }
+    }
+    metrics.insert("eval_runtime".into(), round4(runtime));
+    metrics.insert(
+        "eval_samples_per_second".into(),
+        round3(eval.len() as f64 / runtime),
+    );
+    Ok(EvalOutput {
+        metrics,
+        report,
+        predictions: preds,
+    })
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1e3).round() / 1e3
+}
+fn round4(x: f64) -> f64 {
+    (x * 1e4).round() / 1e4
+}
+
+/// `name = value` pairs on one line, for logs.
+pub fn format_metrics(m: &BTreeMap<String, f64>) -> String {
+    m.iter()
+        .map(|(k, v)| format!("{k} = {v:.4}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+pub fn write_json<T: serde::Serialize>(path: &Path, v: &T) -> Result<()> {
+    crate::hub::atomic_write(path, &serde_json::to_vec_pretty(v).expect("json"))
+}
+
+use burn::tensor::ElementConversion;
