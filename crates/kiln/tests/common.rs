@@ -1,0 +1,49 @@
+//! Helpers shared by integration tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The real assets from scripts/fetch-assets. Missing assets skip the test locally, but fail it when
+/// KILN_REQUIRE_ASSETS is set (CI sets it), so CI can never pass by skipping.
+pub fn asset(rel: &str) -> Option<PathBuf> {
+    let p = std::env::var("KILN_ASSETS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| repo_root().join("assets"))
+        .join(rel);
+    if p.exists() {
+        return Some(p);
+    }
+    if std::env::var_os("KILN_REQUIRE_ASSETS").is_some() {
+        panic!("{} missing: run scripts/fetch-assets", p.display());
+    }
+    eprintln!(
+        "skipping: {} missing (run scripts/fetch-assets)",
+        p.display()
+    );
+    None
+}
+
+/// ‖a − b‖₂ / ‖b‖₂.
+pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+/// Integer tensors of a safetensors file (kiln's reader keeps only floats).
+pub fn read_i64(path: &std::path::Path, name: &str) -> (Vec<usize>, Vec<i64>) {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let v = st.tensor(name).unwrap();
+    let data = v
+        .data()
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    (v.shape().to_vec(), data)
+}
