@@ -27,11 +27,36 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Fine-tune a model (BERT-family sequence classification).
-    Train(TrainCmd),
+    Train(Box<TrainCmd>),
     /// Evaluate a fine-tuned model on labelled data.
     Eval(EvalCmd),
     /// Classify texts with a fine-tuned model; JSON lines out.
     Predict(PredictCmd),
+    /// Fixed-shape step benchmarks, beside PyTorch measured in the same invocation.
+    Bench(BenchCmd),
+}
+
+#[derive(Args)]
+struct BenchCmd {
+    /// Comma-separated: minilm_train, minilm_infer, bertbase_train.
+    #[arg(long, default_value = "minilm_train,minilm_infer,bertbase_train")]
+    only: String,
+    #[arg(long, default_value = "assets/minilm")]
+    minilm: PathBuf,
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    #[arg(long, default_value_t = 5)]
+    base_steps: usize,
+    /// Python with torch + transformers: runs the PyTorch reference in the same invocation.
+    #[arg(long)]
+    python: Option<String>,
+    #[arg(long, default_value = "../shared/reference/bench_hf.py")]
+    reference: PathBuf,
+    /// Write the full report here as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(Args, Clone)]
@@ -243,6 +268,26 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
                     r.confusion
                 );
             }
+        }
+        Command::Bench(cmd) => {
+            let threads = cli
+                .threads
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+            let report = kiln::bench::run_suite(&kiln::bench::SuiteOptions {
+                minilm_dir: cmd.minilm,
+                only: cmd.only.split(',').map(str::to_string).collect(),
+                warmup: cmd.warmup,
+                steps: cmd.steps,
+                base_steps: cmd.base_steps,
+                python: cmd.python,
+                reference: cmd.reference,
+                threads,
+            })?;
+            if let Some(p) = &cmd.json {
+                std::fs::write(p, serde_json::to_vec_pretty(&report)?)
+                    .with_context(|| format!("{}", p.display()))?;
+            }
+            println!("{}", report.markdown());
         }
         Command::Predict(cmd) => {
             let texts = read_texts(&cmd)?;

@@ -4,6 +4,7 @@
 //! [`train`] (optimizer, schedule, evaluation) → checkpoints through [`hub`].
 
 pub mod backend;
+pub mod bench;
 pub mod error;
 pub mod hub;
 pub mod models;

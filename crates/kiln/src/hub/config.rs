@@ -76,7 +76,7 @@ impl BertConfig {
             line: e.line(),
             msg: e.to_string(),
         })?;
-        if cfg.hidden_size % cfg.num_attention_heads != 0 {
+        if !cfg.hidden_size.is_multiple_of(cfg.num_attention_heads) {
             return Err(KilnError::Config(format!(
                 "{}: hidden_size {} is not a multiple of num_attention_heads {}",
                 path.display(),

@@ -312,7 +312,7 @@ where
 
                 let step = self.state.global_step;
                 let epoch_end = g + 1 == batches.len().div_ceil(a.gradient_accumulation_steps);
-                if a.logging_steps > 0 && step % a.logging_steps == 0 {
+                if a.logging_steps > 0 && step.is_multiple_of(a.logging_steps) {
                     let loss = log_loss_sum / log_steps as f64;
                     let entry = json!({"loss": round4(loss), "grad_norm": last_grad_norm,
                                        "learning_rate": last_lr});
@@ -327,7 +327,7 @@ where
                 }
                 let due = |s: IntervalStrategy, every: u64| match s {
                     IntervalStrategy::No => false,
-                    IntervalStrategy::Steps => step % every.max(1) == 0,
+                    IntervalStrategy::Steps => step.is_multiple_of(every.max(1)),
                     IntervalStrategy::Epoch => epoch_end,
                 };
                 if let Some(ev) = eval {

