@@ -4,7 +4,9 @@
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
+
+use crate::ops::{KilnBackend, TrainBackend};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use serde::Serialize;
@@ -83,7 +85,7 @@ fn summarize(name: &str, batch: usize, seq: usize, times: &[f64], flops: f64) ->
 }
 
 /// Training steps (forward, backward, AdamW) of a BERT classifier on one fixed random batch.
-pub fn bert_train<B: AutodiffBackend>(
+pub fn bert_train<B: TrainBackend>(
     name: &str,
     mut model: BertForSequenceClassification<B>,
     config: &BertConfig,
@@ -130,7 +132,7 @@ pub fn bert_train<B: AutodiffBackend>(
 }
 
 /// Inference (forward only, no autodiff) of a BERT classifier on one fixed random batch.
-pub fn bert_infer<B: Backend>(
+pub fn bert_infer<B: KilnBackend>(
     name: &str,
     model: &BertForSequenceClassification<B>,
     config: &BertConfig,

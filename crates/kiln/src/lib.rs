@@ -8,6 +8,7 @@ pub mod bench;
 pub mod error;
 pub mod hub;
 pub mod models;
+pub mod ops;
 
 pub use error::{KilnError, Result};
 pub mod data;

@@ -5,12 +5,12 @@
 #![allow(non_snake_case)]
 
 use burn::module::Module;
-use burn::tensor::activation::softmax;
 use burn::tensor::{backend::Backend, Int, Tensor};
 
-use super::layers::{dropout, gelu, Embedding, LayerNorm, Linear};
+use super::layers::{Embedding, LayerNorm, Linear};
 use crate::data::batch::TextBatch;
 use crate::hub::config::BertConfig;
+use crate::ops::{dropout, gelu, masked_softmax, KilnBackend};
 use crate::train::task::Classifier;
 
 /// One tokenized, padded batch. Masks are 1 for real tokens and 0 for padding.
@@ -62,7 +62,9 @@ impl<B: Backend> BertEmbeddings<B> {
             dropout: c.hidden_dropout_prob,
         }
     }
+}
 
+impl<B: KilnBackend> BertEmbeddings<B> {
     fn forward(&self, input: &BertInput<B>) -> Tensor<B, 3> {
         let [b, t] = input.input_ids.dims();
         let device = input.input_ids.device();
@@ -144,9 +146,9 @@ pub struct BertForSequenceClassification<B: Backend> {
     pub classifier_dropout: f64,
 }
 
-impl<B: Backend> BertSelfAttention<B> {
-    /// `x [B, T, H]`, `mask_bias [B, 1, 1, T]` (0 for tokens, a large negative number for padding).
-    fn forward(&self, x: Tensor<B, 3>, mask_bias: Tensor<B, 4>) -> Tensor<B, 3> {
+impl<B: KilnBackend> BertSelfAttention<B> {
+    /// `x [B, T, H]`, `mask_bias [B, T]` (0 for tokens, the most negative float for padding).
+    fn forward(&self, x: Tensor<B, 3>, mask_bias: Tensor<B, 2>) -> Tensor<B, 3> {
         let [b, t, h] = x.dims();
         let nh = self.num_heads;
         let hd = h / nh;
@@ -154,8 +156,11 @@ impl<B: Backend> BertSelfAttention<B> {
         let q = heads(self.query.forward(x.clone()));
         let k = heads(self.key.forward(x.clone()));
         let v = heads(self.value.forward(x));
-        let scores = q.matmul(k.swap_dims(2, 3)) * (1.0 / (hd as f64).sqrt()) + mask_bias;
-        let probs = dropout(softmax(scores, 3), self.dropout);
+        let scores = q.matmul(k.swap_dims(2, 3));
+        let probs = dropout(
+            masked_softmax(scores, mask_bias, 1.0 / (hd as f64).sqrt()),
+            self.dropout,
+        );
         probs.matmul(v).swap_dims(1, 2).reshape([b, t, h])
     }
 }
@@ -188,8 +193,10 @@ impl<B: Backend> BertLayer<B> {
             },
         }
     }
+}
 
-    fn forward(&self, x: Tensor<B, 3>, mask_bias: Tensor<B, 4>) -> Tensor<B, 3> {
+impl<B: KilnBackend> BertLayer<B> {
+    fn forward(&self, x: Tensor<B, 3>, mask_bias: Tensor<B, 2>) -> Tensor<B, 3> {
         let att = &self.attention;
         let a = att.self_.forward(x.clone(), mask_bias);
         let a = dropout(att.output.dense.forward(a), att.output.dropout);
@@ -224,14 +231,14 @@ impl<B: Backend> BertForSequenceClassification<B> {
     pub fn num_labels(&self) -> usize {
         self.classifier.weight.dims()[0]
     }
+}
 
+impl<B: KilnBackend> BertForSequenceClassification<B> {
     /// Logits `[B, num_labels]`.
     pub fn forward(&self, input: &BertInput<B>) -> Tensor<B, 2> {
-        let [b, t] = input.input_ids.dims();
+        let b = input.input_ids.dims()[0];
         // Additive mask: 0 where attended, the most negative float where padded (as transformers).
-        let mask_bias = (input.attention_mask.clone().float().neg() + 1.0)
-            .mul_scalar(f32::MIN)
-            .reshape([b, 1, 1, t]);
+        let mask_bias = (input.attention_mask.clone().float().neg() + 1.0).mul_scalar(f32::MIN);
         let mut x = self.bert.embeddings.forward(input);
         for layer in &self.bert.encoder.layer {
             x = layer.forward(x, mask_bias.clone());
@@ -244,7 +251,7 @@ impl<B: Backend> BertForSequenceClassification<B> {
     }
 }
 
-impl<B: Backend> Classifier<B> for BertForSequenceClassification<B> {
+impl<B: KilnBackend> Classifier<B> for BertForSequenceClassification<B> {
     type Batch = TextBatch;
 
     fn logits(&self, batch: &TextBatch) -> Tensor<B, 2> {

@@ -7,6 +7,8 @@
 use burn::module::{Module, Param};
 use burn::tensor::{backend::Backend, Distribution, Tensor};
 
+use crate::ops::{self, KilnBackend};
+
 /// `y = x Wᵀ + b` over the last dimension.
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
@@ -23,22 +25,11 @@ impl<B: Backend> Linear<B> {
             bias: bias.then(|| Param::from_tensor(Tensor::zeros([d_out], device))),
         }
     }
+}
 
+impl<B: KilnBackend> Linear<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let dims = x.dims();
-        let d_in = dims[D - 1];
-        let rows = dims[..D - 1].iter().product::<usize>();
-        // One large 2-D GEMM instead of a batch of small ones: better use of the GEMM kernel.
-        let y = x
-            .reshape([rows, d_in])
-            .matmul(self.weight.val().transpose());
-        let y = match &self.bias {
-            Some(b) => y + b.val().unsqueeze_dim(0),
-            None => y,
-        };
-        let mut out = dims;
-        out[D - 1] = y.dims()[1];
-        y.reshape(out)
+        ops::linear(x, self.weight.val(), self.bias.as_ref().map(|b| b.val()))
     }
 }
 
@@ -58,11 +49,11 @@ impl<B: Backend> LayerNorm<B> {
             eps,
         }
     }
+}
 
+impl<B: KilnBackend> LayerNorm<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let (var, mean) = x.clone().var_mean_bias(D - 1);
-        let x = (x - mean) / (var + self.eps).sqrt();
-        x * self.weight.val().unsqueeze() + self.bias.val().unsqueeze()
+        ops::layer_norm(x, self.weight.val(), self.bias.val(), self.eps)
     }
 }
 
@@ -89,21 +80,4 @@ impl<B: Backend> Embedding<B> {
             .select(0, ids.reshape([b * t]))
             .reshape([b, t, d])
     }
-}
-
-/// Exact (erf) GELU, Hugging Face's `"gelu"`. Written out so autodiff differentiates the erf form:
-/// Burn's fused `gelu` backward uses the tanh approximation's derivative, which would not match PyTorch.
-pub fn gelu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    let cdf = (x.clone() * std::f64::consts::FRAC_1_SQRT_2).erf() + 1.0;
-    x * cdf * 0.5
-}
-
-/// Inverted dropout, active only when the backend records gradients (training).
-pub fn dropout<B: Backend, const D: usize>(x: Tensor<B, D>, prob: f64) -> Tensor<B, D> {
-    if !B::ad_enabled() || prob <= 0.0 {
-        return x;
-    }
-    let keep = 1.0 - prob;
-    let mask = x.random_like(Distribution::Bernoulli(keep));
-    x * mask * (1.0 / keep)
 }

@@ -2,8 +2,8 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::ops::{KilnBackend, TrainBackend};
 use burn::tensor::activation::softmax;
-use burn::tensor::backend::{AutodiffBackend, Backend};
 use tracing::{info, warn};
 
 use crate::data::batch::{collate, TextBatch};
@@ -86,7 +86,7 @@ impl ModelDir {
 /// Loads `BertForSequenceClassification` from a folder. With `labels`, the head has that many
 /// classes (a head of another size, or none, is freshly initialised and reported); without, the
 /// config's `id2label` decides.
-pub fn load_classifier<B: Backend>(
+pub fn load_classifier<B: KilnBackend>(
     md: &ModelDir,
     labels: Option<&LabelSet>,
     seed: u64,
@@ -171,7 +171,7 @@ fn log_reports(reports: &[(PathBuf, data::ReadReport)]) {
 }
 
 /// Fine-tunes a classifier. Returns the training summary and the final evaluation (if any).
-pub fn train<B: AutodiffBackend>(
+pub fn train<B: TrainBackend>(
     opts: &ClassificationOptions,
     args: TrainingArguments,
     device: &B::Device,
@@ -231,7 +231,7 @@ pub fn train<B: AutodiffBackend>(
 }
 
 /// Evaluates a fine-tuned classifier on labelled data.
-pub fn eval<B: Backend>(
+pub fn eval<B: KilnBackend>(
     opts: &ClassificationOptions,
     batch_size: usize,
     device: &B::Device,
@@ -271,7 +271,7 @@ pub struct Prediction {
 }
 
 /// Classifies raw texts with a fine-tuned model.
-pub fn predict<B: Backend>(
+pub fn predict<B: KilnBackend>(
     model_dir: &Path,
     texts: &[String],
     max_length: usize,

@@ -269,13 +269,13 @@ where
                 if epoch == first_epoch && g < skip_groups {
                     continue;
                 }
-                // Dropout masks come from the backend RNG, re-seeded per step: resuming is exact.
-                B::seed(
-                    &self.device,
-                    a.seed
-                        .wrapping_mul(1_000_003)
-                        .wrapping_add(self.state.global_step),
-                );
+                // Dropout masks come from a stream re-seeded per step: resuming is exact.
+                let step_seed = a
+                    .seed
+                    .wrapping_mul(1_000_003)
+                    .wrapping_add(self.state.global_step);
+                crate::ops::reseed_dropout(step_seed);
+                B::seed(&self.device, step_seed);
                 let mut acc = GradAccumulator::default();
                 let mut step_loss = 0.0;
                 for idx in group {

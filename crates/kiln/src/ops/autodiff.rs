@@ -1,0 +1,210 @@
+//! Autodiff for the fused ops: each records one graph node whose backward calls the inner backend's
+//! backward kernel, keeping only what that kernel needs (inputs, or the softmax output).
+
+use burn::backend::Autodiff;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::Shape;
+use burn_autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
+use burn_autodiff::grads::Gradients;
+use burn_autodiff::ops::{Backward, Ops, OpsKind};
+use burn_autodiff::NodeId;
+
+use super::KilnBackend;
+
+/// Hands `grad` to `parent` if it takes part in the graph.
+fn give<B: KilnBackend>(
+    grads: &mut Gradients,
+    parent: Option<NodeId>,
+    grad: Option<FloatTensor<B>>,
+) {
+    if let (Some(id), Some(g)) = (parent, grad) {
+        grads.register::<B>(id, g);
+    }
+}
+
+/// The parents' node ids (`None` for inputs outside the graph).
+macro_rules! ids {
+    ($ops:expr) => {
+        $ops.parents.each_ref().map(|p| p.as_ref().map(|n| n.id))
+    };
+}
+
+#[derive(Debug)]
+struct LinearBias;
+impl<B: KilnBackend> Backward<B, 3> for LinearBias {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (x, w) = ops.state;
+        let (dx, dw, db) = B::kiln_linear_backward(x, w, dy, true);
+        let [px, pw, pb] = ids!(ops);
+        give::<B>(grads, px, Some(dx));
+        give::<B>(grads, pw, Some(dw));
+        give::<B>(grads, pb, db);
+    }
+}
+
+#[derive(Debug)]
+struct LinearNoBias;
+impl<B: KilnBackend> Backward<B, 2> for LinearNoBias {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (x, w) = ops.state;
+        let (dx, dw, _) = B::kiln_linear_backward(x, w, dy, false);
+        let [px, pw] = ids!(ops);
+        give::<B>(grads, px, Some(dx));
+        give::<B>(grads, pw, Some(dw));
+    }
+}
+
+#[derive(Debug)]
+struct Gelu;
+impl<B: KilnBackend> Backward<B, 1> for Gelu {
+    type State = FloatTensor<B>;
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let [px] = ids!(ops);
+        give::<B>(grads, px, Some(B::kiln_gelu_backward(ops.state, dy)));
+    }
+}
+
+#[derive(Debug)]
+struct LayerNormOp;
+impl<B: KilnBackend> Backward<B, 3> for LayerNormOp {
+    /// x, w, mean, 1/σ.
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+    );
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (x, w, mean, rstd) = ops.state;
+        let (dx, dw, db) = B::kiln_layer_norm_backward(x, w, mean, rstd, dy);
+        let [px, pw, pb] = ids!(ops);
+        give::<B>(grads, px, Some(dx));
+        give::<B>(grads, pw, Some(dw));
+        give::<B>(grads, pb, Some(db));
+    }
+}
+
+#[derive(Debug)]
+struct MaskedSoftmax;
+impl<B: KilnBackend> Backward<B, 1> for MaskedSoftmax {
+    /// The softmax output and the scale.
+    type State = (FloatTensor<B>, f64);
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (y, scale) = ops.state;
+        let [px] = ids!(ops);
+        give::<B>(
+            grads,
+            px,
+            Some(B::kiln_masked_softmax_backward(y, dy, scale)),
+        );
+    }
+}
+
+impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
+    fn kiln_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        match b {
+            Some(b) => match LinearBias
+                .prepare::<C>([x.node.clone(), w.node.clone(), b.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => {
+                    let y =
+                        B::kiln_linear(x.primitive.clone(), w.primitive.clone(), Some(b.primitive));
+                    prep.finish((x.primitive, w.primitive), y)
+                }
+                OpsKind::UnTracked(prep) => {
+                    prep.finish(B::kiln_linear(x.primitive, w.primitive, Some(b.primitive)))
+                }
+            },
+            None => match LinearNoBias
+                .prepare::<C>([x.node.clone(), w.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => {
+                    let y = B::kiln_linear(x.primitive.clone(), w.primitive.clone(), None);
+                    prep.finish((x.primitive, w.primitive), y)
+                }
+                OpsKind::UnTracked(prep) => {
+                    prep.finish(B::kiln_linear(x.primitive, w.primitive, None))
+                }
+            },
+        }
+    }
+
+    fn kiln_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        match Gelu
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let y = B::kiln_gelu(x.primitive.clone());
+                prep.finish(x.primitive, y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::kiln_gelu(x.primitive)),
+        }
+    }
+
+    fn kiln_layer_norm(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (y, mean, rstd) =
+            B::kiln_layer_norm(x.primitive.clone(), w.primitive.clone(), b.primitive, eps);
+        let stats = (
+            Self::from_inner(mean.clone()),
+            Self::from_inner(rstd.clone()),
+        );
+        let out = match LayerNormOp
+            .prepare::<C>([x.node.clone(), w.node.clone(), b.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((x.primitive, w.primitive, mean, rstd), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        };
+        (out, stats.0, stats.1)
+    }
+
+    fn kiln_masked_softmax(
+        x: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        // The mask is a constant: only the scores are differentiated.
+        let y = B::kiln_masked_softmax(x.primitive, mask.primitive, scale);
+        match MaskedSoftmax
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((y.clone(), scale), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn kiln_dropout_mask(
+        shape: Shape,
+        keep: f64,
+        seed: u64,
+        device: &Self::Device,
+    ) -> FloatTensor<Self> {
+        Self::from_inner(B::kiln_dropout_mask(shape, keep, seed, device))
+    }
+}

@@ -1,0 +1,382 @@
+//! Fused CPU kernels for the ndarray backend: contiguous f32 slices, rayon over rows, and
+//! `matrixmultiply::sgemm` called with strides so no operand is ever transposed in memory.
+
+use burn::backend::ndarray::{NdArray, NdArrayTensor};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Shape, TensorMetadata};
+use ndarray::{ArcArray, IxDyn};
+use rayon::prelude::*;
+
+use super::KilnBackend;
+
+type Cpu = NdArray<f32>;
+
+/// The tensor as a contiguous row-major f32 array (a copy only if it is a strided view).
+fn dense(t: NdArrayTensor) -> ArcArray<f32, IxDyn> {
+    match t {
+        NdArrayTensor::F32(s) => {
+            let a = s.into_shared();
+            if a.is_standard_layout() {
+                a
+            } else {
+                a.as_standard_layout().into_owned().into_shared()
+            }
+        }
+        other => panic!("kiln CPU kernels take f32 tensors, got {:?}", other.dtype()),
+    }
+}
+
+fn tensor(shape: &[usize], v: Vec<f32>) -> NdArrayTensor {
+    NdArrayTensor::from(ArcArray::from_shape_vec(IxDyn(shape), v).expect("shape matches data"))
+}
+
+fn slice(a: &ArcArray<f32, IxDyn>) -> &[f32] {
+    a.as_slice().expect("standard layout")
+}
+
+/// C[m×n] (row stride `n`) = α·A·B + β·C, with A and B given by element strides.
+#[allow(clippy::too_many_arguments)]
+fn sgemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    (rsa, csa): (usize, usize),
+    b: &[f32],
+    (rsb, csb): (usize, usize),
+    beta: f32,
+    c: &mut [f32],
+) {
+    assert!(a.len() >= (m - 1) * rsa + (k - 1) * csa + 1 || m == 0 || k == 0);
+    assert!(b.len() >= (k - 1) * rsb + (n - 1) * csb + 1 || k == 0 || n == 0);
+    assert!(c.len() >= m * n);
+    // SAFETY: the asserts bound every index the kernel reads or writes for these strides.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            rsa as isize,
+            csa as isize,
+            b.as_ptr(),
+            rsb as isize,
+            csb as isize,
+            beta,
+            c.as_mut_ptr(),
+            n as isize,
+            1,
+        );
+    }
+}
+
+/// Rows per parallel task: enough work per task to amortise scheduling.
+fn rows_per_task(row_len: usize) -> usize {
+    (16_384 / row_len.max(1)).max(1)
+}
+
+/// erf with |error| < 1.5e-7 (Abramowitz & Stegun 7.1.26); returns (erf(z), e^{-z²}).
+#[inline]
+fn erf_and_gauss(z: f32) -> (f32, f32) {
+    let a = z.abs();
+    let t = 1.0 / (1.0 + 0.327_591_1 * a);
+    let poly = t
+        * (0.254_829_6
+            + t * (-0.284_496_74 + t * (1.421_413_7 + t * (-1.453_152_1 + t * 1.061_405_4))));
+    let g = (-a * a).exp();
+    let e = 1.0 - poly * g;
+    (if z < 0.0 { -e } else { e }, g)
+}
+
+const INV_SQRT2: f32 = std::f32::consts::FRAC_1_SQRT_2;
+const INV_SQRT_2PI: f32 = 0.398_942_3;
+
+/// A counter-based hash (SplitMix64 finaliser) → uniform in [0, 1).
+#[inline]
+fn uniform(seed: u64, i: u64) -> f32 {
+    let mut z = seed.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 40) as f32 * (1.0 / (1u64 << 24) as f32)
+}
+
+impl KilnBackend for Cpu {
+    fn kiln_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        let (x, w) = (dense(x), dense(w));
+        let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
+        let mut y = vec![0f32; m * n];
+        let beta = match b {
+            Some(b) => {
+                let b = dense(b);
+                let b = slice(&b);
+                y.par_chunks_mut(n).for_each(|row| row.copy_from_slice(b));
+                1.0
+            }
+            None => 0.0,
+        };
+        // wᵀ without a transpose: element (k, n) of wᵀ is w[n·K + k].
+        sgemm(m, k, n, slice(&x), (k, 1), slice(&w), (1, k), beta, &mut y);
+        tensor(&[m, n], y)
+    }
+
+    fn kiln_linear_backward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        bias: bool,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    ) {
+        let (x, w, dy) = (dense(x), dense(w), dense(dy));
+        let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
+        let (xs, ws, dys) = (slice(&x), slice(&w), slice(&dy));
+        let mut dx = vec![0f32; m * k];
+        sgemm(m, n, k, dys, (n, 1), ws, (k, 1), 0.0, &mut dx); // dy · w
+        let mut dw = vec![0f32; n * k];
+        sgemm(n, m, k, dys, (1, n), xs, (k, 1), 0.0, &mut dw); // dyᵀ · x
+        let db = bias.then(|| {
+            let chunk = rows_per_task(n) * n;
+            let sum = dys
+                .par_chunks(chunk)
+                .map(|rows| {
+                    let mut acc = vec![0f32; n];
+                    for row in rows.chunks(n) {
+                        acc.iter_mut().zip(row).for_each(|(a, v)| *a += v);
+                    }
+                    acc
+                })
+                .reduce(
+                    || vec![0f32; n],
+                    |mut a, b| {
+                        a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
+                        a
+                    },
+                );
+            tensor(&[n], sum)
+        });
+        (tensor(&[m, k], dx), tensor(&[n, k], dw), db)
+    }
+
+    fn kiln_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let x = dense(x);
+        let shape = x.shape().to_vec();
+        let mut y = slice(&x).to_vec();
+        y.par_chunks_mut(16_384).for_each(|c| {
+            for v in c {
+                let (e, _) = erf_and_gauss(*v * INV_SQRT2);
+                *v *= 0.5 * (1.0 + e);
+            }
+        });
+        tensor(&shape, y)
+    }
+
+    fn kiln_gelu_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        let (x, dy) = (dense(x), dense(dy));
+        let shape = x.shape().to_vec();
+        let mut dx = slice(&dy).to_vec();
+        dx.par_chunks_mut(16_384)
+            .zip(slice(&x).par_chunks(16_384))
+            .for_each(|(d, xs)| {
+                for (g, &v) in d.iter_mut().zip(xs) {
+                    // e^{-(v/√2)²} = e^{-v²/2}: the same exponential gives Φ and φ.
+                    let (e, gauss) = erf_and_gauss(v * INV_SQRT2);
+                    *g *= 0.5 * (1.0 + e) + v * INV_SQRT_2PI * gauss;
+                }
+            });
+        tensor(&shape, dx)
+    }
+
+    fn kiln_layer_norm(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (x, w, b) = (dense(x), dense(w), dense(b));
+        let (r, h) = (x.shape()[0], x.shape()[1]);
+        let (ws, bs) = (slice(&w), slice(&b));
+        let mut y = vec![0f32; r * h];
+        let mut stats = vec![(0f32, 0f32); r];
+        let task = rows_per_task(h);
+        y.par_chunks_mut(task * h)
+            .zip(slice(&x).par_chunks(task * h))
+            .zip(stats.par_chunks_mut(task))
+            .for_each(|((yc, xc), sc)| {
+                for ((yr, xr), s) in yc.chunks_mut(h).zip(xc.chunks(h)).zip(sc) {
+                    let mean = xr.iter().sum::<f32>() / h as f32;
+                    let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / h as f32;
+                    let rstd = 1.0 / (var + eps as f32).sqrt();
+                    for i in 0..h {
+                        yr[i] = (xr[i] - mean) * rstd * ws[i] + bs[i];
+                    }
+                    *s = (mean, rstd);
+                }
+            });
+        let (mean, rstd): (Vec<f32>, Vec<f32>) = stats.into_iter().unzip();
+        (tensor(&[r, h], y), tensor(&[r], mean), tensor(&[r], rstd))
+    }
+
+    fn kiln_layer_norm_backward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (x, w, mean, rstd, dy) = (dense(x), dense(w), dense(mean), dense(rstd), dense(dy));
+        let (r, h) = (x.shape()[0], x.shape()[1]);
+        let (ws, ms, rs) = (slice(&w), slice(&mean), slice(&rstd));
+        let mut dx = vec![0f32; r * h];
+        let task = rows_per_task(h);
+        // dx per row; dw/db as per-task partial sums, added up afterwards.
+        let partials: Vec<(Vec<f32>, Vec<f32>)> = dx
+            .par_chunks_mut(task * h)
+            .zip(slice(&x).par_chunks(task * h))
+            .zip(slice(&dy).par_chunks(task * h))
+            .enumerate()
+            .map(|(t, ((dxc, xc), dyc))| {
+                let (mut dw, mut db) = (vec![0f32; h], vec![0f32; h]);
+                let mut xhat = vec![0f32; h];
+                for (j, ((dxr, xr), dyr)) in dxc
+                    .chunks_mut(h)
+                    .zip(xc.chunks(h))
+                    .zip(dyc.chunks(h))
+                    .enumerate()
+                {
+                    let row = t * task + j;
+                    let (mu, rstd) = (ms[row], rs[row]);
+                    let (mut c1, mut c2) = (0f32, 0f32);
+                    for i in 0..h {
+                        xhat[i] = (xr[i] - mu) * rstd;
+                        let g = dyr[i] * ws[i];
+                        c1 += g;
+                        c2 += g * xhat[i];
+                        dw[i] += dyr[i] * xhat[i];
+                        db[i] += dyr[i];
+                    }
+                    let (c1, c2) = (c1 / h as f32, c2 / h as f32);
+                    for i in 0..h {
+                        dxr[i] = rstd * (dyr[i] * ws[i] - c1 - xhat[i] * c2);
+                    }
+                }
+                (dw, db)
+            })
+            .collect();
+        let (mut dw, mut db) = (vec![0f32; h], vec![0f32; h]);
+        for (pw, pb) in partials {
+            dw.iter_mut().zip(&pw).for_each(|(a, b)| *a += b);
+            db.iter_mut().zip(&pb).for_each(|(a, b)| *a += b);
+        }
+        (tensor(&[r, h], dx), tensor(&[h], dw), tensor(&[h], db))
+    }
+
+    fn kiln_masked_softmax(
+        x: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        let (x, mask) = (dense(x), dense(mask));
+        let shape = x.shape().to_vec();
+        let (heads, t, s) = (shape[1], shape[2], shape[3]);
+        let ms = slice(&mask);
+        let scale = scale as f32;
+        let mut y = slice(&x).to_vec();
+        // One task per (batch, head): rows of a task share the key mask of their batch.
+        y.par_chunks_mut(t * s).enumerate().for_each(|(bh, block)| {
+            let m = &ms[(bh / heads) * s..(bh / heads + 1) * s];
+            for row in block.chunks_mut(s) {
+                let mut max = f32::NEG_INFINITY;
+                for (v, &mv) in row.iter_mut().zip(m) {
+                    *v = *v * scale + mv;
+                    max = max.max(*v);
+                }
+                let mut sum = 0f32;
+                for v in row.iter_mut() {
+                    *v = (*v - max).exp();
+                    sum += *v;
+                }
+                let inv = 1.0 / sum;
+                row.iter_mut().for_each(|v| *v *= inv);
+            }
+        });
+        tensor(&shape, y)
+    }
+
+    fn kiln_masked_softmax_backward(
+        y: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        let (y, dy) = (dense(y), dense(dy));
+        let shape = y.shape().to_vec();
+        let s = shape[3];
+        let scale = scale as f32;
+        let mut dx = slice(&dy).to_vec();
+        dx.par_chunks_mut(rows_per_task(s) * s)
+            .zip(slice(&y).par_chunks(rows_per_task(s) * s))
+            .for_each(|(dc, yc)| {
+                for (dr, yr) in dc.chunks_mut(s).zip(yc.chunks(s)) {
+                    let dot: f32 = dr.iter().zip(yr).map(|(a, b)| a * b).sum();
+                    for (d, &p) in dr.iter_mut().zip(yr) {
+                        *d = scale * p * (*d - dot);
+                    }
+                }
+            });
+        tensor(&shape, dx)
+    }
+
+    fn kiln_dropout_mask(
+        shape: Shape,
+        keep: f64,
+        seed: u64,
+        _: &Self::Device,
+    ) -> FloatTensor<Self> {
+        let n = shape.num_elements();
+        let (keep, value) = (keep as f32, (1.0 / keep) as f32);
+        let mut m = vec![0f32; n];
+        m.par_chunks_mut(16_384).enumerate().for_each(|(c, chunk)| {
+            for (i, v) in chunk.iter_mut().enumerate() {
+                let u = uniform(seed, (c * 16_384 + i) as u64);
+                *v = if u < keep { value } else { 0.0 };
+            }
+        });
+        tensor(&[n], m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn erf_approximation_is_accurate() {
+        // Reference values of erf from tables (Abramowitz & Stegun, table 7.1).
+        for (z, want) in [
+            (0.0, 0.0),
+            (0.5, 0.520_499_9),
+            (1.0, 0.842_700_8),
+            (2.0, 0.995_322_3),
+            (-1.0, -0.842_700_8),
+        ] {
+            let (e, _) = erf_and_gauss(z);
+            assert!((e - want).abs() < 3e-7, "erf({z}) = {e}, want {want}");
+        }
+    }
+
+    #[test]
+    fn uniform_hash_is_uniform_enough() {
+        let n = 100_000;
+        let mean = (0..n).map(|i| uniform(7, i) as f64).sum::<f64>() / n as f64;
+        assert!((mean - 0.5).abs() < 0.01, "{mean}");
+        let kept = (0..n).filter(|&i| uniform(7, i) < 0.9).count() as f64 / n as f64;
+        assert!((kept - 0.9).abs() < 0.01, "{kept}");
+    }
+}

@@ -1,0 +1,237 @@
+//! Fused operations with hand-written backward passes: Linear (GEMM with the transpose folded into
+//! strides, bias fused), exact GELU, LayerNorm, scaled+masked softmax, and dropout masks.
+//!
+//! [`KilnBackend`]'s default methods compose plain Burn tensor ops, so every backend works (CUDA uses
+//! them as they are); the CPU backend overrides them with fused, multi-threaded kernels
+//! ([`cpu`]); `Autodiff<B>` records one graph node per fused op and calls `B`'s backward kernels
+//! ([`autodiff`]). Tests check fused == composed, values and gradients.
+
+mod autodiff;
+mod cpu;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Distribution, Shape, Tensor, TensorPrimitive};
+
+fn t<B: Backend, const D: usize>(p: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(p))
+}
+fn p<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+/// Backend operations kiln fuses. Shapes: `x [M, K]`, `w [N, K]` (PyTorch layout), `b [N]` for linear;
+/// `x [R, H]` for layer norm; `x [B, H, T, S]` with `mask [B, S]` (additive) for softmax.
+pub trait KilnBackend: Backend {
+    /// `x wᵀ + b`.
+    fn kiln_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        let y = t::<Self, 2>(x).matmul(t::<Self, 2>(w).transpose());
+        p(match b {
+            Some(b) => y + t::<Self, 1>(b).unsqueeze_dim(0),
+            None => y,
+        })
+    }
+
+    /// `(dx, dw, db)` of [`Self::kiln_linear`] for output gradient `dy [M, N]`.
+    fn kiln_linear_backward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        bias: bool,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    ) {
+        let dy = t::<Self, 2>(dy);
+        let n = dy.dims()[1];
+        let dx = dy.clone().matmul(t::<Self, 2>(w));
+        let dw = dy.clone().transpose().matmul(t::<Self, 2>(x));
+        let db = bias.then(|| p(dy.sum_dim(0).reshape([n])));
+        (p(dx), p(dw), db)
+    }
+
+    /// Exact GELU `x·Φ(x)` (any shape).
+    fn kiln_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let x = t::<Self, 1>(x);
+        p((x.clone() * std::f64::consts::FRAC_1_SQRT_2)
+            .erf()
+            .add_scalar(1.0)
+            * x
+            * 0.5)
+    }
+
+    /// `dy · (Φ(x) + x·φ(x))`.
+    fn kiln_gelu_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        let x = t::<Self, 1>(x);
+        let cdf = (x.clone() * std::f64::consts::FRAC_1_SQRT_2)
+            .erf()
+            .add_scalar(1.0)
+            * 0.5;
+        let pdf =
+            (x.clone().powi_scalar(2) * -0.5).exp() * (1.0 / (2.0 * std::f64::consts::PI).sqrt());
+        p(t::<Self, 1>(dy) * (cdf + x * pdf))
+    }
+
+    /// Layer norm over the last dimension; also returns each row's mean and 1/σ for the backward.
+    fn kiln_layer_norm(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let x = t::<Self, 2>(x);
+        let r = x.dims()[0];
+        let (var, mean) = x.clone().var_mean_bias(1);
+        let rstd = (var + eps).sqrt().recip();
+        let y = (x - mean.clone()) * rstd.clone() * t::<Self, 1>(w).unsqueeze_dim(0)
+            + t::<Self, 1>(b).unsqueeze_dim(0);
+        (p(y), p(mean.reshape([r])), p(rstd.reshape([r])))
+    }
+
+    /// `(dx, dw, db)` of [`Self::kiln_layer_norm`].
+    fn kiln_layer_norm_backward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (x, dy) = (t::<Self, 2>(x), t::<Self, 2>(dy));
+        let [r, h] = x.dims();
+        let mean = t::<Self, 1>(mean).reshape([r, 1]);
+        let rstd = t::<Self, 1>(rstd).reshape([r, 1]);
+        let xhat = (x - mean) * rstd.clone();
+        let g = dy.clone() * t::<Self, 1>(w).unsqueeze_dim(0);
+        let c1 = g.clone().mean_dim(1);
+        let c2 = (g.clone() * xhat.clone()).mean_dim(1);
+        let dx = (g - c1 - xhat.clone() * c2) * rstd;
+        let dw = (dy.clone() * xhat).sum_dim(0).reshape([h]);
+        let db = dy.sum_dim(0).reshape([h]);
+        (p(dx), p(dw), p(db))
+    }
+
+    /// `softmax(x·scale + mask[b, s])` over the last dimension.
+    fn kiln_masked_softmax(
+        x: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        let x = t::<Self, 4>(x);
+        let [b, _, _, s] = x.dims();
+        let z = x * scale + t::<Self, 2>(mask).reshape([b, 1, 1, s]);
+        p(burn::tensor::activation::softmax(z, 3))
+    }
+
+    /// `dx = scale · y · (dy − Σ dy·y)` from the softmax output `y`.
+    fn kiln_masked_softmax_backward(
+        y: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        let (y, dy) = (t::<Self, 4>(y), t::<Self, 4>(dy));
+        let dot = (dy.clone() * y.clone()).sum_dim(3);
+        p((dy - dot) * y * scale)
+    }
+
+    /// A flat dropout mask of `shape`'s size: each element `1/keep` with probability `keep`, else 0.
+    /// Deterministic in `seed`.
+    fn kiln_dropout_mask(
+        shape: Shape,
+        keep: f64,
+        seed: u64,
+        device: &Self::Device,
+    ) -> FloatTensor<Self> {
+        Self::seed(device, seed);
+        let m = Tensor::<Self, 1>::random(
+            [shape.num_elements()],
+            Distribution::Bernoulli(keep),
+            device,
+        );
+        p(m * (1.0 / keep))
+    }
+}
+
+/// `x wᵀ + b` over the last dimension of `x` (PyTorch's `F.linear`).
+pub fn linear<B: KilnBackend, const D: usize>(
+    x: Tensor<B, D>,
+    w: Tensor<B, 2>,
+    b: Option<Tensor<B, 1>>,
+) -> Tensor<B, D> {
+    let mut dims = x.dims();
+    let k = dims[D - 1];
+    let n = w.dims()[0];
+    let m: usize = dims[..D - 1].iter().product();
+    let y = B::kiln_linear(p(x.reshape([m, k])), p(w), b.map(p));
+    dims[D - 1] = n;
+    t::<B, 2>(y).reshape(dims)
+}
+
+/// Exact GELU, transformers' `"gelu"`.
+pub fn gelu<B: KilnBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let dims = x.dims();
+    let n: usize = dims.iter().product();
+    t::<B, 1>(B::kiln_gelu(p(x.reshape([n])))).reshape(dims)
+}
+
+/// Layer norm over the last dimension.
+pub fn layer_norm<B: KilnBackend, const D: usize>(
+    x: Tensor<B, D>,
+    w: Tensor<B, 1>,
+    b: Tensor<B, 1>,
+    eps: f64,
+) -> Tensor<B, D> {
+    let dims = x.dims();
+    let h = dims[D - 1];
+    let r: usize = dims[..D - 1].iter().product();
+    let (y, _, _) = B::kiln_layer_norm(p(x.reshape([r, h])), p(w), p(b), eps);
+    t::<B, 2>(y).reshape(dims)
+}
+
+/// `softmax(scores·scale + mask)` for attention scores `[B, H, T, S]` and an additive key mask `[B, S]`.
+pub fn masked_softmax<B: KilnBackend>(
+    scores: Tensor<B, 4>,
+    mask: Tensor<B, 2>,
+    scale: f64,
+) -> Tensor<B, 4> {
+    t(B::kiln_masked_softmax(p(scores), p(mask), scale))
+}
+
+static DROPOUT_STREAM: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Restarts the dropout random stream: the trainer calls it before every optimizer step with a seed
+/// derived from (run seed, step), which makes dropout — and so resuming — reproducible.
+pub fn reseed_dropout(seed: u64) {
+    DROPOUT_STREAM.store(
+        seed.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        std::sync::atomic::Ordering::SeqCst,
+    );
+}
+
+/// Inverted dropout, active only when the backend records gradients (training).
+pub fn dropout<B: KilnBackend, const D: usize>(x: Tensor<B, D>, prob: f64) -> Tensor<B, D> {
+    if !B::ad_enabled() || prob <= 0.0 {
+        return x;
+    }
+    let seed = DROPOUT_STREAM.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let mask = B::kiln_dropout_mask(x.shape(), 1.0 - prob, seed, &x.device());
+    let dims = x.dims();
+    x * t::<B, 1>(mask).reshape(dims)
+}
+
+/// A training backend: autodiff over a backend that has kiln's fused ops, with the ops themselves.
+pub trait TrainBackend:
+    burn::tensor::backend::AutodiffBackend<InnerBackend: KilnBackend> + KilnBackend
+{
+}
+impl<B> TrainBackend for B where
+    B: burn::tensor::backend::AutodiffBackend<InnerBackend: KilnBackend> + KilnBackend
+{
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,175 @@
+//! Fused CPU ops against the same math written with plain Burn tensor ops: values, and gradients
+//! through Burn's own autodiff of those ops.
+
+use burn::tensor::activation::softmax;
+use burn::tensor::{Distribution, Tensor, TensorData};
+
+use super::*;
+use crate::backend::{Cpu, CpuTrain};
+
+fn rand<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<CpuTrain, D> {
+    Cpu::seed(&Default::default(), seed);
+    let t = Tensor::<Cpu, D>::random(shape, Distribution::Normal(0.0, 1.0), &Default::default());
+    Tensor::from_inner(t).require_grad()
+}
+
+fn host<const D: usize>(t: Tensor<Cpu, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().into_vec::<f32>().unwrap()
+}
+
+fn assert_close(name: &str, a: Vec<f32>, b: Vec<f32>, tol: f64) {
+    let num: f64 = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| ((x - y) as f64).powi(2))
+        .sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    let err = (num / den.max(1e-30)).sqrt();
+    assert!(err < tol, "{name}: rel err {err:e}");
+}
+
+/// Runs `fused` and `reference` on the same inputs with the same upstream gradient `w` and compares
+/// outputs and every input's gradient.
+fn check<const D: usize, const N: usize>(
+    name: &str,
+    inputs: [Tensor<CpuTrain, 2>; N],
+    fused: impl Fn(&[Tensor<CpuTrain, 2>]) -> Tensor<CpuTrain, D>,
+    reference: impl Fn(&[Tensor<CpuTrain, 2>]) -> Tensor<CpuTrain, D>,
+) {
+    let a = fused(&inputs);
+    let b = reference(&inputs);
+    assert_eq!(a.dims(), b.dims());
+    // A random upstream gradient, so the backward pass is exercised beyond sum().
+    let upstream = Tensor::<CpuTrain, D>::from_inner(rand(a.dims(), 99).inner());
+    let ga = (a.clone() * upstream.clone()).sum().backward();
+    let gb = (b.clone() * upstream).sum().backward();
+    assert_close(
+        &format!("{name} value"),
+        host(a.inner()),
+        host(b.inner()),
+        1e-5,
+    );
+    for (i, x) in inputs.iter().enumerate() {
+        let (da, db) = (x.grad(&ga), x.grad(&gb));
+        if let (Some(da), Some(db)) = (da, db) {
+            assert_close(&format!("{name} grad {i}"), host(da), host(db), 1e-4);
+        }
+    }
+}
+
+#[test]
+fn linear_matches_matmul_with_transposed_weight() {
+    let inputs = [rand([37, 24], 1), rand([19, 24], 2), rand([1, 19], 3)];
+    check(
+        "linear",
+        inputs,
+        |t| linear(t[0].clone(), t[1].clone(), Some(t[2].clone().reshape([19]))),
+        |t| t[0].clone().matmul(t[1].clone().transpose()) + t[2].clone(),
+    );
+    let inputs = [rand([5, 3, 8], 4).reshape([15, 8]), rand([8, 8], 5)];
+    check(
+        "linear, square, no bias",
+        inputs,
+        |t| linear(t[0].clone(), t[1].clone(), None),
+        |t| t[0].clone().matmul(t[1].clone().transpose()),
+    );
+}
+
+#[test]
+fn gelu_matches_erf_formula() {
+    check(
+        "gelu",
+        [rand([33, 70], 6) * 3.0],
+        |t| gelu(t[0].clone()),
+        |t| {
+            (t[0].clone() * std::f64::consts::FRAC_1_SQRT_2)
+                .erf()
+                .add_scalar(1.0)
+                * t[0].clone()
+                * 0.5
+        },
+    );
+}
+
+#[test]
+fn layer_norm_matches_composed() {
+    let inputs = [
+        rand([29, 48], 7) * 2.0 + 0.5,
+        rand([1, 48], 8),
+        rand([1, 48], 9),
+    ];
+    check(
+        "layer_norm",
+        inputs,
+        |t| {
+            layer_norm(
+                t[0].clone(),
+                t[1].clone().reshape([48]),
+                t[2].clone().reshape([48]),
+                1e-12,
+            )
+        },
+        |t| {
+            let (var, mean) = t[0].clone().var_mean_bias(1);
+            (t[0].clone() - mean) / (var + 1e-12).sqrt() * t[1].clone() + t[2].clone()
+        },
+    );
+}
+
+#[test]
+fn masked_softmax_matches_composed() {
+    let (b, h, q, s) = (3, 2, 5, 7);
+    // Batch 1 masks its last 3 keys, batch 2 its last one.
+    let mut m = vec![0f32; b * s];
+    for j in 4..7 {
+        m[s + j] = f32::MIN;
+    }
+    m[2 * s + 6] = f32::MIN;
+    let mask = Tensor::<CpuTrain, 2>::from_data(TensorData::new(m, [b, s]), &Default::default());
+    let scores = rand([b * h * q, s], 10);
+    check(
+        "masked_softmax",
+        [scores],
+        |t| masked_softmax(t[0].clone().reshape([b, h, q, s]), mask.clone(), 0.35),
+        |t| {
+            softmax(
+                t[0].clone().reshape([b, h, q, s]) * 0.35 + mask.clone().reshape([b, 1, 1, s]),
+                3,
+            )
+        },
+    );
+}
+
+#[test]
+fn dropout_masks_are_seeded_and_scaled() {
+    let shape = burn::tensor::Shape::new([1000, 100]);
+    let a = host(Tensor::<Cpu, 1>::from_primitive(
+        burn::tensor::TensorPrimitive::Float(Cpu::kiln_dropout_mask(
+            shape.clone(),
+            0.9,
+            5,
+            &Default::default(),
+        )),
+    ));
+    let b = host(Tensor::<Cpu, 1>::from_primitive(
+        burn::tensor::TensorPrimitive::Float(Cpu::kiln_dropout_mask(
+            shape.clone(),
+            0.9,
+            5,
+            &Default::default(),
+        )),
+    ));
+    let c = host(Tensor::<Cpu, 1>::from_primitive(
+        burn::tensor::TensorPrimitive::Float(Cpu::kiln_dropout_mask(
+            shape,
+            0.9,
+            6,
+            &Default::default(),
+        )),
+    ));
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+    let kept = a.iter().filter(|&&v| v > 0.0).count() as f64 / a.len() as f64;
+    assert!((kept - 0.9).abs() < 0.005, "{kept}");
+    assert!(a.iter().all(|&v| v == 0.0 || (v - 1.0 / 0.9).abs() < 1e-6));
+}
