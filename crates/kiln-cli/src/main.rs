@@ -57,6 +57,9 @@ struct BenchCmd {
     /// Write the full report here as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Break each step down by fused kernel.
+    #[arg(long)]
+    profile: bool,
 }
 
 #[derive(Args, Clone)]
@@ -282,6 +285,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
                 python: cmd.python,
                 reference: cmd.reference,
                 threads,
+                profile: cmd.profile,
             })?;
             if let Some(p) = &cmd.json {
                 std::fs::write(p, serde_json::to_vec_pretty(&report)?)

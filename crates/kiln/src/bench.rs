@@ -20,6 +20,8 @@ use crate::train::{Classifier, CrossEntropy, Loss};
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchResult {
     pub name: String,
+    #[serde(skip)]
+    pub warmup: usize,
     pub batch: usize,
     pub seq: usize,
     pub steps: usize,
@@ -32,6 +34,53 @@ pub struct BenchResult {
     pub gflops: f64,
     pub loss_first: Option<f64>,
     pub loss_last: Option<f64>,
+    /// With `--profile`: time per step in each fused kernel, and in everything else.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub profile: Vec<ProfileRow>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ProfileRow {
+    pub kernel: String,
+    pub calls_per_step: f64,
+    pub ms_per_step: f64,
+    pub share: f64,
+}
+
+/// Runs `f`, and if `profile` attaches the per-kernel breakdown of its timed steps.
+fn profiled(profile: bool, f: impl FnOnce() -> BenchResult) -> BenchResult {
+    crate::ops::profile::enable(profile);
+    let _ = crate::ops::profile::take();
+    let mut r = f();
+    crate::ops::profile::enable(false);
+    let rows = crate::ops::profile::take();
+    if profile {
+        // Warmup steps are profiled too: scale by the share of timed steps.
+        let steps = r.steps as f64;
+        let total_steps = steps + r.warmup as f64;
+        let step_ms = r.ms_per_step_mean;
+        let mut covered = 0.0;
+        for (k, n, sec) in rows {
+            let ms = sec * 1e3 / total_steps;
+            // `step:` rows are phases that contain the kernels; they do not add to coverage.
+            if !k.starts_with("step:") {
+                covered += ms;
+            }
+            r.profile.push(ProfileRow {
+                kernel: k.to_string(),
+                calls_per_step: n as f64 / total_steps,
+                ms_per_step: ms,
+                share: ms / step_ms,
+            });
+        }
+        r.profile.push(ProfileRow {
+            kernel: "other (Burn ops, autodiff, allocation)".into(),
+            calls_per_step: 0.0,
+            ms_per_step: step_ms - covered,
+            share: (step_ms - covered) / step_ms,
+        });
+    }
+    r
 }
 
 fn random_batch(batch: usize, seq: usize, seed: u64) -> (TextBatch, Vec<i64>) {
@@ -70,6 +119,7 @@ fn summarize(name: &str, batch: usize, seq: usize, times: &[f64], flops: f64) ->
     let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
     BenchResult {
         name: name.into(),
+        warmup: 0,
         batch,
         seq,
         steps: times.len(),
@@ -81,6 +131,7 @@ fn summarize(name: &str, batch: usize, seq: usize, times: &[f64], flops: f64) ->
         gflops: flops / mean / 1e9,
         loss_first: None,
         loss_last: None,
+        profile: Vec::new(),
     }
 }
 
@@ -106,11 +157,19 @@ pub fn bert_train<B: TrainBackend>(
     let (mut times, mut losses) = (Vec::new(), Vec::new());
     for i in 0..warmup + steps {
         let t0 = Instant::now();
-        let loss = CrossEntropy.loss(model.logits(&input), targets.clone());
-        let grads = loss.backward();
+        let loss = {
+            let _p = crate::ops::profile::scope("step: forward (all)");
+            CrossEntropy.loss(model.logits(&input), targets.clone())
+        };
+        let grads = {
+            let _p = crate::ops::profile::scope("step: backward (all)");
+            loss.backward()
+        };
+        let _p = crate::ops::profile::scope("step: optimizer (all)");
         let mut acc = GradAccumulator::default();
         acc.accumulate::<B, _>(&model, &grads);
         model = opt.step::<B, _>(model, 5e-5, acc);
+        drop(_p);
         let l = loss.into_scalar().elem::<f64>();
         let dt = t0.elapsed().as_secs_f64();
         losses.push(l);
@@ -125,6 +184,7 @@ pub fn bert_train<B: TrainBackend>(
         &times,
         3.0 * bert_forward_flops(config, batch, seq),
     );
+    r.warmup = warmup;
     r.loss_first = losses.first().copied();
     r.loss_last = losses.last().copied();
     let _ = model.valid();
@@ -151,13 +211,15 @@ pub fn bert_infer<B: KilnBackend>(
             times.push(t0.elapsed().as_secs_f64());
         }
     }
-    summarize(
+    let mut r = summarize(
         name,
         batch,
         seq,
         &times,
         bert_forward_flops(config, batch, seq),
-    )
+    );
+    r.warmup = warmup;
+    r
 }
 
 /// The machine's fp32 GEMM rate through the backend (1024³, like bench_hf.py's calibration).
@@ -190,6 +252,8 @@ pub struct SuiteOptions {
     pub python: Option<String>,
     pub reference: std::path::PathBuf,
     pub threads: usize,
+    /// Break each row's step time down by fused kernel.
+    pub profile: bool,
 }
 
 /// One row: kiln's result beside PyTorch's, measured in the same invocation.
@@ -224,30 +288,34 @@ pub fn run_suite(opts: &SuiteOptions) -> crate::Result<SuiteReport> {
         if wants("minilm_train") {
             let m = BertForSequenceClassification::<CpuTrain>::new(&cfg, 6, &device);
             let (m, _) = load_into(m, &weights, Some("bert"), &device)?;
-            let r = bert_train(
-                "minilm_train_fp32",
-                m,
-                &cfg,
-                16,
-                128,
-                opts.warmup,
-                opts.steps,
-            );
+            let r = profiled(opts.profile, || {
+                bert_train(
+                    "minilm_train_fp32",
+                    m,
+                    &cfg,
+                    16,
+                    128,
+                    opts.warmup,
+                    opts.steps,
+                )
+            });
             tracing::info!("{r:?}");
             results.push(r);
         }
         if wants("minilm_infer") {
             let m = BertForSequenceClassification::<Cpu>::new(&cfg, 6, &device);
             let (m, _) = load_into(m, &weights, Some("bert"), &device)?;
-            let r = bert_infer(
-                "minilm_infer_fp32",
-                &m,
-                &cfg,
-                32,
-                128,
-                opts.warmup,
-                opts.steps,
-            );
+            let r = profiled(opts.profile, || {
+                bert_infer(
+                    "minilm_infer_fp32",
+                    &m,
+                    &cfg,
+                    32,
+                    128,
+                    opts.warmup,
+                    opts.steps,
+                )
+            });
             tracing::info!("{r:?}");
             results.push(r);
         }
@@ -258,15 +326,17 @@ pub fn run_suite(opts: &SuiteOptions) -> crate::Result<SuiteReport> {
             "num_attention_heads": 12, "intermediate_size": 3072}))
         .expect("valid config");
         let m = BertForSequenceClassification::<CpuTrain>::new(&cfg, 6, &device);
-        let r = bert_train(
-            "bertbase_train_fp32",
-            m,
-            &cfg,
-            8,
-            128,
-            opts.warmup,
-            opts.base_steps,
-        );
+        let r = profiled(opts.profile, || {
+            bert_train(
+                "bertbase_train_fp32",
+                m,
+                &cfg,
+                8,
+                128,
+                opts.warmup,
+                opts.base_steps,
+            )
+        });
         tracing::info!("{r:?}");
         results.push(r);
     }
@@ -346,6 +416,21 @@ impl SuiteReport {
                 k.gflops,
                 r.ratio.map_or("–".into(), |x| format!("{x:.2}×"))
             );
+        }
+        for r in self.rows.iter().filter(|r| !r.kiln.profile.is_empty()) {
+            s += &format!(
+                "\nProfile of {} ({:.1} ms/step):\n\n| kernel | calls/step | ms/step | share |\n|---|---|---|---|\n",
+                r.kiln.name, r.kiln.ms_per_step_mean
+            );
+            for p in &r.kiln.profile {
+                s += &format!(
+                    "| {} | {:.0} | {:.1} | {:.1}% |\n",
+                    p.kernel,
+                    p.calls_per_step,
+                    p.ms_per_step,
+                    100.0 * p.share
+                );
+            }
         }
         s += &format!(
             "\nkiln sgemm 1024³: {:.1} GFLOP/s; threads {}. PyTorch: {}\n",

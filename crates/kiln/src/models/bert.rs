@@ -10,7 +10,7 @@ use burn::tensor::{backend::Backend, Int, Tensor};
 use super::layers::{Embedding, LayerNorm, Linear};
 use crate::data::batch::TextBatch;
 use crate::hub::config::BertConfig;
-use crate::ops::{dropout, gelu, masked_softmax, KilnBackend};
+use crate::ops::{attention, dropout, gelu, KilnBackend};
 use crate::train::task::Classifier;
 
 /// One tokenized, padded batch. Masks are 1 for real tokens and 0 for padding.
@@ -149,19 +149,10 @@ pub struct BertForSequenceClassification<B: Backend> {
 impl<B: KilnBackend> BertSelfAttention<B> {
     /// `x [B, T, H]`, `mask_bias [B, T]` (0 for tokens, the most negative float for padding).
     fn forward(&self, x: Tensor<B, 3>, mask_bias: Tensor<B, 2>) -> Tensor<B, 3> {
-        let [b, t, h] = x.dims();
-        let nh = self.num_heads;
-        let hd = h / nh;
-        let heads = |y: Tensor<B, 3>| y.reshape([b, t, nh, hd]).swap_dims(1, 2);
-        let q = heads(self.query.forward(x.clone()));
-        let k = heads(self.key.forward(x.clone()));
-        let v = heads(self.value.forward(x));
-        let scores = q.matmul(k.swap_dims(2, 3));
-        let probs = dropout(
-            masked_softmax(scores, mask_bias, 1.0 / (hd as f64).sqrt()),
-            self.dropout,
-        );
-        probs.matmul(v).swap_dims(1, 2).reshape([b, t, h])
+        let q = self.query.forward(x.clone());
+        let k = self.key.forward(x.clone());
+        let v = self.value.forward(x);
+        attention(q, k, v, mask_bias, self.num_heads, self.dropout)
     }
 }
 

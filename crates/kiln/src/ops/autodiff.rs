@@ -108,7 +108,71 @@ impl<B: KilnBackend> Backward<B, 1> for MaskedSoftmax {
     }
 }
 
+#[derive(Debug)]
+struct Attention;
+impl<B: KilnBackend> Backward<B, 3> for Attention {
+    /// q, k, v, probabilities, and (heads, scale, dropout, seed).
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        (usize, f64, f64, u64),
+    );
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dout = grads.consume::<B>(&ops.node);
+        let (q, k, v, probs, (heads, scale, dropout, seed)) = ops.state;
+        let (dq, dk, dv) =
+            B::kiln_attention_backward(q, k, v, probs, dout, heads, scale, dropout, seed);
+        let [pq, pk, pv] = ids!(ops);
+        give::<B>(grads, pq, Some(dq));
+        give::<B>(grads, pk, Some(dk));
+        give::<B>(grads, pv, Some(dv));
+    }
+}
+
 impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
+    fn kiln_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        dropout: f64,
+        seed: u64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (out, probs) = B::kiln_attention(
+            q.primitive.clone(),
+            k.primitive.clone(),
+            v.primitive.clone(),
+            mask.primitive,
+            heads,
+            scale,
+            dropout,
+            seed,
+        );
+        let probs_out = Self::from_inner(probs.clone());
+        let out = match Attention
+            .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(
+                (
+                    q.primitive,
+                    k.primitive,
+                    v.primitive,
+                    probs,
+                    (heads, scale, dropout, seed),
+                ),
+                out,
+            ),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        };
+        (out, probs_out)
+    }
+
     fn kiln_linear(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,

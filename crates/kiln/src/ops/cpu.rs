@@ -102,12 +102,73 @@ fn uniform(seed: u64, i: u64) -> f32 {
     (z >> 40) as f32 * (1.0 / (1u64 << 24) as f32)
 }
 
+/// A pointer that rayon tasks may share because each writes a disjoint region (see call sites).
+#[derive(Clone, Copy)]
+struct SharedMut(*mut f32);
+// SAFETY: only used where every task writes rows/columns no other task touches.
+unsafe impl Send for SharedMut {}
+unsafe impl Sync for SharedMut {}
+
+/// dst[m×n] = lhs[m×k]·rhs[k×n] (+ dst if `accumulate`) on the calling thread. Operands are given by
+/// pointer and (row stride, column stride) in elements.
+///
+/// # Safety
+/// Every element addressed by the sizes and strides must lie inside the pointed-to buffers, and no
+/// other thread may write the `dst` elements concurrently.
+#[allow(clippy::too_many_arguments)]
+unsafe fn small_gemm(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    (drs, dcs): (usize, usize),
+    lhs: *const f32,
+    (lrs, lcs): (usize, usize),
+    rhs: *const f32,
+    (rrs, rcs): (usize, usize),
+    accumulate: bool,
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        dcs as isize,
+        drs as isize,
+        accumulate,
+        lhs,
+        lcs as isize,
+        lrs as isize,
+        rhs,
+        rcs as isize,
+        rrs as isize,
+        if accumulate { 1.0 } else { 0.0 },
+        1.0,
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    );
+}
+
+/// Scales a row of attention probabilities by the dropout mask of element indices `base..`.
+#[inline]
+fn dropout_row(row: &mut [f32], base: u64, keep: f32, seed: u64) {
+    let value = 1.0 / keep;
+    for (j, v) in row.iter_mut().enumerate() {
+        *v *= if uniform(seed, base + j as u64) < keep {
+            value
+        } else {
+            0.0
+        };
+    }
+}
+
 impl KilnBackend for Cpu {
     fn kiln_linear(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
         b: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
+        let _p = super::profile::scope("linear_fwd");
         let (x, w) = (dense(x), dense(w));
         let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
         let mut y = vec![0f32; m * n];
@@ -135,6 +196,7 @@ impl KilnBackend for Cpu {
         FloatTensor<Self>,
         Option<FloatTensor<Self>>,
     ) {
+        let _p = super::profile::scope("linear_bwd");
         let (x, w, dy) = (dense(x), dense(w), dense(dy));
         let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
         let (xs, ws, dys) = (slice(&x), slice(&w), slice(&dy));
@@ -166,6 +228,7 @@ impl KilnBackend for Cpu {
     }
 
     fn kiln_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let _p = super::profile::scope("gelu_fwd");
         let x = dense(x);
         let shape = x.shape().to_vec();
         let mut y = slice(&x).to_vec();
@@ -179,6 +242,7 @@ impl KilnBackend for Cpu {
     }
 
     fn kiln_gelu_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        let _p = super::profile::scope("gelu_bwd");
         let (x, dy) = (dense(x), dense(dy));
         let shape = x.shape().to_vec();
         let mut dx = slice(&dy).to_vec();
@@ -200,6 +264,7 @@ impl KilnBackend for Cpu {
         b: FloatTensor<Self>,
         eps: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let _p = super::profile::scope("layer_norm_fwd");
         let (x, w, b) = (dense(x), dense(w), dense(b));
         let (r, h) = (x.shape()[0], x.shape()[1]);
         let (ws, bs) = (slice(&w), slice(&b));
@@ -231,6 +296,7 @@ impl KilnBackend for Cpu {
         rstd: FloatTensor<Self>,
         dy: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let _p = super::profile::scope("layer_norm_bwd");
         let (x, w, mean, rstd, dy) = (dense(x), dense(w), dense(mean), dense(rstd), dense(dy));
         let (r, h) = (x.shape()[0], x.shape()[1]);
         let (ws, ms, rs) = (slice(&w), slice(&mean), slice(&rstd));
@@ -283,6 +349,7 @@ impl KilnBackend for Cpu {
         mask: FloatTensor<Self>,
         scale: f64,
     ) -> FloatTensor<Self> {
+        let _p = super::profile::scope("softmax_fwd");
         let (x, mask) = (dense(x), dense(mask));
         let shape = x.shape().to_vec();
         let (heads, t, s) = (shape[1], shape[2], shape[3]);
@@ -315,6 +382,7 @@ impl KilnBackend for Cpu {
         dy: FloatTensor<Self>,
         scale: f64,
     ) -> FloatTensor<Self> {
+        let _p = super::profile::scope("softmax_bwd");
         let (y, dy) = (dense(y), dense(dy));
         let shape = y.shape().to_vec();
         let s = shape[3];
@@ -333,12 +401,256 @@ impl KilnBackend for Cpu {
         tensor(&shape, dx)
     }
 
+    fn kiln_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        dropout: f64,
+        seed: u64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let _p = super::profile::scope("attention_fwd");
+        let (q, k, v, mask) = (dense(q), dense(k), dense(v), dense(mask));
+        let (b, t, h) = (q.shape()[0], q.shape()[1], q.shape()[2]);
+        let d = h / heads;
+        let (qs, ks, vs, ms) = (slice(&q), slice(&k), slice(&v), slice(&mask));
+        let (scale, keep) = (scale as f32, (1.0 - dropout) as f32);
+        let mut out = vec![0f32; b * t * h];
+        let mut probs = vec![0f32; b * heads * t * t];
+        let out_ptr = SharedMut(out.as_mut_ptr());
+        probs.par_chunks_mut(t * t).enumerate().for_each_init(
+            || vec![0f32; t * t],
+            |scratch, (bh, p)| {
+                let (bi, hi) = (bh / heads, bh % heads);
+                let off = bi * t * h + hi * d; // (row 0, column 0) of this head in [B, T, H]
+                let m = &ms[bi * t..(bi + 1) * t];
+                let out_ptr = out_ptr;
+                // SAFETY: q/k/v reads stay inside row block `bi`, columns hi·d..(hi+1)·d; `p` is this
+                // task's own chunk; the output block (rows of `bi`, columns of `hi`) belongs to this
+                // task alone.
+                unsafe {
+                    small_gemm(
+                        (t, t, d),
+                        p.as_mut_ptr(),
+                        (t, 1),
+                        qs[off..].as_ptr(),
+                        (h, 1),
+                        ks[off..].as_ptr(),
+                        (1, h),
+                        false,
+                    );
+                }
+                for row in p.chunks_mut(t) {
+                    let mut max = f32::NEG_INFINITY;
+                    for (x, &mv) in row.iter_mut().zip(m) {
+                        *x = *x * scale + mv;
+                        max = max.max(*x);
+                    }
+                    let mut sum = 0f32;
+                    for x in row.iter_mut() {
+                        *x = (*x - max).exp();
+                        sum += *x;
+                    }
+                    let inv = 1.0 / sum;
+                    row.iter_mut().for_each(|x| *x *= inv);
+                }
+                let pd: &[f32] = if keep < 1.0 {
+                    scratch.copy_from_slice(p);
+                    for (i, row) in scratch.chunks_mut(t).enumerate() {
+                        dropout_row(row, ((bh * t + i) * t) as u64, keep, seed);
+                    }
+                    scratch
+                } else {
+                    p
+                };
+                unsafe {
+                    small_gemm(
+                        (t, d, t),
+                        out_ptr.0.add(off),
+                        (h, 1),
+                        pd.as_ptr(),
+                        (t, 1),
+                        vs[off..].as_ptr(),
+                        (h, 1),
+                        false,
+                    );
+                }
+            },
+        );
+        (tensor(&[b, t, h], out), tensor(&[b, heads, t, t], probs))
+    }
+
+    fn kiln_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        dropout: f64,
+        seed: u64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let _p = super::profile::scope("attention_bwd");
+        let (q, k, v, probs, dout) = (dense(q), dense(k), dense(v), dense(probs), dense(dout));
+        let (b, t, h) = (q.shape()[0], q.shape()[1], q.shape()[2]);
+        let d = h / heads;
+        let (qs, ks, vs, ps, dos) = (slice(&q), slice(&k), slice(&v), slice(&probs), slice(&dout));
+        let (scale, keep) = (scale as f32, (1.0 - dropout) as f32);
+        let (mut dq, mut dk, mut dv) = (
+            vec![0f32; b * t * h],
+            vec![0f32; b * t * h],
+            vec![0f32; b * t * h],
+        );
+        let (dq_ptr, dk_ptr, dv_ptr) = (
+            SharedMut(dq.as_mut_ptr()),
+            SharedMut(dk.as_mut_ptr()),
+            SharedMut(dv.as_mut_ptr()),
+        );
+        (0..b * heads).into_par_iter().for_each_init(
+            || (vec![0f32; t * t], vec![0f32; t * t]),
+            |(pd, dp), bh| {
+                let (bi, hi) = (bh / heads, bh % heads);
+                let off = bi * t * h + hi * d;
+                let p = &ps[bh * t * t..(bh + 1) * t * t];
+                let (dq_ptr, dk_ptr, dv_ptr) = (dq_ptr, dk_ptr, dv_ptr);
+                // The dropped probabilities, regenerated from the seed.
+                pd.copy_from_slice(p);
+                if keep < 1.0 {
+                    for (i, row) in pd.chunks_mut(t).enumerate() {
+                        dropout_row(row, ((bh * t + i) * t) as u64, keep, seed);
+                    }
+                }
+                // SAFETY: as in the forward: this task reads and writes only head `hi` of batch `bi`.
+                unsafe {
+                    // dV = P_dropᵀ · dO
+                    small_gemm(
+                        (t, d, t),
+                        dv_ptr.0.add(off),
+                        (h, 1),
+                        pd.as_ptr(),
+                        (1, t),
+                        dos[off..].as_ptr(),
+                        (h, 1),
+                        false,
+                    );
+                    // dP_drop = dO · Vᵀ
+                    small_gemm(
+                        (t, t, d),
+                        dp.as_mut_ptr(),
+                        (t, 1),
+                        dos[off..].as_ptr(),
+                        (h, 1),
+                        vs[off..].as_ptr(),
+                        (1, h),
+                        false,
+                    );
+                }
+                for (i, (dr, pr)) in dp.chunks_mut(t).zip(p.chunks(t)).enumerate() {
+                    if keep < 1.0 {
+                        dropout_row(dr, ((bh * t + i) * t) as u64, keep, seed);
+                    }
+                    let dot: f32 = dr.iter().zip(pr).map(|(a, b)| a * b).sum();
+                    for (x, &pv) in dr.iter_mut().zip(pr) {
+                        *x = scale * pv * (*x - dot);
+                    }
+                }
+                unsafe {
+                    // dQ = dS · K,  dK = dSᵀ · Q
+                    small_gemm(
+                        (t, d, t),
+                        dq_ptr.0.add(off),
+                        (h, 1),
+                        dp.as_ptr(),
+                        (t, 1),
+                        ks[off..].as_ptr(),
+                        (h, 1),
+                        false,
+                    );
+                    small_gemm(
+                        (t, d, t),
+                        dk_ptr.0.add(off),
+                        (h, 1),
+                        dp.as_ptr(),
+                        (1, t),
+                        qs[off..].as_ptr(),
+                        (h, 1),
+                        false,
+                    );
+                }
+            },
+        );
+        (
+            tensor(&[b, t, h], dq),
+            tensor(&[b, t, h], dk),
+            tensor(&[b, t, h], dv),
+        )
+    }
+
+    fn kiln_adamw(
+        p: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        h: super::AdamWStep,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let _p = super::profile::scope("adamw");
+        let (mut p, g, mut m, mut v) = (dense(p), dense(g), dense(m), dense(v));
+        let shape = p.shape().to_vec();
+        let decay = (1.0 - h.lr * h.weight_decay) as f32;
+        // 1 − β in f64 first: in f32, 1 − 0.999 is off by 1.3e-5 relative (torch forms it in double).
+        let (b1, b2, eps) = (h.beta1 as f32, h.beta2 as f32, h.eps as f32);
+        let (one_b1, one_b2) = ((1.0 - h.beta1) as f32, (1.0 - h.beta2) as f32);
+        let (step, bc2, gs) = (
+            (h.lr / h.bias_correction1) as f32,
+            h.bias_correction2_sqrt as f32,
+            h.grad_scale as f32,
+        );
+        // ArcArray::as_slice_mut copies only if the buffer is shared; moments are the optimizer's own.
+        let (ps, ms, vs) = (
+            p.as_slice_mut().expect("standard layout"),
+            m.as_slice_mut().expect("standard layout"),
+            v.as_slice_mut().expect("standard layout"),
+        );
+        const CHUNK: usize = 32_768;
+        ps.par_chunks_mut(CHUNK)
+            .zip(ms.par_chunks_mut(CHUNK))
+            .zip(vs.par_chunks_mut(CHUNK))
+            .zip(slice(&g).par_chunks(CHUNK))
+            .for_each(|(((pc, mc), vc), gc)| {
+                for i in 0..pc.len() {
+                    let g = gc[i] * gs;
+                    mc[i] = mc[i] * b1 + g * one_b1;
+                    vc[i] = vc[i] * b2 + g * g * one_b2;
+                    let denom = vc[i].sqrt() / bc2 + eps;
+                    pc[i] = pc[i] * decay - step * (mc[i] / denom);
+                }
+            });
+        let _ = shape;
+        (
+            NdArrayTensor::from(p),
+            NdArrayTensor::from(m),
+            NdArrayTensor::from(v),
+        )
+    }
+
+    fn kiln_sum_squares(x: FloatTensor<Self>) -> f64 {
+        let x = dense(x);
+        slice(&x)
+            .par_chunks(32_768)
+            .map(|c| c.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>())
+            .sum()
+    }
+
     fn kiln_dropout_mask(
         shape: Shape,
         keep: f64,
         seed: u64,
         _: &Self::Device,
     ) -> FloatTensor<Self> {
+        let _p = super::profile::scope("dropout_mask");
         let n = shape.num_elements();
         let (keep, value) = (keep as f32, (1.0 / keep) as f32);
         let mut m = vec![0f32; n];

@@ -8,6 +8,7 @@
 
 mod autodiff;
 mod cpu;
+pub mod profile;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
@@ -18,6 +19,24 @@ fn t<B: Backend, const D: usize>(p: FloatTensor<B>) -> Tensor<B, D> {
 }
 fn p<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
     t.into_primitive().tensor()
+}
+use p as p_;
+
+/// The scalars of one AdamW step for one parameter.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWStep {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// 0 for parameters exempt from decay.
+    pub weight_decay: f64,
+    /// 1 − β₁ᵗ.
+    pub bias_correction1: f64,
+    /// √(1 − β₂ᵗ).
+    pub bias_correction2_sqrt: f64,
+    /// Multiplies the gradient first (gradient clipping's coefficient).
+    pub grad_scale: f64,
 }
 
 /// Backend operations kiln fuses. Shapes: `x [M, K]`, `w [N, K]` (PyTorch layout), `b [N]` for linear;
@@ -138,6 +157,96 @@ pub trait KilnBackend: Backend {
         p((dy - dot) * y * scale)
     }
 
+    /// Multi-head attention core for `q, k, v [B, T, H]` (heads side by side in H) and an additive key
+    /// mask `[B, T]`: `dropout(softmax(q kᵀ·scale + mask)) v`, back in `[B, T, H]`. Also returns the
+    /// softmax probabilities `[B, heads, T, T]` (before dropout) for the backward. The dropout mask is
+    /// a function of `seed`, so the backward regenerates it instead of storing it.
+    #[allow(clippy::too_many_arguments)]
+    fn kiln_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        dropout: f64,
+        seed: u64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (q, k, v) = (t::<Self, 3>(q), t::<Self, 3>(k), t::<Self, 3>(v));
+        let [b, tq, h] = q.dims();
+        let split = |x: Tensor<Self, 3>| x.reshape([b, tq, heads, h / heads]).swap_dims(1, 2);
+        let scores = split(q).matmul(split(k).swap_dims(2, 3));
+        let probs = t::<Self, 4>(Self::kiln_masked_softmax(p(scores), mask, scale));
+        let dropped = attention_dropout::<Self>(probs.clone(), dropout, seed);
+        let out = dropped.matmul(split(v)).swap_dims(1, 2).reshape([b, tq, h]);
+        (p(out), p(probs))
+    }
+
+    /// `(dq, dk, dv)` of [`Self::kiln_attention`] for the output gradient `dout [B, T, H]`.
+    #[allow(clippy::too_many_arguments)]
+    fn kiln_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        dropout: f64,
+        seed: u64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (q, k, v) = (t::<Self, 3>(q), t::<Self, 3>(k), t::<Self, 3>(v));
+        let [b, tq, h] = q.dims();
+        let split = |x: Tensor<Self, 3>| x.reshape([b, tq, heads, h / heads]).swap_dims(1, 2);
+        let merge = |x: Tensor<Self, 4>| x.swap_dims(1, 2).reshape([b, tq, h]);
+        let probs = t::<Self, 4>(probs);
+        let dout = split(t::<Self, 3>(dout));
+        let dropped = attention_dropout::<Self>(probs.clone(), dropout, seed);
+        let dv = dropped.swap_dims(2, 3).matmul(dout.clone());
+        let dprobs =
+            attention_dropout::<Self>(dout.matmul(split(v).swap_dims(2, 3)), dropout, seed);
+        let ds = t::<Self, 4>(Self::kiln_masked_softmax_backward(
+            p(probs),
+            p(dprobs),
+            scale,
+        ));
+        let dq = ds.clone().matmul(split(k));
+        let dk = ds.swap_dims(2, 3).matmul(split(q));
+        (p(merge(dq)), p(merge(dk)), p(merge(dv)))
+    }
+
+    /// One AdamW update of a flat parameter `p` with gradient `g·grad_scale` and moments `m`, `v`, exactly
+    /// as `torch.optim.AdamW` (decoupled decay first, then the bias-corrected Adam step). Returns
+    /// `(p, m, v)`; the CPU kernel updates in place.
+    fn kiln_adamw(
+        p: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        h: AdamWStep,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let g = t::<Self, 1>(g) * h.grad_scale;
+        let mut pt = t::<Self, 1>(p);
+        if h.weight_decay != 0.0 {
+            pt = pt * (1.0 - h.lr * h.weight_decay);
+        }
+        let m = t::<Self, 1>(m) * h.beta1 + g.clone() * (1.0 - h.beta1);
+        let v = t::<Self, 1>(v) * h.beta2 + g.powi_scalar(2) * (1.0 - h.beta2);
+        let denom = v.clone().sqrt() / h.bias_correction2_sqrt + h.eps;
+        let pt = pt - (m.clone() / denom) * (h.lr / h.bias_correction1);
+        (p_(pt), p_(m), p_(v))
+    }
+
+    /// Σ x² of a flat tensor, on the host.
+    fn kiln_sum_squares(x: FloatTensor<Self>) -> f64 {
+        use burn::tensor::ElementConversion;
+        t::<Self, 1>(x)
+            .powi_scalar(2)
+            .sum()
+            .into_scalar()
+            .elem::<f64>()
+    }
+
     /// A flat dropout mask of `shape`'s size: each element `1/keep` with probability `keep`, else 0.
     /// Deterministic in `seed`.
     fn kiln_dropout_mask(
@@ -154,6 +263,16 @@ pub trait KilnBackend: Backend {
         );
         p(m * (1.0 / keep))
     }
+}
+
+/// `x · dropout_mask(seed)` with the mask of [`KilnBackend::kiln_dropout_mask`] (identity at p = 0).
+fn attention_dropout<B: KilnBackend>(x: Tensor<B, 4>, prob: f64, seed: u64) -> Tensor<B, 4> {
+    if prob <= 0.0 {
+        return x;
+    }
+    let dims = x.dims();
+    let mask = B::kiln_dropout_mask(x.shape(), 1.0 - prob, seed, &x.device());
+    x * t::<B, 1>(mask).reshape(dims)
 }
 
 /// `x wᵀ + b` over the last dimension of `x` (PyTorch's `F.linear`).
@@ -210,6 +329,29 @@ pub fn reseed_dropout(seed: u64) {
         seed.wrapping_mul(0x9E37_79B9_7F4A_7C15),
         std::sync::atomic::Ordering::SeqCst,
     );
+}
+
+/// Multi-head self-attention core: `dropout(softmax(q kᵀ/√d + mask)) v` for `q, k, v [B, T, H]` with
+/// `heads` heads side by side and an additive key mask `[B, T]`. Dropout applies only in training.
+pub fn attention<B: KilnBackend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    mask: Tensor<B, 2>,
+    heads: usize,
+    dropout: f64,
+) -> Tensor<B, 3> {
+    let scale = 1.0 / ((q.dims()[2] / heads) as f64).sqrt();
+    let (dropout, seed) = if B::ad_enabled() && dropout > 0.0 {
+        (
+            dropout,
+            DROPOUT_STREAM.fetch_add(1, std::sync::atomic::Ordering::SeqCst),
+        )
+    } else {
+        (0.0, 0)
+    };
+    let (out, _) = B::kiln_attention(p(q), p(k), p(v), p(mask), heads, scale, dropout, seed);
+    t(out)
 }
 
 /// Inverted dropout, active only when the backend records gradients (training).

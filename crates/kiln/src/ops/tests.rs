@@ -173,3 +173,59 @@ fn dropout_masks_are_seeded_and_scaled() {
     assert!((kept - 0.9).abs() < 0.005, "{kept}");
     assert!(a.iter().all(|&v| v == 0.0 || (v - 1.0 / 0.9).abs() < 1e-6));
 }
+
+#[test]
+fn attention_matches_composed_ops() {
+    let (b, t, h, heads) = (2, 6, 8, 2);
+    let mut m = vec![0f32; b * t];
+    m[t + 4] = f32::MIN;
+    m[t + 5] = f32::MIN;
+    let mask = Tensor::<CpuTrain, 2>::from_data(TensorData::new(m, [b, t]), &Default::default());
+    let inputs = [
+        rand([b * t, h], 11),
+        rand([b * t, h], 12),
+        rand([b * t, h], 13),
+    ];
+    let split = |x: Tensor<CpuTrain, 2>| x.reshape([b, t, heads, h / heads]).swap_dims(1, 2);
+    for (dropout, seed) in [(0.0, 0), (0.3, 77)] {
+        check(
+            &format!("attention p={dropout}"),
+            inputs.clone(),
+            |x| {
+                let r = |i: usize| x[i].clone().reshape([b, t, h]);
+                let (out, _) = CpuTrain::kiln_attention(
+                    p(r(0)),
+                    p(r(1)),
+                    p(r(2)),
+                    p(mask.clone()),
+                    heads,
+                    0.5,
+                    dropout,
+                    seed,
+                );
+                super::t::<CpuTrain, 3>(out)
+            },
+            |x| {
+                let scores = split(x[0].clone()).matmul(split(x[1].clone()).swap_dims(2, 3));
+                let probs = softmax(scores * 0.5 + mask.clone().reshape([b, 1, 1, t]), 3);
+                let probs = if dropout > 0.0 {
+                    let m = Cpu::kiln_dropout_mask(
+                        probs.shape(),
+                        1.0 - dropout,
+                        seed,
+                        &Default::default(),
+                    );
+                    probs
+                        * Tensor::<CpuTrain, 1>::from_inner(super::t::<Cpu, 1>(m))
+                            .reshape([b, heads, t, t])
+                } else {
+                    probs
+                };
+                probs
+                    .matmul(split(x[2].clone()))
+                    .swap_dims(1, 2)
+                    .reshape([b, t, h])
+            },
+        );
+    }
+}

@@ -8,19 +8,24 @@ use std::collections::BTreeMap;
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+
+use crate::ops::{AdamWStep, KilnBackend};
 
 use crate::hub::weights::{map_params, HostTensor, ParamInfo, PathTracker};
 
 /// Gradients summed over the micro-batches of one optimizer step, flattened, keyed by path.
 pub struct GradAccumulator<B: Backend> {
     pub grads: BTreeMap<String, Tensor<B, 1>>,
+    /// Pending multiplier of every gradient (clipping), applied inside the optimizer's fused step.
+    pub factor: f64,
 }
 
 impl<B: Backend> Default for GradAccumulator<B> {
     fn default() -> Self {
         Self {
             grads: BTreeMap::new(),
+            factor: 1.0,
         }
     }
 }
@@ -53,7 +58,7 @@ impl<AB: AutodiffBackend> ModuleVisitor<AB> for GradVisit<'_, AB> {
     }
 }
 
-impl<B: Backend> GradAccumulator<B> {
+impl<B: KilnBackend> GradAccumulator<B> {
     /// Adds the gradients of `model`'s parameters found in `grads`.
     pub fn accumulate<AB, M>(&mut self, model: &M, grads: &AB::Gradients)
     where
@@ -68,24 +73,19 @@ impl<B: Backend> GradAccumulator<B> {
         model.visit(&mut v);
     }
 
-    /// The global L2 norm of all gradients (one host sync).
+    /// The global L2 norm of all gradients (after any pending scale).
     pub fn global_norm(&self) -> f64 {
-        let total = self
+        let sum: f64 = self
             .grads
             .values()
-            .map(|g| g.clone().powi_scalar(2).sum())
-            .reduce(|a, b| a + b);
-        match total {
-            Some(t) => (t.into_scalar().elem_f64()).sqrt(),
-            None => 0.0,
-        }
+            .map(|g| B::kiln_sum_squares(g.clone().into_primitive().tensor()))
+            .sum();
+        sum.sqrt() * self.factor.abs()
     }
 
-    /// Multiplies every gradient by `factor`.
+    /// Multiplies every gradient by `factor` (lazily: the optimizer applies it).
     pub fn scale(&mut self, factor: f64) {
-        for g in self.grads.values_mut() {
-            *g = g.clone() * factor;
-        }
+        self.factor *= factor;
     }
 
     /// Clips to `max_norm` like `torch.nn.utils.clip_grad_norm_`; returns the norm before clipping.
@@ -98,15 +98,6 @@ impl<B: Backend> GradAccumulator<B> {
             }
         }
         norm
-    }
-}
-
-trait ElemF64 {
-    fn elem_f64(self) -> f64;
-}
-impl<E: burn::tensor::ElementConversion> ElemF64 for E {
-    fn elem_f64(self) -> f64 {
-        self.elem::<f64>()
     }
 }
 
@@ -125,14 +116,14 @@ pub fn decays(info: &ParamInfo) -> bool {
 }
 
 /// AdamW moments for every parameter, on the inner (non-autodiff) backend.
-pub struct AdamW<B: Backend> {
+pub struct AdamW<B: KilnBackend> {
     pub cfg: AdamWConfig,
     /// Number of optimizer steps taken (torch's per-parameter `step`; equal for all parameters).
     pub step: u64,
     moments: BTreeMap<String, (Tensor<B, 1>, Tensor<B, 1>)>,
 }
 
-impl<B: Backend> AdamW<B> {
+impl<B: KilnBackend> AdamW<B> {
     pub fn new(cfg: AdamWConfig) -> Self {
         Self {
             cfg,
@@ -153,22 +144,28 @@ impl<B: Backend> AdamW<B> {
         let bc1 = 1.0 - c.beta1.powi(t);
         let bc2_sqrt = (1.0 - c.beta2.powi(t)).sqrt();
         let moments = &mut self.moments;
+        let factor = grads.factor;
         map_params(model, |info, _shape, value: Tensor<AB, 1>| {
             let g = grads.grads.remove(info.path)?;
-            let mut p = value.inner();
-            if decays(info) && c.weight_decay != 0.0 {
-                p = p * (1.0 - lr * c.weight_decay);
-            }
             let (m, v) = match moments.remove(info.path) {
                 Some(mv) => mv,
                 None => (g.zeros_like(), g.zeros_like()),
             };
-            let m = m * c.beta1 + g.clone() * (1.0 - c.beta1);
-            let v = v * c.beta2 + g.powi_scalar(2) * (1.0 - c.beta2);
-            let denom = v.clone().sqrt() / bc2_sqrt + c.eps;
-            let p = p - (m.clone() / denom) * (lr / bc1);
-            moments.insert(info.path.to_string(), (m, v));
-            Some(Tensor::from_inner(p))
+            let h = AdamWStep {
+                lr,
+                beta1: c.beta1,
+                beta2: c.beta2,
+                eps: c.eps,
+                weight_decay: if decays(info) { c.weight_decay } else { 0.0 },
+                bias_correction1: bc1,
+                bias_correction2_sqrt: bc2_sqrt,
+                grad_scale: factor,
+            };
+            let prim = |t: Tensor<B, 1>| t.into_primitive().tensor();
+            let (p, m, v) = B::kiln_adamw(prim(value.inner()), prim(g), prim(m), prim(v), h);
+            let back = |x| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(x));
+            moments.insert(info.path.to_string(), (back(m), back(v)));
+            Some(Tensor::from_inner(back(p)))
         })
     }
 

@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
+
+use crate::ops::TrainBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Map, Value};
@@ -44,7 +46,7 @@ pub struct TrainOutput {
     pub metrics: BTreeMap<String, f64>,
 }
 
-pub struct Trainer<B: AutodiffBackend, M, L = CrossEntropy> {
+pub struct Trainer<B: TrainBackend, M, L = CrossEntropy> {
     pub args: TrainingArguments,
     pub model: M,
     pub device: B::Device,
@@ -77,7 +79,7 @@ fn host_rows<B: Backend>(t: Tensor<B, 2>) -> Vec<Vec<f32>> {
 
 impl<B, M, L> Trainer<B, M, L>
 where
-    B: AutodiffBackend,
+    B: TrainBackend,
     M: AutodiffModule<B> + Classifier<B> + Clone,
     M::InnerModule: Classifier<B::InnerBackend, Batch = M::Batch>,
     L: Loss,
