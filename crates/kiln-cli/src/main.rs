@@ -10,6 +10,11 @@ use kiln::data::{Columns, DataArgs, TextEncoding};
 use kiln::tasks::text_classification::{self as tc, ClassificationOptions};
 use kiln::train::TrainingArguments;
 
+/// Training allocates and frees the same large activation buffers every step: mimalloc keeps them,
+/// where the system allocator returns them to the OS and pays page faults to get them back.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "kiln",
@@ -326,21 +331,22 @@ fn main() -> ExitCode {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
-    if let Some(n) = cli.threads {
-        // One pool for element-wise work (rayon) and the GEMM kernels (matrixmultiply).
-        std::env::set_var("MATMUL_NUM_THREADS", n.to_string());
-        let _ = rayon_init(n);
+    kiln::ops::init_threads(cli.threads);
+    // KILN_PROFILE=1: time every fused kernel and print the table at exit (stderr).
+    let profile = std::env::var_os("KILN_PROFILE").is_some();
+    kiln::ops::profile::enable(profile);
+    let result = run(cli, &matches);
+    if profile {
+        eprintln!("kernel profile (wall time, all calls):");
+        for (name, calls, secs) in kiln::ops::profile::take() {
+            eprintln!("  {name:<24} {calls:>8} calls {secs:>9.3} s");
+        }
     }
-    match run(cli, &matches) {
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
     }
-}
-
-fn rayon_init(n: usize) -> Result<()> {
-    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-    Ok(())
 }

@@ -3,10 +3,8 @@
 
 use std::time::Instant;
 
-use burn::module::AutodiffModule;
-use burn::tensor::backend::Backend;
-
 use crate::ops::{KilnBackend, TrainBackend};
+use burn::module::AutodiffModule;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use serde::Serialize;
@@ -222,17 +220,21 @@ pub fn bert_infer<B: KilnBackend>(
     r
 }
 
-/// The machine's fp32 GEMM rate through the backend (1024³, like bench_hf.py's calibration).
-pub fn gemm_gflops<B: Backend>(device: &B::Device) -> f64 {
+/// The machine's fp32 GEMM rate through kiln's Linear kernel (1024³, like bench_hf.py's calibration).
+pub fn gemm_gflops<B: KilnBackend>(device: &B::Device) -> f64 {
     let a = Tensor::<B, 2>::random([1024, 1024], burn::tensor::Distribution::Default, device);
     let b = Tensor::<B, 2>::random([1024, 1024], burn::tensor::Distribution::Default, device);
     for _ in 0..3 {
-        let _ = a.clone().matmul(b.clone()).sum().into_scalar();
+        let _ = crate::ops::linear(a.clone(), b.clone(), None)
+            .sum()
+            .into_scalar();
     }
     let k = 10;
     let t0 = Instant::now();
     for _ in 0..k {
-        let _ = a.clone().matmul(b.clone()).sum().into_scalar();
+        let _ = crate::ops::linear(a.clone(), b.clone(), None)
+            .sum()
+            .into_scalar();
     }
     2.0 * 1024f64.powi(3) * k as f64 / t0.elapsed().as_secs_f64() / 1e9
 }

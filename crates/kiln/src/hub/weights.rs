@@ -105,7 +105,7 @@ struct Map<'f, F> {
 
 impl<B: Backend, F> ModuleMapper<B> for Map<'_, F>
 where
-    F: FnMut(&ParamInfo, &[usize], Tensor<B, 1>) -> Option<Tensor<B, 1>>,
+    F: FnMut(&ParamInfo, &[usize], Tensor<B, 1>) -> Tensor<B, 1>,
 {
     fn enter_module(&mut self, name: &str, container: &str) {
         self.tracker.enter(name, container);
@@ -123,26 +123,22 @@ where
         let shape = value.dims();
         let require_grad = value.is_require_grad();
         let n = value.shape().num_elements();
-        let flat = value.clone().reshape([n]);
-        let value = match (self.f)(&info, &shape, flat) {
-            Some(new) => {
-                let new = new.reshape(shape);
-                if require_grad {
-                    new.detach().require_grad()
-                } else {
-                    new.detach()
-                }
-            }
-            None => value,
+        // The value moves through (no clone), so a kernel may update its buffer in place.
+        let new = (self.f)(&info, &shape, value.detach().reshape([n])).reshape(shape);
+        let value = if require_grad {
+            new.detach().require_grad()
+        } else {
+            new.detach()
         };
         Param::from_mapped_value(id, value, mapper)
     }
 }
 
-/// Rebuilds `module`, replacing each float parameter for which `f` returns a new flat value.
+/// Rebuilds `module` with each float parameter replaced by `f(info, shape, flat value)` (return the
+/// value itself to keep it).
 pub fn map_params<B: Backend, M: Module<B>>(
     module: M,
-    mut f: impl FnMut(&ParamInfo, &[usize], Tensor<B, 1>) -> Option<Tensor<B, 1>>,
+    mut f: impl FnMut(&ParamInfo, &[usize], Tensor<B, 1>) -> Tensor<B, 1>,
 ) -> M {
     let mut m = Map {
         tracker: PathTracker::default(),
@@ -279,7 +275,7 @@ pub fn load_into<B: Backend, M: Module<B>>(
             .find_map(|c| tensors.get(c).map(|t| (c.clone(), t)))
         else {
             report.missing.push(info.path.to_string());
-            return None;
+            return current;
         };
         used.insert(key.clone());
         if t.shape != shape {
@@ -287,14 +283,10 @@ pub fn load_into<B: Backend, M: Module<B>>(
                 "tensor {key}: checkpoint shape {:?} does not match the model's {:?} (check config.json)",
                 t.shape, shape
             )));
-            return None;
+            return current;
         }
         report.loaded.push(info.path.to_string());
-        let _ = current;
-        Some(Tensor::from_data(
-            TensorData::new(t.data.clone(), [t.data.len()]),
-            device,
-        ))
+        Tensor::from_data(TensorData::new(t.data.clone(), [t.data.len()]), device)
     });
     if let Some(e) = error {
         return Err(e);

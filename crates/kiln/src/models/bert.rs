@@ -190,11 +190,15 @@ impl<B: KilnBackend> BertLayer<B> {
     fn forward(&self, x: Tensor<B, 3>, mask_bias: Tensor<B, 2>) -> Tensor<B, 3> {
         let att = &self.attention;
         let a = att.self_.forward(x.clone(), mask_bias);
-        let a = dropout(att.output.dense.forward(a), att.output.dropout);
-        let x = att.output.LayerNorm.forward(a + x);
+        let x = att.output.LayerNorm.forward_residual(
+            att.output.dense.forward(a),
+            x,
+            att.output.dropout,
+        );
         let i = gelu(self.intermediate.dense.forward(x.clone()));
-        let o = dropout(self.output.dense.forward(i), self.output.dropout);
-        self.output.LayerNorm.forward(o + x)
+        self.output
+            .LayerNorm
+            .forward_residual(self.output.dense.forward(i), x, self.output.dropout)
     }
 }
 

@@ -55,6 +55,23 @@ impl<B: KilnBackend> LayerNorm<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         ops::layer_norm(x, self.weight.val(), self.bias.val(), self.eps)
     }
+
+    /// `norm(dropout(x) + residual)`, fused (a transformer sub-layer's output).
+    pub fn forward_residual<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        residual: Tensor<B, D>,
+        dropout: f64,
+    ) -> Tensor<B, D> {
+        ops::residual_layer_norm(
+            x,
+            residual,
+            self.weight.val(),
+            self.bias.val(),
+            self.eps,
+            dropout,
+        )
+    }
 }
 
 /// A lookup table `[num_embeddings, dim]`.

@@ -92,6 +92,35 @@ impl<B: KilnBackend> Backward<B, 3> for LayerNormOp {
 }
 
 #[derive(Debug)]
+struct ResidualLayerNorm;
+impl<B: KilnBackend> Backward<B, 4> for ResidualLayerNorm {
+    /// z (the normalised input), w, mean, 1/σ, and (dropout, seed).
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        (f64, u64),
+    );
+    fn backward(self, ops: Ops<Self::State, 4>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (z, w, mean, rstd, (dropout, seed)) = ops.state;
+        let (dz, dw, db) = B::kiln_layer_norm_backward(z, w, mean, rstd, dy);
+        let [px, pr, pw, pb] = ids!(ops);
+        if px.is_some() {
+            give::<B>(
+                grads,
+                px,
+                Some(B::kiln_dropout_backward(dz.clone(), dropout, seed)),
+            );
+        }
+        give::<B>(grads, pr, Some(dz));
+        give::<B>(grads, pw, Some(dw));
+        give::<B>(grads, pb, Some(db));
+    }
+}
+
+#[derive(Debug)]
 struct MaskedSoftmax;
 impl<B: KilnBackend> Backward<B, 1> for MaskedSoftmax {
     /// The softmax output and the scale.
@@ -244,6 +273,54 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
             OpsKind::UnTracked(prep) => prep.finish(y),
         };
         (out, stats.0, stats.1)
+    }
+
+    fn kiln_residual_layer_norm(
+        x: FloatTensor<Self>,
+        r: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        eps: f64,
+        dropout: f64,
+        seed: u64,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        let (y, z, mean, rstd) = B::kiln_residual_layer_norm(
+            x.primitive,
+            r.primitive,
+            w.primitive.clone(),
+            b.primitive,
+            eps,
+            dropout,
+            seed,
+        );
+        let aux = (
+            Self::from_inner(z.clone()),
+            Self::from_inner(mean.clone()),
+            Self::from_inner(rstd.clone()),
+        );
+        let out = match ResidualLayerNorm
+            .prepare::<C>([
+                x.node.clone(),
+                r.node.clone(),
+                w.node.clone(),
+                b.node.clone(),
+            ])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((z, w.primitive, mean, rstd, (dropout, seed)), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        };
+        (out, aux.0, aux.1, aux.2)
+    }
+
+    fn kiln_dropout_backward(dz: FloatTensor<Self>, dropout: f64, seed: u64) -> FloatTensor<Self> {
+        Self::from_inner(B::kiln_dropout_backward(dz.primitive, dropout, seed))
     }
 
     fn kiln_masked_softmax(

@@ -34,7 +34,9 @@ fn slice(a: &ArcArray<f32, IxDyn>) -> &[f32] {
     a.as_slice().expect("standard layout")
 }
 
-/// C[m×n] (row stride `n`) = α·A·B + β·C, with A and B given by element strides.
+/// C[m×n] (row stride `n`) = A·B + β·C, with A and B given by element strides. The rows of C are
+/// split across the rayon pool and each part runs single-threaded matrixmultiply (its own thread
+/// pool is disabled in `ops::init_threads`), so only one set of threads ever competes for the cores.
 #[allow(clippy::too_many_arguments)]
 fn sgemm(
     m: usize,
@@ -47,28 +49,41 @@ fn sgemm(
     beta: f32,
     c: &mut [f32],
 ) {
-    assert!(a.len() >= (m - 1) * rsa + (k - 1) * csa + 1 || m == 0 || k == 0);
-    assert!(b.len() >= (k - 1) * rsb + (n - 1) * csb + 1 || k == 0 || n == 0);
-    assert!(c.len() >= m * n);
-    // SAFETY: the asserts bound every index the kernel reads or writes for these strides.
-    unsafe {
-        matrixmultiply::sgemm(
-            m,
-            k,
-            n,
-            1.0,
-            a.as_ptr(),
-            rsa as isize,
-            csa as isize,
-            b.as_ptr(),
-            rsb as isize,
-            csb as isize,
-            beta,
-            c.as_mut_ptr(),
-            n as isize,
-            1,
-        );
+    if m == 0 || n == 0 {
+        return;
     }
+    assert!(k == 0 || a.len() > (m - 1) * rsa + (k - 1) * csa);
+    assert!(k == 0 || b.len() > (k - 1) * rsb + (n - 1) * csb);
+    assert!(c.len() >= m * n);
+    let parts = rayon::current_num_threads().max(1);
+    // Whole multiples of 8 rows per part keep the micro-kernel's row blocks intact.
+    let rows = m.div_ceil(parts).div_ceil(8) * 8;
+    c[..m * n]
+        .par_chunks_mut(rows * n)
+        .enumerate()
+        .for_each(|(i, cpart)| {
+            let r0 = i * rows;
+            let mr = cpart.len() / n;
+            // SAFETY: rows r0..r0+mr of A are in bounds by the asserts; `cpart` is this task's rows of C.
+            unsafe {
+                matrixmultiply::sgemm(
+                    mr,
+                    k,
+                    n,
+                    1.0,
+                    a.as_ptr().add(r0 * rsa),
+                    rsa as isize,
+                    csa as isize,
+                    b.as_ptr(),
+                    rsb as isize,
+                    csb as isize,
+                    beta,
+                    cpart.as_mut_ptr(),
+                    n as isize,
+                    1,
+                );
+            }
+        });
 }
 
 /// Rows per parallel task: enough work per task to amortise scheduling.
@@ -108,6 +123,14 @@ struct SharedMut(*mut f32);
 // SAFETY: only used where every task writes rows/columns no other task touches.
 unsafe impl Send for SharedMut {}
 unsafe impl Sync for SharedMut {}
+
+impl SharedMut {
+    /// A method (not `.0`) so closures capture the `Sync` wrapper rather than the raw field.
+    fn at(self, offset: usize) -> *mut f32 {
+        // SAFETY: callers stay inside the buffer (see each call site).
+        unsafe { self.0.add(offset) }
+    }
+}
 
 /// dst[m×n] = lhs[m×k]·rhs[k×n] (+ dst if `accumulate`) on the calling thread. Operands are given by
 /// pointer and (row stride, column stride) in elements.
@@ -289,6 +312,91 @@ impl KilnBackend for Cpu {
         (tensor(&[r, h], y), tensor(&[r], mean), tensor(&[r], rstd))
     }
 
+    fn kiln_residual_layer_norm(
+        x: FloatTensor<Self>,
+        r: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        eps: f64,
+        dropout: f64,
+        seed: u64,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        let _p = super::profile::scope("residual_layer_norm_fwd");
+        let (x, r, w, b) = (dense(x), dense(r), dense(w), dense(b));
+        let (rows, h) = (x.shape()[0], x.shape()[1]);
+        let (ws, bs) = (slice(&w), slice(&b));
+        let keep = (1.0 - dropout) as f32;
+        let mut z = slice(&r).to_vec();
+        let mut y = vec![0f32; rows * h];
+        let mut stats = vec![(0f32, 0f32); rows];
+        let task = rows_per_task(h);
+        z.par_chunks_mut(task * h)
+            .zip(y.par_chunks_mut(task * h))
+            .zip(slice(&x).par_chunks(task * h))
+            .zip(stats.par_chunks_mut(task))
+            .enumerate()
+            .for_each(|(c, (((zc, yc), xc), sc))| {
+                for (j, ((zr, yr), (xr, s))) in zc
+                    .chunks_mut(h)
+                    .zip(yc.chunks_mut(h))
+                    .zip(xc.chunks(h).zip(sc))
+                    .enumerate()
+                {
+                    if keep < 1.0 {
+                        let base = ((c * task + j) * h) as u64;
+                        for i in 0..h {
+                            let m = if uniform(seed, base + i as u64) < keep {
+                                1.0 / keep
+                            } else {
+                                0.0
+                            };
+                            zr[i] += xr[i] * m;
+                        }
+                    } else {
+                        zr.iter_mut().zip(xr).for_each(|(z, x)| *z += x);
+                    }
+                    let mean = zr.iter().sum::<f32>() / h as f32;
+                    let var = zr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / h as f32;
+                    let rstd = 1.0 / (var + eps as f32).sqrt();
+                    for i in 0..h {
+                        yr[i] = (zr[i] - mean) * rstd * ws[i] + bs[i];
+                    }
+                    *s = (mean, rstd);
+                }
+            });
+        let (mean, rstd): (Vec<f32>, Vec<f32>) = stats.into_iter().unzip();
+        (
+            tensor(&[rows, h], y),
+            tensor(&[rows, h], z),
+            tensor(&[rows], mean),
+            tensor(&[rows], rstd),
+        )
+    }
+
+    fn kiln_dropout_backward(dz: FloatTensor<Self>, dropout: f64, seed: u64) -> FloatTensor<Self> {
+        if dropout <= 0.0 {
+            return dz;
+        }
+        let dz = dense(dz);
+        let shape = dz.shape().to_vec();
+        let keep = (1.0 - dropout) as f32;
+        let mut dx = slice(&dz).to_vec();
+        dx.par_chunks_mut(16_384)
+            .enumerate()
+            .for_each(|(c, chunk)| {
+                for (i, v) in chunk.iter_mut().enumerate() {
+                    let u = uniform(seed, (c * 16_384 + i) as u64);
+                    *v *= if u < keep { 1.0 / keep } else { 0.0 };
+                }
+            });
+        tensor(&shape, dx)
+    }
+
     fn kiln_layer_norm_backward(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
@@ -426,7 +534,6 @@ impl KilnBackend for Cpu {
                 let (bi, hi) = (bh / heads, bh % heads);
                 let off = bi * t * h + hi * d; // (row 0, column 0) of this head in [B, T, H]
                 let m = &ms[bi * t..(bi + 1) * t];
-                let out_ptr = out_ptr;
                 // SAFETY: q/k/v reads stay inside row block `bi`, columns hi·d..(hi+1)·d; `p` is this
                 // task's own chunk; the output block (rows of `bi`, columns of `hi`) belongs to this
                 // task alone.
@@ -468,7 +575,7 @@ impl KilnBackend for Cpu {
                 unsafe {
                     small_gemm(
                         (t, d, t),
-                        out_ptr.0.add(off),
+                        out_ptr.at(off),
                         (h, 1),
                         pd.as_ptr(),
                         (t, 1),
@@ -515,7 +622,6 @@ impl KilnBackend for Cpu {
                 let (bi, hi) = (bh / heads, bh % heads);
                 let off = bi * t * h + hi * d;
                 let p = &ps[bh * t * t..(bh + 1) * t * t];
-                let (dq_ptr, dk_ptr, dv_ptr) = (dq_ptr, dk_ptr, dv_ptr);
                 // The dropped probabilities, regenerated from the seed.
                 pd.copy_from_slice(p);
                 if keep < 1.0 {
@@ -528,7 +634,7 @@ impl KilnBackend for Cpu {
                     // dV = P_dropᵀ · dO
                     small_gemm(
                         (t, d, t),
-                        dv_ptr.0.add(off),
+                        dv_ptr.at(off),
                         (h, 1),
                         pd.as_ptr(),
                         (1, t),
@@ -561,7 +667,7 @@ impl KilnBackend for Cpu {
                     // dQ = dS · K,  dK = dSᵀ · Q
                     small_gemm(
                         (t, d, t),
-                        dq_ptr.0.add(off),
+                        dq_ptr.at(off),
                         (h, 1),
                         dp.as_ptr(),
                         (t, 1),
@@ -571,7 +677,7 @@ impl KilnBackend for Cpu {
                     );
                     small_gemm(
                         (t, d, t),
-                        dk_ptr.0.add(off),
+                        dk_ptr.at(off),
                         (h, 1),
                         dp.as_ptr(),
                         (1, t),

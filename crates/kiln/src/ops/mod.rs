@@ -157,6 +157,48 @@ pub trait KilnBackend: Backend {
         p((dy - dot) * y * scale)
     }
 
+    /// `layer_norm(dropout(x) + r)` over the last dimension of `[R, H]` inputs — a transformer block's
+    /// "dropout, residual add, norm" in one pass. Returns `(y, z, mean, rstd)` where `z` is the
+    /// normalised input, kept for the backward; the dropout mask is a function of `seed`.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn kiln_residual_layer_norm(
+        x: FloatTensor<Self>,
+        r: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        eps: f64,
+        dropout: f64,
+        seed: u64,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        let x = t::<Self, 2>(x);
+        let dims = x.dims();
+        let x = if dropout > 0.0 {
+            let mask = Self::kiln_dropout_mask(x.shape(), 1.0 - dropout, seed, &x.device());
+            x * t::<Self, 1>(mask).reshape(dims)
+        } else {
+            x
+        };
+        let z = x + t::<Self, 2>(r);
+        let (y, mean, rstd) = Self::kiln_layer_norm(p(z.clone()), w, b, eps);
+        (y, p(z), mean, rstd)
+    }
+
+    /// `dropout(dz)` with [`Self::kiln_residual_layer_norm`]'s mask: the gradient reaching `x`.
+    fn kiln_dropout_backward(dz: FloatTensor<Self>, dropout: f64, seed: u64) -> FloatTensor<Self> {
+        if dropout <= 0.0 {
+            return dz;
+        }
+        let dz = t::<Self, 2>(dz);
+        let dims = dz.dims();
+        let mask = Self::kiln_dropout_mask(dz.shape(), 1.0 - dropout, seed, &dz.device());
+        p(dz * t::<Self, 1>(mask).reshape(dims))
+    }
+
     /// Multi-head attention core for `q, k, v [B, T, H]` (heads side by side in H) and an additive key
     /// mask `[B, T]`: `dropout(softmax(q kᵀ·scale + mask)) v`, back in `[B, T, H]`. Also returns the
     /// softmax probabilities `[B, heads, T, T]` (before dropout) for the backward. The dropout mask is
@@ -311,6 +353,38 @@ pub fn layer_norm<B: KilnBackend, const D: usize>(
     t::<B, 2>(y).reshape(dims)
 }
 
+/// `layer_norm(dropout(x) + residual)` over the last dimension (dropout only in training).
+pub fn residual_layer_norm<B: KilnBackend, const D: usize>(
+    x: Tensor<B, D>,
+    residual: Tensor<B, D>,
+    w: Tensor<B, 1>,
+    b: Tensor<B, 1>,
+    eps: f64,
+    dropout: f64,
+) -> Tensor<B, D> {
+    let dims = x.dims();
+    let h = dims[D - 1];
+    let r: usize = dims[..D - 1].iter().product();
+    let (dropout, seed) = if B::ad_enabled() && dropout > 0.0 {
+        (
+            dropout,
+            DROPOUT_STREAM.fetch_add(1, std::sync::atomic::Ordering::SeqCst),
+        )
+    } else {
+        (0.0, 0)
+    };
+    let (y, _, _, _) = B::kiln_residual_layer_norm(
+        p(x.reshape([r, h])),
+        p(residual.reshape([r, h])),
+        p(w),
+        p(b),
+        eps,
+        dropout,
+        seed,
+    );
+    t::<B, 2>(y).reshape(dims)
+}
+
 /// `softmax(scores·scale + mask)` for attention scores `[B, H, T, S]` and an additive key mask `[B, S]`.
 pub fn masked_softmax<B: KilnBackend>(
     scores: Tensor<B, 4>,
@@ -318,6 +392,19 @@ pub fn masked_softmax<B: KilnBackend>(
     scale: f64,
 ) -> Tensor<B, 4> {
     t(B::kiln_masked_softmax(p(scores), p(mask), scale))
+}
+
+/// Sets the CPU worker threads: one rayon pool runs every kernel, and matrixmultiply's own pool is
+/// turned off (kernels split GEMMs across rayon instead), so two pools never fight over the cores.
+/// Call once, before any tensor work; later calls have no effect.
+pub fn init_threads(threads: Option<usize>) {
+    // SAFETY (set_var): called at start-up, before other threads exist.
+    std::env::set_var("MATMUL_NUM_THREADS", "1");
+    if let Some(n) = threads {
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global();
+    }
 }
 
 static DROPOUT_STREAM: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

@@ -229,3 +229,49 @@ fn attention_matches_composed_ops() {
         );
     }
 }
+
+#[test]
+fn residual_layer_norm_matches_composed() {
+    let (r, h) = (21, 40);
+    let inputs = [
+        rand([r, h], 21),
+        rand([r, h], 22) * 2.0,
+        rand([1, h], 23),
+        rand([1, h], 24),
+    ];
+    for (dropout, seed) in [(0.0, 0), (0.25, 5)] {
+        check(
+            &format!("residual_layer_norm p={dropout}"),
+            inputs.clone(),
+            |x| {
+                let (y, _, _, _) = CpuTrain::kiln_residual_layer_norm(
+                    p(x[0].clone()),
+                    p(x[1].clone()),
+                    p(x[2].clone().reshape([h])),
+                    p(x[3].clone().reshape([h])),
+                    1e-12,
+                    dropout,
+                    seed,
+                );
+                super::t::<CpuTrain, 2>(y)
+            },
+            |x| {
+                let xd = if dropout > 0.0 {
+                    let m = Cpu::kiln_dropout_mask(
+                        x[0].shape(),
+                        1.0 - dropout,
+                        seed,
+                        &Default::default(),
+                    );
+                    x[0].clone()
+                        * Tensor::<CpuTrain, 1>::from_inner(super::t::<Cpu, 1>(m)).reshape([r, h])
+                } else {
+                    x[0].clone()
+                };
+                let z = xd + x[1].clone();
+                let (var, mean) = z.clone().var_mean_bias(1);
+                (z - mean) / (var + 1e-12).sqrt() * x[2].clone() + x[3].clone()
+            },
+        );
+    }
+}

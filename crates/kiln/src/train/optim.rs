@@ -146,7 +146,9 @@ impl<B: KilnBackend> AdamW<B> {
         let moments = &mut self.moments;
         let factor = grads.factor;
         map_params(model, |info, _shape, value: Tensor<AB, 1>| {
-            let g = grads.grads.remove(info.path)?;
+            let Some(g) = grads.grads.remove(info.path) else {
+                return value;
+            };
             let (m, v) = match moments.remove(info.path) {
                 Some(mv) => mv,
                 None => (g.zeros_like(), g.zeros_like()),
@@ -165,7 +167,7 @@ impl<B: KilnBackend> AdamW<B> {
             let (p, m, v) = B::kiln_adamw(prim(value.inner()), prim(g), prim(m), prim(v), h);
             let back = |x| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(x));
             moments.insert(info.path.to_string(), (back(m), back(v)));
-            Some(Tensor::from_inner(back(p)))
+            Tensor::from_inner(back(p))
         })
     }
 

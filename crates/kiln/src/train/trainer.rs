@@ -8,7 +8,7 @@ use std::time::Instant;
 use burn::module::AutodiffModule;
 use burn::tensor::backend::Backend;
 
-use crate::ops::TrainBackend;
+use crate::ops::{profile, TrainBackend};
 use burn::tensor::{Int, Tensor, TensorData};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Map, Value};
@@ -48,7 +48,9 @@ pub struct TrainOutput {
 
 pub struct Trainer<B: TrainBackend, M, L = CrossEntropy> {
     pub args: TrainingArguments,
-    pub model: M,
+    /// Always `Some` between calls; taken while the optimizer rebuilds it, so no second reference
+    /// keeps the parameter buffers shared (the fused AdamW then updates them in place).
+    model: Option<M>,
     pub device: B::Device,
     pub loss: L,
     /// Class names for classification metrics; `None` for language modelling (perplexity instead).
@@ -99,7 +101,7 @@ where
         });
         Self {
             args,
-            model,
+            model: Some(model),
             device,
             loss,
             label_names: None,
@@ -109,6 +111,20 @@ where
             optimizer,
             progress: true,
         }
+    }
+
+    /// The model being trained.
+    pub fn model(&self) -> &M {
+        self.model.as_ref().expect("model present between steps")
+    }
+
+    /// The trained model.
+    pub fn into_model(mut self) -> M {
+        self.take_model()
+    }
+
+    fn take_model(&mut self) -> M {
+        self.model.take().expect("model present between steps")
     }
 
     fn log(&mut self, mut entry: Map<String, Value>) -> Result<()> {
@@ -130,7 +146,7 @@ where
     /// Restores model, optimizer and trainer state from a checkpoint folder.
     fn resume(&mut self, dir: &Path) -> Result<SchedulerState> {
         let weights = read_safetensors(&dir.join("model.safetensors"))?;
-        let (model, report) = load_into(self.model.clone(), &weights, None, &self.device)?;
+        let (model, report) = load_into(self.take_model(), &weights, None, &self.device)?;
         if !report.missing.is_empty() {
             return Err(KilnError::Checkpoint(format!(
                 "{}: checkpoint lacks parameters {:?}",
@@ -138,7 +154,7 @@ where
                 report.missing
             )));
         }
-        self.model = model;
+        self.model = Some(model);
         self.state = read_json(&dir.join("trainer_state.json"))?;
         let sched: SchedulerState = read_json(&dir.join("scheduler.json"))?;
         let moments = read_safetensors(&dir.join("optimizer.safetensors"))?;
@@ -281,21 +297,28 @@ where
                 let mut acc = GradAccumulator::default();
                 let mut step_loss = 0.0;
                 for idx in group {
+                    let fwd = profile::scope("step: data + forward");
                     let (batch, targets) = train.batch(idx);
-                    let logits = self.model.logits(&batch);
+                    let logits = self.model().logits(&batch);
                     let loss = self
                         .loss
                         .loss(logits, targets_tensor::<B>(targets, &self.device))
                         / group.len() as f64;
                     step_loss += loss.clone().into_scalar().elem::<f64>();
+                    drop(fwd);
+                    let bwd = profile::scope("step: backward");
                     let grads = loss.backward();
-                    acc.accumulate::<B, M>(&self.model, &grads);
+                    acc.accumulate::<B, M>(self.model(), &grads);
+                    drop(bwd);
                     samples += idx.len();
                 }
+                let opt = profile::scope("step: clip + optimizer");
                 let last_grad_norm = acc.clip_global_norm(a.max_grad_norm);
                 let lr = a.learning_rate
                     * lr_factor(a.lr_scheduler_type, self.state.global_step, warmup, total);
-                self.model = self.optimizer.step::<B, M>(self.model.clone(), lr, acc);
+                let model = self.take_model();
+                self.model = Some(self.optimizer.step::<B, M>(model, lr, acc));
+                drop(opt);
                 self.state.global_step += 1;
                 self.state.epoch = self.state.global_step as f64 / updates_per_epoch as f64;
                 let last_lr = a.learning_rate
@@ -383,7 +406,8 @@ where
                     self.state.best_metric
                 );
                 let w = read_safetensors(&PathBuf::from(&best).join("model.safetensors"))?;
-                self.model = load_into(self.model.clone(), &w, None, &self.device)?.0;
+                let model = self.take_model();
+                self.model = Some(load_into(model, &w, None, &self.device)?.0);
             }
         }
         self.save_model(&a.output_dir)?;
@@ -430,7 +454,7 @@ where
                 tracing::warn!("metric_for_best_model {name} is not among the eval metrics");
             }
         }
-        let model = module_tensors(&self.model);
+        let model = module_tensors(self.model());
         let opt = self.optimizer.state_tensors();
         let args_json = serde_json::to_string_pretty(&self.args).expect("json");
         let path = save_checkpoint(
@@ -454,7 +478,7 @@ where
 
     /// Saves the model (config.json, model.safetensors, tokenizer.json) and trainer state to `dir`.
     pub fn save_model(&self, dir: &Path) -> Result<()> {
-        write_model_dir(dir, &module_tensors(&self.model), &self.files)?;
+        write_model_dir(dir, &module_tensors(self.model()), &self.files)?;
         write_json(&dir.join("trainer_state.json"), &self.state)?;
         let args = serde_json::to_string_pretty(&self.args).expect("json");
         crate::hub::atomic_write(&dir.join("training_args.json"), args.as_bytes())?;
@@ -465,7 +489,7 @@ where
     /// Evaluates the current model (no dropout, no gradients) on `eval`.
     pub fn evaluate<E: BatchSource<Batch = M::Batch>>(&self, eval: &E) -> Result<EvalOutput> {
         evaluate(
-            &self.model.valid(),
+            &self.model().valid(),
             eval,
             self.args.per_device_eval_batch_size,
             &self.loss,
