@@ -249,7 +249,8 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
             let sub = matches.subcommand_matches("train").expect("train matches");
             let args = merged_training_args(&cmd, sub)?;
             let opts = cmd.data.options(&cmd.model, args.seed)?;
-            let (out, eval) = tc::train::<CpuTrain>(&opts, args, &device, |_| {})?;
+            let (out, eval) =
+                tc::train::<CpuTrain, _>(&opts, args, &device, kiln::train::CrossEntropy, |_| {})?;
             println!("{}", serde_json::to_string_pretty(&out.metrics)?);
             if let Some(ev) = eval {
                 println!("{}", serde_json::to_string_pretty(&ev.metrics)?);

@@ -47,3 +47,44 @@ pub fn read_i64(path: &std::path::Path, name: &str) -> (Vec<usize>, Vec<i64>) {
         .collect();
     (v.shape().to_vec(), data)
 }
+
+/// A 2-layer, 64-wide BERT with random weights and the real MiniLM tokenizer, written to `dir`.
+pub fn tiny_model(dir: &std::path::Path, minilm: &std::path::Path) {
+    let cfg: kiln::hub::config::BertConfig = serde_json::from_value(serde_json::json!({
+        "vocab_size": 30522, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 128, "max_position_embeddings": 512, "model_type": "bert"}))
+    .unwrap();
+    kiln::tasks::text_classification::init_model_dir(dir, &cfg, &minilm.join("tokenizer.json"), 7)
+        .unwrap();
+}
+
+/// Classification options over the real tweet set for a model folder: the first `max_train` rows,
+/// latin-1, `sentiment` labels, an optional seeded eval split.
+pub fn tweet_options(
+    model: &std::path::Path,
+    tweets: std::path::PathBuf,
+    max_train: usize,
+    eval_split: Option<f64>,
+) -> kiln::tasks::text_classification::ClassificationOptions {
+    use kiln::data::{Columns, DataArgs, TextEncoding};
+    kiln::tasks::text_classification::ClassificationOptions {
+        model_dir: model.to_path_buf(),
+        data: DataArgs {
+            train_file: Some(tweets),
+            eval_file: None,
+            eval_split,
+            columns: Columns {
+                text: "text".into(),
+                text_pair: None,
+                label: Some("sentiment".into()),
+            },
+            encoding: TextEncoding::Latin1,
+            strict: false,
+            max_train_samples: Some(max_train),
+            max_eval_samples: None,
+            seed: 3,
+        },
+        max_length: 48,
+        pad_to_max_length: false,
+    }
+}

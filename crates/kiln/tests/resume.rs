@@ -5,33 +5,11 @@ mod common;
 
 use std::path::Path;
 
-use common::asset;
+use common::{asset, tiny_model, tweet_options};
 use kiln::backend::{CpuDevice, CpuTrain};
-use kiln::data::{Columns, DataArgs, TextEncoding};
-use kiln::hub::config::BertConfig;
-use kiln::hub::weights::{module_tensors, read_safetensors};
-use kiln::models::bert::BertForSequenceClassification;
-use kiln::tasks::text_classification::{train, ClassificationOptions};
-use kiln::train::checkpoint::{write_model_dir, ModelFiles};
-use kiln::train::{IntervalStrategy, TrainingArguments};
-
-/// A 2-layer, 64-wide BERT with random weights and the real MiniLM tokenizer.
-fn tiny_model(dir: &Path, minilm: &Path) {
-    let cfg: BertConfig = serde_json::from_value(serde_json::json!({
-        "vocab_size": 30522, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "intermediate_size": 128, "max_position_embeddings": 512, "model_type": "bert"}))
-    .unwrap();
-    kiln::backend::seed::<kiln::backend::Cpu>(&CpuDevice::default(), 7);
-    let m =
-        BertForSequenceClassification::<kiln::backend::Cpu>::new(&cfg, 2, &CpuDevice::default());
-    let mut t = module_tensors(&m);
-    t.retain(|k, _| k.starts_with("bert."));
-    let files = ModelFiles {
-        config_json: cfg.to_json(),
-        tokenizer_json: Some(minilm.join("tokenizer.json")),
-    };
-    write_model_dir(dir, &t, &files).unwrap();
-}
+use kiln::hub::weights::read_safetensors;
+use kiln::tasks::text_classification::train;
+use kiln::train::{CrossEntropy, IntervalStrategy, TrainingArguments};
 
 fn args(out: &Path, resume: Option<&str>) -> TrainingArguments {
     TrainingArguments {
@@ -58,38 +36,26 @@ fn resume_from_checkpoint_is_exact() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("tiny");
     tiny_model(&model, &minilm);
-    let opts = ClassificationOptions {
-        model_dir: model,
-        data: DataArgs {
-            train_file: Some(tweets),
-            eval_file: None,
-            eval_split: None,
-            columns: Columns {
-                text: "text".into(),
-                text_pair: None,
-                label: Some("sentiment".into()),
-            },
-            encoding: TextEncoding::Latin1,
-            strict: false,
-            max_train_samples: Some(24), // 3 groups of 2×4 per epoch: 8 steps cross epochs
-            max_eval_samples: None,
-            seed: 42,
-        },
-        max_length: 64,
-        pad_to_max_length: false,
-    };
+    // 24 examples: 3 groups of 2×4 per epoch, so 8 steps cross epoch boundaries.
+    let opts = tweet_options(&model, tweets, 24, None);
     let device = CpuDevice::default();
     let quiet = |t: &mut kiln::train::Trainer<CpuTrain, _, _>| t.progress = false;
 
     let full = tmp.path().join("full");
-    train::<CpuTrain>(&opts, args(&full, None), &device, quiet).unwrap();
+    train::<CpuTrain, _>(&opts, args(&full, None), &device, CrossEntropy, quiet).unwrap();
 
     // An "interrupted" run: only checkpoint-4 survives; resume it to step 8.
     let resumed = tmp.path().join("resumed");
     std::fs::create_dir_all(&resumed).unwrap();
     copy_dir(&full.join("checkpoint-4"), &resumed.join("checkpoint-4"));
-    let (out, _) =
-        train::<CpuTrain>(&opts, args(&resumed, Some("latest")), &device, quiet).unwrap();
+    let (out, _) = train::<CpuTrain, _>(
+        &opts,
+        args(&resumed, Some("latest")),
+        &device,
+        CrossEntropy,
+        quiet,
+    )
+    .unwrap();
     assert_eq!(out.global_step, 8);
 
     let a = read_safetensors(&full.join("model.safetensors")).unwrap();

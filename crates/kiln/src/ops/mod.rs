@@ -366,10 +366,7 @@ pub fn residual_layer_norm<B: KilnBackend, const D: usize>(
     let h = dims[D - 1];
     let r: usize = dims[..D - 1].iter().product();
     let (dropout, seed) = if B::ad_enabled() && dropout > 0.0 {
-        (
-            dropout,
-            DROPOUT_STREAM.fetch_add(1, std::sync::atomic::Ordering::SeqCst),
-        )
+        (dropout, next_dropout_seed())
     } else {
         (0.0, 0)
     };
@@ -407,15 +404,35 @@ pub fn init_threads(threads: Option<usize>) {
     }
 }
 
-static DROPOUT_STREAM: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Runs `f` right after seeding the backend's random generator, holding a process-wide lock: the
+/// backend RNG is global, so without the lock two trainers in one process would interleave draws and
+/// a seed would no longer determine the initial weights.
+pub fn with_seeded_rng<B: Backend, T>(device: &B::Device, seed: u64, f: impl FnOnce() -> T) -> T {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    B::seed(device, seed);
+    f()
+}
 
-/// Restarts the dropout random stream: the trainer calls it before every optimizer step with a seed
-/// derived from (run seed, step), which makes dropout — and so resuming — reproducible.
+thread_local! {
+    /// Per thread: a model's forward runs on its trainer's thread, so trainers running side by side
+    /// in one process (tests, several jobs) never draw from each other's stream.
+    static DROPOUT_STREAM: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Restarts this thread's dropout random stream: the trainer calls it before every optimizer step
+/// with a seed derived from (run seed, step), which makes dropout — and so resuming — reproducible.
 pub fn reseed_dropout(seed: u64) {
-    DROPOUT_STREAM.store(
-        seed.wrapping_mul(0x9E37_79B9_7F4A_7C15),
-        std::sync::atomic::Ordering::SeqCst,
-    );
+    DROPOUT_STREAM.with(|s| s.set(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+}
+
+/// The seed of the next dropout mask on this thread.
+fn next_dropout_seed() -> u64 {
+    DROPOUT_STREAM.with(|s| {
+        let v = s.get();
+        s.set(v.wrapping_add(1));
+        v
+    })
 }
 
 /// Multi-head self-attention core: `dropout(softmax(q kᵀ/√d + mask)) v` for `q, k, v [B, T, H]` with
@@ -430,10 +447,7 @@ pub fn attention<B: KilnBackend>(
 ) -> Tensor<B, 3> {
     let scale = 1.0 / ((q.dims()[2] / heads) as f64).sqrt();
     let (dropout, seed) = if B::ad_enabled() && dropout > 0.0 {
-        (
-            dropout,
-            DROPOUT_STREAM.fetch_add(1, std::sync::atomic::Ordering::SeqCst),
-        )
+        (dropout, next_dropout_seed())
     } else {
         (0.0, 0)
     };
@@ -446,7 +460,7 @@ pub fn dropout<B: KilnBackend, const D: usize>(x: Tensor<B, D>, prob: f64) -> Te
     if !B::ad_enabled() || prob <= 0.0 {
         return x;
     }
-    let seed = DROPOUT_STREAM.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let seed = next_dropout_seed();
     let mask = B::kiln_dropout_mask(x.shape(), 1.0 - prob, seed, &x.device());
     let dims = x.dims();
     x * t::<B, 1>(mask).reshape(dims)

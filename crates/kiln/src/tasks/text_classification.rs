@@ -15,7 +15,7 @@ use crate::models::bert::BertForSequenceClassification;
 use crate::train::checkpoint::ModelFiles;
 use crate::train::metrics::argmax;
 use crate::train::trainer::{evaluate, format_metrics, write_json, EvalOutput, TrainOutput};
-use crate::train::{BatchSource, Classifier, CrossEntropy, Trainer, TrainingArguments};
+use crate::train::{BatchSource, Classifier, CrossEntropy, Loss, Trainer, TrainingArguments};
 
 /// Batches of a tokenized classification set.
 pub struct ClassificationBatches<'a> {
@@ -106,8 +106,9 @@ pub fn load_classifier<B: KilnBackend>(
     };
     let head_matches = saved.as_ref() == Some(&labels);
     config.set_labels(labels.names());
-    B::seed(device, seed);
-    let model = BertForSequenceClassification::new(&config, labels.len(), device);
+    let model = crate::ops::with_seeded_rng::<B, _>(device, seed, || {
+        BertForSequenceClassification::new(&config, labels.len(), device)
+    });
     let path = md.dir.join("model.safetensors");
     let mut tensors = read_safetensors(&path)?;
     if !head_matches {
@@ -142,6 +143,28 @@ pub fn load_classifier<B: KilnBackend>(
     Ok((model, config, labels))
 }
 
+/// Writes a model folder with freshly initialised encoder weights (transformers' init scheme) for
+/// `config`, with the given tokenizer — a starting point for training from scratch.
+pub fn init_model_dir(
+    dir: &Path,
+    config: &BertConfig,
+    tokenizer_json: &Path,
+    seed: u64,
+) -> Result<()> {
+    use crate::backend::{Cpu, CpuDevice};
+    let device = CpuDevice::default();
+    let model = crate::ops::with_seeded_rng::<Cpu, _>(&device, seed, || {
+        BertForSequenceClassification::<Cpu>::new(config, 2, &device)
+    });
+    let mut tensors = crate::hub::weights::module_tensors(&model);
+    tensors.retain(|k, _| k.starts_with("bert."));
+    let files = ModelFiles {
+        config_json: config.to_json(),
+        tokenizer_json: Some(tokenizer_json.to_path_buf()),
+    };
+    crate::train::checkpoint::write_model_dir(dir, &tensors, &files)
+}
+
 /// Options of `kiln train` / `kiln eval` beyond TrainingArguments.
 #[derive(Debug, Clone)]
 pub struct ClassificationOptions {
@@ -170,12 +193,15 @@ fn log_reports(reports: &[(PathBuf, data::ReadReport)]) {
     }
 }
 
-/// Fine-tunes a classifier. Returns the training summary and the final evaluation (if any).
-pub fn train<B: TrainBackend>(
+/// Fine-tunes a classifier with `loss` (use [`CrossEntropy`] for transformers' behaviour); `customize`
+/// may set more of the trainer (a `compute_metrics`, the progress bar). Returns the training summary
+/// and the final evaluation (if any).
+pub fn train<B: TrainBackend, L: Loss>(
     opts: &ClassificationOptions,
     args: TrainingArguments,
     device: &B::Device,
-    customize: impl FnOnce(&mut Trainer<B, BertForSequenceClassification<B>, CrossEntropy>),
+    loss: L,
+    customize: impl FnOnce(&mut Trainer<B, BertForSequenceClassification<B>, L>),
 ) -> Result<(TrainOutput, Option<EvalOutput>)> {
     let md = ModelDir::new(&opts.model_dir)?;
     let tok = md.tokenizer(opts.max_length)?;
@@ -197,7 +223,7 @@ pub fn train<B: TrainBackend>(
         tokenizer_json: Some(md.dir.join("tokenizer.json")),
     };
     let output_dir = args.output_dir.clone();
-    let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), CrossEntropy, files);
+    let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files);
     trainer.label_names = Some(labels.names().to_vec());
     customize(&mut trainer);
     let batches = |set| ClassificationBatches {

