@@ -131,6 +131,38 @@ fn simd<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// In place: `row ← softmax(row·scale + mask)` (one attention row; `mask` is additive, per key).
+#[inline(always)]
+fn softmax_row(row: &mut [f32], mask: &[f32], scale: f32) {
+    let mut max = f32::NEG_INFINITY;
+    for (x, &mv) in row.iter_mut().zip(mask) {
+        *x = *x * scale + mv;
+        max = max.max(*x);
+    }
+    let mut sum = 0f32;
+    simd(|| {
+        for x in row.iter_mut() {
+            *x = exp_fast(*x - max);
+            sum += *x;
+        }
+    });
+    let inv = 1.0 / sum;
+    row.iter_mut().for_each(|x| *x *= inv);
+}
+
+/// `y = (z − mean)/σ · w + b` for one row; returns (mean, 1/σ).
+#[inline(always)]
+fn normalize_row(z: &[f32], y: &mut [f32], w: &[f32], b: &[f32], eps: f32) -> (f32, f32) {
+    let h = z.len() as f32;
+    let mean = z.iter().sum::<f32>() / h;
+    let var = z.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / h;
+    let rstd = 1.0 / (var + eps).sqrt();
+    for i in 0..z.len() {
+        y[i] = (z[i] - mean) * rstd * w[i] + b[i];
+    }
+    (mean, rstd)
+}
+
 /// erf with |error| < 1.5e-7 (Abramowitz & Stegun 7.1.26); returns (erf(z), e^{-z²}).
 #[inline(always)]
 fn erf_and_gauss(z: f32) -> (f32, f32) {
@@ -343,13 +375,7 @@ impl KilnBackend for Cpu {
             .zip(stats.par_chunks_mut(task))
             .for_each(|((yc, xc), sc)| {
                 for ((yr, xr), s) in yc.chunks_mut(h).zip(xc.chunks(h)).zip(sc) {
-                    let mean = xr.iter().sum::<f32>() / h as f32;
-                    let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / h as f32;
-                    let rstd = 1.0 / (var + eps as f32).sqrt();
-                    for i in 0..h {
-                        yr[i] = (xr[i] - mean) * rstd * ws[i] + bs[i];
-                    }
-                    *s = (mean, rstd);
+                    *s = normalize_row(xr, yr, ws, bs, eps as f32);
                 }
             });
         let (mean, rstd): (Vec<f32>, Vec<f32>) = stats.into_iter().unzip();
@@ -404,13 +430,7 @@ impl KilnBackend for Cpu {
                     } else {
                         zr.iter_mut().zip(xr).for_each(|(z, x)| *z += x);
                     }
-                    let mean = zr.iter().sum::<f32>() / h as f32;
-                    let var = zr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / h as f32;
-                    let rstd = 1.0 / (var + eps as f32).sqrt();
-                    for i in 0..h {
-                        yr[i] = (zr[i] - mean) * rstd * ws[i] + bs[i];
-                    }
-                    *s = (mean, rstd);
+                    *s = normalize_row(zr, yr, ws, bs, eps as f32);
                 }
             });
         let (mean, rstd): (Vec<f32>, Vec<f32>) = stats.into_iter().unzip();
@@ -512,20 +532,7 @@ impl KilnBackend for Cpu {
         y.par_chunks_mut(t * s).enumerate().for_each(|(bh, block)| {
             let m = &ms[(bh / heads) * s..(bh / heads + 1) * s];
             for row in block.chunks_mut(s) {
-                let mut max = f32::NEG_INFINITY;
-                for (v, &mv) in row.iter_mut().zip(m) {
-                    *v = *v * scale + mv;
-                    max = max.max(*v);
-                }
-                let mut sum = 0f32;
-                simd(|| {
-                    for v in row.iter_mut() {
-                        *v = exp_fast(*v - max);
-                        sum += *v;
-                    }
-                });
-                let inv = 1.0 / sum;
-                row.iter_mut().for_each(|v| *v *= inv);
+                softmax_row(row, m, scale);
             }
         });
         tensor(&shape, y)
@@ -596,20 +603,7 @@ impl KilnBackend for Cpu {
                     );
                 }
                 for row in p.chunks_mut(t) {
-                    let mut max = f32::NEG_INFINITY;
-                    for (x, &mv) in row.iter_mut().zip(m) {
-                        *x = *x * scale + mv;
-                        max = max.max(*x);
-                    }
-                    let mut sum = 0f32;
-                    simd(|| {
-                        for x in row.iter_mut() {
-                            *x = exp_fast(*x - max);
-                            sum += *x;
-                        }
-                    });
-                    let inv = 1.0 / sum;
-                    row.iter_mut().for_each(|x| *x *= inv);
+                    softmax_row(row, m, scale);
                 }
                 let pd: &[f32] = if keep < 1.0 {
                     scratch.copy_from_slice(p);
