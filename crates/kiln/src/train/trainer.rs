@@ -7,9 +7,7 @@ use std::time::Instant;
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::Backend;
-
-use crate::ops::{profile, TrainBackend};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Map, Value};
 use tracing::info;
@@ -26,6 +24,7 @@ use super::task::{BatchSource, Classifier, CrossEntropy, Loss};
 use crate::data::batch::epoch_order;
 use crate::error::{KilnError, Result};
 use crate::hub::weights::{load_into, module_tensors, read_safetensors};
+use crate::ops::{profile, TrainBackend};
 
 /// A user metric: extra `(name, value)` pairs computed from an evaluation's predictions.
 pub type MetricFn = Box<dyn Fn(&Predictions) -> Vec<(String, f64)> + Send + Sync>;
@@ -600,5 +599,3 @@ pub fn format_metrics(m: &BTreeMap<String, f64>) -> String {
 pub fn write_json<T: serde::Serialize>(path: &Path, v: &T) -> Result<()> {
     crate::hub::atomic_write(path, &serde_json::to_vec_pretty(v).expect("json"))
 }
-
-use burn::tensor::ElementConversion;
