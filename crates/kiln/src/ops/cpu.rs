@@ -257,6 +257,17 @@ fn dropout_row(row: &mut [f32], base: u64, keep: f32, seed: u64) {
     }
 }
 
+/// Applies the dropout mask of attention block `bh` (`t` rows of `t` probabilities) in place; the
+/// forward and both backward uses index the hash identically, so they agree on the mask.
+fn dropout_block(block: &mut [f32], bh: usize, t: usize, keep: f32, seed: u64) {
+    if keep >= 1.0 {
+        return;
+    }
+    for (i, row) in block.chunks_mut(t).enumerate() {
+        dropout_row(row, ((bh * t + i) * t) as u64, keep, seed);
+    }
+}
+
 impl KilnBackend for Cpu {
     fn kiln_linear(
         x: FloatTensor<Self>,
@@ -607,9 +618,7 @@ impl KilnBackend for Cpu {
                 }
                 let pd: &[f32] = if keep < 1.0 {
                     scratch.copy_from_slice(p);
-                    for (i, row) in scratch.chunks_mut(t).enumerate() {
-                        dropout_row(row, ((bh * t + i) * t) as u64, keep, seed);
-                    }
+                    dropout_block(scratch, bh, t, keep, seed);
                     scratch
                 } else {
                     p
@@ -666,11 +675,7 @@ impl KilnBackend for Cpu {
                 let p = &ps[bh * t * t..(bh + 1) * t * t];
                 // The dropped probabilities, regenerated from the seed.
                 pd.copy_from_slice(p);
-                if keep < 1.0 {
-                    for (i, row) in pd.chunks_mut(t).enumerate() {
-                        dropout_row(row, ((bh * t + i) * t) as u64, keep, seed);
-                    }
-                }
+                dropout_block(pd, bh, t, keep, seed);
                 // SAFETY: as in the forward: this task reads and writes only head `hi` of batch `bi`.
                 unsafe {
                     // dV = P_dropᵀ · dO
@@ -696,10 +701,8 @@ impl KilnBackend for Cpu {
                         false,
                     );
                 }
-                for (i, (dr, pr)) in dp.chunks_mut(t).zip(p.chunks(t)).enumerate() {
-                    if keep < 1.0 {
-                        dropout_row(dr, ((bh * t + i) * t) as u64, keep, seed);
-                    }
+                dropout_block(dp, bh, t, keep, seed);
+                for (dr, pr) in dp.chunks_mut(t).zip(p.chunks(t)) {
                     let dot: f32 = dr.iter().zip(pr).map(|(a, b)| a * b).sum();
                     for (x, &pv) in dr.iter_mut().zip(pr) {
                         *x = scale * pv * (*x - dot);
