@@ -15,6 +15,20 @@ use kiln::train::TrainingArguments;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// mimalloc's `mi_option_purge_delay` (the same index in its v2 and v3 headers).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Keeps freed memory committed: by default mimalloc hands freed pages back to the OS after 10 ms,
+/// and a training step frees and reallocates ~100 MB of buffers (the embedding gradient alone is
+/// 47 MB for BERT's vocabulary), so every step paid page faults and kernel zeroing for them
+/// (measured: 10 % of the profile, and 6-9 % of step time).
+fn keep_freed_memory() {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        // SAFETY: sets a process-wide allocator option; valid at any time.
+        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+    }
+}
+
 #[derive(Parser)]
 #[command(
     name = "kiln",
@@ -318,6 +332,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
 }
 
 fn main() -> ExitCode {
+    keep_freed_memory();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("KILN_LOG")

@@ -34,7 +34,7 @@ fn fixture() -> Fixture {
 }
 
 /// MiniLM with dropout off and the fixture's classifier head.
-fn model<B: burn::tensor::backend::Backend>(
+fn model<B: kiln::ops::KilnBackend>(
     fx: &Fixture,
     dir: &std::path::Path,
 ) -> BertForSequenceClassification<B> {

@@ -8,10 +8,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::tensor::{backend::Backend, Tensor, TensorData};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{backend::Backend, Shape, Tensor, TensorMetadata, TensorPrimitive};
 use safetensors::{Dtype, SafeTensors};
 
 use crate::error::{KilnError, Result};
+use crate::ops::KilnBackend;
 
 /// A named, shaped f32 tensor on the host.
 #[derive(Debug, Clone)]
@@ -105,7 +107,7 @@ struct Map<'f, F> {
 
 impl<B: Backend, F> ModuleMapper<B> for Map<'_, F>
 where
-    F: FnMut(&ParamInfo, &[usize], Tensor<B, 1>) -> Tensor<B, 1>,
+    F: FnMut(&ParamInfo, FloatTensor<B>) -> FloatTensor<B>,
 {
     fn enter_module(&mut self, name: &str, container: &str) {
         self.tracker.enter(name, container);
@@ -120,25 +122,25 @@ where
             owner: self.tracker.owner(),
         };
         let (id, value, mapper) = param.consume();
-        let shape = value.dims();
         let require_grad = value.is_require_grad();
-        let n = value.shape().num_elements();
-        // The value moves through (no clone), so a kernel may update its buffer in place.
-        let new = (self.f)(&info, &shape, value.detach().reshape([n])).reshape(shape);
+        // The value moves through (no clone, no reshape), so a kernel may update its buffer in place.
+        let new = (self.f)(&info, value.detach().into_primitive().tensor());
+        let new = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(new)).detach();
         let value = if require_grad {
-            new.detach().require_grad()
+            new.require_grad()
         } else {
-            new.detach()
+            new
         };
         Param::from_mapped_value(id, value, mapper)
     }
 }
 
-/// Rebuilds `module` with each float parameter replaced by `f(info, shape, flat value)` (return the
-/// value itself to keep it).
+/// Rebuilds `module` with each float parameter replaced by `f(info, value)`; `value` is the backend
+/// tensor in the parameter's own shape, and `f` must return one of the same shape (return the value
+/// itself to keep it).
 pub fn map_params<B: Backend, M: Module<B>>(
     module: M,
-    mut f: impl FnMut(&ParamInfo, &[usize], Tensor<B, 1>) -> Tensor<B, 1>,
+    mut f: impl FnMut(&ParamInfo, FloatTensor<B>) -> FloatTensor<B>,
 ) -> M {
     let mut m = Map {
         tracker: PathTracker::default(),
@@ -254,7 +256,7 @@ pub struct LoadReport {
 
 /// Loads `tensors` into `module` by path. `strip_prefix` is the base-model prefix (`bert`) that a
 /// checkpoint of the bare encoder lacks, the way transformers' `base_model_prefix` handling works.
-pub fn load_into<B: Backend, M: Module<B>>(
+pub fn load_into<B: KilnBackend, M: Module<B>>(
     module: M,
     tensors: &BTreeMap<String, HostTensor>,
     base_prefix: Option<&str>,
@@ -263,7 +265,8 @@ pub fn load_into<B: Backend, M: Module<B>>(
     let mut report = LoadReport::default();
     let mut used = std::collections::HashSet::new();
     let mut error = None;
-    let module = map_params(module, |info, shape, current: Tensor<B, 1>| {
+    let module = map_params(module, |info, current: FloatTensor<B>| {
+        let shape = current.shape().dims;
         let mut candidates = vec![info.path.to_string()];
         if let Some(prefix) = base_prefix {
             if let Some(rest) = info.path.strip_prefix(&format!("{prefix}.")) {
@@ -286,7 +289,7 @@ pub fn load_into<B: Backend, M: Module<B>>(
             return current;
         }
         report.loaded.push(info.path.to_string());
-        Tensor::from_data(TensorData::new(t.data.clone(), [t.data.len()]), device)
+        B::kiln_from_host(t.data.clone(), Shape::from(t.shape.clone()), device)
     });
     if let Some(e) = error {
         return Err(e);

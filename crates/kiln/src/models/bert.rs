@@ -46,7 +46,7 @@ pub struct BertEmbeddings<B: Backend> {
     pub dropout: f64,
 }
 
-impl<B: Backend> BertEmbeddings<B> {
+impl<B: KilnBackend> BertEmbeddings<B> {
     fn new(c: &BertConfig, device: &B::Device) -> Self {
         let std = c.initializer_range;
         Self {
@@ -62,9 +62,7 @@ impl<B: Backend> BertEmbeddings<B> {
             dropout: c.hidden_dropout_prob,
         }
     }
-}
 
-impl<B: KilnBackend> BertEmbeddings<B> {
     fn forward(&self, input: &BertInput<B>) -> Tensor<B, 3> {
         let [b, t] = input.input_ids.dims();
         let device = input.input_ids.device();
@@ -156,7 +154,7 @@ impl<B: KilnBackend> BertSelfAttention<B> {
     }
 }
 
-impl<B: Backend> BertLayer<B> {
+impl<B: KilnBackend> BertLayer<B> {
     fn new(c: &BertConfig, device: &B::Device) -> Self {
         let (h, i, std) = (c.hidden_size, c.intermediate_size, c.initializer_range);
         Self {
@@ -184,9 +182,7 @@ impl<B: Backend> BertLayer<B> {
             },
         }
     }
-}
 
-impl<B: KilnBackend> BertLayer<B> {
     fn forward(&self, x: Tensor<B, 3>, mask_bias: Tensor<B, 2>) -> Tensor<B, 3> {
         let att = &self.attention;
         let a = att.self_.forward(x.clone(), mask_bias);
@@ -202,7 +198,7 @@ impl<B: KilnBackend> BertLayer<B> {
     }
 }
 
-impl<B: Backend> BertForSequenceClassification<B> {
+impl<B: KilnBackend> BertForSequenceClassification<B> {
     /// A model with every weight freshly initialised (transformers' `_init_weights` scheme).
     pub fn new(c: &BertConfig, num_labels: usize, device: &B::Device) -> Self {
         let std = c.initializer_range;
@@ -226,9 +222,7 @@ impl<B: Backend> BertForSequenceClassification<B> {
     pub fn num_labels(&self) -> usize {
         self.classifier.weight.dims()[0]
     }
-}
 
-impl<B: KilnBackend> BertForSequenceClassification<B> {
     /// Logits `[B, num_labels]`.
     pub fn forward(&self, input: &BertInput<B>) -> Tensor<B, 2> {
         let b = input.input_ids.dims()[0];

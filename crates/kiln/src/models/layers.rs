@@ -16,18 +16,16 @@ pub struct Linear<B: Backend> {
     pub bias: Option<Param<Tensor<B, 1>>>,
 }
 
-impl<B: Backend> Linear<B> {
+impl<B: KilnBackend> Linear<B> {
     /// Hugging Face's `_init_weights`: weight ~ N(0, std), bias = 0.
     pub fn new(d_in: usize, d_out: usize, bias: bool, std: f64, device: &B::Device) -> Self {
         let weight = Tensor::random([d_out, d_in], Distribution::Normal(0.0, std), device);
         Self {
-            weight: Param::from_tensor(weight),
-            bias: bias.then(|| Param::from_tensor(Tensor::zeros([d_out], device))),
+            weight: Param::from_tensor(ops::owned(weight)),
+            bias: bias.then(|| Param::from_tensor(ops::owned(Tensor::zeros([d_out], device)))),
         }
     }
-}
 
-impl<B: KilnBackend> Linear<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         ops::linear(x, self.weight.val(), self.bias.as_ref().map(|b| b.val()))
     }
@@ -41,17 +39,15 @@ pub struct LayerNorm<B: Backend> {
     pub eps: f64,
 }
 
-impl<B: Backend> LayerNorm<B> {
+impl<B: KilnBackend> LayerNorm<B> {
     pub fn new(d: usize, eps: f64, device: &B::Device) -> Self {
         Self {
-            weight: Param::from_tensor(Tensor::ones([d], device)),
-            bias: Param::from_tensor(Tensor::zeros([d], device)),
+            weight: Param::from_tensor(ops::owned(Tensor::ones([d], device))),
+            bias: Param::from_tensor(ops::owned(Tensor::zeros([d], device))),
             eps,
         }
     }
-}
 
-impl<B: KilnBackend> LayerNorm<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         ops::layer_norm(x, self.weight.val(), self.bias.val(), self.eps)
     }
@@ -87,14 +83,13 @@ impl<B: Backend> Embedding<B> {
             weight: Param::from_tensor(weight),
         }
     }
+}
 
+impl<B: KilnBackend> Embedding<B> {
     /// `ids [B, T]` → `[B, T, dim]`.
     pub fn forward(&self, ids: Tensor<B, 2, burn::tensor::Int>) -> Tensor<B, 3> {
         let [b, t] = ids.dims();
         let d = self.weight.dims()[1];
-        self.weight
-            .val()
-            .select(0, ids.reshape([b * t]))
-            .reshape([b, t, d])
+        ops::reshape(self.weight.val().select(0, ids.reshape([b * t])), [b, t, d])
     }
 }

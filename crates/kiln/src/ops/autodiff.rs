@@ -4,7 +4,7 @@
 use burn::backend::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::Shape;
+use burn::tensor::{Shape, TensorMetadata};
 use burn_autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
@@ -138,6 +138,18 @@ impl<B: KilnBackend> Backward<B, 1> for MaskedSoftmax {
 }
 
 #[derive(Debug)]
+struct Reshape;
+impl<B: KilnBackend> Backward<B, 1> for Reshape {
+    /// The input's shape.
+    type State = Shape;
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let [px] = ids!(ops);
+        give::<B>(grads, px, Some(B::kiln_reshape(dy, ops.state)));
+    }
+}
+
+#[derive(Debug)]
 struct Attention;
 impl<B: KilnBackend> Backward<B, 3> for Attention {
     /// q, k, v, probabilities, and (heads, scale, dropout, seed).
@@ -161,6 +173,28 @@ impl<B: KilnBackend> Backward<B, 3> for Attention {
 }
 
 impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
+    fn kiln_from_host(data: Vec<f32>, shape: Shape, device: &Self::Device) -> FloatTensor<Self> {
+        Self::from_inner(B::kiln_from_host(data, shape, device))
+    }
+
+    fn kiln_into_owned(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::from_inner(B::kiln_into_owned(Self::inner(x)))
+    }
+
+    fn kiln_reshape(x: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
+        match Reshape
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let from = x.primitive.shape();
+                prep.finish(from, B::kiln_reshape(x.primitive, shape))
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::kiln_reshape(x.primitive, shape)),
+        }
+    }
+
     fn kiln_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

@@ -269,6 +269,22 @@ fn dropout_block(block: &mut [f32], bh: usize, t: usize, keep: f32, seed: u64) {
 }
 
 impl KilnBackend for Cpu {
+    fn kiln_from_host(data: Vec<f32>, shape: Shape, _: &Self::Device) -> FloatTensor<Self> {
+        tensor(&shape.dims, data)
+    }
+
+    fn kiln_into_owned(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        NdArrayTensor::from(dense(x))
+    }
+
+    fn kiln_reshape(x: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
+        let a = dense(x);
+        NdArrayTensor::from(
+            a.into_shape_with_order(IxDyn(&shape.dims))
+                .expect("reshape keeps the element count"),
+        )
+    }
+
     fn kiln_linear(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,

@@ -42,6 +42,26 @@ pub struct AdamWStep {
 /// Backend operations kiln fuses. Shapes: `x [M, K]`, `w [N, K]` (PyTorch layout), `b [N]` for linear;
 /// `x [R, H]` for layer norm; `x [B, H, T, S]` with `mask [B, S]` (additive) for softmax.
 pub trait KilnBackend: Backend {
+    /// `x` viewed with another shape of the same size. Burn's ndarray reshape always copies; the CPU
+    /// kernel only relabels a contiguous buffer, which matters because every fused op below flattens
+    /// its input to rows and back.
+    fn kiln_reshape(x: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
+        Self::float_reshape(x, shape)
+    }
+
+    /// A tensor of host values. Burn's ndarray backend keeps a tensor made from `TensorData` as a
+    /// borrowed view and copies it on *every* later use; the CPU kernel moves the `Vec` into an owned
+    /// buffer once. Model weights must be made this way (or through [`Self::kiln_into_owned`]).
+    fn kiln_from_host(data: Vec<f32>, shape: Shape, device: &Self::Device) -> FloatTensor<Self> {
+        let data = burn::tensor::TensorData::new(data, shape).convert::<Self::FloatElem>();
+        Self::float_from_data(data, device)
+    }
+
+    /// `x` with a buffer of its own (see [`Self::kiln_from_host`]); a no-op elsewhere.
+    fn kiln_into_owned(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        x
+    }
+
     /// `x wᵀ + b`.
     fn kiln_linear(
         x: FloatTensor<Self>,
@@ -314,7 +334,21 @@ fn attention_dropout<B: KilnBackend>(x: Tensor<B, 4>, prob: f64, seed: u64) -> T
     }
     let dims = x.dims();
     let mask = B::kiln_dropout_mask(x.shape(), 1.0 - prob, seed, &x.device());
-    x * t::<B, 1>(mask).reshape(dims)
+    x * reshape(t::<B, 1>(mask), dims)
+}
+
+/// [`Tensor::reshape`] through [`KilnBackend::kiln_reshape`]: free on the CPU backend when `x` is
+/// contiguous (and differentiable under autodiff).
+pub fn reshape<B: KilnBackend, const D: usize, const D2: usize>(
+    x: Tensor<B, D>,
+    dims: [usize; D2],
+) -> Tensor<B, D2> {
+    t(B::kiln_reshape(p(x), Shape::new(dims)))
+}
+
+/// `x` with a buffer of its own ([`KilnBackend::kiln_into_owned`]): for freshly initialised weights.
+pub fn owned<B: KilnBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    t(B::kiln_into_owned(p(x)))
 }
 
 /// `x wᵀ + b` over the last dimension of `x` (PyTorch's `F.linear`).
@@ -327,16 +361,16 @@ pub fn linear<B: KilnBackend, const D: usize>(
     let k = dims[D - 1];
     let n = w.dims()[0];
     let m: usize = dims[..D - 1].iter().product();
-    let y = B::kiln_linear(p(x.reshape([m, k])), p(w), b.map(p));
+    let y = B::kiln_linear(p(reshape(x, [m, k])), p(w), b.map(p));
     dims[D - 1] = n;
-    t::<B, 2>(y).reshape(dims)
+    reshape(t::<B, 2>(y), dims)
 }
 
 /// Exact GELU, transformers' `"gelu"`.
 pub fn gelu<B: KilnBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     let dims = x.dims();
     let n: usize = dims.iter().product();
-    t::<B, 1>(B::kiln_gelu(p(x.reshape([n])))).reshape(dims)
+    reshape(t::<B, 1>(B::kiln_gelu(p(reshape(x, [n])))), dims)
 }
 
 /// Layer norm over the last dimension.
@@ -349,8 +383,8 @@ pub fn layer_norm<B: KilnBackend, const D: usize>(
     let dims = x.dims();
     let h = dims[D - 1];
     let r: usize = dims[..D - 1].iter().product();
-    let (y, _, _) = B::kiln_layer_norm(p(x.reshape([r, h])), p(w), p(b), eps);
-    t::<B, 2>(y).reshape(dims)
+    let (y, _, _) = B::kiln_layer_norm(p(reshape(x, [r, h])), p(w), p(b), eps);
+    reshape(t::<B, 2>(y), dims)
 }
 
 /// `layer_norm(dropout(x) + residual)` over the last dimension (dropout only in training).
@@ -371,15 +405,15 @@ pub fn residual_layer_norm<B: KilnBackend, const D: usize>(
         (0.0, 0)
     };
     let (y, _, _, _) = B::kiln_residual_layer_norm(
-        p(x.reshape([r, h])),
-        p(residual.reshape([r, h])),
+        p(reshape(x, [r, h])),
+        p(reshape(residual, [r, h])),
         p(w),
         p(b),
         eps,
         dropout,
         seed,
     );
-    t::<B, 2>(y).reshape(dims)
+    reshape(t::<B, 2>(y), dims)
 }
 
 /// `softmax(scores·scale + mask)` for attention scores `[B, H, T, S]` and an additive key mask `[B, S]`.
@@ -463,7 +497,7 @@ pub fn dropout<B: KilnBackend, const D: usize>(x: Tensor<B, D>, prob: f64) -> Te
     let seed = next_dropout_seed();
     let mask = B::kiln_dropout_mask(x.shape(), 1.0 - prob, seed, &x.device());
     let dims = x.dims();
-    x * t::<B, 1>(mask).reshape(dims)
+    x * reshape(t::<B, 1>(mask), dims)
 }
 
 /// A training backend: autodiff over a backend that has kiln's fused ops, with the ops themselves.

@@ -275,3 +275,41 @@ fn residual_layer_norm_matches_composed() {
         );
     }
 }
+
+#[test]
+fn reshape_relabels_without_copying_and_differentiates() {
+    // Values and gradients: a reshape, then an op that cares about the layout (matmul).
+    let w = rand([6, 5], 11);
+    check(
+        "reshape",
+        [rand([4, 6], 10)],
+        |t| reshape::<_, 2, 3>(t[0].clone(), [2, 2, 6]).matmul(w.clone().unsqueeze_dim(0)),
+        |t| {
+            t[0].clone()
+                .reshape([2, 2, 6])
+                .matmul(w.clone().unsqueeze_dim(0))
+        },
+    );
+    // A contiguous CPU tensor keeps its buffer: no copy, and neither does a later kernel's use of
+    // it once it is owned (a tensor made from host data starts as a borrowed view that Burn copies
+    // on every use).
+    let addr = |t: &FloatTensor<Cpu>| match t {
+        burn::backend::ndarray::NdArrayTensor::F32(s) => s.view().as_ptr() as usize,
+        _ => unreachable!(),
+    };
+    let x = Cpu::kiln_from_host(
+        (0..128).map(|i| i as f32).collect(),
+        Shape::new([8, 16]),
+        &Default::default(),
+    );
+    let a0 = addr(&x);
+    let y = Cpu::kiln_reshape(x.clone(), Shape::new([4, 32]));
+    assert_eq!(addr(&y), a0, "reshape copied the buffer");
+    let owned = Cpu::kiln_into_owned(x);
+    assert_eq!(addr(&owned), a0, "an owned tensor was copied again");
+    let borrowed =
+        Tensor::<Cpu, 2>::from_data(TensorData::new(vec![1f32; 6], [2, 3]), &Default::default());
+    let owned = Cpu::kiln_into_owned(borrowed.into_primitive().tensor());
+    let a1 = addr(&owned);
+    assert_eq!(addr(&Cpu::kiln_reshape(owned, Shape::new([6]))), a1);
+}

@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 
 use crate::ops::{AdamWStep, KilnBackend};
 
@@ -36,7 +37,7 @@ struct GradVisit<'a, AB: AutodiffBackend> {
     acc: &'a mut GradAccumulator<AB::InnerBackend>,
 }
 
-impl<AB: AutodiffBackend> ModuleVisitor<AB> for GradVisit<'_, AB> {
+impl<AB: AutodiffBackend<InnerBackend: KilnBackend>> ModuleVisitor<AB> for GradVisit<'_, AB> {
     fn enter_module(&mut self, name: &str, container: &str) {
         self.tracker.enter(name, container);
     }
@@ -48,7 +49,7 @@ impl<AB: AutodiffBackend> ModuleVisitor<AB> for GradVisit<'_, AB> {
             return;
         };
         let n = g.shape().num_elements();
-        let g = g.reshape([n]);
+        let g = crate::ops::reshape(g, [n]);
         let path = self.tracker.path();
         let entry = match self.acc.grads.remove(&path) {
             Some(prev) => prev + g,
@@ -145,7 +146,7 @@ impl<B: KilnBackend> AdamW<B> {
         let bc2_sqrt = (1.0 - c.beta2.powi(t)).sqrt();
         let moments = &mut self.moments;
         let factor = grads.factor;
-        map_params(model, |info, _shape, value: Tensor<AB, 1>| {
+        map_params(model, |info, value: FloatTensor<AB>| {
             let Some(g) = grads.grads.remove(info.path) else {
                 return value;
             };
@@ -163,15 +164,17 @@ impl<B: KilnBackend> AdamW<B> {
                 bias_correction2_sqrt: bc2_sqrt,
                 grad_scale: factor,
             };
+            let value = AB::inner(value);
+            let shape = value.shape();
+            let flat = B::kiln_reshape(value, Shape::new([shape.num_elements()]));
             let prim = |t: Tensor<B, 1>| t.into_primitive().tensor();
-            let (p, m, v) = B::kiln_adamw(prim(value.inner()), prim(g), prim(m), prim(v), h);
+            let (p, m, v) = B::kiln_adamw(flat, prim(g), prim(m), prim(v), h);
             let back = |x| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(x));
             moments.insert(info.path.to_string(), (back(m), back(v)));
-            Tensor::from_inner(back(p))
+            AB::from_inner(B::kiln_reshape(p, shape))
         })
     }
 
-    /// Moments as named host tensors (`<path>.exp_avg`, `<path>.exp_avg_sq`), torch's names.
     pub fn state_tensors(&self) -> BTreeMap<String, HostTensor> {
         let host = |t: &Tensor<B, 1>| HostTensor {
             shape: t.dims().to_vec(),
