@@ -114,14 +114,24 @@ fn exp_fast(x: f32) -> f32 {
     }
 }
 
-/// Runs `f` compiled for AVX2+FMA when the CPU has them (8-wide loops), else the portable build.
+/// Runs `f` compiled for the widest vector unit the CPU has: AVX-512 (16 lanes, and 64-bit integer
+/// multiplies for the dropout hash), else AVX2+FMA (8 lanes), else the portable build. `f` and the
+/// `#[inline(always)]` helpers it calls are compiled inside the feature-enabled function.
 #[inline(always)]
 fn simd<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     {
+        #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")]
+        unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
         #[target_feature(enable = "avx2,fma")]
         unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
             f()
+        }
+        if *HAS_AVX512 {
+            // SAFETY: the features were detected on this CPU.
+            return unsafe { avx512(f) };
         }
         if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
             // SAFETY: the features were just detected on this CPU.
@@ -131,36 +141,98 @@ fn simd<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+#[cfg(target_arch = "x86_64")]
+static HAS_AVX512: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
+    std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512dq")
+        && std::is_x86_feature_detected!("avx512bw")
+        && std::is_x86_feature_detected!("avx512vl")
+});
+
+/// Lanes of the partial reductions below: one running f32 sum is a serial dependency the compiler
+/// may not reorder (float addition is not associative), so a plain `iter().sum()` stays scalar.
+const LANES: usize = 16;
+
+/// Σ f(i) for i in 0..n, with `LANES` independent partial sums so the loop vectorises.
+#[inline(always)]
+fn sum_by(n: usize, f: impl Fn(usize) -> f32) -> f32 {
+    let mut acc = [0f32; LANES];
+    let full = n / LANES * LANES;
+    for base in (0..full).step_by(LANES) {
+        for (l, a) in acc.iter_mut().enumerate() {
+            *a += f(base + l);
+        }
+    }
+    let tail: f32 = (full..n).map(&f).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+/// max of a slice, lane-wise like [`sum_by`].
+#[inline(always)]
+fn max_of(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks
+        .remainder()
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    for c in chunks {
+        for l in 0..LANES {
+            acc[l] = if c[l] > acc[l] { c[l] } else { acc[l] };
+        }
+    }
+    acc.iter().fold(tail, |m, &v| m.max(v))
+}
+
 /// In place: `row ← softmax(row·scale + mask)` (one attention row; `mask` is additive, per key).
 #[inline(always)]
 fn softmax_row(row: &mut [f32], mask: &[f32], scale: f32) {
-    let mut max = f32::NEG_INFINITY;
-    for (x, &mv) in row.iter_mut().zip(mask) {
-        *x = *x * scale + mv;
-        max = max.max(*x);
-    }
-    let mut sum = 0f32;
-    simd(|| {
-        for x in row.iter_mut() {
-            *x = exp_fast(*x - max);
-            sum += *x;
-        }
-    });
-    let inv = 1.0 / sum;
-    row.iter_mut().for_each(|x| *x *= inv);
+    simd(
+        #[inline(always)]
+        || {
+            for (x, &mv) in row.iter_mut().zip(mask) {
+                *x = *x * scale + mv;
+            }
+            let max = max_of(row);
+            for x in row.iter_mut() {
+                *x = exp_fast(*x - max);
+            }
+            let inv = 1.0 / sum_by(row.len(), |i| row[i]);
+            row.iter_mut().for_each(|x| *x *= inv);
+        },
+    )
+}
+
+/// In place: `dy ← scale · p ⊙ (dy − ⟨dy, p⟩)`, the gradient of one [`softmax_row`] row (p its output).
+#[inline(always)]
+fn softmax_backward_row(dy: &mut [f32], p: &[f32], scale: f32) {
+    simd(
+        #[inline(always)]
+        || {
+            let dot = sum_by(dy.len(), |i| dy[i] * p[i]);
+            for (d, &pv) in dy.iter_mut().zip(p) {
+                *d = scale * pv * (*d - dot);
+            }
+        },
+    )
 }
 
 /// `y = (z − mean)/σ · w + b` for one row; returns (mean, 1/σ).
 #[inline(always)]
 fn normalize_row(z: &[f32], y: &mut [f32], w: &[f32], b: &[f32], eps: f32) -> (f32, f32) {
-    let h = z.len() as f32;
-    let mean = z.iter().sum::<f32>() / h;
-    let var = z.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / h;
-    let rstd = 1.0 / (var + eps).sqrt();
-    for i in 0..z.len() {
-        y[i] = (z[i] - mean) * rstd * w[i] + b[i];
-    }
-    (mean, rstd)
+    simd(
+        #[inline(always)]
+        || {
+            let h = z.len() as f32;
+            let mean = sum_by(z.len(), |i| z[i]) / h;
+            let var = sum_by(z.len(), |i| (z[i] - mean) * (z[i] - mean)) / h;
+            let rstd = 1.0 / (var + eps).sqrt();
+            for i in 0..z.len() {
+                y[i] = (z[i] - mean) * rstd * w[i] + b[i];
+            }
+            (mean, rstd)
+        },
+    )
 }
 
 /// erf with |error| < 1.5e-7 (Abramowitz & Stegun 7.1.26); returns (erf(z), e^{-z²}).
@@ -180,7 +252,7 @@ const INV_SQRT2: f32 = std::f32::consts::FRAC_1_SQRT_2;
 const INV_SQRT_2PI: f32 = 0.398_942_3;
 
 /// A counter-based hash (SplitMix64 finaliser) → uniform in [0, 1).
-#[inline]
+#[inline(always)]
 fn uniform(seed: u64, i: u64) -> f32 {
     let mut z = seed.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -248,13 +320,18 @@ unsafe fn small_gemm(
 #[inline]
 fn dropout_row(row: &mut [f32], base: u64, keep: f32, seed: u64) {
     let value = 1.0 / keep;
-    for (j, v) in row.iter_mut().enumerate() {
-        *v *= if uniform(seed, base + j as u64) < keep {
-            value
-        } else {
-            0.0
-        };
-    }
+    simd(
+        #[inline(always)]
+        || {
+            for (j, v) in row.iter_mut().enumerate() {
+                *v *= if uniform(seed, base + j as u64) < keep {
+                    value
+                } else {
+                    0.0
+                };
+            }
+        },
+    )
 }
 
 /// Applies the dropout mask of attention block `bh` (`t` rows of `t` probabilities) in place; the
@@ -355,12 +432,15 @@ impl KilnBackend for Cpu {
         let shape = x.shape().to_vec();
         let mut y = slice(&x).to_vec();
         y.par_chunks_mut(16_384).for_each(|c| {
-            simd(|| {
-                for v in c {
-                    let (e, _) = erf_and_gauss(*v * INV_SQRT2);
-                    *v *= 0.5 * (1.0 + e);
-                }
-            })
+            simd(
+                #[inline(always)]
+                || {
+                    for v in c {
+                        let (e, _) = erf_and_gauss(*v * INV_SQRT2);
+                        *v *= 0.5 * (1.0 + e);
+                    }
+                },
+            )
         });
         tensor(&shape, y)
     }
@@ -373,13 +453,16 @@ impl KilnBackend for Cpu {
         dx.par_chunks_mut(16_384)
             .zip(slice(&x).par_chunks(16_384))
             .for_each(|(d, xs)| {
-                simd(|| {
-                    for (g, &v) in d.iter_mut().zip(xs) {
-                        // e^{-(v/√2)²} = e^{-v²/2}: the same exponential gives Φ and φ.
-                        let (e, gauss) = erf_and_gauss(v * INV_SQRT2);
-                        *g *= 0.5 * (1.0 + e) + v * INV_SQRT_2PI * gauss;
-                    }
-                })
+                simd(
+                    #[inline(always)]
+                    || {
+                        for (g, &v) in d.iter_mut().zip(xs) {
+                            // e^{-(v/√2)²} = e^{-v²/2}: the same exponential gives Φ and φ.
+                            let (e, gauss) = erf_and_gauss(v * INV_SQRT2);
+                            *g *= 0.5 * (1.0 + e) + v * INV_SQRT_2PI * gauss;
+                        }
+                    },
+                )
             });
         tensor(&shape, dx)
     }
@@ -444,19 +527,24 @@ impl KilnBackend for Cpu {
                     .zip(xc.chunks(h).zip(sc))
                     .enumerate()
                 {
-                    if keep < 1.0 {
-                        let base = ((c * task + j) * h) as u64;
-                        for i in 0..h {
-                            let m = if uniform(seed, base + i as u64) < keep {
-                                1.0 / keep
+                    simd(
+                        #[inline(always)]
+                        || {
+                            if keep < 1.0 {
+                                let base = ((c * task + j) * h) as u64;
+                                for i in 0..h {
+                                    let m = if uniform(seed, base + i as u64) < keep {
+                                        1.0 / keep
+                                    } else {
+                                        0.0
+                                    };
+                                    zr[i] += xr[i] * m;
+                                }
                             } else {
-                                0.0
-                            };
-                            zr[i] += xr[i] * m;
-                        }
-                    } else {
-                        zr.iter_mut().zip(xr).for_each(|(z, x)| *z += x);
-                    }
+                                zr.iter_mut().zip(xr).for_each(|(z, x)| *z += x);
+                            }
+                        },
+                    );
                     *s = normalize_row(zr, yr, ws, bs, eps as f32);
                 }
             });
@@ -480,10 +568,15 @@ impl KilnBackend for Cpu {
         dx.par_chunks_mut(16_384)
             .enumerate()
             .for_each(|(c, chunk)| {
-                for (i, v) in chunk.iter_mut().enumerate() {
-                    let u = uniform(seed, (c * 16_384 + i) as u64);
-                    *v *= if u < keep { 1.0 / keep } else { 0.0 };
-                }
+                simd(
+                    #[inline(always)]
+                    || {
+                        for (i, v) in chunk.iter_mut().enumerate() {
+                            let u = uniform(seed, (c * 16_384 + i) as u64);
+                            *v *= if u < keep { 1.0 / keep } else { 0.0 };
+                        }
+                    },
+                )
             });
         tensor(&shape, dx)
     }
@@ -518,19 +611,21 @@ impl KilnBackend for Cpu {
                 {
                     let row = t * task + j;
                     let (mu, rstd) = (ms[row], rs[row]);
-                    let (mut c1, mut c2) = (0f32, 0f32);
-                    for i in 0..h {
-                        xhat[i] = (xr[i] - mu) * rstd;
-                        let g = dyr[i] * ws[i];
-                        c1 += g;
-                        c2 += g * xhat[i];
-                        dw[i] += dyr[i] * xhat[i];
-                        db[i] += dyr[i];
-                    }
-                    let (c1, c2) = (c1 / h as f32, c2 / h as f32);
-                    for i in 0..h {
-                        dxr[i] = rstd * (dyr[i] * ws[i] - c1 - xhat[i] * c2);
-                    }
+                    simd(
+                        #[inline(always)]
+                        || {
+                            for i in 0..h {
+                                xhat[i] = (xr[i] - mu) * rstd;
+                                dw[i] += dyr[i] * xhat[i];
+                                db[i] += dyr[i];
+                            }
+                            let c1 = sum_by(h, |i| dyr[i] * ws[i]) / h as f32;
+                            let c2 = sum_by(h, |i| dyr[i] * ws[i] * xhat[i]) / h as f32;
+                            for i in 0..h {
+                                dxr[i] = rstd * (dyr[i] * ws[i] - c1 - xhat[i] * c2);
+                            }
+                        },
+                    );
                 }
                 (dw, db)
             })
@@ -580,10 +675,7 @@ impl KilnBackend for Cpu {
             .zip(slice(&y).par_chunks(rows_per_task(s) * s))
             .for_each(|(dc, yc)| {
                 for (dr, yr) in dc.chunks_mut(s).zip(yc.chunks(s)) {
-                    let dot: f32 = dr.iter().zip(yr).map(|(a, b)| a * b).sum();
-                    for (d, &p) in dr.iter_mut().zip(yr) {
-                        *d = scale * p * (*d - dot);
-                    }
+                    softmax_backward_row(dr, yr, scale);
                 }
             });
         tensor(&shape, dx)
@@ -719,10 +811,7 @@ impl KilnBackend for Cpu {
                 }
                 dropout_block(dp, bh, t, keep, seed);
                 for (dr, pr) in dp.chunks_mut(t).zip(p.chunks(t)) {
-                    let dot: f32 = dr.iter().zip(pr).map(|(a, b)| a * b).sum();
-                    for (x, &pv) in dr.iter_mut().zip(pr) {
-                        *x = scale * pv * (*x - dot);
-                    }
+                    softmax_backward_row(dr, pr, scale);
                 }
                 unsafe {
                     // dQ = dS · K,  dK = dSᵀ · Q
@@ -787,15 +876,18 @@ impl KilnBackend for Cpu {
             .zip(vs.par_chunks_mut(CHUNK))
             .zip(slice(&g).par_chunks(CHUNK))
             .for_each(|(((pc, mc), vc), gc)| {
-                simd(|| {
-                    for i in 0..pc.len() {
-                        let g = gc[i] * gs;
-                        mc[i] = mc[i] * b1 + g * one_b1;
-                        vc[i] = vc[i] * b2 + g * g * one_b2;
-                        let denom = vc[i].sqrt() / bc2 + eps;
-                        pc[i] = pc[i] * decay - step * (mc[i] / denom);
-                    }
-                })
+                simd(
+                    #[inline(always)]
+                    || {
+                        for i in 0..pc.len() {
+                            let g = gc[i] * gs;
+                            mc[i] = mc[i] * b1 + g * one_b1;
+                            vc[i] = vc[i] * b2 + g * g * one_b2;
+                            let denom = vc[i].sqrt() / bc2 + eps;
+                            pc[i] = pc[i] * decay - step * (mc[i] / denom);
+                        }
+                    },
+                )
             });
         let _ = shape;
         (
