@@ -53,6 +53,33 @@ enum Command {
     Predict(PredictCmd),
     /// Fixed-shape step benchmarks, beside PyTorch measured in the same invocation.
     Bench(BenchCmd),
+    /// Data-parallel launcher (like torchrun): `kiln launch --nproc-per-node N -- train ...`.
+    Launch(LaunchCmd),
+}
+
+#[derive(Args)]
+struct LaunchCmd {
+    /// Worker processes on this machine.
+    #[arg(long, default_value_t = 1)]
+    nproc_per_node: usize,
+    /// Machines in the job.
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This machine's index, `0..nnodes` (the rendezvous runs on node 0).
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Host of node 0, reachable from every machine.
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Rendezvous port on node 0; worker r also uses master_port + 1 + r.
+    #[arg(long, default_value_t = 29500)]
+    master_port: u16,
+    /// Seconds a worker waits for its peers (rendezvous, any collective) before the job fails.
+    #[arg(long, default_value_t = 60)]
+    timeout: u64,
+    /// The worker command: a kiln subcommand (`train ...`), or a program and its arguments.
+    #[arg(last = true, required = true)]
+    command: Vec<String>,
 }
 
 #[derive(Args)]
@@ -313,6 +340,24 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
             }
             println!("{}", report.markdown());
         }
+        Command::Launch(cmd) => {
+            const KILN_SUBCOMMANDS: [&str; 4] = ["train", "eval", "predict", "bench"];
+            let (program, args) = if KILN_SUBCOMMANDS.contains(&cmd.command[0].as_str()) {
+                (std::env::current_exe()?, cmd.command.clone())
+            } else {
+                (PathBuf::from(&cmd.command[0]), cmd.command[1..].to_vec())
+            };
+            kiln::dist::launch::launch(&kiln::dist::launch::LaunchOptions {
+                nproc_per_node: cmd.nproc_per_node,
+                nnodes: cmd.nnodes,
+                node_rank: cmd.node_rank,
+                master_addr: cmd.master_addr,
+                master_port: cmd.master_port,
+                timeout: std::time::Duration::from_secs(cmd.timeout),
+                program,
+                args,
+            })?;
+        }
         Command::Predict(cmd) => {
             let texts = read_texts(&cmd)?;
             let preds =
@@ -341,7 +386,17 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_target(false)
         .init();
-    let argv: Vec<String> = std::env::args().map(normalize_flag).collect();
+    // Flags before a `--` are normalised; a launched worker's own arguments pass through untouched.
+    let mut after_dashes = false;
+    let argv: Vec<String> = std::env::args()
+        .map(|a| {
+            if after_dashes {
+                return a;
+            }
+            after_dashes = a == "--";
+            normalize_flag(a)
+        })
+        .collect();
     let matches = Cli::command().get_matches_from(argv);
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(c) => c,

@@ -24,6 +24,9 @@ pub enum KilnError {
     Weights(String),
     #[error("{0}")]
     Checkpoint(String),
+    /// Launcher, rendezvous and collective failures (which rank, what happened).
+    #[error("{0}")]
+    Distributed(String),
 }
 
 impl KilnError {

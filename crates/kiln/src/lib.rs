@@ -12,5 +12,6 @@ pub mod ops;
 
 pub use error::{KilnError, Result};
 pub mod data;
+pub mod dist;
 pub mod tasks;
 pub mod train;

@@ -1,0 +1,233 @@
+//! The process group: every collective the data-parallel trainer needs, on Burn's collective engine
+//! (`burn-collective`): each worker process is one of its "nodes" with one device, global rank 0
+//! also runs its orchestrator (the rendezvous), and all-reduce runs peer to peer.
+//!
+//! Burn's collectives block until every peer has called them and have no timeout of their own, so
+//! each call runs under a watchdog: if it does not finish within the timeout (a peer died or hung),
+//! this worker prints which rank it is and what it waited for, and exits non-zero. The launcher
+//! then stops the whole job — never a silent hang.
+
+use std::marker::PhantomData;
+use std::net::TcpListener;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::ElementConversion;
+use burn_collective::{CollectiveConfig, PeerId, ReduceOperation};
+
+use super::DistEnv;
+use crate::{KilnError, Result};
+
+/// Exit status of a worker whose collective timed out.
+pub const TIMEOUT_EXIT_CODE: i32 = 75;
+
+/// One pending deadline, checked by a background thread.
+struct Watchdog {
+    rank: usize,
+    pending: Mutex<Option<(Instant, String)>>,
+}
+
+impl Watchdog {
+    fn get(rank: usize) -> &'static Watchdog {
+        static DOG: OnceLock<Watchdog> = OnceLock::new();
+        DOG.get_or_init(|| {
+            std::thread::Builder::new()
+                .name("kiln-watchdog".into())
+                .spawn(|| loop {
+                    std::thread::sleep(Duration::from_millis(200));
+                    let dog = DOG.get().expect("initialised before the thread runs");
+                    let late = dog
+                        .pending
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .as_ref()
+                        .filter(|(deadline, _)| Instant::now() > *deadline)
+                        .map(|(_, what)| what.clone());
+                    if let Some(what) = late {
+                        eprintln!("error: rank {}: {what}; stopping this worker", dog.rank);
+                        std::process::exit(TIMEOUT_EXIT_CODE);
+                    }
+                })
+                .expect("spawn watchdog thread");
+            Watchdog {
+                rank,
+                pending: Mutex::new(None),
+            }
+        })
+    }
+
+    /// Runs `f`; if it takes longer than `timeout`, the process exits with `what` as the reason.
+    fn guard<T>(&self, timeout: Duration, what: String, f: impl FnOnce() -> T) -> T {
+        *self.pending.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((Instant::now() + timeout, what));
+        let out = f();
+        *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        out
+    }
+}
+
+/// A clear error when `port` cannot be bound on this machine.
+fn ensure_port_free(port: u16, what: &str) -> Result<()> {
+    TcpListener::bind(("0.0.0.0", port)).map(drop).map_err(|e| {
+        KilnError::Distributed(format!(
+            "cannot use port {port} for the {what}: {e} (is another job running? pick another --master-port)"
+        ))
+    })
+}
+
+/// The data-parallel process group of this worker, over backend `B` (the inner backend when
+/// training with autodiff: gradients are plain tensors).
+pub struct ProcessGroup<B: Backend> {
+    pub env: DistEnv,
+    peer: PeerId,
+    timeout: Duration,
+    _backend: PhantomData<B>,
+}
+
+impl<B: Backend> std::fmt::Debug for ProcessGroup<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("rank", &self.env.rank)
+            .field("world_size", &self.env.world_size)
+            .finish()
+    }
+}
+
+impl<B: Backend> ProcessGroup<B> {
+    /// Joins the job described by `env`: rank 0 starts the rendezvous on `MASTER_PORT`, every rank
+    /// registers and waits (up to `timeout`) until all `WORLD_SIZE` workers have.
+    pub fn init(env: DistEnv, device: &B::Device, timeout: Duration) -> Result<Self> {
+        let dog = Watchdog::get(env.rank);
+        if env.rank == 0 {
+            ensure_port_free(env.master_port, "rendezvous (MASTER_PORT)")?;
+            let port = env.master_port;
+            std::thread::Builder::new()
+                .name("kiln-rendezvous".into())
+                .spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .expect("tokio runtime for the rendezvous");
+                    rt.block_on(burn_collective::start_global_orchestrator(port));
+                })
+                .map_err(|e| KilnError::Distributed(format!("rendezvous thread: {e}")))?;
+        }
+        let data_port = env.data_port(env.rank);
+        ensure_port_free(data_port, &format!("rank {}'s tensor service", env.rank))?;
+        let addr = |host: &str, port: u16| {
+            format!("ws://{host}:{port}")
+                .parse()
+                .map_err(|e| KilnError::Distributed(format!("bad address {host}:{port}: {e}")))
+        };
+        let config = CollectiveConfig::default()
+            .with_num_devices(1)
+            .with_num_nodes(env.world_size as u32)
+            .with_global_address(addr(&env.master_addr, env.master_port)?)
+            .with_node_address(addr(&env.node_addr, data_port)?)
+            .with_data_service_port(data_port);
+        let peer = PeerId::from(env.rank as u32);
+        let what = format!(
+            "rendezvous at {}:{} did not complete within {}s: expected WORLD_SIZE={} workers (is every worker started, with the same WORLD_SIZE and MASTER_ADDR?)",
+            env.master_addr,
+            env.master_port,
+            timeout.as_secs(),
+            env.world_size
+        );
+        dog.guard(timeout, what, || {
+            burn_collective::register::<B>(peer, device.clone(), config)
+        })
+        .map_err(|e| {
+            KilnError::Distributed(format!("rank {}: joining the job: {e:?}", env.rank))
+        })?;
+        tracing::info!(
+            "rank {} of {} joined the job (rendezvous {}:{})",
+            env.rank,
+            env.world_size,
+            env.master_addr,
+            env.master_port
+        );
+        Ok(Self {
+            env,
+            peer,
+            timeout,
+            _backend: PhantomData,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.env.rank
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.env.world_size
+    }
+
+    fn all_reduce(
+        &self,
+        t: FloatTensor<B>,
+        op: ReduceOperation,
+        what: &str,
+    ) -> Result<FloatTensor<B>> {
+        let msg = format!(
+            "{what} did not complete within {}s: a peer worker died or hung",
+            self.timeout.as_secs()
+        );
+        Watchdog::get(self.env.rank)
+            .guard(self.timeout, msg, || {
+                burn_collective::all_reduce::<B>(self.peer, t, op)
+            })
+            .map_err(|e| KilnError::Distributed(format!("rank {}: {what}: {e:?}", self.env.rank)))
+    }
+
+    /// Element-wise sum over all workers.
+    pub fn all_reduce_sum(&self, t: FloatTensor<B>) -> Result<FloatTensor<B>> {
+        self.all_reduce(t, ReduceOperation::Sum, "all-reduce (sum)")
+    }
+
+    /// Element-wise mean over all workers (gradient averaging).
+    pub fn all_reduce_mean(&self, t: FloatTensor<B>) -> Result<FloatTensor<B>> {
+        self.all_reduce(t, ReduceOperation::Mean, "all-reduce (mean)")
+    }
+
+    /// Rank 0's `t` on every worker. Burn's broadcast is single-machine only, so this is an
+    /// all-reduce (sum) to which every other rank contributes zeros.
+    pub fn broadcast_from_rank0(&self, t: FloatTensor<B>) -> Result<FloatTensor<B>> {
+        let t = if self.env.rank == 0 {
+            t
+        } else {
+            B::float_mul_scalar(t, 0f32.elem())
+        };
+        self.all_reduce(t, ReduceOperation::Sum, "broadcast from rank 0")
+    }
+
+    /// Sums host values over all workers (eval counts, gathered predictions, losses).
+    pub fn sum_host(&self, values: Vec<f32>, device: &B::Device) -> Result<Vec<f32>> {
+        let n = values.len();
+        let t = B::float_from_data(burn::tensor::TensorData::new(values, [n]), device);
+        let out = self.all_reduce(t, ReduceOperation::Sum, "all-reduce of host values")?;
+        let data = futures_lite_block_on(B::float_into_data(out))
+            .map_err(|e| KilnError::Distributed(format!("reading a reduced tensor: {e:?}")))?;
+        Ok(data.convert::<f32>().into_vec::<f32>().expect("f32 data"))
+    }
+
+    /// Waits until every worker reaches this point.
+    pub fn barrier(&self, device: &B::Device) -> Result<()> {
+        self.sum_host(vec![1.0], device).map(drop)
+    }
+}
+
+impl<B: Backend> Drop for ProcessGroup<B> {
+    fn drop(&mut self) {
+        let _ = burn_collective::finish_collective::<B>(self.peer);
+    }
+}
+
+/// Burn returns tensor data through a future; on the CPU backend it is already complete.
+fn futures_lite_block_on<F: std::future::Future>(f: F) -> F::Output {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("tokio runtime");
+    rt.block_on(f)
+}

@@ -1,0 +1,232 @@
+//! `kiln launch`: starts the workers of one machine with the torchrun environment contract, prefixes
+//! their output with their rank, forwards SIGINT/SIGTERM, and ends the job as soon as one worker
+//! fails — stopping the others and naming the failed rank — instead of leaving them waiting.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::{KilnError, Result};
+
+/// What to start, and where it sits in the job.
+#[derive(Debug, Clone)]
+pub struct LaunchOptions {
+    pub nproc_per_node: usize,
+    pub nnodes: usize,
+    pub node_rank: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    /// How long a worker waits for the rendezvous or a collective before giving up
+    /// (`KILN_DIST_TIMEOUT` in the workers).
+    pub timeout: Duration,
+    /// The worker program and its arguments.
+    pub program: PathBuf,
+    pub args: Vec<String>,
+}
+
+/// How long stopped workers get between SIGTERM and SIGKILL.
+const GRACE: Duration = Duration::from_secs(5);
+
+struct Worker {
+    rank: usize,
+    child: Child,
+    status: Option<ExitStatus>,
+}
+
+/// Copies `from` line by line to `to`, each line prefixed with `[rank N]`.
+fn relay(
+    from: impl Read + Send + 'static,
+    rank: usize,
+    to_stderr: bool,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut r = BufReader::new(from);
+        let mut line = Vec::new();
+        while r
+            .read_until(b'\n', &mut line)
+            .map(|n| n > 0)
+            .unwrap_or(false)
+        {
+            let text = String::from_utf8_lossy(&line);
+            let text = text.trim_end_matches(['\n', '\r']);
+            if to_stderr {
+                let _ = writeln!(std::io::stderr().lock(), "[rank {rank}] {text}");
+            } else {
+                let _ = writeln!(std::io::stdout().lock(), "[rank {rank}] {text}");
+            }
+            line.clear();
+        }
+    })
+}
+
+/// Signals a worker's whole process group (it leads one: see `process_group(0)`), so programs it
+/// started die with it and release the output pipes.
+fn signal(child: &Child, sig: i32) {
+    // SAFETY: sends a signal to the process group of a child we started and have not reaped.
+    unsafe {
+        libc::kill(-(child.id() as libc::pid_t), sig);
+    }
+}
+
+/// Stops every worker still running: SIGTERM, then SIGKILL after [`GRACE`].
+fn stop_all(workers: &mut [Worker], sig: i32) {
+    for w in workers.iter().filter(|w| w.status.is_none()) {
+        signal(&w.child, sig);
+    }
+    let deadline = Instant::now() + GRACE;
+    loop {
+        let mut running = false;
+        for w in workers.iter_mut().filter(|w| w.status.is_none()) {
+            match w.child.try_wait() {
+                Ok(Some(s)) => w.status = Some(s),
+                _ => running = true,
+            }
+        }
+        if !running {
+            return;
+        }
+        if Instant::now() > deadline {
+            for w in workers.iter_mut().filter(|w| w.status.is_none()) {
+                signal(&w.child, libc::SIGKILL);
+                w.status = w.child.wait().ok();
+            }
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Runs the job's workers on this machine and waits for them. `Ok` when all exit successfully; an
+/// error naming the first rank that failed otherwise (the others are stopped).
+pub fn launch(o: &LaunchOptions) -> Result<()> {
+    if o.nproc_per_node == 0 || o.nnodes == 0 {
+        return Err(KilnError::Config(
+            "--nproc-per-node and --nnodes must be at least 1".into(),
+        ));
+    }
+    if o.node_rank >= o.nnodes {
+        return Err(KilnError::Config(format!(
+            "--node-rank {} is outside --nnodes {}",
+            o.node_rank, o.nnodes
+        )));
+    }
+    let world = o.nproc_per_node * o.nnodes;
+    if o.master_port as usize + world >= 65536 {
+        return Err(KilnError::Config(format!(
+            "--master-port {} leaves no room for {world} worker ports above it",
+            o.master_port
+        )));
+    }
+    if o.node_rank == 0 {
+        // The rendezvous runs in rank 0 on this machine: fail now, clearly, if its port is taken.
+        std::net::TcpListener::bind(("0.0.0.0", o.master_port)).map_err(|e| {
+            KilnError::Distributed(format!(
+                "--master-port {}: {e} (another job is using it; pick another port)",
+                o.master_port
+            ))
+        })?;
+    }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per_worker = (threads / o.nproc_per_node).max(1).to_string();
+    tracing::info!(
+        "launching {} worker(s) on node {}/{} (world size {world}, rendezvous {}:{})",
+        o.nproc_per_node,
+        o.node_rank,
+        o.nnodes,
+        o.master_addr,
+        o.master_port
+    );
+
+    let interrupted = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, interrupted.clone())
+            .map_err(|e| KilnError::Distributed(format!("installing a signal handler: {e}")))?;
+    }
+
+    let mut workers = Vec::new();
+    let mut relays = Vec::new();
+    for local_rank in 0..o.nproc_per_node {
+        let rank = o.node_rank * o.nproc_per_node + local_rank;
+        let mut cmd = Command::new(&o.program);
+        cmd.args(&o.args)
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", local_rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_WORLD_SIZE", o.nproc_per_node.to_string())
+            .env("MASTER_ADDR", &o.master_addr)
+            .env("MASTER_PORT", o.master_port.to_string())
+            .env("KILN_DIST_TIMEOUT", o.timeout.as_secs().max(1).to_string())
+            .process_group(0)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        // Like torchrun's OMP_NUM_THREADS=1 default: workers of one machine share its cores.
+        if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+            cmd.env("RAYON_NUM_THREADS", &per_worker);
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                stop_all(&mut workers, libc::SIGTERM);
+                return Err(KilnError::Distributed(format!(
+                    "starting rank {rank} ({}): {e}",
+                    o.program.display()
+                )));
+            }
+        };
+        relays.push(relay(child.stdout.take().expect("piped"), rank, false));
+        relays.push(relay(child.stderr.take().expect("piped"), rank, true));
+        workers.push(Worker {
+            rank,
+            child,
+            status: None,
+        });
+    }
+
+    let result = loop {
+        if interrupted.load(Ordering::Relaxed) {
+            stop_all(&mut workers, libc::SIGTERM);
+            break Err(KilnError::Distributed(
+                "interrupted: stopped every worker".into(),
+            ));
+        }
+        let mut failed = None;
+        for w in workers.iter_mut().filter(|w| w.status.is_none()) {
+            if let Ok(Some(s)) = w.child.try_wait() {
+                w.status = Some(s);
+                if !s.success() && failed.is_none() {
+                    failed = Some((w.rank, s));
+                }
+            }
+        }
+        if let Some((rank, status)) = failed {
+            stop_all(&mut workers, libc::SIGTERM);
+            let why = match status.code() {
+                Some(super::group::TIMEOUT_EXIT_CODE) => {
+                    "timed out waiting for its peers (see its last lines above)".to_string()
+                }
+                Some(c) => format!("exited with status {c}"),
+                None => "was killed by a signal".to_string(),
+            };
+            break Err(KilnError::Distributed(format!(
+                "worker rank {rank} {why}; stopped the other workers"
+            )));
+        }
+        if workers.iter().all(|w| w.status.is_some()) {
+            break Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // A worker's leftover children could hold its pipes open: end its group, then drain.
+    for w in &workers {
+        signal(&w.child, libc::SIGKILL);
+    }
+    for r in relays {
+        let _ = r.join();
+    }
+    result
+}
