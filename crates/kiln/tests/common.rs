@@ -50,10 +50,18 @@ pub fn read_i64(path: &std::path::Path, name: &str) -> (Vec<usize>, Vec<i64>) {
 
 /// A 2-layer, 64-wide BERT with random weights and the real MiniLM tokenizer, written to `dir`.
 pub fn tiny_model(dir: &std::path::Path, minilm: &std::path::Path) {
-    let cfg: kiln::hub::config::BertConfig = serde_json::from_value(serde_json::json!({
+    tiny_model_with(dir, minilm, serde_json::json!({}));
+}
+
+/// [`tiny_model`] with extra config.json fields (e.g. dropout 0 for exact comparisons).
+pub fn tiny_model_with(dir: &std::path::Path, minilm: &std::path::Path, extra: serde_json::Value) {
+    let mut json = serde_json::json!({
         "vocab_size": 30522, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "intermediate_size": 128, "max_position_embeddings": 512, "model_type": "bert"}))
-    .unwrap();
+        "intermediate_size": 128, "max_position_embeddings": 512, "model_type": "bert"});
+    for (k, v) in extra.as_object().unwrap() {
+        json[k] = v.clone();
+    }
+    let cfg: kiln::hub::config::BertConfig = serde_json::from_value(json).unwrap();
     kiln::tasks::text_classification::init_model_dir(dir, &cfg, &minilm.join("tokenizer.json"), 7)
         .unwrap();
 }

@@ -82,9 +82,54 @@ pub fn epoch_order(
     order
 }
 
+/// This rank's share of an epoch's `order`, as PyTorch's `DistributedSampler` deals it: the order is
+/// padded by repeating its start to a multiple of `world` (or truncated to one with `drop_last`),
+/// then rank `r` takes every `world`-th example from position `r`. Every rank gets the same count,
+/// and the first global batch of `world × b` examples is exactly the union of each rank's first `b`.
+pub fn shard(order: &[usize], rank: usize, world: usize, drop_last: bool) -> Vec<usize> {
+    if world <= 1 {
+        return order.to_vec();
+    }
+    let n = order.len();
+    let total = if drop_last {
+        n / world * world
+    } else {
+        n.div_ceil(world) * world
+    };
+    (rank..total)
+        .step_by(world)
+        .map(|i| order[i % n.max(1)])
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shards_are_disjoint_equal_and_cover_the_epoch() {
+        let order: Vec<usize> = (0..10).map(|i| (i * 7) % 10).collect();
+        let (a, b, c) = (
+            shard(&order, 0, 3, false),
+            shard(&order, 1, 3, false),
+            shard(&order, 2, 3, false),
+        );
+        assert_eq!((a.len(), b.len(), c.len()), (4, 4, 4));
+        // 10 examples over 3 ranks: two are repeated (padding), none is lost.
+        let mut all: Vec<usize> = a.iter().chain(&b).chain(&c).copied().collect();
+        assert_eq!(&all[10..].len(), &2);
+        all.sort();
+        all.dedup();
+        assert_eq!(all, (0..10).collect::<Vec<_>>());
+        assert_eq!(shard(&order, 2, 3, true).len(), 3);
+        // The union of the ranks' first batches of 2 is the single-process first batch of 6.
+        let mut first: Vec<usize> = [&a[..2], &b[..2], &c[..2]].concat();
+        first.sort();
+        let mut want = order[..6].to_vec();
+        want.sort();
+        assert_eq!(first, want);
+        assert_eq!(shard(&order, 0, 1, false), order);
+    }
 
     #[test]
     fn collate_pads_to_longest_or_fixed_length() {

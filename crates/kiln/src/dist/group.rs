@@ -126,7 +126,10 @@ impl<B: Backend> ProcessGroup<B> {
             .with_num_nodes(env.world_size as u32)
             .with_global_address(addr(&env.master_addr, env.master_port)?)
             .with_node_address(addr(&env.node_addr, data_port)?)
-            .with_data_service_port(data_port);
+            .with_data_service_port(data_port)
+            // Ring all-reduce cannot split tensors smaller than the world (scalars, biases of
+            // tiny heads); the centralized strategy takes any shape.
+            .with_global_all_reduce_strategy(burn_collective::AllReduceStrategy::Centralized);
         let peer = PeerId::from(env.rank as u32);
         let what = format!(
             "rendezvous at {}:{} did not complete within {}s: expected WORLD_SIZE={} workers (is every worker started, with the same WORLD_SIZE and MASTER_ADDR?)",

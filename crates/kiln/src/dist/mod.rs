@@ -7,7 +7,33 @@ pub mod launch;
 
 pub use group::ProcessGroup;
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::tensor::backend::Backend;
+
 use crate::{KilnError, Result};
+
+/// Joins the job this process was launched into (`kiln launch`, torchrun, a Kubernetes Job), or
+/// `None` for a single-process run. `KILN_DIST_TIMEOUT` (seconds, default 60) bounds every wait.
+pub fn init_from_env<B: Backend>(device: &B::Device) -> Result<Option<Arc<ProcessGroup<B>>>> {
+    let Some(env) = DistEnv::from_env()? else {
+        return Ok(None);
+    };
+    let timeout = match std::env::var("KILN_DIST_TIMEOUT") {
+        Ok(v) => v.trim().parse().map_err(|_| {
+            KilnError::Distributed(format!(
+                "KILN_DIST_TIMEOUT={v:?} is not a number of seconds"
+            ))
+        })?,
+        Err(_) => 60,
+    };
+    Ok(Some(Arc::new(ProcessGroup::init(
+        env,
+        device,
+        Duration::from_secs(timeout),
+    )?)))
+}
 
 /// Where this process sits in the job: the variables torchrun (and Kubeflow's PyTorchJob, or a
 /// Kubernetes Indexed Job running `kiln launch`) sets for every worker.

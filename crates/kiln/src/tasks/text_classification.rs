@@ -225,6 +225,8 @@ pub fn train<B: TrainBackend, L: Loss>(
     let output_dir = args.output_dir.clone();
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files);
     trainer.label_names = Some(labels.names().to_vec());
+    trainer.dist = crate::dist::init_from_env::<B::InnerBackend>(device)?;
+    let main = trainer.dist.as_ref().is_none_or(|d| d.rank() == 0);
     customize(&mut trainer);
     let batches = |set| ClassificationBatches {
         set,
@@ -241,14 +243,16 @@ pub fn train<B: TrainBackend, L: Loss>(
     let eval_out = match &eval_b {
         Some(e) => {
             let ev = trainer.evaluate(e)?;
-            info!("***** eval metrics *****  {}", format_metrics(&ev.metrics));
-            write_json(&output_dir.join("eval_results.json"), &ev.metrics)?;
-            if let Some(r) = &ev.report {
-                write_json(&output_dir.join("eval_report.json"), r)?;
+            if main {
+                info!("***** eval metrics *****  {}", format_metrics(&ev.metrics));
+                write_json(&output_dir.join("eval_results.json"), &ev.metrics)?;
+                if let Some(r) = &ev.report {
+                    write_json(&output_dir.join("eval_report.json"), r)?;
+                }
+                let mut all = out.metrics.clone();
+                all.extend(ev.metrics.clone());
+                write_json(&output_dir.join("all_results.json"), &all)?;
             }
-            let mut all = out.metrics.clone();
-            all.extend(ev.metrics.clone());
-            write_json(&output_dir.join("all_results.json"), &all)?;
             Some(ev)
         }
         None => None,
@@ -282,6 +286,7 @@ pub fn eval<B: KilnBackend>(
         batch_size,
         &CrossEntropy,
         Some(labels.names()),
+        None,
         None,
     )
 }

@@ -75,6 +75,15 @@ impl<B: KilnBackend> GradAccumulator<B> {
     }
 
     /// The global L2 norm of all gradients (after any pending scale).
+    /// Replaces every gradient by its mean over the data-parallel group (before clipping, as DDP).
+    pub fn all_reduce_mean(&mut self, group: &crate::dist::ProcessGroup<B>) -> crate::Result<()> {
+        for g in self.grads.values_mut() {
+            let reduced = group.all_reduce_mean(g.clone().into_primitive().tensor())?;
+            *g = Tensor::from_primitive(TensorPrimitive::Float(reduced));
+        }
+        Ok(())
+    }
+
     pub fn global_norm(&self) -> f64 {
         let sum: f64 = self
             .grads

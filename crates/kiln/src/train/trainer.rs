@@ -3,10 +3,12 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Map, Value};
@@ -21,9 +23,10 @@ use super::metrics::{classification_report, ClassificationReport, Predictions};
 use super::optim::{AdamW, AdamWConfig, GradAccumulator};
 use super::schedule::lr_factor;
 use super::task::{BatchSource, Classifier, CrossEntropy, Loss};
-use crate::data::batch::epoch_order;
+use crate::data::batch::{epoch_order, shard};
+use crate::dist::ProcessGroup;
 use crate::error::{KilnError, Result};
-use crate::hub::weights::{load_into, module_tensors, read_safetensors};
+use crate::hub::weights::{load_into, map_params, module_tensors, read_safetensors};
 use crate::ops::{profile, TrainBackend};
 
 /// A user metric: extra `(name, value)` pairs computed from an evaluation's predictions.
@@ -60,6 +63,8 @@ pub struct Trainer<B: TrainBackend, M, L = CrossEntropy> {
     optimizer: AdamW<B::InnerBackend>,
     /// Whether to show a progress bar (rank 0, interactive).
     pub progress: bool,
+    /// The data-parallel group when launched with `kiln launch` / torchrun; `None` alone.
+    pub dist: Option<Arc<ProcessGroup<B::InnerBackend>>>,
 }
 
 fn targets_tensor<B: Backend>(t: Vec<i64>, device: &B::Device) -> Tensor<B, 1, Int> {
@@ -109,6 +114,7 @@ where
             state: TrainerState::default(),
             optimizer,
             progress: true,
+            dist: None,
         }
     }
 
@@ -129,6 +135,10 @@ where
     fn log(&mut self, mut entry: Map<String, Value>) -> Result<()> {
         entry.insert("step".into(), json!(self.state.global_step));
         entry.insert("epoch".into(), json!(round4(self.state.epoch)));
+        if !self.is_main() {
+            self.state.log_history.push(entry);
+            return Ok(());
+        }
         let line = serde_json::to_string(&entry).expect("json");
         let path = self.args.output_dir.join("log.jsonl");
         use std::io::Write;
@@ -140,6 +150,45 @@ where
         writeln!(f, "{line}").map_err(|e| KilnError::io(&path, e))?;
         self.state.log_history.push(entry);
         Ok(())
+    }
+
+    /// Rank 0 (or a single process): the one that logs and writes files.
+    fn is_main(&self) -> bool {
+        self.dist.as_ref().is_none_or(|d| d.rank() == 0)
+    }
+
+    fn world(&self) -> (usize, usize) {
+        self.dist
+            .as_ref()
+            .map_or((0, 1), |d| (d.rank(), d.world_size()))
+    }
+
+    /// Waits for every worker (after rank 0 wrote files the others read).
+    fn barrier(&self) -> Result<()> {
+        match &self.dist {
+            Some(d) => d.barrier(&self.device),
+            None => Ok(()),
+        }
+    }
+
+    /// Makes every rank start from rank 0's weights.
+    fn broadcast_weights(&mut self) -> Result<()> {
+        let Some(d) = self.dist.clone() else {
+            return Ok(());
+        };
+        let mut err = None;
+        let model = map_params(self.take_model(), |_, value: FloatTensor<B>| {
+            let inner = B::inner(value.clone());
+            match d.broadcast_from_rank0(inner) {
+                Ok(v) => B::from_inner(v),
+                Err(e) => {
+                    err.get_or_insert(e);
+                    value
+                }
+            }
+        });
+        self.model = Some(model);
+        err.map_or(Ok(()), Err)
     }
 
     /// Restores model, optimizer and trainer state from a checkpoint folder.
@@ -183,12 +232,21 @@ where
             ));
         }
         std::fs::create_dir_all(&a.output_dir).map_err(|e| KilnError::io(&a.output_dir, e))?;
+        let (rank, world) = self.world();
         let n = train.len();
+        // Each rank trains on its shard of every epoch (see `shard`): equal counts on all ranks.
+        let n_rank = if world == 1 {
+            n
+        } else if a.dataloader_drop_last {
+            n / world
+        } else {
+            n.div_ceil(world)
+        };
         let bs = a.per_device_train_batch_size;
         let batches_per_epoch = if a.dataloader_drop_last {
-            n / bs
+            n_rank / bs
         } else {
-            n.div_ceil(bs)
+            n_rank.div_ceil(bs)
         };
         if batches_per_epoch == 0 {
             return Err(KilnError::Data(format!(
@@ -214,8 +272,8 @@ where
             eval_steps: a.eval_interval(),
             save_steps: a.save_steps,
             train_batch_size: bs,
-            is_local_process_zero: true,
-            is_world_process_zero: true,
+            is_local_process_zero: self.dist.as_ref().is_none_or(|d| d.env.local_rank == 0),
+            is_world_process_zero: rank == 0,
             ..TrainerState::default()
         };
         if let Some(spec) = &a.resume_from_checkpoint {
@@ -230,21 +288,25 @@ where
             self.state.max_steps = total;
         }
 
-        info!("***** Running training *****");
-        info!("  Num examples = {n}");
-        info!("  Num epochs = {:.2}", self.state.num_train_epochs);
-        info!("  Instantaneous batch size per device = {bs}");
-        info!(
-            "  Total train batch size (w. accumulation) = {}",
-            bs * a.gradient_accumulation_steps
-        );
-        info!(
-            "  Gradient accumulation steps = {}",
-            a.gradient_accumulation_steps
-        );
-        info!("  Total optimization steps = {total} (warmup {warmup})");
+        self.broadcast_weights()?;
+        if rank == 0 {
+            info!("***** Running training *****");
+            info!("  Num examples = {n}");
+            info!("  Num epochs = {:.2}", self.state.num_train_epochs);
+            info!("  Instantaneous batch size per device = {bs}");
+            info!("  World size = {world}");
+            info!(
+                "  Total train batch size (w. parallel, distributed & accumulation) = {}",
+                bs * world * a.gradient_accumulation_steps
+            );
+            info!(
+                "  Gradient accumulation steps = {}",
+                a.gradient_accumulation_steps
+            );
+            info!("  Total optimization steps = {total} (warmup {warmup})");
+        }
 
-        let bar = if self.progress {
+        let bar = if self.progress && rank == 0 {
             let pb = ProgressBar::new(total);
             pb.set_style(
                 ProgressStyle::with_template(
@@ -278,6 +340,7 @@ where
                 true,
                 a.group_by_length.then_some(bs),
             );
+            let order = shard(&order, rank, world, a.dataloader_drop_last);
             let batches: Vec<&[usize]> = order
                 .chunks(bs)
                 .filter(|c| !a.dataloader_drop_last || c.len() == bs)
@@ -309,6 +372,13 @@ where
                     acc.accumulate::<B, M>(self.model(), &grads);
                     drop(bwd);
                     samples += idx.len();
+                }
+                if let Some(d) = &self.dist {
+                    // Average gradients (and the logged loss) over ranks before clipping.
+                    acc.all_reduce_mean(d)?;
+                    step_loss =
+                        d.sum_host(vec![step_loss as f32], &self.device)?[0] as f64 / world as f64;
+                    samples += (world - 1) * group.iter().map(|i| i.len()).sum::<usize>();
                 }
                 let opt = profile::scope("step: clip + optimizer");
                 let last_grad_norm = acc.clip_global_norm(a.max_grad_norm);
@@ -408,8 +478,11 @@ where
                 self.model = Some(load_into(model, &w, None, &self.device)?.0);
             }
         }
-        self.save_model(&a.output_dir)?;
-        write_json(&a.output_dir.join("train_results.json"), &metrics)?;
+        if self.is_main() {
+            self.save_model(&a.output_dir)?;
+            write_json(&a.output_dir.join("train_results.json"), &metrics)?;
+        }
+        self.barrier()?;
         Ok(TrainOutput {
             global_step: self.state.global_step,
             metrics,
@@ -452,6 +525,10 @@ where
                 tracing::warn!("metric_for_best_model {name} is not among the eval metrics");
             }
         }
+        if !self.is_main() {
+            // Rank 0 writes; the others wait so that nobody reads a half-written checkpoint.
+            return self.barrier();
+        }
         let model = module_tensors(self.model());
         let opt = self.optimizer.state_tensors();
         let args_json = serde_json::to_string_pretty(&self.args).expect("json");
@@ -471,7 +548,7 @@ where
             let best = self.state.best_model_checkpoint.clone().map(PathBuf::from);
             rotate_checkpoints(&self.args.output_dir, limit, best.as_deref())?;
         }
-        Ok(())
+        self.barrier()
     }
 
     /// Saves the model (config.json, model.safetensors, tokenizer.json) and trainer state to `dir`.
@@ -485,6 +562,8 @@ where
     }
 
     /// Evaluates the current model (no dropout, no gradients) on `eval`.
+    /// Under data parallelism each rank evaluates its share and the results are gathered, so every
+    /// rank computes the metrics over the whole eval set.
     pub fn evaluate<E: BatchSource<Batch = M::Batch>>(&self, eval: &E) -> Result<EvalOutput> {
         evaluate(
             &self.model().valid(),
@@ -493,6 +572,7 @@ where
             &self.loss,
             self.label_names.as_deref(),
             self.compute_metrics.as_ref(),
+            self.dist.as_deref(),
         )
     }
 }
@@ -505,6 +585,7 @@ pub fn evaluate<B, M, E, L>(
     loss_fn: &L,
     label_names: Option<&[String]>,
     compute_metrics: Option<&MetricFn>,
+    dist: Option<&ProcessGroup<B>>,
 ) -> Result<EvalOutput>
 where
     B: Backend,
@@ -520,7 +601,9 @@ where
         .expect("model has a device");
     let (mut loss_sum, mut count) = (0.0, 0usize);
     let mut preds = Predictions::default();
-    let order: Vec<usize> = (0..eval.len()).collect();
+    let (rank, world) = dist.map_or((0, 1), |d| (d.rank(), d.world_size()));
+    // This rank's examples: every `world`-th from `rank` (no padding: nothing counted twice).
+    let order: Vec<usize> = (rank..eval.len()).step_by(world).collect();
     for idx in order.chunks(batch_size.max(1)) {
         let (batch, targets) = eval.batch(idx);
         let counted = targets
@@ -540,6 +623,16 @@ where
                 .labels
                 .extend(targets.iter().map(|&t| t.max(0) as usize));
         }
+    }
+    if let Some(d) = dist {
+        (loss_sum, count, preds) = gather_eval(
+            d,
+            &device,
+            eval.len(),
+            label_names.map_or(0, |l| l.len()),
+            &order,
+            (loss_sum, count, preds),
+        )?;
     }
     let runtime = start.elapsed().as_secs_f64();
     let eval_loss = loss_sum / count.max(1) as f64;
@@ -579,6 +672,34 @@ where
         report,
         predictions: preds,
     })
+}
+
+/// Gathers every rank's eval results: loss sums and counts are summed, and each example's logits
+/// and label land in its global position (a sum in which every other rank contributes zeros).
+fn gather_eval<B: Backend>(
+    d: &ProcessGroup<B>,
+    device: &B::Device,
+    n: usize,
+    classes: usize,
+    mine: &[usize],
+    (loss_sum, count, preds): (f64, usize, Predictions),
+) -> Result<(f64, usize, Predictions)> {
+    let totals = d.sum_host(vec![loss_sum as f32, count as f32], device)?;
+    let mut gathered = Predictions::default();
+    if classes > 0 {
+        let width = classes + 1;
+        let mut buf = vec![0f32; n * width];
+        for ((&i, row), &label) in mine.iter().zip(&preds.logits).zip(&preds.labels) {
+            buf[i * width..i * width + classes].copy_from_slice(row);
+            buf[i * width + classes] = label as f32;
+        }
+        let buf = d.sum_host(buf, device)?;
+        for row in buf.chunks(width) {
+            gathered.logits.push(row[..classes].to_vec());
+            gathered.labels.push(row[classes] as usize);
+        }
+    }
+    Ok((totals[0] as f64, totals[1] as usize, gathered))
 }
 
 fn round3(x: f64) -> f64 {

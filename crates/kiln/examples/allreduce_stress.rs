@@ -1,0 +1,19 @@
+use burn::tensor::{Tensor, TensorPrimitive};
+use kiln::backend::Cpu;
+fn main() {
+    let device = Default::default();
+    let g = kiln::dist::init_from_env::<Cpu>(&device).unwrap().unwrap();
+    let sizes: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|s| s.parse().unwrap())
+        .collect();
+    for i in 0..200 {
+        let n = sizes[i % sizes.len()];
+        let t = Tensor::<Cpu, 1>::ones([n], &device) * (g.rank() as f32 + 1.0);
+        let r = g.all_reduce_sum(t.into_primitive().tensor()).unwrap();
+        let r = Tensor::<Cpu, 1>::from_primitive(TensorPrimitive::Float(r));
+        let v: Vec<f32> = r.into_data().into_vec().unwrap();
+        assert_eq!(v[0], 3.0);
+        eprintln!("op {i} n={n} ok");
+    }
+}
