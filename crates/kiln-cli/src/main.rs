@@ -57,6 +57,12 @@ enum Command {
     Launch(LaunchCmd),
 }
 
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Task {
+    TextClassification,
+    MnistMlp,
+}
+
 #[derive(Args)]
 struct LaunchCmd {
     /// Worker processes on this machine.
@@ -145,9 +151,16 @@ struct DataOpts {
 
 #[derive(Args)]
 struct TrainCmd {
+    /// What to train: `text-classification` (a BERT-family model folder and labelled text) or
+    /// `mnist-mlp` (the AWS Neuron MNIST MLP sample on IDX files in --data-dir).
+    #[arg(long, default_value = "text-classification")]
+    task: Task,
     /// A Hugging Face model folder (config.json, model.safetensors, tokenizer.json).
-    #[arg(long)]
-    model: PathBuf,
+    #[arg(long, required_if_eq("task", "text-classification"))]
+    model: Option<PathBuf>,
+    /// Folder with the MNIST IDX files (mnist-mlp).
+    #[arg(long, default_value = "assets/mnist")]
+    data_dir: PathBuf,
     /// A YAML or JSON file of TrainingArguments; flags given on the command line override it.
     #[arg(long)]
     config: Option<PathBuf>,
@@ -159,8 +172,13 @@ struct TrainCmd {
 
 #[derive(Args)]
 struct EvalCmd {
+    #[arg(long, default_value = "text-classification")]
+    task: Task,
     #[arg(long)]
     model: PathBuf,
+    /// Folder with the MNIST IDX files (mnist-mlp; the t10k split is used).
+    #[arg(long, default_value = "assets/mnist")]
+    data_dir: PathBuf,
     #[command(flatten)]
     data: DataOpts,
     #[arg(long, default_value_t = 32)]
@@ -222,12 +240,23 @@ impl DataOpts {
 }
 
 /// TrainingArguments from `--config` with every flag given on the command line laid over it.
-fn merged_training_args(cmd: &TrainCmd, matches: &ArgMatches) -> Result<TrainingArguments> {
-    let Some(path) = &cmd.config else {
-        return Ok(cmd.args.clone());
-    };
-    let file = TrainingArguments::from_file(path)?;
-    let mut base = serde_json::to_value(&file)?;
+/// TrainingArguments from, lowest priority first: the task's defaults, the `--config` file, and the
+/// flags given on the command line.
+fn merged_training_args(
+    cmd: &TrainCmd,
+    matches: &ArgMatches,
+    task_defaults: serde_json::Value,
+) -> Result<TrainingArguments> {
+    let mut base = serde_json::to_value(TrainingArguments::default())?;
+    if let (Some(b), Some(d)) = (base.as_object_mut(), task_defaults.as_object()) {
+        b.extend(d.clone());
+    }
+    if let Some(path) = &cmd.config {
+        let given = TrainingArguments::file_entries(path)?;
+        if let Some(b) = base.as_object_mut() {
+            b.extend(given);
+        }
+    }
     let flags = serde_json::to_value(&cmd.args)?;
     let (Some(base_map), Some(flag_map)) = (base.as_object_mut(), flags.as_object()) else {
         bail!("training arguments are not an object");
@@ -288,16 +317,35 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
     match cli.command {
         Command::Train(cmd) => {
             let sub = matches.subcommand_matches("train").expect("train matches");
-            let args = merged_training_args(&cmd, sub)?;
-            let opts = cmd.data.options(&cmd.model, args.seed)?;
+            if cmd.task == Task::MnistMlp {
+                let world = kiln::dist::DistEnv::from_env()?.map_or(1, |e| e.world_size);
+                let defaults = kiln::tasks::mnist::sample_defaults(world);
+                let args = merged_training_args(&cmd, sub, defaults)?;
+                kiln::tasks::mnist::train::<CpuTrain>(&cmd.data_dir, args, &device)?;
+                return Ok(());
+            }
+            let args = merged_training_args(&cmd, sub, serde_json::json!({}))?;
+            let model = cmd.model.clone().context("--model is required")?;
+            let opts = cmd.data.options(&model, args.seed)?;
             let (out, eval) =
                 tc::train::<CpuTrain, _>(&opts, args, &device, kiln::train::CrossEntropy, |_| {})?;
-            println!("{}", serde_json::to_string_pretty(&out.metrics)?);
-            if let Some(ev) = eval {
-                println!("{}", serde_json::to_string_pretty(&ev.metrics)?);
+            if kiln::dist::DistEnv::from_env()?.is_none_or(|e| e.rank == 0) {
+                println!("{}", serde_json::to_string_pretty(&out.metrics)?);
+                if let Some(ev) = eval {
+                    println!("{}", serde_json::to_string_pretty(&ev.metrics)?);
+                }
             }
         }
         Command::Eval(cmd) => {
+            if cmd.task == Task::MnistMlp {
+                kiln::tasks::mnist::eval::<Cpu>(
+                    &cmd.model,
+                    &cmd.data_dir,
+                    cmd.per_device_eval_batch_size,
+                    &device,
+                )?;
+                return Ok(());
+            }
             let opts = cmd.data.options(&cmd.model, 42)?;
             let out = tc::eval::<Cpu>(&opts, cmd.per_device_eval_batch_size, &device)?;
             let json = serde_json::json!({"metrics": out.metrics, "report": out.report});

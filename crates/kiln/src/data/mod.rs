@@ -2,6 +2,7 @@
 //! batches ([`batch`]). Tokenization happens once per run; batches pad dynamically by default.
 
 pub mod batch;
+pub mod idx;
 pub mod labels;
 pub mod reader;
 pub mod tokenize;

@@ -2,3 +2,4 @@
 
 pub mod bert;
 pub mod layers;
+pub mod mlp;

@@ -1,4 +1,5 @@
 //! End-to-end tasks: each ties data, a model and the trainer together behind a few functions that
 //! the CLI calls (the CLI itself only parses arguments).
 
+pub mod mnist;
 pub mod text_classification;

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::optim::OptimizerType;
 use super::schedule::SchedulerType;
 use crate::error::{KilnError, Result};
 
@@ -50,6 +51,9 @@ pub struct TrainingArguments {
     pub max_grad_norm: f64,
     #[arg(long, value_enum, default_value_t = SchedulerType::Linear)]
     pub lr_scheduler_type: SchedulerType,
+    /// The optimizer: `adamw_torch` (default) or plain `sgd` (the MNIST sample's).
+    #[arg(long, value_enum, default_value_t = OptimizerType::AdamwTorch)]
+    pub optim: OptimizerType,
     #[arg(long, default_value_t = 0)]
     pub warmup_steps: u64,
     /// Fraction of total steps used for warmup (when warmup_steps is 0).
@@ -119,6 +123,20 @@ impl TrainingArguments {
                 msg: e.to_string(),
             })
         }
+    }
+
+    /// Only the keys a YAML/JSON file sets (validated as [`Self::from_file`] does), so that they can
+    /// be laid over other defaults (a task's) rather than the generic ones.
+    pub fn file_entries(path: &Path) -> Result<serde_json::Map<String, serde_json::Value>> {
+        Self::from_file(path)?;
+        let text = std::fs::read_to_string(path).map_err(|e| KilnError::io(path, e))?;
+        let value: serde_json::Value =
+            serde_yaml_ng::from_str(&text).map_err(|e| KilnError::Parse {
+                path: path.to_path_buf(),
+                line: e.location().map(|l| l.line()).unwrap_or(0),
+                msg: e.to_string(),
+            })?;
+        Ok(value.as_object().cloned().unwrap_or_default())
     }
 
     /// The metric that selects the best checkpoint, as `eval_<name>`, and whether higher is better.

@@ -9,5 +9,6 @@ pub mod task;
 pub mod trainer;
 
 pub use args::{IntervalStrategy, TrainingArguments};
+pub use optim::OptimizerType;
 pub use task::{BatchSource, Classifier, CrossEntropy, Loss};
 pub use trainer::{EvalOutput, MetricFn, TrainOutput, Trainer};

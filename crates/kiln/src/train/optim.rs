@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive};
+use burn::tensor::{ElementConversion, Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 
 use crate::ops::{AdamWStep, KilnBackend};
 
@@ -76,12 +76,31 @@ impl<B: KilnBackend> GradAccumulator<B> {
 
     /// The global L2 norm of all gradients (after any pending scale).
     /// Replaces every gradient by its mean over the data-parallel group (before clipping, as DDP).
-    pub fn all_reduce_mean(&mut self, group: &crate::dist::ProcessGroup<B>) -> crate::Result<()> {
-        for g in self.grads.values_mut() {
-            let reduced = group.all_reduce_mean(g.clone().into_primitive().tensor())?;
-            *g = Tensor::from_primitive(TensorPrimitive::Float(reduced));
+    /// Replaces every gradient by its mean over the data-parallel group (before clipping, as DDP),
+    /// and returns the mean of `value` (the step's loss) too. Everything travels as one flat buffer:
+    /// one collective per step instead of one per tensor.
+    pub fn all_reduce_mean(
+        &mut self,
+        group: &crate::dist::ProcessGroup<B>,
+        value: f64,
+        device: &B::Device,
+    ) -> crate::Result<f64> {
+        let sizes: Vec<usize> = self.grads.values().map(|g| g.dims()[0]).collect();
+        let mut parts: Vec<Tensor<B, 1>> = self.grads.values().cloned().collect();
+        parts.push(Tensor::from_data(
+            TensorData::new(vec![value as f32], [1]),
+            device,
+        ));
+        let flat = Tensor::cat(parts, 0);
+        let reduced = group.all_reduce_mean(flat.into_primitive().tensor())?;
+        let reduced = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(reduced));
+        let mut start = 0;
+        for (g, n) in self.grads.values_mut().zip(sizes) {
+            *g = reduced.clone().narrow(0, start, n);
+            start += n;
         }
-        Ok(())
+        let mean: f32 = reduced.narrow(0, start, 1).into_scalar().elem();
+        Ok(mean as f64)
     }
 
     pub fn global_norm(&self) -> f64 {
@@ -121,6 +140,96 @@ pub struct AdamWConfig {
 
 /// Whether decoupled weight decay applies: not to biases nor normalisation weights (transformers'
 /// `get_decay_parameter_names`).
+/// Hugging Face's `optim` names for the optimizers kiln has.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
+pub enum OptimizerType {
+    #[default]
+    AdamwTorch,
+    Sgd,
+}
+
+/// The trainer's optimizer: AdamW, or plain SGD (`p ← p − lr·g`, no momentum, as `torch.optim.SGD`
+/// with its defaults).
+pub enum Optimizer<B: KilnBackend> {
+    AdamW(AdamW<B>),
+    Sgd { step: u64 },
+}
+
+impl<B: KilnBackend> Optimizer<B> {
+    pub fn new(kind: OptimizerType, cfg: AdamWConfig) -> Self {
+        match kind {
+            OptimizerType::AdamwTorch => Self::AdamW(AdamW::new(cfg)),
+            OptimizerType::Sgd => Self::Sgd { step: 0 },
+        }
+    }
+
+    /// Optimizer steps taken.
+    pub fn steps(&self) -> u64 {
+        match self {
+            Self::AdamW(a) => a.step,
+            Self::Sgd { step } => *step,
+        }
+    }
+
+    pub fn step<AB, M>(&mut self, model: M, lr: f64, grads: GradAccumulator<B>) -> M
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        match self {
+            Self::AdamW(a) => a.step::<AB, M>(model, lr, grads),
+            Self::Sgd { step } => {
+                *step += 1;
+                let GradAccumulator { mut grads, factor } = grads;
+                map_params(model, |info, value: FloatTensor<AB>| {
+                    let Some(g) = grads.remove(info.path) else {
+                        return value;
+                    };
+                    let p = AB::inner(value);
+                    let shape = p.shape();
+                    let flat = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(
+                        B::kiln_reshape(p, Shape::new([shape.num_elements()])),
+                    ));
+                    let updated = flat - g * (lr * factor);
+                    AB::from_inner(B::kiln_reshape(updated.into_primitive().tensor(), shape))
+                })
+            }
+        }
+    }
+
+    /// Saved state (AdamW moments; SGD has none).
+    pub fn state_tensors(&self) -> BTreeMap<String, HostTensor> {
+        match self {
+            Self::AdamW(a) => a.state_tensors(),
+            Self::Sgd { .. } => BTreeMap::new(),
+        }
+    }
+
+    pub fn load_state(
+        &mut self,
+        step: u64,
+        tensors: &BTreeMap<String, HostTensor>,
+        device: &B::Device,
+    ) {
+        match self {
+            Self::AdamW(a) => a.load_state(step, tensors, device),
+            Self::Sgd { step: s } => *s = step,
+        }
+    }
+}
+
 pub fn decays(info: &ParamInfo) -> bool {
     !(info.path.ends_with("bias") || info.owner.contains("Norm"))
 }

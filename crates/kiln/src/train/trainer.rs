@@ -20,7 +20,7 @@ use super::checkpoint::{
     ModelFiles, SchedulerState, TrainerState,
 };
 use super::metrics::{classification_report, ClassificationReport, Predictions};
-use super::optim::{AdamW, AdamWConfig, GradAccumulator};
+use super::optim::{AdamWConfig, GradAccumulator, Optimizer};
 use super::schedule::lr_factor;
 use super::task::{BatchSource, Classifier, CrossEntropy, Loss};
 use crate::data::batch::{epoch_order, shard};
@@ -60,11 +60,13 @@ pub struct Trainer<B: TrainBackend, M, L = CrossEntropy> {
     pub compute_metrics: Option<MetricFn>,
     pub files: ModelFiles,
     pub state: TrainerState,
-    optimizer: AdamW<B::InnerBackend>,
+    optimizer: Optimizer<B::InnerBackend>,
     /// Whether to show a progress bar (rank 0, interactive).
     pub progress: bool,
     /// The data-parallel group when launched with `kiln launch` / torchrun; `None` alone.
     pub dist: Option<Arc<ProcessGroup<B::InnerBackend>>>,
+    /// The loss of the last optimizer step (averaged over ranks), as the MNIST sample prints it.
+    pub last_step_loss: f64,
 }
 
 fn targets_tensor<B: Backend>(t: Vec<i64>, device: &B::Device) -> Tensor<B, 1, Int> {
@@ -97,12 +99,15 @@ where
         loss: L,
         files: ModelFiles,
     ) -> Self {
-        let optimizer = AdamW::new(AdamWConfig {
-            beta1: args.adam_beta1,
-            beta2: args.adam_beta2,
-            eps: args.adam_epsilon,
-            weight_decay: args.weight_decay,
-        });
+        let optimizer = Optimizer::new(
+            args.optim,
+            AdamWConfig {
+                beta1: args.adam_beta1,
+                beta2: args.adam_beta2,
+                eps: args.adam_epsilon,
+                weight_decay: args.weight_decay,
+            },
+        );
         Self {
             args,
             model: Some(model),
@@ -115,6 +120,7 @@ where
             optimizer,
             progress: true,
             dist: None,
+            last_step_loss: f64::NAN,
         }
     }
 
@@ -375,9 +381,7 @@ where
                 }
                 if let Some(d) = &self.dist {
                     // Average gradients (and the logged loss) over ranks before clipping.
-                    acc.all_reduce_mean(d)?;
-                    step_loss =
-                        d.sum_host(vec![step_loss as f32], &self.device)?[0] as f64 / world as f64;
+                    step_loss = acc.all_reduce_mean(d, step_loss, &self.device)?;
                     samples += (world - 1) * group.iter().map(|i| i.len()).sum::<usize>();
                 }
                 let opt = profile::scope("step: clip + optimizer");
@@ -392,6 +396,7 @@ where
                 let last_lr = a.learning_rate
                     * lr_factor(a.lr_scheduler_type, self.state.global_step, warmup, total);
                 run_loss_sum += step_loss;
+                self.last_step_loss = step_loss;
                 log_loss_sum += step_loss;
                 log_steps += 1;
                 let elapsed = start.elapsed().as_secs_f64();
@@ -433,7 +438,7 @@ where
                 if due(a.save_strategy, a.save_steps) || (step >= total && a.load_best_model_at_end)
                 {
                     let sched = SchedulerState {
-                        step: self.optimizer.step,
+                        step: self.optimizer.steps(),
                         last_lr,
                         warmup_steps: warmup,
                         total_steps: total,
