@@ -99,10 +99,27 @@ fn two_workers_of_8_equal_one_process_of_16() {
     let single = run(16, 1, "single16");
     let ddp = run(8, 2, "ddp2x8");
     let half = run(8, 1, "single8");
+    // Two "machines" on loopback: two launchers, one worker each, --nnodes 2.
+    let two_nodes = tmp.path().join("two_nodes");
+    let node = |rank: usize| {
+        kiln()
+            .args(["launch", "--nnodes", "2", "--node-rank", &rank.to_string()])
+            .args(["--nproc-per-node", "1", "--master-addr", "127.0.0.1"])
+            .args(["--master-port", "29621", "--timeout", "60", "--"])
+            .args(train_args(&model, &tweets, 8, &two_nodes, 4))
+            .spawn()
+            .unwrap()
+    };
+    let (mut n0, mut n1) = (node(0), node(1));
+    assert!(n0.wait().unwrap().success() && n1.wait().unwrap().success());
+    let nodes = weights(&two_nodes);
     let diff = max_abs_diff(&ddp, &single);
     let control = max_abs_diff(&half, &single);
     eprintln!("2x8 vs 1x16: max |Δw| = {diff:e}; 1x8 vs 1x16 (control): {control:e}");
     assert!(diff < 1e-5, "2 workers x 8 differ from 1 x 16 by {diff}");
+    let node_diff = max_abs_diff(&nodes, &single);
+    eprintln!("2 nodes x 1 x 8 vs 1x16: max |Δw| = {node_diff:e}");
+    assert!(node_diff < 1e-5, "2 nodes differ from 1 x 16 by {node_diff}");
     // The comparison can fail: a different batch really gives different weights.
     assert!(
         control > 1e-4,

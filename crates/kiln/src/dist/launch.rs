@@ -28,6 +28,24 @@ pub struct LaunchOptions {
     pub args: Vec<String>,
 }
 
+/// The environment of worker `local_rank` on this node: the torchrun contract [`super::DistEnv`]
+/// reads, plus kiln's collective timeout.
+pub fn worker_env(o: &LaunchOptions, local_rank: usize) -> Vec<(&'static str, String)> {
+    let world = o.nproc_per_node * o.nnodes;
+    vec![
+        (
+            "RANK",
+            (o.node_rank * o.nproc_per_node + local_rank).to_string(),
+        ),
+        ("LOCAL_RANK", local_rank.to_string()),
+        ("WORLD_SIZE", world.to_string()),
+        ("LOCAL_WORLD_SIZE", o.nproc_per_node.to_string()),
+        ("MASTER_ADDR", o.master_addr.clone()),
+        ("MASTER_PORT", o.master_port.to_string()),
+        ("KILN_DIST_TIMEOUT", o.timeout.as_secs().max(1).to_string()),
+    ]
+}
+
 /// How long stopped workers get between SIGTERM and SIGKILL.
 const GRACE: Duration = Duration::from_secs(5);
 
@@ -153,13 +171,7 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
         let rank = o.node_rank * o.nproc_per_node + local_rank;
         let mut cmd = Command::new(&o.program);
         cmd.args(&o.args)
-            .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", local_rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_WORLD_SIZE", o.nproc_per_node.to_string())
-            .env("MASTER_ADDR", &o.master_addr)
-            .env("MASTER_PORT", o.master_port.to_string())
-            .env("KILN_DIST_TIMEOUT", o.timeout.as_secs().max(1).to_string())
+            .envs(worker_env(o, local_rank))
             .process_group(0)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
