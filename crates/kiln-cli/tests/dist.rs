@@ -119,7 +119,10 @@ fn two_workers_of_8_equal_one_process_of_16() {
     assert!(diff < 1e-5, "2 workers x 8 differ from 1 x 16 by {diff}");
     let node_diff = max_abs_diff(&nodes, &single);
     eprintln!("2 nodes x 1 x 8 vs 1x16: max |Δw| = {node_diff:e}");
-    assert!(node_diff < 1e-5, "2 nodes differ from 1 x 16 by {node_diff}");
+    assert!(
+        node_diff < 1e-5,
+        "2 nodes differ from 1 x 16 by {node_diff}"
+    );
     // The comparison can fail: a different batch really gives different weights.
     assert!(
         control > 1e-4,
