@@ -262,5 +262,8 @@ fn a_single_process_checkpoint_resumes_on_two_workers() {
     assert!(diff < 1e-5, "resumed on 2 workers differs by {diff}");
     // ... and it really trained steps 3 and 4 rather than stopping at the checkpoint.
     let moved = max_abs_diff(&weights(&resumed), &weights(&full.join("checkpoint-2")));
-    assert!(moved > 1e-4, "resumed run did not move from the checkpoint ({moved})");
+    assert!(
+        moved > 1e-4,
+        "resumed run did not move from the checkpoint ({moved})"
+    );
 }

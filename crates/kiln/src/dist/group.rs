@@ -8,7 +8,6 @@
 //! then stops the whole job — never a silent hang.
 
 use std::marker::PhantomData;
-use std::net::TcpListener;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -17,7 +16,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::ElementConversion;
 use burn_collective::{CollectiveConfig, PeerId, ReduceOperation};
 
-use super::DistEnv;
+use super::{ensure_port_free, DistEnv};
 use crate::{KilnError, Result};
 
 /// Exit status of a worker whose collective timed out.
@@ -66,15 +65,6 @@ impl Watchdog {
         *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = None;
         out
     }
-}
-
-/// A clear error when `port` cannot be bound on this machine.
-fn ensure_port_free(port: u16, what: &str) -> Result<()> {
-    TcpListener::bind(("0.0.0.0", port)).map(drop).map_err(|e| {
-        KilnError::Distributed(format!(
-            "cannot use port {port} for the {what}: {e} (is another job running? pick another --master-port)"
-        ))
-    })
 }
 
 /// The data-parallel process group of this worker, over backend `B` (the inner backend when
@@ -210,9 +200,13 @@ impl<B: Backend> ProcessGroup<B> {
         let n = values.len();
         let t = B::float_from_data(burn::tensor::TensorData::new(values, [n]), device);
         let out = self.all_reduce(t, ReduceOperation::Sum, "all-reduce of host values")?;
-        let data = futures_lite_block_on(B::float_into_data(out))
-            .map_err(|e| KilnError::Distributed(format!("reading a reduced tensor: {e:?}")))?;
-        Ok(data.convert::<f32>().into_vec::<f32>().expect("f32 data"))
+        let out =
+            burn::tensor::Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(out));
+        Ok(out
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .expect("f32 data"))
     }
 
     /// Waits until every worker reaches this point.
@@ -225,12 +219,4 @@ impl<B: Backend> Drop for ProcessGroup<B> {
     fn drop(&mut self) {
         let _ = burn_collective::finish_collective::<B>(self.peer);
     }
-}
-
-/// Burn returns tensor data through a future; on the CPU backend it is already complete.
-fn futures_lite_block_on<F: std::future::Future>(f: F) -> F::Output {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .expect("tokio runtime");
-    rt.block_on(f)
 }

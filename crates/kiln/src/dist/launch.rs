@@ -33,10 +33,7 @@ pub struct LaunchOptions {
 pub fn worker_env(o: &LaunchOptions, local_rank: usize) -> Vec<(&'static str, String)> {
     let world = o.nproc_per_node * o.nnodes;
     vec![
-        (
-            "RANK",
-            (o.node_rank * o.nproc_per_node + local_rank).to_string(),
-        ),
+        ("RANK", global_rank(o, local_rank).to_string()),
         ("LOCAL_RANK", local_rank.to_string()),
         ("WORLD_SIZE", world.to_string()),
         ("LOCAL_WORLD_SIZE", o.nproc_per_node.to_string()),
@@ -44,6 +41,11 @@ pub fn worker_env(o: &LaunchOptions, local_rank: usize) -> Vec<(&'static str, St
         ("MASTER_PORT", o.master_port.to_string()),
         ("KILN_DIST_TIMEOUT", o.timeout.as_secs().max(1).to_string()),
     ]
+}
+
+/// This node's worker `local_rank` as a global rank.
+fn global_rank(o: &LaunchOptions, local_rank: usize) -> usize {
+    o.node_rank * o.nproc_per_node + local_rank
 }
 
 /// How long stopped workers get between SIGTERM and SIGKILL.
@@ -141,12 +143,7 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
     }
     if o.node_rank == 0 {
         // The rendezvous runs in rank 0 on this machine: fail now, clearly, if its port is taken.
-        std::net::TcpListener::bind(("0.0.0.0", o.master_port)).map_err(|e| {
-            KilnError::Distributed(format!(
-                "--master-port {}: {e} (another job is using it; pick another port)",
-                o.master_port
-            ))
-        })?;
+        super::ensure_port_free(o.master_port, "rendezvous (--master-port)")?;
     }
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let per_worker = (threads / o.nproc_per_node).max(1).to_string();
@@ -168,7 +165,7 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
     let mut workers = Vec::new();
     let mut relays = Vec::new();
     for local_rank in 0..o.nproc_per_node {
-        let rank = o.node_rank * o.nproc_per_node + local_rank;
+        let rank = global_rank(o, local_rank);
         let mut cmd = Command::new(&o.program);
         cmd.args(&o.args)
             .envs(worker_env(o, local_rank))

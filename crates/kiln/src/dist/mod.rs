@@ -14,6 +14,18 @@ use burn::tensor::backend::Backend;
 
 use crate::{KilnError, Result};
 
+/// A clear error when `port` cannot be bound on this machine (checked before Burn's servers bind
+/// it, since they bind all interfaces and only log a failure).
+pub(crate) fn ensure_port_free(port: u16, what: &str) -> Result<()> {
+    std::net::TcpListener::bind(("0.0.0.0", port))
+        .map(drop)
+        .map_err(|e| {
+            KilnError::Distributed(format!(
+                "cannot use port {port} for the {what}: {e} (is another job running? pick another --master-port)"
+            ))
+        })
+}
+
 /// Joins the job this process was launched into (`kiln launch`, torchrun, a Kubernetes Job), or
 /// `None` for a single-process run. `KILN_DIST_TIMEOUT` (seconds, default 60) bounds every wait.
 pub fn init_from_env<B: Backend>(device: &B::Device) -> Result<Option<Arc<ProcessGroup<B>>>> {
