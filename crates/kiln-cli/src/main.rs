@@ -389,8 +389,9 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
             println!("{}", report.markdown());
         }
         Command::Launch(cmd) => {
-            const KILN_SUBCOMMANDS: [&str; 4] = ["train", "eval", "predict", "bench"];
-            let (program, args) = if KILN_SUBCOMMANDS.contains(&cmd.command[0].as_str()) {
+            // A kiln subcommand (`train ...`) runs this binary; anything else is a program.
+            let is_subcommand = Cli::command().find_subcommand(&cmd.command[0]).is_some();
+            let (program, args) = if is_subcommand {
                 (std::env::current_exe()?, cmd.command.clone())
             } else {
                 (PathBuf::from(&cmd.command[0]), cmd.command[1..].to_vec())

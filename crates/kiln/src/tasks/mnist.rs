@@ -3,7 +3,6 @@
 //! the sample's output lines. Data parallel through `kiln launch` like every kiln task.
 
 use std::path::Path;
-use std::time::Instant;
 
 use serde_json::json;
 
@@ -133,9 +132,8 @@ pub fn train<B: TrainBackend>(
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), CrossEntropy, files());
     trainer.label_names = Some(digits());
     trainer.dist = crate::dist::init_from_env::<B::InnerBackend>(device)?;
-    let main = trainer.dist.as_ref().is_none_or(|d| d.rank() == 0);
     let out = trainer.train(&train, None::<&MnistSplit>)?;
-    if main {
+    if trainer.is_main() {
         println!(
             "Train throughput (iter/sec): {}",
             out.metrics["train_steps_per_second"]
@@ -163,7 +161,6 @@ pub fn eval<B: KilnBackend>(
             report.missing
         )));
     }
-    let start = Instant::now();
     let out = evaluate(
         &model,
         &test,
@@ -176,7 +173,7 @@ pub fn eval<B: KilnBackend>(
     let iters = test.len().div_ceil(batch_size.max(1)) as f64;
     println!(
         "Test throughput (iter/sec): {:.3}",
-        iters / start.elapsed().as_secs_f64()
+        iters / out.metrics["eval_runtime"].max(1e-4)
     );
     println!("Accuracy: {:.4}", out.metrics["eval_accuracy"]);
     Ok(out)

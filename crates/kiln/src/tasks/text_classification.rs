@@ -226,7 +226,6 @@ pub fn train<B: TrainBackend, L: Loss>(
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files);
     trainer.label_names = Some(labels.names().to_vec());
     trainer.dist = crate::dist::init_from_env::<B::InnerBackend>(device)?;
-    let main = trainer.dist.as_ref().is_none_or(|d| d.rank() == 0);
     customize(&mut trainer);
     let batches = |set| ClassificationBatches {
         set,
@@ -243,7 +242,7 @@ pub fn train<B: TrainBackend, L: Loss>(
     let eval_out = match &eval_b {
         Some(e) => {
             let ev = trainer.evaluate(e)?;
-            if main {
+            if trainer.is_main() {
                 info!("***** eval metrics *****  {}", format_metrics(&ev.metrics));
                 write_json(&output_dir.join("eval_results.json"), &ev.metrics)?;
                 if let Some(r) = &ev.report {

@@ -197,13 +197,10 @@ impl<B: KilnBackend> Optimizer<B> {
                     let Some(g) = grads.remove(info.path) else {
                         return value;
                     };
-                    let p = AB::inner(value);
-                    let shape = p.shape();
-                    let flat = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(
-                        B::kiln_reshape(p, Shape::new([shape.num_elements()])),
-                    ));
-                    let updated = flat - g * (lr * factor);
-                    AB::from_inner(B::kiln_reshape(updated.into_primitive().tensor(), shape))
+                    update_flat::<AB>(value, |p| {
+                        let p = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(p));
+                        (p - g * (lr * factor)).into_primitive().tensor()
+                    })
                 })
             }
         }
@@ -228,6 +225,18 @@ impl<B: KilnBackend> Optimizer<B> {
             Self::Sgd { step: s } => *s = step,
         }
     }
+}
+
+/// Applies `update` to a parameter as one flat inner-backend tensor (gradients and optimizer state
+/// are flat) and gives it back in its own shape; on the CPU backend neither reshape copies.
+fn update_flat<AB: AutodiffBackend<InnerBackend: KilnBackend>>(
+    value: FloatTensor<AB>,
+    update: impl FnOnce(FloatTensor<AB::InnerBackend>) -> FloatTensor<AB::InnerBackend>,
+) -> FloatTensor<AB> {
+    let p = AB::inner(value);
+    let shape = p.shape();
+    let flat = AB::InnerBackend::kiln_reshape(p, Shape::new([shape.num_elements()]));
+    AB::from_inner(AB::InnerBackend::kiln_reshape(update(flat), shape))
 }
 
 pub fn decays(info: &ParamInfo) -> bool {
@@ -282,14 +291,13 @@ impl<B: KilnBackend> AdamW<B> {
                 bias_correction2_sqrt: bc2_sqrt,
                 grad_scale: factor,
             };
-            let value = AB::inner(value);
-            let shape = value.shape();
-            let flat = B::kiln_reshape(value, Shape::new([shape.num_elements()]));
-            let prim = |t: Tensor<B, 1>| t.into_primitive().tensor();
-            let (p, m, v) = B::kiln_adamw(flat, prim(g), prim(m), prim(v), h);
-            let back = |x| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(x));
-            moments.insert(info.path.to_string(), (back(m), back(v)));
-            AB::from_inner(B::kiln_reshape(p, shape))
+            update_flat::<AB>(value, |flat| {
+                let prim = |t: Tensor<B, 1>| t.into_primitive().tensor();
+                let (p, m, v) = B::kiln_adamw(flat, prim(g), prim(m), prim(v), h);
+                let back = |x| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(x));
+                moments.insert(info.path.to_string(), (back(m), back(v)));
+                p
+            })
         })
     }
 

@@ -159,7 +159,7 @@ where
     }
 
     /// Rank 0 (or a single process): the one that logs and writes files.
-    fn is_main(&self) -> bool {
+    pub fn is_main(&self) -> bool {
         self.dist.as_ref().is_none_or(|d| d.rank() == 0)
     }
 
@@ -689,20 +689,24 @@ fn gather_eval<B: Backend>(
     mine: &[usize],
     (loss_sum, count, preds): (f64, usize, Predictions),
 ) -> Result<(f64, usize, Predictions)> {
-    let totals = d.sum_host(vec![loss_sum as f32, count as f32], device)?;
-    let mut gathered = Predictions::default();
+    // One collective: every example's logits and label in its own row (zeros from the other
+    // ranks), then the loss sum and count.
+    let width = classes + 1;
+    let mut buf = vec![0f32; n * width * usize::from(classes > 0) + 2];
     if classes > 0 {
-        let width = classes + 1;
-        let mut buf = vec![0f32; n * width];
         for ((&i, row), &label) in mine.iter().zip(&preds.logits).zip(&preds.labels) {
             buf[i * width..i * width + classes].copy_from_slice(row);
             buf[i * width + classes] = label as f32;
         }
-        let buf = d.sum_host(buf, device)?;
-        for row in buf.chunks(width) {
-            gathered.logits.push(row[..classes].to_vec());
-            gathered.labels.push(row[classes] as usize);
-        }
+    }
+    let last = buf.len() - 2;
+    (buf[last], buf[last + 1]) = (loss_sum as f32, count as f32);
+    let buf = d.sum_host(buf, device)?;
+    let (rows, totals) = buf.split_at(last);
+    let mut gathered = Predictions::default();
+    for row in rows.chunks(width) {
+        gathered.logits.push(row[..classes].to_vec());
+        gathered.labels.push(row[classes] as usize);
     }
     Ok((totals[0] as f64, totals[1] as usize, gathered))
 }
