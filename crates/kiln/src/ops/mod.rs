@@ -7,6 +7,7 @@
 //! ([`autodiff`]). Tests check fused == composed, values and gradients.
 
 mod autodiff;
+pub mod bf16;
 mod cpu;
 pub mod profile;
 
@@ -21,6 +22,46 @@ fn p<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
     t.into_primitive().tensor()
 }
 use p as p_;
+
+/// How Linear layers multiply: in f32, or with bf16 operands and f32 accumulation (`--bf16`: the
+/// numerics of PyTorch's bf16 autocast for matmuls). Everything else — LayerNorm, softmax, GELU,
+/// the loss, master weights, optimizer state — stays f32 either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MatmulPrecision {
+    #[default]
+    F32,
+    Bf16,
+}
+
+thread_local! {
+    static MATMUL_PRECISION: std::cell::Cell<MatmulPrecision> = const {
+        std::cell::Cell::new(MatmulPrecision::F32)
+    };
+}
+
+/// Sets the [`MatmulPrecision`] of the ops this thread runs (like `torch.autocast` around a whole
+/// run; forward and backward run on the thread that calls them). Thread-local, so concurrent runs
+/// in one process (tests) do not see each other's setting.
+pub fn set_matmul_precision(p: MatmulPrecision) {
+    MATMUL_PRECISION.with(|c| c.set(p));
+}
+
+pub fn matmul_precision() -> MatmulPrecision {
+    MATMUL_PRECISION.with(|c| c.get())
+}
+
+/// `a · b` of 2-D tensors in the current [`MatmulPrecision`]: under bf16 both operands are cast
+/// to bf16 and the product back to f32 (backends with bf16 matmuls accumulate in f32).
+fn matmul_2d<B: Backend>(a: Tensor<B, 2>, b: Tensor<B, 2>) -> Tensor<B, 2> {
+    use burn::tensor::DType;
+    match matmul_precision() {
+        MatmulPrecision::F32 => a.matmul(b),
+        MatmulPrecision::Bf16 => a
+            .cast(DType::BF16)
+            .matmul(b.cast(DType::BF16))
+            .cast(DType::F32),
+    }
+}
 
 /// The scalars of one AdamW step for one parameter.
 #[derive(Debug, Clone, Copy)]
@@ -68,7 +109,7 @@ pub trait KilnBackend: Backend {
         w: FloatTensor<Self>,
         b: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
-        let y = t::<Self, 2>(x).matmul(t::<Self, 2>(w).transpose());
+        let y = matmul_2d(t::<Self, 2>(x), t::<Self, 2>(w).transpose());
         p(match b {
             Some(b) => y + t::<Self, 1>(b).unsqueeze_dim(0),
             None => y,
@@ -88,8 +129,8 @@ pub trait KilnBackend: Backend {
     ) {
         let dy = t::<Self, 2>(dy);
         let n = dy.dims()[1];
-        let dx = dy.clone().matmul(t::<Self, 2>(w));
-        let dw = dy.clone().transpose().matmul(t::<Self, 2>(x));
+        let dx = matmul_2d(dy.clone(), t::<Self, 2>(w));
+        let dw = matmul_2d(dy.clone().transpose(), t::<Self, 2>(x));
         let db = bias.then(|| p(dy.sum_dim(0).reshape([n])));
         (p(dx), p(dw), db)
     }

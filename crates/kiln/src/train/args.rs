@@ -91,6 +91,10 @@ pub struct TrainingArguments {
     /// A checkpoint folder, or `latest` for the newest checkpoint in output_dir.
     #[arg(long)]
     pub resume_from_checkpoint: Option<String>,
+    /// bf16 mixed precision: Linear layers multiply bf16 operands with f32 accumulation (forward
+    /// and backward); master weights, optimizer state, LayerNorm, softmax and the loss stay f32.
+    #[arg(long, default_value_t = false)]
+    pub bf16: bool,
 }
 
 impl Default for TrainingArguments {

@@ -232,6 +232,11 @@ where
     {
         let a = self.args.clone();
         a.validate()?;
+        crate::ops::set_matmul_precision(if a.bf16 {
+            crate::ops::MatmulPrecision::Bf16
+        } else {
+            crate::ops::MatmulPrecision::F32
+        });
         if a.eval_strategy != IntervalStrategy::No && eval.is_none() {
             return Err(KilnError::Config(
                 "eval_strategy needs evaluation data (--eval-file or --eval-split)".into(),

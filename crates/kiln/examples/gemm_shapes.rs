@@ -1,0 +1,97 @@
+//! GFLOP/s of the bf16 GEMM against matrixmultiply's f32 GEMM on the Linear shapes of a MiniLM
+//! training step (b16×128 tokens): `cargo run --release --example gemm_shapes`.
+use std::time::Instant;
+
+/// (label, m, k, n, A, A strides, B, B strides)
+type Case<'a> = (
+    &'static str,
+    usize,
+    usize,
+    usize,
+    &'a [f32],
+    (usize, usize),
+    &'a [f32],
+    (usize, usize),
+);
+
+#[allow(clippy::too_many_arguments)]
+fn f32_gemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    sa: (usize, usize),
+    b: &[f32],
+    sb: (usize, usize),
+    c: &mut [f32],
+) {
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            sa.0 as isize,
+            sa.1 as isize,
+            b.as_ptr(),
+            sb.0 as isize,
+            sb.1 as isize,
+            0.0,
+            c.as_mut_ptr(),
+            n as isize,
+            1,
+        );
+    }
+}
+
+fn main() {
+    let t = 2048;
+    for (name, din, dout) in [
+        ("qkvo 384→384", 384, 384),
+        ("up 384→1536", 384, 1536),
+        ("down 1536→384", 1536, 384),
+    ] {
+        let x: Vec<f32> = (0..t * din).map(|i| (i as f32 * 0.37).sin()).collect();
+        let w: Vec<f32> = (0..dout * din).map(|i| (i as f32 * 0.11).cos()).collect();
+        let dy: Vec<f32> = (0..t * dout).map(|i| (i as f32 * 0.07).sin()).collect();
+        let cases: [Case; 3] = [
+            ("fwd x·wᵀ", t, din, dout, &x, (din, 1), &w, (1, din)),
+            ("dx dy·w", t, dout, din, &dy, (dout, 1), &w, (din, 1)),
+            ("dw dyᵀ·x", dout, t, din, &dy, (1, dout), &x, (din, 1)),
+        ];
+        for (label, m, k, n, a, sa, b, sb) in cases {
+            let mut c = vec![0f32; m * n];
+            let flops = 2.0 * (m * k * n) as f64;
+            let time = |f: &mut dyn FnMut(&mut [f32])| {
+                let mut c = vec![0f32; m * n];
+                f(&mut c);
+                let t0 = Instant::now();
+                for _ in 0..5 {
+                    f(&mut c);
+                }
+                flops * 5.0 / t0.elapsed().as_secs_f64() / 1e9
+            };
+            let g32 = time(&mut |c| f32_gemm(m, k, n, a, sa, b, sb, c));
+            let g16 = time(&mut |c| {
+                kiln::ops::bf16::gemm_bf16(
+                    m,
+                    k,
+                    n,
+                    a,
+                    sa,
+                    b,
+                    sb,
+                    0.0,
+                    c,
+                    |m, k, n, a, b, beta, c| {
+                        let _ = beta;
+                        f32_gemm(m, k, n, a, (k, 1), b, (n, 1), c)
+                    },
+                )
+            });
+            c[0] = 0.0;
+            println!("{name:14} {label:10} {m:5}×{k:5}×{n:5}: f32 single-thread {g32:6.1}  bf16 (all threads) {g16:6.1} GFLOP/s");
+        }
+    }
+}

@@ -1,0 +1,529 @@
+//! `kiln bench`: fixed-shape and real-data training-step benchmarks, each row run beside the same row
+//! in PyTorch (../shared/reference/bench_hf.py, and scripts/bench_reference.py for the rows it lacks)
+//! in the same invocation. Every row runs in its own process so its peak memory can be read.
+
+pub mod measure;
+pub mod rows;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{KilnError, Result};
+use rows::StepWork;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BenchResult {
+    pub name: String,
+    #[serde(skip)]
+    pub warmup: usize,
+    pub batch: usize,
+    /// Padded sequence length (the mean over steps when batches differ).
+    pub seq: usize,
+    pub steps: usize,
+    pub ms_per_step_mean: f64,
+    pub ms_per_step_median: f64,
+    pub ms_per_step_min: f64,
+    pub samples_per_sec: f64,
+    /// Real (unpadded) tokens per second.
+    pub tokens_per_sec: f64,
+    /// Model FLOPs per second as executed: training 3× forward; forward = 2·params·tokens + attention.
+    pub gflops: f64,
+    pub loss_first: Option<f64>,
+    pub loss_last: Option<f64>,
+    /// The row's process at its largest (set by the suite, which runs each row in a child).
+    pub peak_rss_mib: Option<f64>,
+    /// With `--profile`: time per step in each fused kernel, and in everything else.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub profile: Vec<ProfileRow>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ProfileRow {
+    pub kernel: String,
+    pub calls_per_step: f64,
+    pub ms_per_step: f64,
+    pub share: f64,
+}
+
+impl BenchResult {
+    /// Summarises timed steps; `work[i]` is what step `i` computed.
+    pub fn from_times(name: &str, times: &[f64], work: &[StepWork]) -> Self {
+        let mut sorted = times.to_vec();
+        sorted.sort_by(|a, b| a.total_cmp(b));
+        let total: f64 = times.iter().sum::<f64>().max(f64::MIN_POSITIVE);
+        let n = times.len().max(1) as f64;
+        let sum = |f: fn(&StepWork) -> f64| work.iter().map(f).sum::<f64>();
+        BenchResult {
+            name: name.into(),
+            warmup: 0,
+            batch: work.first().map_or(0, |w| w.samples),
+            seq: (sum(|w| w.padded_seq as f64) / n).round() as usize,
+            steps: times.len(),
+            ms_per_step_mean: total / n * 1e3,
+            ms_per_step_median: sorted.get(sorted.len() / 2).copied().unwrap_or(0.0) * 1e3,
+            ms_per_step_min: sorted.first().copied().unwrap_or(0.0) * 1e3,
+            samples_per_sec: sum(|w| w.samples as f64) / total,
+            tokens_per_sec: sum(|w| w.tokens as f64) / total,
+            gflops: sum(|w| w.flops) / total / 1e9,
+            loss_first: None,
+            loss_last: None,
+            peak_rss_mib: None,
+            profile: Vec::new(),
+        }
+    }
+}
+
+/// Runs `f`, and if `profile` attaches the per-kernel breakdown of its timed steps.
+fn profiled(profile: bool, f: impl FnOnce() -> Result<BenchResult>) -> Result<BenchResult> {
+    crate::ops::profile::enable(profile);
+    let _ = crate::ops::profile::take();
+    let mut r = f()?;
+    crate::ops::profile::enable(false);
+    let rows = crate::ops::profile::take();
+    if profile {
+        // Warmup steps are profiled too: scale by the share of timed steps.
+        let total_steps = (r.steps + r.warmup) as f64;
+        let step_ms = r.ms_per_step_mean;
+        let mut covered = 0.0;
+        for (k, n, sec) in rows {
+            let ms = sec * 1e3 / total_steps;
+            // `step:` rows are phases that contain the kernels, `part:` rows parts of a kernel:
+            // neither adds to coverage.
+            if !k.starts_with("step:") && !k.starts_with("part:") {
+                covered += ms;
+            }
+            r.profile.push(ProfileRow {
+                kernel: k.to_string(),
+                calls_per_step: n as f64 / total_steps,
+                ms_per_step: ms,
+                share: ms / step_ms,
+            });
+        }
+        r.profile.push(ProfileRow {
+            kernel: "other (Burn ops, autodiff, allocation)".into(),
+            calls_per_step: 0.0,
+            ms_per_step: step_ms - covered,
+            share: (step_ms - covered) / step_ms,
+        });
+    }
+    Ok(r)
+}
+
+/// A benchmark row: what kiln runs and which PyTorch rows it is compared with.
+pub struct RowSpec {
+    pub key: &'static str,
+    /// Which reference script has the PyTorch side, and the names of its RESULT rows.
+    pub reference: Reference,
+    pub pytorch_rows: &'static [&'static str],
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reference {
+    /// ../shared/reference/bench_hf.py
+    BenchHf,
+    /// scripts/bench_reference.py (rows bench_hf.py does not have)
+    Extra,
+}
+
+pub const ROWS: &[RowSpec] = &[
+    RowSpec {
+        key: "minilm_train",
+        reference: Reference::BenchHf,
+        pytorch_rows: &["minilm_train_fp32"],
+    },
+    RowSpec {
+        key: "minilm_train_bf16",
+        reference: Reference::BenchHf,
+        pytorch_rows: &["minilm_train_bf16_autocast"],
+    },
+    RowSpec {
+        key: "minilm_infer",
+        reference: Reference::BenchHf,
+        pytorch_rows: &["minilm_infer_fp32"],
+    },
+    RowSpec {
+        key: "bertbase_train",
+        reference: Reference::BenchHf,
+        pytorch_rows: &["bertbase_train_fp32"],
+    },
+    RowSpec {
+        key: "mnist_train",
+        reference: Reference::Extra,
+        pytorch_rows: &["mnist_train_fp32"],
+    },
+    RowSpec {
+        key: "tweets_train",
+        reference: Reference::Extra,
+        // The issue's target compares against PyTorch padding to 128 (what the tokenizer forces);
+        // PyTorch with the same dynamic padding is shown as well.
+        pytorch_rows: &["tweets_train_fixed128", "tweets_train_dynamic"],
+    },
+];
+
+/// What `kiln bench` runs.
+#[derive(Debug, Clone)]
+pub struct SuiteOptions {
+    /// all-MiniLM-L6-v2 folder (for the MiniLM and tweet rows).
+    pub minilm_dir: PathBuf,
+    /// The real-data row's CSV (sentiment,confidence,text; latin-1).
+    pub tweets_file: PathBuf,
+    /// Row keys (see [`ROWS`]).
+    pub only: Vec<String>,
+    pub warmup: usize,
+    pub steps: usize,
+    /// Steps for the larger BERT-base row.
+    pub base_steps: usize,
+    /// Steps for the MNIST MLP row (about 1 ms each).
+    pub mnist_steps: usize,
+    /// A Python with torch + transformers to run the references in the same invocation.
+    pub python: Option<String>,
+    pub reference: PathBuf,
+    pub extra_reference: PathBuf,
+    pub threads: usize,
+    /// Break each step down by fused kernel.
+    pub profile: bool,
+    /// The command that runs one kiln row in a child process (`kiln … bench … --row`); the key is
+    /// appended. Without it rows run in this process and peak memory is not measured.
+    pub row_command: Option<Vec<String>>,
+}
+
+/// Runs one row in this process on the CPU backend.
+pub fn run_row(key: &str, opts: &SuiteOptions) -> Result<BenchResult> {
+    use crate::backend::{Cpu, CpuTrain};
+    use crate::hub::config::BertConfig;
+    use crate::hub::weights::{load_into, read_safetensors};
+    use crate::models::bert::BertForSequenceClassification;
+    let device = Default::default();
+    let minilm = || -> Result<_> {
+        let cfg = BertConfig::from_file(&opts.minilm_dir.join("config.json"))?;
+        let weights = read_safetensors(&opts.minilm_dir.join("model.safetensors"))?;
+        Ok((cfg, weights))
+    };
+    let (w, s) = (opts.warmup, opts.steps);
+    profiled(opts.profile, || match key {
+        "minilm_train" | "minilm_train_bf16" => {
+            let (cfg, weights) = minilm()?;
+            let m = BertForSequenceClassification::<CpuTrain>::new(&cfg, 6, &device);
+            let (m, _) = load_into(m, &weights, Some("bert"), &device)?;
+            let bf16 = key.ends_with("bf16");
+            if bf16 {
+                crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::Bf16);
+            }
+            let name = if bf16 {
+                "minilm_train_bf16"
+            } else {
+                "minilm_train_fp32"
+            };
+            let r = rows::bert_train(name, m, &cfg, (16, 128), w, s);
+            crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::F32);
+            Ok(r)
+        }
+        "minilm_infer" => {
+            let (cfg, weights) = minilm()?;
+            let m = BertForSequenceClassification::<Cpu>::new(&cfg, 6, &device);
+            let (m, _) = load_into(m, &weights, Some("bert"), &device)?;
+            Ok(rows::bert_infer(
+                "minilm_infer_fp32",
+                &m,
+                &cfg,
+                (32, 128),
+                w,
+                s,
+            ))
+        }
+        "bertbase_train" => {
+            let cfg: BertConfig = serde_json::from_value(serde_json::json!({
+                "vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12,
+                "num_attention_heads": 12, "intermediate_size": 3072}))
+            .expect("valid config");
+            let m = BertForSequenceClassification::<CpuTrain>::new(&cfg, 6, &device);
+            let steps = opts.base_steps;
+            Ok(rows::bert_train(
+                "bertbase_train_fp32",
+                m,
+                &cfg,
+                (8, 128),
+                w,
+                steps,
+            ))
+        }
+        "mnist_train" => Ok(rows::mnist_train::<CpuTrain>(
+            32,
+            w.max(5),
+            opts.mnist_steps,
+            &device,
+        )),
+        "tweets_train" => {
+            rows::tweets_train::<CpuTrain>(&opts.minilm_dir, &opts.tweets_file, 16, w, s, &device)
+        }
+        other => Err(unknown_row(other)),
+    })
+}
+
+fn unknown_row(key: &str) -> KilnError {
+    let known: Vec<_> = ROWS.iter().map(|r| r.key).collect();
+    KilnError::Config(format!(
+        "unknown benchmark {key:?} (known: {})",
+        known.join(", ")
+    ))
+}
+
+/// One PyTorch result with the peak memory of the process that produced it.
+#[derive(Debug, Clone, Serialize)]
+pub struct PytorchRow {
+    pub result: serde_json::Value,
+    pub peak_rss_mib: f64,
+}
+
+/// A kiln row beside the PyTorch rows it is compared with.
+#[derive(Debug, Clone, Serialize)]
+pub struct SuiteRow {
+    pub key: String,
+    pub kiln: BenchResult,
+    pub pytorch: Vec<PytorchRow>,
+}
+
+impl SuiteRow {
+    /// kiln samples/s ÷ PyTorch samples/s, for each PyTorch row.
+    pub fn ratios(&self) -> Vec<Option<f64>> {
+        self.pytorch
+            .iter()
+            .map(|t| {
+                t.result["samples_per_sec"]
+                    .as_f64()
+                    .map(|s| self.kiln.samples_per_sec / s)
+            })
+            .collect()
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SuiteReport {
+    pub rows: Vec<SuiteRow>,
+    pub kiln_gemm_gflops: f64,
+    /// Best fp32 GEMM rate measured on this machine (kiln's or PyTorch's calibration).
+    pub gemm_peak_gflops: f64,
+    pub pytorch_header: Vec<String>,
+    pub threads: usize,
+    pub date: String,
+}
+
+fn parse_results(text: &str) -> (Vec<serde_json::Value>, Vec<String>) {
+    let (mut results, mut other) = (Vec::new(), Vec::new());
+    for line in text.lines() {
+        match line.strip_prefix("RESULT ") {
+            Some(j) => results.extend(serde_json::from_str::<serde_json::Value>(j).ok()),
+            None => other.push(line.to_string()),
+        }
+    }
+    (results, other)
+}
+
+/// Runs a kiln row in a child process (when `row_command` is set) for its peak memory.
+fn kiln_row(key: &str, opts: &SuiteOptions) -> Result<BenchResult> {
+    let Some(cmd) = &opts.row_command else {
+        return run_row(key, opts);
+    };
+    let m = measure::run_measured(Command::new(&cmd[0]).args(&cmd[1..]).arg(key))
+        .map_err(|e| KilnError::io(std::path::Path::new(&cmd[0]), e))?;
+    let (results, _) = parse_results(&m.stdout);
+    let Some(r) = results.into_iter().next().filter(|_| m.success) else {
+        return Err(KilnError::Config(format!(
+            "benchmark {key} failed:\n{}",
+            m.stderr
+        )));
+    };
+    let mut r: BenchResult = serde_json::from_value(r)
+        .map_err(|e| KilnError::Config(format!("benchmark {key}: bad result: {e}")))?;
+    r.peak_rss_mib = Some(m.peak_rss_mib);
+    Ok(r)
+}
+
+/// Runs the PyTorch side of one row in its own Python process.
+fn pytorch_row(
+    py: &str,
+    spec: &RowSpec,
+    opts: &SuiteOptions,
+    header: &mut Vec<String>,
+) -> Vec<PytorchRow> {
+    let script = match spec.reference {
+        Reference::BenchHf => &opts.reference,
+        Reference::Extra => &opts.extra_reference,
+    };
+    let mut cmd = Command::new(py);
+    cmd.arg(script)
+        .args(["--only", spec.key])
+        .args(["--threads", &opts.threads.to_string()])
+        .args(["--warmup", &opts.warmup.to_string()])
+        .args(["--steps", &opts.steps.to_string()])
+        .env("MINILM_DIR", &opts.minilm_dir);
+    match spec.reference {
+        Reference::BenchHf => {
+            cmd.args(["--base-steps", &opts.base_steps.to_string()])
+                .args(["--bf16-steps", &opts.steps.to_string()]);
+        }
+        Reference::Extra => {
+            cmd.args(["--mnist-steps", &opts.mnist_steps.to_string()])
+                .arg("--tweets-file")
+                .arg(&opts.tweets_file);
+        }
+    }
+    tracing::info!("PyTorch: {}", spec.key);
+    let m = match measure::run_measured(&mut cmd) {
+        Ok(m) => m,
+        Err(e) => {
+            tracing::warn!("could not run {py}: {e}");
+            return Vec::new();
+        }
+    };
+    if !m.success {
+        tracing::warn!("PyTorch reference {} failed: {}", spec.key, m.stderr);
+    }
+    let (results, other) = parse_results(&m.stdout);
+    for line in other {
+        if !header.contains(&line) {
+            header.push(line);
+        }
+    }
+    spec.pytorch_rows
+        .iter()
+        .filter_map(|name| results.iter().find(|r| r["name"] == *name).cloned())
+        .map(|result| PytorchRow {
+            result,
+            peak_rss_mib: m.peak_rss_mib,
+        })
+        .collect()
+}
+
+/// Runs each selected row in kiln, then in PyTorch (if a Python is given), one after the other.
+pub fn run_suite(opts: &SuiteOptions) -> Result<SuiteReport> {
+    use crate::backend::Cpu;
+    for key in &opts.only {
+        if !ROWS.iter().any(|r| r.key == key) {
+            return Err(unknown_row(key));
+        }
+    }
+    let gemm = rows::gemm_gflops::<Cpu>(&Default::default());
+    tracing::info!("kiln sgemm 1024: {gemm:.1} GFLOP/s");
+    let mut out = Vec::new();
+    let mut header = Vec::new();
+    for spec in ROWS.iter().filter(|r| opts.only.iter().any(|o| o == r.key)) {
+        tracing::info!("kiln: {}", spec.key);
+        let kiln = kiln_row(spec.key, opts)?;
+        tracing::info!("{kiln:?}");
+        let pytorch = match &opts.python {
+            Some(py) => pytorch_row(py, spec, opts, &mut header),
+            None => Vec::new(),
+        };
+        out.push(SuiteRow {
+            key: spec.key.into(),
+            kiln,
+            pytorch,
+        });
+    }
+    let torch_gemm = header
+        .iter()
+        .filter_map(|l| l.split("sgemm1024_gflops=").nth(1))
+        .filter_map(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+        .fold(0.0, f64::max);
+    Ok(SuiteReport {
+        rows: out,
+        kiln_gemm_gflops: gemm,
+        gemm_peak_gflops: gemm.max(torch_gemm),
+        pytorch_header: header,
+        threads: opts.threads,
+        date: today(),
+    })
+}
+
+/// Today's date (UTC) as YYYY-MM-DD, from the system clock.
+fn today() -> String {
+    let days = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() / 86_400) as i64;
+    // Howard Hinnant's civil-from-days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+fn fmt_opt(v: Option<f64>, digits: usize) -> String {
+    v.map_or("–".into(), |x| format!("{x:.digits$}"))
+}
+
+impl SuiteReport {
+    pub fn markdown(&self) -> String {
+        let peak = self.gemm_peak_gflops;
+        let mut s = String::from(
+            "| benchmark | batch×seq | kiln ms/step | kiln samples/s | kiln tokens/s | kiln GFLOP/s | % GEMM peak | kiln peak RSS MiB \
+             | PyTorch row | PyTorch ms/step | PyTorch samples/s | PyTorch tokens/s | PyTorch peak RSS MiB | kiln/PyTorch |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        );
+        for r in &self.rows {
+            let k = &r.kiln;
+            let kiln_cols = format!(
+                "| {} | {}×{} | {:.1} | {:.2} | {:.0} | {:.1} | {:.0}% | {} ",
+                k.name,
+                k.batch,
+                k.seq,
+                k.ms_per_step_mean,
+                k.samples_per_sec,
+                k.tokens_per_sec,
+                k.gflops,
+                100.0 * k.gflops / peak,
+                fmt_opt(k.peak_rss_mib, 0),
+            );
+            if r.pytorch.is_empty() {
+                s += &format!("{kiln_cols}| – | – | – | – | – | – |\n");
+            }
+            for (t, ratio) in r.pytorch.iter().zip(r.ratios()) {
+                let v = &t.result;
+                let tokens = v["tokens_per_sec"]
+                    .as_f64()
+                    .or_else(|| Some(v["samples_per_sec"].as_f64()? * v["seq"].as_f64()?));
+                s += &format!(
+                    "{kiln_cols}| {} | {} | {} | {} | {:.0} | {} |\n",
+                    v["name"].as_str().unwrap_or("?"),
+                    fmt_opt(v["ms_per_step_mean"].as_f64(), 1),
+                    fmt_opt(v["samples_per_sec"].as_f64(), 2),
+                    fmt_opt(tokens, 0),
+                    t.peak_rss_mib,
+                    ratio.map_or("–".into(), |x| format!("**{x:.2}×**")),
+                );
+            }
+        }
+        for r in self.rows.iter().filter(|r| !r.kiln.profile.is_empty()) {
+            s += &format!(
+                "\nProfile of {} ({:.1} ms/step):\n\n| kernel | calls/step | ms/step | share |\n|---|---|---|---|\n",
+                r.kiln.name, r.kiln.ms_per_step_mean
+            );
+            for p in &r.kiln.profile {
+                s += &format!(
+                    "| {} | {:.0} | {:.1} | {:.1}% |\n",
+                    p.kernel,
+                    p.calls_per_step,
+                    p.ms_per_step,
+                    100.0 * p.share
+                );
+            }
+        }
+        s += &format!(
+            "\n{}; threads {}; fp32 GEMM peak {:.1} GFLOP/s (best of kiln's sgemm 1024³ {:.1} and PyTorch's calibration). PyTorch: {}\n",
+            self.date,
+            self.threads,
+            peak,
+            self.kiln_gemm_gflops,
+            self.pytorch_header.join("; ")
+        );
+        s
+    }
+}

