@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
-use kiln::backend::{Cpu, CpuDevice, CpuTrain};
+use kiln::backend::{Autodiff, Cpu, CpuDevice, DeviceSpec};
 use kiln::data::{Columns, DataArgs, TextEncoding};
 use kiln::tasks::text_classification::{self as tc, ClassificationOptions};
 use kiln::train::TrainingArguments;
@@ -39,6 +39,9 @@ struct Cli {
     /// Worker threads for the CPU backend (default: all cores).
     #[arg(long, global = true)]
     threads: Option<usize>,
+    /// Where to run: cpu, cuda or cuda:N (CUDA needs a build with `--features cuda`).
+    #[arg(long, global = true, default_value = "cpu")]
+    device: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -55,6 +58,32 @@ enum Command {
     Bench(BenchCmd),
     /// Data-parallel launcher (like torchrun): `kiln launch --nproc-per-node N -- train ...`.
     Launch(LaunchCmd),
+    /// Fill the GPU kernel cache by running the first steps of a training command, so the real run
+    /// starts without compiling (like `neuron_parallel_compile`): `kiln --device cuda precompile -- train ...`.
+    Precompile(PrecompileCmd),
+    /// The on-disk cache of compiled GPU kernels and autotune results.
+    Cache {
+        #[command(subcommand)]
+        action: CacheAction,
+    },
+}
+
+#[derive(Args)]
+struct PrecompileCmd {
+    /// Optimizer steps to run (each distinct batch shape compiles its own kernels).
+    #[arg(long, default_value_t = 2)]
+    steps: u64,
+    /// The training command, as given to `kiln`: `train --model ... --train-file ...`.
+    #[arg(last = true, required = true)]
+    command: Vec<String>,
+}
+
+#[derive(Subcommand)]
+enum CacheAction {
+    /// Where the cache is and how much it holds.
+    Info,
+    /// Delete every cached kernel and autotune result.
+    Clean,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -329,7 +358,35 @@ fn read_texts(cmd: &PredictCmd) -> Result<Vec<String>> {
 }
 
 fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
-    let device = CpuDevice::default();
+    let spec: DeviceSpec = cli.device.parse()?;
+    // Only these run a model in this process; the others pass --device on or ignore it.
+    if !matches!(
+        cli.command,
+        Command::Train(_) | Command::Eval(_) | Command::Predict(_)
+    ) {
+        return run_on::<Cpu>(cli, matches, &CpuDevice::default());
+    }
+    spec.check_available()?;
+    match spec {
+        DeviceSpec::Cpu => run_on::<Cpu>(cli, matches, &CpuDevice::default()),
+        #[cfg(feature = "cuda")]
+        DeviceSpec::Cuda(index) => {
+            kiln::backend::init_kernel_cache();
+            let device = kiln::backend::CudaDevice::new(index);
+            run_on::<kiln::backend::Cuda>(cli, matches, &device)
+        }
+        #[cfg(not(feature = "cuda"))]
+        DeviceSpec::Cuda(_) => unreachable!("check_available rejects CUDA in this build"),
+    }
+}
+
+/// Runs the command on backend `B` (training on `Autodiff<B>`).
+fn run_on<B>(cli: Cli, matches: &ArgMatches, device: &B::Device) -> Result<()>
+where
+    B: kiln::ops::KilnBackend,
+    Autodiff<B>: kiln::ops::TrainBackend<InnerBackend = B, Device = B::Device>,
+{
+    let device = device.clone();
     match cli.command {
         Command::Train(cmd) => {
             let sub = matches.subcommand_matches("train").expect("train matches");
@@ -337,14 +394,19 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
                 let world = kiln::dist::DistEnv::from_env()?.map_or(1, |e| e.world_size);
                 let defaults = kiln::tasks::mnist::sample_defaults(world);
                 let args = merged_training_args(&cmd, sub, defaults)?;
-                kiln::tasks::mnist::train::<CpuTrain>(&cmd.data_dir, args, &device)?;
+                kiln::tasks::mnist::train::<Autodiff<B>>(&cmd.data_dir, args, &device)?;
                 return Ok(());
             }
             let args = merged_training_args(&cmd, sub, serde_json::json!({}))?;
             let model = cmd.model.clone().context("--model is required")?;
             let opts = cmd.data.options(&model, args.seed)?;
-            let (out, eval) =
-                tc::train::<CpuTrain, _>(&opts, args, &device, kiln::train::CrossEntropy, |_| {})?;
+            let (out, eval) = tc::train::<Autodiff<B>, _>(
+                &opts,
+                args,
+                &device,
+                kiln::train::CrossEntropy,
+                |_| {},
+            )?;
             if kiln::dist::DistEnv::from_env()?.is_none_or(|e| e.rank == 0) {
                 println!("{}", serde_json::to_string_pretty(&out.metrics)?);
                 if let Some(ev) = eval {
@@ -354,7 +416,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
         }
         Command::Eval(cmd) => {
             if cmd.task == Task::MnistMlp {
-                kiln::tasks::mnist::eval::<Cpu>(
+                kiln::tasks::mnist::eval::<B>(
                     &cmd.model,
                     &cmd.data_dir,
                     cmd.per_device_eval_batch_size,
@@ -363,7 +425,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
                 return Ok(());
             }
             let opts = cmd.data.options(&cmd.model, 42)?;
-            let out = tc::eval::<Cpu>(&opts, cmd.per_device_eval_batch_size, &device)?;
+            let out = tc::eval::<B>(&opts, cmd.per_device_eval_batch_size, &device)?;
             let json = serde_json::json!({"metrics": out.metrics, "report": out.report});
             if let Some(path) = &cmd.output {
                 std::fs::write(path, serde_json::to_vec_pretty(&json)?)
@@ -440,10 +502,27 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
                 args,
             })?;
         }
+        Command::Precompile(cmd) => precompile(&cli.device, cli.threads, &cmd)?,
+        Command::Cache { action } => {
+            let dir = kiln::backend::kernel_cache_dir();
+            let (bytes, files) = match action {
+                CacheAction::Info => kiln::backend::kernel_cache_usage(),
+                CacheAction::Clean => kiln::backend::clean_kernel_cache()?,
+            };
+            let verb = match action {
+                CacheAction::Info => "holds",
+                CacheAction::Clean => "removed",
+            };
+            println!(
+                "{}: {verb} {files} files, {:.1} MiB",
+                dir.display(),
+                bytes as f64 / (1 << 20) as f64
+            );
+        }
         Command::Predict(cmd) => {
             let texts = read_texts(&cmd)?;
             let preds =
-                tc::predict::<Cpu>(&cmd.model, &texts, cmd.max_length, cmd.batch_size, &device)?;
+                tc::predict::<B>(&cmd.model, &texts, cmd.max_length, cmd.batch_size, &device)?;
             let mut out: Box<dyn std::io::Write> = match &cmd.output {
                 Some(p) => Box::new(std::io::BufWriter::new(
                     std::fs::File::create(p).with_context(|| format!("{}", p.display()))?,
@@ -454,6 +533,49 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
                 writeln!(out, "{}", serde_json::to_string(&p)?)?;
             }
         }
+    }
+    Ok(())
+}
+
+/// Runs `kiln train ...` for a few steps in a child process, without evaluation or checkpoints,
+/// and reports how long it took and what the kernel cache gained.
+fn precompile(device: &str, threads: Option<usize>, cmd: &PrecompileCmd) -> Result<()> {
+    if cmd.command.first().map(String::as_str) != Some("train") {
+        bail!("precompile runs a training command: kiln precompile -- train --model ...");
+    }
+    let scratch = std::env::temp_dir().join(format!("kiln-precompile-{}", std::process::id()));
+    let mut args = vec!["--device".to_string(), device.to_string()];
+    if let Some(t) = threads {
+        args.push(format!("--threads={t}"));
+    }
+    args.extend(cmd.command.iter().cloned());
+    // Later flags win, so these override the command's own schedule and outputs.
+    args.extend([
+        format!("--max-steps={}", cmd.steps),
+        "--eval-strategy=no".into(),
+        "--save-strategy=no".into(),
+        format!("--output-dir={}", scratch.display()),
+    ]);
+    let (before, _) = kiln::backend::kernel_cache_usage();
+    let t0 = std::time::Instant::now();
+    let status = std::process::Command::new(std::env::current_exe()?)
+        .args(&args)
+        .status()?;
+    let secs = t0.elapsed().as_secs_f64();
+    let _ = std::fs::remove_dir_all(&scratch);
+    if !status.success() {
+        bail!("the training command failed ({status})");
+    }
+    let (after, files) = kiln::backend::kernel_cache_usage();
+    println!(
+        "precompile: {} steps in {secs:.1} s; kernel cache {} now {files} files, {:.1} MiB (+{:.1} MiB)",
+        cmd.steps,
+        kiln::backend::kernel_cache_dir().display(),
+        after as f64 / (1 << 20) as f64,
+        after.saturating_sub(before) as f64 / (1 << 20) as f64
+    );
+    if device == "cpu" {
+        println!("(CPU kernels are compiled ahead of time: there is nothing to cache on the CPU)");
     }
     Ok(())
 }

@@ -1,6 +1,11 @@
 //! Every Burn backend type kiln uses lives here, so changing or adding a backend is a one-file change.
 
+use std::path::PathBuf;
+
+pub use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
+
+use crate::error::{KilnError, Result};
 
 /// The CPU backend: pure-Rust ndarray, multi-threaded GEMM with SIMD kernels.
 pub type Cpu = burn::backend::NdArray<f32>;
@@ -13,8 +18,125 @@ pub type CpuDevice = burn::backend::ndarray::NdArrayDevice;
 pub type Cuda = burn::backend::Cuda<f32, i32>;
 #[cfg(feature = "cuda")]
 pub type CudaTrain = burn::backend::Autodiff<Cuda>;
+#[cfg(feature = "cuda")]
+pub type CudaDevice = burn::backend::cuda::CudaDevice;
 
 /// Seeds the backend's random generator (initialisation, dropout).
 pub fn seed<B: Backend>(device: &B::Device, seed: u64) {
     B::seed(device, seed);
+}
+
+/// Where a run executes: `cpu`, `cuda` or `cuda:N`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceSpec {
+    #[default]
+    Cpu,
+    /// The N-th CUDA device.
+    Cuda(usize),
+}
+
+impl std::str::FromStr for DeviceSpec {
+    type Err = KilnError;
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || KilnError::Config(format!("unknown device {s:?} (use cpu, cuda or cuda:N)"));
+        match s.to_ascii_lowercase().as_str() {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" | "gpu" => Ok(Self::Cuda(0)),
+            other => match other.strip_prefix("cuda:") {
+                Some(n) => n.parse().map(Self::Cuda).map_err(|_| bad()),
+                None => Err(bad()),
+            },
+        }
+    }
+}
+
+impl DeviceSpec {
+    /// An error when this build cannot run on the device.
+    pub fn check_available(self) -> Result<()> {
+        match self {
+            Self::Cpu => Ok(()),
+            Self::Cuda(_) if cfg!(feature = "cuda") => Ok(()),
+            Self::Cuda(_) => Err(KilnError::Config(
+                "this kiln was built without CUDA support: rebuild with `cargo build --release -p kiln-cli --features cuda`".into(),
+            )),
+        }
+    }
+}
+
+/// Where runtime-compiled GPU kernels and autotune results persist between runs, so a second run
+/// starts without compiling: `$KILN_CACHE_DIR`, else `$XDG_CACHE_HOME/kiln/kernels`, else
+/// `~/.cache/kiln/kernels`.
+pub fn kernel_cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("KILN_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("kiln").join("kernels")
+}
+
+/// Points CubeCL's compiled-kernel (PTX) cache and autotune cache at [`kernel_cache_dir`]. Must run
+/// before the first GPU kernel; later calls do nothing.
+#[cfg(feature = "cuda")]
+pub fn init_kernel_cache() {
+    use burn_cubecl::cubecl::config::{cache::CacheConfig, GlobalConfig};
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let dir = kernel_cache_dir();
+        let mut config = GlobalConfig::default();
+        config.autotune.cache = CacheConfig::File(dir.join("autotune"));
+        config.compilation.cache = Some(CacheConfig::File(dir.join("compiled")));
+        GlobalConfig::set(config);
+        tracing::info!("GPU kernel cache: {}", dir.display());
+    });
+}
+
+/// Size in bytes and file count of the kernel cache.
+pub fn kernel_cache_usage() -> (u64, usize) {
+    fn walk(p: &std::path::Path, acc: &mut (u64, usize)) {
+        let Ok(entries) = std::fs::read_dir(p) else {
+            return;
+        };
+        for e in entries.flatten() {
+            match e.file_type() {
+                Ok(t) if t.is_dir() => walk(&e.path(), acc),
+                Ok(_) => {
+                    acc.0 += e.metadata().map_or(0, |m| m.len());
+                    acc.1 += 1;
+                }
+                Err(_) => {}
+            }
+        }
+    }
+    let mut acc = (0, 0);
+    walk(&kernel_cache_dir(), &mut acc);
+    acc
+}
+
+/// Empties the kernel cache; returns what it held.
+pub fn clean_kernel_cache() -> Result<(u64, usize)> {
+    let usage = kernel_cache_usage();
+    let dir = kernel_cache_dir();
+    match std::fs::remove_dir_all(&dir) {
+        Ok(()) => Ok(usage),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok((0, 0)),
+        Err(e) => Err(KilnError::io(&dir, e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_specs_parse() {
+        assert_eq!("cpu".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cpu);
+        assert_eq!("cuda".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cuda(0));
+        assert_eq!("CUDA:3".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cuda(3));
+        let e = "tpu".parse::<DeviceSpec>().unwrap_err().to_string();
+        assert!(e.contains("cpu, cuda or cuda:N"), "{e}");
+        assert!("cuda:x".parse::<DeviceSpec>().is_err());
+    }
 }

@@ -221,3 +221,87 @@ fn adamw_step_with_clipping_matches_torch_optim() {
     }
     assert!(stepped >= 40, "only {stepped} parameters compared");
 }
+
+/// Loss and per-parameter gradients of one forward/backward on `input`.
+fn loss_and_grads(
+    m: &BertForSequenceClassification<CpuTrain>,
+    input: &BertInput<CpuTrain>,
+    fx: &Fixture,
+) -> (f32, BTreeMap<String, Vec<f32>>) {
+    let loss = CrossEntropy.loss(m.forward(input), labels::<CpuTrain>(fx));
+    let l = host(loss.clone())[0];
+    let grads = loss.backward();
+    let mut acc = GradAccumulator::<Cpu>::default();
+    acc.accumulate::<CpuTrain, _>(m, &grads);
+    let g = acc
+        .grads
+        .iter()
+        .map(|(k, v)| (k.clone(), host(v.clone())))
+        .collect();
+    (l, g)
+}
+
+#[test]
+fn packed_tokens_give_the_padded_layouts_results() {
+    let Some(dir) = asset("minilm") else { return };
+    let fx = fixture();
+    let m = model::<CpuTrain>(&fx, &dir);
+    let packed = input::<CpuTrain>(&fx);
+    let padded = BertInput {
+        unpadded: None,
+        ..packed.clone()
+    };
+    let (lp, gp) = loss_and_grads(&m, &packed, &fx);
+    let (lq, gq) = loss_and_grads(&m, &padded, &fx);
+    assert!((lp - lq).abs() < 1e-6 * lq.abs(), "loss {lp} vs {lq}");
+    for (name, g) in &gp {
+        let err = rel_err(g, &gq[name]);
+        // The key bias's true gradient is zero (round-off on both sides).
+        assert!(
+            err < 1e-4 || name.ends_with("key.bias"),
+            "{name}: rel err {err:e}"
+        );
+    }
+}
+
+#[test]
+fn bf16_matmuls_stay_close_to_pytorch_fp32() {
+    use kiln::ops::{set_matmul_precision, MatmulPrecision};
+    let Some(dir) = asset("minilm") else { return };
+    let fx = fixture();
+    let m = model::<CpuTrain>(&fx, &dir);
+    // Thread-local, so other tests in this binary keep f32.
+    set_matmul_precision(MatmulPrecision::Bf16);
+    let logits = host(m.forward(&input::<CpuTrain>(&fx)));
+    let (loss, grads) = loss_and_grads(&m, &input::<CpuTrain>(&fx), &fx);
+    set_matmul_precision(MatmulPrecision::F32);
+    // bf16 keeps 8 bits of mantissa: about 3e-3 relative per rounding, partly averaging out.
+    let err = rel_err(&logits, &fx.tensors["logits"].data);
+    assert!(err < 2e-2, "bf16 logits rel err {err:e}");
+    assert!(
+        err > 1e-5,
+        "bf16 logits equal fp32 ({err:e}): no rounding happened"
+    );
+    let ref_loss = fx.tensors["loss"].data[0];
+    assert!(
+        (loss - ref_loss).abs() / ref_loss < 1e-2,
+        "loss {loss} vs {ref_loss}"
+    );
+    let total: f64 = grads
+        .values()
+        .flatten()
+        .map(|x| f64::from(*x).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    let want = fx.json["total_grad_norm"].as_f64().unwrap();
+    assert!(
+        (total - want).abs() < 3e-2 * want,
+        "grad norm {total} vs {want}"
+    );
+    for (name, g) in &grads {
+        if let Some(r) = fx.tensors.get(&format!("grad.{name}")) {
+            let err = rel_err(g, &r.data);
+            assert!(err < 0.1 || name.ends_with("key.bias"), "{name}: {err:e}");
+        }
+    }
+}
