@@ -55,7 +55,12 @@ fn sgemm(
     assert!(k == 0 || a.len() > (m - 1) * rsa + (k - 1) * csa);
     assert!(k == 0 || b.len() > (k - 1) * rsb + (n - 1) * csb);
     assert!(c.len() >= m * n);
-    let parts = rayon::current_num_threads().max(1);
+    // Small products (the MNIST MLP's) are not worth a trip through the thread pool.
+    let parts = if m * n * k < 1 << 18 {
+        1
+    } else {
+        rayon::current_num_threads().max(1)
+    };
     // Whole multiples of 8 rows per part keep the micro-kernel's row blocks intact.
     let rows = m.div_ceil(parts).div_ceil(8) * 8;
     c[..m * n]
