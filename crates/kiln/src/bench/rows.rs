@@ -313,3 +313,42 @@ pub fn gemm_gflops<B: KilnBackend>(device: &B::Device) -> f64 {
         })
         .fold(0.0, f64::max)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Cpu;
+
+    #[test]
+    fn flop_count_is_twice_the_encoder_weights_per_token_plus_attention() {
+        let cfg: BertConfig = serde_json::from_value(serde_json::json!({
+            "vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "intermediate_size": 48}))
+        .unwrap();
+        let model = BertForSequenceClassification::<Cpu>::new(&cfg, 2, &Default::default());
+        // Weights the encoder multiplies each token by, counted from the module itself.
+        let weights: usize = crate::hub::weights::module_tensors(&model)
+            .iter()
+            .filter(|(k, _)| {
+                k.contains(".encoder.") && k.ends_with("dense.weight")
+                    || k.ends_with("query.weight")
+                    || k.ends_with("key.weight")
+                    || k.ends_with("value.weight")
+            })
+            .map(|(_, t)| t.data.len())
+            .sum();
+        let (h, l) = (32.0, 3.0);
+        for t in [1usize, 7, 20] {
+            let tf = t as f64;
+            let want = 2.0 * weights as f64 * tf + 4.0 * l * h * tf * tf;
+            let got = bert_forward_flops(&cfg, [t]);
+            assert!((got - want).abs() < 1e-9 * want, "t={t}: {got} vs {want}");
+        }
+        // Two sequences cost the sum of each.
+        let two = bert_forward_flops(&cfg, [5, 9]);
+        assert_eq!(
+            two,
+            bert_forward_flops(&cfg, [5]) + bert_forward_flops(&cfg, [9])
+        );
+    }
+}
