@@ -548,8 +548,24 @@ fn precompile(device: &str, threads: Option<usize>, cmd: &PrecompileCmd) -> Resu
     if let Some(t) = threads {
         args.push(format!("--threads={t}"));
     }
-    args.extend(cmd.command.iter().cloned());
-    // Later flags win, so these override the command's own schedule and outputs.
+    // The command's own schedule and outputs give way to these.
+    let replaced = [
+        "--max-steps",
+        "--eval-strategy",
+        "--save-strategy",
+        "--output-dir",
+    ];
+    let mut rest = cmd.command.iter().map(|a| normalize_flag(a.clone()));
+    while let Some(a) = rest.next() {
+        let name = a.split('=').next().unwrap_or_default();
+        if replaced.contains(&name) {
+            if !a.contains('=') {
+                rest.next(); // its value
+            }
+            continue;
+        }
+        args.push(a);
+    }
     args.extend([
         format!("--max-steps={}", cmd.steps),
         "--eval-strategy=no".into(),

