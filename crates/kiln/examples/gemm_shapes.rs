@@ -75,9 +75,7 @@ fn main() {
             let g32 = time(&mut |c| f32_gemm(m, k, n, a, sa, b, sb, c));
             let g16 = time(&mut |c| {
                 kiln::ops::bf16::gemm_bf16(
-                    m,
-                    k,
-                    n,
+                    (m, k, n),
                     a,
                     sa,
                     b,

@@ -65,12 +65,11 @@ impl<B: Backend> Unpadded<B> {
             seq,
         })
     }
+}
 
+impl<B: KilnBackend> Unpadded<B> {
     /// `[B, T, H]` → the real tokens `[1, N, H]`.
-    fn pack(&self, x: Tensor<B, 3>) -> Tensor<B, 3>
-    where
-        B: KilnBackend,
-    {
+    fn pack(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let h = x.dims()[2];
         let rows = reshape::<B, 3, 2>(x, [self.batch * self.seq, h]).select(0, self.tokens.clone());
         let n = rows.dims()[0];
@@ -78,10 +77,7 @@ impl<B: Backend> Unpadded<B> {
     }
 
     /// `[1, N, H]` → `[B, T, H]` with zero rows at the padding.
-    fn unpack(&self, x: Tensor<B, 3>) -> Tensor<B, 3>
-    where
-        B: KilnBackend,
-    {
+    fn unpack(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [_, n, h] = x.dims();
         let zeros = Tensor::zeros([self.batch * self.seq, h], &x.device());
         let rows = zeros.select_assign(

@@ -74,9 +74,7 @@ unsafe fn pack_pairs(lo: &[f32], hi: &[f32], out: &mut [u32]) {
 /// rounded copies where the CPU has no bf16 instructions.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_bf16(
-    m: usize,
-    k: usize,
-    n: usize,
+    mkn: (usize, usize, usize),
     a: &[f32],
     a_strides: (usize, usize),
     b: &[f32],
@@ -86,17 +84,7 @@ pub fn gemm_bf16(
     f32_gemm: impl Fn(usize, usize, usize, &[f32], &[f32], f32, &mut [f32]),
 ) {
     let packed = has_bf16_dot();
-    gemm_bf16_with(
-        packed,
-        (m, k, n),
-        a,
-        a_strides,
-        b,
-        b_strides,
-        beta,
-        c,
-        f32_gemm,
-    )
+    gemm_bf16_with(packed, mkn, a, a_strides, b, b_strides, beta, c, f32_gemm)
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -110,9 +110,7 @@ fn matmul(
         super::MatmulPrecision::Bf16 => {
             let _p = super::profile::scope("part: bf16 GEMMs (inside linear_*)");
             super::bf16::gemm_bf16(
-                m,
-                k,
-                n,
+                (m, k, n),
                 a,
                 a_strides,
                 b,
