@@ -1,5 +1,6 @@
 //! `kiln`: the command-line front end. Argument parsing only; the work is in the `kiln` library.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -7,6 +8,8 @@ use anyhow::{bail, Context, Result};
 use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use kiln::backend::{Autodiff, Cpu, CpuDevice, DeviceSpec};
 use kiln::data::{Columns, DataArgs, TextEncoding};
+use kiln::hub::weights::StoreDtype;
+use kiln::tasks::causal_lm::{self, CausalLmOptions};
 use kiln::tasks::text_classification::{self as tc, ClassificationOptions};
 use kiln::train::TrainingArguments;
 
@@ -61,6 +64,10 @@ enum Command {
     /// Fill the GPU kernel cache by running the first steps of a training command, so the real run
     /// starts without compiling (like `neuron_parallel_compile`): `kiln --device cuda precompile -- train ...`.
     Precompile(PrecompileCmd),
+    /// Convert model files: `--from-gguf FILE --out DIR` writes a Hugging Face Llama folder.
+    Convert(ConvertCmd),
+    /// Continue a prompt with a causal LM (KV cache), streaming tokens to standard output.
+    Generate(GenerateCmd),
     /// The on-disk cache of compiled GPU kernels and autotune results.
     Cache {
         #[command(subcommand)]
@@ -90,6 +97,45 @@ enum CacheAction {
 enum Task {
     TextClassification,
     MnistMlp,
+    CausalLm,
+}
+
+#[derive(Args)]
+struct ConvertCmd {
+    /// A llama.cpp GGUF file of a Llama-family model (F32/F16/BF16/Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors).
+    #[arg(long)]
+    from_gguf: PathBuf,
+    /// The Hugging Face folder to write.
+    #[arg(long)]
+    out: PathBuf,
+    /// How to store the dequantised weights: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+}
+
+#[derive(Args)]
+struct GenerateCmd {
+    /// A Hugging Face Llama folder.
+    #[arg(long)]
+    model: PathBuf,
+    #[arg(long)]
+    prompt: String,
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// 0 decodes greedily; above 0 samples from softmax(logits / T).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// Nucleus sampling threshold (with --temperature > 0).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Keep going past the end-of-sequence token, up to --max-new-tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Print one JSON object (ids, text, timings) instead of streaming the text.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -192,17 +238,27 @@ struct DataOpts {
     /// Pad every batch to --max-length (fixed shapes) instead of the longest example in the batch.
     #[arg(long)]
     pad_to_max_length: bool,
+    /// causal-lm: tokens per packed training block.
+    #[arg(long, default_value_t = 128)]
+    block_size: usize,
+    /// causal-lm: tokenizer.json (or its folder), when it is not the model folder's.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
 }
 
 #[derive(Args)]
 struct TrainCmd {
-    /// What to train: `text-classification` (a BERT-family model folder and labelled text) or
+    /// What to train: `text-classification` (a BERT-family model folder and labelled text),
+    /// `causal-lm` (a Llama-family model and a text corpus, packed into --block-size blocks) or
     /// `mnist-mlp` (the AWS Neuron MNIST MLP sample on IDX files in --data-dir).
     #[arg(long, default_value = "text-classification")]
     task: Task,
     /// A Hugging Face model folder (config.json, model.safetensors, tokenizer.json).
     #[arg(long, required_if_eq("task", "text-classification"))]
     model: Option<PathBuf>,
+    /// causal-lm: start from random weights with this config.json (pretraining from scratch).
+    #[arg(long)]
+    from_config: Option<PathBuf>,
     /// Folder with the MNIST IDX files (mnist-mlp).
     #[arg(long, default_value = "assets/mnist")]
     data_dir: PathBuf,
@@ -272,6 +328,25 @@ impl DataOpts {
             max_train_samples: self.max_train_samples,
             max_eval_samples: self.max_eval_samples,
             seed,
+        })
+    }
+    fn lm_options(
+        &self,
+        model: Option<PathBuf>,
+        from_config: Option<PathBuf>,
+    ) -> Result<CausalLmOptions> {
+        Ok(CausalLmOptions {
+            model_dir: model,
+            from_config,
+            tokenizer: self.tokenizer.clone(),
+            train_file: self.train_file.clone(),
+            eval_file: self.eval_file.clone(),
+            text_column: self.text_column.clone(),
+            encoding: self.encoding.parse::<TextEncoding>()?,
+            strict: self.strict,
+            block_size: self.block_size,
+            max_train_samples: self.max_train_samples,
+            max_eval_samples: self.max_eval_samples,
         })
     }
     fn options(&self, model: &std::path::Path, seed: u64) -> Result<ClassificationOptions> {
@@ -362,7 +437,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
     // Only these run a model in this process; the others pass --device on or ignore it.
     if !matches!(
         cli.command,
-        Command::Train(_) | Command::Eval(_) | Command::Predict(_)
+        Command::Train(_) | Command::Eval(_) | Command::Predict(_) | Command::Generate(_)
     ) {
         return run_on::<Cpu>(cli, matches, &CpuDevice::default());
     }
@@ -398,6 +473,20 @@ where
                 return Ok(());
             }
             let args = merged_training_args(&cmd, sub, serde_json::json!({}))?;
+            let is_main = kiln::dist::DistEnv::from_env()?.is_none_or(|e| e.rank == 0);
+            if cmd.task == Task::CausalLm {
+                let opts = cmd
+                    .data
+                    .lm_options(cmd.model.clone(), cmd.from_config.clone())?;
+                let (out, eval) = causal_lm::train::<Autodiff<B>>(&opts, args, &device)?;
+                if is_main {
+                    println!("{}", serde_json::to_string_pretty(&out.metrics)?);
+                    if let Some(ev) = eval {
+                        println!("{}", serde_json::to_string_pretty(&ev.metrics)?);
+                    }
+                }
+                return Ok(());
+            }
             let model = cmd.model.clone().context("--model is required")?;
             let opts = cmd.data.options(&model, args.seed)?;
             let (out, eval) = tc::train::<Autodiff<B>, _>(
@@ -422,6 +511,16 @@ where
                     cmd.per_device_eval_batch_size,
                     &device,
                 )?;
+                return Ok(());
+            }
+            if cmd.task == Task::CausalLm {
+                let opts = cmd.data.lm_options(Some(cmd.model.clone()), None)?;
+                let out = causal_lm::eval::<B>(&opts, cmd.per_device_eval_batch_size, &device)?;
+                if let Some(path) = &cmd.output {
+                    std::fs::write(path, serde_json::to_vec_pretty(&out.metrics)?)
+                        .with_context(|| format!("{}", path.display()))?;
+                }
+                println!("{}", serde_json::to_string_pretty(&out.metrics)?);
                 return Ok(());
             }
             let opts = cmd.data.options(&cmd.model, 42)?;
@@ -503,6 +602,71 @@ where
             })?;
         }
         Command::Precompile(cmd) => precompile(&cli.device, cli.threads, &cmd)?,
+        Command::Convert(cmd) => {
+            let dtype = match cmd.dtype.as_str() {
+                "f32" | "float32" => StoreDtype::F32,
+                "bf16" | "bfloat16" => StoreDtype::BF16,
+                other => bail!("--dtype {other:?}: use f32 or bf16"),
+            };
+            let t0 = std::time::Instant::now();
+            let r = kiln::hub::convert::gguf_to_hf(&cmd.from_gguf, &cmd.out, dtype)?;
+            println!(
+                "{} → {}: {} tensors ({:?}), {:.1} M parameters, {} layers, hidden {}, {} heads / {} kv heads, tied embeddings: {} ({:.1} s)",
+                cmd.from_gguf.display(),
+                cmd.out.display(),
+                r.tensors,
+                r.source_types,
+                r.parameters as f64 / 1e6,
+                r.config.num_hidden_layers,
+                r.config.hidden_size,
+                r.config.num_attention_heads,
+                r.config.kv_heads(),
+                r.config.tie_word_embeddings,
+                t0.elapsed().as_secs_f64()
+            );
+        }
+        Command::Generate(cmd) => {
+            let (model, config) = causal_lm::load_model::<B>(&cmd.model, &device)?;
+            let tok = causal_lm::load_tokenizer(&cmd.model)?;
+            let enc = tok
+                .encode(cmd.prompt.as_str(), true)
+                .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
+            let opts = causal_lm::GenerateOptions {
+                max_new_tokens: cmd.max_new_tokens,
+                temperature: cmd.temperature,
+                top_p: cmd.top_p,
+                seed: cmd.seed,
+                stop_at_eos: !cmd.ignore_eos,
+            };
+            let mut stdout = std::io::stdout();
+            if !cmd.json {
+                print!("{}", cmd.prompt);
+                stdout.flush()?;
+            }
+            let g = causal_lm::generate(&model, &tok, &config, enc.get_ids(), &opts, |piece| {
+                if !cmd.json {
+                    print!("{piece}");
+                    let _ = std::io::stdout().flush();
+                }
+            })?;
+            if cmd.json {
+                let mut v = serde_json::to_value(&g)?;
+                v["prompt_ids"] = serde_json::json!(enc.get_ids());
+                v["prefill_tokens_per_sec"] = serde_json::json!(g.prefill_tokens_per_sec());
+                v["decode_tokens_per_sec"] = serde_json::json!(g.decode_tokens_per_sec());
+                println!("{}", serde_json::to_string(&v)?);
+            } else {
+                println!();
+                tracing::info!(
+                    "prompt {} tokens in {:.2} s ({:.1} tokens/s); {} new tokens, decoding {:.1} tokens/s",
+                    g.prompt_tokens,
+                    g.prefill_secs,
+                    g.prefill_tokens_per_sec(),
+                    g.new_ids.len(),
+                    g.decode_tokens_per_sec()
+                );
+            }
+        }
         Command::Cache { action } => {
             let dir = kiln::backend::kernel_cache_dir();
             let (bytes, files) = match action {

@@ -4,6 +4,7 @@
 pub mod batch;
 pub mod idx;
 pub mod labels;
+pub mod lm;
 pub mod reader;
 pub mod tokenize;
 

@@ -1,6 +1,9 @@
-//! Hugging Face model folders: `config.json`, `model.safetensors`, `tokenizer.json`.
+//! Hugging Face model folders (`config.json`, `model.safetensors`, `tokenizer.json`) and GGUF files.
 
 pub mod config;
+pub mod convert;
+pub mod gguf;
+pub mod llama_config;
 pub mod weights;
 
 use std::path::Path;

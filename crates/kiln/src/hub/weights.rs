@@ -189,20 +189,48 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>> {
     Ok(out)
 }
 
+/// How tensors are stored in a written safetensors file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreDtype {
+    F32,
+    /// Rounded to nearest even, as PyTorch's `.to(torch.bfloat16)`.
+    BF16,
+}
+
 /// Writes named f32 tensors as safetensors (metadata `format: pt`, which transformers requires),
 /// atomically: a temporary file in the same folder, then a rename.
 pub fn write_safetensors(path: &Path, tensors: &BTreeMap<String, HostTensor>) -> Result<()> {
+    write_safetensors_as(path, tensors, StoreDtype::F32)
+}
+
+/// [`write_safetensors`] storing every tensor as `dtype`.
+pub fn write_safetensors_as(
+    path: &Path,
+    tensors: &BTreeMap<String, HostTensor>,
+    dtype: StoreDtype,
+) -> Result<()> {
     let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
         .iter()
         .map(|(k, t)| {
-            let b = t.data.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let b = match dtype {
+                StoreDtype::F32 => t.data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                StoreDtype::BF16 => t
+                    .data
+                    .iter()
+                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                    .collect(),
+            };
             (k.clone(), b, t.shape.clone())
         })
         .collect();
+    let st_dtype = match dtype {
+        StoreDtype::F32 => Dtype::F32,
+        StoreDtype::BF16 => Dtype::BF16,
+    };
     let views = bytes
         .iter()
         .map(|(k, b, s)| {
-            let v = safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b)
+            let v = safetensors::tensor::TensorView::new(st_dtype, s.clone(), b)
                 .expect("shape matches data");
             (k.clone(), v)
         })

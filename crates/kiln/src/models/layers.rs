@@ -93,3 +93,31 @@ impl<B: KilnBackend> Embedding<B> {
         ops::reshape(self.weight.val().select(0, ids.reshape([b * t])), [b, t, d])
     }
 }
+
+/// Root-mean-square normalisation over the last dimension (Llama's `LlamaRMSNorm`):
+/// `x / sqrt(mean(x²) + eps) · weight`, no mean subtraction and no bias.
+#[derive(Module, Debug)]
+pub struct RmsNorm<B: Backend> {
+    pub weight: Param<Tensor<B, 1>>,
+    pub eps: f64,
+}
+
+impl<B: KilnBackend> RmsNorm<B> {
+    pub fn new(d: usize, eps: f64, device: &B::Device) -> Self {
+        Self {
+            weight: Param::from_tensor(ops::owned(Tensor::ones([d], device))),
+            eps,
+        }
+    }
+
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let inv_rms = x
+            .clone()
+            .powi_scalar(2)
+            .mean_dim(D - 1)
+            .add_scalar(self.eps)
+            .sqrt()
+            .recip();
+        x * inv_rms * self.weight.val().unsqueeze::<D>()
+    }
+}

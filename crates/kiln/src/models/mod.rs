@@ -2,4 +2,5 @@
 
 pub mod bert;
 pub mod layers;
+pub mod llama;
 pub mod mlp;

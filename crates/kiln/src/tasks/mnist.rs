@@ -117,6 +117,7 @@ fn files() -> ModelFiles {
         }))
         .expect("json"),
         tokenizer_json: None,
+        copy: Vec::new(),
     }
 }
 

@@ -1,5 +1,6 @@
 //! End-to-end tasks: each ties data, a model and the trainer together behind a few functions that
 //! the CLI calls (the CLI itself only parses arguments).
 
+pub mod causal_lm;
 pub mod mnist;
 pub mod text_classification;

@@ -161,6 +161,7 @@ pub fn init_model_dir(
     let files = ModelFiles {
         config_json: config.to_json(),
         tokenizer_json: Some(tokenizer_json.to_path_buf()),
+        copy: Vec::new(),
     };
     crate::train::checkpoint::write_model_dir(dir, &tensors, &files)
 }
@@ -221,6 +222,7 @@ pub fn train<B: TrainBackend, L: Loss>(
     let files = ModelFiles {
         config_json: config.to_json(),
         tokenizer_json: Some(md.dir.join("tokenizer.json")),
+        copy: Vec::new(),
     };
     let output_dir = args.output_dir.clone();
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files);

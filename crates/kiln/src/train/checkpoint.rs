@@ -20,6 +20,8 @@ pub struct ModelFiles {
     pub config_json: String,
     /// Copied verbatim into every saved folder.
     pub tokenizer_json: Option<PathBuf>,
+    /// Other files copied verbatim when present (`tokenizer_config.json`, `generation_config.json`).
+    pub copy: Vec<PathBuf>,
 }
 
 /// Writes `config.json`, `model.safetensors` and `tokenizer.json` into `dir`.
@@ -34,6 +36,11 @@ pub fn write_model_dir(
     if let Some(tok) = &files.tokenizer_json {
         let bytes = std::fs::read(tok).map_err(|e| KilnError::io(tok, e))?;
         atomic_write(&dir.join("tokenizer.json"), &bytes)?;
+    }
+    for src in files.copy.iter().filter(|p| p.exists()) {
+        let bytes = std::fs::read(src).map_err(|e| KilnError::io(src, e))?;
+        let name = src.file_name().expect("a file name");
+        atomic_write(&dir.join(name), &bytes)?;
     }
     Ok(())
 }

@@ -10,5 +10,5 @@ pub mod trainer;
 
 pub use args::{IntervalStrategy, TrainingArguments};
 pub use optim::OptimizerType;
-pub use task::{BatchSource, Classifier, CrossEntropy, Loss};
+pub use task::{BatchSource, Classifier, CrossEntropy, Loss, IGNORE_INDEX};
 pub use trainer::{EvalOutput, MetricFn, TrainOutput, Trainer};

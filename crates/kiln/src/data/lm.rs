@@ -1,0 +1,179 @@
+//! Language-modelling data, as transformers' `run_clm.py` prepares it: read documents, tokenize each
+//! (with the tokenizer's special tokens), append EOS, concatenate, and cut into blocks of
+//! `block_size` tokens (the tail shorter than a block is dropped). Every block is one example; its
+//! targets are the same tokens shifted left by one, the last position left out of the loss.
+
+use std::path::Path;
+
+use tokenizers::Tokenizer;
+
+use super::reader::{read_examples, Columns, ReadReport, TextEncoding};
+use crate::error::{KilnError, Result};
+use crate::train::task::{BatchSource, IGNORE_INDEX};
+
+/// Reads the documents of a corpus file:
+/// - `.txt`: paragraphs separated by blank lines are documents (wrapped lines are kept as they are);
+/// - `.jsonl`, `.parquet`, `.csv`, `.tsv`: one document per row, from `text_column`.
+pub fn read_documents(
+    path: &Path,
+    text_column: &str,
+    encoding: TextEncoding,
+    strict: bool,
+) -> Result<(Vec<String>, ReadReport)> {
+    let is_txt = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| e.eq_ignore_ascii_case("txt"));
+    if !is_txt {
+        let cols = Columns {
+            text: text_column.to_string(),
+            text_pair: None,
+            label: None,
+        };
+        let (rows, report) = read_examples(path, &cols, encoding, strict)?;
+        return Ok((rows.into_iter().map(|r| r.text).collect(), report));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| KilnError::io(path, e))?;
+    let mut docs = Vec::new();
+    let mut current: Vec<&str> = Vec::new();
+    for line in text.lines().chain(std::iter::once("")) {
+        if line.trim().is_empty() {
+            if !current.is_empty() {
+                docs.push(current.join("\n"));
+                current.clear();
+            }
+        } else {
+            current.push(line);
+        }
+    }
+    if docs.is_empty() {
+        return Err(KilnError::Data(format!("{}: no text", path.display())));
+    }
+    let report = ReadReport {
+        rows: docs.len(),
+        ..Default::default()
+    };
+    Ok((docs, report))
+}
+
+/// Token blocks of equal length.
+#[derive(Debug, Clone, Default)]
+pub struct LmBlocks {
+    pub blocks: Vec<Vec<u32>>,
+    pub block_size: usize,
+    /// Tokens before packing (the dropped tail included).
+    pub tokens: usize,
+    pub documents: usize,
+}
+
+impl LmBlocks {
+    /// Tokenizes `docs` (special tokens as the tokenizer adds them), appends `eos` to each, and packs.
+    pub fn from_documents(
+        tok: &Tokenizer,
+        docs: &[String],
+        eos: Option<u32>,
+        block_size: usize,
+    ) -> Result<Self> {
+        if block_size < 2 {
+            return Err(KilnError::Config(format!(
+                "--block-size {block_size}: a block needs at least 2 tokens"
+            )));
+        }
+        let enc = tok
+            .encode_batch(docs.iter().map(String::as_str).collect::<Vec<_>>(), true)
+            .map_err(|e| KilnError::Data(format!("tokenization failed: {e}")))?;
+        let mut stream: Vec<u32> = Vec::new();
+        for e in &enc {
+            stream.extend_from_slice(e.get_ids());
+            if let Some(eos) = eos {
+                if e.get_ids().last() != Some(&eos) {
+                    stream.push(eos);
+                }
+            }
+        }
+        Ok(Self::pack(stream, block_size, docs.len()))
+    }
+
+    /// Cuts a token stream into blocks.
+    pub fn pack(stream: Vec<u32>, block_size: usize, documents: usize) -> Self {
+        let blocks = stream
+            .chunks_exact(block_size)
+            .map(<[u32]>::to_vec)
+            .collect();
+        Self {
+            blocks,
+            block_size,
+            tokens: stream.len(),
+            documents,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+}
+
+/// A batch of token blocks, row-major `[batch, seq]`.
+#[derive(Debug, Clone)]
+pub struct TokenBatch {
+    pub ids: Vec<i64>,
+    pub batch: usize,
+    pub seq: usize,
+}
+
+impl BatchSource for LmBlocks {
+    type Batch = TokenBatch;
+    fn len(&self) -> usize {
+        self.blocks.len()
+    }
+    fn lengths(&self) -> Vec<usize> {
+        vec![self.block_size; self.blocks.len()]
+    }
+    fn batch(&self, indices: &[usize]) -> (TokenBatch, Vec<i64>) {
+        let seq = self.block_size;
+        let mut ids = Vec::with_capacity(indices.len() * seq);
+        let mut targets = Vec::with_capacity(indices.len() * seq);
+        for &i in indices {
+            let b = &self.blocks[i];
+            ids.extend(b.iter().map(|&t| t as i64));
+            targets.extend(b[1..].iter().map(|&t| t as i64));
+            targets.push(IGNORE_INDEX);
+        }
+        (
+            TokenBatch {
+                ids,
+                batch: indices.len(),
+                seq,
+            },
+            targets,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packing_drops_the_tail_and_shifts_targets() {
+        let b = LmBlocks::pack((0..10).collect(), 4, 1);
+        assert_eq!(b.blocks, vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]]);
+        assert_eq!(b.tokens, 10);
+        let (batch, targets) = b.batch(&[1, 0]);
+        assert_eq!(batch.ids, vec![4, 5, 6, 7, 0, 1, 2, 3]);
+        assert_eq!(targets, vec![5, 6, 7, IGNORE_INDEX, 1, 2, 3, IGNORE_INDEX]);
+    }
+
+    #[test]
+    fn text_files_split_on_blank_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.txt");
+        std::fs::write(&p, "one\nstill one\n\n\ntwo\n  \nthree").unwrap();
+        let (docs, r) = read_documents(&p, "text", TextEncoding::Utf8, false).unwrap();
+        assert_eq!(docs, vec!["one\nstill one", "two", "three"]);
+        assert_eq!(r.rows, 3);
+    }
+}

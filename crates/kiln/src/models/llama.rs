@@ -1,0 +1,306 @@
+//! `LlamaForCausalLM`, following transformers' `modeling_llama.py` with the same parameter names
+//! (`model.embed_tokens`, `model.layers.N.self_attn.{q,k,v,o}_proj`, `model.layers.N.mlp.{gate,up,
+//! down}_proj`, `input_layernorm`, `post_attention_layernorm`, `model.norm`, `lm_head`):
+//! RMSNorm, rotary position embeddings (rotate-half form), grouped-query attention with a causal
+//! mask, a SwiGLU MLP, and a key/value cache for generation. Tied embeddings (`tie_word_embeddings`)
+//! have no `lm_head` parameter: the output projection reuses `embed_tokens.weight`.
+
+use burn::module::{Ignored, Module};
+use burn::tensor::activation::{silu, softmax};
+use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
+
+use super::layers::{Embedding, Linear, RmsNorm};
+use crate::data::lm::TokenBatch;
+use crate::hub::llama_config::LlamaConfig;
+use crate::ops::{self, KilnBackend};
+use crate::train::task::Classifier;
+
+#[derive(Module, Debug)]
+pub struct LlamaAttention<B: Backend> {
+    pub q_proj: Linear<B>,
+    pub k_proj: Linear<B>,
+    pub v_proj: Linear<B>,
+    pub o_proj: Linear<B>,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+#[derive(Module, Debug)]
+pub struct LlamaMlp<B: Backend> {
+    pub gate_proj: Linear<B>,
+    pub up_proj: Linear<B>,
+    pub down_proj: Linear<B>,
+}
+
+#[derive(Module, Debug)]
+pub struct LlamaDecoderLayer<B: Backend> {
+    pub self_attn: LlamaAttention<B>,
+    pub mlp: LlamaMlp<B>,
+    pub input_layernorm: RmsNorm<B>,
+    pub post_attention_layernorm: RmsNorm<B>,
+}
+
+#[derive(Module, Debug)]
+pub struct LlamaModel<B: Backend> {
+    pub embed_tokens: Embedding<B>,
+    pub layers: Vec<LlamaDecoderLayer<B>>,
+    pub norm: RmsNorm<B>,
+    /// Rotary inverse frequencies (head_dim / 2), the config's scaling applied.
+    pub inv_freq: Ignored<Vec<f32>>,
+}
+
+#[derive(Module, Debug)]
+pub struct LlamaForCausalLM<B: Backend> {
+    pub model: LlamaModel<B>,
+    /// `None` when the embeddings are tied.
+    pub lm_head: Option<Linear<B>>,
+}
+
+/// Keys and values of the positions seen so far, per layer (`[B, kv_heads, S, head_dim]`, after
+/// RoPE), so each generated token attends to the past without recomputing it.
+#[derive(Debug, Clone)]
+pub struct KvCache<B: Backend> {
+    layers: Vec<Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
+}
+
+impl<B: Backend> KvCache<B> {
+    pub fn new(num_layers: usize) -> Self {
+        Self {
+            layers: vec![None; num_layers],
+        }
+    }
+    /// Positions already cached.
+    pub fn len(&self) -> usize {
+        self.layers
+            .first()
+            .and_then(|l| l.as_ref())
+            .map_or(0, |(k, _)| k.dims()[2])
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// `cos`, `sin` tables `[T, head_dim]` for positions `start..start + T` (each frequency twice, as
+/// transformers concatenates `freqs` with itself).
+fn rope_tables<B: Backend>(
+    inv_freq: &[f32],
+    start: usize,
+    len: usize,
+    device: &B::Device,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let half = inv_freq.len();
+    let (mut cos, mut sin) = (
+        Vec::with_capacity(len * half * 2),
+        Vec::with_capacity(len * half * 2),
+    );
+    for pos in start..start + len {
+        for _ in 0..2 {
+            for &f in inv_freq {
+                // f32 like PyTorch: position · inv_freq, then cos/sin.
+                let angle = pos as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+    }
+    let t = |v: Vec<f32>| Tensor::from_data(TensorData::new(v, [len, half * 2]), device);
+    (t(cos), t(sin))
+}
+
+/// `x·cos + rotate_half(x)·sin` for `x [B, heads, T, D]`; `rotate_half([a, b]) = [−b, a]`.
+fn apply_rope<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>) -> Tensor<B, 4> {
+    let [b, h, t, d] = x.dims();
+    let first = x.clone().slice([0..b, 0..h, 0..t, 0..d / 2]);
+    let second = x.clone().slice([0..b, 0..h, 0..t, d / 2..d]);
+    let rotated = Tensor::cat(vec![second.neg(), first], 3);
+    x * cos.clone().unsqueeze::<4>() + rotated * sin.clone().unsqueeze::<4>()
+}
+
+/// `[B, kv_heads, S, D]` → `[B, kv_heads·n, S, D]`, each key/value head serving `n` query heads.
+fn repeat_kv<B: Backend>(x: Tensor<B, 4>, n: usize) -> Tensor<B, 4> {
+    if n == 1 {
+        return x;
+    }
+    let [b, h, s, d] = x.dims();
+    x.unsqueeze_dim::<5>(2)
+        .expand([b, h, n, s, d])
+        .reshape([b, h * n, s, d])
+}
+
+/// Additive causal mask `[T, S]` for queries at positions `past..past + T` over keys `0..S`.
+fn causal_mask<B: Backend>(t: usize, s: usize, device: &B::Device) -> Tensor<B, 2> {
+    let past = s - t;
+    let v: Vec<f32> = (0..t)
+        .flat_map(|i| (0..s).map(move |j| if j <= past + i { 0.0 } else { f32::MIN }))
+        .collect();
+    Tensor::from_data(TensorData::new(v, [t, s]), device)
+}
+
+impl<B: KilnBackend> LlamaAttention<B> {
+    fn new(c: &LlamaConfig, device: &B::Device) -> Self {
+        let (h, hd, std) = (c.hidden_size, c.head_size(), c.initializer_range);
+        let (nh, nkv) = (c.num_attention_heads, c.kv_heads());
+        Self {
+            q_proj: Linear::new(h, nh * hd, c.attention_bias, std, device),
+            k_proj: Linear::new(h, nkv * hd, c.attention_bias, std, device),
+            v_proj: Linear::new(h, nkv * hd, c.attention_bias, std, device),
+            o_proj: Linear::new(nh * hd, h, c.attention_bias, std, device),
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+        }
+    }
+
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &(Tensor<B, 2>, Tensor<B, 2>),
+        cache: Option<&mut Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
+    ) -> Tensor<B, 3> {
+        let [b, t, _] = x.dims();
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let heads = |y: Tensor<B, 3>, n: usize| y.reshape([b, t, n, hd]).swap_dims(1, 2);
+        let q = apply_rope(heads(self.q_proj.forward(x.clone()), nh), &rope.0, &rope.1);
+        let mut k = apply_rope(heads(self.k_proj.forward(x.clone()), nkv), &rope.0, &rope.1);
+        let mut v = heads(self.v_proj.forward(x), nkv);
+        if let Some(slot) = cache {
+            if let Some((pk, pv)) = slot.take() {
+                k = Tensor::cat(vec![pk, k], 2);
+                v = Tensor::cat(vec![pv, v], 2);
+            }
+            *slot = Some((k.clone(), v.clone()));
+        }
+        let s = k.dims()[2];
+        let (k, v) = (repeat_kv(k, nh / nkv), repeat_kv(v, nh / nkv));
+        let scores = q
+            .matmul(k.swap_dims(2, 3))
+            .mul_scalar(1.0 / (hd as f64).sqrt());
+        let mask = causal_mask::<B>(t, s, &scores.device()).unsqueeze::<4>();
+        let probs = softmax(scores + mask, 3);
+        let out = probs.matmul(v).swap_dims(1, 2).reshape([b, t, nh * hd]);
+        self.o_proj.forward(out)
+    }
+}
+
+impl<B: KilnBackend> LlamaMlp<B> {
+    fn new(c: &LlamaConfig, device: &B::Device) -> Self {
+        let (h, i, std) = (c.hidden_size, c.intermediate_size, c.initializer_range);
+        Self {
+            gate_proj: Linear::new(h, i, c.mlp_bias, std, device),
+            up_proj: Linear::new(h, i, c.mlp_bias, std, device),
+            down_proj: Linear::new(i, h, c.mlp_bias, std, device),
+        }
+    }
+
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let gate = silu(self.gate_proj.forward(x.clone()));
+        self.down_proj.forward(gate * self.up_proj.forward(x))
+    }
+}
+
+impl<B: KilnBackend> LlamaDecoderLayer<B> {
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &(Tensor<B, 2>, Tensor<B, 2>),
+        cache: Option<&mut Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
+    ) -> Tensor<B, 3> {
+        let h = x.clone()
+            + self
+                .self_attn
+                .forward(self.input_layernorm.forward(x), rope, cache);
+        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
+    }
+}
+
+impl<B: KilnBackend> LlamaForCausalLM<B> {
+    /// A model with every weight freshly initialised the way transformers' `_init_weights` does:
+    /// Linear and Embedding weights ~ N(0, initializer_range), biases 0, the padding row of the
+    /// embedding 0, RMSNorm weights 1.
+    pub fn new(c: &LlamaConfig, device: &B::Device) -> Self {
+        let (h, std) = (c.hidden_size, c.initializer_range);
+        let mut embed = Embedding::new(c.vocab_size, h, std, device);
+        if let Some(pad) = c
+            .pad_token_id
+            .map(|p| p as usize)
+            .filter(|&p| p < c.vocab_size)
+        {
+            let w = embed.weight.val();
+            // detach: an initial value is a leaf of the autodiff graph, not the result of an op
+            let w = w.slice_assign([pad..pad + 1, 0..h], Tensor::zeros([1, h], device));
+            embed.weight = burn::module::Param::from_tensor(w.detach());
+        }
+        let layers = (0..c.num_hidden_layers)
+            .map(|_| LlamaDecoderLayer {
+                self_attn: LlamaAttention::new(c, device),
+                mlp: LlamaMlp::new(c, device),
+                input_layernorm: RmsNorm::new(h, c.rms_norm_eps, device),
+                post_attention_layernorm: RmsNorm::new(h, c.rms_norm_eps, device),
+            })
+            .collect();
+        Self {
+            model: LlamaModel {
+                embed_tokens: embed,
+                layers,
+                norm: RmsNorm::new(h, c.rms_norm_eps, device),
+                inv_freq: Ignored(c.inv_freq()),
+            },
+            lm_head: (!c.tie_word_embeddings)
+                .then(|| Linear::new(h, c.vocab_size, false, std, device)),
+        }
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.model.layers.len()
+    }
+
+    /// Final hidden states `[B, T, H]` for `ids [B, T]`. With a cache, `ids` continue the cached
+    /// positions and their keys/values are appended to it.
+    pub fn hidden(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        mut cache: Option<&mut KvCache<B>>,
+    ) -> Tensor<B, 3> {
+        let t = ids.dims()[1];
+        let device = ids.device();
+        let start = cache.as_ref().map_or(0, |c| c.len());
+        let rope = rope_tables::<B>(&self.model.inv_freq, start, t, &device);
+        let mut x = self.model.embed_tokens.forward(ids);
+        for (i, layer) in self.model.layers.iter().enumerate() {
+            let slot = cache.as_mut().map(|c| &mut c.layers[i]);
+            x = layer.forward(x, &rope, slot);
+        }
+        self.model.norm.forward(x)
+    }
+
+    /// Vocabulary logits for hidden states `[…, H]`.
+    pub fn project<const D: usize>(&self, h: Tensor<B, D>) -> Tensor<B, D> {
+        match &self.lm_head {
+            Some(head) => head.forward(h),
+            None => ops::linear(h, self.model.embed_tokens.weight.val(), None),
+        }
+    }
+
+    /// Logits `[B, T, vocab]`.
+    pub fn forward(&self, ids: Tensor<B, 2, Int>, cache: Option<&mut KvCache<B>>) -> Tensor<B, 3> {
+        self.project(self.hidden(ids, cache))
+    }
+}
+
+impl<B: KilnBackend> Classifier<B> for LlamaForCausalLM<B> {
+    type Batch = TokenBatch;
+
+    /// One row of vocabulary logits per token, `[batch·seq, vocab]`.
+    fn logits(&self, batch: &TokenBatch) -> Tensor<B, 2> {
+        let device = self.model.embed_tokens.weight.device();
+        let ids = Tensor::<B, 2, Int>::from_data(
+            TensorData::new(batch.ids.clone(), [batch.batch, batch.seq]),
+            &device,
+        );
+        let logits = self.forward(ids, None);
+        let v = logits.dims()[2];
+        logits.reshape([batch.batch * batch.seq, v])
+    }
+}

@@ -1,0 +1,454 @@
+//! Causal language modelling with a Llama-family model: `kiln train --task causal-lm` (continued
+//! pretraining, or pretraining from `--from-config`), `kiln eval --task causal-lm` (perplexity) and
+//! `kiln generate` (KV-cached decoding, greedy or sampled).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use burn::tensor::{Int, Tensor, TensorData};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use tokenizers::Tokenizer;
+use tracing::info;
+
+use crate::data::lm::{read_documents, LmBlocks};
+use crate::data::TextEncoding;
+use crate::error::{KilnError, Result};
+use crate::hub::llama_config::LlamaConfig;
+use crate::hub::weights::{load_into, read_safetensors, HostTensor};
+use crate::models::llama::{KvCache, LlamaForCausalLM};
+use crate::ops::{KilnBackend, TrainBackend};
+use crate::train::checkpoint::ModelFiles;
+use crate::train::trainer::{evaluate, format_metrics, write_json, EvalOutput, TrainOutput};
+use crate::train::{CrossEntropy, Trainer, TrainingArguments};
+
+/// Every weight of a model folder: `model.safetensors`, or the shards listed in
+/// `model.safetensors.index.json` (transformers' layout for large models).
+pub fn read_model_weights(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return read_safetensors(&single);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    let text = std::fs::read_to_string(&index).map_err(|_| {
+        KilnError::Config(format!(
+            "{}: no model.safetensors or model.safetensors.index.json",
+            dir.display()
+        ))
+    })?;
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| KilnError::Parse {
+        path: index.clone(),
+        line: e.line(),
+        msg: e.to_string(),
+    })?;
+    let map = json["weight_map"].as_object().ok_or_else(|| {
+        KilnError::Config(format!("{}: no \"weight_map\" object", index.display()))
+    })?;
+    let mut shards: Vec<&str> = map.values().filter_map(|v| v.as_str()).collect();
+    shards.sort_unstable();
+    shards.dedup();
+    let mut out = BTreeMap::new();
+    for shard in shards {
+        out.extend(read_safetensors(&dir.join(shard))?);
+    }
+    for name in map.keys() {
+        if !out.contains_key(name) {
+            return Err(KilnError::Weights(format!(
+                "{}: {name} is listed but no shard holds it",
+                index.display()
+            )));
+        }
+    }
+    Ok(out)
+}
+
+/// Loads `LlamaForCausalLM` from a Hugging Face folder; every parameter must be present.
+pub fn load_model<B: KilnBackend>(
+    dir: &Path,
+    device: &B::Device,
+) -> Result<(LlamaForCausalLM<B>, LlamaConfig)> {
+    let config = LlamaConfig::from_file(&dir.join("config.json"))?;
+    let model =
+        crate::ops::with_seeded_rng::<B, _>(device, 0, || LlamaForCausalLM::new(&config, device));
+    let tensors = read_model_weights(dir)?;
+    let (model, report) = load_into(model, &tensors, None, device)?;
+    if !report.missing.is_empty() {
+        return Err(KilnError::Weights(format!(
+            "{}: weights missing for {} (is this a LlamaForCausalLM folder?)",
+            dir.display(),
+            report.missing.join(", ")
+        )));
+    }
+    let unexpected: Vec<_> = report
+        .unexpected
+        .iter()
+        .filter(|k| !(config.tie_word_embeddings && *k == "lm_head.weight"))
+        .collect();
+    if !unexpected.is_empty() {
+        info!("unused tensors in {}: {unexpected:?}", dir.display());
+    }
+    Ok((model, config))
+}
+
+pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
+    let file = if path.is_dir() {
+        path.join("tokenizer.json")
+    } else {
+        path.to_path_buf()
+    };
+    let mut tok = Tokenizer::from_file(&file).map_err(|e| {
+        KilnError::Config(format!("{}: cannot load tokenizer: {e}", file.display()))
+    })?;
+    tok.with_padding(None);
+    tok.with_truncation(None)
+        .map_err(|e| KilnError::Config(format!("{}: {e}", file.display())))?;
+    Ok(tok)
+}
+
+/// Where the model, tokenizer and data come from.
+#[derive(Debug, Clone, Default)]
+pub struct CausalLmOptions {
+    /// A Hugging Face Llama folder (weights, config, tokenizer).
+    pub model_dir: Option<PathBuf>,
+    /// Start from random weights with this config.json instead (pretraining from scratch).
+    pub from_config: Option<PathBuf>,
+    /// tokenizer.json (or a folder holding one); defaults to the model folder's.
+    pub tokenizer: Option<PathBuf>,
+    pub train_file: Option<PathBuf>,
+    pub eval_file: Option<PathBuf>,
+    pub text_column: String,
+    pub encoding: TextEncoding,
+    pub strict: bool,
+    pub block_size: usize,
+    /// Use only the first N documents of each file.
+    pub max_train_samples: Option<usize>,
+    pub max_eval_samples: Option<usize>,
+}
+
+impl CausalLmOptions {
+    fn tokenizer_path(&self) -> Result<PathBuf> {
+        self.tokenizer
+            .clone()
+            .or_else(|| self.model_dir.as_ref().map(|d| d.join("tokenizer.json")))
+            .ok_or_else(|| {
+                KilnError::Config(
+                    "--from-config needs --tokenizer (or --model for its tokenizer)".into(),
+                )
+            })
+    }
+
+    fn blocks(
+        &self,
+        path: &Path,
+        tok: &Tokenizer,
+        eos: Option<u32>,
+        limit: Option<usize>,
+    ) -> Result<LmBlocks> {
+        let (mut docs, report) =
+            read_documents(path, &self.text_column, self.encoding, self.strict)?;
+        info!("{}: {}", path.display(), report.summary());
+        if let Some(n) = limit {
+            docs.truncate(n);
+        }
+        let blocks = LmBlocks::from_documents(tok, &docs, eos, self.block_size)?;
+        if blocks.is_empty() {
+            return Err(KilnError::Data(format!(
+                "{}: {} tokens, fewer than one block of --block-size {}",
+                path.display(),
+                blocks.tokens,
+                self.block_size
+            )));
+        }
+        info!(
+            "{}: {} documents, {} tokens → {} blocks of {}",
+            path.display(),
+            blocks.documents,
+            blocks.tokens,
+            blocks.len(),
+            self.block_size
+        );
+        Ok(blocks)
+    }
+}
+
+/// The token that ends a document: the config's first `eos_token_id`, else the tokenizer's.
+fn eos_id(config: &LlamaConfig, tok: &Tokenizer) -> Option<u32> {
+    config.eos_ids().first().copied().or_else(|| {
+        ["</s>", "<|endoftext|>", "<|end_of_text|>"]
+            .iter()
+            .find_map(|t| tok.token_to_id(t))
+    })
+}
+
+/// Continued pretraining (or pretraining from a config) on a text corpus; reports loss and
+/// perplexity, saves folders transformers loads.
+pub fn train<B: TrainBackend>(
+    opts: &CausalLmOptions,
+    args: TrainingArguments,
+    device: &B::Device,
+) -> Result<(TrainOutput, Option<EvalOutput>)> {
+    let tok_path = opts.tokenizer_path()?;
+    let tok = load_tokenizer(&tok_path)?;
+    let (model, config) = match (&opts.from_config, &opts.model_dir) {
+        (Some(cfg), _) => {
+            let config = LlamaConfig::from_file(cfg)?;
+            let model = crate::ops::with_seeded_rng::<B, _>(device, args.seed, || {
+                LlamaForCausalLM::new(&config, device)
+            });
+            info!(
+                "{}: random initialisation (seed {})",
+                cfg.display(),
+                args.seed
+            );
+            (model, config)
+        }
+        (None, Some(dir)) => load_model::<B>(dir, device)?,
+        (None, None) => {
+            return Err(KilnError::Config(
+                "give --model DIR or --from-config FILE".into(),
+            ))
+        }
+    };
+    if tok.get_vocab_size(true) > config.vocab_size {
+        return Err(KilnError::Config(format!(
+            "{}: {} tokens, more than the model's vocab_size {}",
+            tok_path.display(),
+            tok.get_vocab_size(true),
+            config.vocab_size
+        )));
+    }
+    let eos = eos_id(&config, &tok);
+    let train_file = opts
+        .train_file
+        .as_ref()
+        .ok_or_else(|| KilnError::Config("kiln train needs --train-file".into()))?;
+    let train_set = opts.blocks(train_file, &tok, eos, opts.max_train_samples)?;
+    let eval_set = match &opts.eval_file {
+        Some(p) => Some(opts.blocks(p, &tok, eos, opts.max_eval_samples)?),
+        None => None,
+    };
+    let source = opts.model_dir.clone().unwrap_or_else(|| tok_path.clone());
+    let source = if source.is_dir() {
+        source
+    } else {
+        source.parent().map(Path::to_path_buf).unwrap_or_default()
+    };
+    let files = ModelFiles {
+        config_json: config.to_json(),
+        tokenizer_json: Some(if tok_path.is_dir() {
+            tok_path.join("tokenizer.json")
+        } else {
+            tok_path.clone()
+        }),
+        copy: [
+            "tokenizer_config.json",
+            "generation_config.json",
+            "special_tokens_map.json",
+        ]
+        .iter()
+        .map(|f| source.join(f))
+        .collect(),
+    };
+    let output_dir = args.output_dir.clone();
+    let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), CrossEntropy, files);
+    trainer.dist = crate::dist::init_from_env::<B::InnerBackend>(device)?;
+    let out = trainer.train(&train_set, eval_set.as_ref())?;
+    info!(
+        "***** train metrics *****  {}",
+        format_metrics(&out.metrics)
+    );
+    let eval_out = match &eval_set {
+        Some(e) => {
+            let ev = trainer.evaluate(e)?;
+            if trainer.is_main() {
+                info!("***** eval metrics *****  {}", format_metrics(&ev.metrics));
+                write_json(&output_dir.join("eval_results.json"), &ev.metrics)?;
+                let mut all = out.metrics.clone();
+                all.extend(ev.metrics.clone());
+                write_json(&output_dir.join("all_results.json"), &all)?;
+            }
+            Some(ev)
+        }
+        None => None,
+    };
+    Ok((out, eval_out))
+}
+
+/// Loss and perplexity of a model folder on a held-out corpus.
+pub fn eval<B: KilnBackend>(
+    opts: &CausalLmOptions,
+    batch_size: usize,
+    device: &B::Device,
+) -> Result<EvalOutput> {
+    let dir = opts
+        .model_dir
+        .as_ref()
+        .ok_or_else(|| KilnError::Config("kiln eval needs --model".into()))?;
+    let tok = load_tokenizer(&opts.tokenizer_path()?)?;
+    let (model, config) = load_model::<B>(dir, device)?;
+    let file = opts
+        .eval_file
+        .as_ref()
+        .ok_or_else(|| KilnError::Config("kiln eval needs --eval-file".into()))?;
+    let set = opts.blocks(file, &tok, eos_id(&config, &tok), opts.max_eval_samples)?;
+    let mut out = evaluate(&model, &set, batch_size, &CrossEntropy, None, None, None)?;
+    out.metrics.insert(
+        "eval_tokens".into(),
+        (set.len() * (set.block_size - 1)) as f64,
+    );
+    Ok(out)
+}
+
+/// Decoding settings, as transformers' `generate` names them.
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    pub max_new_tokens: usize,
+    /// 0 = greedy (argmax, ties to the lowest id as `torch.argmax`).
+    pub temperature: f64,
+    /// Nucleus sampling: keep the smallest set of tokens whose probability reaches `top_p`.
+    pub top_p: f64,
+    pub seed: u64,
+    /// Stop at the config's end-of-sequence token(s).
+    pub stop_at_eos: bool,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        Self {
+            max_new_tokens: 32,
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: 0,
+            stop_at_eos: true,
+        }
+    }
+}
+
+/// What [`generate`] produced, with timings.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Generation {
+    pub prompt_tokens: usize,
+    pub new_ids: Vec<u32>,
+    pub text: String,
+    /// The prompt's forward pass (and the first new token).
+    pub prefill_secs: f64,
+    /// Every later token, one forward each with the KV cache.
+    pub decode_secs: f64,
+}
+
+impl Generation {
+    pub fn prefill_tokens_per_sec(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_secs.max(1e-9)
+    }
+    pub fn decode_tokens_per_sec(&self) -> f64 {
+        self.new_ids.len().saturating_sub(1) as f64 / self.decode_secs.max(1e-9)
+    }
+}
+
+/// Picks the next token from one row of logits.
+fn choose(logits: &[f32], o: &GenerateOptions, rng: &mut StdRng) -> u32 {
+    if o.temperature <= 0.0 {
+        let mut best = 0;
+        for (i, &v) in logits.iter().enumerate() {
+            if v > logits[best] {
+                best = i;
+            }
+        }
+        return best as u32;
+    }
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let mut probs: Vec<(u32, f64)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| (i as u32, (((v - max) as f64) / o.temperature).exp()))
+        .collect();
+    let total: f64 = probs.iter().map(|p| p.1).sum();
+    probs.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let mut kept = 0.0;
+    let mut cut = probs.len();
+    for (i, p) in probs.iter().enumerate() {
+        kept += p.1 / total;
+        if kept >= o.top_p {
+            cut = i + 1;
+            break;
+        }
+    }
+    probs.truncate(cut);
+    let mass: f64 = probs.iter().map(|p| p.1).sum();
+    let mut r = rng.random::<f64>() * mass;
+    for (id, p) in &probs {
+        r -= p;
+        if r <= 0.0 {
+            return *id;
+        }
+    }
+    probs.last().map_or(0, |p| p.0)
+}
+
+/// Continues `prompt_ids` with a KV cache; `on_text` receives the decoded text as it grows (each
+/// call gets only the new part, so it can be streamed).
+pub fn generate<B: KilnBackend>(
+    model: &LlamaForCausalLM<B>,
+    tok: &Tokenizer,
+    config: &LlamaConfig,
+    prompt_ids: &[u32],
+    o: &GenerateOptions,
+    mut on_text: impl FnMut(&str),
+) -> Result<Generation> {
+    if prompt_ids.is_empty() {
+        return Err(KilnError::Config("the prompt encodes to no tokens".into()));
+    }
+    let device = model.model.embed_tokens.weight.device();
+    let eos = config.eos_ids();
+    let mut rng = StdRng::seed_from_u64(o.seed);
+    let mut cache = KvCache::new(model.num_layers());
+    let mut input: Vec<i64> = prompt_ids.iter().map(|&t| t as i64).collect();
+    let mut new_ids: Vec<u32> = Vec::new();
+    let mut printed = String::new();
+    let start = Instant::now();
+    let mut prefill_secs = 0.0;
+    while new_ids.len() < o.max_new_tokens {
+        let n = input.len();
+        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(input.clone(), [1, n]), &device);
+        let h = model.hidden(ids, Some(&mut cache));
+        let hd = h.dims()[2];
+        let last = h.slice([0..1, n - 1..n, 0..hd]).reshape([1, hd]);
+        let logits = model
+            .project(last)
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| KilnError::Data(format!("{e:?}")))?;
+        let next = choose(&logits, o, &mut rng);
+        if new_ids.is_empty() {
+            prefill_secs = start.elapsed().as_secs_f64();
+        }
+        new_ids.push(next);
+        let text = tok
+            .decode(&new_ids, true)
+            .map_err(|e| KilnError::Data(format!("decoding failed: {e}")))?;
+        // Print only once the text is stable (a multi-byte character may still be incomplete).
+        if !text.ends_with('\u{FFFD}') && text.starts_with(&printed) {
+            on_text(&text[printed.len()..]);
+            printed = text;
+        }
+        if o.stop_at_eos && eos.contains(&next) {
+            break;
+        }
+        input = vec![next as i64];
+    }
+    let text = tok
+        .decode(&new_ids, true)
+        .map_err(|e| KilnError::Data(format!("decoding failed: {e}")))?;
+    if text.len() > printed.len() && text.starts_with(&printed) {
+        on_text(&text[printed.len()..]);
+    }
+    let total = start.elapsed().as_secs_f64();
+    Ok(Generation {
+        prompt_tokens: prompt_ids.len(),
+        new_ids,
+        text,
+        prefill_secs,
+        decode_secs: total - prefill_secs,
+    })
+}

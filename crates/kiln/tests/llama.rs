@@ -1,0 +1,196 @@
+//! kiln's GGUF import and Llama model against independent references:
+//! - dequantisation against llama.cpp's own Python package (tests/fixtures/gen_gguf_blocks.py);
+//! - SmolLM2-135M converted from its real GGUF file against transformers' LlamaForCausalLM on the
+//!   converted folder (tests/fixtures/gen_llama_parity.py, which also checks the conversion against
+//!   transformers' own GGUF loader): tokenization, logits, greedy continuations, loss and gradients.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use burn::tensor::{Int, Tensor, TensorData};
+use common::{asset, rel_err, repo_root};
+use kiln::backend::{Cpu, CpuDevice, CpuTrain};
+use kiln::hub::gguf::{dequantize, GgmlType};
+use kiln::hub::weights::{read_safetensors, StoreDtype};
+use kiln::tasks::causal_lm::{self, GenerateOptions};
+use kiln::train::optim::GradAccumulator;
+use kiln::train::{CrossEntropy, Loss, IGNORE_INDEX};
+
+#[test]
+fn dequantisation_matches_llama_cpp_gguf_py() {
+    let text =
+        std::fs::read_to_string(repo_root().join("tests/fixtures/gguf_blocks.json")).unwrap();
+    let fx: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let types = [
+        ("Q4_0", GgmlType::Q4_0),
+        ("Q4_1", GgmlType::Q4_1),
+        ("Q8_0", GgmlType::Q8_0),
+        ("Q4_K", GgmlType::Q4K),
+        ("Q6_K", GgmlType::Q6K),
+        ("F16", GgmlType::F16),
+        ("BF16", GgmlType::BF16),
+    ];
+    for (name, ty) in types {
+        let case = &fx[name];
+        let hex = case["raw"].as_str().unwrap();
+        let raw: Vec<u8> = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+            .collect();
+        let want: Vec<f32> = case["values"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        let got = dequantize(ty, &raw, want.len());
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-6 * scale,
+                "{name} value {i}: {g} vs gguf-py {w}"
+            );
+        }
+        assert!(scale > 0.0, "{name}: fixture is all zeros");
+    }
+}
+
+/// SmolLM2-135M-Instruct converted once per test run (f32), shared by the tests below.
+fn converted() -> Option<&'static Path> {
+    let gguf = asset("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")?;
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    Some(DIR.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("kiln-llama-test-{}", std::process::id()));
+        kiln::hub::convert::gguf_to_hf(&gguf, &dir, StoreDtype::F32).unwrap();
+        dir
+    }))
+}
+
+fn fixture() -> (
+    serde_json::Value,
+    std::collections::BTreeMap<String, kiln::hub::weights::HostTensor>,
+) {
+    let json =
+        std::fs::read_to_string(repo_root().join("tests/fixtures/llama_parity.json")).unwrap();
+    let st =
+        read_safetensors(&repo_root().join("tests/fixtures/llama_parity.safetensors")).unwrap();
+    (serde_json::from_str(&json).unwrap(), st)
+}
+
+fn ids_of(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn host<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().into_vec::<f32>().unwrap()
+}
+
+#[test]
+fn smollm2_from_gguf_matches_transformers() {
+    let Some(dir) = converted() else { return };
+    let (fx, st) = fixture();
+    let device = CpuDevice::default();
+    let (model, config) = causal_lm::load_model::<Cpu>(dir, &device).unwrap();
+    assert!(config.tie_word_embeddings && model.lm_head.is_none());
+    assert_eq!((config.num_attention_heads, config.kv_heads()), (9, 3));
+    let tok = causal_lm::load_tokenizer(dir).unwrap();
+    for (i, p) in fx["prompts"].as_array().unwrap().iter().enumerate() {
+        let text = p["text"].as_str().unwrap();
+        let ids = ids_of(&p["ids"]);
+        let enc = tok.encode(text, true).unwrap();
+        assert_eq!(enc.get_ids(), &ids[..], "tokenization of {text:?}");
+
+        // Logits: the full last row, and the first 256 vocabulary entries at every position.
+        let n = ids.len();
+        let input = Tensor::<Cpu, 2, Int>::from_data(
+            TensorData::new(ids.iter().map(|&t| t as i64).collect(), [1, n]),
+            &device,
+        );
+        let logits = model.forward(input, None);
+        let v = logits.dims()[2];
+        let all = host(logits);
+        let last = &all[(n - 1) * v..];
+        let err = rel_err(last, &st[&format!("last_logits_{i}")].data);
+        assert!(err < 1e-3, "{text:?}: last-position logits rel err {err:e}");
+        let head_ref: Vec<f32> = p["logits_head"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|row| {
+                row.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap() as f32)
+            })
+            .collect();
+        let head: Vec<f32> = (0..n)
+            .flat_map(|t| all[t * v..t * v + 256].to_vec())
+            .collect();
+        let err = rel_err(&head, &head_ref);
+        assert!(err < 1e-3, "{text:?}: per-position logits rel err {err:e}");
+
+        // Greedy decoding with the KV cache gives transformers' continuation, token for token.
+        let want = ids_of(&p["greedy_ids"]);
+        let o = GenerateOptions {
+            max_new_tokens: want.len(),
+            stop_at_eos: false,
+            ..Default::default()
+        };
+        let g = causal_lm::generate(&model, &tok, &config, &ids, &o, |_| {}).unwrap();
+        assert_eq!(
+            g.new_ids, want,
+            "{text:?}: greedy continuation {:?}",
+            g.text
+        );
+        assert_eq!(g.text, p["greedy_text"].as_str().unwrap());
+    }
+}
+
+#[test]
+fn smollm2_loss_and_gradients_match_transformers() {
+    let Some(dir) = converted() else { return };
+    let (fx, st) = fixture();
+    let device = CpuDevice::default();
+    let (model, _) = causal_lm::load_model::<CpuTrain>(dir, &device).unwrap();
+    let ids = ids_of(&fx["train_ids"]);
+    let n = ids.len();
+    let batch = kiln::data::lm::LmBlocks::pack(ids.clone(), n, 1);
+    let (tb, targets) = kiln::train::BatchSource::batch(&batch, &[0]);
+    assert_eq!(targets[n - 1], IGNORE_INDEX);
+    let logits = kiln::train::Classifier::logits(&model, &tb);
+    let t = Tensor::<CpuTrain, 1, Int>::from_data(TensorData::new(targets, [n]), &device);
+    let loss = CrossEntropy.loss(logits, t);
+    let l = host(loss.clone())[0] as f64;
+    let want = fx["train_loss"].as_f64().unwrap();
+    assert!(
+        (l - want).abs() < 1e-4 * want,
+        "loss {l} vs transformers {want}"
+    );
+    let grads = loss.backward();
+    let mut acc = GradAccumulator::<Cpu>::default();
+    acc.accumulate::<CpuTrain, _>(&model, &grads);
+    let mut checked = 0;
+    for (key, r) in st.iter().filter(|(k, _)| k.starts_with("grad:")) {
+        let name = &key["grad:".len()..];
+        let g = host(acc.grads[name].clone());
+        let width = *r.shape.last().unwrap();
+        let got: Vec<f32> = if name == "model.embed_tokens.weight" {
+            // the fixture holds the rows of the prompt's tokens
+            ids.iter()
+                .flat_map(|&t| g[t as usize * width..(t as usize + 1) * width].to_vec())
+                .collect()
+        } else {
+            g[..r.data.len()].to_vec()
+        };
+        let err = rel_err(&got, &r.data);
+        assert!(err < 2e-3, "{name}: gradient rel err {err:e}");
+        checked += 1;
+    }
+    assert_eq!(checked, 6);
+}
