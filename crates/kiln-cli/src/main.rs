@@ -166,12 +166,21 @@ struct LaunchCmd {
 #[derive(Args)]
 struct BenchCmd {
     /// Comma-separated rows: minilm_train, minilm_train_bf16, minilm_infer, bertbase_train,
-    /// mnist_train, tweets_train.
+    /// mnist_train, tweets_train, smollm2_train, smollm2_prefill, smollm2_generate.
     #[arg(
         long,
-        default_value = "minilm_train,minilm_train_bf16,minilm_infer,bertbase_train,mnist_train,tweets_train"
+        default_value = "minilm_train,minilm_train_bf16,minilm_infer,bertbase_train,mnist_train,tweets_train,smollm2_train,smollm2_prefill,smollm2_generate"
     )]
     only: String,
+    /// SmolLM2-135M GGUF for the smollm2 rows (converted once to hf/ beside it).
+    #[arg(long, default_value = "assets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    smollm2: PathBuf,
+    /// Corpus of the smollm2 rows (JSONL with a text column).
+    #[arg(long, default_value = "assets/brown/train.jsonl")]
+    lm_corpus: PathBuf,
+    /// New tokens timed by smollm2_generate.
+    #[arg(long, default_value_t = 32)]
+    generate_tokens: usize,
     #[arg(long, default_value = "assets/minilm")]
     minilm: PathBuf,
     /// The real-data row's tweets (sentiment,confidence,text; latin-1).
@@ -558,6 +567,9 @@ where
             let opts = kiln::bench::SuiteOptions {
                 minilm_dir: cmd.minilm,
                 tweets_file: cmd.tweets_file,
+                smollm2_gguf: cmd.smollm2,
+                lm_corpus: cmd.lm_corpus,
+                generate_tokens: cmd.generate_tokens,
                 only: cmd.only.split(',').map(str::to_string).collect(),
                 warmup: cmd.warmup,
                 steps: cmd.steps,
@@ -765,7 +777,10 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("KILN_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                // burn-communication logs every tensor transfer of every all-reduce at info
+                .unwrap_or_else(|_| {
+                    tracing_subscriber::EnvFilter::new("info,burn_communication=warn")
+                }),
         )
         .with_writer(std::io::stderr)
         .with_target(false)

@@ -62,7 +62,8 @@ fn converted() -> Option<&'static Path> {
     let gguf = asset("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")?;
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     Some(DIR.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("kiln-llama-test-{}", std::process::id()));
+        // Under target/tmp, overwritten by every run (not a cache: the conversion is under test).
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("llama-smollm2");
         kiln::hub::convert::gguf_to_hf(&gguf, &dir, StoreDtype::F32).unwrap();
         dir
     }))

@@ -2,10 +2,11 @@
 //! in PyTorch (../shared/reference/bench_hf.py, and scripts/bench_reference.py for the rows it lacks)
 //! in the same invocation. Every row runs in its own process so its peak memory can be read.
 
+pub mod llama;
 pub mod measure;
 pub mod rows;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde::{Deserialize, Serialize};
@@ -160,6 +161,21 @@ pub const ROWS: &[RowSpec] = &[
         // PyTorch with the same dynamic padding is shown as well.
         pytorch_rows: &["tweets_train_fixed128", "tweets_train_dynamic"],
     },
+    RowSpec {
+        key: "smollm2_train",
+        reference: Reference::Extra,
+        pytorch_rows: &["smollm2_train_fp32"],
+    },
+    RowSpec {
+        key: "smollm2_prefill",
+        reference: Reference::Extra,
+        pytorch_rows: &["smollm2_prefill_fp32"],
+    },
+    RowSpec {
+        key: "smollm2_generate",
+        reference: Reference::Extra,
+        pytorch_rows: &["smollm2_generate_fp32"],
+    },
 ];
 
 /// What `kiln bench` runs.
@@ -169,6 +185,12 @@ pub struct SuiteOptions {
     pub minilm_dir: PathBuf,
     /// The real-data row's CSV (sentiment,confidence,text; latin-1).
     pub tweets_file: PathBuf,
+    /// SmolLM2-135M as GGUF (the SmolLM2 rows convert it once, to `hf/` beside it).
+    pub smollm2_gguf: PathBuf,
+    /// The causal-LM rows' corpus (JSONL, `text` column).
+    pub lm_corpus: PathBuf,
+    /// Tokens the decoding row generates (each one a timed step).
+    pub generate_tokens: usize,
     /// Row keys (see [`ROWS`]).
     pub only: Vec<String>,
     pub warmup: usize,
@@ -257,6 +279,18 @@ pub fn run_row(key: &str, opts: &SuiteOptions) -> Result<BenchResult> {
         )),
         "tweets_train" => {
             rows::tweets_train::<CpuTrain>(&opts.minilm_dir, &opts.tweets_file, 16, w, s, &device)
+        }
+        "smollm2_train" => {
+            let dir = llama::converted_folder(&opts.smollm2_gguf)?;
+            llama::train(&dir, &opts.lm_corpus, w, opts.base_steps)
+        }
+        "smollm2_prefill" => {
+            let dir = llama::converted_folder(&opts.smollm2_gguf)?;
+            llama::prefill(&dir, &opts.lm_corpus, w, s)
+        }
+        "smollm2_generate" => {
+            let dir = llama::converted_folder(&opts.smollm2_gguf)?;
+            llama::generate(&dir, w, opts.generate_tokens)
         }
         other => Err(unknown_row(other)),
     })
@@ -366,8 +400,20 @@ fn pytorch_row(
         }
         Reference::Extra => {
             cmd.args(["--mnist-steps", &opts.mnist_steps.to_string()])
+                .args(["--base-steps", &opts.base_steps.to_string()])
+                .args(["--generate-tokens", &opts.generate_tokens.to_string()])
                 .arg("--tweets-file")
-                .arg(&opts.tweets_file);
+                .arg(&opts.tweets_file)
+                .arg("--lm-corpus")
+                .arg(&opts.lm_corpus);
+            if spec.key.starts_with("smollm2") {
+                // the kiln row (run first) has converted the GGUF
+                let gguf = &opts.smollm2_gguf;
+                cmd.env(
+                    "SMOLLM2_DIR",
+                    gguf.parent().unwrap_or(Path::new(".")).join("hf"),
+                );
+            }
         }
     }
     tracing::info!("PyTorch: {}", spec.key);

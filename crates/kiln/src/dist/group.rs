@@ -19,6 +19,9 @@ use burn_collective::{CollectiveConfig, PeerId, ReduceOperation};
 use super::{ensure_port_free, DistEnv};
 use crate::{KilnError, Result};
 
+/// The most values one collective carries (64 MiB of f32).
+pub const BUCKET_ELEMENTS: usize = 16 << 20;
+
 /// Exit status of a worker whose collective timed out.
 pub const TIMEOUT_EXIT_CODE: i32 = 75;
 
@@ -157,7 +160,41 @@ impl<B: Backend> ProcessGroup<B> {
         self.env.world_size
     }
 
+    /// Reduces `t`, in buckets of at most [`BUCKET_ELEMENTS`] values: burn-communication sends a
+    /// tensor as one WebSocket frame and its peers accept frames up to 512 MiB, so a whole model's
+    /// gradient (SmolLM2-135M: 540 MB) would reset the connection. PyTorch's DDP buckets too.
     fn all_reduce(
+        &self,
+        t: FloatTensor<B>,
+        op: ReduceOperation,
+        what: &str,
+    ) -> Result<FloatTensor<B>> {
+        use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
+        let shape = t.shape();
+        let n = shape.num_elements();
+        if n <= BUCKET_ELEMENTS {
+            return self.all_reduce_one(t, op, what);
+        }
+        let flat = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::float_reshape(
+            t,
+            burn::tensor::Shape::new([n]),
+        )));
+        let mut parts = Vec::with_capacity(n.div_ceil(BUCKET_ELEMENTS));
+        for start in (0..n).step_by(BUCKET_ELEMENTS) {
+            let len = BUCKET_ELEMENTS.min(n - start);
+            let part = flat.clone().narrow(0, start, len).into_primitive().tensor();
+            let reduced = self.all_reduce_one(part, op, what)?;
+            parts.push(Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(
+                reduced,
+            )));
+        }
+        Ok(B::float_reshape(
+            Tensor::cat(parts, 0).into_primitive().tensor(),
+            shape,
+        ))
+    }
+
+    fn all_reduce_one(
         &self,
         t: FloatTensor<B>,
         op: ReduceOperation,

@@ -261,7 +261,7 @@ impl GgufFile {
                 ty,
                 offset,
             };
-            if info.num_elements() % ty.block().0 != 0 {
+            if !info.num_elements().is_multiple_of(ty.block().0) {
                 return Err(c.err(&format!(
                     "tensor {}: {} values is not a whole number of {:?} blocks",
                     info.name,

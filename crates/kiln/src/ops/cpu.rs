@@ -123,6 +123,60 @@ fn matmul(
     }
 }
 
+/// `x · w` for two equal-length slices, in 16 independent lanes (so it vectorises).
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..16 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Rows of `x` at or below which a Linear runs as dot products (token-by-token decoding).
+const GEMV_MAX_ROWS: usize = 4;
+
+/// `y = x wᵀ (+ beta·y)` for a few rows `x [m, k]` and a PyTorch-layout weight `w [n, k]`: every
+/// output is a contiguous dot product, so the weight streams through memory once, split across
+/// threads by output. A GEMM would first pack the whole weight — for one row, that copy costs more
+/// than the multiplication.
+fn gemv_rows(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], beta: f32, y: &mut [f32]) {
+    const BLOCK: usize = 64;
+    let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(BLOCK))
+        .into_par_iter()
+        .map(|bi| {
+            let (j0, j1) = (bi * BLOCK, ((bi + 1) * BLOCK).min(n));
+            let len = j1 - j0;
+            let mut out = vec![0f32; m * len];
+            for j in j0..j1 {
+                let wj = &w[j * k..(j + 1) * k];
+                for i in 0..m {
+                    out[i * len + j - j0] = dot(&x[i * k..(i + 1) * k], wj);
+                }
+            }
+            (j0, out)
+        })
+        .collect();
+    for (j0, out) in parts {
+        let len = out.len() / m;
+        for i in 0..m {
+            let row = &mut y[i * n + j0..i * n + j0 + len];
+            for (o, v) in row.iter_mut().zip(&out[i * len..(i + 1) * len]) {
+                *o = beta * *o + v;
+            }
+        }
+    }
+}
+
 /// Rows per parallel task: enough work per task to amortise scheduling.
 fn rows_per_task(row_len: usize) -> usize {
     (16_384 / row_len.max(1)).max(1)
@@ -417,6 +471,10 @@ impl KilnBackend for Cpu {
             }
             None => 0.0,
         };
+        if m <= GEMV_MAX_ROWS && super::matmul_precision() == super::MatmulPrecision::F32 {
+            gemv_rows(m, k, n, slice(&x), slice(&w), beta, &mut y);
+            return tensor(&[m, n], y);
+        }
         // wᵀ without a transpose: element (k, n) of wᵀ is w[n·K + k].
         matmul(m, k, n, slice(&x), (k, 1), slice(&w), (1, k), beta, &mut y);
         tensor(&[m, n], y)

@@ -73,6 +73,23 @@ fn linear_matches_matmul_with_transposed_weight() {
         |t| linear(t[0].clone(), t[1].clone(), None),
         |t| t[0].clone().matmul(t[1].clone().transpose()),
     );
+    // A few rows (token-by-token decoding) take the dot-product path: odd sizes cross its
+    // 16-lane chunks and 64-output blocks.
+    for rows in [1, 3, 4] {
+        let inputs = [rand([rows, 37], 6), rand([131, 37], 7), rand([1, 131], 8)];
+        check(
+            &format!("linear, {rows} rows"),
+            inputs,
+            |t| {
+                linear(
+                    t[0].clone(),
+                    t[1].clone(),
+                    Some(t[2].clone().reshape([131])),
+                )
+            },
+            |t| t[0].clone().matmul(t[1].clone().transpose()) + t[2].clone(),
+        );
+    }
 }
 
 #[test]

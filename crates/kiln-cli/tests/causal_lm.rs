@@ -1,0 +1,290 @@
+//! Causal LMs through the `kiln` binary: GGUF conversion, greedy generation against transformers'
+//! fixture, continued pretraining with perplexity, `kiln eval --task causal-lm`, and data
+//! parallelism on a model initialised from a config (against a single-process run).
+
+#[path = "../../kiln/tests/common.rs"]
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use common::{asset, repo_root};
+
+fn kiln() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    c.env("KILN_LOG", "warn").env("RAYON_NUM_THREADS", "1");
+    c
+}
+
+/// SmolLM2-135M converted from its GGUF by `kiln convert`, once per test binary.
+fn converted() -> Option<&'static Path> {
+    let gguf = asset("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")?;
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    Some(DIR.get_or_init(|| {
+        // Under target/tmp, overwritten by every run (not a cache: the conversion is under test).
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-smollm2");
+        let out = kiln()
+            .args(["convert", "--from-gguf"])
+            .arg(&gguf)
+            .arg("--out")
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let report = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            report.contains("272 tensors") && report.contains("tied embeddings: true"),
+            "{report}"
+        );
+        dir
+    }))
+}
+
+/// A small held-out corpus: the first paragraphs of the first Brown eval text.
+fn small_corpus(dir: &Path, brown_eval: &Path, name: &str, chars: usize) -> PathBuf {
+    let first = std::fs::read_to_string(brown_eval).unwrap();
+    let doc: serde_json::Value = serde_json::from_str(first.lines().next().unwrap()).unwrap();
+    let text: String = doc["text"].as_str().unwrap().chars().take(chars).collect();
+    let p = dir.join(name);
+    std::fs::write(&p, serde_json::json!({ "text": text }).to_string() + "\n").unwrap();
+    p
+}
+
+fn json_file(p: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+#[test]
+fn convert_generate_train_and_eval_smollm2() {
+    let (Some(model), Some(brown)) = (converted(), asset("brown/eval.jsonl")) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        assert!(model.join(f).exists(), "convert wrote no {f}");
+    }
+
+    // Greedy generation reproduces transformers' continuation (tests/fixtures/gen_llama_parity.py).
+    let fx = json_file(&repo_root().join("tests/fixtures/llama_parity.json"));
+    let p0 = &fx["prompts"][0];
+    let want: Vec<u64> = p0["greedy_ids"].as_array().unwrap()[..8]
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let out = kiln()
+        .args(["generate", "--model"])
+        .arg(model)
+        .args(["--prompt", p0["text"].as_str().unwrap()])
+        .args(["--max-new-tokens", "8", "--ignore-eos", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let g: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let got: Vec<u64> = g["new_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(got, want, "kiln generate: {}", g["text"]);
+    assert!(g["decode_tokens_per_sec"].as_f64().unwrap() > 0.0);
+
+    // Two steps of continued pretraining, evaluated on held-out text.
+    let train = small_corpus(tmp.path(), &brown, "train.jsonl", 1500);
+    let eval = small_corpus(tmp.path(), &brown, "eval.jsonl", 800);
+    let run = tmp.path().join("run");
+    let st = kiln()
+        .args(["train", "--task", "causal-lm", "--model"])
+        .arg(model)
+        .arg("--train-file")
+        .arg(&train)
+        .arg("--eval-file")
+        .arg(&eval)
+        .args([
+            "--block-size",
+            "32",
+            "--per-device-train-batch-size",
+            "2",
+            "--max-steps",
+            "2",
+        ])
+        .args([
+            "--learning-rate",
+            "1e-4",
+            "--save-strategy",
+            "no",
+            "--output-dir",
+        ])
+        .arg(&run)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    for f in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        assert!(run.join(f).exists(), "the trained folder has no {f}");
+    }
+    let ev = json_file(&run.join("eval_results.json"));
+    let (loss, ppl) = (
+        ev["eval_loss"].as_f64().unwrap(),
+        ev["eval_perplexity"].as_f64().unwrap(),
+    );
+    assert!(
+        loss.is_finite() && (ppl - loss.exp()).abs() < 1e-9 * ppl,
+        "{ev}"
+    );
+
+    // `kiln eval` on the saved folder gives the trainer's final evaluation.
+    let out = kiln()
+        .args(["eval", "--task", "causal-lm", "--model"])
+        .arg(&run)
+        .arg("--eval-file")
+        .arg(&eval)
+        .args(["--block-size", "32"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let m: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let again = m["eval_loss"].as_f64().unwrap();
+    assert!(
+        (again - loss).abs() < 1e-5 * loss,
+        "kiln eval {again} vs trainer {loss}"
+    );
+}
+
+#[test]
+fn bad_causal_lm_inputs_are_clear_errors() {
+    let Some(model) = converted() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let not_gguf = tmp.path().join("model.gguf");
+    std::fs::write(&not_gguf, b"PK\x03\x04 not a gguf").unwrap();
+    let out = kiln()
+        .args(["convert", "--from-gguf"])
+        .arg(&not_gguf)
+        .args(["--out", tmp.path().join("x").to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("model.gguf: not a GGUF file"),
+        "{err}"
+    );
+
+    let tiny = tmp.path().join("tiny.txt");
+    std::fs::write(&tiny, "just a few words\n").unwrap();
+    let out = kiln()
+        .args(["train", "--task", "causal-lm", "--model"])
+        .arg(model)
+        .arg("--train-file")
+        .arg(&tiny)
+        .args([
+            "--block-size",
+            "512",
+            "--output-dir",
+            tmp.path().join("r").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("tiny.txt") && err.contains("fewer than one block"),
+        "{err}"
+    );
+}
+
+/// `--from-config` (random init) + data parallelism: 2 workers × 4 blocks take the same steps as
+/// one process × 8 blocks.
+#[test]
+fn from_config_two_workers_equal_one_process() {
+    let (Some(model), Some(brown)) = (converted(), asset("brown/eval.jsonl")) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("tiny.json");
+    std::fs::write(
+        &cfg,
+        serde_json::json!({
+            "vocab_size": 49152, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0,
+            "tie_word_embeddings": false, "eos_token_id": 2, "pad_token_id": 2,
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+        .to_string(),
+    )
+    .unwrap();
+    let corpus = small_corpus(tmp.path(), &brown, "c.jsonl", 4000);
+    let run = |batch: usize, procs: usize, name: &str| {
+        let out = tmp.path().join(name);
+        let mut c = kiln();
+        if procs > 1 {
+            c.args(["launch", "--nproc-per-node", &procs.to_string()])
+                .args(["--master-port", "29661", "--timeout", "60", "--"]);
+        }
+        let st = c
+            .args(["train", "--task", "causal-lm", "--from-config"])
+            .arg(&cfg)
+            .arg("--tokenizer")
+            .arg(model)
+            .arg("--train-file")
+            .arg(&corpus)
+            .args([
+                "--block-size",
+                "16",
+                "--max-steps",
+                "3",
+                "--learning-rate",
+                "1e-3",
+            ])
+            .args([
+                "--per-device-train-batch-size",
+                &batch.to_string(),
+                "--seed",
+                "3",
+            ])
+            .args(["--save-strategy", "no", "--output-dir"])
+            .arg(&out)
+            .status()
+            .unwrap();
+        assert!(st.success(), "{name} failed");
+        kiln::hub::weights::read_safetensors(&out.join("model.safetensors")).unwrap()
+    };
+    let single = run(8, 1, "single8");
+    let ddp = run(4, 2, "ddp2x4");
+    let control = run(4, 1, "single4");
+    let diff =
+        |a: &std::collections::BTreeMap<String, kiln::hub::weights::HostTensor>,
+         b: &std::collections::BTreeMap<String, kiln::hub::weights::HostTensor>| {
+            assert_eq!(a.len(), b.len());
+            a.iter()
+                .flat_map(|(k, t)| t.data.iter().zip(&b[k].data).map(|(x, y)| (x - y).abs()))
+                .fold(0f32, f32::max)
+        };
+    let (d, c) = (diff(&ddp, &single), diff(&control, &single));
+    eprintln!("2x4 vs 1x8: max |Δw| = {d:e}; 1x4 vs 1x8 (control): {c:e}");
+    assert!(d < 1e-5, "2 workers differ from one process by {d}");
+    assert!(c > 1e-4, "control too close ({c}): the test cannot tell");
+    assert!(
+        single.contains_key("lm_head.weight"),
+        "untied config keeps lm_head"
+    );
+}

@@ -1,0 +1,201 @@
+//! Benchmark rows for SmolLM2-135M (Llama): continued-pretraining steps on real text, prompt
+//! processing, and token-by-token greedy decoding with the KV cache. scripts/bench_reference.py
+//! does the same work in transformers.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use burn::tensor::{Int, Tensor, TensorData};
+
+use super::rows::{train_steps, StepWork};
+use super::BenchResult;
+use crate::backend::{Cpu, CpuTrain};
+use crate::data::lm::{read_documents, LmBlocks};
+use crate::data::TextEncoding;
+use crate::error::Result;
+use crate::hub::llama_config::LlamaConfig;
+use crate::models::llama::KvCache;
+use crate::tasks::causal_lm::{load_model, load_tokenizer};
+use crate::train::optim::{AdamWConfig, Optimizer, OptimizerType};
+use crate::train::BatchSource;
+
+/// The prompt of the decoding row (and of the parity fixtures).
+pub const GENERATE_PROMPT: &str = "The capital of France is";
+
+/// The converted Hugging Face folder beside `gguf` (`<dir>/hf`), written on first use.
+pub fn converted_folder(gguf: &Path) -> Result<PathBuf> {
+    let dir = gguf.parent().unwrap_or(Path::new(".")).join("hf");
+    if !dir.join("model.safetensors").exists() {
+        tracing::info!("converting {} → {}", gguf.display(), dir.display());
+        crate::hub::convert::gguf_to_hf(gguf, &dir, crate::hub::weights::StoreDtype::F32)?;
+    }
+    Ok(dir)
+}
+
+/// Forward FLOPs of a Llama model over `batch` sequences of `seq` tokens: 2 per weight per token
+/// (the output projection included, the embedding lookup not) plus QKᵀ and PV over the full square
+/// (what the kernels compute).
+pub fn llama_forward_flops(c: &LlamaConfig, batch: usize, seq: usize) -> f64 {
+    let (h, i, l, v) = (
+        c.hidden_size as f64,
+        c.intermediate_size as f64,
+        c.num_hidden_layers as f64,
+        c.vocab_size as f64,
+    );
+    let q = (c.num_attention_heads * c.head_size()) as f64;
+    let kv = (c.kv_heads() * c.head_size()) as f64;
+    let per_token = l * (2.0 * h * q + 2.0 * h * kv + 3.0 * h * i) + h * v;
+    let t = seq as f64;
+    batch as f64 * (2.0 * per_token * t + 4.0 * l * q * t * t)
+}
+
+/// The first blocks of the corpus, tokenized and packed as `kiln train --task causal-lm` does.
+fn first_blocks(dir: &Path, corpus: &Path, block: usize, needed: usize) -> Result<LmBlocks> {
+    let tok = load_tokenizer(dir)?;
+    let config = LlamaConfig::from_file(&dir.join("config.json"))?;
+    let (docs, _) = read_documents(corpus, "text", TextEncoding::Utf8, false)?;
+    let mut take = 1;
+    loop {
+        let b = LmBlocks::from_documents(
+            &tok,
+            &docs[..take],
+            config.eos_ids().first().copied(),
+            block,
+        )?;
+        if b.len() >= needed || take == docs.len() {
+            return Ok(b);
+        }
+        take += 1;
+    }
+}
+
+/// AdamW (lr 1e-4, no weight decay) steps on batches of 4 blocks of 128 tokens of the corpus.
+pub fn train(dir: &Path, corpus: &Path, warmup: usize, steps: usize) -> Result<BenchResult> {
+    let (batch, seq) = (4, 128);
+    let device = Default::default();
+    let (model, config) = load_model::<CpuTrain>(dir, &device)?;
+    let blocks = first_blocks(dir, corpus, seq, (warmup + steps) * batch)?;
+    let flops = 3.0 * llama_forward_flops(&config, batch, seq);
+    let batches: Vec<_> = (0..blocks.len() / batch)
+        .map(|b| {
+            let idx: Vec<usize> = (b * batch..(b + 1) * batch).collect();
+            let (tb, targets) = blocks.batch(&idx);
+            let work = StepWork {
+                samples: batch,
+                padded_seq: seq,
+                tokens: batch * seq,
+                flops,
+            };
+            (tb, targets, work)
+        })
+        .collect();
+    let opt = Optimizer::new(
+        OptimizerType::AdamwTorch,
+        AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        },
+    );
+    Ok(train_steps(
+        "smollm2_train_fp32",
+        model,
+        opt,
+        1e-4,
+        &batches,
+        warmup,
+        steps,
+        &device,
+    ))
+}
+
+/// Forward passes over one 128-token block of the corpus (prompt processing).
+pub fn prefill(dir: &Path, corpus: &Path, warmup: usize, steps: usize) -> Result<BenchResult> {
+    let seq = 128;
+    let device = Default::default();
+    let (model, config) = load_model::<Cpu>(dir, &device)?;
+    let blocks = first_blocks(dir, corpus, seq, 1)?;
+    let ids: Vec<i64> = blocks.blocks[0].iter().map(|&t| t as i64).collect();
+    let work = StepWork {
+        samples: 1,
+        padded_seq: seq,
+        tokens: seq,
+        flops: llama_forward_flops(&config, 1, seq),
+    };
+    let mut times = Vec::new();
+    for i in 0..warmup + steps {
+        let input =
+            Tensor::<Cpu, 2, Int>::from_data(TensorData::new(ids.clone(), [1, seq]), &device);
+        let t0 = Instant::now();
+        let logits = model.forward(input, None);
+        let _ = logits.into_data();
+        if i >= warmup {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    Ok(BenchResult::from_times(
+        "smollm2_prefill_fp32",
+        &times,
+        &vec![work; times.len()],
+    ))
+}
+
+/// Greedy decoding after [`GENERATE_PROMPT`]: each step is one new token (a forward over it with
+/// the KV cache, then argmax), as transformers' `generate` does.
+pub fn generate(dir: &Path, warmup: usize, tokens: usize) -> Result<BenchResult> {
+    let device = Default::default();
+    let (model, config) = load_model::<Cpu>(dir, &device)?;
+    let tok = load_tokenizer(dir)?;
+    let prompt: Vec<i64> = tok
+        .encode(GENERATE_PROMPT, true)
+        .map_err(|e| crate::KilnError::Data(e.to_string()))?
+        .get_ids()
+        .iter()
+        .map(|&t| t as i64)
+        .collect();
+    let mut cache = KvCache::new(model.num_layers());
+    let mut input = prompt;
+    let mut times = Vec::new();
+    let mut work = Vec::new();
+    for i in 0..=warmup + tokens {
+        let n = input.len();
+        let past = cache.len();
+        let t0 = Instant::now();
+        let ids = Tensor::<Cpu, 2, Int>::from_data(TensorData::new(input, [1, n]), &device);
+        let h = model.hidden(ids, Some(&mut cache));
+        let hd = h.dims()[2];
+        let logits: Vec<f32> = model
+            .project(h.slice([0..1, n - 1..n, 0..hd]).reshape([1, hd]))
+            .into_data()
+            .into_vec()
+            .expect("f32 logits");
+        let next = logits
+            .iter()
+            .enumerate()
+            .fold(0, |b, (j, &v)| if v > logits[b] { j } else { b });
+        let dt = t0.elapsed().as_secs_f64();
+        // Step 0 is the prompt (prefill); the next `warmup` tokens warm up.
+        if i > warmup {
+            times.push(dt);
+            let mut f = llama_forward_flops(&config, 1, 1);
+            // attention over the cached positions
+            f += 4.0
+                * (config.num_hidden_layers * config.num_attention_heads * config.head_size())
+                    as f64
+                * past as f64;
+            work.push(StepWork {
+                samples: 1,
+                padded_seq: past + 1,
+                tokens: 1,
+                flops: f,
+            });
+        }
+        input = vec![next as i64];
+    }
+    Ok(BenchResult::from_times(
+        "smollm2_generate_fp32",
+        &times,
+        &work,
+    ))
+}
