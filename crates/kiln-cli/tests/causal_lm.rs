@@ -214,7 +214,7 @@ fn bad_causal_lm_inputs_are_clear_errors() {
 }
 
 /// `--from-config` (random init) + data parallelism: 2 workers × 4 blocks take the same steps as
-/// one process × 8 blocks.
+/// one process × 8 blocks (that one with `--gradient-checkpointing`).
 #[test]
 fn from_config_two_workers_equal_one_process() {
     let (Some(model), Some(brown)) = (converted(), asset("brown/eval.jsonl")) else {
@@ -240,6 +240,12 @@ fn from_config_two_workers_equal_one_process() {
             c.args(["launch", "--nproc-per-node", &procs.to_string()])
                 .args(["--master-port", "29661", "--timeout", "60", "--"]);
         }
+        // the reference run goes through activation checkpointing: the same steps
+        let extra: &[&str] = if name == "single8" {
+            &["--gradient-checkpointing"]
+        } else {
+            &[]
+        };
         let st = c
             .args(["train", "--task", "causal-lm", "--from-config"])
             .arg(&cfg)
@@ -263,6 +269,7 @@ fn from_config_two_workers_equal_one_process() {
             ])
             .args(["--save-strategy", "no", "--output-dir"])
             .arg(&out)
+            .args(extra)
             .status()
             .unwrap();
         assert!(st.success(), "{name} failed");

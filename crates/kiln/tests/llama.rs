@@ -195,3 +195,58 @@ fn smollm2_loss_and_gradients_match_transformers() {
     }
     assert_eq!(checked, 6);
 }
+
+/// A Hugging Face folder sharded the way transformers saves large models
+/// (`model.safetensors.index.json` + shards) loads like the single-file one.
+#[test]
+fn sharded_folders_load() {
+    use kiln::hub::llama_config::LlamaConfig;
+    use kiln::hub::weights::{module_tensors, write_safetensors};
+    use kiln::models::llama::LlamaForCausalLM;
+    let cfg: LlamaConfig = serde_json::from_value(serde_json::json!({
+        "vocab_size": 40, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2}))
+    .unwrap();
+    let device = CpuDevice::default();
+    let model = kiln::ops::with_seeded_rng::<Cpu, _>(&device, 7, || {
+        LlamaForCausalLM::<Cpu>::new(&cfg, &device)
+    });
+    let tensors = module_tensors(&model);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    std::fs::write(dir.join("config.json"), cfg.to_json()).unwrap();
+    let (first, second): (Vec<_>, Vec<_>) =
+        tensors.iter().enumerate().partition(|(i, _)| i % 2 == 0);
+    let mut map = serde_json::Map::new();
+    for (name, part) in [
+        ("model-00001-of-00002.safetensors", first),
+        ("model-00002-of-00002.safetensors", second),
+    ] {
+        let shard: std::collections::BTreeMap<_, _> = part
+            .into_iter()
+            .map(|(_, (k, v))| (k.clone(), v.clone()))
+            .collect();
+        for k in shard.keys() {
+            map.insert(k.clone(), serde_json::json!(name));
+        }
+        write_safetensors(&dir.join(name), &shard).unwrap();
+    }
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::json!({"metadata": {}, "weight_map": map}).to_string(),
+    )
+    .unwrap();
+    let (loaded, _) = causal_lm::load_model::<Cpu>(dir, &device).unwrap();
+    let ids =
+        Tensor::<Cpu, 2, Int>::from_data(TensorData::new(vec![1i64, 5, 9, 3], [1, 4]), &device);
+    let a = host(model.forward(ids.clone(), None));
+    let b = host(loaded.forward(ids, None));
+    assert_eq!(a, b);
+    // a shard named in the index but missing is an error naming the file
+    std::fs::remove_file(dir.join("model-00002-of-00002.safetensors")).unwrap();
+    let e = causal_lm::load_model::<Cpu>(dir, &device).err().unwrap();
+    assert!(
+        e.to_string().contains("model-00002-of-00002.safetensors"),
+        "{e}"
+    );
+}

@@ -250,6 +250,8 @@ pub fn train<B: TrainBackend>(
         .collect(),
     };
     let output_dir = args.output_dir.clone();
+    let mut model = model;
+    model.gradient_checkpointing = args.gradient_checkpointing;
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), CrossEntropy, files);
     trainer.dist = crate::dist::init_from_env::<B::InnerBackend>(device)?;
     let out = trainer.train(&train_set, eval_set.as_ref())?;

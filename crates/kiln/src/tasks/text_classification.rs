@@ -224,6 +224,9 @@ pub fn train<B: TrainBackend, L: Loss>(
         tokenizer_json: Some(md.dir.join("tokenizer.json")),
         copy: Vec::new(),
     };
+    if args.gradient_checkpointing {
+        warn!("--gradient-checkpointing applies to causal LMs; BERT trains without it");
+    }
     let output_dir = args.output_dir.clone();
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files);
     trainer.label_names = Some(labels.names().to_vec());

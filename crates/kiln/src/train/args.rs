@@ -95,6 +95,10 @@ pub struct TrainingArguments {
     /// and backward); master weights, optimizer state, LayerNorm, softmax and the loss stay f32.
     #[arg(long, default_value_t = false)]
     pub bf16: bool,
+    /// Activation checkpointing per layer: keep each layer's input only and recompute the layer
+    /// during the backward pass (causal LMs; about one extra forward pass of compute).
+    #[arg(long, default_value_t = false)]
+    pub gradient_checkpointing: bool,
 }
 
 impl Default for TrainingArguments {

@@ -66,12 +66,37 @@ impl<B: KilnBackend> GradAccumulator<B> {
         AB: AutodiffBackend<InnerBackend = B>,
         M: AutodiffModule<AB>,
     {
+        self.accumulate_at::<AB, M>("", model, grads);
+    }
+
+    /// Adds another accumulator's gradients (same paths are summed).
+    pub fn merge(&mut self, other: GradAccumulator<B>) {
+        for (path, g) in other.grads {
+            let entry = match self.grads.remove(&path) {
+                Some(prev) => prev + g,
+                None => g,
+            };
+            self.grads.insert(path, entry);
+        }
+    }
+
+    /// [`accumulate`](Self::accumulate) for a part of a model: `module` sits at path `prefix`
+    /// (`model.layers.3`) of the whole model, and its gradients are keyed under it.
+    pub fn accumulate_at<AB, M>(&mut self, prefix: &str, module: &M, grads: &AB::Gradients)
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        let mut tracker = PathTracker::default();
+        for part in prefix.split('.').filter(|p| !p.is_empty()) {
+            tracker.enter(part, "");
+        }
         let mut v = GradVisit::<AB> {
-            tracker: PathTracker::default(),
+            tracker,
             grads,
             acc: self,
         };
-        model.visit(&mut v);
+        module.visit(&mut v);
     }
 
     /// The global L2 norm of all gradients (after any pending scale).

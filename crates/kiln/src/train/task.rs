@@ -5,6 +5,9 @@ use burn::module::Module;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{backend::Backend, Int, Tensor};
 
+use super::optim::GradAccumulator;
+use crate::ops::TrainBackend;
+
 /// Target value that is left out of the loss (transformers' `ignore_index`).
 pub const IGNORE_INDEX: i64 = -100;
 
@@ -13,6 +16,22 @@ pub trait Classifier<B: Backend>: Module<B> {
     /// The batch as host data, independent of the backend.
     type Batch;
     fn logits(&self, batch: &Self::Batch) -> Tensor<B, 2>;
+
+    /// The loss of `batch` times `scale`, and its gradients, when the model computes them its own
+    /// way (activation checkpointing recomputes each layer during the backward pass). `None`, the
+    /// default, lets the trainer differentiate [`logits`](Self::logits).
+    fn loss_and_grads<L: Loss>(
+        &self,
+        _batch: &Self::Batch,
+        _targets: &[i64],
+        _loss: &L,
+        _scale: f64,
+    ) -> Option<(f64, GradAccumulator<B::InnerBackend>)>
+    where
+        B: TrainBackend,
+    {
+        None
+    }
 }
 
 /// A dataset the trainer can batch.

@@ -371,6 +371,16 @@ where
                 for idx in group {
                     let fwd = profile::scope("step: data + forward");
                     let (batch, targets) = train.batch(idx);
+                    let scale = 1.0 / group.len() as f64;
+                    if let Some((l, grads)) = self
+                        .model()
+                        .loss_and_grads(&batch, &targets, &self.loss, scale)
+                    {
+                        step_loss += l;
+                        acc.merge(grads);
+                        samples += idx.len();
+                        continue;
+                    }
                     let logits = self.model().logits(&batch);
                     let loss = self
                         .loss
