@@ -61,6 +61,38 @@ fn sgemm(
     } else {
         rayon::current_num_threads().max(1)
     };
+    if parts > 1 && n >= m && n >= 64 * parts {
+        // Few rows, many columns (prompt processing, the vocabulary projection): split the
+        // columns, so each thread packs only its share of B — split by rows, every thread would
+        // pack all of B, which costs as much as the multiplication when M is small.
+        let cols = n.div_ceil(parts).div_ceil(16) * 16;
+        let c_ptr = SharedMut(c.as_mut_ptr());
+        (0..n.div_ceil(cols)).into_par_iter().for_each(|i| {
+            let j0 = i * cols;
+            let nc = cols.min(n - j0);
+            // SAFETY: columns j0..j0+nc of C (row stride n) belong to this task alone; A and B
+            // are in bounds by the asserts.
+            unsafe {
+                matrixmultiply::sgemm(
+                    m,
+                    k,
+                    nc,
+                    1.0,
+                    a.as_ptr(),
+                    rsa as isize,
+                    csa as isize,
+                    b.as_ptr().add(j0 * csb),
+                    rsb as isize,
+                    csb as isize,
+                    beta,
+                    c_ptr.at(j0),
+                    n as isize,
+                    1,
+                );
+            }
+        });
+        return;
+    }
     // Whole multiples of 8 rows per part keep the micro-kernel's row blocks intact.
     let rows = m.div_ceil(parts).div_ceil(8) * 8;
     c[..m * n]

@@ -73,6 +73,20 @@ fn linear_matches_matmul_with_transposed_weight() {
         |t| linear(t[0].clone(), t[1].clone(), None),
         |t| t[0].clone().matmul(t[1].clone().transpose()),
     );
+    // Few rows and many columns split the columns across threads.
+    let inputs = [rand([8, 64], 9), rand([600, 64], 10), rand([1, 600], 11)];
+    check(
+        "linear, column split",
+        inputs,
+        |t| {
+            linear(
+                t[0].clone(),
+                t[1].clone(),
+                Some(t[2].clone().reshape([600])),
+            )
+        },
+        |t| t[0].clone().matmul(t[1].clone().transpose()) + t[2].clone(),
+    );
     // A few rows (token-by-token decoding) take the dot-product path: odd sizes cross its
     // 16-lane chunks and 64-output blocks.
     for rows in [1, 3, 4] {
