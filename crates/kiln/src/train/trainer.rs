@@ -429,12 +429,14 @@ where
                     let loss = log_loss_sum / log_steps as f64;
                     let entry = json!({"loss": round4(loss), "grad_norm": last_grad_norm,
                                        "learning_rate": last_lr});
-                    bar.suspend(|| {
-                        info!(
-                            "step {step}/{total} loss {loss:.4} grad_norm {last_grad_norm:.3} lr {last_lr:.3e} epoch {:.2}",
-                            self.state.epoch
-                        )
-                    });
+                    if self.is_main() {
+                        bar.suspend(|| {
+                            info!(
+                                "step {step}/{total} loss {loss:.4} grad_norm {last_grad_norm:.3} lr {last_lr:.3e} epoch {:.2}",
+                                self.state.epoch
+                            )
+                        });
+                    }
                     self.log(entry.as_object().cloned().unwrap_or_default())?;
                     (log_loss_sum, log_steps) = (0.0, 0);
                 }
