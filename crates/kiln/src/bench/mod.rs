@@ -84,8 +84,8 @@ fn profiled(profile: bool, f: impl FnOnce() -> Result<BenchResult>) -> Result<Be
     crate::ops::profile::enable(false);
     let rows = crate::ops::profile::take();
     if profile {
-        // Warmup steps are profiled too: scale by the share of timed steps.
-        let total_steps = (r.steps + r.warmup) as f64;
+        // Every row restarts the profile at its first timed step.
+        let total_steps = r.steps.max(1) as f64;
         let step_ms = r.ms_per_step_mean;
         let mut covered = 0.0;
         for (k, n, sec) in rows {

@@ -63,7 +63,7 @@ pub struct LlamaForCausalLM<B: Backend> {
     pub gradient_checkpointing: bool,
 }
 
-/// Keys and values of the positions seen so far, per layer (`[B, kv_heads, S, head_dim]`, after
+/// Keys and values of the positions seen so far, per layer (`[B, S, kv_heads, head_dim]`, after
 /// RoPE), so each generated token attends to the past without recomputing it.
 #[derive(Debug, Clone)]
 pub struct KvCache<B: Backend> {
@@ -81,7 +81,7 @@ impl<B: Backend> KvCache<B> {
         self.layers
             .first()
             .and_then(|l| l.as_ref())
-            .map_or(0, |(k, _)| k.dims()[2])
+            .map_or(0, |(k, _)| k.dims()[1])
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
@@ -115,24 +115,25 @@ fn rope_tables<B: Backend>(
     (t(cos), t(sin))
 }
 
-/// `x·cos + rotate_half(x)·sin` for `x [B, heads, T, D]`; `rotate_half([a, b]) = [−b, a]`.
+/// `x·cos + rotate_half(x)·sin` for `x [B, T, heads, D]`; `rotate_half([a, b]) = [−b, a]`.
 fn apply_rope<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>) -> Tensor<B, 4> {
-    let [b, h, t, d] = x.dims();
-    let first = x.clone().slice([0..b, 0..h, 0..t, 0..d / 2]);
-    let second = x.clone().slice([0..b, 0..h, 0..t, d / 2..d]);
+    let [b, t, h, d] = x.dims();
+    let first = x.clone().slice([0..b, 0..t, 0..h, 0..d / 2]);
+    let second = x.clone().slice([0..b, 0..t, 0..h, d / 2..d]);
     let rotated = Tensor::cat(vec![second.neg(), first], 3);
-    x * cos.clone().unsqueeze::<4>() + rotated * sin.clone().unsqueeze::<4>()
+    x * cos.clone().reshape([1, t, 1, d]) + rotated * sin.clone().reshape([1, t, 1, d])
 }
 
-/// `[B, kv_heads, S, D]` → `[B, kv_heads·n, S, D]`, each key/value head serving `n` query heads.
+/// `[B, S, kv_heads, D]` → `[B, S, kv_heads·n, D]`, each key/value head serving `n` query heads
+/// (transformers' `repeat_kv`: query head `i` reads key/value head `i / n`).
 fn repeat_kv<B: Backend>(x: Tensor<B, 4>, n: usize) -> Tensor<B, 4> {
     if n == 1 {
         return x;
     }
-    let [b, h, s, d] = x.dims();
-    x.unsqueeze_dim::<5>(2)
-        .expand([b, h, n, s, d])
-        .reshape([b, h * n, s, d])
+    let [b, s, h, d] = x.dims();
+    x.unsqueeze_dim::<5>(3)
+        .expand([b, s, h, n, d])
+        .reshape([b, s, h * n, d])
 }
 
 /// Additive causal mask `[T, S]` for queries at positions `past..past + T` over keys `0..S`.
@@ -159,6 +160,8 @@ impl<B: KilnBackend> LlamaAttention<B> {
         }
     }
 
+    /// `x [B, T, H]`. Without a cache, or filling an empty one (training, evaluation, a prompt),
+    /// the fused causal attention kernel runs; decoding with cached keys composes Burn ops.
     fn forward(
         &self,
         x: Tensor<B, 3>,
@@ -167,26 +170,53 @@ impl<B: KilnBackend> LlamaAttention<B> {
     ) -> Tensor<B, 3> {
         let [b, t, _] = x.dims();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let heads = |y: Tensor<B, 3>, n: usize| y.reshape([b, t, n, hd]).swap_dims(1, 2);
+        let heads = |y: Tensor<B, 3>, n: usize| y.reshape([b, t, n, hd]);
         let q = apply_rope(heads(self.q_proj.forward(x.clone()), nh), &rope.0, &rope.1);
-        let mut k = apply_rope(heads(self.k_proj.forward(x.clone()), nkv), &rope.0, &rope.1);
-        let mut v = heads(self.v_proj.forward(x), nkv);
-        if let Some(slot) = cache {
-            if let Some((pk, pv)) = slot.take() {
-                k = Tensor::cat(vec![pk, k], 2);
-                v = Tensor::cat(vec![pv, v], 2);
+        let k = apply_rope(heads(self.k_proj.forward(x.clone()), nkv), &rope.0, &rope.1);
+        let v = heads(self.v_proj.forward(x), nkv);
+        let (k, v) = match cache {
+            None => (k, v),
+            Some(slot) => {
+                let past = slot.take();
+                let fresh = past.is_none();
+                let (k_all, v_all) = match past {
+                    Some((pk, pv)) => (Tensor::cat(vec![pk, k], 1), Tensor::cat(vec![pv, v], 1)),
+                    None => (k, v),
+                };
+                *slot = Some((k_all.clone(), v_all.clone()));
+                if !fresh {
+                    return self.o_proj.forward(self.attend_cached(q, k_all, v_all));
+                }
+                (k_all, v_all)
             }
-            *slot = Some((k.clone(), v.clone()));
-        }
-        let s = k.dims()[2];
-        let (k, v) = (repeat_kv(k, nh / nkv), repeat_kv(v, nh / nkv));
+        };
+        let flat = |y: Tensor<B, 4>| y.reshape([b, t, nh * hd]);
+        let out = ops::causal_attention(
+            flat(q),
+            flat(repeat_kv(k, nh / nkv)),
+            flat(repeat_kv(v, nh / nkv)),
+            nh,
+        );
+        self.o_proj.forward(out)
+    }
+
+    /// Attention of `q [B, T, heads, D]` over all cached keys/values `[B, S, kv_heads, D]`
+    /// (queries at positions `S − T..S`), composed of Burn ops; `[B, T, heads·D]` out.
+    fn attend_cached(&self, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Tensor<B, 3> {
+        let [b, t, nh, hd] = q.dims();
+        let s = k.dims()[1];
+        let rep = nh / self.num_kv_heads;
+        let (q, k, v) = (
+            q.swap_dims(1, 2),
+            repeat_kv(k, rep).swap_dims(1, 2),
+            repeat_kv(v, rep).swap_dims(1, 2),
+        );
         let scores = q
             .matmul(k.swap_dims(2, 3))
             .mul_scalar(1.0 / (hd as f64).sqrt());
         let mask = causal_mask::<B>(t, s, &scores.device()).unsqueeze::<4>();
         let probs = softmax(scores + mask, 3);
-        let out = probs.matmul(v).swap_dims(1, 2).reshape([b, t, nh * hd]);
-        self.o_proj.forward(out)
+        probs.matmul(v).swap_dims(1, 2).reshape([b, t, nh * hd])
     }
 }
 

@@ -814,6 +814,7 @@ impl KilnBackend for Cpu {
         v: FloatTensor<Self>,
         mask: FloatTensor<Self>,
         heads: usize,
+        causal: bool,
         scale: f64,
         dropout: f64,
         seed: u64,
@@ -848,8 +849,14 @@ impl KilnBackend for Cpu {
                         false,
                     );
                 }
-                for row in p.chunks_mut(t) {
-                    softmax_row(row, m, scale);
+                for (i, row) in p.chunks_mut(t).enumerate() {
+                    if causal {
+                        // Keys after the query get probability 0 (and so no gradient).
+                        softmax_row(&mut row[..=i], &m[..=i], scale);
+                        row[i + 1..].fill(0.0);
+                    } else {
+                        softmax_row(row, m, scale);
+                    }
                 }
                 let pd: &[f32] = if keep < 1.0 {
                     scratch.copy_from_slice(p);

@@ -261,9 +261,11 @@ pub trait KilnBackend: Backend {
     }
 
     /// Multi-head attention core for `q, k, v [B, T, H]` (heads side by side in H) and an additive key
-    /// mask `[B, T]`: `dropout(softmax(q kᵀ·scale + mask)) v`, back in `[B, T, H]`. Also returns the
-    /// softmax probabilities `[B, heads, T, T]` (before dropout) for the backward. The dropout mask is
-    /// a function of `seed`, so the backward regenerates it instead of storing it.
+    /// mask `[B, T]`: `dropout(softmax(q kᵀ·scale + mask)) v`, back in `[B, T, H]`; with `causal`,
+    /// query `i` also sees only keys `0..=i` (decoders). Also returns the softmax probabilities
+    /// `[B, heads, T, T]` (before dropout; exactly 0 where masked) for the backward, which therefore
+    /// needs no mask of its own. The dropout mask is a function of `seed`, so the backward
+    /// regenerates it instead of storing it.
     #[allow(clippy::too_many_arguments)]
     fn kiln_attention(
         q: FloatTensor<Self>,
@@ -271,6 +273,7 @@ pub trait KilnBackend: Backend {
         v: FloatTensor<Self>,
         mask: FloatTensor<Self>,
         heads: usize,
+        causal: bool,
         scale: f64,
         dropout: f64,
         seed: u64,
@@ -278,7 +281,12 @@ pub trait KilnBackend: Backend {
         let (q, k, v) = (t::<Self, 3>(q), t::<Self, 3>(k), t::<Self, 3>(v));
         let [b, tq, h] = q.dims();
         let split = |x: Tensor<Self, 3>| x.reshape([b, tq, heads, h / heads]).swap_dims(1, 2);
-        let scores = split(q).matmul(split(k).swap_dims(2, 3));
+        let mut scores = split(q).matmul(split(k).swap_dims(2, 3));
+        if causal {
+            // A large finite negative (not -inf): it is multiplied by `scale` before the softmax.
+            let future = Tensor::<Self, 2>::ones([tq, tq], &scores.device()).triu(1) * -1e30;
+            scores = scores + future.unsqueeze::<4>();
+        }
         let probs = t::<Self, 4>(Self::kiln_masked_softmax(p(scores), mask, scale));
         let dropped = attention_dropout::<Self>(probs.clone(), dropout, seed);
         let out = dropped.matmul(split(v)).swap_dims(1, 2).reshape([b, tq, h]);
@@ -530,7 +538,32 @@ pub fn attention<B: KilnBackend>(
     } else {
         (0.0, 0)
     };
-    let (out, _) = B::kiln_attention(p(q), p(k), p(v), p(mask), heads, scale, dropout, seed);
+    let (out, _) = B::kiln_attention(
+        p(q),
+        p(k),
+        p(v),
+        p(mask),
+        heads,
+        false,
+        scale,
+        dropout,
+        seed,
+    );
+    t(out)
+}
+
+/// Causal multi-head self-attention for `q, k, v [B, T, H]` (`heads` heads side by side; keys and
+/// values already repeated for grouped-query attention): query `i` attends to keys `0..=i`.
+pub fn causal_attention<B: KilnBackend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    heads: usize,
+) -> Tensor<B, 3> {
+    let [b, tq, h] = q.dims();
+    let scale = 1.0 / ((h / heads) as f64).sqrt();
+    let mask = Tensor::<B, 2>::zeros([b, tq], &q.device());
+    let (out, _) = B::kiln_attention(p(q), p(k), p(v), p(mask), heads, true, scale, 0.0, 0);
     t(out)
 }
 

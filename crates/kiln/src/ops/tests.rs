@@ -218,9 +218,14 @@ fn attention_matches_composed_ops() {
         rand([b * t, h], 13),
     ];
     let split = |x: Tensor<CpuTrain, 2>| x.reshape([b, t, heads, h / heads]).swap_dims(1, 2);
-    for (dropout, seed) in [(0.0, 0), (0.3, 77)] {
+    for (dropout, seed, causal) in [
+        (0.0, 0, false),
+        (0.3, 77, false),
+        (0.0, 0, true),
+        (0.3, 5, true),
+    ] {
         check(
-            &format!("attention p={dropout}"),
+            &format!("attention p={dropout} causal={causal}"),
             inputs.clone(),
             |x| {
                 let r = |i: usize| x[i].clone().reshape([b, t, h]);
@@ -230,6 +235,7 @@ fn attention_matches_composed_ops() {
                     p(r(2)),
                     p(mask.clone()),
                     heads,
+                    causal,
                     0.5,
                     dropout,
                     seed,
@@ -238,7 +244,15 @@ fn attention_matches_composed_ops() {
             },
             |x| {
                 let scores = split(x[0].clone()).matmul(split(x[1].clone()).swap_dims(2, 3));
-                let probs = softmax(scores * 0.5 + mask.clone().reshape([b, 1, 1, t]), 3);
+                let mut scores = scores * 0.5 + mask.clone().reshape([b, 1, 1, t]);
+                if causal {
+                    let future = Tensor::<CpuTrain, 2>::ones([t, t], &Default::default()).triu(1);
+                    scores = scores.mask_fill(
+                        future.bool().unsqueeze::<4>().expand([b, heads, t, t]),
+                        f32::MIN,
+                    );
+                }
+                let probs = softmax(scores, 3);
                 let probs = if dropout > 0.0 {
                     let m = Cpu::kiln_dropout_mask(
                         probs.shape(),
