@@ -111,13 +111,6 @@ impl<B: KilnBackend> RmsNorm<B> {
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let inv_rms = x
-            .clone()
-            .powi_scalar(2)
-            .mean_dim(D - 1)
-            .add_scalar(self.eps)
-            .sqrt()
-            .recip();
-        x * inv_rms * self.weight.val().unsqueeze::<D>()
+        ops::rms_norm(x, self.weight.val(), self.eps)
     }
 }

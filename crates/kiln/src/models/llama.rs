@@ -7,7 +7,7 @@
 
 use burn::module::AutodiffModule;
 use burn::module::{Ignored, Module};
-use burn::tensor::activation::{silu, softmax};
+use burn::tensor::activation::softmax;
 use burn::tensor::{backend::Backend, ElementConversion, Int, Tensor, TensorData};
 
 use super::layers::{Embedding, Linear, RmsNorm};
@@ -231,8 +231,8 @@ impl<B: KilnBackend> LlamaMlp<B> {
     }
 
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let gate = silu(self.gate_proj.forward(x.clone()));
-        self.down_proj.forward(gate * self.up_proj.forward(x))
+        let gated = ops::swiglu(self.gate_proj.forward(x.clone()), self.up_proj.forward(x));
+        self.down_proj.forward(gated)
     }
 }
 

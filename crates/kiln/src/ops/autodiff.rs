@@ -71,6 +71,35 @@ impl<B: KilnBackend> Backward<B, 1> for Gelu {
 }
 
 #[derive(Debug)]
+struct RmsNormOp;
+impl<B: KilnBackend> Backward<B, 2> for RmsNormOp {
+    /// x, w, 1/rms.
+    type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (x, w, rinv) = ops.state;
+        let (dx, dw) = B::kiln_rms_norm_backward(x, w, rinv, dy);
+        let [px, pw] = ids!(ops);
+        give::<B>(grads, px, Some(dx));
+        give::<B>(grads, pw, Some(dw));
+    }
+}
+
+#[derive(Debug)]
+struct SwigluOp;
+impl<B: KilnBackend> Backward<B, 2> for SwigluOp {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (g, u) = ops.state;
+        let (dg, du) = B::kiln_swiglu_backward(g, u, dy);
+        let [pg, pu] = ids!(ops);
+        give::<B>(grads, pg, Some(dg));
+        give::<B>(grads, pu, Some(du));
+    }
+}
+
+#[derive(Debug)]
 struct LayerNormOp;
 impl<B: KilnBackend> Backward<B, 3> for LayerNormOp {
     /// x, w, mean, 1/σ.
@@ -285,6 +314,36 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
                 prep.finish(x.primitive, y)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::kiln_gelu(x.primitive)),
+        }
+    }
+
+    fn kiln_rms_norm(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (y, rinv) = B::kiln_rms_norm(x.primitive.clone(), w.primitive.clone(), eps);
+        let rinv_out = Self::from_inner(rinv.clone());
+        let out = match RmsNormOp
+            .prepare::<C>([x.node.clone(), w.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((x.primitive, w.primitive, rinv), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        };
+        (out, rinv_out)
+    }
+
+    fn kiln_swiglu(g: FloatTensor<Self>, u: FloatTensor<Self>) -> FloatTensor<Self> {
+        let y = B::kiln_swiglu(g.primitive.clone(), u.primitive.clone());
+        match SwigluOp
+            .prepare::<C>([g.node.clone(), u.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((g.primitive, u.primitive), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }
 

@@ -594,6 +594,143 @@ impl KilnBackend for Cpu {
         tensor(&shape, dx)
     }
 
+    fn kiln_rms_norm(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let _p = super::profile::scope("rms_norm_fwd");
+        let (x, w) = (dense(x), dense(w));
+        let (r, h) = (x.shape()[0], x.shape()[1]);
+        let ws = slice(&w);
+        let mut y = vec![0f32; r * h];
+        let mut rinv = vec![0f32; r];
+        let task = rows_per_task(h);
+        y.par_chunks_mut(task * h)
+            .zip(rinv.par_chunks_mut(task))
+            .zip(slice(&x).par_chunks(task * h))
+            .for_each(|((yc, rc), xc)| {
+                for ((yr, ri), xr) in yc.chunks_mut(h).zip(rc.iter_mut()).zip(xc.chunks(h)) {
+                    simd(
+                        #[inline(always)]
+                        || {
+                            let ms = sum_by(h, |i| xr[i] * xr[i]) / h as f32;
+                            let inv = 1.0 / (ms + eps as f32).sqrt();
+                            *ri = inv;
+                            for i in 0..h {
+                                yr[i] = xr[i] * inv * ws[i];
+                            }
+                        },
+                    );
+                }
+            });
+        (tensor(&[r, h], y), tensor(&[r], rinv))
+    }
+
+    fn kiln_rms_norm_backward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        rinv: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let _p = super::profile::scope("rms_norm_bwd");
+        let (x, w, rinv, dy) = (dense(x), dense(w), dense(rinv), dense(dy));
+        let (r, h) = (x.shape()[0], x.shape()[1]);
+        let (ws, rs) = (slice(&w), slice(&rinv));
+        let mut dx = vec![0f32; r * h];
+        let task = rows_per_task(h);
+        // dx per row; dw as per-task partial sums, added up afterwards.
+        let partials: Vec<Vec<f32>> = dx
+            .par_chunks_mut(task * h)
+            .zip(slice(&x).par_chunks(task * h))
+            .zip(slice(&dy).par_chunks(task * h))
+            .enumerate()
+            .map(|(t, ((dxc, xc), dyc))| {
+                let mut dw = vec![0f32; h];
+                let mut xhat = vec![0f32; h];
+                for (j, ((dxr, xr), dyr)) in dxc
+                    .chunks_mut(h)
+                    .zip(xc.chunks(h))
+                    .zip(dyc.chunks(h))
+                    .enumerate()
+                {
+                    let inv = rs[t * task + j];
+                    simd(
+                        #[inline(always)]
+                        || {
+                            for i in 0..h {
+                                xhat[i] = xr[i] * inv;
+                                dw[i] += dyr[i] * xhat[i];
+                            }
+                            let c = sum_by(h, |i| dyr[i] * ws[i] * xhat[i]) / h as f32;
+                            for i in 0..h {
+                                dxr[i] = inv * (dyr[i] * ws[i] - xhat[i] * c);
+                            }
+                        },
+                    );
+                }
+                dw
+            })
+            .collect();
+        let mut dw = vec![0f32; h];
+        for pw in partials {
+            for (a, b) in dw.iter_mut().zip(pw) {
+                *a += b;
+            }
+        }
+        (tensor(&[r, h], dx), tensor(&[h], dw))
+    }
+
+    fn kiln_swiglu(g: FloatTensor<Self>, u: FloatTensor<Self>) -> FloatTensor<Self> {
+        let _p = super::profile::scope("swiglu_fwd");
+        let (g, u) = (dense(g), dense(u));
+        let shape = g.shape().to_vec();
+        let mut y = slice(&g).to_vec();
+        y.par_chunks_mut(16_384)
+            .zip(slice(&u).par_chunks(16_384))
+            .for_each(|(yc, uc)| {
+                simd(
+                    #[inline(always)]
+                    || {
+                        for (v, &uv) in yc.iter_mut().zip(uc) {
+                            *v = *v / (1.0 + exp_fast(-*v)) * uv;
+                        }
+                    },
+                )
+            });
+        tensor(&shape, y)
+    }
+
+    fn kiln_swiglu_backward(
+        g: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let _p = super::profile::scope("swiglu_bwd");
+        let (g, u, dy) = (dense(g), dense(u), dense(dy));
+        let shape = g.shape().to_vec();
+        let mut dg = slice(&g).to_vec();
+        let mut du = slice(&dy).to_vec();
+        dg.par_chunks_mut(16_384)
+            .zip(du.par_chunks_mut(16_384))
+            .zip(slice(&u).par_chunks(16_384))
+            .zip(slice(&dy).par_chunks(16_384))
+            .for_each(|(((gc, duc), uc), dyc)| {
+                simd(
+                    #[inline(always)]
+                    || {
+                        for i in 0..gc.len() {
+                            let x = gc[i];
+                            let s = 1.0 / (1.0 + exp_fast(-x));
+                            gc[i] = dyc[i] * uc[i] * s * (1.0 + x * (1.0 - s));
+                            duc[i] = dyc[i] * x * s;
+                        }
+                    },
+                )
+            });
+        (tensor(&shape, dg), tensor(&shape, du))
+    }
+
     fn kiln_layer_norm(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,

@@ -157,6 +157,63 @@ pub trait KilnBackend: Backend {
         p(t::<Self, 1>(dy) * (cdf + x * pdf))
     }
 
+    /// RMS norm of the rows of `x [R, H]` (Llama's `RMSNorm`): `x / sqrt(mean(x²) + eps) · w`; also
+    /// returns each row's `1 / rms` for the backward.
+    fn kiln_rms_norm(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let x = t::<Self, 2>(x);
+        let r = x.dims()[0];
+        let rinv = x
+            .clone()
+            .powi_scalar(2)
+            .mean_dim(1)
+            .add_scalar(eps)
+            .sqrt()
+            .recip();
+        let y = x * rinv.clone() * t::<Self, 1>(w).unsqueeze_dim(0);
+        (p(y), p(rinv.reshape([r])))
+    }
+
+    /// `(dx, dw)` of [`Self::kiln_rms_norm`]: with `x̂ = x/rms` and `g = dy·w`,
+    /// `dx = (g − x̂·mean(g·x̂)) / rms` and `dw = Σ_rows dy·x̂`.
+    fn kiln_rms_norm_backward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        rinv: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (x, dy) = (t::<Self, 2>(x), t::<Self, 2>(dy));
+        let [r, h] = x.dims();
+        let rinv = t::<Self, 1>(rinv).reshape([r, 1]);
+        let xhat = x * rinv.clone();
+        let dw = (dy.clone() * xhat.clone()).sum_dim(0).reshape([h]);
+        let g = dy * t::<Self, 1>(w).unsqueeze_dim(0);
+        let c = (g.clone() * xhat.clone()).mean_dim(1);
+        (p((g - xhat * c) * rinv), p(dw))
+    }
+
+    /// SwiGLU's gate: `silu(g) · u`, element-wise over flat tensors.
+    fn kiln_swiglu(g: FloatTensor<Self>, u: FloatTensor<Self>) -> FloatTensor<Self> {
+        let g = t::<Self, 1>(g);
+        p(burn::tensor::activation::silu(g) * t::<Self, 1>(u))
+    }
+
+    /// `(dg, du)` of [`Self::kiln_swiglu`]: `dg = dy·u·σ(g)(1 + g(1 − σ(g)))`, `du = dy·silu(g)`.
+    fn kiln_swiglu_backward(
+        g: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (g, u, dy) = (t::<Self, 1>(g), t::<Self, 1>(u), t::<Self, 1>(dy));
+        let s = burn::tensor::activation::sigmoid(g.clone());
+        let silu = g.clone() * s.clone();
+        let dsilu = s.clone() * ((g * (s.neg() + 1.0)) + 1.0);
+        (p(dy.clone() * u * dsilu), p(dy * silu))
+    }
+
     /// Layer norm over the last dimension; also returns each row's mean and 1/σ for the backward.
     fn kiln_layer_norm(
         x: FloatTensor<Self>,
@@ -438,6 +495,30 @@ pub fn layer_norm<B: KilnBackend, const D: usize>(
     let r: usize = dims[..D - 1].iter().product();
     let (y, _, _) = B::kiln_layer_norm(p(reshape(x, [r, h])), p(w), p(b), eps);
     reshape(t::<B, 2>(y), dims)
+}
+
+/// RMS norm over the last dimension (Llama's `RMSNorm`).
+pub fn rms_norm<B: KilnBackend, const D: usize>(
+    x: Tensor<B, D>,
+    w: Tensor<B, 1>,
+    eps: f64,
+) -> Tensor<B, D> {
+    let dims = x.dims();
+    let h = dims[D - 1];
+    let r: usize = dims[..D - 1].iter().product();
+    let (y, _) = B::kiln_rms_norm(p(reshape(x, [r, h])), p(w), eps);
+    reshape(t::<B, 2>(y), dims)
+}
+
+/// `silu(gate) · up` (the SwiGLU MLP's gate), element-wise.
+pub fn swiglu<B: KilnBackend, const D: usize>(
+    gate: Tensor<B, D>,
+    up: Tensor<B, D>,
+) -> Tensor<B, D> {
+    let dims = gate.dims();
+    let n: usize = dims.iter().product();
+    let y = B::kiln_swiglu(p(reshape(gate, [n])), p(reshape(up, [n])));
+    reshape(t::<B, 1>(y), dims)
 }
 
 /// `layer_norm(dropout(x) + residual)` over the last dimension (dropout only in training).

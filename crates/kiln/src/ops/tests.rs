@@ -358,3 +358,54 @@ fn reshape_relabels_without_copying_and_differentiates() {
     let a1 = addr(&owned);
     assert_eq!(addr(&Cpu::kiln_reshape(owned, Shape::new([6]))), a1);
 }
+
+#[test]
+fn rms_norm_matches_f64_and_composed_gradients() {
+    let (r, h) = (37, 48);
+    let (x, w) = (rand([r, h], 21), rand([1, h], 22));
+    // values against an f64 computation
+    let (xs, ws) = (host(x.clone().inner()), host(w.clone().inner()));
+    let fused = super::rms_norm(x.clone(), w.clone().reshape([h]), 1e-5);
+    let got = host(fused.clone().inner());
+    let mut worst = 0f64;
+    for (row, out) in xs.chunks(h).zip(got.chunks(h)) {
+        let ms = row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / h as f64;
+        let inv = 1.0 / (ms + 1e-5).sqrt();
+        for i in 0..h {
+            let exact = row[i] as f64 * inv * ws[i] as f64;
+            worst = worst.max((out[i] as f64 - exact).abs() / exact.abs().max(1e-3));
+        }
+    }
+    assert!(worst < 1e-6, "rms_norm value: worst rel err {worst:e}");
+    // gradients against Burn's autodiff of the composed formula
+    let upstream = Tensor::<CpuTrain, 2>::from_inner(rand([r, h], 99).inner());
+    let ga = (fused * upstream.clone()).sum().backward();
+    let inv = (x.clone() * x.clone())
+        .mean_dim(1)
+        .add_scalar(1e-5)
+        .sqrt()
+        .recip();
+    let gb = (x.clone() * inv * w.clone() * upstream).sum().backward();
+    for (name, a, b) in [
+        ("dx", x.grad(&ga), x.grad(&gb)),
+        ("dw", w.grad(&ga), w.grad(&gb)),
+    ] {
+        assert_close(
+            &format!("rms_norm {name}"),
+            host(a.unwrap()),
+            host(b.unwrap()),
+            1e-4,
+        );
+    }
+}
+
+#[test]
+fn swiglu_matches_composed() {
+    let inputs = [rand([37, 48], 23), rand([37, 48], 24)];
+    check(
+        "swiglu",
+        inputs,
+        |t| super::swiglu(t[0].clone(), t[1].clone()),
+        |t| burn::tensor::activation::silu(t[0].clone()) * t[1].clone(),
+    );
+}
