@@ -17,6 +17,17 @@ fn kiln() -> Command {
     c
 }
 
+/// Runs `cmd`, fails the test with its stderr unless it succeeds, and returns its stdout.
+fn succeed(cmd: &mut Command) -> Vec<u8> {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
 /// SmolLM2-135M converted from its GGUF by `kiln convert`, once per test binary.
 fn converted() -> Option<&'static Path> {
     let gguf = asset("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")?;
@@ -24,19 +35,14 @@ fn converted() -> Option<&'static Path> {
     Some(DIR.get_or_init(|| {
         // Under target/tmp, overwritten by every run (not a cache: the conversion is under test).
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-smollm2");
-        let out = kiln()
-            .args(["convert", "--from-gguf"])
-            .arg(&gguf)
-            .arg("--out")
-            .arg(&dir)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        let stdout = succeed(
+            kiln()
+                .args(["convert", "--from-gguf"])
+                .arg(&gguf)
+                .arg("--out")
+                .arg(&dir),
         );
-        let report = String::from_utf8_lossy(&out.stdout);
+        let report = String::from_utf8_lossy(&stdout);
         assert!(
             report.contains("272 tensors") && report.contains("tied embeddings: true"),
             "{report}"
@@ -81,19 +87,14 @@ fn convert_generate_train_and_eval_smollm2() {
         .iter()
         .map(|v| v.as_u64().unwrap())
         .collect();
-    let out = kiln()
-        .args(["generate", "--model"])
-        .arg(model)
-        .args(["--prompt", p0["text"].as_str().unwrap()])
-        .args(["--max-new-tokens", "8", "--ignore-eos", "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = succeed(
+        kiln()
+            .args(["generate", "--model"])
+            .arg(model)
+            .args(["--prompt", p0["text"].as_str().unwrap()])
+            .args(["--max-new-tokens", "8", "--ignore-eos", "--json"]),
     );
-    let g: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let g: serde_json::Value = serde_json::from_slice(&stdout).unwrap();
     let got: Vec<u64> = g["new_ids"]
         .as_array()
         .unwrap()
@@ -152,20 +153,15 @@ fn convert_generate_train_and_eval_smollm2() {
     );
 
     // `kiln eval` on the saved folder gives the trainer's final evaluation.
-    let out = kiln()
-        .args(["eval", "--task", "causal-lm", "--model"])
-        .arg(&run)
-        .arg("--eval-file")
-        .arg(&eval)
-        .args(["--block-size", "32"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = succeed(
+        kiln()
+            .args(["eval", "--task", "causal-lm", "--model"])
+            .arg(&run)
+            .arg("--eval-file")
+            .arg(&eval)
+            .args(["--block-size", "32"]),
     );
-    let m: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let m: serde_json::Value = serde_json::from_slice(&stdout).unwrap();
     let again = m["eval_loss"].as_f64().unwrap();
     assert!(
         (again - loss).abs() < 1e-5 * loss,

@@ -16,6 +16,7 @@ use crate::error::Result;
 use crate::hub::llama_config::LlamaConfig;
 use crate::models::llama::KvCache;
 use crate::tasks::causal_lm::{load_model, load_tokenizer};
+use crate::train::metrics::argmax;
 use crate::train::optim::{AdamWConfig, Optimizer, OptimizerType};
 use crate::train::BatchSource;
 
@@ -49,24 +50,25 @@ pub fn llama_forward_flops(c: &LlamaConfig, batch: usize, seq: usize) -> f64 {
     batch as f64 * (2.0 * per_token * t + 4.0 * l * q * t * t)
 }
 
-/// The first blocks of the corpus, tokenized and packed as `kiln train --task causal-lm` does.
+/// The first blocks of the corpus, tokenized and packed as `kiln train --task causal-lm` does:
+/// documents are tokenized one at a time until `needed` blocks are full.
 fn first_blocks(dir: &Path, corpus: &Path, block: usize, needed: usize) -> Result<LmBlocks> {
     let tok = load_tokenizer(dir)?;
-    let config = LlamaConfig::from_file(&dir.join("config.json"))?;
+    let eos = LlamaConfig::from_file(&dir.join("config.json"))?
+        .eos_ids()
+        .first()
+        .copied();
     let (docs, _) = read_documents(corpus, "text", TextEncoding::Utf8, false)?;
-    let mut take = 1;
-    loop {
-        let b = LmBlocks::from_documents(
-            &tok,
-            &docs[..take],
-            config.eos_ids().first().copied(),
-            block,
-        )?;
-        if b.len() >= needed || take == docs.len() {
-            return Ok(b);
+    let mut stream = Vec::new();
+    let mut used = 0;
+    for doc in docs.chunks(1) {
+        if stream.len() >= needed * block {
+            break;
         }
-        take += 1;
+        stream.extend(LmBlocks::token_stream(&tok, doc, eos)?);
+        used += 1;
     }
+    Ok(LmBlocks::pack(stream, block, used))
 }
 
 /// AdamW (lr 1e-4, no weight decay) steps on batches of 4 blocks of 128 tokens of the corpus.
@@ -165,21 +167,9 @@ pub fn generate(dir: &Path, warmup: usize, tokens: usize) -> Result<BenchResult>
         if i == warmup + 1 {
             let _ = crate::ops::profile::take(); // the profile covers the timed steps only
         }
-        let n = input.len();
         let past = cache.len();
         let t0 = Instant::now();
-        let ids = Tensor::<Cpu, 2, Int>::from_data(TensorData::new(input, [1, n]), &device);
-        let h = model.hidden(ids, Some(&mut cache));
-        let hd = h.dims()[2];
-        let logits: Vec<f32> = model
-            .project(h.slice([0..1, n - 1..n, 0..hd]).reshape([1, hd]))
-            .into_data()
-            .into_vec()
-            .expect("f32 logits");
-        let next = logits
-            .iter()
-            .enumerate()
-            .fold(0, |b, (j, &v)| if v > logits[b] { j } else { b });
+        let next = argmax(&model.next_token_logits(&input, &mut cache));
         let dt = t0.elapsed().as_secs_f64();
         // Step 0 is the prompt (prefill); the next `warmup` tokens warm up.
         if i > warmup {

@@ -79,6 +79,12 @@ impl LmBlocks {
                 "--block-size {block_size}: a block needs at least 2 tokens"
             )));
         }
+        let stream = Self::token_stream(tok, docs, eos)?;
+        Ok(Self::pack(stream, block_size, docs.len()))
+    }
+
+    /// `docs` tokenized and concatenated, each followed by `eos` (unless it already ends with it).
+    pub fn token_stream(tok: &Tokenizer, docs: &[String], eos: Option<u32>) -> Result<Vec<u32>> {
         let enc = tok
             .encode_batch(docs.iter().map(String::as_str).collect::<Vec<_>>(), true)
             .map_err(|e| KilnError::Data(format!("tokenization failed: {e}")))?;
@@ -91,7 +97,7 @@ impl LmBlocks {
                 }
             }
         }
-        Ok(Self::pack(stream, block_size, docs.len()))
+        Ok(stream)
     }
 
     /// Cuts a token stream into blocks.

@@ -70,12 +70,7 @@ pub struct BertConfig {
 
 impl BertConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| KilnError::io(path, e))?;
-        let cfg: Self = serde_json::from_str(&text).map_err(|e| KilnError::Parse {
-            path: path.to_path_buf(),
-            line: e.line(),
-            msg: e.to_string(),
-        })?;
+        let cfg: Self = super::read_json(path)?;
         if !cfg.hidden_size.is_multiple_of(cfg.num_attention_heads) {
             return Err(KilnError::Config(format!(
                 "{}: hidden_size {} is not a multiple of num_attention_heads {}",

@@ -86,12 +86,7 @@ pub enum RopeScaling {
 
 impl LlamaConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| KilnError::io(path, e))?;
-        let cfg: Self = serde_json::from_str(&text).map_err(|e| KilnError::Parse {
-            path: path.to_path_buf(),
-            line: e.line(),
-            msg: e.to_string(),
-        })?;
+        let cfg: Self = super::read_json(path)?;
         cfg.validate()
             .map_err(|m| KilnError::Config(format!("{}: {m}", path.display())))?;
         Ok(cfg)

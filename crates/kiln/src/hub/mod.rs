@@ -20,3 +20,13 @@ pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
     std::fs::write(&tmp, bytes).map_err(|e| KilnError::io(&tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| KilnError::io(path, e))
 }
+
+/// A JSON file parsed as `T`; a syntax or schema error names the file and line.
+pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|e| KilnError::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| KilnError::Parse {
+        path: path.to_path_buf(),
+        line: e.line(),
+        msg: e.to_string(),
+    })
+}

@@ -189,6 +189,40 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>> {
     Ok(out)
 }
 
+/// Every weight of a model folder: `model.safetensors`, or the shards listed in
+/// `model.safetensors.index.json` (transformers' layout for large models).
+pub fn read_model_weights(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return read_safetensors(&single);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    if !index.exists() {
+        return Err(KilnError::Config(format!(
+            "{}: no model.safetensors or model.safetensors.index.json",
+            dir.display()
+        )));
+    }
+    let json: serde_json::Value = super::read_json(&index)?;
+    let map = json["weight_map"].as_object().ok_or_else(|| {
+        KilnError::Config(format!("{}: no \"weight_map\" object", index.display()))
+    })?;
+    let mut shards: Vec<&str> = map.values().filter_map(|v| v.as_str()).collect();
+    shards.sort_unstable();
+    shards.dedup();
+    let mut out = BTreeMap::new();
+    for shard in shards {
+        out.extend(read_safetensors(&dir.join(shard))?);
+    }
+    if let Some(name) = map.keys().find(|name| !out.contains_key(*name)) {
+        return Err(KilnError::Weights(format!(
+            "{}: {name} is listed but no shard holds it",
+            index.display()
+        )));
+    }
+    Ok(out)
+}
+
 /// How tensors are stored in a written safetensors file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoreDtype {

@@ -320,6 +320,22 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
         }
     }
 
+    /// One decoding step for a single sequence: `ids` continue the cached positions (the whole
+    /// prompt first, then one token at a time); returns the vocabulary logits of the last one.
+    pub fn next_token_logits(&self, ids: &[i64], cache: &mut KvCache<B>) -> Vec<f32> {
+        let n = ids.len();
+        let device = self.model.embed_tokens.weight.device();
+        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids.to_vec(), [1, n]), &device);
+        let h = self.hidden(ids, Some(cache));
+        let hd = h.dims()[2];
+        let last = h.slice([0..1, n - 1..n, 0..hd]).reshape([1, hd]);
+        self.project(last)
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .expect("f32 logits")
+    }
+
     /// Logits `[B, T, vocab]`.
     pub fn forward(&self, ids: Tensor<B, 2, Int>, cache: Option<&mut KvCache<B>>) -> Tensor<B, 3> {
         self.project(self.hidden(ids, cache))

@@ -155,7 +155,9 @@ fn matmul(
     }
 }
 
-/// `x · w` for two equal-length slices, in 16 independent lanes (so it vectorises).
+/// `x · w` for two equal-length slices, in 16 independent lanes (so it vectorises). Not
+/// [`sum_by`]: its indexed closure keeps bounds checks in this loop, and decoding measured 46 ms
+/// per token with it against 26–33 ms with these chunked slices.
 #[inline]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 16];

@@ -2,11 +2,9 @@
 //! pretraining, or pretraining from `--from-config`), `kiln eval --task causal-lm` (perplexity) and
 //! `kiln generate` (KV-cached decoding, greedy or sampled).
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use burn::tensor::{Int, Tensor, TensorData};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use tokenizers::Tokenizer;
 use tracing::info;
@@ -15,52 +13,12 @@ use crate::data::lm::{read_documents, LmBlocks};
 use crate::data::TextEncoding;
 use crate::error::{KilnError, Result};
 use crate::hub::llama_config::LlamaConfig;
-use crate::hub::weights::{load_into, read_safetensors, HostTensor};
+use crate::hub::weights::{load_into, read_model_weights};
 use crate::models::llama::{KvCache, LlamaForCausalLM};
 use crate::ops::{KilnBackend, TrainBackend};
 use crate::train::checkpoint::ModelFiles;
-use crate::train::trainer::{evaluate, format_metrics, write_json, EvalOutput, TrainOutput};
+use crate::train::trainer::{evaluate, EvalOutput, TrainOutput};
 use crate::train::{CrossEntropy, Trainer, TrainingArguments};
-
-/// Every weight of a model folder: `model.safetensors`, or the shards listed in
-/// `model.safetensors.index.json` (transformers' layout for large models).
-pub fn read_model_weights(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
-    let single = dir.join("model.safetensors");
-    if single.exists() {
-        return read_safetensors(&single);
-    }
-    let index = dir.join("model.safetensors.index.json");
-    let text = std::fs::read_to_string(&index).map_err(|_| {
-        KilnError::Config(format!(
-            "{}: no model.safetensors or model.safetensors.index.json",
-            dir.display()
-        ))
-    })?;
-    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| KilnError::Parse {
-        path: index.clone(),
-        line: e.line(),
-        msg: e.to_string(),
-    })?;
-    let map = json["weight_map"].as_object().ok_or_else(|| {
-        KilnError::Config(format!("{}: no \"weight_map\" object", index.display()))
-    })?;
-    let mut shards: Vec<&str> = map.values().filter_map(|v| v.as_str()).collect();
-    shards.sort_unstable();
-    shards.dedup();
-    let mut out = BTreeMap::new();
-    for shard in shards {
-        out.extend(read_safetensors(&dir.join(shard))?);
-    }
-    for name in map.keys() {
-        if !out.contains_key(name) {
-            return Err(KilnError::Weights(format!(
-                "{}: {name} is listed but no shard holds it",
-                index.display()
-            )));
-        }
-    }
-    Ok(out)
-}
 
 /// Loads `LlamaForCausalLM` from a Hugging Face folder; every parameter must be present.
 pub fn load_model<B: KilnBackend>(
@@ -249,31 +207,11 @@ pub fn train<B: TrainBackend>(
         .map(|f| source.join(f))
         .collect(),
     };
-    let output_dir = args.output_dir.clone();
     let mut model = model;
     model.gradient_checkpointing = args.gradient_checkpointing;
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), CrossEntropy, files);
     trainer.dist = crate::dist::init_from_env::<B::InnerBackend>(device)?;
-    let out = trainer.train(&train_set, eval_set.as_ref())?;
-    info!(
-        "***** train metrics *****  {}",
-        format_metrics(&out.metrics)
-    );
-    let eval_out = match &eval_set {
-        Some(e) => {
-            let ev = trainer.evaluate(e)?;
-            if trainer.is_main() {
-                info!("***** eval metrics *****  {}", format_metrics(&ev.metrics));
-                write_json(&output_dir.join("eval_results.json"), &ev.metrics)?;
-                let mut all = out.metrics.clone();
-                all.extend(ev.metrics.clone());
-                write_json(&output_dir.join("all_results.json"), &all)?;
-            }
-            Some(ev)
-        }
-        None => None,
-    };
-    Ok((out, eval_out))
+    trainer.train_and_evaluate(&train_set, eval_set.as_ref())
 }
 
 /// Loss and perplexity of a model folder on a held-out corpus.
@@ -350,13 +288,7 @@ impl Generation {
 /// Picks the next token from one row of logits.
 fn choose(logits: &[f32], o: &GenerateOptions, rng: &mut StdRng) -> u32 {
     if o.temperature <= 0.0 {
-        let mut best = 0;
-        for (i, &v) in logits.iter().enumerate() {
-            if v > logits[best] {
-                best = i;
-            }
-        }
-        return best as u32;
+        return crate::train::metrics::argmax(logits) as u32;
     }
     let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
     let mut probs: Vec<(u32, f64)> = logits
@@ -400,7 +332,6 @@ pub fn generate<B: KilnBackend>(
     if prompt_ids.is_empty() {
         return Err(KilnError::Config("the prompt encodes to no tokens".into()));
     }
-    let device = model.model.embed_tokens.weight.device();
     let eos = config.eos_ids();
     let mut rng = StdRng::seed_from_u64(o.seed);
     let mut cache = KvCache::new(model.num_layers());
@@ -410,17 +341,7 @@ pub fn generate<B: KilnBackend>(
     let start = Instant::now();
     let mut prefill_secs = 0.0;
     while new_ids.len() < o.max_new_tokens {
-        let n = input.len();
-        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(input.clone(), [1, n]), &device);
-        let h = model.hidden(ids, Some(&mut cache));
-        let hd = h.dims()[2];
-        let last = h.slice([0..1, n - 1..n, 0..hd]).reshape([1, hd]);
-        let logits = model
-            .project(last)
-            .into_data()
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .map_err(|e| KilnError::Data(format!("{e:?}")))?;
+        let logits = model.next_token_logits(&input, &mut cache);
         let next = choose(&logits, o, &mut rng);
         if new_ids.is_empty() {
             prefill_secs = start.elapsed().as_secs_f64();

@@ -14,7 +14,7 @@ use crate::hub::weights::{load_into, read_safetensors};
 use crate::models::bert::BertForSequenceClassification;
 use crate::train::checkpoint::ModelFiles;
 use crate::train::metrics::argmax;
-use crate::train::trainer::{evaluate, format_metrics, write_json, EvalOutput, TrainOutput};
+use crate::train::trainer::{evaluate, EvalOutput, TrainOutput};
 use crate::train::{BatchSource, Classifier, CrossEntropy, Loss, Trainer, TrainingArguments};
 
 /// Batches of a tokenized classification set.
@@ -227,7 +227,6 @@ pub fn train<B: TrainBackend, L: Loss>(
     if args.gradient_checkpointing {
         warn!("--gradient-checkpointing applies to causal LMs; BERT trains without it");
     }
-    let output_dir = args.output_dir.clone();
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files);
     trainer.label_names = Some(labels.names().to_vec());
     trainer.dist = crate::dist::init_from_env::<B::InnerBackend>(device)?;
@@ -239,29 +238,7 @@ pub fn train<B: TrainBackend, L: Loss>(
     };
     let train_b = batches(train_set);
     let eval_b = data.eval.as_ref().map(batches);
-    let out = trainer.train(&train_b, eval_b.as_ref())?;
-    info!(
-        "***** train metrics *****  {}",
-        format_metrics(&out.metrics)
-    );
-    let eval_out = match &eval_b {
-        Some(e) => {
-            let ev = trainer.evaluate(e)?;
-            if trainer.is_main() {
-                info!("***** eval metrics *****  {}", format_metrics(&ev.metrics));
-                write_json(&output_dir.join("eval_results.json"), &ev.metrics)?;
-                if let Some(r) = &ev.report {
-                    write_json(&output_dir.join("eval_report.json"), r)?;
-                }
-                let mut all = out.metrics.clone();
-                all.extend(ev.metrics.clone());
-                write_json(&output_dir.join("all_results.json"), &all)?;
-            }
-            Some(ev)
-        }
-        None => None,
-    };
-    Ok((out, eval_out))
+    trainer.train_and_evaluate(&train_b, eval_b.as_ref())
 }
 
 /// Evaluates a fine-tuned classifier on labelled data.

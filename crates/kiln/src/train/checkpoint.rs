@@ -173,11 +173,4 @@ pub fn rotate_checkpoints(output_dir: &Path, limit: usize, keep: Option<&Path>) 
     Ok(())
 }
 
-pub fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
-    let text = std::fs::read_to_string(path).map_err(|e| KilnError::io(path, e))?;
-    serde_json::from_str(&text).map_err(|e| KilnError::Parse {
-        path: path.to_path_buf(),
-        line: e.line(),
-        msg: e.to_string(),
-    })
-}
+pub use crate::hub::read_json;

@@ -584,6 +584,41 @@ where
     }
 
     /// Evaluates the current model (no dropout, no gradients) on `eval`.
+    /// [`train`](Self::train), then a final evaluation on `eval`. Rank 0 logs both and, as
+    /// transformers' example scripts do, writes `eval_results.json`, `eval_report.json` (with
+    /// classification metrics) and `all_results.json` into `output_dir`.
+    pub fn train_and_evaluate<S, E>(
+        &mut self,
+        train: &S,
+        eval: Option<&E>,
+    ) -> Result<(TrainOutput, Option<EvalOutput>)>
+    where
+        S: BatchSource<Batch = M::Batch>,
+        E: BatchSource<Batch = M::Batch>,
+    {
+        let out = self.train(train, eval)?;
+        info!(
+            "***** train metrics *****  {}",
+            format_metrics(&out.metrics)
+        );
+        let Some(eval) = eval else {
+            return Ok((out, None));
+        };
+        let ev = self.evaluate(eval)?;
+        if self.is_main() {
+            let dir = &self.args.output_dir;
+            info!("***** eval metrics *****  {}", format_metrics(&ev.metrics));
+            write_json(&dir.join("eval_results.json"), &ev.metrics)?;
+            if let Some(r) = &ev.report {
+                write_json(&dir.join("eval_report.json"), r)?;
+            }
+            let mut all = out.metrics.clone();
+            all.extend(ev.metrics.clone());
+            write_json(&dir.join("all_results.json"), &all)?;
+        }
+        Ok((out, Some(ev)))
+    }
+
     /// Under data parallelism each rank evaluates its share and the results are gathered, so every
     /// rank computes the metrics over the whole eval set.
     pub fn evaluate<E: BatchSource<Batch = M::Batch>>(&self, eval: &E) -> Result<EvalOutput> {
