@@ -14,6 +14,11 @@
   smollm2_generate  greedy decoding after "The capital of France is" with model.generate (KV
                     cache); each new token is a step, timed by a logits processor.
 
+  dp_allreduce_mnist  torch.distributed.all_reduce (gloo, what DDP uses on CPU) between two
+                      processes on this machine, of the MNIST MLP's gradient + loss (105,215
+                      floats), divided by the world size as DDP averages; a fresh buffer per step.
+  dp_allreduce_64mib  the same for 16,777,216 floats (kiln's all-reduce bucket).
+
 Prints `RESULT {json}` lines with the keys bench_hf.py uses, plus tokens_per_sec (real tokens).
 Usage: python scripts/bench_reference.py --only mnist_train,tweets_train [--threads 2]
 """
@@ -225,6 +230,35 @@ def smollm2_generate(model_dir, warmup, tokens):
     report("smollm2_generate_fp32", gaps, 1, ids.shape[1], [1] * len(gaps))
 
 
+def _allreduce_worker(rank, port, name, elements, warmup, steps):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    times = []
+    for step in range(warmup + steps):
+        t = torch.full((elements,), float(rank + step))
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        t /= 2
+        dt = time.perf_counter() - t0
+        assert float(t[0]) == step + 0.5
+        if step >= warmup:
+            times.append(dt)
+    if rank == 0:
+        # one all-reduce per step (samples/s = all-reduces/s); batch shows the world size
+        report(name + "_gloo", times, 1, 0, [elements] * len(times), {"batch": 2})
+    dist.destroy_process_group()
+
+
+def dp_allreduce(name, elements, warmup, steps):
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_allreduce_worker, args=(port, name, elements, warmup, steps), nprocs=2)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="mnist_train,tweets_train")
@@ -252,6 +286,11 @@ def main():
         smollm2_prefill(smollm2, args.lm_corpus, args.warmup, args.steps)
     if "smollm2_generate" in which:
         smollm2_generate(smollm2, args.warmup, args.generate_tokens)
+    if "dp_allreduce_mnist" in which:
+        dp_allreduce("dp_allreduce_mnist", 784 * 120 + 120 + 120 * 84 + 84 + 84 * 10 + 10 + 1,
+                     max(args.warmup, 5), args.mnist_steps)
+    if "dp_allreduce_64mib" in which:
+        dp_allreduce("dp_allreduce_64mib", 16 << 20, args.warmup, args.steps)
 
 
 if __name__ == "__main__":

@@ -155,6 +155,10 @@ struct LaunchCmd {
     /// Rendezvous port on node 0; worker r also uses master_port + 1 + r.
     #[arg(long, default_value_t = 29500)]
     master_port: u16,
+    /// This machine's address, reachable from every other machine: its workers serve their
+    /// tensors there (default: --master-addr, right when all workers run on node 0).
+    #[arg(long)]
+    node_addr: Option<String>,
     /// Seconds a worker waits for its peers (rendezvous, any collective) before the job fails.
     #[arg(long, default_value_t = 60)]
     timeout: u64,
@@ -166,10 +170,11 @@ struct LaunchCmd {
 #[derive(Args)]
 struct BenchCmd {
     /// Comma-separated rows: minilm_train, minilm_train_bf16, minilm_infer, bertbase_train,
-    /// mnist_train, tweets_train, smollm2_train, smollm2_prefill, smollm2_generate.
+    /// mnist_train, tweets_train, smollm2_train, smollm2_prefill, smollm2_generate,
+    /// dp_allreduce_mnist, dp_allreduce_64mib (two processes on this machine).
     #[arg(
         long,
-        default_value = "minilm_train,minilm_train_bf16,minilm_infer,bertbase_train,mnist_train,tweets_train,smollm2_train,smollm2_prefill,smollm2_generate"
+        default_value = "minilm_train,minilm_train_bf16,minilm_infer,bertbase_train,mnist_train,tweets_train,smollm2_train,smollm2_prefill,smollm2_generate,dp_allreduce_mnist,dp_allreduce_64mib"
     )]
     only: String,
     /// SmolLM2-135M GGUF for the smollm2 rows (converted once to hf/ beside it).
@@ -455,6 +460,11 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
         DeviceSpec::Cpu => run_on::<Cpu>(cli, matches, &CpuDevice::default()),
         #[cfg(feature = "cuda")]
         DeviceSpec::Cuda(index) => {
+            // Under a launcher, plain `cuda` is this worker's own GPU (torchrun's LOCAL_RANK).
+            let index = match std::env::var("LOCAL_RANK") {
+                Ok(r) if !cli.device.contains(':') => r.trim().parse().unwrap_or(index),
+                _ => index,
+            };
             kiln::backend::init_kernel_cache();
             let device = kiln::backend::CudaDevice::new(index);
             run_on::<kiln::backend::Cuda>(cli, matches, &device)
@@ -608,6 +618,7 @@ where
                 node_rank: cmd.node_rank,
                 master_addr: cmd.master_addr,
                 master_port: cmd.master_port,
+                node_addr: cmd.node_addr,
                 timeout: std::time::Duration::from_secs(cmd.timeout),
                 program,
                 args,

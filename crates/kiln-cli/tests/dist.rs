@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{asset, tiny_model_with};
+use common::{asset, max_abs_diff, model_weights as weights, tiny_model_with};
 
 fn kiln() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
@@ -64,25 +64,6 @@ fn setup(dropout: bool) -> Option<(tempfile::TempDir, PathBuf, PathBuf)> {
     };
     tiny_model_with(&model, &minilm, config);
     Some((tmp, model, tweets))
-}
-
-fn weights(dir: &Path) -> Vec<(String, Vec<f32>)> {
-    kiln::hub::weights::read_safetensors(&dir.join("model.safetensors"))
-        .unwrap()
-        .into_iter()
-        .map(|(k, t)| (k, t.data))
-        .collect()
-}
-
-fn max_abs_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .flat_map(|((ka, va), (kb, vb))| {
-            assert_eq!(ka, kb);
-            va.iter().zip(vb).map(|(x, y)| (x - y).abs())
-        })
-        .fold(0.0, f32::max)
 }
 
 /// The heart of data parallelism: 2 workers × batch 8 take the same optimizer steps as one process
@@ -189,6 +170,9 @@ fn a_killed_worker_stops_the_job_with_an_error() {
     };
     assert_eq!(workers.len(), 2, "launcher did not start 2 workers");
     std::thread::sleep(Duration::from_secs(4));
+    // While it trains, the rendezvous and both tensor services listen on the given address
+    // (loopback) only, never on every interface.
+    let listening = listeners(29631..=29633);
     let victim = workers[1];
     // SAFETY: signals a worker process this test's launcher started.
     unsafe { libc_kill(victim as i32, 9) };
@@ -216,11 +200,134 @@ fn a_killed_worker_stops_the_job_with_an_error() {
         err.contains("error: worker rank"),
         "no rank named in: {err}"
     );
+    let ports: Vec<u16> = listening.iter().map(|(_, p)| *p).collect();
+    assert_eq!(ports, [29631, 29632, 29633], "listeners: {listening:?}");
+    assert!(
+        listening.iter().all(|(ip, _)| ip == "127.0.0.1"),
+        "a job on loopback listened elsewhere: {listening:?}"
+    );
     eprintln!(
         "launcher exited {:?} after {:?}",
         status.code(),
         killed_at.elapsed()
     );
+}
+
+/// Listening TCP sockets on `ports` (Linux /proc/net/tcp and tcp6), as (address, port), by port.
+fn listeners(ports: std::ops::RangeInclusive<u16>) -> Vec<(String, u16)> {
+    let mut out = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let text = std::fs::read_to_string(table).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            let (Some(local), Some(&"0A")) = (cols.get(1), cols.get(3)) else {
+                continue; // 0A: LISTEN
+            };
+            let (ip, port) = local.split_once(':').unwrap();
+            let port = u16::from_str_radix(port, 16).unwrap();
+            if !ports.contains(&port) {
+                continue;
+            }
+            // IPv4 is one little-endian word; anything in tcp6 is shown as its hex.
+            let ip = match u32::from_str_radix(ip, 16) {
+                Ok(v) if ip.len() == 8 => std::net::Ipv4Addr::from(v.swap_bytes()).to_string(),
+                _ => ip.to_string(),
+            };
+            out.push((ip, port));
+        }
+    }
+    out.sort_by_key(|(_, p)| *p);
+    out
+}
+
+/// Runs a launch that must fail: it exits non-zero within `within`, and stderr says `expected`.
+fn launch_fails(args: &[&str], worker: Vec<String>, expected: &str, within: Duration) {
+    let t0 = Instant::now();
+    let out = kiln()
+        .arg("launch")
+        .args(args)
+        .arg("--")
+        .args(worker)
+        .output()
+        .unwrap();
+    let took = t0.elapsed();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "launch {args:?} succeeded");
+    assert!(
+        err.contains(expected),
+        "launch {args:?}: no {expected:?} in: {err}"
+    );
+    assert!(took < within, "launch {args:?} took {took:?}");
+}
+
+/// Wrong set-ups fail fast with an error that says what to change.
+#[test]
+fn launch_setup_errors_are_clear() {
+    let Some((tmp, model, tweets)) = setup(false) else {
+        return;
+    };
+    let worker = || train_args(&model, &tweets, 8, &tmp.path().join("run"), 4);
+    // The rendezvous port is taken.
+    let taken = std::net::TcpListener::bind(("127.0.0.1", 29671)).unwrap();
+    launch_fails(
+        &["--nproc-per-node", "2", "--master-port", "29671"],
+        worker(),
+        "pick another --master-port",
+        Duration::from_secs(10),
+    );
+    drop(taken);
+    // Node 0 must be MASTER_ADDR's machine (192.0.2.1 is a documentation address).
+    launch_fails(
+        &[
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "192.0.2.1",
+            "--master-port",
+            "29674",
+        ],
+        worker(),
+        "must be an address of this machine",
+        Duration::from_secs(10),
+    );
+    // No node 0 answers: node 1's worker gives up after --timeout, naming the rendezvous.
+    launch_fails(
+        &["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1"]
+            .into_iter()
+            .chain(["--master-port", "29677", "--timeout", "3"])
+            .collect::<Vec<_>>(),
+        worker(),
+        "rendezvous at 127.0.0.1:29677 did not complete within 3s",
+        Duration::from_secs(30),
+    );
+    // Node 0 thinks the job has 2 workers, node 1 thinks 3: the second to register is told so.
+    let node0 = kiln()
+        .args([
+            "launch",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--nproc-per-node",
+            "1",
+        ])
+        .args(["--master-port", "29680", "--timeout", "5", "--"])
+        .args(worker())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    launch_fails(
+        &["--nnodes", "3", "--node-rank", "1", "--nproc-per-node", "1"]
+            .into_iter()
+            .chain(["--master-port", "29680", "--timeout", "5"])
+            .collect::<Vec<_>>(),
+        worker(),
+        "different WORLD_SIZE than this one's 3",
+        Duration::from_secs(30),
+    );
+    let node0 = node0.wait_with_output().unwrap();
+    assert!(!node0.status.success(), "node 0 of a broken job succeeded");
 }
 
 extern "C" {

@@ -96,3 +96,24 @@ pub fn tweet_options(
         pad_to_max_length: false,
     }
 }
+
+/// A saved model folder's weights as (name, values), in name order.
+pub fn model_weights(dir: &std::path::Path) -> Vec<(String, Vec<f32>)> {
+    kiln::hub::weights::read_safetensors(&dir.join("model.safetensors"))
+        .unwrap()
+        .into_iter()
+        .map(|(k, t)| (k, t.data))
+        .collect()
+}
+
+/// The largest element-wise difference between two sets of the same weights.
+pub fn max_abs_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .flat_map(|((ka, va), (kb, vb))| {
+            assert_eq!(ka, kb);
+            va.iter().zip(vb).map(|(x, y)| (x - y).abs())
+        })
+        .fold(0.0, f32::max)
+}

@@ -123,6 +123,7 @@ fn manifests_set_the_launcher_contract() {
             node_rank: flag("--node-rank").parse().unwrap(),
             master_addr: flag("--master-addr"),
             master_port: flag("--master-port").parse().unwrap(),
+            node_addr: None,
             timeout: Duration::from_secs(flag("--timeout").parse().unwrap()),
             program: "kiln".into(),
             args: words[dashes + 1..].to_vec(),

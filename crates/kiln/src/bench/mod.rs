@@ -2,6 +2,7 @@
 //! in PyTorch (../shared/reference/bench_hf.py, and scripts/bench_reference.py for the rows it lacks)
 //! in the same invocation. Every row runs in its own process so its peak memory can be read.
 
+pub mod dp;
 pub mod llama;
 pub mod measure;
 pub mod rows;
@@ -176,6 +177,16 @@ pub const ROWS: &[RowSpec] = &[
         reference: Reference::Extra,
         pytorch_rows: &["smollm2_generate_fp32"],
     },
+    RowSpec {
+        key: "dp_allreduce_mnist",
+        reference: Reference::Extra,
+        pytorch_rows: &["dp_allreduce_mnist_gloo"],
+    },
+    RowSpec {
+        key: "dp_allreduce_64mib",
+        reference: Reference::Extra,
+        pytorch_rows: &["dp_allreduce_64mib_gloo"],
+    },
 ];
 
 /// What `kiln bench` runs.
@@ -291,6 +302,15 @@ pub fn run_row(key: &str, opts: &SuiteOptions) -> Result<BenchResult> {
         "smollm2_generate" => {
             let dir = llama::converted_folder(&opts.smollm2_gguf)?;
             llama::generate(&dir, w, opts.generate_tokens)
+        }
+        "dp_allreduce_mnist" => dp::allreduce(
+            "dp_allreduce_mnist",
+            dp::mnist_gradient_len(),
+            w.max(5),
+            opts.mnist_steps,
+        ),
+        "dp_allreduce_64mib" => {
+            dp::allreduce("dp_allreduce_64mib", crate::dist::BUCKET_ELEMENTS, w, s)
         }
         other => Err(unknown_row(other)),
     })

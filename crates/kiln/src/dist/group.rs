@@ -76,6 +76,9 @@ pub struct ProcessGroup<B: Backend> {
     pub env: DistEnv,
     peer: PeerId,
     timeout: Duration,
+    /// CUDA workers reduce on the GPU through NCCL (see `nccl.rs`).
+    #[cfg(feature = "cuda")]
+    nccl: Option<super::nccl::NcclComm>,
     _backend: PhantomData<B>,
 }
 
@@ -94,8 +97,11 @@ impl<B: Backend> ProcessGroup<B> {
     pub fn init(env: DistEnv, device: &B::Device, timeout: Duration) -> Result<Self> {
         let dog = Watchdog::get(env.rank);
         if env.rank == 0 {
-            ensure_port_free(env.master_port, "rendezvous (MASTER_PORT)")?;
-            let port = env.master_port;
+            // Rank 0's machine is MASTER_ADDR; bind it by this machine's own address
+            // (KILN_NODE_ADDR, which defaults to MASTER_ADDR): in a cluster MASTER_ADDR is often a
+            // DNS name that other pods resolve before this pod can.
+            ensure_port_free(&env.node_addr, env.master_port, "rendezvous (MASTER_PORT)")?;
+            let (host, port) = (env.node_addr.clone(), env.master_port);
             std::thread::Builder::new()
                 .name("kiln-rendezvous".into())
                 .spawn(move || {
@@ -103,12 +109,16 @@ impl<B: Backend> ProcessGroup<B> {
                         .enable_all()
                         .build()
                         .expect("tokio runtime for the rendezvous");
-                    rt.block_on(burn_collective::start_global_orchestrator(port));
+                    rt.block_on(burn_collective::start_global_orchestrator_on(&host, port));
                 })
                 .map_err(|e| KilnError::Distributed(format!("rendezvous thread: {e}")))?;
         }
         let data_port = env.data_port(env.rank);
-        ensure_port_free(data_port, &format!("rank {}'s tensor service", env.rank))?;
+        ensure_port_free(
+            &env.node_addr,
+            data_port,
+            &format!("rank {}'s tensor service", env.rank),
+        )?;
         let addr = |host: &str, port: u16| {
             format!("ws://{host}:{port}")
                 .parse()
@@ -135,7 +145,15 @@ impl<B: Backend> ProcessGroup<B> {
             burn_collective::register::<B>(peer, device.clone(), config)
         })
         .map_err(|e| {
-            KilnError::Distributed(format!("rank {}: joining the job: {e:?}", env.rank))
+            // The orchestrator's error type is private to Burn; its name is all there is.
+            if format!("{e:?}").contains("RegisterParamsMismatch") {
+                KilnError::Distributed(format!(
+                    "rank {}: joining the job at {}:{}: another worker registered with a different WORLD_SIZE than this one's {} (every worker needs the same --nnodes × --nproc-per-node)",
+                    env.rank, env.master_addr, env.master_port, env.world_size
+                ))
+            } else {
+                KilnError::Distributed(format!("rank {}: joining the job: {e:?}", env.rank))
+            }
         })?;
         tracing::info!(
             "rank {} of {} joined the job (rendezvous {}:{})",
@@ -144,11 +162,43 @@ impl<B: Backend> ProcessGroup<B> {
             env.master_addr,
             env.master_port
         );
-        Ok(Self {
+        #[allow(unused_mut)]
+        let mut group = Self {
             env,
             peer,
             timeout,
+            #[cfg(feature = "cuda")]
+            nccl: None,
             _backend: PhantomData,
+        };
+        #[cfg(feature = "cuda")]
+        if super::nccl::wanted::<B>() {
+            group.nccl = Some(group.init_nccl(device)?);
+            tracing::info!("rank {}: gradients all-reduce through NCCL", group.env.rank);
+        }
+        Ok(group)
+    }
+
+    /// Rank 0 makes the NCCL id, Burn's layer broadcasts it, and every rank joins.
+    #[cfg(feature = "cuda")]
+    fn init_nccl(&self, device: &B::Device) -> Result<super::nccl::NcclComm> {
+        let id = if self.env.rank == 0 {
+            super::nccl::new_id()?
+        } else {
+            [0u8; 128]
+        };
+        // Bytes are exact as f32 values; the other ranks add zeros.
+        let shared = self.sum_host(id.iter().map(|&b| b as f32).collect(), device)?;
+        let mut id = [0u8; 128];
+        for (dst, v) in id.iter_mut().zip(shared) {
+            *dst = v as u8;
+        }
+        let what = format!(
+            "NCCL set-up did not complete within {}s",
+            self.timeout.as_secs()
+        );
+        Watchdog::get(self.env.rank).guard(self.timeout, what, || {
+            super::nccl::NcclComm::init::<B>(device, self.env.rank, self.env.world_size, &id)
         })
     }
 
@@ -204,6 +254,14 @@ impl<B: Backend> ProcessGroup<B> {
             "{what} did not complete within {}s: a peer worker died or hung",
             self.timeout.as_secs()
         );
+        #[cfg(feature = "cuda")]
+        if let Some(nccl) = &self.nccl {
+            return Watchdog::get(self.env.rank)
+                .guard(self.timeout, msg, || nccl.all_reduce::<B>(t, op))
+                .map_err(|e| {
+                    KilnError::Distributed(format!("rank {}: {what}: {e}", self.env.rank))
+                });
+        }
         Watchdog::get(self.env.rank)
             .guard(self.timeout, msg, || {
                 burn_collective::all_reduce::<B>(self.peer, t, op)

@@ -20,6 +20,9 @@ pub struct LaunchOptions {
     pub node_rank: usize,
     pub master_addr: String,
     pub master_port: u16,
+    /// The address other machines reach this machine's workers at (`KILN_NODE_ADDR`); they serve
+    /// their tensors there. Unset: `master_addr`, which is right when every worker is on node 0.
+    pub node_addr: Option<String>,
     /// How long a worker waits for the rendezvous or a collective before giving up
     /// (`KILN_DIST_TIMEOUT` in the workers).
     pub timeout: Duration,
@@ -32,7 +35,7 @@ pub struct LaunchOptions {
 /// reads, plus kiln's collective timeout.
 pub fn worker_env(o: &LaunchOptions, local_rank: usize) -> Vec<(&'static str, String)> {
     let world = o.nproc_per_node * o.nnodes;
-    vec![
+    let mut env = vec![
         ("RANK", global_rank(o, local_rank).to_string()),
         ("LOCAL_RANK", local_rank.to_string()),
         ("WORLD_SIZE", world.to_string()),
@@ -40,7 +43,11 @@ pub fn worker_env(o: &LaunchOptions, local_rank: usize) -> Vec<(&'static str, St
         ("MASTER_ADDR", o.master_addr.clone()),
         ("MASTER_PORT", o.master_port.to_string()),
         ("KILN_DIST_TIMEOUT", o.timeout.as_secs().max(1).to_string()),
-    ]
+    ];
+    if let Some(addr) = &o.node_addr {
+        env.push(("KILN_NODE_ADDR", addr.clone()));
+    }
+    env
 }
 
 /// This node's worker `local_rank` as a global rank.
@@ -143,7 +150,13 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
     }
     if o.node_rank == 0 {
         // The rendezvous runs in rank 0 on this machine: fail now, clearly, if its port is taken.
-        super::ensure_port_free(o.master_port, "rendezvous (--master-port)")?;
+        // Workers bind this machine's address (KILN_NODE_ADDR, else MASTER_ADDR), as checked here.
+        let host = o
+            .node_addr
+            .clone()
+            .or_else(|| std::env::var("KILN_NODE_ADDR").ok())
+            .unwrap_or_else(|| o.master_addr.clone());
+        super::ensure_port_free(&host, o.master_port, "rendezvous (--master-port)")?;
     }
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let per_worker = (threads / o.nproc_per_node).max(1).to_string();

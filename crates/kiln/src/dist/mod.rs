@@ -4,8 +4,10 @@
 
 mod group;
 pub mod launch;
+#[cfg(feature = "cuda")]
+mod nccl;
 
-pub use group::ProcessGroup;
+pub use group::{ProcessGroup, BUCKET_ELEMENTS};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,16 +16,19 @@ use burn::tensor::backend::Backend;
 
 use crate::{KilnError, Result};
 
-/// A clear error when `port` cannot be bound on this machine (checked before Burn's servers bind
-/// it, since they bind all interfaces and only log a failure).
-pub(crate) fn ensure_port_free(port: u16, what: &str) -> Result<()> {
-    std::net::TcpListener::bind(("0.0.0.0", port))
-        .map(drop)
-        .map_err(|e| {
-            KilnError::Distributed(format!(
-                "cannot use port {port} for the {what}: {e} (is another job running? pick another --master-port)"
-            ))
-        })
+/// A clear error when `port` cannot be bound on `host` (checked before Burn's servers bind it,
+/// since they only log a failure): the port is taken, or `host` is not an address of this machine.
+pub(crate) fn ensure_port_free(host: &str, port: u16, what: &str) -> Result<()> {
+    match std::net::TcpListener::bind((host, port)) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Err(KilnError::Distributed(format!(
+            "cannot use port {port} on {host} for the {what}: {e} (is another job running? pick another --master-port)"
+        ))),
+        Err(e) => Err(KilnError::Distributed(format!(
+            "cannot serve the {what} on {host}:{port}: {e} ({host} must be an address of this machine; \
+             set MASTER_ADDR / KILN_NODE_ADDR to this machine's address)"
+        ))),
+    }
 }
 
 /// Joins the job this process was launched into (`kiln launch`, torchrun, a Kubernetes Job), or

@@ -99,8 +99,6 @@ impl<B: KilnBackend> GradAccumulator<B> {
         module.visit(&mut v);
     }
 
-    /// The global L2 norm of all gradients (after any pending scale).
-    /// Replaces every gradient by its mean over the data-parallel group (before clipping, as DDP).
     /// Replaces every gradient by its mean over the data-parallel group (before clipping, as DDP),
     /// and returns the mean of `value` (the step's loss) too. Everything travels as one flat buffer:
     /// one collective per step instead of one per tensor.
@@ -128,6 +126,7 @@ impl<B: KilnBackend> GradAccumulator<B> {
         Ok(mean as f64)
     }
 
+    /// The global L2 norm of all gradients (after any pending scale).
     pub fn global_norm(&self) -> f64 {
         let sum: f64 = self
             .grads

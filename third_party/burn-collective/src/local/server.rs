@@ -289,7 +289,9 @@ impl<B: Backend> LocalCollectiveServer<B> {
         if let Some(global_params) = &global_params
             && self.global_client.is_none()
         {
-            let server = WsServer::new(global_params.data_service_port);
+            // Serve tensors on the host this node is reached at, not on every interface.
+            let server = WsServer::new(global_params.data_service_port)
+                .with_host(node_host(&global_params.node_address.to_string()));
             let client = Node::new(&global_params.global_address, server);
             self.global_client = Some(client)
         }
@@ -489,5 +491,29 @@ impl<B: Backend> LocalCollectiveServer<B> {
         }
 
         callback.send(Ok(())).unwrap();
+    }
+}
+
+/// The host part of a node address such as `ws://10.0.0.7:29501` (`[::1]` keeps its brackets off).
+fn node_host(address: &str) -> String {
+    let rest = address.split_once("://").map_or(address, |(_, r)| r);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let host = match authority.rsplit_once(':') {
+        Some((h, port)) if port.chars().all(|c| c.is_ascii_digit()) => h,
+        _ => authority,
+    };
+    host.trim_start_matches('[').trim_end_matches(']').to_owned()
+}
+
+#[cfg(test)]
+mod node_host_tests {
+    use super::node_host;
+
+    #[test]
+    fn takes_the_host_of_a_node_address() {
+        assert_eq!(node_host("ws://10.0.0.7:29501"), "10.0.0.7");
+        assert_eq!(node_host("ws://kiln-0.kiln:29501/"), "kiln-0.kiln");
+        assert_eq!(node_host("ws://[::1]:29501"), "::1");
+        assert_eq!(node_host("127.0.0.1"), "127.0.0.1");
     }
 }

@@ -58,11 +58,16 @@ where
 
         // Transfer 2: Expose result
         let other_nodes_count = ids.len() as u32 - 1;
+        // Read the sum out once and keep it as the result: exposing a clone would share the
+        // buffer, and the CPU backend reads a shared buffer out element by element.
+        let data = B::float_into_data(sum)
+            .await
+            .expect("the reduced tensor can be read");
         data_service
-            .expose(sum.clone(), other_nodes_count, 1.into())
+            .expose_data(data.clone(), other_nodes_count, 1.into())
             .await;
 
-        sum
+        B::float_from_data(data, device)
     } else {
         // Transfer 1: Expose input
         data_service.expose(tensor, 1, 0.into()).await;

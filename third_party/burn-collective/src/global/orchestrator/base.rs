@@ -130,7 +130,13 @@ impl GlobalOrchestrator {
 
 /// Start a global orchestrator with WebSocket on the given port
 pub async fn start_global_orchestrator(port: u16) {
-    let server = WsServer::new(port);
+    start_global_orchestrator_on("0.0.0.0", port).await
+}
+
+/// Start a global orchestrator with WebSocket on the given host (an address or name of this
+/// machine) and port
+pub async fn start_global_orchestrator_on(host: &str, port: u16) {
+    let server = WsServer::new(port).with_host(host);
     let res = GlobalOrchestrator::start(os_shutdown_signal(), server).await;
     if let Err(err) = res {
         log::error!("Global Collective Orchestrator error: {err:?}");

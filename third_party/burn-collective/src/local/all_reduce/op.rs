@@ -23,8 +23,9 @@ pub struct AllReduceOp<B: Backend> {
 pub struct AllReduceOpCall<B: Backend> {
     /// Id of the caller for this operation
     caller: PeerId,
-    /// The tensor primitive passed as input
-    input: B::FloatTensorPrimitive,
+    /// The tensor primitive passed as input (taken, not cloned, when the operation runs: a clone
+    /// shares the buffer, and a shared ndarray buffer is read out element by element)
+    input: Option<B::FloatTensorPrimitive>,
     /// Callback for the result of the all-reduce
     result_sender: SyncSender<AllReduceResult<B::FloatTensorPrimitive>>,
 }
@@ -68,7 +69,7 @@ impl<B: Backend> AllReduceOp<B> {
 
         self.calls.push(AllReduceOpCall {
             caller,
-            input,
+            input: Some(input),
             result_sender,
         });
 
@@ -121,8 +122,11 @@ impl<B: Backend> AllReduceOp<B> {
     ) -> Result<CollectiveTensorMap<B>, CollectiveError> {
         let tensors = self
             .calls
-            .iter()
-            .map(|call| (call.caller, call.input.clone()))
+            .iter_mut()
+            .map(|call| {
+                let input = call.input.take().expect("an all-reduce runs once");
+                (call.caller, input)
+            })
             .collect();
 
         if let Some(global_client) = global_client.as_mut() {
