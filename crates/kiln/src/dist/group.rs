@@ -310,8 +310,27 @@ impl<B: Backend> ProcessGroup<B> {
     }
 }
 
+/// How long leaving the job may take before a worker exits without the orchestrator's answer.
+const FINISH_WAIT: Duration = Duration::from_secs(10);
+
 impl<B: Backend> Drop for ProcessGroup<B> {
     fn drop(&mut self) {
-        let _ = burn_collective::finish_collective::<B>(self.peer);
+        // Leaving the job is clean-up (every result is written by now): it must not hang the
+        // exit of a worker whose peers have already gone.
+        let peer = self.peer;
+        let (done, wait) = std::sync::mpsc::channel();
+        let leave = std::thread::Builder::new()
+            .name("kiln-finish".into())
+            .spawn(move || {
+                let _ = burn_collective::finish_collective::<B>(peer);
+                let _ = done.send(());
+            });
+        if leave.is_ok() && wait.recv_timeout(FINISH_WAIT).is_err() {
+            tracing::warn!(
+                "rank {}: leaving the job took over {}s; exiting without waiting",
+                self.env.rank,
+                FINISH_WAIT.as_secs()
+            );
+        }
     }
 }
