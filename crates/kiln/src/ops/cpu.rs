@@ -26,6 +26,42 @@ fn dense(t: NdArrayTensor) -> ArcArray<f32, IxDyn> {
     }
 }
 
+/// The elements of `a` (standard layout) as a vector to overwrite with a result of the same shape:
+/// `a`'s own buffer when nothing else holds it — the gradient a backward kernel receives usually
+/// is not kept anywhere else — and a copy otherwise. Saves an allocation and a pass over memory.
+fn into_vec(a: ArcArray<f32, IxDyn>) -> Vec<f32> {
+    let n = a.len();
+    let (v, offset) = a.into_owned().into_raw_vec_and_offset();
+    match offset {
+        Some(0) if v.len() == n => v,
+        Some(o) => v[o..o + n].to_vec(),
+        None => Vec::new(), // no elements
+    }
+}
+
+/// `f(x) ` element by element into a fresh vector, in parallel chunks, without zeroing or copying
+/// the output first (which would double the memory traffic of a cheap element-wise op).
+fn par_map(x: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Vec<f32> {
+    let n = x.len();
+    let mut y = Vec::with_capacity(n);
+    y.spare_capacity_mut()[..n]
+        .par_chunks_mut(16_384)
+        .zip(x.par_chunks(16_384))
+        .for_each(|(yc, xc)| {
+            simd(
+                #[inline(always)]
+                || {
+                    for (y, &v) in yc.iter_mut().zip(xc) {
+                        y.write(f(v));
+                    }
+                },
+            )
+        });
+    // SAFETY: the loop above wrote all n elements (the chunks of `y` and `x` pair up one to one).
+    unsafe { y.set_len(n) };
+    y
+}
+
 fn tensor(shape: &[usize], v: Vec<f32>) -> NdArrayTensor {
     NdArrayTensor::from(ArcArray::from_shape_vec(IxDyn(shape), v).expect("shape matches data"))
 }
@@ -604,18 +640,11 @@ impl KilnBackend for Cpu {
         let _p = super::profile::scope("gelu_fwd");
         let x = dense(x);
         let shape = x.shape().to_vec();
-        let mut y = slice(&x).to_vec();
-        y.par_chunks_mut(16_384).for_each(|c| {
-            simd(
-                #[inline(always)]
-                || {
-                    for v in c {
-                        let (e, _) = erf_and_gauss(*v * INV_SQRT2);
-                        *v *= 0.5 * (1.0 + e);
-                    }
-                },
-            )
-        });
+        let y = par_map(
+            slice(&x),
+            #[inline(always)]
+            |v| v * 0.5 * (1.0 + erf_and_gauss(v * INV_SQRT2).0),
+        );
         tensor(&shape, y)
     }
 
@@ -623,7 +652,7 @@ impl KilnBackend for Cpu {
         let _p = super::profile::scope("gelu_bwd");
         let (x, dy) = (dense(x), dense(dy));
         let shape = x.shape().to_vec();
-        let mut dx = slice(&dy).to_vec();
+        let mut dx = into_vec(dy);
         dx.par_chunks_mut(16_384)
             .zip(slice(&x).par_chunks(16_384))
             .for_each(|(d, xs)| {
@@ -880,7 +909,7 @@ impl KilnBackend for Cpu {
         let dz = dense(dz);
         let shape = dz.shape().to_vec();
         let keep = (1.0 - dropout) as f32;
-        let mut dx = slice(&dz).to_vec();
+        let mut dx = into_vec(dz);
         dx.par_chunks_mut(16_384)
             .enumerate()
             .for_each(|(c, chunk)| {
@@ -994,7 +1023,7 @@ impl KilnBackend for Cpu {
         let shape = y.shape().to_vec();
         let s = shape[3];
         let scale = scale as f32;
-        let mut dx = slice(&dy).to_vec();
+        let mut dx = into_vec(dy);
         dx.par_chunks_mut(rows_per_task(s) * s)
             .zip(slice(&y).par_chunks(rows_per_task(s) * s))
             .for_each(|(dc, yc)| {
