@@ -10,7 +10,7 @@ use burn::tensor::{backend::Backend, IndexingUpdateOp, Int, Tensor};
 use super::layers::{Embedding, LayerNorm, Linear};
 use crate::data::batch::TextBatch;
 use crate::hub::config::BertConfig;
-use crate::ops::{attention, dropout, gelu, reshape, KilnBackend};
+use crate::ops::{attention_qkv, dropout, gelu, linear, reshape, KilnBackend};
 use crate::train::task::Classifier;
 
 /// One tokenized, padded batch. Masks are 1 for real tokens and 0 for padding.
@@ -223,15 +223,22 @@ impl<B: KilnBackend> BertSelfAttention<B> {
         mask_bias: Tensor<B, 2>,
         unpadded: Option<&Unpadded<B>>,
     ) -> Tensor<B, 3> {
-        let q = self.query.forward(x.clone());
-        let k = self.key.forward(x.clone());
-        let v = self.value.forward(x);
+        // q, k and v from one Linear with the three weights stacked: x is read (and packed for
+        // the GEMM) once instead of three times, and its gradient comes back as one product
+        // instead of three summed. The parameters stay three, under Hugging Face's names.
+        let (q, k, v) = (&self.query, &self.key, &self.value);
+        let weight = Tensor::cat(vec![q.weight.val(), k.weight.val(), v.weight.val()], 0);
+        let bias = match (&q.bias, &k.bias, &v.bias) {
+            (Some(bq), Some(bk), Some(bv)) => {
+                Some(Tensor::cat(vec![bq.val(), bk.val(), bv.val()], 0))
+            }
+            _ => None,
+        };
+        let qkv = linear(x, weight, bias);
         match unpadded {
-            None => attention(q, k, v, mask_bias, self.num_heads, self.dropout),
-            Some(u) => u.pack(attention(
-                u.unpack(q),
-                u.unpack(k),
-                u.unpack(v),
+            None => attention_qkv(qkv, mask_bias, self.num_heads, self.dropout),
+            Some(u) => u.pack(attention_qkv(
+                u.unpack(qkv),
                 mask_bias,
                 self.num_heads,
                 self.dropout,

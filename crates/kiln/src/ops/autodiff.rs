@@ -201,6 +201,20 @@ impl<B: KilnBackend> Backward<B, 3> for Attention {
     }
 }
 
+#[derive(Debug)]
+struct AttentionQkv;
+impl<B: KilnBackend> Backward<B, 1> for AttentionQkv {
+    /// qkv, probabilities, and (heads, scale, dropout, seed).
+    type State = (FloatTensor<B>, FloatTensor<B>, (usize, f64, f64, u64));
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dout = grads.consume::<B>(&ops.node);
+        let (qkv, probs, (heads, scale, dropout, seed)) = ops.state;
+        let dqkv = B::kiln_attention_qkv_backward(qkv, probs, dout, heads, scale, dropout, seed);
+        let [px] = ids!(ops);
+        give::<B>(grads, px, Some(dqkv));
+    }
+}
+
 impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
     fn kiln_from_host(data: Vec<f32>, shape: Shape, device: &Self::Device) -> FloatTensor<Self> {
         Self::from_inner(B::kiln_from_host(data, shape, device))
@@ -262,6 +276,36 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
                 ),
                 out,
             ),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        };
+        (out, probs_out)
+    }
+
+    fn kiln_attention_qkv(
+        qkv: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        dropout: f64,
+        seed: u64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (out, probs) = B::kiln_attention_qkv(
+            qkv.primitive.clone(),
+            mask.primitive,
+            heads,
+            scale,
+            dropout,
+            seed,
+        );
+        let probs_out = Self::from_inner(probs.clone());
+        let out = match AttentionQkv
+            .prepare::<C>([qkv.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                prep.finish((qkv.primitive, probs, (heads, scale, dropout, seed)), out)
+            }
             OpsKind::UnTracked(prep) => prep.finish(out),
         };
         (out, probs_out)

@@ -204,9 +204,9 @@ fn matmul(
             let beta = match bias {
                 Some(bias) => {
                     let chunk = rows_per_task(n) * n;
-                    c[..m * n].par_chunks_mut(chunk).for_each(|rows| {
-                        rows.chunks_mut(n).for_each(|r| r.copy_from_slice(bias))
-                    });
+                    c[..m * n]
+                        .par_chunks_mut(chunk)
+                        .for_each(|rows| rows.chunks_mut(n).for_each(|r| r.copy_from_slice(bias)));
                     1.0
                 }
                 None => 0.0,
@@ -526,6 +526,221 @@ unsafe fn small_gemm(
     );
 }
 
+/// One multi-head attention call on the CPU: `[B, T, H]` activations whose q, k and v rows lie `rs`
+/// floats apart — `H` when they are three tensors, `3H` when one Linear made them side by side.
+struct Attn {
+    b: usize,
+    t: usize,
+    h: usize,
+    heads: usize,
+    /// Row stride of q, k and v.
+    rs: usize,
+    causal: bool,
+    scale: f32,
+    keep: f32,
+    seed: u64,
+}
+
+impl Attn {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        (b, t, h): (usize, usize, usize),
+        rs: usize,
+        heads: usize,
+        causal: bool,
+        scale: f64,
+        dropout: f64,
+        seed: u64,
+    ) -> Self {
+        let (scale, keep) = (scale as f32, (1.0 - dropout) as f32);
+        Self {
+            b,
+            t,
+            h,
+            heads,
+            rs,
+            causal,
+            scale,
+            keep,
+            seed,
+        }
+    }
+
+    /// `(row 0, column 0)` of head `bh`'s block in q/k/v (row stride `rs`) and in `[B, T, H]`.
+    fn offsets(&self, bh: usize) -> (usize, usize) {
+        let (bi, hi) = (bh / self.heads, bh % self.heads);
+        let d = self.h / self.heads;
+        (
+            bi * self.t * self.rs + hi * d,
+            bi * self.t * self.h + hi * d,
+        )
+    }
+
+    /// `(out [B, T, H], probs [B, heads, T, T])` for `[q, k, v]`, each slice starting at its
+    /// tensor's (row 0, column 0).
+    fn forward(&self, [qs, ks, vs]: [&[f32]; 3], mask: &[f32]) -> (Vec<f32>, Vec<f32>) {
+        let Self {
+            b,
+            t,
+            h,
+            heads,
+            rs,
+            causal,
+            scale,
+            keep,
+            seed,
+        } = *self;
+        let d = h / heads;
+        assert!(qs.len().min(ks.len()).min(vs.len()) >= (b * t - 1) * rs + h);
+        assert!(mask.len() >= b * t);
+        let mut out = vec![0f32; b * t * h];
+        let mut probs = vec![0f32; b * heads * t * t];
+        let out_ptr = SharedMut(out.as_mut_ptr());
+        probs.par_chunks_mut(t * t).enumerate().for_each_init(
+            || vec![0f32; t * t],
+            |scratch, (bh, p)| {
+                let (off, out_off) = self.offsets(bh);
+                let bi = bh / heads;
+                let m = &mask[bi * t..(bi + 1) * t];
+                // SAFETY: q/k/v reads stay inside row block `bi`, columns hi·d..(hi+1)·d (in bounds
+                // by the assert); `p` is this task's own chunk; the output block (rows of `bi`,
+                // columns of `hi`) belongs to this task alone.
+                unsafe {
+                    small_gemm(
+                        (t, t, d),
+                        p.as_mut_ptr(),
+                        (t, 1),
+                        qs[off..].as_ptr(),
+                        (rs, 1),
+                        ks[off..].as_ptr(),
+                        (1, rs),
+                        false,
+                    );
+                }
+                for (i, row) in p.chunks_mut(t).enumerate() {
+                    if causal {
+                        // Keys after the query get probability 0 (and so no gradient).
+                        softmax_row(&mut row[..=i], &m[..=i], scale);
+                        row[i + 1..].fill(0.0);
+                    } else {
+                        softmax_row(row, m, scale);
+                    }
+                }
+                let pd: &[f32] = if keep < 1.0 {
+                    scratch.copy_from_slice(p);
+                    dropout_block(scratch, bh, t, keep, seed);
+                    scratch
+                } else {
+                    p
+                };
+                unsafe {
+                    small_gemm(
+                        (t, d, t),
+                        out_ptr.at(out_off),
+                        (h, 1),
+                        pd.as_ptr(),
+                        (t, 1),
+                        vs[off..].as_ptr(),
+                        (rs, 1),
+                        false,
+                    );
+                }
+            },
+        );
+        (out, probs)
+    }
+
+    /// Writes dq, dk and dv through `grads` (each at its (row 0, column 0); row stride `gs`) for
+    /// the output gradient `dout [B, T, H]` and the forward's `probs`.
+    fn backward(
+        &self,
+        [qs, ks, vs]: [&[f32]; 3],
+        probs: &[f32],
+        dout: &[f32],
+        [dq, dk, dv]: [SharedMut; 3],
+        gs: usize,
+    ) {
+        let Self {
+            b,
+            t,
+            h,
+            heads,
+            rs,
+            scale,
+            keep,
+            seed,
+            ..
+        } = *self;
+        let d = h / heads;
+        assert!(qs.len().min(ks.len()).min(vs.len()) >= (b * t - 1) * rs + h);
+        assert!(probs.len() >= b * heads * t * t && dout.len() >= b * t * h);
+        (0..b * heads).into_par_iter().for_each_init(
+            || (vec![0f32; t * t], vec![0f32; t * t]),
+            |(pd, dp), bh| {
+                let (off, out_off) = self.offsets(bh);
+                let g_off = (bh / heads) * t * gs + (bh % heads) * d;
+                let p = &probs[bh * t * t..(bh + 1) * t * t];
+                // The dropped probabilities, regenerated from the seed.
+                pd.copy_from_slice(p);
+                dropout_block(pd, bh, t, keep, seed);
+                // SAFETY: as in the forward: this task reads and writes only head `hi` of batch
+                // `bi`; the callers' gradient buffers hold B·T rows of stride `gs`.
+                unsafe {
+                    // dV = P_dropᵀ · dO
+                    small_gemm(
+                        (t, d, t),
+                        dv.at(g_off),
+                        (gs, 1),
+                        pd.as_ptr(),
+                        (1, t),
+                        dout[out_off..].as_ptr(),
+                        (h, 1),
+                        false,
+                    );
+                    // dP_drop = dO · Vᵀ
+                    small_gemm(
+                        (t, t, d),
+                        dp.as_mut_ptr(),
+                        (t, 1),
+                        dout[out_off..].as_ptr(),
+                        (h, 1),
+                        vs[off..].as_ptr(),
+                        (1, rs),
+                        false,
+                    );
+                }
+                dropout_block(dp, bh, t, keep, seed);
+                for (dr, pr) in dp.chunks_mut(t).zip(p.chunks(t)) {
+                    softmax_backward_row(dr, pr, scale);
+                }
+                unsafe {
+                    // dQ = dS · K,  dK = dSᵀ · Q
+                    small_gemm(
+                        (t, d, t),
+                        dq.at(g_off),
+                        (gs, 1),
+                        dp.as_ptr(),
+                        (t, 1),
+                        ks[off..].as_ptr(),
+                        (rs, 1),
+                        false,
+                    );
+                    small_gemm(
+                        (t, d, t),
+                        dk.at(g_off),
+                        (gs, 1),
+                        dp.as_ptr(),
+                        (1, t),
+                        qs[off..].as_ptr(),
+                        (rs, 1),
+                        false,
+                    );
+                }
+            },
+        );
+    }
+}
+
 /// Scales a row of attention probabilities by the dropout mask of element indices `base..`.
 #[inline]
 fn dropout_row(row: &mut [f32], base: u64, keep: f32, seed: u64) {
@@ -587,7 +802,15 @@ impl KilnBackend for Cpu {
             if let Some(bias) = bias {
                 y.chunks_mut(n).for_each(|row| row.copy_from_slice(bias));
             }
-            gemv_rows(m, k, n, slice(&x), slice(&w), f32::from(bias.is_some()), &mut y);
+            gemv_rows(
+                m,
+                k,
+                n,
+                slice(&x),
+                slice(&w),
+                f32::from(bias.is_some()),
+                &mut y,
+            );
             return tensor(&[m, n], y);
         }
         // wᵀ without a transpose: element (k, n) of wᵀ is w[n·K + k].
@@ -799,7 +1022,8 @@ impl KilnBackend for Cpu {
                 simd(
                     #[inline(always)]
                     || {
-                        for (((g, du), &u), &dy) in gc.iter_mut().zip(duc.iter_mut()).zip(uc).zip(dyc)
+                        for (((g, du), &u), &dy) in
+                            gc.iter_mut().zip(duc.iter_mut()).zip(uc).zip(dyc)
                         {
                             let x = *g;
                             let s = 1.0 / (1.0 + exp_fast(-x));
@@ -1048,63 +1272,8 @@ impl KilnBackend for Cpu {
         let _p = super::profile::scope("attention_fwd");
         let (q, k, v, mask) = (dense(q), dense(k), dense(v), dense(mask));
         let (b, t, h) = (q.shape()[0], q.shape()[1], q.shape()[2]);
-        let d = h / heads;
-        let (qs, ks, vs, ms) = (slice(&q), slice(&k), slice(&v), slice(&mask));
-        let (scale, keep) = (scale as f32, (1.0 - dropout) as f32);
-        let mut out = vec![0f32; b * t * h];
-        let mut probs = vec![0f32; b * heads * t * t];
-        let out_ptr = SharedMut(out.as_mut_ptr());
-        probs.par_chunks_mut(t * t).enumerate().for_each_init(
-            || vec![0f32; t * t],
-            |scratch, (bh, p)| {
-                let (bi, hi) = (bh / heads, bh % heads);
-                let off = bi * t * h + hi * d; // (row 0, column 0) of this head in [B, T, H]
-                let m = &ms[bi * t..(bi + 1) * t];
-                // SAFETY: q/k/v reads stay inside row block `bi`, columns hi·d..(hi+1)·d; `p` is this
-                // task's own chunk; the output block (rows of `bi`, columns of `hi`) belongs to this
-                // task alone.
-                unsafe {
-                    small_gemm(
-                        (t, t, d),
-                        p.as_mut_ptr(),
-                        (t, 1),
-                        qs[off..].as_ptr(),
-                        (h, 1),
-                        ks[off..].as_ptr(),
-                        (1, h),
-                        false,
-                    );
-                }
-                for (i, row) in p.chunks_mut(t).enumerate() {
-                    if causal {
-                        // Keys after the query get probability 0 (and so no gradient).
-                        softmax_row(&mut row[..=i], &m[..=i], scale);
-                        row[i + 1..].fill(0.0);
-                    } else {
-                        softmax_row(row, m, scale);
-                    }
-                }
-                let pd: &[f32] = if keep < 1.0 {
-                    scratch.copy_from_slice(p);
-                    dropout_block(scratch, bh, t, keep, seed);
-                    scratch
-                } else {
-                    p
-                };
-                unsafe {
-                    small_gemm(
-                        (t, d, t),
-                        out_ptr.at(off),
-                        (h, 1),
-                        pd.as_ptr(),
-                        (t, 1),
-                        vs[off..].as_ptr(),
-                        (h, 1),
-                        false,
-                    );
-                }
-            },
-        );
+        let a = Attn::new((b, t, h), h, heads, causal, scale, dropout, seed);
+        let (out, probs) = a.forward([slice(&q), slice(&k), slice(&v)], slice(&mask));
         (tensor(&[b, t, h], out), tensor(&[b, heads, t, t], probs))
     }
 
@@ -1122,87 +1291,65 @@ impl KilnBackend for Cpu {
         let _p = super::profile::scope("attention_bwd");
         let (q, k, v, probs, dout) = (dense(q), dense(k), dense(v), dense(probs), dense(dout));
         let (b, t, h) = (q.shape()[0], q.shape()[1], q.shape()[2]);
-        let d = h / heads;
-        let (qs, ks, vs, ps, dos) = (slice(&q), slice(&k), slice(&v), slice(&probs), slice(&dout));
-        let (scale, keep) = (scale as f32, (1.0 - dropout) as f32);
-        let (mut dq, mut dk, mut dv) = (
+        let a = Attn::new((b, t, h), h, heads, false, scale, dropout, seed);
+        let mut grads = [
             vec![0f32; b * t * h],
             vec![0f32; b * t * h],
             vec![0f32; b * t * h],
+        ];
+        let [dq, dk, dv] = grads.each_mut().map(|g| SharedMut(g.as_mut_ptr()));
+        a.backward(
+            [slice(&q), slice(&k), slice(&v)],
+            slice(&probs),
+            slice(&dout),
+            [dq, dk, dv],
+            h,
         );
-        let (dq_ptr, dk_ptr, dv_ptr) = (
-            SharedMut(dq.as_mut_ptr()),
-            SharedMut(dk.as_mut_ptr()),
-            SharedMut(dv.as_mut_ptr()),
+        let [dq, dk, dv] = grads.map(|g| tensor(&[b, t, h], g));
+        (dq, dk, dv)
+    }
+
+    fn kiln_attention_qkv(
+        qkv: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        dropout: f64,
+        seed: u64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let _p = super::profile::scope("attention_fwd");
+        let (qkv, mask) = (dense(qkv), dense(mask));
+        let (b, t, h) = (qkv.shape()[0], qkv.shape()[1], qkv.shape()[2] / 3);
+        let a = Attn::new((b, t, h), 3 * h, heads, false, scale, dropout, seed);
+        let x = slice(&qkv);
+        let (out, probs) = a.forward([x, &x[h..], &x[2 * h..]], slice(&mask));
+        (tensor(&[b, t, h], out), tensor(&[b, heads, t, t], probs))
+    }
+
+    fn kiln_attention_qkv_backward(
+        qkv: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        dropout: f64,
+        seed: u64,
+    ) -> FloatTensor<Self> {
+        let _p = super::profile::scope("attention_bwd");
+        let (qkv, probs, dout) = (dense(qkv), dense(probs), dense(dout));
+        let (b, t, h) = (qkv.shape()[0], qkv.shape()[1], qkv.shape()[2] / 3);
+        let a = Attn::new((b, t, h), 3 * h, heads, false, scale, dropout, seed);
+        let x = slice(&qkv);
+        let mut grad = vec![0f32; b * t * 3 * h];
+        let g = SharedMut(grad.as_mut_ptr());
+        a.backward(
+            [x, &x[h..], &x[2 * h..]],
+            slice(&probs),
+            slice(&dout),
+            [g, SharedMut(g.at(h)), SharedMut(g.at(2 * h))],
+            3 * h,
         );
-        (0..b * heads).into_par_iter().for_each_init(
-            || (vec![0f32; t * t], vec![0f32; t * t]),
-            |(pd, dp), bh| {
-                let (bi, hi) = (bh / heads, bh % heads);
-                let off = bi * t * h + hi * d;
-                let p = &ps[bh * t * t..(bh + 1) * t * t];
-                // The dropped probabilities, regenerated from the seed.
-                pd.copy_from_slice(p);
-                dropout_block(pd, bh, t, keep, seed);
-                // SAFETY: as in the forward: this task reads and writes only head `hi` of batch `bi`.
-                unsafe {
-                    // dV = P_dropᵀ · dO
-                    small_gemm(
-                        (t, d, t),
-                        dv_ptr.at(off),
-                        (h, 1),
-                        pd.as_ptr(),
-                        (1, t),
-                        dos[off..].as_ptr(),
-                        (h, 1),
-                        false,
-                    );
-                    // dP_drop = dO · Vᵀ
-                    small_gemm(
-                        (t, t, d),
-                        dp.as_mut_ptr(),
-                        (t, 1),
-                        dos[off..].as_ptr(),
-                        (h, 1),
-                        vs[off..].as_ptr(),
-                        (1, h),
-                        false,
-                    );
-                }
-                dropout_block(dp, bh, t, keep, seed);
-                for (dr, pr) in dp.chunks_mut(t).zip(p.chunks(t)) {
-                    softmax_backward_row(dr, pr, scale);
-                }
-                unsafe {
-                    // dQ = dS · K,  dK = dSᵀ · Q
-                    small_gemm(
-                        (t, d, t),
-                        dq_ptr.at(off),
-                        (h, 1),
-                        dp.as_ptr(),
-                        (t, 1),
-                        ks[off..].as_ptr(),
-                        (h, 1),
-                        false,
-                    );
-                    small_gemm(
-                        (t, d, t),
-                        dk_ptr.at(off),
-                        (h, 1),
-                        dp.as_ptr(),
-                        (1, t),
-                        qs[off..].as_ptr(),
-                        (h, 1),
-                        false,
-                    );
-                }
-            },
-        );
-        (
-            tensor(&[b, t, h], dq),
-            tensor(&[b, t, h], dk),
-            tensor(&[b, t, h], dv),
-        )
+        tensor(&[b, t, 3 * h], grad)
     }
 
     fn kiln_adamw(
@@ -1239,7 +1386,8 @@ impl KilnBackend for Cpu {
                 simd(
                     #[inline(always)]
                     || {
-                        for (((p, m), v), &g) in pc.iter_mut().zip(mc.iter_mut()).zip(vc.iter_mut()).zip(gc)
+                        for (((p, m), v), &g) in
+                            pc.iter_mut().zip(mc.iter_mut()).zip(vc.iter_mut()).zip(gc)
                         {
                             let g = g * gs;
                             *m = *m * b1 + g * one_b1;

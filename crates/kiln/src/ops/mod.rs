@@ -383,6 +383,41 @@ pub trait KilnBackend: Backend {
         (p(merge(dq)), p(merge(dk)), p(merge(dv)))
     }
 
+    /// [`Self::kiln_attention`] (not causal) with q, k and v side by side in one `[B, T, 3H]`
+    /// tensor, as one Linear with the three weights stacked makes them: one GEMM instead of three
+    /// forward, and one gradient tensor backward instead of three summed into the input's.
+    fn kiln_attention_qkv(
+        qkv: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        dropout: f64,
+        seed: u64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let [q, k, v] = split_qkv::<Self>(qkv);
+        Self::kiln_attention(q, k, v, mask, heads, false, scale, dropout, seed)
+    }
+
+    /// The `[B, T, 3H]` gradient of [`Self::kiln_attention_qkv`]'s input.
+    #[allow(clippy::too_many_arguments)]
+    fn kiln_attention_qkv_backward(
+        qkv: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        dropout: f64,
+        seed: u64,
+    ) -> FloatTensor<Self> {
+        let [q, k, v] = split_qkv::<Self>(qkv);
+        let (dq, dk, dv) =
+            Self::kiln_attention_backward(q, k, v, probs, dout, heads, scale, dropout, seed);
+        p(Tensor::cat(
+            vec![t::<Self, 3>(dq), t::<Self, 3>(dk), t::<Self, 3>(dv)],
+            2,
+        ))
+    }
+
     /// One AdamW update of a flat parameter `p` with gradient `g·grad_scale` and moments `m`, `v`, exactly
     /// as `torch.optim.AdamW` (decoupled decay first, then the bias-corrected Adam step). Returns
     /// `(p, m, v)`; the CPU kernel updates in place.
@@ -630,6 +665,31 @@ pub fn attention<B: KilnBackend>(
         dropout,
         seed,
     );
+    t(out)
+}
+
+/// `[q, k, v]`, each `[B, T, H]`, of a `[B, T, 3H]` tensor.
+fn split_qkv<B: Backend>(qkv: FloatTensor<B>) -> [FloatTensor<B>; 3] {
+    let qkv = t::<B, 3>(qkv);
+    let h = qkv.dims()[2] / 3;
+    [0, 1, 2].map(|i| p(qkv.clone().narrow(2, i * h, h)))
+}
+
+/// [`attention`] for q, k and v side by side in one `[B, T, 3H]` tensor (see
+/// [`KilnBackend::kiln_attention_qkv`]).
+pub fn attention_qkv<B: KilnBackend>(
+    qkv: Tensor<B, 3>,
+    mask: Tensor<B, 2>,
+    heads: usize,
+    dropout: f64,
+) -> Tensor<B, 3> {
+    let scale = 1.0 / ((qkv.dims()[2] / 3 / heads) as f64).sqrt();
+    let (dropout, seed) = if B::ad_enabled() && dropout > 0.0 {
+        (dropout, next_dropout_seed())
+    } else {
+        (0.0, 0)
+    };
+    let (out, _) = B::kiln_attention_qkv(p(qkv), p(mask), heads, scale, dropout, seed);
     t(out)
 }
 

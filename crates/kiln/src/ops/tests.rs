@@ -275,6 +275,48 @@ fn attention_matches_composed_ops() {
     }
 }
 
+/// One `[B, T, 3H]` input against the same q, k and v as three tensors (the kernel above): the
+/// packed layout reads and writes every head at the right columns, forward and backward.
+#[test]
+fn packed_qkv_attention_matches_separate() {
+    let (b, t, h, heads) = (2, 6, 8, 2);
+    let mut m = vec![0f32; b * t];
+    m[t + 5] = f32::MIN;
+    let mask = Tensor::<CpuTrain, 2>::from_data(TensorData::new(m, [b, t]), &Default::default());
+    for (dropout, seed) in [(0.0, 0), (0.3, 77)] {
+        check(
+            &format!("attention_qkv p={dropout}"),
+            [rand([b * t, 3 * h], 31)],
+            |x| {
+                let (out, _) = CpuTrain::kiln_attention_qkv(
+                    p(x[0].clone().reshape([b, t, 3 * h])),
+                    p(mask.clone()),
+                    heads,
+                    0.5,
+                    dropout,
+                    seed,
+                );
+                super::t::<CpuTrain, 3>(out)
+            },
+            |x| {
+                let part = |i: usize| p(x[0].clone().narrow(1, i * h, h).reshape([b, t, h]));
+                let (out, _) = CpuTrain::kiln_attention(
+                    part(0),
+                    part(1),
+                    part(2),
+                    p(mask.clone()),
+                    heads,
+                    false,
+                    0.5,
+                    dropout,
+                    seed,
+                );
+                super::t::<CpuTrain, 3>(out)
+            },
+        );
+    }
+}
+
 #[test]
 fn residual_layer_norm_matches_composed() {
     let (r, h) = (21, 40);
