@@ -568,11 +568,7 @@ pub fn residual_layer_norm<B: KilnBackend, const D: usize>(
     let dims = x.dims();
     let h = dims[D - 1];
     let r: usize = dims[..D - 1].iter().product();
-    let (dropout, seed) = if B::ad_enabled() && dropout > 0.0 {
-        (dropout, next_dropout_seed())
-    } else {
-        (0.0, 0)
-    };
+    let (dropout, seed) = training_dropout::<B>(dropout);
     let (y, _, _, _) = B::kiln_residual_layer_norm(
         p(reshape(x, [r, h])),
         p(reshape(residual, [r, h])),
@@ -638,34 +634,14 @@ fn next_dropout_seed() -> u64 {
     })
 }
 
-/// Multi-head self-attention core: `dropout(softmax(q kᵀ/√d + mask)) v` for `q, k, v [B, T, H]` with
-/// `heads` heads side by side and an additive key mask `[B, T]`. Dropout applies only in training.
-pub fn attention<B: KilnBackend>(
-    q: Tensor<B, 3>,
-    k: Tensor<B, 3>,
-    v: Tensor<B, 3>,
-    mask: Tensor<B, 2>,
-    heads: usize,
-    dropout: f64,
-) -> Tensor<B, 3> {
-    let scale = 1.0 / ((q.dims()[2] / heads) as f64).sqrt();
-    let (dropout, seed) = if B::ad_enabled() && dropout > 0.0 {
-        (dropout, next_dropout_seed())
+/// `(probability, seed)` for a fused kernel's dropout: a fresh seed from the dropout stream in
+/// training, `(0, 0)` (no dropout, no draw from the stream) otherwise.
+fn training_dropout<B: Backend>(prob: f64) -> (f64, u64) {
+    if B::ad_enabled() && prob > 0.0 {
+        (prob, next_dropout_seed())
     } else {
         (0.0, 0)
-    };
-    let (out, _) = B::kiln_attention(
-        p(q),
-        p(k),
-        p(v),
-        p(mask),
-        heads,
-        false,
-        scale,
-        dropout,
-        seed,
-    );
-    t(out)
+    }
 }
 
 /// `[q, k, v]`, each `[B, T, H]`, of a `[B, T, 3H]` tensor.
@@ -675,8 +651,9 @@ fn split_qkv<B: Backend>(qkv: FloatTensor<B>) -> [FloatTensor<B>; 3] {
     [0, 1, 2].map(|i| p(qkv.clone().narrow(2, i * h, h)))
 }
 
-/// [`attention`] for q, k and v side by side in one `[B, T, 3H]` tensor (see
-/// [`KilnBackend::kiln_attention_qkv`]).
+/// Multi-head self-attention core, `dropout(softmax(q kᵀ/√d + mask)) v`, for q, k and v side by
+/// side in one `[B, T, 3H]` tensor (see [`KilnBackend::kiln_attention_qkv`]), `heads` heads each,
+/// and an additive key mask `[B, T]`. Dropout applies only in training.
 pub fn attention_qkv<B: KilnBackend>(
     qkv: Tensor<B, 3>,
     mask: Tensor<B, 2>,
@@ -684,11 +661,7 @@ pub fn attention_qkv<B: KilnBackend>(
     dropout: f64,
 ) -> Tensor<B, 3> {
     let scale = 1.0 / ((qkv.dims()[2] / 3 / heads) as f64).sqrt();
-    let (dropout, seed) = if B::ad_enabled() && dropout > 0.0 {
-        (dropout, next_dropout_seed())
-    } else {
-        (0.0, 0)
-    };
+    let (dropout, seed) = training_dropout::<B>(dropout);
     let (out, _) = B::kiln_attention_qkv(p(qkv), p(mask), heads, scale, dropout, seed);
     t(out)
 }
