@@ -400,7 +400,9 @@ fn merged_training_args(
             base_map.insert(key.clone(), value.clone());
         }
     }
-    Ok(serde_json::from_value(base)?)
+    // The merged keys as TrainingArguments; a bad value names its key.
+    serde_path_to_error::deserialize(base)
+        .map_err(|e| anyhow::anyhow!("training argument `{}`: {}", e.path(), e.inner()))
 }
 
 /// Hugging Face scripts spell flags with underscores (`--per_device_train_batch_size`); accept both.

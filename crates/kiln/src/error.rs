@@ -24,6 +24,9 @@ pub enum KilnError {
     Weights(String),
     #[error("{0}")]
     Checkpoint(String),
+    /// A loss, gradient, logit or weight that is NaN or infinite (training diverged).
+    #[error("{0}")]
+    NonFinite(String),
     /// Launcher, rendezvous and collective failures (which rank, what happened).
     #[error("{0}")]
     Distributed(String),

@@ -6,6 +6,24 @@ use tokenizers::{Tokenizer, TruncationDirection, TruncationParams, TruncationStr
 
 use crate::error::{KilnError, Result};
 
+/// The largest id `tok` can produce (its vocabulary and added tokens).
+pub fn max_token_id(tok: &Tokenizer) -> Option<u32> {
+    tok.get_vocab(true).into_values().max()
+}
+
+/// An error unless every id `tok` (read from `tok_path`) can produce is below `vocab_size`, the
+/// rows of the model's embedding: checked once per tokenizer, so no batch can index past it.
+pub fn check_ids_fit(tok: &Tokenizer, tok_path: &Path, vocab_size: usize) -> Result<()> {
+    match max_token_id(tok) {
+        Some(max) if max as usize >= vocab_size => Err(KilnError::Config(format!(
+            "{}: the tokenizer produces token ids up to {max}, but the model's vocab_size is \
+             {vocab_size} (config.json): this tokenizer does not belong to this model",
+            tok_path.display()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// One tokenized example (no padding: batches pad dynamically).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Encoded {
@@ -24,6 +42,12 @@ impl TextTokenizer {
     /// Loads `tokenizer.json`, overriding any padding or truncation baked into the file
     /// (all-MiniLM-L6-v2's forces both to 128).
     pub fn from_file(path: &Path, max_length: usize) -> Result<Self> {
+        if max_length == 0 {
+            return Err(KilnError::Config(
+                "--max-length must be at least 1 (0 would mean no truncation at all)".into(),
+            ));
+        }
+        crate::hub::files::ensure_regular(path, "tokenizer")?;
         let mut inner = Tokenizer::from_file(path).map_err(|e| {
             KilnError::Config(format!("{}: cannot load tokenizer: {e}", path.display()))
         })?;
@@ -69,6 +93,11 @@ impl TextTokenizer {
                 token_type_ids: e.get_type_ids().to_vec(),
             })
             .collect())
+    }
+
+    /// The largest id the tokenizer can produce (its vocabulary and added tokens).
+    pub fn max_id(&self) -> Option<u32> {
+        max_token_id(&self.inner)
     }
 
     /// The tokenizer file as loaded (padding/truncation overrides are not saved into it).

@@ -69,24 +69,78 @@ pub struct BertConfig {
 }
 
 impl BertConfig {
+    /// Reads and validates a `config.json` (sizes, ranges, model type, and whether the parameters
+    /// can fit in memory at all), naming the file in every error.
     pub fn from_file(path: &Path) -> Result<Self> {
         let cfg: Self = super::read_json(path)?;
-        if !cfg.hidden_size.is_multiple_of(cfg.num_attention_heads) {
-            return Err(KilnError::Config(format!(
-                "{}: hidden_size {} is not a multiple of num_attention_heads {}",
-                path.display(),
-                cfg.hidden_size,
-                cfg.num_attention_heads
-            )));
-        }
-        if cfg.hidden_act != "gelu" {
-            return Err(KilnError::Config(format!(
-                "{}: hidden_act {:?} is not supported (only \"gelu\")",
-                path.display(),
-                cfg.hidden_act
-            )));
-        }
+        cfg.validate()
+            .map_err(|m| KilnError::Config(format!("{}: {m}", path.display())))?;
+        super::limits::ensure_params_fit(path, cfg.param_count(2))?;
         Ok(cfg)
+    }
+
+    /// Ranges as transformers and torch enforce them (and what kiln's BERT supports).
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        use super::limits::{model_type, non_negative, positive, probability};
+        model_type(self.model_type.as_deref(), "bert")?;
+        for (name, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("intermediate_size", self.intermediate_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+            ("type_vocab_size", self.type_vocab_size),
+        ] {
+            positive(name, v)?;
+        }
+        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
+            return Err(format!(
+                "hidden_size {} is not a multiple of num_attention_heads {}",
+                self.hidden_size, self.num_attention_heads
+            ));
+        }
+        if self.hidden_act != "gelu" {
+            return Err(format!(
+                "hidden_act {:?} is not supported (only \"gelu\")",
+                self.hidden_act
+            ));
+        }
+        probability("hidden_dropout_prob", self.hidden_dropout_prob)?;
+        probability(
+            "attention_probs_dropout_prob",
+            self.attention_probs_dropout_prob,
+        )?;
+        if let Some(p) = self.classifier_dropout {
+            probability("classifier_dropout", p)?;
+        }
+        non_negative("layer_norm_eps", self.layer_norm_eps, true)?;
+        non_negative("initializer_range", self.initializer_range, false)?;
+        if let Some(pad) = self.pad_token_id.filter(|&p| p >= self.vocab_size) {
+            return Err(format!(
+                "pad_token_id {pad} is outside the vocabulary (vocab_size {})",
+                self.vocab_size
+            ));
+        }
+        Ok(())
+    }
+
+    /// Parameters of `BertForSequenceClassification` with `num_labels` classes, as a float: the
+    /// sizes come from a file and their product may exceed any integer type.
+    pub fn param_count(&self, num_labels: usize) -> f64 {
+        let [v, h, l, i, p, t, c] = [
+            self.vocab_size,
+            self.hidden_size,
+            self.num_hidden_layers,
+            self.intermediate_size,
+            self.max_position_embeddings,
+            self.type_vocab_size,
+            num_labels,
+        ]
+        .map(|x| x as f64);
+        let embeddings = (v + p + t) * h + 2.0 * h;
+        let layer = 4.0 * (h * h + h) + 2.0 * (h * i) + i + h + 4.0 * h;
+        embeddings + l * layer + (h * h + h) + (h * c + c)
     }
 
     /// Label names in id order, if the config has a complete `id2label`.

@@ -85,14 +85,36 @@ pub enum RopeScaling {
 }
 
 impl LlamaConfig {
+    /// Reads and validates a `config.json` (sizes, ranges, model type, and whether the parameters
+    /// can fit in memory at all), naming the file in every error.
     pub fn from_file(path: &Path) -> Result<Self> {
         let cfg: Self = super::read_json(path)?;
         cfg.validate()
             .map_err(|m| KilnError::Config(format!("{}: {m}", path.display())))?;
+        super::limits::ensure_params_fit(path, cfg.param_count())?;
         Ok(cfg)
     }
 
+    /// Ranges as transformers and torch enforce them (and what kiln's Llama supports).
     pub fn validate(&self) -> std::result::Result<(), String> {
+        use super::limits::{model_type, non_negative, positive};
+        model_type(self.model_type.as_deref(), "llama")?;
+        for (name, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ] {
+            positive(name, v)?;
+        }
+        if let Some(kv) = self.num_key_value_heads {
+            positive("num_key_value_heads", kv)?;
+        }
+        if let Some(d) = self.head_dim {
+            positive("head_dim", d)?;
+        }
         if !self.num_attention_heads.is_multiple_of(self.kv_heads()) {
             return Err(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
@@ -100,9 +122,15 @@ impl LlamaConfig {
                 self.kv_heads()
             ));
         }
-        if !self.head_size().is_multiple_of(2) {
+        if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return Err(format!(
-                "head_dim {} must be even for RoPE",
+                "hidden_size {} is not a multiple of num_attention_heads {} (and no head_dim is set)",
+                self.hidden_size, self.num_attention_heads
+            ));
+        }
+        if self.head_size() == 0 || !self.head_size().is_multiple_of(2) {
+            return Err(format!(
+                "head_dim {} must be even and at least 2 for RoPE",
                 self.head_size()
             ));
         }
@@ -112,28 +140,107 @@ impl LlamaConfig {
                 self.hidden_act
             ));
         }
-        self.rope()?;
+        non_negative("rms_norm_eps", self.rms_norm_eps, true)?;
+        non_negative("rope_theta", self.rope_theta, true)?;
+        non_negative("initializer_range", self.initializer_range, false)?;
+        let eos: Vec<u64> = match &self.eos_token_id {
+            None => Vec::new(),
+            Some(serde_json::Value::Number(n)) => n.as_u64().into_iter().collect(),
+            Some(serde_json::Value::Array(a)) if a.iter().all(|v| v.as_u64().is_some()) => {
+                a.iter().filter_map(|v| v.as_u64()).collect()
+            }
+            Some(other) => {
+                return Err(format!(
+                    "eos_token_id must be a token id or a list of token ids, got {other}"
+                ))
+            }
+        };
+        let ids = [
+            ("bos_token_id", self.bos_token_id.map(u64::from)),
+            ("pad_token_id", self.pad_token_id.map(u64::from)),
+        ];
+        for (name, id) in ids
+            .into_iter()
+            .chain(eos.iter().map(|&e| ("eos_token_id", Some(e))))
+        {
+            if let Some(id) = id.filter(|&i| i >= self.vocab_size as u64) {
+                return Err(format!(
+                    "{name} {id} is outside the vocabulary (vocab_size {})",
+                    self.vocab_size
+                ));
+            }
+        }
+        match self.rope()? {
+            RopeScaling::None => {}
+            RopeScaling::Linear(f) => non_negative("rope_scaling.factor", f, true)?,
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                non_negative("rope_scaling.factor", factor, true)?;
+                non_negative("rope_scaling.low_freq_factor", low_freq_factor, true)?;
+                non_negative("rope_scaling.high_freq_factor", high_freq_factor, true)?;
+                non_negative(
+                    "rope_scaling.original_max_position_embeddings",
+                    original_max_position_embeddings,
+                    true,
+                )?;
+                if high_freq_factor <= low_freq_factor {
+                    return Err(format!(
+                        "rope_scaling.high_freq_factor {high_freq_factor} must be above low_freq_factor {low_freq_factor}"
+                    ));
+                }
+            }
+        }
         Ok(())
     }
 
+    /// Parameters of `LlamaForCausalLM`, as a float: the sizes come from a file and their product
+    /// may exceed any integer type.
+    pub fn param_count(&self) -> f64 {
+        let (v, h, i, l) = (
+            self.vocab_size as f64,
+            self.hidden_size as f64,
+            self.intermediate_size as f64,
+            self.num_hidden_layers as f64,
+        );
+        let q = (self.num_attention_heads as f64) * self.head_size() as f64;
+        let kv = (self.kv_heads() as f64) * self.head_size() as f64;
+        let bias = if self.attention_bias {
+            q + 2.0 * kv + h
+        } else {
+            0.0
+        };
+        let mlp_bias = if self.mlp_bias { 2.0 * i + h } else { 0.0 };
+        let layer = h * q + 2.0 * h * kv + q * h + bias + 3.0 * h * i + mlp_bias + 2.0 * h;
+        let head = if self.tie_word_embeddings { 0.0 } else { v * h };
+        v * h + l * layer + h + head
+    }
+
     pub fn kv_heads(&self) -> usize {
-        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+        self.num_key_value_heads
+            .unwrap_or(self.num_attention_heads)
+            .max(1)
     }
 
     pub fn head_size(&self) -> usize {
         self.head_dim
-            .unwrap_or(self.hidden_size / self.num_attention_heads)
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
     /// The end-of-sequence ids (the config may hold one or a list).
     pub fn eos_ids(&self) -> Vec<u32> {
         match &self.eos_token_id {
-            Some(serde_json::Value::Number(n)) => {
-                n.as_u64().map(|v| v as u32).into_iter().collect()
-            }
+            Some(serde_json::Value::Number(n)) => n
+                .as_u64()
+                .and_then(|v| u32::try_from(v).ok())
+                .into_iter()
+                .collect(),
             Some(serde_json::Value::Array(a)) => a
                 .iter()
-                .filter_map(|v| v.as_u64().map(|v| v as u32))
+                .filter_map(|v| v.as_u64().and_then(|v| u32::try_from(v).ok()))
                 .collect(),
             _ => Vec::new(),
         }

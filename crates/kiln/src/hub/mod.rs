@@ -2,7 +2,9 @@
 
 pub mod config;
 pub mod convert;
+pub mod files;
 pub mod gguf;
+pub mod limits;
 pub mod llama_config;
 pub mod weights;
 
@@ -10,23 +12,23 @@ use std::path::Path;
 
 use crate::error::{KilnError, Result};
 
-/// Writes `bytes` to `path` through a temporary file in the same folder and a rename, so a reader
-/// (or a crash) never sees a half-written file.
-pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).map_err(|e| KilnError::io(dir, e))?;
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    std::fs::write(&tmp, bytes).map_err(|e| KilnError::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| KilnError::io(path, e))
-}
+pub use files::atomic_write;
 
-/// A JSON file parsed as `T`; a syntax or schema error names the file and line.
+/// A JSON file parsed as `T`; a syntax or schema error names the file, the line and the field.
 pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
-    let text = std::fs::read_to_string(path).map_err(|e| KilnError::io(path, e))?;
-    serde_json::from_str(&text).map_err(|e| KilnError::Parse {
-        path: path.to_path_buf(),
-        line: e.line(),
-        msg: e.to_string(),
+    let bytes = files::read_regular(path, "JSON file")?;
+    let mut de = serde_json::Deserializer::from_slice(&bytes);
+    serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let field = e.path().to_string();
+        let inner = e.into_inner();
+        KilnError::Parse {
+            path: path.to_path_buf(),
+            line: inner.line(),
+            msg: if field == "." {
+                inner.to_string()
+            } else {
+                format!("field `{field}`: {inner}")
+            },
+        }
     })
 }

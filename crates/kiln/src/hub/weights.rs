@@ -149,10 +149,27 @@ pub fn map_params<B: Backend, M: Module<B>>(
     module.map(&mut m)
 }
 
+/// Integer and boolean tensors are buffers (`embeddings.position_ids`), never parameters.
+fn is_buffer_dtype(d: Dtype) -> bool {
+    matches!(
+        d,
+        Dtype::BOOL
+            | Dtype::U8
+            | Dtype::I8
+            | Dtype::I16
+            | Dtype::U16
+            | Dtype::I32
+            | Dtype::U32
+            | Dtype::I64
+            | Dtype::U64
+    )
+}
+
 /// Reads every tensor of a safetensors file as f32 (f32, f16, bf16 and f64 are converted; integer
-/// buffers such as `embeddings.position_ids` are skipped: they are not parameters).
+/// buffers such as `embeddings.position_ids` are skipped: they are not parameters). A float type
+/// kiln cannot read (FP8, ...) is an error, never a silently re-initialised weight.
 pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>> {
-    let bytes = std::fs::read(path).map_err(|e| KilnError::io(path, e))?;
+    let bytes = crate::hub::files::read_regular(path, "safetensors file")?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| {
         KilnError::Weights(format!("{}: not a safetensors file: {e}", path.display()))
     })?;
@@ -176,7 +193,11 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>> {
                 .chunks_exact(8)
                 .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32)
                 .collect(),
-            _ => continue,
+            d if is_buffer_dtype(d) => continue,
+            d => return Err(KilnError::Weights(format!(
+                "{}: tensor {name} is stored as {d:?}; kiln reads F32, F16, BF16 and F64 weights",
+                path.display()
+            ))),
         };
         out.insert(
             name,
@@ -187,6 +208,29 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>> {
         );
     }
     Ok(out)
+}
+
+/// For an error about `missing` parameters: those the file does hold, under a dtype that is not a
+/// float (`" (stored as I64: a, b)"`), or an empty string.
+pub fn stored_as_other_dtype(path: &Path, missing: &[&String]) -> String {
+    let Ok(bytes) = crate::hub::files::read_regular(path, "safetensors file") else {
+        return String::new();
+    };
+    let Ok((_, meta)) = SafeTensors::read_metadata(&bytes) else {
+        return String::new();
+    };
+    let found: Vec<String> = missing
+        .iter()
+        .filter_map(|m| {
+            let info = meta.info(m)?;
+            Some(format!("{m} as {:?}", info.dtype))
+        })
+        .collect();
+    if found.is_empty() {
+        String::new()
+    } else {
+        format!(" (stored with a non-float dtype: {})", found.join(", "))
+    }
 }
 
 /// Every weight of a model folder: `model.safetensors`, or the shards listed in
@@ -207,7 +251,27 @@ pub fn read_model_weights(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
     let map = json["weight_map"].as_object().ok_or_else(|| {
         KilnError::Config(format!("{}: no \"weight_map\" object", index.display()))
     })?;
-    let mut shards: Vec<&str> = map.values().filter_map(|v| v.as_str()).collect();
+    let mut shards: Vec<&str> = Vec::with_capacity(map.len());
+    for (name, v) in map {
+        let shard = v.as_str().ok_or_else(|| {
+            KilnError::Config(format!(
+                "{}: weight_map[{name:?}] is not a file name",
+                index.display()
+            ))
+        })?;
+        // Shards sit beside the index: a path elsewhere ("../x", "/dev/zero") is not a shard.
+        let plain = Path::new(shard)
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)))
+            && !shard.contains('/');
+        if !plain {
+            return Err(KilnError::Config(format!(
+                "{}: weight_map[{name:?}] = {shard:?} is not a file name in the model folder",
+                index.display()
+            )));
+        }
+        shards.push(shard);
+    }
     shards.sort_unstable();
     shards.dedup();
     let mut out = BTreeMap::new();
@@ -243,6 +307,14 @@ pub fn write_safetensors_as(
     tensors: &BTreeMap<String, HostTensor>,
     dtype: StoreDtype,
 ) -> Result<()> {
+    crate::hub::atomic_write(path, &safetensors_bytes(tensors, dtype)?)
+}
+
+/// The bytes of a safetensors file holding `tensors` as `dtype` (metadata `format: pt`).
+pub fn safetensors_bytes(
+    tensors: &BTreeMap<String, HostTensor>,
+    dtype: StoreDtype,
+) -> Result<Vec<u8>> {
     let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
         .iter()
         .map(|(k, t)| {
@@ -264,15 +336,13 @@ pub fn write_safetensors_as(
     let views = bytes
         .iter()
         .map(|(k, b, s)| {
-            let v = safetensors::tensor::TensorView::new(st_dtype, s.clone(), b)
-                .expect("shape matches data");
-            (k.clone(), v)
+            safetensors::tensor::TensorView::new(st_dtype, s.clone(), b)
+                .map(|v| (k.clone(), v))
+                .map_err(|e| KilnError::Weights(format!("tensor {k}: {e}")))
         })
-        .collect::<Vec<_>>();
+        .collect::<Result<Vec<_>>>()?;
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let data = safetensors::serialize(views, Some(meta))
-        .map_err(|e| KilnError::Weights(format!("{}: {e}", path.display())))?;
-    crate::hub::atomic_write(path, &data)
+    safetensors::serialize(views, Some(meta)).map_err(|e| KilnError::Weights(e.to_string()))
 }
 
 /// Every float parameter of `module` as host tensors keyed by Hugging Face path.

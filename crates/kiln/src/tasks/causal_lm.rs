@@ -129,6 +129,18 @@ impl CausalLmOptions {
     }
 }
 
+/// RoPE has no position table to overrun, but a model was trained only up to
+/// `max_position_embeddings`: past it, quality is not what the config promises.
+pub fn warn_beyond_positions(config: &LlamaConfig, len: usize, what: &str) {
+    if len > config.max_position_embeddings {
+        tracing::warn!(
+            "{what} {len} is beyond the model's max_position_embeddings {}: positions past it were \
+             never trained",
+            config.max_position_embeddings
+        );
+    }
+}
+
 /// The token that ends a document: the config's first `eos_token_id`, else the tokenizer's.
 fn eos_id(config: &LlamaConfig, tok: &Tokenizer) -> Option<u32> {
     config.eos_ids().first().copied().or_else(|| {
@@ -167,14 +179,8 @@ pub fn train<B: TrainBackend>(
             ))
         }
     };
-    if tok.get_vocab_size(true) > config.vocab_size {
-        return Err(KilnError::Config(format!(
-            "{}: {} tokens, more than the model's vocab_size {}",
-            tok_path.display(),
-            tok.get_vocab_size(true),
-            config.vocab_size
-        )));
-    }
+    crate::data::tokenize::check_ids_fit(&tok, &tok_path, config.vocab_size)?;
+    warn_beyond_positions(&config, opts.block_size, "--block-size");
     let eos = eos_id(&config, &tok);
     let train_file = opts
         .train_file
@@ -206,6 +212,7 @@ pub fn train<B: TrainBackend>(
         .iter()
         .map(|f| source.join(f))
         .collect(),
+        source_dir: opts.model_dir.clone(),
     };
     let mut model = model;
     model.gradient_checkpointing = args.gradient_checkpointing;
@@ -224,8 +231,11 @@ pub fn eval<B: KilnBackend>(
         .model_dir
         .as_ref()
         .ok_or_else(|| KilnError::Config("kiln eval needs --model".into()))?;
-    let tok = load_tokenizer(&opts.tokenizer_path()?)?;
+    let tok_path = opts.tokenizer_path()?;
+    let tok = load_tokenizer(&tok_path)?;
     let (model, config) = load_model::<B>(dir, device)?;
+    crate::data::tokenize::check_ids_fit(&tok, &tok_path, config.vocab_size)?;
+    warn_beyond_positions(&config, opts.block_size, "--block-size");
     let file = opts
         .eval_file
         .as_ref()
@@ -332,6 +342,21 @@ pub fn generate<B: KilnBackend>(
     if prompt_ids.is_empty() {
         return Err(KilnError::Config("the prompt encodes to no tokens".into()));
     }
+    if let Some(&bad) = prompt_ids
+        .iter()
+        .find(|&&t| t as usize >= config.vocab_size)
+    {
+        return Err(KilnError::Config(format!(
+            "the prompt holds token id {bad}, outside the model's vocab_size {}: the tokenizer \
+             does not belong to this model",
+            config.vocab_size
+        )));
+    }
+    warn_beyond_positions(
+        config,
+        prompt_ids.len() + o.max_new_tokens,
+        "prompt + --max-new-tokens",
+    );
     let eos = config.eos_ids();
     let mut rng = StdRng::seed_from_u64(o.seed);
     let mut cache = KvCache::new(model.num_layers());
@@ -342,6 +367,12 @@ pub fn generate<B: KilnBackend>(
     let mut prefill_secs = 0.0;
     while new_ids.len() < o.max_new_tokens {
         let logits = model.next_token_logits(&input, &mut cache);
+        if logits.iter().any(|v| !v.is_finite()) {
+            return Err(KilnError::NonFinite(format!(
+                "generating token {}: the model gives non-finite logits (its weights are not finite)",
+                new_ids.len() + 1
+            )));
+        }
         let next = choose(&logits, o, &mut rng);
         if new_ids.is_empty() {
             prefill_secs = start.elapsed().as_secs_f64();

@@ -118,6 +118,7 @@ fn files() -> ModelFiles {
         .expect("json"),
         tokenizer_json: None,
         copy: Vec::new(),
+        source_dir: None,
     }
 }
 

@@ -78,8 +78,24 @@ impl ModelDir {
     pub fn config(&self) -> Result<BertConfig> {
         BertConfig::from_file(&self.dir.join("config.json"))
     }
-    pub fn tokenizer(&self, max_length: usize) -> Result<TextTokenizer> {
-        TextTokenizer::from_file(&self.dir.join("tokenizer.json"), max_length)
+    /// The tokenizer, truncating to `max_length` — at most the model's `max_position_embeddings`
+    /// (a longer request is clamped with a warning, as transformers' `run_glue.py` does) — after
+    /// checking that every id it produces has a row in the model's embeddings.
+    pub fn tokenizer(&self, config: &BertConfig, max_length: usize) -> Result<TextTokenizer> {
+        let path = self.dir.join("tokenizer.json");
+        let limit = config.max_position_embeddings;
+        let max_length = if max_length > limit {
+            warn!(
+                "--max-length {max_length} is above the model's max_position_embeddings {limit}: \
+                 using {limit}"
+            );
+            limit
+        } else {
+            max_length
+        };
+        let tok = TextTokenizer::from_file(&path, max_length)?;
+        crate::data::tokenize::check_ids_fit(tok.inner(), &path, config.vocab_size)?;
+        Ok(tok)
     }
 }
 
@@ -94,6 +110,10 @@ pub fn load_classifier<B: KilnBackend>(
 ) -> Result<(BertForSequenceClassification<B>, BertConfig, LabelSet)> {
     let mut config = md.config()?;
     let saved = config.labels().map(LabelSet::new);
+    crate::hub::limits::ensure_params_fit(
+        &md.dir.join("config.json"),
+        config.param_count(labels.map_or(2, |l| l.len())),
+    )?;
     let labels = match (labels, saved.clone()) {
         (Some(l), _) => l.clone(),
         (None, Some(s)) => s,
@@ -116,15 +136,28 @@ pub fn load_classifier<B: KilnBackend>(
         tensors.retain(|k, _| !k.starts_with("classifier."));
     }
     let (model, report) = load_into(model, &tensors, Some("bert"), device)?;
-    if !report.missing.is_empty() {
-        let head_only = report.missing.iter().all(|m| m.starts_with("classifier."));
+    // A new classification head is expected (and a pooler, as transformers initialises one for
+    // encoders saved without it); any other missing weight means this is not the model it claims.
+    let (head, rest): (Vec<&String>, Vec<&String>) = report
+        .missing
+        .iter()
+        .partition(|m| m.starts_with("classifier.") || m.starts_with("bert.pooler."));
+    if !rest.is_empty() {
+        return Err(KilnError::Weights(format!(
+            "{}: {} of the model's weights are not in the file (first: {}){}; is this a BERT model?",
+            path.display(),
+            rest.len(),
+            rest.iter().take(3).map(|s| s.as_str()).collect::<Vec<_>>().join(", "),
+            crate::hub::weights::stored_as_other_dtype(&path, &rest)
+        )));
+    }
+    if !head.is_empty() {
         let msg = format!(
-            "{}: newly initialized (not in {}): {}",
-            "BertForSequenceClassification",
+            "BertForSequenceClassification: newly initialized (not in {}): {}",
             path.display(),
             report.missing.join(", ")
         );
-        if head_only {
+        if head.iter().all(|m| m.starts_with("classifier.")) {
             info!(
                 "{msg} — a fresh classification head for labels {:?}",
                 labels.names()
@@ -141,6 +174,17 @@ pub fn load_classifier<B: KilnBackend>(
         );
     }
     Ok((model, config, labels))
+}
+
+/// Text pairs are told apart by token type 0 and 1: the model needs two token-type embeddings.
+fn check_pairs(config: &BertConfig, data: &DataArgs) -> Result<()> {
+    if data.columns.text_pair.is_some() && config.type_vocab_size < 2 {
+        return Err(KilnError::Config(format!(
+            "--text-pair-column needs a model with type_vocab_size ≥ 2 (config.json has {})",
+            config.type_vocab_size
+        )));
+    }
+    Ok(())
 }
 
 /// Writes a model folder with freshly initialised encoder weights (transformers' init scheme) for
@@ -162,6 +206,7 @@ pub fn init_model_dir(
         config_json: config.to_json(),
         tokenizer_json: Some(tokenizer_json.to_path_buf()),
         copy: Vec::new(),
+        source_dir: None,
     };
     crate::train::checkpoint::write_model_dir(dir, &tensors, &files)
 }
@@ -205,7 +250,9 @@ pub fn train<B: TrainBackend, L: Loss>(
     customize: impl FnOnce(&mut Trainer<B, BertForSequenceClassification<B>, L>),
 ) -> Result<(TrainOutput, Option<EvalOutput>)> {
     let md = ModelDir::new(&opts.model_dir)?;
-    let tok = md.tokenizer(opts.max_length)?;
+    let config = md.config()?;
+    let tok = md.tokenizer(&config, opts.max_length)?;
+    check_pairs(&config, &opts.data)?;
     let data = data::prepare(&opts.data, &tok, None)?;
     log_reports(&data.reports);
     let train_set = data
@@ -223,6 +270,7 @@ pub fn train<B: TrainBackend, L: Loss>(
         config_json: config.to_json(),
         tokenizer_json: Some(md.dir.join("tokenizer.json")),
         copy: Vec::new(),
+        source_dir: Some(md.dir.clone()),
     };
     if args.gradient_checkpointing {
         warn!("--gradient-checkpointing applies to causal LMs; BERT trains without it");
@@ -248,7 +296,9 @@ pub fn eval<B: KilnBackend>(
     device: &B::Device,
 ) -> Result<EvalOutput> {
     let md = ModelDir::new(&opts.model_dir)?;
-    let tok = md.tokenizer(opts.max_length)?;
+    let config = md.config()?;
+    let tok = md.tokenizer(&config, opts.max_length)?;
+    check_pairs(&config, &opts.data)?;
     let (model, _, labels) = load_classifier::<B>(&md, None, 0, device)?;
     let data = data::prepare(&opts.data, &tok, Some(labels.clone()))?;
     log_reports(&data.reports);
@@ -291,7 +341,7 @@ pub fn predict<B: KilnBackend>(
     device: &B::Device,
 ) -> Result<Vec<Prediction>> {
     let md = ModelDir::new(model_dir)?;
-    let tok = md.tokenizer(max_length)?;
+    let tok = md.tokenizer(&md.config()?, max_length)?;
     let (model, _, labels) = load_classifier::<B>(&md, None, 0, device)?;
     let mut out = Vec::with_capacity(texts.len());
     for chunk in texts.chunks(batch_size.max(1)) {
@@ -312,6 +362,12 @@ pub fn predict<B: KilnBackend>(
             v.chunks(c).map(|r| r.to_vec()).collect()
         };
         for ((text, l), p) in chunk.iter().zip(rows(logits)).zip(rows(probs)) {
+            if l.iter().any(|v| !v.is_finite()) {
+                return Err(KilnError::NonFinite(format!(
+                    "{}: the model gives non-finite logits {l:?} for {text:?}: its weights are not finite",
+                    model_dir.display()
+                )));
+            }
             let best = argmax(&p);
             out.push(Prediction {
                 text: text.clone(),

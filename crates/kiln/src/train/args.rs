@@ -24,7 +24,7 @@ pub struct TrainingArguments {
     /// Where checkpoints, logs and the final model go.
     #[arg(long, default_value = "runs/kiln")]
     pub output_dir: PathBuf,
-    #[arg(long, default_value_t = 3.0)]
+    #[arg(long, default_value_t = 3.0, value_parser = finite_f64)]
     pub num_train_epochs: f64,
     /// If > 0, the total number of optimizer steps (overrides num_train_epochs).
     #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
@@ -35,19 +35,19 @@ pub struct TrainingArguments {
     pub per_device_eval_batch_size: usize,
     #[arg(long, default_value_t = 1)]
     pub gradient_accumulation_steps: usize,
-    #[arg(long, default_value_t = 5e-5)]
+    #[arg(long, default_value_t = 5e-5, value_parser = finite_f64)]
     pub learning_rate: f64,
     /// Decoupled weight decay (not applied to biases and LayerNorm weights).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = finite_f64)]
     pub weight_decay: f64,
-    #[arg(long, default_value_t = 0.9)]
+    #[arg(long, default_value_t = 0.9, value_parser = finite_f64)]
     pub adam_beta1: f64,
-    #[arg(long, default_value_t = 0.999)]
+    #[arg(long, default_value_t = 0.999, value_parser = finite_f64)]
     pub adam_beta2: f64,
-    #[arg(long, default_value_t = 1e-8)]
+    #[arg(long, default_value_t = 1e-8, value_parser = finite_f64)]
     pub adam_epsilon: f64,
     /// Clip gradients to this global L2 norm (0 disables).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = finite_f64)]
     pub max_grad_norm: f64,
     #[arg(long, value_enum, default_value_t = SchedulerType::Linear)]
     pub lr_scheduler_type: SchedulerType,
@@ -57,7 +57,7 @@ pub struct TrainingArguments {
     #[arg(long, default_value_t = 0)]
     pub warmup_steps: u64,
     /// Fraction of total steps used for warmup (when warmup_steps is 0).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = finite_f64)]
     pub warmup_ratio: f64,
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -99,6 +99,24 @@ pub struct TrainingArguments {
     /// during the backward pass (causal LMs; about one extra forward pass of compute).
     #[arg(long, default_value_t = false)]
     pub gradient_checkpointing: bool,
+    /// Train into an --output-dir that already holds a run (its files are replaced; its checkpoints
+    /// are left alone, never rotated nor resumed).
+    #[arg(long, default_value_t = false)]
+    pub overwrite_output_dir: bool,
+    /// Skip the update of up to N steps whose loss or gradient norm is NaN or infinite (each is
+    /// logged and counted) instead of stopping at the first, as large-scale trainers allow.
+    #[arg(long, default_value_t = 0)]
+    pub skip_nonfinite_steps: u64,
+}
+
+/// A flag's f64 value, refusing NaN and infinities (clap then names the flag in its error).
+fn finite_f64(s: &str) -> std::result::Result<f64, String> {
+    let v: f64 = s.trim().parse().map_err(|e| format!("{e}"))?;
+    if v.is_finite() {
+        Ok(v)
+    } else {
+        Err("must be a finite number".into())
+    }
 }
 
 impl Default for TrainingArguments {
@@ -118,25 +136,41 @@ impl TrainingArguments {
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| KilnError::io(path, e))?;
         let is_json = path.extension().and_then(|e| e.to_str()) == Some("json");
+        // The error names the key (`learning_rate: invalid type: ...`), not only the line.
+        let located = |field: String, line: usize, msg: String| KilnError::Parse {
+            path: path.to_path_buf(),
+            line,
+            msg: if field == "." {
+                msg
+            } else {
+                format!("key `{field}`: {msg}")
+            },
+        };
         if is_json {
-            serde_json::from_str(&text).map_err(|e| KilnError::Parse {
-                path: path.to_path_buf(),
-                line: e.line(),
-                msg: e.to_string(),
+            let mut de = serde_json::Deserializer::from_str(&text);
+            serde_path_to_error::deserialize(&mut de).map_err(|e| {
+                let field = e.path().to_string();
+                let inner = e.into_inner();
+                located(field, inner.line(), inner.to_string())
             })
         } else {
-            serde_yaml_ng::from_str(&text).map_err(|e| KilnError::Parse {
-                path: path.to_path_buf(),
-                line: e.location().map(|l| l.line()).unwrap_or(0),
-                msg: e.to_string(),
-            })
+            serde_path_to_error::deserialize(serde_yaml_ng::Deserializer::from_str(&text)).map_err(
+                |e| {
+                    let field = e.path().to_string();
+                    let inner = e.into_inner();
+                    let line = inner.location().map(|l| l.line()).unwrap_or(0);
+                    located(field, line, inner.to_string())
+                },
+            )
         }
     }
 
     /// Only the keys a YAML/JSON file sets (validated as [`Self::from_file`] does), so that they can
     /// be laid over other defaults (a task's) rather than the generic ones.
     pub fn file_entries(path: &Path) -> Result<serde_json::Map<String, serde_json::Value>> {
-        Self::from_file(path)?;
+        Self::from_file(path)?
+            .check_finite()
+            .map_err(|m| KilnError::Config(format!("{}: {m}", path.display())))?;
         let text = std::fs::read_to_string(path).map_err(|e| KilnError::io(path, e))?;
         let value: serde_json::Value =
             serde_yaml_ng::from_str(&text).map_err(|e| KilnError::Parse {
@@ -166,8 +200,54 @@ impl TrainingArguments {
         self.eval_steps.unwrap_or(self.logging_steps).max(1)
     }
 
+    /// Every float argument finite (NaN in a YAML file would otherwise surface later, nameless).
+    fn check_finite(&self) -> std::result::Result<(), String> {
+        let floats = [
+            ("num_train_epochs", self.num_train_epochs),
+            ("learning_rate", self.learning_rate),
+            ("weight_decay", self.weight_decay),
+            ("adam_beta1", self.adam_beta1),
+            ("adam_beta2", self.adam_beta2),
+            ("adam_epsilon", self.adam_epsilon),
+            ("max_grad_norm", self.max_grad_norm),
+            ("warmup_ratio", self.warmup_ratio),
+        ];
+        match floats.iter().find(|(_, v)| !v.is_finite()) {
+            Some((name, v)) => Err(format!("{name} must be a finite number, got {v}")),
+            None => Ok(()),
+        }
+    }
+
+    /// Ranges as transformers and torch enforce them, checked before anything runs.
     pub fn validate(&self) -> Result<()> {
+        self.check_finite().map_err(KilnError::Config)?;
         let bad = |m: String| Err(KilnError::Config(m));
+
+        // torch.optim's own checks: a negative rate, decay or epsilon, or a beta outside [0, 1).
+        for (name, v) in [
+            ("learning_rate", self.learning_rate),
+            ("weight_decay", self.weight_decay),
+            ("adam_epsilon", self.adam_epsilon),
+            ("max_grad_norm", self.max_grad_norm),
+        ] {
+            if v < 0.0 {
+                return bad(format!("{name} must be at least 0, got {v}"));
+            }
+        }
+        for (name, v) in [
+            ("adam_beta1", self.adam_beta1),
+            ("adam_beta2", self.adam_beta2),
+        ] {
+            if !(0.0..1.0).contains(&v) {
+                return bad(format!("{name} must be in [0, 1), got {v}"));
+            }
+        }
+        if self.max_steps <= 0 && self.num_train_epochs <= 0.0 {
+            return bad(format!(
+                "num_train_epochs must be above 0 (or set max_steps), got {}",
+                self.num_train_epochs
+            ));
+        }
         if self.per_device_train_batch_size == 0 || self.per_device_eval_batch_size == 0 {
             return bad("batch sizes must be at least 1".into());
         }
@@ -179,6 +259,18 @@ impl TrainingArguments {
                 "warmup_ratio must be in [0, 1], got {}",
                 self.warmup_ratio
             ));
+        }
+        if self.save_strategy == IntervalStrategy::Steps && self.save_steps == 0 {
+            return bad("save_steps must be at least 1 with save_strategy \"steps\"".into());
+        }
+        if self.eval_steps == Some(0) {
+            return bad("eval_steps must be at least 1".into());
+        }
+        if self.save_total_limit == Some(0) {
+            return bad(
+                "save_total_limit must be at least 1 (leave it unset to keep every checkpoint)"
+                    .into(),
+            );
         }
         if self.load_best_model_at_end
             && (self.eval_strategy == IntervalStrategy::No

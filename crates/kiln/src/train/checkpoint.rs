@@ -1,9 +1,18 @@
 //! Checkpoints and saved models, laid out as transformers' Trainer does:
 //! `output_dir/checkpoint-<step>/{config.json, model.safetensors, tokenizer.json, trainer_state.json,
-//! optimizer.safetensors, scheduler.json, training_args.json}`.
+//! optimizer.safetensors, scheduler.json, training_args.json}`, plus kiln's marker
+//! `kiln_checkpoint.json` (the run that wrote it, and the size of every file).
 //!
-//! A checkpoint is written into a hidden temporary folder and renamed into place, so a crash never
-//! leaves a half-written `checkpoint-N` behind.
+//! A checkpoint's life is a sequence of atomic steps, so a crash at any moment leaves every
+//! `checkpoint-N` folder either complete or absent:
+//! - it is written into a hidden `.kiln-tmp-checkpoint-N` folder, every file flushed, the marker
+//!   last, then renamed into place (and the parent folder flushed);
+//! - it is deleted (rotation) by renaming it to a hidden `.kiln-trash-` name first;
+//! - hidden leftovers of an interrupted run are removed at the next start (`output_dir.rs`).
+//!
+//! Only folders with a marker of the current run are rotated, and `latest` resumes only from a
+//! complete marked checkpoint: a user's own `checkpoint-0/` or a stale folder of another run is
+//! never deleted and never picked.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -11,8 +20,11 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{KilnError, Result};
-use crate::hub::atomic_write;
-use crate::hub::weights::{write_safetensors, HostTensor};
+use crate::hub::files::{crash_point, remove_dir, sync_dir, write_synced, TEMP_PREFIX};
+use crate::hub::weights::{safetensors_bytes, HostTensor, StoreDtype};
+
+/// The marker file inside every checkpoint kiln writes.
+pub const MARKER: &str = "kiln_checkpoint.json";
 
 /// The non-weight files of a model folder.
 #[derive(Debug, Clone, Default)]
@@ -22,27 +34,68 @@ pub struct ModelFiles {
     pub tokenizer_json: Option<PathBuf>,
     /// Other files copied verbatim when present (`tokenizer_config.json`, `generation_config.json`).
     pub copy: Vec<PathBuf>,
+    /// The folder the model was loaded from (training must not write its output over it).
+    pub source_dir: Option<PathBuf>,
 }
 
-/// Writes `config.json`, `model.safetensors` and `tokenizer.json` into `dir`.
+/// Every parameter finite, or an error naming the first that is not (`what` says what was about to
+/// happen: a model with NaN weights is never saved).
+pub fn ensure_finite(tensors: &BTreeMap<String, HostTensor>, what: &str) -> Result<()> {
+    for (name, t) in tensors {
+        if let Some(i) = t.data.iter().position(|v| !v.is_finite()) {
+            let bad = t.data.iter().filter(|v| !v.is_finite()).count();
+            return Err(KilnError::NonFinite(format!(
+                "{what}: parameter {name} holds {bad} non-finite values (the first, at index {i}, is {}); \
+                 the model diverged, nothing was saved",
+                t.data[i]
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The files of a model folder (`config.json`, `model.safetensors`, `tokenizer.json`, the copied
+/// extras) as `(name, bytes)`, ready to be written as a group.
+pub fn model_dir_files(
+    tensors: &BTreeMap<String, HostTensor>,
+    files: &ModelFiles,
+) -> Result<Vec<(String, Vec<u8>)>> {
+    let mut out = vec![
+        (
+            "config.json".to_string(),
+            files.config_json.clone().into_bytes(),
+        ),
+        (
+            "model.safetensors".to_string(),
+            safetensors_bytes(tensors, StoreDtype::F32)?,
+        ),
+    ];
+    let read =
+        |src: &Path| crate::hub::files::read_regular(src, "file to copy into the model folder");
+    if let Some(tok) = &files.tokenizer_json {
+        out.push(("tokenizer.json".to_string(), read(tok)?));
+    }
+    // The extras are optional (a model folder may lack generation_config.json).
+    for src in files.copy.iter().filter(|p| p.exists()) {
+        let name = src.file_name().map(|n| n.to_string_lossy().to_string());
+        out.push((name.unwrap_or_default(), read(src)?));
+    }
+    Ok(out)
+}
+
+/// Writes `config.json`, `model.safetensors` and `tokenizer.json` (and the extras) into `dir`, as a
+/// group: a failure leaves the old files whole.
 pub fn write_model_dir(
     dir: &Path,
     tensors: &BTreeMap<String, HostTensor>,
     files: &ModelFiles,
 ) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| KilnError::io(dir, e))?;
-    atomic_write(&dir.join("config.json"), files.config_json.as_bytes())?;
-    write_safetensors(&dir.join("model.safetensors"), tensors)?;
-    if let Some(tok) = &files.tokenizer_json {
-        let bytes = std::fs::read(tok).map_err(|e| KilnError::io(tok, e))?;
-        atomic_write(&dir.join("tokenizer.json"), &bytes)?;
-    }
-    for src in files.copy.iter().filter(|p| p.exists()) {
-        let bytes = std::fs::read(src).map_err(|e| KilnError::io(src, e))?;
-        let name = src.file_name().expect("a file name");
-        atomic_write(&dir.join(name), &bytes)?;
-    }
-    Ok(())
+    let named = model_dir_files(tensors, files)?;
+    let refs: Vec<(&str, &[u8])> = named
+        .iter()
+        .map(|(n, b)| (n.as_str(), b.as_slice()))
+        .collect();
+    crate::hub::files::replace_files(dir, &refs)
 }
 
 /// `trainer_state.json`, with transformers' field names.
@@ -73,6 +126,9 @@ pub struct SchedulerState {
     pub total_steps: u64,
     /// The run's seed: data order and dropout masks are derived from (seed, epoch, step).
     pub seed: u64,
+    /// Steps whose update was skipped for a non-finite loss or gradient (`--skip-nonfinite-steps`).
+    #[serde(default)]
+    pub skipped_nonfinite: u64,
 }
 
 /// Everything one checkpoint holds.
@@ -85,66 +141,184 @@ pub struct Checkpoint<'a> {
     pub training_args_json: &'a str,
 }
 
+/// `kiln_checkpoint.json`: which run wrote the checkpoint, and every file's size (a checkpoint is
+/// complete when each listed file has its size).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Marker {
+    pub run_id: String,
+    pub global_step: u64,
+    pub files: BTreeMap<String, u64>,
+}
+
+impl Marker {
+    fn read(dir: &Path) -> Option<Self> {
+        crate::hub::read_json(&dir.join(MARKER)).ok()
+    }
+
+    /// The first listed file that is missing or has another size.
+    fn first_damage(&self, dir: &Path) -> Option<String> {
+        self.files.iter().find_map(|(name, &size)| {
+            match std::fs::metadata(dir.join(name)).map(|m| m.len()) {
+                Ok(s) if s == size => None,
+                Ok(s) => Some(format!("{name} has {s} bytes, {size} were written")),
+                Err(_) => Some(format!("{name} is missing")),
+            }
+        })
+    }
+}
+
 pub fn checkpoint_dir(output_dir: &Path, step: u64) -> PathBuf {
     output_dir.join(format!("checkpoint-{step}"))
 }
 
 fn json<T: Serialize>(v: &T) -> Vec<u8> {
-    serde_json::to_vec_pretty(v).expect("serialisable")
+    serde_json::to_vec_pretty(v).expect("plain data serialises")
 }
 
-/// Writes `output_dir/checkpoint-<step>` atomically and returns its path.
-pub fn save_checkpoint(output_dir: &Path, ck: &Checkpoint) -> Result<PathBuf> {
+/// Writes `output_dir/checkpoint-<step>` atomically (see the module comment) for run `run_id` and
+/// returns its path. On failure (a full disk) the temporary folder is removed.
+pub fn save_checkpoint(output_dir: &Path, ck: &Checkpoint, run_id: &str) -> Result<PathBuf> {
     let step = ck.state.global_step;
     let final_dir = checkpoint_dir(output_dir, step);
-    let tmp = output_dir.join(format!(".tmp-checkpoint-{step}"));
+    let tmp = output_dir.join(format!("{TEMP_PREFIX}checkpoint-{step}"));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| KilnError::io(&tmp, e))?;
     }
-    write_model_dir(&tmp, ck.model, ck.files)?;
-    write_safetensors(&tmp.join("optimizer.safetensors"), ck.optimizer)?;
-    atomic_write(&tmp.join("trainer_state.json"), &json(ck.state))?;
-    atomic_write(&tmp.join("scheduler.json"), &json(ck.scheduler))?;
-    atomic_write(
-        &tmp.join("training_args.json"),
-        ck.training_args_json.as_bytes(),
-    )?;
-    if final_dir.exists() {
-        std::fs::remove_dir_all(&final_dir).map_err(|e| KilnError::io(&final_dir, e))?;
+    let written = write_checkpoint_files(&tmp, ck, run_id);
+    if let Err(e) = written {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    crash_point("checkpoint:complete");
+    // rename(2) cannot replace a non-empty folder: a checkpoint of the same step (another run's,
+    // with --overwrite-output-dir) is moved aside first, and deleted once the new one is in place.
+    let old = final_dir.exists().then(|| {
+        output_dir.join(format!(
+            "{}checkpoint-{step}-{}",
+            crate::hub::files::TRASH_PREFIX,
+            std::process::id()
+        ))
+    });
+    if let Some(old) = &old {
+        std::fs::rename(&final_dir, old).map_err(|e| KilnError::io(&final_dir, e))?;
     }
     std::fs::rename(&tmp, &final_dir).map_err(|e| KilnError::io(&final_dir, e))?;
+    sync_dir(output_dir)?;
+    crash_point("checkpoint:renamed");
+    if let Some(old) = old {
+        std::fs::remove_dir_all(&old).map_err(|e| KilnError::io(&old, e))?;
+    }
     Ok(final_dir)
 }
 
-/// Checkpoint folders in `output_dir`, oldest (lowest step) first.
-pub fn list_checkpoints(output_dir: &Path) -> Vec<(u64, PathBuf)> {
+fn write_checkpoint_files(tmp: &Path, ck: &Checkpoint, run_id: &str) -> Result<()> {
+    std::fs::create_dir_all(tmp).map_err(|e| KilnError::io(tmp, e))?;
+    let mut files = model_dir_files(ck.model, ck.files)?;
+    files.push((
+        "optimizer.safetensors".into(),
+        safetensors_bytes(ck.optimizer, StoreDtype::F32)?,
+    ));
+    files.push(("trainer_state.json".into(), json(ck.state)));
+    files.push(("scheduler.json".into(), json(ck.scheduler)));
+    files.push((
+        "training_args.json".into(),
+        ck.training_args_json.as_bytes().to_vec(),
+    ));
+    for (name, bytes) in &files {
+        write_synced(&tmp.join(name), bytes)?;
+        crash_point("checkpoint:file");
+    }
+    let marker = Marker {
+        run_id: run_id.to_string(),
+        global_step: ck.state.global_step,
+        files: files
+            .iter()
+            .map(|(n, b)| (n.clone(), b.len() as u64))
+            .collect(),
+    };
+    write_synced(&tmp.join(MARKER), &json(&marker))?;
+    sync_dir(tmp)
+}
+
+/// One `checkpoint-N` folder of an output folder.
+#[derive(Debug, Clone)]
+pub struct CheckpointEntry {
+    pub step: u64,
+    pub path: PathBuf,
+    /// `None` when the folder has no readable marker: not written by kiln (or by a kiln before
+    /// markers), so never rotated and never resumed by `latest`.
+    pub marker: Option<Marker>,
+    /// Why a marked checkpoint is not whole (`None` when complete).
+    pub damage: Option<String>,
+}
+
+impl CheckpointEntry {
+    pub fn is_complete_of(&self, run_id: Option<&str>) -> bool {
+        self.damage.is_none()
+            && self
+                .marker
+                .as_ref()
+                .is_some_and(|m| run_id.is_none_or(|r| m.run_id == r))
+    }
+}
+
+/// The `checkpoint-N` folders of `output_dir`, oldest (lowest step) first.
+pub fn list_checkpoints(output_dir: &Path) -> Vec<CheckpointEntry> {
     let Ok(rd) = std::fs::read_dir(output_dir) else {
         return Vec::new();
     };
-    let mut out: Vec<(u64, PathBuf)> = rd
+    let mut out: Vec<CheckpointEntry> = rd
         .filter_map(|e| e.ok())
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
         .filter_map(|e| {
             let name = e.file_name().to_string_lossy().to_string();
             let step = name.strip_prefix("checkpoint-")?.parse().ok()?;
-            Some((step, e.path()))
+            let path = e.path();
+            let marker = Marker::read(&path);
+            let damage = match &marker {
+                Some(m) => m.first_damage(&path),
+                None => Some(format!("no {MARKER}")),
+            };
+            Some(CheckpointEntry {
+                step,
+                path,
+                marker,
+                damage,
+            })
         })
         .collect();
-    out.sort();
+    out.sort_by_key(|c| c.step);
     out
 }
 
-/// `DIR`, or the newest checkpoint of `output_dir` for `latest`.
-pub fn resolve_resume(spec: &str, output_dir: &Path) -> Result<PathBuf> {
+/// `DIR`, or for `latest` the newest complete checkpoint of run `run_id` (any kiln run when
+/// `None`) in `output_dir`.
+pub fn resolve_resume(spec: &str, output_dir: &Path, run_id: Option<&str>) -> Result<PathBuf> {
     if spec == "latest" {
-        return list_checkpoints(output_dir)
-            .pop()
-            .map(|(_, p)| p)
-            .ok_or_else(|| {
-                KilnError::Checkpoint(format!(
-                    "--resume-from-checkpoint latest: no checkpoint-* folder in {}",
-                    output_dir.display()
-                ))
-            });
+        let all = list_checkpoints(output_dir);
+        if let Some(c) = all.iter().rev().find(|c| c.is_complete_of(run_id)) {
+            return Ok(c.path.clone());
+        }
+        let passed: Vec<String> = all
+            .iter()
+            .map(|c| {
+                let why = match (&c.damage, &c.marker) {
+                    (Some(d), _) => d.clone(),
+                    (None, Some(m)) => format!("written by another run ({})", m.run_id),
+                    (None, None) => "not kiln's".into(),
+                };
+                format!("{}: {why}", c.path.display())
+            })
+            .collect();
+        return Err(KilnError::Checkpoint(format!(
+            "--resume-from-checkpoint latest: no complete checkpoint of this run in {}{}",
+            output_dir.display(),
+            if passed.is_empty() {
+                String::new()
+            } else {
+                format!(" (passed over: {})", passed.join("; "))
+            }
+        )));
     }
     let p = PathBuf::from(spec);
     if !p.join("trainer_state.json").exists() {
@@ -153,24 +327,126 @@ pub fn resolve_resume(spec: &str, output_dir: &Path) -> Result<PathBuf> {
             p.display()
         )));
     }
+    if let Some(damage) = Marker::read(&p).and_then(|m| m.first_damage(&p)) {
+        return Err(KilnError::Checkpoint(format!(
+            "{}: incomplete checkpoint: {damage}",
+            p.display()
+        )));
+    }
     Ok(p)
 }
 
-/// Deletes the oldest checkpoints beyond `limit`, never the one in `keep` (the best model).
-pub fn rotate_checkpoints(output_dir: &Path, limit: usize, keep: Option<&Path>) -> Result<()> {
-    let all = list_checkpoints(output_dir);
-    let mut excess = all.len().saturating_sub(limit.max(1));
-    for (_, path) in all {
+/// Deletes the oldest complete checkpoints of run `run_id` beyond `limit`, never the one in `keep`
+/// (the best model), each through an atomic rename out of the way. Folders of other runs and
+/// folders kiln did not write are never touched.
+pub fn rotate_checkpoints(
+    output_dir: &Path,
+    limit: usize,
+    keep: Option<&Path>,
+    run_id: &str,
+) -> Result<()> {
+    let ours: Vec<CheckpointEntry> = list_checkpoints(output_dir)
+        .into_iter()
+        .filter(|c| c.is_complete_of(Some(run_id)))
+        .collect();
+    let mut excess = ours.len().saturating_sub(limit.max(1));
+    for c in ours {
         if excess == 0 {
             break;
         }
-        if keep.is_some_and(|k| k == path) {
+        if keep.is_some_and(|k| k == c.path) {
             continue;
         }
-        std::fs::remove_dir_all(&path).map_err(|e| KilnError::io(&path, e))?;
+        remove_dir(&c.path)?;
         excess -= 1;
     }
     Ok(())
 }
 
 pub use crate::hub::read_json;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny_checkpoint(out: &Path, step: u64, run: &str) -> PathBuf {
+        let model = BTreeMap::from([(
+            "w".to_string(),
+            HostTensor {
+                shape: vec![2],
+                data: vec![1.0, 2.0],
+            },
+        )]);
+        let files = ModelFiles {
+            config_json: "{}".into(),
+            ..Default::default()
+        };
+        let state = TrainerState {
+            global_step: step,
+            ..Default::default()
+        };
+        let sched = SchedulerState {
+            step,
+            last_lr: 0.0,
+            warmup_steps: 0,
+            total_steps: 10,
+            seed: 1,
+            skipped_nonfinite: 0,
+        };
+        let ck = Checkpoint {
+            model: &model,
+            files: &files,
+            optimizer: &BTreeMap::new(),
+            state: &state,
+            scheduler: &sched,
+            training_args_json: "{}",
+        };
+        save_checkpoint(out, &ck, run).unwrap()
+    }
+
+    #[test]
+    fn rotation_touches_only_this_runs_complete_checkpoints() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path();
+        // A user's own folder with a checkpoint-like name, and a stale checkpoint of another run.
+        std::fs::create_dir(out.join("checkpoint-0")).unwrap();
+        std::fs::write(out.join("checkpoint-0/notes.txt"), "mine").unwrap();
+        tiny_checkpoint(out, 999, "old-run");
+        for step in [1, 2, 3] {
+            tiny_checkpoint(out, step, "run");
+            rotate_checkpoints(out, 2, None, "run").unwrap();
+        }
+        let names: Vec<u64> = list_checkpoints(out).iter().map(|c| c.step).collect();
+        assert_eq!(names, vec![0, 2, 3, 999]);
+        assert!(out.join("checkpoint-0/notes.txt").exists());
+        // `latest` of this run is 3, not the stale 999 nor the foreign 0.
+        let latest = resolve_resume("latest", out, Some("run")).unwrap();
+        assert_eq!(latest, out.join("checkpoint-3"));
+        // A damaged checkpoint is passed over.
+        std::fs::write(out.join("checkpoint-3/model.safetensors"), b"short").unwrap();
+        let latest = resolve_resume("latest", out, Some("run")).unwrap();
+        assert_eq!(latest, out.join("checkpoint-2"));
+        let e = resolve_resume(out.join("checkpoint-3").to_str().unwrap(), out, None).unwrap_err();
+        assert!(e.to_string().contains("incomplete checkpoint"), "{e}");
+        let e = resolve_resume("latest", out, Some("nobody")).unwrap_err();
+        assert!(e.to_string().contains("no complete checkpoint"), "{e}");
+    }
+
+    #[test]
+    fn non_finite_weights_are_never_saved() {
+        let t = BTreeMap::from([(
+            "layer.weight".to_string(),
+            HostTensor {
+                shape: vec![3],
+                data: vec![0.0, f32::NAN, f32::INFINITY],
+            },
+        )]);
+        let e = ensure_finite(&t, "saving checkpoint-4").unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("layer.weight holds 2 non-finite values"),
+            "{msg}"
+        );
+        assert!(msg.contains("saving checkpoint-4"), "{msg}");
+    }
+}

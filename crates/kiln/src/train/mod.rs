@@ -4,6 +4,7 @@ pub mod args;
 pub mod checkpoint;
 pub mod metrics;
 pub mod optim;
+pub mod output_dir;
 pub mod schedule;
 pub mod task;
 pub mod trainer;

@@ -16,11 +16,12 @@ use tracing::info;
 
 use super::args::{IntervalStrategy, TrainingArguments};
 use super::checkpoint::{
-    read_json, resolve_resume, rotate_checkpoints, save_checkpoint, write_model_dir, Checkpoint,
+    ensure_finite, model_dir_files, read_json, rotate_checkpoints, save_checkpoint, Checkpoint,
     ModelFiles, SchedulerState, TrainerState,
 };
 use super::metrics::{classification_report, ClassificationReport, Predictions};
 use super::optim::{AdamWConfig, GradAccumulator, Optimizer};
+use super::output_dir::{claim, resolve_resume_for, Claim, RunDir};
 use super::schedule::lr_factor;
 use super::task::{BatchSource, Classifier, CrossEntropy, Loss};
 use crate::data::batch::{epoch_order, shard};
@@ -67,6 +68,11 @@ pub struct Trainer<B: TrainBackend, M, L = CrossEntropy> {
     pub dist: Option<Arc<ProcessGroup<B::InnerBackend>>>,
     /// The loss of the last optimizer step (averaged over ranks), as the MNIST sample prints it.
     pub last_step_loss: f64,
+    /// This run's id (its checkpoints carry it) and, on rank 0, the lock on the output folder.
+    run: Option<RunDir>,
+    run_id: String,
+    /// Steps skipped so far for a non-finite loss or gradient norm (`--skip-nonfinite-steps`).
+    skipped_nonfinite: u64,
 }
 
 fn targets_tensor<B: Backend>(t: Vec<i64>, device: &B::Device) -> Tensor<B, 1, Int> {
@@ -121,6 +127,9 @@ where
             progress: true,
             dist: None,
             last_step_loss: f64::NAN,
+            run: None,
+            run_id: String::new(),
+            skipped_nonfinite: 0,
         }
     }
 
@@ -214,6 +223,7 @@ where
         let moments = read_safetensors(&dir.join("optimizer.safetensors"))?;
         self.optimizer
             .load_state(sched.step, &moments, &self.device);
+        self.skipped_nonfinite = sched.skipped_nonfinite;
         info!(
             "resumed from {} at step {} (epoch {:.2})",
             dir.display(),
@@ -242,8 +252,26 @@ where
                 "eval_strategy needs evaluation data (--eval-file or --eval-split)".into(),
             ));
         }
-        std::fs::create_dir_all(&a.output_dir).map_err(|e| KilnError::io(&a.output_dir, e))?;
         let (rank, world) = self.world();
+        // Rank 0 claims the output folder (lock, leftovers, another run's files); every rank
+        // resumes from the same checkpoint.
+        let resume_dir = if self.is_main() {
+            let run = claim(&Claim {
+                output_dir: &a.output_dir,
+                source_dir: self.files.source_dir.as_deref(),
+                resume: a.resume_from_checkpoint.as_deref(),
+                overwrite: a.overwrite_output_dir,
+            })?;
+            self.run_id = run.run_id.clone();
+            let dir = run.resume.clone();
+            self.run = Some(run);
+            dir
+        } else {
+            a.resume_from_checkpoint
+                .as_deref()
+                .map(|spec| resolve_resume_for(&a.output_dir, spec))
+                .transpose()?
+        };
         let n = train.len();
         // Each rank trains on its shard of every epoch (see `shard`): equal counts on all ranks.
         let n_rank = if world == 1 {
@@ -287,9 +315,8 @@ where
             is_world_process_zero: rank == 0,
             ..TrainerState::default()
         };
-        if let Some(spec) = &a.resume_from_checkpoint {
-            let dir = resolve_resume(spec, &a.output_dir)?;
-            let sched = self.resume(&dir)?;
+        if let Some(dir) = &resume_dir {
+            let sched = self.resume(dir)?;
             if sched.total_steps != total || sched.seed != a.seed {
                 tracing::warn!(
                     "resuming with different total steps ({} → {total}) or seed ({} → {}): the run will not match an uninterrupted one",
@@ -403,17 +430,27 @@ where
                 let last_grad_norm = acc.clip_global_norm(a.max_grad_norm);
                 let lr = a.learning_rate
                     * lr_factor(a.lr_scheduler_type, self.state.global_step, warmup, total);
-                let model = self.take_model();
-                self.model = Some(self.optimizer.step::<B, M>(model, lr, acc));
+                // Every rank sees the same averaged loss and norm, so all decide alike.
+                let finite = step_loss.is_finite() && last_grad_norm.is_finite();
+                if finite {
+                    let model = self.take_model();
+                    self.model = Some(self.optimizer.step::<B, M>(model, lr, acc));
+                } else {
+                    self.skip_nonfinite_step(step_loss, last_grad_norm)?;
+                }
                 drop(opt);
                 self.state.global_step += 1;
                 self.state.epoch = self.state.global_step as f64 / updates_per_epoch as f64;
                 let last_lr = a.learning_rate
                     * lr_factor(a.lr_scheduler_type, self.state.global_step, warmup, total);
-                run_loss_sum += step_loss;
                 self.last_step_loss = step_loss;
-                log_loss_sum += step_loss;
-                log_steps += 1;
+                // As transformers' logging_nan_inf_filter: a skipped step's loss stays out of the
+                // logged averages.
+                if finite {
+                    run_loss_sum += step_loss;
+                    log_loss_sum += step_loss;
+                    log_steps += 1;
+                }
                 let elapsed = start.elapsed().as_secs_f64();
                 bar.set_position(self.state.global_step);
                 bar.set_message(format!(
@@ -426,9 +463,12 @@ where
                 let step = self.state.global_step;
                 let epoch_end = g + 1 == batches.len().div_ceil(a.gradient_accumulation_steps);
                 if a.logging_steps > 0 && step.is_multiple_of(a.logging_steps) {
-                    let loss = log_loss_sum / log_steps as f64;
-                    let entry = json!({"loss": round4(loss), "grad_norm": last_grad_norm,
+                    let loss = log_loss_sum / log_steps.max(1) as f64;
+                    let mut entry = json!({"loss": round4(loss), "grad_norm": last_grad_norm,
                                        "learning_rate": last_lr});
+                    if self.skipped_nonfinite > 0 {
+                        entry["skipped_nonfinite_steps"] = json!(self.skipped_nonfinite);
+                    }
                     if self.is_main() {
                         bar.suspend(|| {
                             info!(
@@ -460,6 +500,7 @@ where
                         warmup_steps: warmup,
                         total_steps: total,
                         seed: a.seed,
+                        skipped_nonfinite: self.skipped_nonfinite,
                     };
                     bar.suspend(|| self.save_checkpoint(&sched, pending_eval.take()))?;
                 }
@@ -482,7 +523,8 @@ where
             "train_steps_per_second".into(),
             round3(steps_run as f64 / runtime),
         );
-        metrics.insert("train_loss".into(), run_loss_sum / steps_run.max(1) as f64);
+        let finite_steps = steps_run.saturating_sub(self.skipped_nonfinite).max(1);
+        metrics.insert("train_loss".into(), run_loss_sum / finite_steps as f64);
         metrics.insert("epoch".into(), round4(self.state.epoch));
         let mut entry: Map<String, Value> =
             metrics.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
@@ -552,6 +594,10 @@ where
             return self.barrier();
         }
         let model = module_tensors(self.model());
+        ensure_finite(
+            &model,
+            &format!("saving checkpoint-{}", self.state.global_step),
+        )?;
         let opt = self.optimizer.state_tensors();
         let args_json = serde_json::to_string_pretty(&self.args).expect("json");
         let path = save_checkpoint(
@@ -564,23 +610,68 @@ where
                 scheduler: sched,
                 training_args_json: &args_json,
             },
+            &self.run_id,
         )?;
         info!("saved {}", path.display());
         if let Some(limit) = self.args.save_total_limit {
             let best = self.state.best_model_checkpoint.clone().map(PathBuf::from);
-            rotate_checkpoints(&self.args.output_dir, limit, best.as_deref())?;
+            rotate_checkpoints(&self.args.output_dir, limit, best.as_deref(), &self.run_id)?;
         }
         self.barrier()
     }
 
-    /// Saves the model (config.json, model.safetensors, tokenizer.json) and trainer state to `dir`.
+    /// Saves the model (config.json, model.safetensors, tokenizer.json) and trainer state to `dir`,
+    /// all files as one group: a failure (a full disk) leaves the previous model whole, and a model
+    /// with non-finite weights is never written.
     pub fn save_model(&self, dir: &Path) -> Result<()> {
-        write_model_dir(dir, &module_tensors(self.model()), &self.files)?;
-        write_json(&dir.join("trainer_state.json"), &self.state)?;
-        let args = serde_json::to_string_pretty(&self.args).expect("json");
-        crate::hub::atomic_write(&dir.join("training_args.json"), args.as_bytes())?;
+        let tensors = module_tensors(self.model());
+        ensure_finite(&tensors, &format!("saving the model to {}", dir.display()))?;
+        let mut files = model_dir_files(&tensors, &self.files)?;
+        files.push((
+            "trainer_state.json".into(),
+            serde_json::to_vec_pretty(&self.state).expect("json"),
+        ));
+        files.push((
+            "training_args.json".into(),
+            serde_json::to_vec_pretty(&self.args).expect("json"),
+        ));
+        let refs: Vec<(&str, &[u8])> = files
+            .iter()
+            .map(|(n, b)| (n.as_str(), b.as_slice()))
+            .collect();
+        crate::hub::files::replace_files(dir, &refs)?;
         info!("saved model to {}", dir.display());
         Ok(())
+    }
+
+    /// A step whose loss or gradient norm is NaN/inf: its update is skipped while the budget of
+    /// `--skip-nonfinite-steps` lasts; past it, training stops with an error naming the step.
+    fn skip_nonfinite_step(&mut self, loss: f64, grad_norm: f64) -> Result<()> {
+        let step = self.state.global_step + 1;
+        let budget = self.args.skip_nonfinite_steps;
+        if self.skipped_nonfinite < budget {
+            self.skipped_nonfinite += 1;
+            tracing::warn!(
+                "step {step}: loss {loss} / grad_norm {grad_norm} is not finite: update skipped \
+                 ({} of --skip-nonfinite-steps {budget})",
+                self.skipped_nonfinite
+            );
+            return Ok(());
+        }
+        Err(KilnError::NonFinite(format!(
+            "step {step}: the {} is {} (loss {loss}, grad_norm {grad_norm}): training diverged and \
+             stopped before this update; nothing after step {} was saved (lower --learning-rate, \
+             check the data or the model, or let up to N such steps be skipped with \
+             --skip-nonfinite-steps N{})",
+            if loss.is_finite() { "gradient norm" } else { "loss" },
+            if loss.is_finite() { grad_norm } else { loss },
+            step - 1,
+            if budget > 0 {
+                format!("; {budget} were skipped already")
+            } else {
+                String::new()
+            }
+        )))
     }
 
     /// Evaluates the current model (no dropout, no gradients) on `eval`.
@@ -672,10 +763,26 @@ where
             logits.clone(),
             targets_tensor::<B>(targets.clone(), &device),
         );
-        loss_sum += loss.into_scalar().elem::<f64>() * counted as f64;
+        let batch_loss = loss.into_scalar().elem::<f64>();
+        if !batch_loss.is_finite() {
+            return Err(KilnError::NonFinite(format!(
+                "evaluation: the loss of eval examples {}..={} is {batch_loss}: the model gives \
+                 non-finite logits (its weights diverged, or the eval data holds NaN)",
+                idx[0],
+                idx[idx.len() - 1]
+            )));
+        }
+        loss_sum += batch_loss * counted as f64;
         count += counted;
         if label_names.is_some() {
-            preds.logits.extend(host_rows(logits));
+            let rows = host_rows(logits);
+            if let Some(r) = rows.iter().position(|r| r.iter().any(|v| !v.is_finite())) {
+                return Err(KilnError::NonFinite(format!(
+                    "evaluation: eval example {} has non-finite logits {:?}",
+                    idx[r], rows[r]
+                )));
+            }
+            preds.logits.extend(rows);
             preds
                 .labels
                 .extend(targets.iter().map(|&t| t.max(0) as usize));

@@ -1,0 +1,219 @@
+//! Durable file operations: what kiln writes is either there whole or not at all, even across a
+//! crash or a full disk, and what kiln reads is a regular file, never a device that never ends.
+//!
+//! A write goes to a temporary file in the target's folder, is flushed to the disk (`fsync`), renamed
+//! over the target, and the folder itself is flushed so the rename survives a power cut. A folder is
+//! deleted by first renaming it out of the way (one atomic step), so a crash mid-delete never leaves a
+//! half-deleted folder under its real name.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use crate::error::{KilnError, Result};
+
+/// Prefix of the temporary files and folders kiln writes before renaming them into place.
+pub const TEMP_PREFIX: &str = ".kiln-tmp-";
+/// Prefix of folders renamed out of the way before deletion. Leftovers of both are removed at the
+/// next start (see [`remove_leftovers`]).
+pub const TRASH_PREFIX: &str = ".kiln-trash-";
+
+/// Flushes a folder's entries (new names, renames) to the disk.
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| KilnError::io(dir, e))
+}
+
+/// The temporary name [`atomic_write`] writes `path`'s bytes to before the rename.
+pub fn temp_path(path: &Path) -> PathBuf {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");
+    path.with_file_name(format!("{TEMP_PREFIX}{name}-{}", std::process::id()))
+}
+
+/// Writes `bytes` to `path` durably, without the rename: the caller renames (see
+/// [`atomic_write`]). On failure nothing is left behind.
+pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let result = File::create(path)
+        .and_then(|mut f| f.write_all(bytes).and_then(|()| f.sync_all()))
+        .map_err(|e| KilnError::io(path, e));
+    if result.is_err() {
+        let _ = std::fs::remove_file(path);
+    }
+    result
+}
+
+/// Writes `bytes` to `path` through a flushed temporary file and a rename, so a reader (or a crash,
+/// or a full disk) never sees a half-written file: the old content stays until the new one is whole.
+pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(|e| KilnError::io(dir, e))?;
+    let tmp = temp_path(path);
+    write_synced(&tmp, bytes)?;
+    if let Err(e) = std::fs::rename(&tmp, path) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(KilnError::io(path, e));
+    }
+    sync_dir(dir)
+}
+
+/// Several files of one folder replaced as a group: every new file is written and flushed under a
+/// temporary name first; only when all are on the disk are they renamed into place, in one burst
+/// of renames that cannot run out of space. A failed write (a full disk) removes the temporary
+/// files and leaves every old file as it was.
+pub fn replace_files(dir: &Path, files: &[(&str, &[u8])]) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| KilnError::io(dir, e))?;
+    let mut written: Vec<(PathBuf, PathBuf)> = Vec::with_capacity(files.len());
+    for (name, bytes) in files {
+        let target = dir.join(name);
+        let tmp = temp_path(&target);
+        if let Err(e) = write_synced(&tmp, bytes) {
+            for (t, _) in &written {
+                let _ = std::fs::remove_file(t);
+            }
+            return Err(e);
+        }
+        written.push((tmp, target));
+    }
+    for (i, (tmp, target)) in written.iter().enumerate() {
+        crash_point("replace_files:rename");
+        if let Err(e) = std::fs::rename(tmp, target) {
+            for (t, _) in &written[i..] {
+                let _ = std::fs::remove_file(t);
+            }
+            return Err(KilnError::io(target, e));
+        }
+    }
+    sync_dir(dir)
+}
+
+/// Deletes a folder: renamed to a `.trash-` name beside it (atomic), flushed, then removed. A crash
+/// at any point leaves either the whole folder under its name or a `.trash-` folder that
+/// [`remove_leftovers`] clears.
+pub fn remove_dir(path: &Path) -> Result<()> {
+    let parent = path.parent().unwrap_or(Path::new("."));
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("dir");
+    let trash = parent.join(format!("{TRASH_PREFIX}{name}-{}", std::process::id()));
+    std::fs::rename(path, &trash).map_err(|e| KilnError::io(path, e))?;
+    sync_dir(parent)?;
+    crash_point("remove_dir:renamed");
+    std::fs::remove_dir_all(&trash).map_err(|e| KilnError::io(&trash, e))
+}
+
+/// Removes what an interrupted run left in `dir`: folders and files whose names start with one of
+/// `prefixes` (kiln's own temporary and trash names). Returns the names removed.
+pub fn remove_leftovers(dir: &Path, prefixes: &[&str]) -> Result<Vec<String>> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(Vec::new());
+    };
+    let mut removed = Vec::new();
+    for entry in entries.filter_map(|e| e.ok()) {
+        let name = entry.file_name().to_string_lossy().to_string();
+        if !prefixes.iter().any(|p| name.starts_with(p)) {
+            continue;
+        }
+        let path = entry.path();
+        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+        let r = if is_dir {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
+        r.map_err(|e| KilnError::io(&path, e))?;
+        removed.push(name);
+    }
+    Ok(removed)
+}
+
+/// Reads a whole file that must be a regular file (not a device such as `/dev/zero`, a pipe or a
+/// folder, which could make the read endless). `what` names the file's role in the error.
+pub fn read_regular(path: &Path, what: &str) -> Result<Vec<u8>> {
+    ensure_regular(path, what)?;
+    std::fs::read(path).map_err(|e| KilnError::io(path, e))
+}
+
+/// An error unless `path` is a regular file (symlinks are followed).
+pub fn ensure_regular(path: &Path, what: &str) -> Result<()> {
+    let meta = std::fs::metadata(path).map_err(|e| KilnError::io(path, e))?;
+    if !meta.is_file() {
+        return Err(KilnError::Config(format!(
+            "{}: the {what} is not a regular file",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Test hook for crash-consistency tests: with `KILN_TEST_CRASH_AT=NAME:N` in the environment, the
+/// process kills itself with SIGKILL the N-th time it passes the point `NAME` (1-based), as a
+/// power cut or the OOM killer would stop it there. Without the variable this is one relaxed load.
+pub fn crash_point(name: &str) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    static TARGET: OnceLock<Option<(String, u64)>> = OnceLock::new();
+    static HITS: AtomicU64 = AtomicU64::new(0);
+    let target = TARGET.get_or_init(|| {
+        let v = std::env::var("KILN_TEST_CRASH_AT").ok()?;
+        let (point, n) = v.rsplit_once(':')?;
+        Some((point.to_string(), n.parse().ok()?))
+    });
+    if let Some((point, n)) = target {
+        if point == name && HITS.fetch_add(1, Ordering::Relaxed) + 1 == *n {
+            // SAFETY: sends SIGKILL to this very process; nothing runs after it.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replace_files_is_all_or_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        replace_files(dir.path(), &[("a", b"old a"), ("b", b"old b")]).unwrap();
+        // A file name that cannot be created (a folder is in the way) fails the group: the first
+        // file keeps its old content and no temporary file is left.
+        std::fs::create_dir(temp_path(&dir.path().join("c"))).unwrap();
+        let err = replace_files(dir.path(), &[("a", b"new a"), ("c", b"new c")]);
+        assert!(err.is_err());
+        assert_eq!(std::fs::read(dir.path().join("a")).unwrap(), b"old a");
+        let names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+            .filter(|n| n.starts_with(&format!("{TEMP_PREFIX}a")))
+            .collect();
+        assert!(names.is_empty(), "temporary files left: {names:?}");
+    }
+
+    #[test]
+    fn remove_dir_and_leftovers() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("checkpoint-3");
+        std::fs::create_dir_all(victim.join("sub")).unwrap();
+        std::fs::write(victim.join("sub/x"), b"x").unwrap();
+        remove_dir(&victim).unwrap();
+        assert!(!victim.exists());
+        std::fs::create_dir(dir.path().join(".kiln-trash-checkpoint-1-99")).unwrap();
+        std::fs::write(dir.path().join(".kiln-tmp-x"), b"").unwrap();
+        std::fs::write(dir.path().join("keep"), b"").unwrap();
+        let mut removed = remove_leftovers(dir.path(), &[TRASH_PREFIX, TEMP_PREFIX]).unwrap();
+        removed.sort();
+        assert_eq!(removed, vec![".kiln-tmp-x", ".kiln-trash-checkpoint-1-99"]);
+        assert!(dir.path().join("keep").exists());
+    }
+
+    #[test]
+    fn devices_are_not_read() {
+        let e = read_regular(Path::new("/dev/zero"), "weights file").unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+    }
+}
