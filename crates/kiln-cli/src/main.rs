@@ -401,8 +401,11 @@ fn merged_training_args(
         }
     }
     // The merged keys as TrainingArguments; a bad value names its key.
-    serde_path_to_error::deserialize(base)
-        .map_err(|e| anyhow::anyhow!("training argument `{}`: {}", e.path(), e.inner()))
+    let args: TrainingArguments = serde_path_to_error::deserialize(base)
+        .map_err(|e| anyhow::anyhow!("training argument `{}`: {}", e.path(), e.inner()))?;
+    // Checked before any model or data is loaded.
+    args.validate()?;
+    Ok(args)
 }
 
 /// Hugging Face scripts spell flags with underscores (`--per_device_train_batch_size`); accept both.
@@ -790,9 +793,13 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("KILN_LOG")
-                // burn-communication logs every tensor transfer of every all-reduce at info
+                // burn-communication logs every tensor transfer of every all-reduce at info, and
+                // both Burn crates log a dead peer's broken connections as errors: kiln reports
+                // those itself, in one line naming the peer (KILN_LOG=debug shows Burn's view).
                 .unwrap_or_else(|_| {
-                    tracing_subscriber::EnvFilter::new("info,burn_communication=warn")
+                    tracing_subscriber::EnvFilter::new(
+                        "info,burn_communication=off,burn_collective=off",
+                    )
                 }),
         )
         .with_writer(std::io::stderr)

@@ -257,7 +257,9 @@ fn launch_setup_errors_are_clear() {
         "rendezvous at 127.0.0.1:29677 did not complete within 3s",
         Duration::from_secs(30),
     );
-    // Node 0 thinks the job has 2 workers, node 1 thinks 3: the second to register is told so.
+    // Node 0 thinks the job has 2 workers, node 1 thinks 3: node 1 is told so by rank 0's
+    // heartbeat as soon as both run, however loaded the machine is. The timeouts are long so that
+    // only the mismatch itself can end the job (a rendezvous timeout would be a failure).
     let node0 = kiln()
         .args([
             "launch",
@@ -268,7 +270,7 @@ fn launch_setup_errors_are_clear() {
             "--nproc-per-node",
             "1",
         ])
-        .args(["--master-port", "29680", "--timeout", "5", "--"])
+        .args(["--master-port", "29680", "--timeout", "120", "--"])
         .args(worker())
         .stderr(Stdio::null())
         .spawn()
@@ -285,11 +287,11 @@ fn launch_setup_errors_are_clear() {
             "--master-port",
             "29680",
             "--timeout",
-            "5",
+            "120",
         ],
         worker(),
-        "different WORLD_SIZE than this one's 3",
-        Duration::from_secs(30),
+        "different WORLD_SIZE (2) than this one's 3",
+        Duration::from_secs(110),
     );
     let node0 = node0.wait_with_output().unwrap();
     assert!(!node0.status.success(), "node 0 of a broken job succeeded");

@@ -4,11 +4,13 @@
 //!
 //! Burn's collectives block until every peer has called them and have no timeout of their own, so
 //! each call runs under a watchdog: if it does not finish within the timeout (a peer died or hung),
-//! this worker prints which rank it is and what it waited for, and exits non-zero. The launcher
-//! then stops the whole job — never a silent hang.
+//! this worker prints one line — which rank it is, what it waited for and, from the heartbeat
+//! board (`heartbeat.rs`), which peer did not arrive — and exits non-zero. A connection that breaks
+//! inside Burn's networking threads (a peer was killed) ends the worker the same way, with one line
+//! instead of a panic's backtrace. The launcher then stops the whole job — never a silent hang.
 
 use std::marker::PhantomData;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
@@ -16,6 +18,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::ElementConversion;
 use burn_collective::{CollectiveConfig, PeerId, ReduceOperation};
 
+use super::heartbeat::Heartbeat;
 use super::{ensure_port_free, DistEnv};
 use crate::{KilnError, Result};
 
@@ -24,6 +27,61 @@ pub const BUCKET_ELEMENTS: usize = 16 << 20;
 
 /// Exit status of a worker whose collective timed out.
 pub const TIMEOUT_EXIT_CODE: i32 = 75;
+/// Exit status of a worker whose connection to a peer broke.
+pub const PEER_LOST_EXIT_CODE: i32 = 76;
+/// Exit status of a worker that joined a job of another WORLD_SIZE.
+pub const MISMATCH_EXIT_CODE: i32 = 77;
+
+/// This worker's heartbeat, once it joined a job (read by the watchdog and the panic hook).
+static HEARTBEAT: OnceLock<Arc<Heartbeat>> = OnceLock::new();
+
+/// Which peers a stuck collective waits for, from the heartbeat board.
+fn peers_clause() -> String {
+    HEARTBEAT
+        .get()
+        .map_or_else(String::new, |hb| format!(": {}", hb.describe_peers()))
+}
+
+/// Burn's networking runs on tokio threads and panics when a peer's connection breaks (a peer was
+/// killed). In a worker that is not a bug to debug but the end of the job: one line, naming the
+/// collective and the peer that went silent, then exit. Panics elsewhere keep the default hook.
+fn install_peer_lost_hook(rank: usize) {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let networking = std::thread::current()
+            .name()
+            .is_some_and(|n| n.starts_with("tokio"));
+        if !networking {
+            return default(info);
+        }
+        let payload = info
+            .payload()
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| info.payload().downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        // The payload is Burn's debug dump of a socket error; its gist is enough.
+        let cause = [
+            ("eset", "connection reset"),
+            ("roken pipe", "broken pipe"),
+            ("efused", "connection refused"),
+            ("losed", "connection closed"),
+        ]
+        .iter()
+        .find(|(needle, _)| payload.contains(needle))
+        .map_or("connection error", |(_, gist)| gist);
+        // Give the board a moment to see which peer went silent.
+        std::thread::sleep(std::time::Duration::from_millis(2500));
+        let during = Watchdog::get(rank)
+            .current()
+            .unwrap_or_else(|| "a collective".into());
+        eprintln!(
+            "error: rank {rank}: lost the connection to a peer during {during} ({cause}){}; stopping this worker",
+            peers_clause()
+        );
+        std::process::exit(PEER_LOST_EXIT_CODE);
+    }));
+}
 
 /// One pending deadline, checked by a background thread.
 struct Watchdog {
@@ -40,6 +98,10 @@ impl Watchdog {
                 .spawn(|| loop {
                     std::thread::sleep(Duration::from_millis(200));
                     let dog = DOG.get().expect("initialised before the thread runs");
+                    if let Some(m) = HEARTBEAT.get().and_then(|hb| hb.mismatch()) {
+                        eprintln!("error: rank {}: {m}; stopping this worker", dog.rank);
+                        std::process::exit(MISMATCH_EXIT_CODE);
+                    }
                     let late = dog
                         .pending
                         .lock()
@@ -48,7 +110,11 @@ impl Watchdog {
                         .filter(|(deadline, _)| Instant::now() > *deadline)
                         .map(|(_, what)| what.clone());
                     if let Some(what) = late {
-                        eprintln!("error: rank {}: {what}; stopping this worker", dog.rank);
+                        eprintln!(
+                            "error: rank {}: {what}{}; stopping this worker",
+                            dog.rank,
+                            peers_clause()
+                        );
                         std::process::exit(TIMEOUT_EXIT_CODE);
                     }
                 })
@@ -58,6 +124,15 @@ impl Watchdog {
                 pending: Mutex::new(None),
             }
         })
+    }
+
+    /// What the worker is waiting for now, if anything.
+    fn current(&self) -> Option<String> {
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|(_, what)| what.split(" did not").next().unwrap_or(what).to_string())
     }
 
     /// Runs `f`; if it takes longer than `timeout`, the process exits with `what` as the reason.
@@ -96,6 +171,10 @@ impl<B: Backend> ProcessGroup<B> {
     /// registers and waits (up to `timeout`) until all `WORLD_SIZE` workers have.
     pub fn init(env: DistEnv, device: &B::Device, timeout: Duration) -> Result<Self> {
         let dog = Watchdog::get(env.rank);
+        // Reports start before the rendezvous, so a WORLD_SIZE mismatch or a missing peer is
+        // named whatever the timing.
+        let _ = HEARTBEAT.set(Heartbeat::start(&env));
+        install_peer_lost_hook(env.rank);
         if env.rank == 0 {
             // Rank 0's machine is MASTER_ADDR; bind it by this machine's own address
             // (KILN_NODE_ADDR, which defaults to MASTER_ADDR): in a cluster MASTER_ADDR is often a
@@ -135,7 +214,7 @@ impl<B: Backend> ProcessGroup<B> {
             .with_global_all_reduce_strategy(burn_collective::AllReduceStrategy::Centralized);
         let peer = PeerId::from(env.rank as u32);
         let what = format!(
-            "rendezvous at {}:{} did not complete within {}s: expected WORLD_SIZE={} workers (is every worker started, with the same WORLD_SIZE and MASTER_ADDR?)",
+            "rendezvous at {}:{} did not complete within {}s: expected WORLD_SIZE={} workers",
             env.master_addr,
             env.master_port,
             timeout.as_secs(),
@@ -250,8 +329,9 @@ impl<B: Backend> ProcessGroup<B> {
         op: ReduceOperation,
         what: &str,
     ) -> Result<FloatTensor<B>> {
+        let n = HEARTBEAT.get().map_or(0, |hb| hb.enter());
         let msg = format!(
-            "{what} did not complete within {}s: a peer worker died or hung",
+            "{what} #{n} did not complete within {}s",
             self.timeout.as_secs()
         );
         #[cfg(feature = "cuda")]

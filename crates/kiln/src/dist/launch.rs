@@ -7,7 +7,7 @@ use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::{KilnError, Result};
@@ -64,11 +64,16 @@ struct Worker {
     status: Option<ExitStatus>,
 }
 
-/// Copies `from` line by line to `to`, each line prefixed with `[rank N]`.
+/// The last `error: ...` line each rank printed, for the launcher's own one-line verdict.
+type LastErrors = Arc<Mutex<std::collections::BTreeMap<usize, String>>>;
+
+/// Copies `from` line by line to `to`, each line prefixed with `[rank N]`; keeps the rank's last
+/// `error:` line in `errors`.
 fn relay(
     from: impl Read + Send + 'static,
     rank: usize,
     to_stderr: bool,
+    errors: LastErrors,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut r = BufReader::new(from);
@@ -80,6 +85,10 @@ fn relay(
         {
             let text = String::from_utf8_lossy(&line);
             let text = text.trim_end_matches(['\n', '\r']);
+            if let Some(e) = text.strip_prefix("error: ") {
+                let mut errors = errors.lock().unwrap_or_else(|p| p.into_inner());
+                errors.insert(rank, e.to_string());
+            }
             if to_stderr {
                 let _ = writeln!(std::io::stderr().lock(), "[rank {rank}] {text}");
             } else {
@@ -177,6 +186,7 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
 
     let mut workers = Vec::new();
     let mut relays = Vec::new();
+    let errors: LastErrors = Arc::default();
     for local_rank in 0..o.nproc_per_node {
         let rank = global_rank(o, local_rank);
         let mut cmd = Command::new(&o.program);
@@ -200,8 +210,18 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
                 )));
             }
         };
-        relays.push(relay(child.stdout.take().expect("piped"), rank, false));
-        relays.push(relay(child.stderr.take().expect("piped"), rank, true));
+        relays.push(relay(
+            child.stdout.take().expect("piped"),
+            rank,
+            false,
+            errors.clone(),
+        ));
+        relays.push(relay(
+            child.stderr.take().expect("piped"),
+            rank,
+            true,
+            errors.clone(),
+        ));
         workers.push(Worker {
             rank,
             child,
@@ -212,7 +232,10 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
     let result = loop {
         if interrupted.load(Ordering::Relaxed) {
             stop_all(&mut workers, libc::SIGTERM);
-            break Err(KilnError::Distributed(
+            for w in &workers {
+                signal(&w.child, libc::SIGKILL);
+            }
+            return Err(KilnError::Distributed(
                 "interrupted: stopped every worker".into(),
             ));
         }
@@ -227,16 +250,7 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
         }
         if let Some((rank, status)) = failed {
             stop_all(&mut workers, libc::SIGTERM);
-            let why = match status.code() {
-                Some(super::group::TIMEOUT_EXIT_CODE) => {
-                    "timed out waiting for its peers (see its last lines above)".to_string()
-                }
-                Some(c) => format!("exited with status {c}"),
-                None => "was killed by a signal".to_string(),
-            };
-            break Err(KilnError::Distributed(format!(
-                "worker rank {rank} {why}; stopped the other workers"
-            )));
+            break Err((rank, status));
         }
         if workers.iter().all(|w| w.status.is_some()) {
             break Ok(());
@@ -250,5 +264,24 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
     for r in relays {
         let _ = r.join();
     }
-    result
+    // The verdict quotes the failed worker's own error line (which names the peer it waited for).
+    result.map_err(|(rank, status)| {
+        use std::os::unix::process::ExitStatusExt;
+        let said = errors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&rank)
+            .cloned();
+        let why = match (status.code(), status.signal()) {
+            (Some(super::group::TIMEOUT_EXIT_CODE), _) => "timed out waiting for its peers".into(),
+            (Some(super::group::PEER_LOST_EXIT_CODE), _) => "lost the connection to a peer".into(),
+            (Some(c), _) => format!("exited with status {c}"),
+            (None, Some(sig)) => format!("was killed by signal {sig}"),
+            (None, None) => "was killed by a signal".into(),
+        };
+        let said = said.map_or_else(String::new, |s| format!(" ({s})"));
+        KilnError::Distributed(format!(
+            "worker rank {rank} {why}{said}; stopped the other workers"
+        ))
+    })
 }

@@ -3,6 +3,7 @@
 //! average gradients ([`ProcessGroup`], on Burn's collective engine).
 
 mod group;
+mod heartbeat;
 pub mod launch;
 #[cfg(feature = "cuda")]
 mod nccl;

@@ -194,10 +194,12 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>> {
                 .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32)
                 .collect(),
             d if is_buffer_dtype(d) => continue,
-            d => return Err(KilnError::Weights(format!(
+            d => {
+                return Err(KilnError::Weights(format!(
                 "{}: tensor {name} is stored as {d:?}; kiln reads F32, F16, BF16 and F64 weights",
                 path.display()
-            ))),
+            )))
+            }
         };
         out.insert(
             name,

@@ -157,6 +157,9 @@ pub fn train<B: TrainBackend>(
     args: TrainingArguments,
     device: &B::Device,
 ) -> Result<(TrainOutput, Option<EvalOutput>)> {
+    // Join the job first (like torchrun scripts' init_process_group): workers meet before each
+    // spends time loading, and a broken set-up is reported whatever the loading takes.
+    let dist = crate::dist::init_from_env::<B::InnerBackend>(device)?;
     let tok_path = opts.tokenizer_path()?;
     let tok = load_tokenizer(&tok_path)?;
     let (model, config) = match (&opts.from_config, &opts.model_dir) {
@@ -217,7 +220,7 @@ pub fn train<B: TrainBackend>(
     let mut model = model;
     model.gradient_checkpointing = args.gradient_checkpointing;
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), CrossEntropy, files);
-    trainer.dist = crate::dist::init_from_env::<B::InnerBackend>(device)?;
+    trainer.dist = dist;
     trainer.train_and_evaluate(&train_set, eval_set.as_ref())
 }
 

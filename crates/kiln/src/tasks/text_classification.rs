@@ -249,6 +249,9 @@ pub fn train<B: TrainBackend, L: Loss>(
     loss: L,
     customize: impl FnOnce(&mut Trainer<B, BertForSequenceClassification<B>, L>),
 ) -> Result<(TrainOutput, Option<EvalOutput>)> {
+    // Join the job first (like torchrun scripts' init_process_group): workers meet before each
+    // spends time loading, and a broken set-up is reported whatever the loading takes.
+    let dist = crate::dist::init_from_env::<B::InnerBackend>(device)?;
     let md = ModelDir::new(&opts.model_dir)?;
     let config = md.config()?;
     let tok = md.tokenizer(&config, opts.max_length)?;
@@ -277,7 +280,7 @@ pub fn train<B: TrainBackend, L: Loss>(
     }
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files);
     trainer.label_names = Some(labels.names().to_vec());
-    trainer.dist = crate::dist::init_from_env::<B::InnerBackend>(device)?;
+    trainer.dist = dist;
     customize(&mut trainer);
     let batches = |set| ClassificationBatches {
         set,

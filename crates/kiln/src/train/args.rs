@@ -24,7 +24,7 @@ pub struct TrainingArguments {
     /// Where checkpoints, logs and the final model go.
     #[arg(long, default_value = "runs/kiln")]
     pub output_dir: PathBuf,
-    #[arg(long, default_value_t = 3.0, value_parser = finite_f64)]
+    #[arg(long, default_value_t = 3.0, value_parser = finite_f64, allow_negative_numbers = true)]
     pub num_train_epochs: f64,
     /// If > 0, the total number of optimizer steps (overrides num_train_epochs).
     #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
@@ -35,19 +35,19 @@ pub struct TrainingArguments {
     pub per_device_eval_batch_size: usize,
     #[arg(long, default_value_t = 1)]
     pub gradient_accumulation_steps: usize,
-    #[arg(long, default_value_t = 5e-5, value_parser = finite_f64)]
+    #[arg(long, default_value_t = 5e-5, value_parser = finite_f64, allow_negative_numbers = true)]
     pub learning_rate: f64,
     /// Decoupled weight decay (not applied to biases and LayerNorm weights).
-    #[arg(long, default_value_t = 0.0, value_parser = finite_f64)]
+    #[arg(long, default_value_t = 0.0, value_parser = finite_f64, allow_negative_numbers = true)]
     pub weight_decay: f64,
-    #[arg(long, default_value_t = 0.9, value_parser = finite_f64)]
+    #[arg(long, default_value_t = 0.9, value_parser = finite_f64, allow_negative_numbers = true)]
     pub adam_beta1: f64,
-    #[arg(long, default_value_t = 0.999, value_parser = finite_f64)]
+    #[arg(long, default_value_t = 0.999, value_parser = finite_f64, allow_negative_numbers = true)]
     pub adam_beta2: f64,
-    #[arg(long, default_value_t = 1e-8, value_parser = finite_f64)]
+    #[arg(long, default_value_t = 1e-8, value_parser = finite_f64, allow_negative_numbers = true)]
     pub adam_epsilon: f64,
     /// Clip gradients to this global L2 norm (0 disables).
-    #[arg(long, default_value_t = 1.0, value_parser = finite_f64)]
+    #[arg(long, default_value_t = 1.0, value_parser = finite_f64, allow_negative_numbers = true)]
     pub max_grad_norm: f64,
     #[arg(long, value_enum, default_value_t = SchedulerType::Linear)]
     pub lr_scheduler_type: SchedulerType,
@@ -57,7 +57,7 @@ pub struct TrainingArguments {
     #[arg(long, default_value_t = 0)]
     pub warmup_steps: u64,
     /// Fraction of total steps used for warmup (when warmup_steps is 0).
-    #[arg(long, default_value_t = 0.0, value_parser = finite_f64)]
+    #[arg(long, default_value_t = 0.0, value_parser = finite_f64, allow_negative_numbers = true)]
     pub warmup_ratio: f64,
     #[arg(long, default_value_t = 42)]
     pub seed: u64,

@@ -659,12 +659,14 @@ where
             return Ok(());
         }
         Err(KilnError::NonFinite(format!(
-            "step {step}: the {} is {} (loss {loss}, grad_norm {grad_norm}): training diverged and \
-             stopped before this update; nothing after step {} was saved (lower --learning-rate, \
-             check the data or the model, or let up to N such steps be skipped with \
-             --skip-nonfinite-steps N{})",
-            if loss.is_finite() { "gradient norm" } else { "loss" },
-            if loss.is_finite() { grad_norm } else { loss },
+            "step {step}: {}: training diverged and stopped before this update; nothing after \
+             step {} was saved (lower --learning-rate, check the data or the model, or let up to \
+             N such steps be skipped with --skip-nonfinite-steps N{})",
+            if loss.is_finite() {
+                format!("the gradient norm is {grad_norm} (loss {loss})")
+            } else {
+                format!("the loss is {loss} (grad_norm {grad_norm})")
+            },
             step - 1,
             if budget > 0 {
                 format!("; {budget} were skipped already")
