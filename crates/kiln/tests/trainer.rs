@@ -123,7 +123,7 @@ fn rotation_keeps_the_best_checkpoint_and_it_is_loaded_at_the_end() {
     let min = evals.iter().cloned().fold(f64::INFINITY, f64::min);
     assert_eq!(state["best_metric"].as_f64().unwrap(), min);
     // Only the newest and the best checkpoint remain; the best is intact.
-    let left: Vec<_> = list_checkpoints(&out).into_iter().map(|(_, p)| p).collect();
+    let left: Vec<_> = list_checkpoints(&out).into_iter().map(|c| c.path).collect();
     assert!(
         left.len() <= 2 && left.contains(&best),
         "{left:?} best {best:?}"

@@ -436,6 +436,9 @@ fn normalize_row(z: &[f32], y: &mut [f32], w: &[f32], b: &[f32], eps: f32) -> (f
             let h = z.len() as f32;
             let mean = sum_map(z, |x| x) / h;
             let var = sum_map(z, |x| (x - mean) * (x - mean)) / h;
+            if !var.is_finite() {
+                super::note_activation_overflow();
+            }
             let rstd = 1.0 / (var + eps).sqrt();
             for (((y, &z), &w), &b) in y.iter_mut().zip(z).zip(w).zip(b) {
                 *y = (z - mean) * rstd * w + b;
@@ -914,6 +917,9 @@ impl KilnBackend for Cpu {
                         #[inline(always)]
                         || {
                             let ms = sum_map(xr, |x| x * x) / h as f32;
+                            if !ms.is_finite() {
+                                super::note_activation_overflow();
+                            }
                             let inv = 1.0 / (ms + eps as f32).sqrt();
                             *ri = inv;
                             for ((y, &x), &w) in yr.iter_mut().zip(xr).zip(ws) {

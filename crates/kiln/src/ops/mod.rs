@@ -33,6 +33,22 @@ pub enum MatmulPrecision {
     Bf16,
 }
 
+/// Set by the normalisation kernels (LayerNorm, RMSNorm) when a row's variance is not finite: the
+/// activations overflowed f32 (or hold NaN) and the layer's output collapsed to zeros or NaN. PyTorch's own
+/// kernels collapse the same way without a word; the trainer turns this into a non-finite step.
+/// Process-wide: the kernels run on the thread pool's threads.
+static ACTIVATION_OVERFLOW: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+pub(crate) fn note_activation_overflow() {
+    ACTIVATION_OVERFLOW.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether any normalisation saw overflowed activations since the last call (and clears it).
+pub fn take_activation_overflow() -> bool {
+    ACTIVATION_OVERFLOW.swap(false, std::sync::atomic::Ordering::Relaxed)
+}
+
 thread_local! {
     static MATMUL_PRECISION: std::cell::Cell<MatmulPrecision> = const {
         std::cell::Cell::new(MatmulPrecision::F32)

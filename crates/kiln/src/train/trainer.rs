@@ -358,6 +358,7 @@ where
             ProgressBar::hidden()
         };
 
+        crate::ops::take_activation_overflow();
         let lengths = train.lengths();
         let start = Instant::now();
         let start_step = self.state.global_step;
@@ -421,6 +422,12 @@ where
                     drop(bwd);
                     samples += idx.len();
                 }
+                // Overflowed activations make a finite-looking loss meaningless (the outputs
+                // collapsed): the step counts as non-finite, on every rank through the average.
+                let overflowed = crate::ops::take_activation_overflow();
+                if overflowed {
+                    step_loss = f64::NAN;
+                }
                 if let Some(d) = &self.dist {
                     // Average gradients (and the logged loss) over ranks before clipping.
                     step_loss = acc.all_reduce_mean(d, step_loss, &self.device)?;
@@ -436,7 +443,7 @@ where
                     let model = self.take_model();
                     self.model = Some(self.optimizer.step::<B, M>(model, lr, acc));
                 } else {
-                    self.skip_nonfinite_step(step_loss, last_grad_norm)?;
+                    self.skip_nonfinite_step(step_loss, last_grad_norm, overflowed)?;
                 }
                 drop(opt);
                 self.state.global_step += 1;
@@ -646,7 +653,7 @@ where
 
     /// A step whose loss or gradient norm is NaN/inf: its update is skipped while the budget of
     /// `--skip-nonfinite-steps` lasts; past it, training stops with an error naming the step.
-    fn skip_nonfinite_step(&mut self, loss: f64, grad_norm: f64) -> Result<()> {
+    fn skip_nonfinite_step(&mut self, loss: f64, grad_norm: f64, overflowed: bool) -> Result<()> {
         let step = self.state.global_step + 1;
         let budget = self.args.skip_nonfinite_steps;
         if self.skipped_nonfinite < budget {
@@ -662,7 +669,11 @@ where
             "step {step}: {}: training diverged and stopped before this update; nothing after \
              step {} was saved (lower --learning-rate, check the data or the model, or let up to \
              N such steps be skipped with --skip-nonfinite-steps N{})",
-            if loss.is_finite() {
+            if overflowed {
+                "the activations are not finite (a LayerNorm/RMSNorm input overflowed f32 or \
+                 held NaN, and the layer's output collapsed)"
+                    .to_string()
+            } else if loss.is_finite() {
                 format!("the gradient norm is {grad_norm} (loss {loss})")
             } else {
                 format!("the loss is {loss} (grad_norm {grad_norm})")
@@ -752,6 +763,7 @@ where
     let (mut loss_sum, mut count) = (0.0, 0usize);
     let mut preds = Predictions::default();
     let (rank, world) = dist.map_or((0, 1), |d| (d.rank(), d.world_size()));
+    crate::ops::take_activation_overflow();
     // This rank's examples: every `world`-th from `rank` (no padding: nothing counted twice).
     let order: Vec<usize> = (rank..eval.len()).step_by(world).collect();
     for idx in order.chunks(batch_size.max(1)) {
@@ -789,6 +801,13 @@ where
                 .labels
                 .extend(targets.iter().map(|&t| t.max(0) as usize));
         }
+    }
+    if crate::ops::take_activation_overflow() {
+        return Err(KilnError::NonFinite(
+            "evaluation: the activations are not finite (a LayerNorm/RMSNorm input overflowed f32 \
+             or held NaN): the model's outputs collapsed; its weights diverged"
+                .into(),
+        ));
     }
     if let Some(d) = dist {
         (loss_sum, count, preds) = gather_eval(
