@@ -513,7 +513,8 @@ fn fixtures() -> Vec<(&'static str, Vec<u8>, &'static str)> {
     };
     let full = model.bytes();
     let o = model.out();
-    let data_start = o
+    // Cut inside the tensor directory.
+    let mid_directory = o
         .fields
         .iter()
         .find(|f| f.0 == "tensor blk.0.ffn_down.weight offset")
