@@ -4,7 +4,7 @@
 //! here, field by field, remembering where every number was written. It must convert and round-
 //! trip; mutated copies of it (bytes flipped, cut short, any count/length/dim/offset/value
 //! overwritten with 0, 1, u32::MAX, u64::MAX, 2^40, …) must give `Ok` or `Err`, never a panic.
-//! `KILN_FUZZ_CASES` sets the number of cases per property (default 1000, a few seconds).
+//! `KILN_FUZZ_CASES` sets the number of cases per property (default 2000, a few seconds).
 //!
 //! The same builder makes the regression fixtures of `tests/bad-inputs/gguf/` (checked here to be
 //! what it makes, and to fail with the `expect` of their `tests/bad-inputs/cases.jsonl` line);
@@ -207,8 +207,11 @@ fn permute(w: &[f32], heads: usize, cols: usize) -> Vec<f32> {
     out
 }
 
+/// Hugging Face tensors by name: `(shape, values)`.
+type Expected = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
 /// A complete Llama GGUF of `layers` layers, and the Hugging Face tensors it must convert to.
-fn tiny_llama(layers: usize) -> (Model, BTreeMap<String, (Vec<usize>, Vec<f32>)>) {
+fn tiny_llama(layers: usize) -> (Model, Expected) {
     let strs = |v: &[&str]| Meta::Strs(v.iter().map(|s| s.to_string()).collect());
     let kv = vec![
         ("general.architecture", Meta::Str("llama".into())),
@@ -425,7 +428,7 @@ fn cases() -> u32 {
     std::env::var("KILN_FUZZ_CASES")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(1000)
+        .unwrap_or(2000)
 }
 
 /// Parsing and converting `bytes` returns (either way) without panicking; `Ok` only when the
@@ -561,7 +564,7 @@ fn fixtures() -> Vec<(&'static str, Vec<u8>, &'static str)> {
         (
             "block_count_lie.gguf",
             edited("llama.block_count", Meta::U32(100_000)),
-            "llama.block_count is 100000, the file has tensors for 1 layers",
+            "llama.block_count is 100000, the file has tensors for 1 layer",
         ),
         (
             "truncated_data.gguf",

@@ -304,11 +304,16 @@ pub fn check_tensors(g: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
             }))
             .find(|n| !seen.contains(n))
             .unwrap_or_default();
+        let layers = if layers_present == 1 {
+            "layer"
+        } else {
+            "layers"
+        };
         return Err(bad(
             g,
             format!(
                 "tensor {missing} is missing: llama.block_count is {n_layers}, the file has \
-                 tensors for {layers_present} layers"
+                 tensors for {layers_present} {layers}"
             ),
         ));
     }
@@ -611,8 +616,7 @@ mod tests {
         let e = llama_config(&g)
             .and_then(|cfg| llama_tensors(&g, &cfg))
             .and_then(|_| tokenizer_json(&g))
-            .err()
-            .expect("an error")
+            .expect_err("an error")
             .to_string();
         assert!(e.starts_with("t.gguf: "), "{e}");
         e
