@@ -11,7 +11,7 @@ use std::path::Path;
 
 use serde_json::{json, Value as Json};
 
-use super::gguf::{unpermute_qk, GgufFile, Value};
+use super::gguf::{short, unpermute_qk, GgufFile, Value};
 use super::llama_config::LlamaConfig;
 use super::weights::{write_safetensors_as, HostTensor, StoreDtype};
 use crate::error::{KilnError, Result};
@@ -70,7 +70,7 @@ fn token_id(g: &GgufFile, k: &str, vocab: usize) -> Result<Option<u32>> {
     };
     let id = v
         .as_u64()
-        .ok_or_else(|| bad(g, format!("{key} is {v:?}, not a token id")))?;
+        .ok_or_else(|| bad(g, format!("{key} is {v}, not a token id")))?;
     usize::try_from(id)
         .ok()
         .filter(|&i| i < vocab)
@@ -93,7 +93,8 @@ pub fn llama_config(g: &GgufFile) -> Result<LlamaConfig> {
         return Err(bad(
             g,
             format!(
-                "general.architecture is {arch:?}; kiln converts Llama-family GGUF files (\"llama\")"
+                "general.architecture is {:?}; kiln converts Llama-family GGUF files (\"llama\")",
+                short(arch)
             ),
         ));
     }
@@ -102,7 +103,7 @@ pub fn llama_config(g: &GgufFile) -> Result<LlamaConfig> {
         let v = g.require(&key)?;
         v.as_u64()
             .and_then(|v| usize::try_from(v).ok())
-            .ok_or_else(|| bad(g, format!("{key} is {v:?}, not a non-negative integer")))
+            .ok_or_else(|| bad(g, format!("{key} is {v}, not a non-negative integer")))
     };
     let positive = |k: &str| -> Result<usize> {
         match int(k)? {
@@ -154,7 +155,10 @@ pub fn llama_config(g: &GgufFile) -> Result<LlamaConfig> {
         Some(other) => {
             return Err(bad(
                 g,
-                format!("llama.rope.scaling.type {other:?} is not supported"),
+                format!(
+                    "llama.rope.scaling.type {:?} is not supported",
+                    short(other)
+                ),
             ))
         }
     };
@@ -363,8 +367,9 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<Json> {
         return Err(bad(
             g,
             format!(
-                "tokenizer.ggml.model {model:?}: kiln converts byte-level BPE (\"gpt2\") \
-                 vocabularies; use the model's original tokenizer.json"
+                "tokenizer.ggml.model {:?}: kiln converts byte-level BPE (\"gpt2\") \
+                 vocabularies; use the model's original tokenizer.json",
+                short(model)
             ),
         ));
     }
@@ -400,7 +405,10 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<Json> {
         other => {
             return Err(bad(
                 g,
-                format!("tokenizer.ggml.pre {other:?} is not a pre-tokenizer kiln can rebuild"),
+                format!(
+                    "tokenizer.ggml.pre {:?} is not a pre-tokenizer kiln can rebuild",
+                    short(other)
+                ),
             ))
         }
     };
@@ -653,7 +661,7 @@ mod tests {
         }
         let e = error(tiny().str("llama.embedding_length", "8"));
         assert!(
-            e.contains("llama.embedding_length is Str(\"8\"), not a non-negative integer"),
+            e.contains("llama.embedding_length is \"8\", not a non-negative integer"),
             "{e}"
         );
         let e = error(tiny().remove("llama.block_count"));

@@ -22,6 +22,10 @@ use crate::error::{KilnError, Result};
 /// Deepest nesting of metadata arrays accepted. Real files nest one level (arrays of numbers or
 /// strings); the bound keeps a forged 200k-deep nesting from recursing through the stack.
 pub const MAX_ARRAY_DEPTH: usize = 8;
+/// The most tensors, and the most metadata keys, accepted. Real files hold at most a few thousand
+/// tensors and a few dozen keys; the cap keeps the parsed directory (a few hundred bytes an entry,
+/// against 24 bytes of file) small whatever a forged count says.
+pub const MAX_ENTRIES: usize = 1 << 16;
 /// ggml's `GGML_MAX_DIMS`.
 pub const MAX_DIMS: usize = 4;
 /// The data section's alignment when `general.alignment` is absent (the spec's default).
@@ -55,6 +59,20 @@ fn type_name(ty: u32) -> String {
         .ok()
         .and_then(|i| NAMES.get(i))
         .map_or_else(|| format!("unknown type {ty}"), |n| n.to_string())
+}
+
+/// The longest tensor name (the spec's limit; llama.cpp's GGML_MAX_NAME) and metadata key (the
+/// spec's 2^16 − 1) accepted.
+const MAX_NAME: usize = 64;
+const MAX_KEY: usize = (1 << 16) - 1;
+
+/// `s` cut to its first 64 characters for a message: a forged string can be as long as the file,
+/// and an error should stay one sentence.
+pub fn short(s: &str) -> String {
+    match s.char_indices().nth(64) {
+        Some((cut, _)) => format!("{}…", &s[..cut]),
+        None => s.to_string(),
+    }
 }
 
 /// A metadata value.
@@ -121,6 +139,21 @@ impl Value {
         match self {
             Value::Array(a) => Some(a),
             _ => None,
+        }
+    }
+}
+
+/// A value as messages show it: numbers as numbers (floats with their decimal point), strings
+/// quoted and cut short, arrays by length and type.
+impl std::fmt::Display for Value {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Value::U64(v) => write!(f, "{v}"),
+            Value::I64(v) => write!(f, "{v}"),
+            Value::F64(v) => write!(f, "{v:?}"),
+            Value::Bool(v) => write!(f, "{v}"),
+            Value::Str(s) => write!(f, "{:?}", short(s)),
+            Value::Array(a) => write!(f, "an array of {} {}", a.len, type_name(a.elem_type)),
         }
     }
 }
@@ -364,12 +397,25 @@ impl GgufFile {
         // key/value at least 13 (key length, type, a one-byte value).
         let n_tensors = c.count(24, "tensor count")?;
         let n_kv = c.count(13, "metadata count")?;
+        for (n, what, at) in [(n_tensors, "tensors", 8), (n_kv, "metadata keys", 16)] {
+            if n > MAX_ENTRIES {
+                c.pos = at;
+                return Err(c.err(&format!("{n} {what}: more than kiln reads ({MAX_ENTRIES})")));
+            }
+        }
         let mut metadata = BTreeMap::new();
         for _ in 0..n_kv {
             c.context.clear();
             let at = c.pos;
             let key = c.string()?;
-            c.context = format!("metadata key {key}");
+            c.context = format!("metadata key {}", short(&key));
+            if key.len() > MAX_KEY {
+                c.pos = at;
+                return Err(c.err(&format!(
+                    "a key of {} bytes (GGUF allows {MAX_KEY})",
+                    key.len()
+                )));
+            }
             if metadata.contains_key(&key) {
                 c.pos = at;
                 return Err(c.err("appears twice"));
@@ -386,7 +432,14 @@ impl GgufFile {
             c.context.clear();
             let at = c.pos;
             let name = c.string()?;
-            c.context = format!("tensor {name}");
+            c.context = format!("tensor {}", short(&name));
+            if name.len() > MAX_NAME {
+                c.pos = at;
+                return Err(c.err(&format!(
+                    "a name of {} bytes (GGUF allows {MAX_NAME})",
+                    name.len()
+                )));
+            }
             if !names.insert(name.clone()) {
                 c.pos = at;
                 return Err(c.err("appears twice in the tensor directory"));
@@ -439,12 +492,8 @@ impl GgufFile {
     fn require_array(&self, key: &str, want: &str, ok: impl Fn(u32) -> bool) -> Result<&Array> {
         let v = self.require(key)?;
         v.as_array().filter(|a| ok(a.elem_type)).ok_or_else(|| {
-            let is = match v {
-                Value::Array(a) => format!("an array of {}", type_name(a.elem_type)),
-                other => format!("{other:?}"),
-            };
             KilnError::Weights(format!(
-                "{}: metadata key {key} is {is}, not an array of {want}",
+                "{}: metadata key {key} is {v}, not an array of {want}",
                 self.path.display()
             ))
         })
@@ -513,13 +562,8 @@ fn alignment(path: &Path, metadata: &BTreeMap<String, Value>) -> Result<usize> {
         .and_then(|a| usize::try_from(a).ok())
         .filter(|a| a.is_power_of_two())
         .ok_or_else(|| {
-            let shown = match v {
-                Value::U64(a) => a.to_string(),
-                Value::I64(a) => a.to_string(),
-                other => format!("{other:?}"),
-            };
             KilnError::Weights(format!(
-                "{}: general.alignment is {shown}; it must be an integer power of two",
+                "{}: general.alignment is {v}; it must be an integer power of two",
                 path.display()
             ))
         })
@@ -963,7 +1007,7 @@ mod tests {
         assert_eq!(g.integers("types").unwrap(), [1, -3, 4]);
         let e = g.strings("types").unwrap_err().to_string();
         assert!(
-            e.contains("types is an array of i32, not an array of strings"),
+            e.contains("types is an array of 3 i32, not an array of strings"),
             "{e}"
         );
         let a = g.tensor("a").unwrap();
@@ -1010,6 +1054,18 @@ mod tests {
         assert!(e.contains("tensor count 18446744073709551615"), "{e}");
         let e = error(header(0, 1 << 40));
         assert!(e.contains("byte 16: metadata count 1099511627776"), "{e}");
+        // Counts the bytes could hold but no real file has.
+        let mut b = header(100_000, 0);
+        b.resize(100_000 * 24 + 24, 0);
+        let e = error(b);
+        assert!(
+            e.contains("100000 tensors: more than kiln reads (65536)"),
+            "{e}"
+        );
+        let mut b = header(0, 70_000);
+        b.resize(70_000 * 13 + 24, 0);
+        let e = error(b);
+        assert!(e.contains("byte 16: 70000 metadata keys: more than"), "{e}");
         // A key whose string length runs past the end.
         let mut b = header(0, 1);
         b.extend(u64::MAX.to_le_bytes());
@@ -1070,13 +1126,32 @@ mod tests {
     }
 
     #[test]
+    fn names_keys_and_values_stay_short_in_messages() {
+        let mut w = one_tensor();
+        w.f32_tensor(&"n".repeat(65), &[1], |_| 0.0);
+        let e = error(w.bytes());
+        assert!(e.contains(": a name of 65 bytes (GGUF allows 64)"), "{e}");
+        let mut w = Writer::new();
+        w.u32(&"k".repeat(70_000), 1);
+        let e = error(w.bytes());
+        let key = format!("metadata key {}…: a key of 70000 bytes", "k".repeat(64));
+        assert!(e.contains(&key), "{e}");
+        assert!(e.len() < 200, "{e}");
+        let mut w = one_tensor();
+        w.str("general.alignment", &"x".repeat(1 << 20));
+        let e = error(w.bytes());
+        assert!(e.len() < 200, "{e}");
+        assert_eq!(short("aé"), "aé");
+    }
+
+    #[test]
     fn alignment_must_be_an_integer_power_of_two() {
         for (ty, payload, shown) in [
             (4, 0u32.to_le_bytes().to_vec(), "is 0;"),
             (4, 24u32.to_le_bytes().to_vec(), "is 24;"),
             (5, (-32i32).to_le_bytes().to_vec(), "is -32;"),
-            (6, 32f32.to_le_bytes().to_vec(), "is F64(32.0);"),
-            (8, string("32"), "is Str(\"32\");"),
+            (6, 32f32.to_le_bytes().to_vec(), "is 32.0;"),
+            (8, string("32"), "is \"32\";"),
         ] {
             let mut w = one_tensor();
             w.set("general.alignment", ty, payload);
@@ -1209,6 +1284,6 @@ mod tests {
         let ints = g.integers("big").unwrap();
         assert_eq!((ints.len(), ints[300]), (n, 300 % 256));
         let e = g.strings("big").unwrap_err().to_string();
-        assert!(e.contains("big is an array of u8"), "{e}");
+        assert!(e.contains("big is an array of 2097152 u8, not"), "{e}");
     }
 }
