@@ -28,6 +28,10 @@ pub const MAX_ARRAY_DEPTH: usize = 8;
 pub const MAX_ENTRIES: usize = 1 << 16;
 /// ggml's `GGML_MAX_DIMS`.
 pub const MAX_DIMS: usize = 4;
+/// The longest tensor name (the spec's limit; llama.cpp's GGML_MAX_NAME) and metadata key (the
+/// spec's 2^16 − 1) accepted.
+const MAX_NAME: usize = 64;
+const MAX_KEY: usize = (1 << 16) - 1;
 /// The data section's alignment when `general.alignment` is absent (the spec's default).
 const DEFAULT_ALIGNMENT: usize = 32;
 /// Metadata value type ids of the spec that need special handling.
@@ -61,16 +65,11 @@ fn type_name(ty: u32) -> String {
         .map_or_else(|| format!("unknown type {ty}"), |n| n.to_string())
 }
 
-/// The longest tensor name (the spec's limit; llama.cpp's GGML_MAX_NAME) and metadata key (the
-/// spec's 2^16 − 1) accepted.
-const MAX_NAME: usize = 64;
-const MAX_KEY: usize = (1 << 16) - 1;
-
 /// `s` cut to its first 64 characters for a message: a forged string can be as long as the file,
 /// and an error should stay one sentence.
 pub fn short(s: &str) -> String {
     match s.char_indices().nth(64) {
-        Some((cut, _)) => format!("{}…", &s[..cut]),
+        Some((cut, _)) => format!("{}…", s.get(..cut).unwrap_or_default()),
         None => s.to_string(),
     }
 }
