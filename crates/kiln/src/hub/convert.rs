@@ -6,12 +6,12 @@
 //! q_proj`), quantised storage (dequantised here, see [`super::gguf`]), and the Q/K row order that
 //! llama.cpp permutes for its RoPE kernel (undone with [`unpermute_qk`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 
 use serde_json::{json, Value as Json};
 
-use super::gguf::{unpermute_qk, GgufFile, Value};
+use super::gguf::{short, unpermute_qk, GgufFile, Value};
 use super::llama_config::LlamaConfig;
 use super::weights::{write_safetensors_as, HostTensor, StoreDtype};
 use crate::error::{KilnError, Result};
@@ -56,52 +56,110 @@ fn hf_name(gguf: &str) -> Option<String> {
     Some(format!("model.layers.{layer}.{hf}.{kind}"))
 }
 
-/// `LlamaConfig` from the GGUF metadata (`llama.*` keys).
+/// An error about `g`, naming its file.
+fn bad(g: &GgufFile, msg: impl std::fmt::Display) -> KilnError {
+    KilnError::Weights(format!("{}: {msg}", g.path.display()))
+}
+
+/// A token id `tokenizer.ggml.{k}` (`None` when absent), checked against the vocabulary size so
+/// that nothing indexes the token list with it unchecked.
+fn token_id(g: &GgufFile, k: &str, vocab: usize) -> Result<Option<u32>> {
+    let key = format!("tokenizer.ggml.{k}");
+    let Some(v) = g.get(&key) else {
+        return Ok(None);
+    };
+    let id = v
+        .as_u64()
+        .ok_or_else(|| bad(g, format!("{key} is {v}, not a token id")))?;
+    usize::try_from(id)
+        .ok()
+        .filter(|&i| i < vocab)
+        .and_then(|_| u32::try_from(id).ok())
+        .map(Some)
+        .ok_or_else(|| {
+            bad(
+                g,
+                format!("{key} is {id}, but the vocabulary has {vocab} tokens"),
+            )
+        })
+}
+
+/// `LlamaConfig` from the GGUF metadata (`llama.*` keys). Sizes are checked to be non-zero here,
+/// before anything divides by them, and token ids to lie in the vocabulary; `LlamaConfig::validate`
+/// then checks the config as a whole.
 pub fn llama_config(g: &GgufFile) -> Result<LlamaConfig> {
     let arch = g.require("general.architecture")?.as_str().unwrap_or("");
     if arch != "llama" {
-        return Err(KilnError::Weights(format!(
-            "{}: general.architecture is {arch:?}; kiln converts Llama-family GGUF files (\"llama\")",
-            g.path.display()
-        )));
+        return Err(bad(
+            g,
+            format!(
+                "general.architecture is {:?}; kiln converts Llama-family GGUF files (\"llama\")",
+                short(arch)
+            ),
+        ));
     }
     let int = |k: &str| -> Result<usize> {
-        g.require(&format!("llama.{k}"))?
-            .as_u64()
-            .map(|v| v as usize)
-            .ok_or_else(|| {
-                KilnError::Weights(format!("{}: llama.{k} is not an integer", g.path.display()))
-            })
+        let key = format!("llama.{k}");
+        let v = g.require(&key)?;
+        v.as_u64()
+            .and_then(|v| usize::try_from(v).ok())
+            .ok_or_else(|| bad(g, format!("{key} is {v}, not a non-negative integer")))
+    };
+    let positive = |k: &str| -> Result<usize> {
+        match int(k)? {
+            0 => Err(bad(g, format!("llama.{k} is 0"))),
+            v => Ok(v),
+        }
+    };
+    let optional = |k: &str| -> Result<Option<usize>> {
+        match g.get(&format!("llama.{k}")) {
+            Some(_) => positive(k).map(Some),
+            None => Ok(None),
+        }
     };
     let float = |k: &str, default: f64| {
         g.get(&format!("llama.{k}"))
             .and_then(Value::as_f64)
             .unwrap_or(default)
     };
-    let heads = int("attention.head_count")?;
-    let hidden = int("embedding_length")?;
-    let vocab = match g.get("llama.vocab_size").and_then(Value::as_u64) {
-        Some(v) => v as usize,
-        None => g
-            .require("tokenizer.ggml.tokens")?
-            .as_array()
-            .map_or(0, <[Value]>::len),
+    let heads = positive("attention.head_count")?;
+    let hidden = positive("embedding_length")?;
+    let intermediate = positive("feed_forward_length")?;
+    let layers = positive("block_count")?;
+    let kv_heads = optional("attention.head_count_kv")?.unwrap_or(heads);
+    let head_dim = optional("rope.dimension_count")?.unwrap_or(hidden / heads);
+    let n_tokens = g
+        .require("tokenizer.ggml.tokens")?
+        .as_array()
+        .map(|a| a.len)
+        .ok_or_else(|| bad(g, "tokenizer.ggml.tokens is not an array"))?;
+    let vocab = match optional("vocab_size")? {
+        Some(v) if v != n_tokens => {
+            return Err(bad(
+                g,
+                format!("llama.vocab_size is {v}, but tokenizer.ggml.tokens has {n_tokens} tokens"),
+            ))
+        }
+        _ if n_tokens == 0 => return Err(bad(g, "tokenizer.ggml.tokens is empty")),
+        _ => n_tokens,
     };
-    let tok_id = |k: &str| {
-        g.get(&format!("tokenizer.ggml.{k}"))
-            .and_then(Value::as_u64)
-            .map(|v| v as u32)
-    };
+    let bos = token_id(g, "bos_token_id", vocab)?;
+    let eos = token_id(g, "eos_token_id", vocab)?;
+    let pad = token_id(g, "padding_token_id", vocab)?;
+    token_id(g, "unknown_token_id", vocab)?;
     let rope_scaling = match g.get("llama.rope.scaling.type").and_then(Value::as_str) {
         Some("linear") => {
             Some(json!({"rope_type": "linear", "factor": float("rope.scaling.factor", 1.0)}))
         }
         Some("none") | None => None,
         Some(other) => {
-            return Err(KilnError::Weights(format!(
-                "{}: llama.rope.scaling.type {other:?} is not supported",
-                g.path.display()
-            )))
+            return Err(bad(
+                g,
+                format!(
+                    "llama.rope.scaling.type {:?} is not supported",
+                    short(other)
+                ),
+            ))
         }
     };
     // Rounded through f32 (as stored) then printed short: 9.999999747e-06 → 1e-05.
@@ -116,24 +174,16 @@ pub fn llama_config(g: &GgufFile) -> Result<LlamaConfig> {
     let cfg = LlamaConfig {
         vocab_size: vocab,
         hidden_size: hidden,
-        intermediate_size: int("feed_forward_length")?,
-        num_hidden_layers: int("block_count")?,
+        intermediate_size: intermediate,
+        num_hidden_layers: layers,
         num_attention_heads: heads,
-        num_key_value_heads: Some(
-            g.get("llama.attention.head_count_kv")
-                .and_then(Value::as_u64)
-                .map_or(heads, |v| v as usize),
-        ),
-        head_dim: Some(
-            g.get("llama.rope.dimension_count")
-                .and_then(Value::as_u64)
-                .map_or(hidden / heads, |v| v as usize),
-        ),
+        num_key_value_heads: Some(kv_heads),
+        head_dim: Some(head_dim),
         hidden_act: "silu".into(),
         max_position_embeddings: g
             .get("llama.context_length")
             .and_then(Value::as_u64)
-            .map_or(2048, |v| v as usize),
+            .map_or(2048, |v| usize::try_from(v).unwrap_or(usize::MAX)),
         rms_norm_eps: eps,
         rope_theta: float("rope.freq_base", 10000.0),
         rope_scaling,
@@ -141,30 +191,147 @@ pub fn llama_config(g: &GgufFile) -> Result<LlamaConfig> {
         attention_bias: false,
         mlp_bias: false,
         initializer_range: 0.02,
-        bos_token_id: tok_id("bos_token_id"),
-        eos_token_id: tok_id("eos_token_id").map(|v| json!(v)),
-        pad_token_id: tok_id("padding_token_id"),
+        bos_token_id: bos,
+        eos_token_id: eos.map(|v| json!(v)),
+        pad_token_id: pad,
         architectures: Some(vec!["LlamaForCausalLM".into()]),
         model_type: Some("llama".into()),
         extra,
     };
-    cfg.validate()
-        .map_err(|m| KilnError::Weights(format!("{}: {m}", g.path.display())))?;
+    cfg.validate().map_err(|m| bad(g, m))?;
     Ok(cfg)
 }
 
-/// Every tensor of a Llama GGUF, dequantised, renamed and un-permuted.
+/// `blk.N.PART.weight` → `(N, PART)`.
+fn layer_part(gguf: &str) -> Option<(usize, &str)> {
+    let (layer, leaf) = gguf.strip_prefix("blk.")?.split_once('.')?;
+    Some((layer.parse().ok()?, leaf.strip_suffix(".weight")?))
+}
+
+/// Checks that the file's tensors are exactly the ones `cfg` implies, each with its shape: every
+/// one present, none beyond `block_count`, none unknown. Cheap (no tensor data is read), so a
+/// header that lies about its sizes fails before anything is dequantised.
+pub fn check_tensors(g: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
+    let (h, i, v, hd) = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+        cfg.head_size(),
+    );
+    let rows = |heads: usize, key: &str| {
+        heads
+            .checked_mul(hd)
+            .ok_or_else(|| bad(g, format!("{key} {heads} × head dim {hd} overflows")))
+    };
+    let q = rows(cfg.num_attention_heads, "llama.attention.head_count")?;
+    let kv = rows(cfg.kv_heads(), "llama.attention.head_count_kv")?;
+    // PyTorch shapes (outermost first), as `TensorInfo::shape` holds them.
+    let layer: [(&str, Vec<usize>); 9] = [
+        ("attn_norm", vec![h]),
+        ("attn_q", vec![q, h]),
+        ("attn_k", vec![kv, h]),
+        ("attn_v", vec![kv, h]),
+        ("attn_output", vec![h, q]),
+        ("ffn_norm", vec![h]),
+        ("ffn_gate", vec![i, h]),
+        ("ffn_up", vec![i, h]),
+        ("ffn_down", vec![h, i]),
+    ];
+    let mut global = vec![
+        ("token_embd.weight", vec![v, h]),
+        ("output_norm.weight", vec![h]),
+    ];
+    if !cfg.tie_word_embeddings {
+        global.push(("output.weight", vec![v, h]));
+    }
+    let n_layers = cfg.num_hidden_layers;
+    // Canonical names seen: `blk.01.x` and `blk.1.x` are the same Hugging Face tensor.
+    let mut seen = HashSet::new();
+    let mut layers_present = 0;
+    for t in &g.tensors {
+        let (canonical, want) = match layer_part(&t.name) {
+            Some((l, _)) if l >= n_layers => {
+                return Err(bad(
+                    g,
+                    format!(
+                        "tensor {} is for layer {l}, but llama.block_count is {n_layers}",
+                        t.name
+                    ),
+                ))
+            }
+            Some((l, part)) => {
+                layers_present = layers_present.max(l + 1);
+                let want = layer.iter().find(|(p, _)| *p == part).map(|(_, s)| s);
+                (format!("blk.{l}.{part}.weight"), want)
+            }
+            None => {
+                let want = global.iter().find(|(n, _)| *n == t.name).map(|(_, s)| s);
+                (t.name.clone(), want)
+            }
+        };
+        let want =
+            want.ok_or_else(|| bad(g, format!("tensor {} has no Llama counterpart", t.name)))?;
+        if t.shape != *want {
+            return Err(bad(
+                g,
+                format!(
+                    "tensor {} has shape {:?}, but the metadata (vocabulary {v}, \
+                     llama.embedding_length {h}, llama.feed_forward_length {i}, {} heads and {} \
+                     kv heads of {hd}) implies {want:?}",
+                    t.name,
+                    t.shape,
+                    cfg.num_attention_heads,
+                    cfg.kv_heads()
+                ),
+            ));
+        }
+        if !seen.insert(canonical) {
+            return Err(bad(
+                g,
+                format!("tensor {} duplicates another layer's tensor", t.name),
+            ));
+        }
+    }
+    // Every tensor seen is an expected one, so counting finds whether any is missing; the search
+    // for the first missing one ends within `seen.len() + 1` steps even for a huge block_count.
+    let wanted = n_layers
+        .saturating_mul(layer.len())
+        .saturating_add(global.len());
+    if seen.len() < wanted {
+        let missing = global
+            .iter()
+            .map(|(n, _)| n.to_string())
+            .chain((0..n_layers).flat_map(|l| {
+                layer
+                    .iter()
+                    .map(move |(p, _)| format!("blk.{l}.{p}.weight"))
+            }))
+            .find(|n| !seen.contains(n))
+            .unwrap_or_default();
+        let layers = if layers_present == 1 {
+            "layer"
+        } else {
+            "layers"
+        };
+        return Err(bad(
+            g,
+            format!(
+                "tensor {missing} is missing: llama.block_count is {n_layers}, the file has \
+                 tensors for {layers_present} {layers}"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Every tensor of a Llama GGUF, dequantised, renamed and un-permuted (after [`check_tensors`]).
 pub fn llama_tensors(g: &GgufFile, cfg: &LlamaConfig) -> Result<BTreeMap<String, HostTensor>> {
+    check_tensors(g, cfg)?;
     let mut out = BTreeMap::new();
     for t in &g.tensors {
-        let name = hf_name(&t.name).ok_or_else(|| {
-            KilnError::Weights(format!(
-                "{}: tensor {} has no Llama counterpart",
-                g.path.display(),
-                t.name
-            ))
-        })?;
-        let mut data = g.dequantize(t);
+        let name = hf_name(&t.name)
+            .ok_or_else(|| bad(g, format!("tensor {} has no Llama counterpart", t.name)))?;
+        let mut data = g.dequantize(t)?;
         let heads = if name.ends_with("q_proj.weight") {
             Some(cfg.num_attention_heads)
         } else if name.ends_with("k_proj.weight") {
@@ -173,8 +340,9 @@ pub fn llama_tensors(g: &GgufFile, cfg: &LlamaConfig) -> Result<BTreeMap<String,
             None
         };
         if let Some(heads) = heads {
+            // `check_tensors` made this [heads · head_dim, hidden] with heads ≥ 1.
             let [rows, cols] = t.shape[..] else {
-                return Err(KilnError::Weights(format!("{}: 2-D expected", t.name)));
+                return Err(bad(g, format!("tensor {}: 2-D expected", t.name)));
             };
             data = unpermute_qk(&data, rows, cols, heads);
         }
@@ -189,17 +357,6 @@ pub fn llama_tensors(g: &GgufFile, cfg: &LlamaConfig) -> Result<BTreeMap<String,
     Ok(out)
 }
 
-fn tokens(g: &GgufFile, key: &str) -> Result<Vec<String>> {
-    g.require(key)?
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .map(|v| v.as_str().unwrap_or_default().to_string())
-                .collect()
-        })
-        .ok_or_else(|| KilnError::Weights(format!("{}: {key} is not a list", g.path.display())))
-}
-
 /// A `tokenizer.json` (the `tokenizers` library's own format) for a GGUF byte-level BPE vocabulary.
 pub fn tokenizer_json(g: &GgufFile) -> Result<Json> {
     let model = g
@@ -207,27 +364,31 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<Json> {
         .and_then(Value::as_str)
         .unwrap_or("");
     if model != "gpt2" {
-        return Err(KilnError::Weights(format!(
-            "{}: tokenizer.ggml.model {model:?}: kiln converts byte-level BPE (\"gpt2\") vocabularies; \
-             use the model's original tokenizer.json",
-            g.path.display()
-        )));
+        return Err(bad(
+            g,
+            format!(
+                "tokenizer.ggml.model {:?}: kiln converts byte-level BPE (\"gpt2\") \
+                 vocabularies; use the model's original tokenizer.json",
+                short(model)
+            ),
+        ));
     }
-    let vocab = tokens(g, "tokenizer.ggml.tokens")?;
-    let merges = tokens(g, "tokenizer.ggml.merges")?;
-    let types: Vec<i64> = g
-        .get("tokenizer.ggml.token_type")
-        .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .map(|v| match v {
-                    Value::I64(i) => *i,
-                    Value::U64(u) => *u as i64,
-                    _ => 1,
-                })
-                .collect()
-        })
-        .unwrap_or_default();
+    let vocab = g.strings("tokenizer.ggml.tokens")?;
+    let merges = g.strings("tokenizer.ggml.merges")?;
+    let types = match g.get("tokenizer.ggml.token_type") {
+        Some(_) => g.integers("tokenizer.ggml.token_type")?,
+        None => Vec::new(),
+    };
+    if !types.is_empty() && types.len() != vocab.len() {
+        return Err(bad(
+            g,
+            format!(
+                "tokenizer.ggml.token_type has {} entries, but tokenizer.ggml.tokens has {}",
+                types.len(),
+                vocab.len()
+            ),
+        ));
+    }
     // llama.cpp's pre-tokenizer names: "smollm" and the StarCoder family split digits one by one
     // before GPT-2's byte-level regex; "gpt2"/"default" use the regex alone.
     let pre = g
@@ -242,18 +403,22 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<Json> {
         }),
         "gpt2" | "default" => byte_level.clone(),
         other => {
-            return Err(KilnError::Weights(format!(
-                "{}: tokenizer.ggml.pre {other:?} is not a pre-tokenizer kiln can rebuild",
-                g.path.display()
-            )))
+            return Err(bad(
+                g,
+                format!(
+                    "tokenizer.ggml.pre {:?} is not a pre-tokenizer kiln can rebuild",
+                    short(other)
+                ),
+            ))
         }
     };
-    let added: Vec<Json> = types
+    let added: Vec<Json> = vocab
         .iter()
+        .zip(&types)
         .enumerate()
-        .filter(|(_, &t)| t == 3 || t == 4) // 3 control, 4 user-defined
-        .map(|(id, &t)| {
-            json!({"id": id, "content": vocab[id], "single_word": false, "lstrip": false,
+        .filter(|(_, (_, &t))| t == 3 || t == 4) // 3 control, 4 user-defined
+        .map(|(id, (content, &t))| {
+            json!({"id": id, "content": content, "single_word": false, "lstrip": false,
                    "rstrip": false, "normalized": t == 4, "special": t == 3})
         })
         .collect();
@@ -261,13 +426,10 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<Json> {
         .get("tokenizer.ggml.add_bos_token")
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    let bos = g
-        .get("tokenizer.ggml.bos_token_id")
-        .and_then(Value::as_u64)
-        .map(|v| v as usize);
+    let bos = token_id(g, "bos_token_id", vocab.len())?
+        .and_then(|b| Some((b, vocab.get(usize::try_from(b).ok()?)?)));
     let post_processor = match (add_bos, bos) {
-        (true, Some(b)) => {
-            let tok = &vocab[b];
+        (true, Some((b, tok))) => {
             json!({
                 "type": "TemplateProcessing",
                 "single": [{"SpecialToken": {"id": tok, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
@@ -309,12 +471,7 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<Json> {
 
 /// `tokenizer_config.json`: special tokens, whether BOS is added, and the chat template.
 fn tokenizer_config(g: &GgufFile, cfg: &LlamaConfig) -> Result<Json> {
-    let vocab = tokens(g, "tokenizer.ggml.tokens")?;
-    let name = |k: &str| {
-        g.get(&format!("tokenizer.ggml.{k}"))
-            .and_then(Value::as_u64)
-            .and_then(|i| vocab.get(i as usize).cloned())
-    };
+    let vocab = g.strings("tokenizer.ggml.tokens")?;
     let mut t = json!({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": g.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool).unwrap_or(false),
@@ -328,7 +485,8 @@ fn tokenizer_config(g: &GgufFile, cfg: &LlamaConfig) -> Result<Json> {
         ("unknown_token_id", "unk_token"),
         ("padding_token_id", "pad_token"),
     ] {
-        if let Some(tok) = name(key) {
+        let id = token_id(g, key, vocab.len())?;
+        if let Some(tok) = id.and_then(|i| vocab.get(usize::try_from(i).ok()?)) {
             t[field] = json!(tok);
         }
     }
@@ -342,9 +500,11 @@ fn tokenizer_config(g: &GgufFile, cfg: &LlamaConfig) -> Result<Json> {
 pub fn gguf_to_hf(gguf: &Path, out: &Path, dtype: StoreDtype) -> Result<ConvertReport> {
     let g = GgufFile::open(gguf)?;
     let cfg = llama_config(&g)?;
-    let tensors = llama_tensors(&g, &cfg)?;
+    // Everything that reads only metadata first, so a bad file fails before the slow part.
+    check_tensors(&g, &cfg)?;
     let tok = tokenizer_json(&g)?;
     let tok_cfg = tokenizer_config(&g, &cfg)?;
+    let tensors = llama_tensors(&g, &cfg)?;
     let mut gen = json!({"do_sample": false});
     for (k, v) in [
         ("bos_token_id", cfg.bos_token_id.map(|v| json!(v))),
@@ -368,14 +528,20 @@ pub fn gguf_to_hf(gguf: &Path, out: &Path, dtype: StoreDtype) -> Result<ConvertR
         }),
     );
     std::fs::create_dir_all(out).map_err(|e| KilnError::io(out, e))?;
-    let pretty = |v: &Json| serde_json::to_string_pretty(v).expect("json");
+    // Serialising a `serde_json::Value` cannot fail; mapped rather than unwrapped all the same.
+    let pretty = |v: &Json| {
+        serde_json::to_string_pretty(v).map_err(|e| bad(&g, format!("writing JSON: {e}")))
+    };
     super::atomic_write(&out.join("config.json"), cfg_out.to_json().as_bytes())?;
     super::atomic_write(&out.join("tokenizer.json"), tok.to_string().as_bytes())?;
     super::atomic_write(
         &out.join("tokenizer_config.json"),
-        pretty(&tok_cfg).as_bytes(),
+        pretty(&tok_cfg)?.as_bytes(),
     )?;
-    super::atomic_write(&out.join("generation_config.json"), pretty(&gen).as_bytes())?;
+    super::atomic_write(
+        &out.join("generation_config.json"),
+        pretty(&gen)?.as_bytes(),
+    )?;
     write_safetensors_as(&out.join("model.safetensors"), &tensors, dtype)?;
     Ok(ConvertReport {
         tensors: tensors.len(),
@@ -387,7 +553,8 @@ pub fn gguf_to_hf(gguf: &Path, out: &Path, dtype: StoreDtype) -> Result<ConvertR
 
 #[cfg(test)]
 mod tests {
-    use super::hf_name;
+    use super::*;
+    use crate::hub::gguf::testing::Writer;
 
     #[test]
     fn names_map_to_transformers() {
@@ -402,5 +569,190 @@ mod tests {
         assert_eq!(hf_name("output.weight").as_deref(), Some("lm_head.weight"));
         assert_eq!(hf_name("blk.x.attn_k.weight"), None);
         assert_eq!(hf_name("rope_freqs.weight"), None);
+    }
+
+    /// A complete 2-layer Llama: hidden 8, 2 heads and 1 kv head of 4, ffn 16, 6 tokens, untied.
+    fn tiny() -> Writer {
+        let mut w = Writer::new();
+        w.str("general.architecture", "llama")
+            .u32("llama.block_count", 2)
+            .u32("llama.context_length", 64)
+            .u32("llama.embedding_length", 8)
+            .u32("llama.feed_forward_length", 16)
+            .u32("llama.attention.head_count", 2)
+            .u32("llama.attention.head_count_kv", 1)
+            .f32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+            .str("tokenizer.ggml.model", "gpt2")
+            .strs(
+                "tokenizer.ggml.tokens",
+                &["<s>", "</s>", "a", "b", "ab", "Ġ"],
+            )
+            .strs("tokenizer.ggml.merges", &["a b"])
+            .i32s("tokenizer.ggml.token_type", &[3, 3, 1, 1, 1, 1])
+            .u32("tokenizer.ggml.bos_token_id", 0)
+            .u32("tokenizer.ggml.eos_token_id", 1)
+            .bool("tokenizer.ggml.add_bos_token", true);
+        let f = |i: usize| i as f32 * 0.01;
+        w.f32_tensor("token_embd.weight", &[6, 8], f);
+        w.f32_tensor("output_norm.weight", &[8], f);
+        w.f32_tensor("output.weight", &[6, 8], f);
+        for l in 0..2 {
+            for (part, shape) in [
+                ("attn_norm", &[8][..]),
+                ("ffn_norm", &[8]),
+                ("attn_q", &[8, 8]),
+                ("attn_k", &[4, 8]),
+                ("attn_v", &[4, 8]),
+                ("attn_output", &[8, 8]),
+                ("ffn_gate", &[16, 8]),
+                ("ffn_up", &[16, 8]),
+                ("ffn_down", &[8, 16]),
+            ] {
+                w.f32_tensor(&format!("blk.{l}.{part}.weight"), shape, f);
+            }
+        }
+        w
+    }
+
+    fn open(w: &Writer) -> GgufFile {
+        GgufFile::parse(Path::new("t.gguf"), w.bytes()).unwrap()
+    }
+
+    /// The error converting `w`'s file (metadata, then tensors, then tokenizer).
+    fn error(w: &Writer) -> String {
+        let g = open(w);
+        let e = llama_config(&g)
+            .and_then(|cfg| llama_tensors(&g, &cfg))
+            .and_then(|_| tokenizer_json(&g))
+            .expect_err("an error")
+            .to_string();
+        assert!(e.starts_with("t.gguf: "), "{e}");
+        e
+    }
+
+    #[test]
+    fn converts_a_tiny_model() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.gguf");
+        std::fs::write(&path, tiny().bytes()).unwrap();
+        let r = gguf_to_hf(&path, &dir.path().join("hf"), StoreDtype::F32).unwrap();
+        assert_eq!(
+            (r.tensors, r.parameters),
+            (
+                21,
+                6 * 8 * 2 + 8 + 2 * (8 * 2 + 8 * 8 * 2 + 4 * 8 * 2 + 16 * 8 * 3)
+            )
+        );
+        assert!(!r.config.tie_word_embeddings);
+        assert_eq!(r.config.head_size(), 4);
+    }
+
+    #[test]
+    fn sizes_are_checked_before_use() {
+        for key in [
+            "attention.head_count",
+            "embedding_length",
+            "feed_forward_length",
+            "block_count",
+            "attention.head_count_kv",
+        ] {
+            let e = error(tiny().u32(&format!("llama.{key}"), 0));
+            assert!(e.contains(&format!("llama.{key} is 0")), "{e}");
+        }
+        let e = error(tiny().str("llama.embedding_length", "8"));
+        assert!(
+            e.contains("llama.embedding_length is \"8\", not a non-negative integer"),
+            "{e}"
+        );
+        let e = error(tiny().remove("llama.block_count"));
+        assert!(
+            e.contains("metadata key llama.block_count is missing"),
+            "{e}"
+        );
+        let e = error(tiny().u32("llama.vocab_size", 7));
+        assert!(
+            e.contains("llama.vocab_size is 7, but tokenizer.ggml.tokens has 6 tokens"),
+            "{e}"
+        );
+        let e = error(tiny().strs("tokenizer.ggml.tokens", &[]));
+        assert!(e.contains("tokenizer.ggml.tokens is empty"), "{e}");
+    }
+
+    #[test]
+    fn token_ids_must_be_in_the_vocabulary() {
+        for key in ["bos", "eos", "unknown", "padding"] {
+            let e = error(tiny().u32(&format!("tokenizer.ggml.{key}_token_id"), 6));
+            assert!(
+                e.contains(&format!(
+                    "tokenizer.ggml.{key}_token_id is 6, but the vocabulary has 6 tokens"
+                )),
+                "{e}"
+            );
+        }
+        let e = error(tiny().str("tokenizer.ggml.bos_token_id", "<s>"));
+        assert!(e.contains("not a token id"), "{e}");
+        let e = error(tiny().i32s("tokenizer.ggml.token_type", &[1, 1]));
+        assert!(
+            e.contains("token_type has 2 entries, but tokenizer.ggml.tokens has 6"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn config_must_agree_with_the_tensors() {
+        let e = error(tiny().u32("llama.block_count", 100_000));
+        assert!(
+            e.contains("tensor blk.2.attn_norm.weight is missing: llama.block_count is 100000, the file has tensors for 2 layers"),
+            "{e}"
+        );
+        // 2^40 layers: found out without building 2^40 names.
+        let e = error(tiny().set("llama.block_count", 10, (1u64 << 40).to_le_bytes().to_vec()));
+        assert!(
+            e.contains("is missing: llama.block_count is 1099511627776"),
+            "{e}"
+        );
+        let e = error(tiny().u32("llama.block_count", 1));
+        assert!(
+            e.contains("tensor blk.1.attn_norm.weight is for layer 1, but llama.block_count is 1"),
+            "{e}"
+        );
+        let e = error(tiny().u32("llama.embedding_length", 16));
+        assert!(
+            e.contains("tensor token_embd.weight has shape [6, 8], but the metadata"),
+            "{e}"
+        );
+        assert!(e.contains("implies [6, 16]"), "{e}");
+        let e = error(tiny().u32("llama.attention.head_count_kv", 2));
+        assert!(
+            e.contains("tensor blk.0.attn_k.weight has shape [4, 8]"),
+            "{e}"
+        );
+        let e = error(tiny().u32("llama.rope.dimension_count", 2));
+        assert!(
+            e.contains("tensor blk.0.attn_q.weight has shape [8, 8]"),
+            "{e}"
+        );
+        let mut w = tiny();
+        w.tensors.retain(|(n, ..)| n != "blk.1.ffn_up.weight");
+        let e = error(&w);
+        assert!(e.contains("tensor blk.1.ffn_up.weight is missing"), "{e}");
+        let mut w = tiny();
+        w.f32_tensor("blk.01.ffn_up.weight", &[16, 8], |_| 0.0);
+        let e = error(&w);
+        assert!(e.contains("tensor blk.01.ffn_up.weight duplicates"), "{e}");
+        let mut w = tiny();
+        w.f32_tensor("blk.0.attn_q.bias", &[8], |_| 0.0);
+        let e = error(&w);
+        assert!(
+            e.contains("tensor blk.0.attn_q.bias has no Llama counterpart"),
+            "{e}"
+        );
+        // Without output.weight the embeddings are tied, and that is complete too.
+        let mut w = tiny();
+        w.tensors.retain(|(n, ..)| n != "output.weight");
+        let g = open(&w);
+        let cfg = llama_config(&g).unwrap();
+        assert!(cfg.tie_word_embeddings);
+        assert_eq!(llama_tensors(&g, &cfg).unwrap().len(), 20);
     }
 }
