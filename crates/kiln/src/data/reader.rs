@@ -488,9 +488,9 @@ fn read_parquet(path: &Path, c: &mut Collector) -> Result<()> {
             .downcast_ref::<&str>()
             .copied()
             .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
-            .unwrap_or("the reader panicked");
+            .unwrap_or("no message");
         Err(KilnError::Data(format!(
-            "{}: not a readable Parquet file: {msg}",
+            "{}: not a readable Parquet file (the Parquet reader panicked: {msg})",
             path.display()
         )))
     })
