@@ -584,3 +584,39 @@ fn readme_tweets_still_read_in_full() {
         assert_eq!((rows.len(), report.rows), (n, n), "{name}");
     }
 }
+
+#[test]
+fn parquet_fixtures_fail_with_the_reason() {
+    let cases = [
+        (
+            "float_labels.parquet",
+            "float_labels.parquet:1: label in column 'label' must be a string or an integer, \
+             found a float",
+        ),
+        (
+            "int_text.parquet",
+            "int_text.parquet:1: text in column 'text' must be a string, found an integer",
+        ),
+        // A file the `parquet` crate panics on (found by tests/reader_fuzz.rs): contained.
+        (
+            "panics_reader.parquet",
+            "panics_reader.parquet: not a readable Parquet file (the Parquet reader panicked: ",
+        ),
+    ];
+    for (name, want) in cases {
+        for strict in [false, true] {
+            let err = read(&fixture(name), "label", strict)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(want), "{err}");
+        }
+    }
+    let err = read(&fixture("header_quote.csv"), "label", false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.ends_with("header_quote.csv:1: in the header row: unterminated quoted field opened \
+                       here (no closing quote before the end of the file)"),
+        "{err}"
+    );
+}
