@@ -270,7 +270,9 @@ fn unterminated_quote_skips_its_row_and_reads_the_rest() {
     assert_eq!(report.summary().split(',').next(), Some("4/5 rows used"));
     let err = read(&path, "label", true).unwrap_err().to_string();
     assert!(
-        err.ends_with(&format!("unterminated_quote.csv:3: {UNTERMINATED} (--strict)")),
+        err.ends_with(&format!(
+            "unterminated_quote.csv:3: {UNTERMINATED} (--strict)"
+        )),
         "{err}"
     );
 
@@ -308,7 +310,9 @@ fn stray_quote_skips_its_row_and_multiline_fields_still_work() {
     let (rows, report) = read(&fixture("stray_quote.tsv"), "label", false).unwrap();
     assert_eq!(rows.iter().map(|r| r.line).collect::<Vec<_>>(), [2, 4, 5]);
     assert_eq!(skips_of(&report).len(), 1);
-    assert!(skips_of(&report)[0].1.contains("'x' after its closing quote on line 3"));
+    assert!(skips_of(&report)[0]
+        .1
+        .contains("'x' after its closing quote on line 3"));
 }
 
 #[test]
@@ -388,7 +392,9 @@ fn jsonl_labels_must_be_strings_or_integers() {
     );
     let err = read(&path, "label", true).unwrap_err().to_string();
     assert!(
-        err.ends_with(&format!("bad_label_types.jsonl:2: {must} a float (--strict)")),
+        err.ends_with(&format!(
+            "bad_label_types.jsonl:2: {must} a float (--strict)"
+        )),
         "{err}"
     );
 }
@@ -396,10 +402,7 @@ fn jsonl_labels_must_be_strings_or_integers() {
 #[test]
 fn jsonl_text_must_be_a_string() {
     let (rows, report) = read(&fixture("bad_text_types.jsonl"), "label", false).unwrap();
-    assert_eq!(
-        rows.iter().map(|r| r.line).collect::<Vec<_>>(),
-        [1, 6, 7]
-    );
+    assert_eq!(rows.iter().map(|r| r.line).collect::<Vec<_>>(), [1, 6, 7]);
     let must = "text in column 'text' must be a string, found";
     assert_eq!(
         skips_of(&report),
@@ -443,19 +446,29 @@ fn all_integer_csv_labels_are_integers_in_train_and_eval() {
     assert_eq!(data.labels.names(), ["0", "1"]);
     assert_eq!(data.train.as_ref().unwrap().labels, [1, 1, 1, 0, 0]);
     let ev = data.eval.as_ref().unwrap();
-    assert_eq!((ev.lines.as_slice(), ev.labels.as_slice()), (&[2, 3][..], &[1, 0][..]));
+    assert_eq!(
+        (ev.lines.as_slice(), ev.labels.as_slice()),
+        (&[2, 3][..], &[1, 0][..])
+    );
     let (_, rep) = data.reports.iter().find(|(p, _)| *p == eval).unwrap();
     assert_eq!(skips_of(rep), [(4, "unknown label \"2\" (known: 0, 1)")]);
     let strict = data_args(&fixture("int_labels.csv"), Some(&eval), true);
-    let err = kiln::data::prepare(&strict, &tok, None).err().map(|e| e.to_string());
+    let err = kiln::data::prepare(&strict, &tok, None)
+        .err()
+        .map(|e| e.to_string());
     assert!(
-        err.as_deref().is_some_and(|e| e.contains("int_labels_eval.csv:4: unknown label")),
+        err.as_deref()
+            .is_some_and(|e| e.contains("int_labels_eval.csv:4: unknown label")),
         "{err:?}"
     );
 
     // One label that is not an integer keeps them all verbatim strings.
-    let data = kiln::data::prepare(&data_args(&fixture("mixed_labels.csv"), None, false), &tok, None)
-        .unwrap();
+    let data = kiln::data::prepare(
+        &data_args(&fixture("mixed_labels.csv"), None, false),
+        &tok,
+        None,
+    )
+    .unwrap();
     assert_eq!(data.labels.names(), ["01", "1", "x"]);
 }
 
@@ -469,7 +482,9 @@ enum Col<'a> {
 }
 
 fn write_parquet(path: &Path, schema: &str, columns: &[Col]) {
-    use parquet::data_type::{BoolType, ByteArray, ByteArrayType, DoubleType, Int32Type, Int64Type};
+    use parquet::data_type::{
+        BoolType, ByteArray, ByteArrayType, DoubleType, Int32Type, Int64Type,
+    };
     use parquet::file::writer::SerializedFileWriter;
     let schema = parquet::schema::parser::parse_message_type(schema).unwrap();
     let file = std::fs::File::create(path).unwrap();
@@ -513,17 +528,32 @@ fn parquet_columns_of_the_wrong_type_are_skipped_rows() {
         ],
     );
     let (rows, _) = read(&path, "small", false).unwrap();
-    assert_eq!(rows_of(&rows), [(1, "a", "-3"), (2, "b", "0"), (3, "c", "7")]);
+    assert_eq!(
+        rows_of(&rows),
+        [(1, "a", "-3"), (2, "b", "0"), (3, "c", "7")]
+    );
 
-    for (label, kind) in [("score", "a float"), ("flag", "a boolean"), ("raw", "binary data")] {
+    for (label, kind) in [
+        ("score", "a float"),
+        ("flag", "a boolean"),
+        ("raw", "binary data"),
+    ] {
         let err = read(&path, label, false).unwrap_err().to_string();
-        let first =
-            format!("d.parquet:1: label in column '{label}' must be a string or an integer, found {kind}");
-        assert!(err.contains("no usable rows (0/3 rows used, 3 skipped") && err.contains(&first), "{err}");
+        let first = format!(
+            "d.parquet:1: label in column '{label}' must be a string or an integer, found {kind}"
+        );
+        assert!(
+            err.contains("no usable rows (0/3 rows used, 3 skipped") && err.contains(&first),
+            "{err}"
+        );
         let err = read(&path, label, true).unwrap_err().to_string();
         assert!(err.ends_with(&format!("{first} (--strict)")), "{err}");
     }
-    for (text, kind) in [("num", "an integer"), ("score", "a float"), ("raw", "binary data")] {
+    for (text, kind) in [
+        ("num", "an integer"),
+        ("score", "a float"),
+        ("raw", "binary data"),
+    ] {
         let c = Columns {
             text: text.into(),
             text_pair: None,
@@ -533,7 +563,9 @@ fn parquet_columns_of_the_wrong_type_are_skipped_rows() {
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains(&format!("text in column '{text}' must be a string, found {kind}")),
+            err.contains(&format!(
+                "text in column '{text}' must be a string, found {kind}"
+            )),
             "{err}"
         );
     }
@@ -569,7 +601,10 @@ fn only_regular_files_are_read() {
         let err = kiln::data::lm::read_documents(&fifo, "text", TextEncoding::Utf8, false)
             .unwrap_err()
             .to_string();
-        assert!(err.contains(&format!("{name}: not a regular file")), "{err}");
+        assert!(
+            err.contains(&format!("{name}: not a regular file")),
+            "{err}"
+        );
     }
 }
 
@@ -600,7 +635,7 @@ fn parquet_fixtures_fail_with_the_reason() {
         // A file the `parquet` crate panics on (found by tests/reader_fuzz.rs): contained.
         (
             "panics_reader.parquet",
-            "panics_reader.parquet: not a readable Parquet file (the Parquet reader panicked: ",
+            "panics_reader.parquet: not a readable Parquet file (the parquet crate failed on it: ",
         ),
     ];
     for (name, want) in cases {
@@ -615,8 +650,10 @@ fn parquet_fixtures_fail_with_the_reason() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.ends_with("header_quote.csv:1: in the header row: unterminated quoted field opened \
-                       here (no closing quote before the end of the file)"),
+        err.ends_with(
+            "header_quote.csv:1: in the header row: unterminated quoted field opened \
+                       here (no closing quote before the end of the file)"
+        ),
         "{err}"
     );
 }

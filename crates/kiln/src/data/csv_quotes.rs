@@ -124,7 +124,11 @@ pub fn blank<'a>(text: &'a str, bad: &[BadQuote]) -> Cow<'a, str> {
     for r in bad {
         // Ranges are in increasing order, start and end at ASCII bytes or the text's ends.
         out.push_str(&text[at..r.start]);
-        out.extend(text[r.start..r.end].chars().filter(|&c| c == '\n' || c == '\r'));
+        out.extend(
+            text[r.start..r.end]
+                .chars()
+                .filter(|&c| c == '\n' || c == '\r'),
+        );
         at = r.end;
     }
     out.push_str(&text[at..]);
@@ -141,7 +145,10 @@ mod tests {
 
     #[test]
     fn well_formed_quotes_pass() {
-        assert!(lines("a,b\n\"x, y\",\"multi\nline \"\"q\"\"\"\r\nplain \"inner\" quote,1\n").is_empty());
+        assert!(
+            lines("a,b\n\"x, y\",\"multi\nline \"\"q\"\"\"\r\nplain \"inner\" quote,1\n")
+                .is_empty()
+        );
         assert!(lines("a,b\n\"\",\"\"\n\"last\"").is_empty());
         assert!(lines("\u{feff}\"a\",b\n1,2\n").is_empty());
     }
@@ -151,7 +158,9 @@ mod tests {
         let text = "a,b\n1,\"open\n2,ok\n3,\"x\" y\n4,\"fine\"\n";
         let bad = find_bad_quotes(text, b',');
         assert_eq!(bad.iter().map(|b| b.line).collect::<Vec<_>>(), [2, 4]);
-        assert!(bad[1].reason.contains("' ' after its closing quote on line 4"));
+        assert!(bad[1]
+            .reason
+            .contains("' ' after its closing quote on line 4"));
         assert_eq!(blank(text, &bad), "a,b\n\n2,ok\n\n4,\"fine\"\n");
         // Unterminated at the end of the file.
         let text = "a,b\r\n1,x\r\n2,\"open\r\nmore\r\n";

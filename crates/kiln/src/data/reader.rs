@@ -183,7 +183,11 @@ fn check_row(
     label: Cell,
 ) -> std::result::Result<CheckedRow, String> {
     let text = text.text(&cols.text)?;
-    let pair = cols.text_pair.as_deref().map(|c| pair.text(c)).transpose()?;
+    let pair = cols
+        .text_pair
+        .as_deref()
+        .map(|c| pair.text(c))
+        .transpose()?;
     let label = cols.label.as_deref().map(|c| label.label(c)).transpose()?;
     Ok((text, pair, label))
 }
@@ -490,7 +494,7 @@ fn read_parquet(path: &Path, c: &mut Collector) -> Result<()> {
             .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
             .unwrap_or("no message");
         Err(KilnError::Data(format!(
-            "{}: not a readable Parquet file (the Parquet reader panicked: {msg})",
+            "{}: not a readable Parquet file (the parquet crate failed on it: {msg})",
             path.display()
         )))
     })
@@ -499,11 +503,19 @@ fn read_parquet(path: &Path, c: &mut Collector) -> Result<()> {
 fn parquet_rows(path: &Path, c: &mut Collector) -> Result<()> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     use parquet::schema::types::Type;
-    let not_parquet =
-        |e: parquet::errors::ParquetError| KilnError::Data(format!("{}: not a readable Parquet file: {e}", path.display()));
+    let not_parquet = |e: parquet::errors::ParquetError| {
+        KilnError::Data(format!(
+            "{}: not a readable Parquet file: {e}",
+            path.display()
+        ))
+    };
     let f = File::open(path).map_err(|e| KilnError::io(path, e))?;
     let reader = SerializedFileReader::new(f).map_err(not_parquet)?;
-    let root = reader.metadata().file_metadata().schema_descr().root_schema();
+    let root = reader
+        .metadata()
+        .file_metadata()
+        .schema_descr()
+        .root_schema();
     // Top-level columns: a list or struct column is one column here, named as the user knows it.
     let have: Vec<String> = root
         .get_fields()
