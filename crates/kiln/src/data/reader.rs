@@ -3,6 +3,12 @@
 //! Every row that cannot be used is counted with its file and line (or row number for Parquet) and a
 //! reason; with `strict` the first such row is an error instead. A missing column, an unreadable
 //! file or an empty result are errors that name the file and the column.
+//!
+//! Types follow `datasets`: text is a string, a label a string or an integer; a cell of any other
+//! type (a float label, a list as text) is a skipped row naming the type, never its JSON text. CSV
+//! and TSV quotes follow RFC 4180: a record whose quoted field is unterminated or has text after its
+//! closing quote is a skipped row, and the rows after it are read normally (see `csv_quotes`). Only
+//! regular files are read.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
@@ -52,6 +58,8 @@ pub struct RawExample {
     pub line: usize,
     pub text: String,
     pub text_pair: Option<String>,
+    /// Trimmed; an integer label (JSONL, Parquet) in decimal. Whether CSV labels are integers is
+    /// decided over the whole training file, by [`super::LabelSet::infer`].
     pub label: Option<String>,
 }
 
