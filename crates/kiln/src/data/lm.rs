@@ -7,12 +7,13 @@ use std::path::Path;
 
 use tokenizers::Tokenizer;
 
-use super::reader::{read_examples, Columns, ReadReport, TextEncoding};
+use super::reader::{read_examples, read_text, Columns, ReadReport, TextEncoding};
 use crate::error::{KilnError, Result};
 use crate::train::task::{BatchSource, IGNORE_INDEX};
 
 /// Reads the documents of a corpus file:
-/// - `.txt`: paragraphs separated by blank lines are documents (wrapped lines are kept as they are);
+/// - `.txt`: paragraphs separated by blank lines are documents (wrapped lines are kept as they are),
+///   decoded with `encoding`;
 /// - `.jsonl`, `.parquet`, `.csv`, `.tsv`: one document per row, from `text_column`.
 pub fn read_documents(
     path: &Path,
@@ -33,7 +34,7 @@ pub fn read_documents(
         let (rows, report) = read_examples(path, &cols, encoding, strict)?;
         return Ok((rows.into_iter().map(|r| r.text).collect(), report));
     }
-    let text = std::fs::read_to_string(path).map_err(|e| KilnError::io(path, e))?;
+    let text = read_text(path, encoding)?;
     let mut docs = Vec::new();
     let mut current: Vec<&str> = Vec::new();
     for line in text.lines().chain(std::iter::once("")) {

@@ -2,6 +2,7 @@
 //! batches ([`batch`]). Tokenization happens once per run; batches pad dynamically by default.
 
 pub mod batch;
+mod csv_quotes;
 pub mod idx;
 pub mod labels;
 pub mod lm;

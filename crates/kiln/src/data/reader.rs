@@ -3,11 +3,18 @@
 //! Every row that cannot be used is counted with its file and line (or row number for Parquet) and a
 //! reason; with `strict` the first such row is an error instead. A missing column, an unreadable
 //! file or an empty result are errors that name the file and the column.
+//!
+//! Types follow `datasets`: text is a string, a label a string or an integer; a cell of any other
+//! type (a float label, a list as text) is a skipped row naming the type, never its JSON text. CSV
+//! and TSV quotes follow RFC 4180: a record whose quoted field is unterminated or has text after its
+//! closing quote is a skipped row, and the rows after it are read normally (see `csv_quotes`). Only
+//! regular files are read.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
+use super::csv_quotes::{blank, find_bad_quotes};
 use crate::error::{KilnError, Result};
 
 /// Which columns hold what.
@@ -51,6 +58,8 @@ pub struct RawExample {
     pub line: usize,
     pub text: String,
     pub text_pair: Option<String>,
+    /// Trimmed; an integer label (JSONL, Parquet) in decimal. Whether CSV labels are integers is
+    /// decided over the whole training file, by [`super::LabelSet::infer`].
     pub label: Option<String>,
 }
 
@@ -90,6 +99,46 @@ impl ReadReport {
     }
 }
 
+/// One cell as the file holds it, before it is checked against what its column must hold.
+#[derive(Debug, Clone, PartialEq)]
+enum Cell {
+    /// Absent, or null.
+    Missing,
+    Str(String),
+    /// An integer, in decimal.
+    Int(String),
+    /// Any other type, named for the message ("a float", "a list", ...).
+    Other(&'static str),
+}
+
+impl Cell {
+    /// Text must be a non-empty string: a number or a list is never tokenized as its JSON text.
+    fn text(self, col: &str) -> std::result::Result<String, String> {
+        let kind = match self {
+            Cell::Str(s) if !s.trim().is_empty() => return Ok(s),
+            Cell::Missing | Cell::Str(_) => return Err(format!("empty text in column '{col}'")),
+            Cell::Int(_) => "an integer",
+            Cell::Other(kind) => kind,
+        };
+        Err(format!(
+            "text in column '{col}' must be a string, found {kind}"
+        ))
+    }
+
+    /// A label is a string or an integer, as `datasets.ClassLabel` takes them.
+    fn label(self, col: &str) -> std::result::Result<String, String> {
+        match self {
+            Cell::Str(s) | Cell::Int(s) if !s.trim().is_empty() => Ok(s.trim().to_string()),
+            Cell::Missing | Cell::Str(_) | Cell::Int(_) => {
+                Err(format!("empty label in column '{col}'"))
+            }
+            Cell::Other(kind) => Err(format!(
+                "label in column '{col}' must be a string or an integer, found {kind}"
+            )),
+        }
+    }
+}
+
 struct Collector<'a> {
     path: &'a Path,
     cols: &'a Columns,
@@ -99,7 +148,9 @@ struct Collector<'a> {
 }
 
 impl Collector<'_> {
+    /// Counts one unusable row (the caller has not counted it yet), or fails under `strict`.
     fn skip(&mut self, line: usize, reason: String) -> Result<()> {
+        self.report.rows += 1;
         let s = Skipped {
             path: self.path.to_path_buf(),
             line,
@@ -112,37 +163,41 @@ impl Collector<'_> {
         Ok(())
     }
 
-    /// Validates and stores one row given its column values.
-    fn row(
-        &mut self,
-        line: usize,
-        text: Option<String>,
-        pair: Option<String>,
-        label: Option<String>,
-    ) -> Result<()> {
-        self.report.rows += 1;
-        let text = text.unwrap_or_default();
-        if text.trim().is_empty() {
-            return self.skip(line, format!("empty text in column '{}'", self.cols.text));
-        }
-        if let Some(pc) = &self.cols.text_pair {
-            if pair.as_deref().map(str::trim).unwrap_or("").is_empty() {
-                return self.skip(line, format!("empty text in column '{pc}'"));
+    /// Validates and stores one row given its cells.
+    fn row(&mut self, line: usize, text: Cell, pair: Cell, label: Cell) -> Result<()> {
+        match check_row(self.cols, text, pair, label) {
+            Ok((text, text_pair, label)) => {
+                self.report.rows += 1;
+                self.examples.push(RawExample {
+                    line,
+                    text,
+                    text_pair,
+                    label,
+                });
+                Ok(())
             }
+            Err(reason) => self.skip(line, reason),
         }
-        if let Some(lc) = &self.cols.label {
-            if label.as_deref().map(str::trim).unwrap_or("").is_empty() {
-                return self.skip(line, format!("empty label in column '{lc}'"));
-            }
-        }
-        self.examples.push(RawExample {
-            line,
-            text,
-            text_pair: pair,
-            label: label.map(|l| l.trim().to_string()),
-        });
-        Ok(())
     }
+}
+
+type CheckedRow = (String, Option<String>, Option<String>);
+
+/// The row's text, text pair and label, or why it cannot be used (the first problem, in that order).
+fn check_row(
+    cols: &Columns,
+    text: Cell,
+    pair: Cell,
+    label: Cell,
+) -> std::result::Result<CheckedRow, String> {
+    let text = text.text(&cols.text)?;
+    let pair = cols
+        .text_pair
+        .as_deref()
+        .map(|c| pair.text(c))
+        .transpose()?;
+    let label = cols.label.as_deref().map(|c| label.label(c)).transpose()?;
+    Ok((text, pair, label))
 }
 
 /// Reads a data file; the format follows the extension (`.csv`, `.tsv`, `.jsonl`/`.json`, `.parquet`).
@@ -152,6 +207,7 @@ pub fn read_examples(
     encoding: TextEncoding,
     strict: bool,
 ) -> Result<(Vec<RawExample>, ReadReport)> {
+    check_regular_file(path)?;
     let ext = path
         .extension()
         .and_then(|e| e.to_str())
@@ -186,6 +242,31 @@ pub fn read_examples(
     Ok((c.examples, c.report))
 }
 
+/// Data is read only from regular files: a device such as `/dev/zero`, a FIFO or a directory would
+/// block, fail obscurely or grow memory without end. Checked before anything is opened.
+pub(crate) fn check_regular_file(path: &Path) -> Result<()> {
+    let meta = std::fs::metadata(path).map_err(|e| KilnError::io(path, e))?;
+    if meta.is_file() {
+        return Ok(());
+    }
+    let what = if meta.is_dir() {
+        "a directory"
+    } else {
+        "a device, FIFO or socket"
+    };
+    Err(KilnError::Data(format!(
+        "{}: not a regular file ({what}); give a data file",
+        path.display()
+    )))
+}
+
+/// Reads a whole text file (after [`check_regular_file`]) in the given encoding.
+pub(crate) fn read_text(path: &Path, encoding: TextEncoding) -> Result<String> {
+    check_regular_file(path)?;
+    let bytes = std::fs::read(path).map_err(|e| KilnError::io(path, e))?;
+    decode(path, bytes, encoding)
+}
+
 fn decode(path: &Path, bytes: Vec<u8>, encoding: TextEncoding) -> Result<String> {
     match encoding {
         TextEncoding::Utf8 => String::from_utf8(bytes).map_err(|e| {
@@ -211,8 +292,17 @@ fn missing_column(path: &Path, col: &str, have: &[String]) -> KilnError {
 }
 
 fn read_delimited(path: &Path, delim: u8, enc: TextEncoding, c: &mut Collector) -> Result<()> {
-    let bytes = std::fs::read(path).map_err(|e| KilnError::io(path, e))?;
-    let text = decode(path, bytes, enc)?;
+    let text = read_text(path, enc)?;
+    let bad = find_bad_quotes(&text, delim);
+    if let Some(h) = bad.first().filter(|b| b.first_record) {
+        return Err(KilnError::Parse {
+            path: path.to_path_buf(),
+            line: h.line,
+            msg: format!("in the header row: {}", h.reason),
+        });
+    }
+    let text = blank(&text, &bad);
+    let mut bad = bad.into_iter().peekable();
     let mut rdr = csv::ReaderBuilder::new()
         .delimiter(delim)
         .flexible(true)
@@ -237,35 +327,64 @@ fn read_delimited(path: &Path, delim: u8, enc: TextEncoding, c: &mut Collector) 
     let pi = c.cols.text_pair.as_deref().map(index).transpose()?;
     let li = c.cols.label.as_deref().map(index).transpose()?;
     for rec in rdr.records() {
+        let pos = match &rec {
+            Ok(r) => r.position(),
+            Err(e) => e.position(),
+        };
+        let line = pos.map_or(0, |p| record_line(text.as_bytes(), p));
+        // Blanked records are reported in line order among the rest, so `--strict` stops at the
+        // first bad row of the file whatever its kind.
+        while let Some(b) = bad.next_if(|b| b.line < line) {
+            c.skip(b.line, b.reason)?;
+        }
         let rec = match rec {
             Ok(r) => r,
             Err(e) => {
-                let line = e.position().map(|p| p.line() as usize).unwrap_or(0);
-                c.report.rows += 1;
                 c.skip(line, format!("unreadable row: {e}"))?;
                 continue;
             }
         };
-        let line = rec.position().map(|p| p.line() as usize).unwrap_or(0);
         if rec.len() != headers.len() {
-            c.report.rows += 1;
             c.skip(
                 line,
                 format!("expected {} fields, found {}", headers.len(), rec.len()),
             )?;
             continue;
         }
-        let get = |i: Option<usize>| i.map(|i| rec[i].to_string());
+        // Every CSV field is a string; whether labels are integers is decided over the whole
+        // training file (see `LabelSet::infer`).
+        let get = |i: Option<usize>| i.map_or(Cell::Missing, |i| Cell::Str(rec[i].to_string()));
         c.row(line, get(Some(ti)), get(pi), get(li))?;
+    }
+    for b in bad {
+        c.skip(b.line, b.reason)?;
     }
     Ok(())
 }
 
-fn json_to_string(v: &serde_json::Value) -> Option<String> {
+/// The 1-based line a record starts on. The `csv` crate takes a record's position before skipping
+/// the empty lines in front of it (blanked bad records among them), so those are counted here.
+fn record_line(text: &[u8], pos: &csv::Position) -> usize {
+    let empty_lines = text
+        .get(pos.byte() as usize..)
+        .unwrap_or_default()
+        .iter()
+        .take_while(|&&b| b == b'\n' || b == b'\r')
+        .filter(|&&b| b == b'\n')
+        .count();
+    pos.line() as usize + empty_lines
+}
+
+fn json_cell(v: Option<&serde_json::Value>) -> Cell {
+    use serde_json::Value;
     match v {
-        serde_json::Value::Null => None,
-        serde_json::Value::String(s) => Some(s.clone()),
-        other => Some(other.to_string()),
+        None | Some(Value::Null) => Cell::Missing,
+        Some(Value::String(s)) => Cell::Str(s.clone()),
+        Some(Value::Number(n)) if n.is_i64() || n.is_u64() => Cell::Int(n.to_string()),
+        Some(Value::Number(_)) => Cell::Other("a float"),
+        Some(Value::Bool(_)) => Cell::Other("a boolean"),
+        Some(Value::Array(_)) => Cell::Other("a list"),
+        Some(Value::Object(_)) => Cell::Other("an object"),
     }
 }
 
@@ -274,35 +393,37 @@ fn read_jsonl(path: &Path, c: &mut Collector) -> Result<()> {
     let cols = c.cols.clone();
     let mut seen_columns: Option<Vec<String>> = None;
     let mut found = [false; 3];
-    for (i, line) in BufReader::new(f).lines().enumerate() {
+    for (i, line) in BufReader::new(f).split(b'\n').enumerate() {
         let n = i + 1;
         let line = line.map_err(|e| KilnError::io(path, e))?;
+        // JSON Lines is UTF-8 by definition; a line that is not is one malformed row.
+        let Ok(line) = std::str::from_utf8(&line) else {
+            c.skip(n, "invalid UTF-8".into())?;
+            continue;
+        };
         if line.trim().is_empty() {
             continue;
         }
-        let obj = match serde_json::from_str::<serde_json::Value>(&line) {
+        let obj = match serde_json::from_str::<serde_json::Value>(line) {
             Ok(serde_json::Value::Object(o)) => o,
             Ok(_) => {
-                c.report.rows += 1;
                 c.skip(n, "not a JSON object".into())?;
                 continue;
             }
             Err(e) => {
-                c.report.rows += 1;
                 c.skip(n, format!("invalid JSON: {e}"))?;
                 continue;
             }
         };
         seen_columns.get_or_insert_with(|| obj.keys().cloned().collect());
-        let get = |k: Option<&String>, slot: &mut bool| {
-            let v = obj.get(k?)?;
-            *slot = true;
-            json_to_string(v)
+        let mut get = |k: Option<&String>, slot: usize| {
+            let v = k.and_then(|k| obj.get(k));
+            found[slot] |= v.is_some();
+            json_cell(v)
         };
-        let [ft, fp, fl] = &mut found;
-        let text = get(Some(&cols.text), ft);
-        let pair = get(cols.text_pair.as_ref(), fp);
-        let label = get(cols.label.as_ref(), fl);
+        let text = get(Some(&cols.text), 0);
+        let pair = get(cols.text_pair.as_ref(), 1);
+        let label = get(cols.label.as_ref(), 2);
         c.row(n, text, pair, label)?;
     }
     // A column that no row has is a configuration error, not a thousand malformed rows.
@@ -322,36 +443,119 @@ fn read_jsonl(path: &Path, c: &mut Collector) -> Result<()> {
     Ok(())
 }
 
-fn read_parquet(path: &Path, c: &mut Collector) -> Result<()> {
-    use parquet::file::reader::{FileReader, SerializedFileReader};
+fn parquet_cell(field: &parquet::record::Field) -> Cell {
     use parquet::record::Field;
+    match field {
+        Field::Null => Cell::Missing,
+        Field::Str(s) => Cell::Str(s.clone()),
+        Field::Byte(v) => Cell::Int(v.to_string()),
+        Field::Short(v) => Cell::Int(v.to_string()),
+        Field::Int(v) => Cell::Int(v.to_string()),
+        Field::Long(v) => Cell::Int(v.to_string()),
+        Field::UByte(v) => Cell::Int(v.to_string()),
+        Field::UShort(v) => Cell::Int(v.to_string()),
+        Field::UInt(v) => Cell::Int(v.to_string()),
+        Field::ULong(v) => Cell::Int(v.to_string()),
+        Field::Bool(_) => Cell::Other("a boolean"),
+        Field::Float16(_) | Field::Float(_) | Field::Double(_) => Cell::Other("a float"),
+        Field::Decimal(_) => Cell::Other("a decimal"),
+        Field::Bytes(_) => Cell::Other("binary data"),
+        Field::Date(_)
+        | Field::TimeMillis(_)
+        | Field::TimeMicros(_)
+        | Field::TimestampMillis(_)
+        | Field::TimestampMicros(_) => Cell::Other("a date or time"),
+        Field::Group(_) => Cell::Other("a struct"),
+        Field::ListInternal(_) => Cell::Other("a list"),
+        Field::MapInternal(_) => Cell::Other("a map"),
+    }
+}
+
+thread_local! {
+    /// Set while this thread reads a Parquet file, so the panic hook stays quiet for a panic that
+    /// [`read_parquet`] turns into an error.
+    static IN_PARQUET_READ: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The `parquet` crate panics on some malformed files (slicing past a buffer, overflowing
+/// arithmetic) instead of returning an error. A data file must never crash kiln, so a panic inside
+/// the read is caught and becomes an error naming the file. The hook installed here (once, chaining
+/// to the previous one) keeps the default panic message and backtrace off stderr for exactly these
+/// panics: they are reported as the error instead. An allocation failure aborts and cannot be caught.
+fn read_parquet(path: &Path, c: &mut Collector) -> Result<()> {
+    static QUIET_HOOK: std::sync::Once = std::sync::Once::new();
+    QUIET_HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !IN_PARQUET_READ.with(|q| q.get()) {
+                previous(info);
+            }
+        }));
+    });
+    IN_PARQUET_READ.with(|q| q.set(true));
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| parquet_rows(path, c)));
+    IN_PARQUET_READ.with(|q| q.set(false));
+    outcome.unwrap_or_else(|payload| {
+        let msg = payload
+            .downcast_ref::<&str>()
+            .copied()
+            .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+            .unwrap_or("no message");
+        Err(KilnError::Data(format!(
+            "{}: not a readable Parquet file (the parquet crate failed on it: {msg})",
+            path.display()
+        )))
+    })
+}
+
+fn parquet_rows(path: &Path, c: &mut Collector) -> Result<()> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    use parquet::schema::types::Type;
+    let not_parquet = |e: parquet::errors::ParquetError| {
+        KilnError::Data(format!(
+            "{}: not a readable Parquet file: {e}",
+            path.display()
+        ))
+    };
     let f = File::open(path).map_err(|e| KilnError::io(path, e))?;
-    let reader = SerializedFileReader::new(f)
-        .map_err(|e| KilnError::Data(format!("{}: not a Parquet file: {e}", path.display())))?;
-    let have: Vec<String> = reader
+    let reader = SerializedFileReader::new(f).map_err(not_parquet)?;
+    let root = reader
         .metadata()
         .file_metadata()
         .schema_descr()
-        .columns()
+        .root_schema();
+    // Top-level columns: a list or struct column is one column here, named as the user knows it.
+    let have: Vec<String> = root
+        .get_fields()
         .iter()
-        .map(|c| c.name().to_string())
+        .map(|f| f.name().to_string())
         .collect();
     let cols = c.cols.clone();
-    for w in [
+    let wanted: Vec<&String> = [
         Some(&cols.text),
         cols.text_pair.as_ref(),
         cols.label.as_ref(),
     ]
     .into_iter()
     .flatten()
-    {
+    .collect();
+    for w in &wanted {
         if !have.contains(w) {
             return Err(missing_column(path, w, &have));
         }
     }
-    let rows = reader
-        .get_row_iter(None)
-        .map_err(|e| KilnError::Data(format!("{}: {e}", path.display())))?;
+    // Read only the wanted columns: others are never decoded, whatever they hold.
+    let projection = Type::group_type_builder(root.name())
+        .with_fields(
+            root.get_fields()
+                .iter()
+                .filter(|f| wanted.iter().any(|w| *w == f.name()))
+                .cloned()
+                .collect(),
+        )
+        .build()
+        .map_err(not_parquet)?;
+    let rows = reader.get_row_iter(Some(projection)).map_err(not_parquet)?;
     for (i, row) in rows.enumerate() {
         let n = i + 1;
         let row = row.map_err(|e| KilnError::Parse {
@@ -359,21 +563,16 @@ fn read_parquet(path: &Path, c: &mut Collector) -> Result<()> {
             line: n,
             msg: e.to_string(),
         })?;
-        let mut text = None;
-        let mut pair = None;
-        let mut label = None;
+        let (mut text, mut pair, mut label) = (Cell::Missing, Cell::Missing, Cell::Missing);
         for (name, field) in row.get_column_iter() {
-            let value = match field {
-                Field::Null => None,
-                Field::Str(s) => Some(s.clone()),
-                other => Some(other.to_string()),
-            };
             if *name == cols.text {
-                text = value;
-            } else if Some(name) == cols.text_pair.as_ref() {
-                pair = value;
-            } else if Some(name) == cols.label.as_ref() {
-                label = value;
+                text = parquet_cell(field);
+            }
+            if Some(name) == cols.text_pair.as_ref() {
+                pair = parquet_cell(field);
+            }
+            if Some(name) == cols.label.as_ref() {
+                label = parquet_cell(field);
             }
         }
         c.row(n, text, pair, label)?;
