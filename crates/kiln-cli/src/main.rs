@@ -433,7 +433,7 @@ fn read_texts(cmd: &PredictCmd) -> Result<Vec<String>> {
         bail!("give --text \"...\" or --input FILE");
     };
     if path.extension().and_then(|e| e.to_str()) == Some("txt") {
-        let s = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
+        let s = kiln::data::reader::read_text(path, cmd.encoding.parse()?)?;
         return Ok(s
             .lines()
             .filter(|l| !l.trim().is_empty())

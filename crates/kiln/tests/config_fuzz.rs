@@ -83,18 +83,21 @@ fn llama_keys() -> Vec<&'static str> {
 
 /// A valid config with some keys replaced by nasty values (or removed).
 fn mutated(base: Value, keys: Vec<&'static str>) -> impl Strategy<Value = Value> {
-    prop::collection::vec((prop::sample::select(keys), nasty_value(), any::<bool>()), 0..6)
-        .prop_map(move |edits| {
-            let mut c = base.clone();
-            for (k, v, remove) in edits {
-                if remove {
-                    c.as_object_mut().unwrap().remove(k);
-                } else {
-                    c[k] = v;
-                }
+    prop::collection::vec(
+        (prop::sample::select(keys), nasty_value(), any::<bool>()),
+        0..6,
+    )
+    .prop_map(move |edits| {
+        let mut c = base.clone();
+        for (k, v, remove) in edits {
+            if remove {
+                c.as_object_mut().unwrap().remove(k);
+            } else {
+                c[k] = v;
             }
-            c
-        })
+        }
+        c
+    })
 }
 
 fn write(dir: &std::path::Path, name: &str, bytes: &[u8]) -> std::path::PathBuf {

@@ -242,26 +242,14 @@ pub fn read_examples(
     Ok((c.examples, c.report))
 }
 
-/// Data is read only from regular files: a device such as `/dev/zero`, a FIFO or a directory would
-/// block, fail obscurely or grow memory without end. Checked before anything is opened.
+/// Data is read only from regular files (see [`crate::hub::files::ensure_regular`]), checked
+/// before anything is opened.
 pub(crate) fn check_regular_file(path: &Path) -> Result<()> {
-    let meta = std::fs::metadata(path).map_err(|e| KilnError::io(path, e))?;
-    if meta.is_file() {
-        return Ok(());
-    }
-    let what = if meta.is_dir() {
-        "a directory"
-    } else {
-        "a device, FIFO or socket"
-    };
-    Err(KilnError::Data(format!(
-        "{}: not a regular file ({what}); give a data file",
-        path.display()
-    )))
+    crate::hub::files::ensure_regular(path, "data file")
 }
 
 /// Reads a whole text file (after [`check_regular_file`]) in the given encoding.
-pub(crate) fn read_text(path: &Path, encoding: TextEncoding) -> Result<String> {
+pub fn read_text(path: &Path, encoding: TextEncoding) -> Result<String> {
     check_regular_file(path)?;
     let bytes = std::fs::read(path).map_err(|e| KilnError::io(path, e))?;
     decode(path, bytes, encoding)

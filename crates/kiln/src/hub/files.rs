@@ -137,16 +137,22 @@ pub fn read_regular(path: &Path, what: &str) -> Result<Vec<u8>> {
     std::fs::read(path).map_err(|e| KilnError::io(path, e))
 }
 
-/// An error unless `path` is a regular file (symlinks are followed).
+/// An error unless `path` is a regular file (symlinks are followed): a device such as `/dev/zero`,
+/// a FIFO or a directory would block, fail obscurely or grow memory without end.
 pub fn ensure_regular(path: &Path, what: &str) -> Result<()> {
     let meta = std::fs::metadata(path).map_err(|e| KilnError::io(path, e))?;
-    if !meta.is_file() {
-        return Err(KilnError::Config(format!(
-            "{}: the {what} is not a regular file",
-            path.display()
-        )));
+    if meta.is_file() {
+        return Ok(());
     }
-    Ok(())
+    let kind = if meta.is_dir() {
+        "a directory"
+    } else {
+        "a device, FIFO or socket"
+    };
+    Err(KilnError::Config(format!(
+        "{}: not a regular file ({kind}); give a {what}",
+        path.display()
+    )))
 }
 
 /// Test hook for crash-consistency tests: with `KILN_TEST_CRASH_AT=NAME:N` in the environment, the
@@ -214,6 +220,10 @@ mod tests {
     #[test]
     fn devices_are_not_read() {
         let e = read_regular(Path::new("/dev/zero"), "weights file").unwrap_err();
-        assert!(e.to_string().contains("not a regular file"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("/dev/zero: not a regular file (a device"),
+            "{e}"
+        );
     }
 }
