@@ -7,7 +7,6 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -27,32 +26,14 @@ struct Outcome {
     max_rss: u64,
 }
 
-/// Runs `cmd` and reaps it with `wait4`, which reports the child's peak RSS.
+/// Runs `cmd` through the bench's measurement (reaped with `wait4`, which reports peak RSS).
 fn run_measured(mut cmd: Command) -> Outcome {
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = child.stderr.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
-    let mut status = 0i32;
-    // SAFETY: rusage is plain data; wait4 reaps the child we spawned and have not waited for.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    let pid = child.id() as libc::pid_t;
-    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
-    assert_eq!(r, pid, "wait4 failed");
-    let st = std::process::ExitStatus::from_raw(status);
+    let m = kiln::bench::measure::run_measured(cmd.stdin(Stdio::null())).unwrap();
     Outcome {
-        code: st.code(),
-        signal: st.signal(),
-        stderr: reader.join().unwrap(),
-        max_rss: usage.ru_maxrss as u64 * 1024,
+        code: m.status.code(),
+        signal: m.status.signal(),
+        stderr: m.stderr,
+        max_rss: (m.peak_rss_mib * 1024.0 * 1024.0) as u64,
     }
 }
 

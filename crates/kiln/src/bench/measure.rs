@@ -10,6 +10,8 @@ pub struct Measured {
     pub stdout: String,
     pub stderr: String,
     pub success: bool,
+    /// How it ended (exit code or signal).
+    pub status: std::process::ExitStatus,
     /// Peak resident set size in MiB.
     pub peak_rss_mib: f64,
 }
@@ -33,6 +35,7 @@ pub fn run_measured(cmd: &mut Command) -> std::io::Result<Measured> {
         stdout,
         stderr,
         success: libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        status: std::os::unix::process::ExitStatusExt::from_raw(status),
         // Linux reports ru_maxrss in KiB.
         peak_rss_mib: usage.ru_maxrss as f64 / 1024.0,
     })
