@@ -234,7 +234,13 @@ fn from_config_two_workers_equal_one_process() {
         let mut c = kiln();
         if procs > 1 {
             c.args(["launch", "--nproc-per-node", &procs.to_string()])
-                .args(["--master-port", "29661", "--timeout", "60", "--"]);
+                .args([
+                    "--master-port",
+                    &common::free_ports(2).to_string(),
+                    "--timeout",
+                    "60",
+                    "--",
+                ]);
         }
         // the reference run goes through activation checkpointing: the same steps
         let extra: &[&str] = if name == "single8" {

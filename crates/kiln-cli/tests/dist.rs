@@ -7,7 +7,9 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{max_abs_diff, model_weights as weights, tiny_bert_and_tweets as setup, train_args};
+use common::{
+    free_ports, max_abs_diff, model_weights as weights, tiny_bert_and_tweets as setup, train_args,
+};
 
 fn kiln() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
@@ -26,8 +28,9 @@ fn two_workers_of_8_equal_one_process_of_16() {
         let out = tmp.path().join(name);
         let mut c = kiln();
         if procs > 1 {
+            let port = free_ports(procs as u16).to_string();
             c.args(["launch", "--nproc-per-node", &procs.to_string()])
-                .args(["--master-port", "29611", "--timeout", "60", "--"]);
+                .args(["--master-port", &port, "--timeout", "60", "--"]);
         }
         let st = c
             .args(train_args(&model, &tweets, batch, &out, 4))
@@ -41,11 +44,12 @@ fn two_workers_of_8_equal_one_process_of_16() {
     let half = run(8, 1, "single8");
     // Two "machines" on loopback: two launchers, one worker each, --nnodes 2.
     let two_nodes = tmp.path().join("two_nodes");
+    let port = free_ports(2).to_string();
     let node = |rank: usize| {
         kiln()
             .args(["launch", "--nnodes", "2", "--node-rank", &rank.to_string()])
             .args(["--nproc-per-node", "1", "--master-addr", "127.0.0.1"])
-            .args(["--master-port", "29621", "--timeout", "60", "--"])
+            .args(["--master-port", &port, "--timeout", "60", "--"])
             .args(train_args(&model, &tweets, 8, &two_nodes, 4))
             .spawn()
             .unwrap()
@@ -86,17 +90,11 @@ fn a_killed_worker_stops_the_job_with_an_error() {
     let Some((tmp, model, tweets)) = setup(true) else {
         return;
     };
+    let port = free_ports(2);
     let mut launcher = kiln()
-        .args([
-            "launch",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            "29631",
-            "--timeout",
-            "20",
-            "--",
-        ])
+        .args(["launch", "--nproc-per-node", "2", "--master-port"])
+        .arg(port.to_string())
+        .args(["--timeout", "20", "--"])
         .args(train_args(
             &model,
             &tweets,
@@ -118,10 +116,16 @@ fn a_killed_worker_stops_the_job_with_an_error() {
         std::thread::sleep(Duration::from_millis(100));
     };
     assert_eq!(workers.len(), 2, "launcher did not start 2 workers");
-    std::thread::sleep(Duration::from_secs(4));
-    // While it trains, the rendezvous and both tensor services listen on the given address
-    // (loopback) only, never on every interface.
-    let listening = listeners(29631..=29633);
+    // Once the job is up, the rendezvous and both tensor services listen on the given address
+    // (loopback) only, never on every interface. Waited for, not slept: a loaded machine is slow.
+    let listening = loop {
+        let l = listeners(port..=port + 2);
+        if l.len() >= 3 || t0.elapsed() > Duration::from_secs(120) {
+            break l;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    std::thread::sleep(Duration::from_secs(1));
     let victim = workers[1];
     // SAFETY: signals a worker process this test's launcher started.
     unsafe { libc_kill(victim as i32, 9) };
@@ -150,7 +154,11 @@ fn a_killed_worker_stops_the_job_with_an_error() {
         "no rank named in: {err}"
     );
     let ports: Vec<u16> = listening.iter().map(|(_, p)| *p).collect();
-    assert_eq!(ports, [29631, 29632, 29633], "listeners: {listening:?}");
+    assert_eq!(
+        ports,
+        [port, port + 1, port + 2],
+        "listeners: {listening:?}"
+    );
     assert!(
         listening.iter().all(|(ip, _)| ip == "127.0.0.1"),
         "a job on loopback listened elsewhere: {listening:?}"
@@ -216,10 +224,13 @@ fn launch_setup_errors_are_clear() {
         return;
     };
     let worker = || train_args(&model, &tweets, 8, &tmp.path().join("run"), 4);
+    let ports: Vec<String> = (0..4).map(|_| free_ports(3).to_string()).collect();
+    let port = |i: usize| ports[i].as_str();
     // The rendezvous port is taken.
-    let taken = std::net::TcpListener::bind(("127.0.0.1", 29671)).unwrap();
+    let taken =
+        std::net::TcpListener::bind(("127.0.0.1", ports[0].parse::<u16>().unwrap())).unwrap();
     launch_fails(
-        &["--nproc-per-node", "2", "--master-port", "29671"],
+        &["--nproc-per-node", "2", "--master-port", port(0)],
         worker(),
         "pick another --master-port",
         Duration::from_secs(10),
@@ -233,7 +244,7 @@ fn launch_setup_errors_are_clear() {
             "--master-addr",
             "192.0.2.1",
             "--master-port",
-            "29674",
+            port(1),
         ],
         worker(),
         "must be an address of this machine",
@@ -249,12 +260,15 @@ fn launch_setup_errors_are_clear() {
             "--nproc-per-node",
             "1",
             "--master-port",
-            "29677",
+            port(2),
             "--timeout",
             "3",
         ],
         worker(),
-        "rendezvous at 127.0.0.1:29677 did not complete within 3s",
+        &format!(
+            "rendezvous at 127.0.0.1:{} did not complete within 3s",
+            port(2)
+        ),
         Duration::from_secs(30),
     );
     // Node 0 thinks the job has 2 workers, node 1 thinks 3: node 1 is told so by rank 0's
@@ -270,7 +284,7 @@ fn launch_setup_errors_are_clear() {
             "--nproc-per-node",
             "1",
         ])
-        .args(["--master-port", "29680", "--timeout", "120", "--"])
+        .args(["--master-port", port(3), "--timeout", "120", "--"])
         .args(worker())
         .stderr(Stdio::null())
         .spawn()
@@ -285,7 +299,7 @@ fn launch_setup_errors_are_clear() {
             "--nproc-per-node",
             "1",
             "--master-port",
-            "29680",
+            port(3),
             "--timeout",
             "120",
         ],
@@ -318,16 +332,9 @@ fn a_single_process_checkpoint_resumes_on_two_workers() {
     assert!(kiln().args(&args).status().unwrap().success());
     let resumed = tmp.path().join("resumed");
     let st = kiln()
-        .args([
-            "launch",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            "29641",
-            "--timeout",
-            "60",
-            "--",
-        ])
+        .args(["launch", "--nproc-per-node", "2", "--master-port"])
+        .arg(free_ports(2).to_string())
+        .args(["--timeout", "60", "--"])
         .args(train_args(&model, &tweets, 8, &resumed, 4))
         .arg("--resume-from-checkpoint")
         .arg(full.join("checkpoint-2"))

@@ -43,7 +43,13 @@ fn train(
     let mut c = kiln();
     if let Some(n) = launch {
         c.args(["launch", "--nproc-per-node", &n.to_string()])
-            .args(["--master-port", "29751", "--timeout", "120", "--"]);
+            .args([
+                "--master-port",
+                &common::free_ports(2).to_string(),
+                "--timeout",
+                "120",
+                "--",
+            ]);
     }
     // `--device` goes with `train`, so launched workers get it too.
     let st = c

@@ -44,14 +44,14 @@ fn model<B: kiln::ops::KilnBackend>(
     cfg.attention_probs_dropout_prob = 0.0;
     let m = BertForSequenceClassification::<B>::new(&cfg, 3, &device);
     let base = read_safetensors(&dir.join("model.safetensors")).unwrap();
-    let (m, report) = load_into(m, &base, Some("bert"), &device).unwrap();
+    let (m, report) = load_into(m, base, Some("bert"), &device).unwrap();
     assert_eq!(report.missing, vec!["classifier.weight", "classifier.bias"]);
     let head: BTreeMap<String, HostTensor> = fx
         .tensors
         .iter()
         .filter_map(|(k, v)| Some((k.strip_prefix("init.")?.to_string(), v.clone())))
         .collect();
-    let (m, report) = load_into(m, &head, None, &device).unwrap();
+    let (m, report) = load_into(m, head, None, &device).unwrap();
     assert_eq!(report.loaded, vec!["classifier.weight", "classifier.bias"]);
     m
 }

@@ -27,6 +27,23 @@ pub fn asset(rel: &str) -> Option<PathBuf> {
     None
 }
 
+/// A base port whose next `n` ports are free as well (a launcher uses `master_port + 1 + rank` for
+/// its workers and the port itself for TCP and UDP), picked at random in 20000..60000 and checked by
+/// binding them all: concurrent test runs on one machine then do not collide on fixed ports.
+pub fn free_ports(n: u16) -> u16 {
+    for _ in 0..1000 {
+        let base: u16 = 20_000 + (rand::random::<u16>() % 40_000);
+        let free = (0..=n).all(|i| {
+            std::net::TcpListener::bind(("127.0.0.1", base + i)).is_ok()
+                && std::net::UdpSocket::bind(("127.0.0.1", base + i)).is_ok()
+        });
+        if free {
+            return base;
+        }
+    }
+    panic!("no block of {n} free ports found");
+}
+
 /// ‖a − b‖₂ / ‖b‖₂.
 pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len(), "length mismatch");

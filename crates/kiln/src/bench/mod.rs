@@ -239,7 +239,7 @@ pub fn run_row(key: &str, opts: &SuiteOptions) -> Result<BenchResult> {
         "minilm_train" | "minilm_train_bf16" => {
             let (cfg, weights) = minilm()?;
             let m = BertForSequenceClassification::<CpuTrain>::new(&cfg, 6, &device);
-            let (m, _) = load_into(m, &weights, Some("bert"), &device)?;
+            let (m, _) = load_into(m, weights, Some("bert"), &device)?;
             let bf16 = key.ends_with("bf16");
             if bf16 {
                 crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::Bf16);
@@ -256,7 +256,7 @@ pub fn run_row(key: &str, opts: &SuiteOptions) -> Result<BenchResult> {
         "minilm_infer" => {
             let (cfg, weights) = minilm()?;
             let m = BertForSequenceClassification::<Cpu>::new(&cfg, 6, &device);
-            let (m, _) = load_into(m, &weights, Some("bert"), &device)?;
+            let (m, _) = load_into(m, weights, Some("bert"), &device)?;
             Ok(rows::bert_infer(
                 "minilm_infer_fp32",
                 &m,

@@ -280,6 +280,15 @@ mod tests {
         }
     }
 
+    /// A UDP port nothing else uses right now (the OS picks it).
+    fn free_udp_port() -> u16 {
+        UdpSocket::bind(("127.0.0.1", 0))
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
     fn wait_for(mut f: impl FnMut() -> bool) {
         let t0 = Instant::now();
         while !f() {
@@ -290,7 +299,7 @@ mod tests {
 
     #[test]
     fn names_the_peer_that_is_behind_and_the_one_that_is_silent() {
-        let port = 29_561;
+        let port = free_udp_port();
         let r0 = Heartbeat::start(&env(0, 3, port));
         let r1 = Heartbeat::start(&env(1, 3, port));
         // Rank 2 never starts. Rank 0 enters a collective rank 1 has not reached.
@@ -305,7 +314,7 @@ mod tests {
 
     #[test]
     fn a_world_size_mismatch_is_seen_by_both_sides() {
-        let port = 29_571;
+        let port = free_udp_port();
         let r0 = Heartbeat::start(&env(0, 2, port));
         let r1 = Heartbeat::start(&env(1, 3, port));
         wait_for(|| r1.mismatch().is_some() && r0.mismatch().is_some());

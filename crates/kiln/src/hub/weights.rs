@@ -388,16 +388,17 @@ pub struct LoadReport {
     pub unexpected: Vec<String>,
 }
 
-/// Loads `tensors` into `module` by path. `strip_prefix` is the base-model prefix (`bert`) that a
-/// checkpoint of the bare encoder lacks, the way transformers' `base_model_prefix` handling works.
+/// Loads `tensors` into `module` by path, moving each tensor's data into the model (no copy: a
+/// model's weights are never held twice on the host). `strip_prefix` is the base-model prefix
+/// (`bert`) that a checkpoint of the bare encoder lacks, the way transformers'
+/// `base_model_prefix` handling works.
 pub fn load_into<B: KilnBackend, M: Module<B>>(
     module: M,
-    tensors: &BTreeMap<String, HostTensor>,
+    mut tensors: BTreeMap<String, HostTensor>,
     base_prefix: Option<&str>,
     device: &B::Device,
 ) -> Result<(M, LoadReport)> {
     let mut report = LoadReport::default();
-    let mut used = std::collections::HashSet::new();
     let mut error = None;
     let module = map_params(module, |info, current: FloatTensor<B>| {
         let shape = current.shape().dims;
@@ -409,12 +410,11 @@ pub fn load_into<B: KilnBackend, M: Module<B>>(
         }
         let Some((key, t)) = candidates
             .iter()
-            .find_map(|c| tensors.get(c).map(|t| (c.clone(), t)))
+            .find_map(|c| tensors.remove(c).map(|t| (c.clone(), t)))
         else {
             report.missing.push(info.path.to_string());
             return current;
         };
-        used.insert(key.clone());
         if t.shape != shape {
             error.get_or_insert(KilnError::Weights(format!(
                 "tensor {key}: checkpoint shape {:?} does not match the model's {:?} (check config.json)",
@@ -423,15 +423,11 @@ pub fn load_into<B: KilnBackend, M: Module<B>>(
             return current;
         }
         report.loaded.push(info.path.to_string());
-        B::kiln_from_host(t.data.clone(), Shape::from(t.shape.clone()), device)
+        B::kiln_from_host(t.data, Shape::from(t.shape), device)
     });
     if let Some(e) = error {
         return Err(e);
     }
-    report.unexpected = tensors
-        .keys()
-        .filter(|k| !used.contains(*k))
-        .cloned()
-        .collect();
+    report.unexpected = tensors.into_keys().collect();
     Ok((module, report))
 }

@@ -26,10 +26,11 @@ pub fn load_model<B: KilnBackend>(
     device: &B::Device,
 ) -> Result<(LlamaForCausalLM<B>, LlamaConfig)> {
     let config = LlamaConfig::from_file(&dir.join("config.json"))?;
+    // The weights first: a corrupt file fails before the model is allocated.
+    let tensors = read_model_weights(dir)?;
     let model =
         crate::ops::with_seeded_rng::<B, _>(device, 0, || LlamaForCausalLM::new(&config, device));
-    let tensors = read_model_weights(dir)?;
-    let (model, report) = load_into(model, &tensors, None, device)?;
+    let (model, report) = load_into(model, tensors, None, device)?;
     if !report.missing.is_empty() {
         return Err(KilnError::Weights(format!(
             "{}: weights missing for {} (is this a LlamaForCausalLM folder?)",

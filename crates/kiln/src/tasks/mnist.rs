@@ -155,7 +155,7 @@ pub fn eval<B: KilnBackend>(
 ) -> Result<EvalOutput> {
     let test = load_split(data_dir, "t10k")?;
     let weights = read_safetensors(&model_dir.join("model.safetensors"))?;
-    let (model, report) = load_into(MnistMlp::<B>::new(device), &weights, None, device)?;
+    let (model, report) = load_into(MnistMlp::<B>::new(device), weights, None, device)?;
     if !report.missing.is_empty() {
         return Err(KilnError::Weights(format!(
             "{}: not an MNIST MLP checkpoint (missing {:?})",

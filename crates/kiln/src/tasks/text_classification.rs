@@ -126,16 +126,17 @@ pub fn load_classifier<B: KilnBackend>(
     };
     let head_matches = saved.as_ref() == Some(&labels);
     config.set_labels(labels.names());
-    let model = crate::ops::with_seeded_rng::<B, _>(device, seed, || {
-        BertForSequenceClassification::new(&config, labels.len(), device)
-    });
+    // The weights first: a corrupt file fails before the model is allocated.
     let path = md.dir.join("model.safetensors");
     let mut tensors = read_safetensors(&path)?;
     if !head_matches {
         // A different label set: the saved head (if any) does not apply.
         tensors.retain(|k, _| !k.starts_with("classifier."));
     }
-    let (model, report) = load_into(model, &tensors, Some("bert"), device)?;
+    let model = crate::ops::with_seeded_rng::<B, _>(device, seed, || {
+        BertForSequenceClassification::new(&config, labels.len(), device)
+    });
+    let (model, report) = load_into(model, tensors, Some("bert"), device)?;
     // A new classification head is expected (and a pooler, as transformers initialises one for
     // encoders saved without it); any other missing weight means this is not the model it claims.
     let (head, rest): (Vec<&String>, Vec<&String>) = report

@@ -209,7 +209,7 @@ where
     /// Restores model, optimizer and trainer state from a checkpoint folder.
     fn resume(&mut self, dir: &Path) -> Result<SchedulerState> {
         let weights = read_safetensors(&dir.join("model.safetensors"))?;
-        let (model, report) = load_into(self.take_model(), &weights, None, &self.device)?;
+        let (model, report) = load_into(self.take_model(), weights, None, &self.device)?;
         if !report.missing.is_empty() {
             return Err(KilnError::Checkpoint(format!(
                 "{}: checkpoint lacks parameters {:?}",
@@ -546,7 +546,7 @@ where
                 );
                 let w = read_safetensors(&PathBuf::from(&best).join("model.safetensors"))?;
                 let model = self.take_model();
-                self.model = Some(load_into(model, &w, None, &self.device)?.0);
+                self.model = Some(load_into(model, w, None, &self.device)?.0);
             }
         }
         if self.is_main() {
