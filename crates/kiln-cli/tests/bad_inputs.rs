@@ -168,8 +168,7 @@ fn fill_with_nan(path: &Path) {
     let mut header = vec![0u8; n as usize];
     f.read_exact(&mut header).unwrap();
     let header: Value = serde_json::from_slice(&header).unwrap();
-    let chunk: Vec<u8> = std::iter::repeat(f32::NAN.to_le_bytes())
-        .take(1 << 18)
+    let chunk: Vec<u8> = std::iter::repeat_n(f32::NAN.to_le_bytes(), 1 << 18)
         .flatten()
         .collect();
     for (_, info) in header
