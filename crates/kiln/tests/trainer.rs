@@ -189,8 +189,7 @@ fn a_nonfinite_step_stops_training_or_is_skipped_within_the_budget() {
     let err = train::<CpuTrain, _>(&opts, args("stop", 0), &device, nan_at_3(), |t| {
         t.progress = false
     })
-    .err()
-    .expect("a NaN loss must stop training");
+    .expect_err("a NaN loss must stop training");
     assert!(err.to_string().contains("step 3: the loss is NaN"), "{err}");
     let stop = tmp.path().join("stop");
     let left: Vec<u64> = list_checkpoints(&stop).iter().map(|c| c.step).collect();
