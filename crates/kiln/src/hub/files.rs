@@ -62,34 +62,65 @@ pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
     sync_dir(dir)
 }
 
-/// Several files of one folder replaced as a group: every new file is written and flushed under a
-/// temporary name first; only when all are on the disk are they renamed into place, in one burst
-/// of renames that cannot run out of space. A failed write (a full disk) removes the temporary
-/// files and leaves every old file as it was.
-pub fn replace_files(dir: &Path, files: &[(&str, &[u8])]) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| KilnError::io(dir, e))?;
-    let mut written: Vec<(PathBuf, PathBuf)> = Vec::with_capacity(files.len());
-    for (name, bytes) in files {
-        let target = dir.join(name);
+/// Several files of one folder replaced as a group: each new file is written and flushed under a
+/// temporary name as it is added (so only one file's bytes need be in memory at a time); only when
+/// all are on the disk does [`FileGroup::commit`] rename them into place, in one burst of renames
+/// that cannot run out of space. A failed write (a full disk), or a group dropped uncommitted,
+/// removes the temporary files and leaves every old file as it was.
+pub struct FileGroup {
+    dir: PathBuf,
+    written: Vec<(PathBuf, PathBuf)>,
+}
+
+impl FileGroup {
+    pub fn new(dir: &Path) -> Result<Self> {
+        std::fs::create_dir_all(dir).map_err(|e| KilnError::io(dir, e))?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            written: Vec::new(),
+        })
+    }
+
+    /// Writes `bytes` as the future `name`.
+    pub fn add(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
+        let target = self.dir.join(name);
         let tmp = temp_path(&target);
-        if let Err(e) = write_synced(&tmp, bytes) {
-            for (t, _) in &written {
-                let _ = std::fs::remove_file(t);
-            }
-            return Err(e);
-        }
-        written.push((tmp, target));
+        write_synced(&tmp, bytes)?;
+        self.written.push((tmp, target));
+        Ok(())
     }
-    for (i, (tmp, target)) in written.iter().enumerate() {
-        crash_point("replace_files:rename");
-        if let Err(e) = std::fs::rename(tmp, target) {
-            for (t, _) in &written[i..] {
-                let _ = std::fs::remove_file(t);
+
+    /// Renames every written file into place and flushes the folder.
+    pub fn commit(mut self) -> Result<()> {
+        let written = std::mem::take(&mut self.written);
+        for (i, (tmp, target)) in written.iter().enumerate() {
+            crash_point("replace_files:rename");
+            if let Err(e) = std::fs::rename(tmp, target) {
+                for (t, _) in &written[i..] {
+                    let _ = std::fs::remove_file(t);
+                }
+                return Err(KilnError::io(target, e));
             }
-            return Err(KilnError::io(target, e));
+        }
+        sync_dir(&self.dir)
+    }
+}
+
+impl Drop for FileGroup {
+    fn drop(&mut self) {
+        for (tmp, _) in &self.written {
+            let _ = std::fs::remove_file(tmp);
         }
     }
-    sync_dir(dir)
+}
+
+/// [`FileGroup`] for files already in memory.
+pub fn replace_files(dir: &Path, files: &[(&str, &[u8])]) -> Result<()> {
+    let mut group = FileGroup::new(dir)?;
+    for (name, bytes) in files {
+        group.add(name, bytes)?;
+    }
+    group.commit()
 }
 
 /// Deletes a folder: renamed to a `.trash-` name beside it (atomic), flushed, then removed. A crash

@@ -54,33 +54,30 @@ pub fn ensure_finite(tensors: &BTreeMap<String, HostTensor>, what: &str) -> Resu
     Ok(())
 }
 
-/// The files of a model folder (`config.json`, `model.safetensors`, `tokenizer.json`, the copied
-/// extras) as `(name, bytes)`, ready to be written as a group.
-pub fn model_dir_files(
+/// Produces the files of a model folder (`config.json`, `model.safetensors`, `tokenizer.json`, the
+/// copied extras) one at a time, handing each to `put` (which writes it) before making the next:
+/// the serialised weights are never held beside the other files' bytes.
+pub fn put_model_files(
     tensors: &BTreeMap<String, HostTensor>,
     files: &ModelFiles,
-) -> Result<Vec<(String, Vec<u8>)>> {
-    let mut out = vec![
-        (
-            "config.json".to_string(),
-            files.config_json.clone().into_bytes(),
-        ),
-        (
-            "model.safetensors".to_string(),
-            safetensors_bytes(tensors, StoreDtype::F32)?,
-        ),
-    ];
+    mut put: impl FnMut(&str, &[u8]) -> Result<()>,
+) -> Result<()> {
+    put("config.json", files.config_json.as_bytes())?;
+    put(
+        "model.safetensors",
+        &safetensors_bytes(tensors, StoreDtype::F32)?,
+    )?;
     let read =
         |src: &Path| crate::hub::files::read_regular(src, "file to copy into the model folder");
     if let Some(tok) = &files.tokenizer_json {
-        out.push(("tokenizer.json".to_string(), read(tok)?));
+        put("tokenizer.json", &read(tok)?)?;
     }
     // The extras are optional (a model folder may lack generation_config.json).
     for src in files.copy.iter().filter(|p| p.exists()) {
         let name = src.file_name().map(|n| n.to_string_lossy().to_string());
-        out.push((name.unwrap_or_default(), read(src)?));
+        put(&name.unwrap_or_default(), &read(src)?)?;
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Writes `config.json`, `model.safetensors` and `tokenizer.json` (and the extras) into `dir`, as a
@@ -90,12 +87,9 @@ pub fn write_model_dir(
     tensors: &BTreeMap<String, HostTensor>,
     files: &ModelFiles,
 ) -> Result<()> {
-    let named = model_dir_files(tensors, files)?;
-    let refs: Vec<(&str, &[u8])> = named
-        .iter()
-        .map(|(n, b)| (n.as_str(), b.as_slice()))
-        .collect();
-    crate::hub::files::replace_files(dir, &refs)
+    let mut group = crate::hub::files::FileGroup::new(dir)?;
+    put_model_files(tensors, files, |name, bytes| group.add(name, bytes))?;
+    group.commit()
 }
 
 /// `trainer_state.json`, with transformers' field names.
@@ -213,28 +207,26 @@ pub fn save_checkpoint(output_dir: &Path, ck: &Checkpoint, run_id: &str) -> Resu
 
 fn write_checkpoint_files(tmp: &Path, ck: &Checkpoint, run_id: &str) -> Result<()> {
     std::fs::create_dir_all(tmp).map_err(|e| KilnError::io(tmp, e))?;
-    let mut files = model_dir_files(ck.model, ck.files)?;
-    files.push((
-        "optimizer.safetensors".into(),
-        safetensors_bytes(ck.optimizer, StoreDtype::F32)?,
-    ));
-    files.push(("trainer_state.json".into(), json(ck.state)));
-    files.push(("scheduler.json".into(), json(ck.scheduler)));
-    files.push((
-        "training_args.json".into(),
-        ck.training_args_json.as_bytes().to_vec(),
-    ));
-    for (name, bytes) in &files {
+    let mut sizes = BTreeMap::new();
+    // Each file is written (and its bytes dropped) before the next is made.
+    let mut put = |name: &str, bytes: &[u8]| -> Result<()> {
         write_synced(&tmp.join(name), bytes)?;
+        sizes.insert(name.to_string(), bytes.len() as u64);
         crash_point("checkpoint:file");
-    }
+        Ok(())
+    };
+    put_model_files(ck.model, ck.files, &mut put)?;
+    put(
+        "optimizer.safetensors",
+        &safetensors_bytes(ck.optimizer, StoreDtype::F32)?,
+    )?;
+    put("trainer_state.json", &json(ck.state))?;
+    put("scheduler.json", &json(ck.scheduler))?;
+    put("training_args.json", ck.training_args_json.as_bytes())?;
     let marker = Marker {
         run_id: run_id.to_string(),
         global_step: ck.state.global_step,
-        files: files
-            .iter()
-            .map(|(n, b)| (n.clone(), b.len() as u64))
-            .collect(),
+        files: sizes,
     };
     write_synced(&tmp.join(MARKER), &json(&marker))?;
     sync_dir(tmp)

@@ -16,7 +16,7 @@ use tracing::info;
 
 use super::args::{IntervalStrategy, TrainingArguments};
 use super::checkpoint::{
-    ensure_finite, model_dir_files, read_json, rotate_checkpoints, save_checkpoint, Checkpoint,
+    ensure_finite, put_model_files, read_json, rotate_checkpoints, save_checkpoint, Checkpoint,
     ModelFiles, SchedulerState, TrainerState,
 };
 use super::metrics::{classification_report, ClassificationReport, Predictions};
@@ -639,20 +639,17 @@ where
     pub fn save_model(&self, dir: &Path) -> Result<()> {
         let tensors = module_tensors(self.model());
         ensure_finite(&tensors, &format!("saving the model to {}", dir.display()))?;
-        let mut files = model_dir_files(&tensors, &self.files)?;
-        files.push((
-            "trainer_state.json".into(),
-            serde_json::to_vec_pretty(&self.state).expect("json"),
-        ));
-        files.push((
-            "training_args.json".into(),
-            serde_json::to_vec_pretty(&self.args).expect("json"),
-        ));
-        let refs: Vec<(&str, &[u8])> = files
-            .iter()
-            .map(|(n, b)| (n.as_str(), b.as_slice()))
-            .collect();
-        crate::hub::files::replace_files(dir, &refs)?;
+        let mut group = crate::hub::files::FileGroup::new(dir)?;
+        put_model_files(&tensors, &self.files, |name, bytes| group.add(name, bytes))?;
+        group.add(
+            "trainer_state.json",
+            &serde_json::to_vec_pretty(&self.state).expect("json"),
+        )?;
+        group.add(
+            "training_args.json",
+            &serde_json::to_vec_pretty(&self.args).expect("json"),
+        )?;
+        group.commit()?;
         info!("saved model to {}", dir.display());
         Ok(())
     }
