@@ -9,6 +9,7 @@ pub mod error;
 pub mod hub;
 pub mod models;
 pub mod ops;
+pub mod task;
 
 pub use error::{KilnError, Result};
 pub mod data;

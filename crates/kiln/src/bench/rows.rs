@@ -15,8 +15,8 @@ use crate::hub::config::BertConfig;
 use crate::models::bert::BertForSequenceClassification;
 use crate::models::mlp::{self, MnistMlp, PixelBatch};
 use crate::ops::{KilnBackend, TrainBackend};
+use crate::task::{CrossEntropy, Loss, Model};
 use crate::train::optim::{AdamWConfig, GradAccumulator, Optimizer, OptimizerType};
-use crate::train::{Classifier, CrossEntropy, Loss};
 
 /// Work and size of one step's batch, for the throughput columns.
 #[derive(Debug, Clone, Copy)]
@@ -103,7 +103,7 @@ pub fn train_steps<B, M>(
 ) -> BenchResult
 where
     B: TrainBackend,
-    M: Classifier<B> + AutodiffModule<B>,
+    M: Model<B> + AutodiffModule<B>,
 {
     let (mut times, mut losses, mut work) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..warmup + steps {

@@ -9,7 +9,6 @@ use tokenizers::Tokenizer;
 
 use super::reader::{read_examples, read_text, Columns, ReadReport, TextEncoding};
 use crate::error::{KilnError, Result};
-use crate::train::task::{BatchSource, IGNORE_INDEX};
 
 /// Reads the documents of a corpus file:
 /// - `.txt`: paragraphs separated by blank lines are documents (wrapped lines are kept as they are),
@@ -131,38 +130,10 @@ pub struct TokenBatch {
     pub seq: usize,
 }
 
-impl BatchSource for LmBlocks {
-    type Batch = TokenBatch;
-    fn len(&self) -> usize {
-        self.blocks.len()
-    }
-    fn lengths(&self) -> Vec<usize> {
-        vec![self.block_size; self.blocks.len()]
-    }
-    fn batch(&self, indices: &[usize]) -> (TokenBatch, Vec<i64>) {
-        let seq = self.block_size;
-        let mut ids = Vec::with_capacity(indices.len() * seq);
-        let mut targets = Vec::with_capacity(indices.len() * seq);
-        for &i in indices {
-            let b = &self.blocks[i];
-            ids.extend(b.iter().map(|&t| t as i64));
-            targets.extend(b[1..].iter().map(|&t| t as i64));
-            targets.push(IGNORE_INDEX);
-        }
-        (
-            TokenBatch {
-                ids,
-                batch: indices.len(),
-                seq,
-            },
-            targets,
-        )
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::task::{BatchSource, IGNORE_INDEX};
 
     #[test]
     fn packing_drops_the_tail_and_shifts_targets() {

@@ -11,7 +11,7 @@ use super::layers::{Embedding, LayerNorm, Linear};
 use crate::data::batch::TextBatch;
 use crate::hub::config::BertConfig;
 use crate::ops::{attention_qkv, dropout, gelu, linear, reshape, KilnBackend};
-use crate::train::task::Classifier;
+use crate::task::Model;
 
 /// One tokenized, padded batch. Masks are 1 for real tokens and 0 for padding.
 #[derive(Debug, Clone)]
@@ -345,7 +345,7 @@ impl<B: KilnBackend> BertForSequenceClassification<B> {
     }
 }
 
-impl<B: KilnBackend> Classifier<B> for BertForSequenceClassification<B> {
+impl<B: KilnBackend> Model<B> for BertForSequenceClassification<B> {
     type Batch = TextBatch;
 
     fn logits(&self, batch: &TextBatch) -> Tensor<B, 2> {

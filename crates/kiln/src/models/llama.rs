@@ -5,17 +5,15 @@
 //! mask, a SwiGLU MLP, and a key/value cache for generation. Tied embeddings (`tie_word_embeddings`)
 //! have no `lm_head` parameter: the output projection reuses `embed_tokens.weight`.
 
-use burn::module::AutodiffModule;
 use burn::module::{Ignored, Module};
 use burn::tensor::activation::softmax;
-use burn::tensor::{backend::Backend, ElementConversion, Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 
 use super::layers::{Embedding, Linear, RmsNorm};
 use crate::data::lm::TokenBatch;
 use crate::hub::llama_config::LlamaConfig;
-use crate::ops::{self, KilnBackend, TrainBackend};
-use crate::train::optim::GradAccumulator;
-use crate::train::task::{Classifier, Loss};
+use crate::ops::{self, KilnBackend};
+use crate::task::{Model, Segments};
 
 #[derive(Module, Debug)]
 pub struct LlamaAttention<B: Backend> {
@@ -57,10 +55,6 @@ pub struct LlamaForCausalLM<B: Backend> {
     pub model: LlamaModel<B>,
     /// `None` when the embeddings are tied.
     pub lm_head: Option<Linear<B>>,
-    /// Keep only each layer's input during training and recompute the layer in the backward pass
-    /// (transformers' `gradient_checkpointing_enable()`): activation memory of one layer instead
-    /// of all, for about one more forward pass of compute.
-    pub gradient_checkpointing: bool,
 }
 
 /// Keys and values of the positions seen so far, per layer (`[B, S, kv_heads, head_dim]`, after
@@ -285,7 +279,6 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
             },
             lm_head: (!c.tie_word_embeddings)
                 .then(|| Linear::new(h, c.vocab_size, false, std, device)),
-            gradient_checkpointing: false,
         }
     }
 
@@ -342,95 +335,51 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
     }
 }
 
-impl<B: TrainBackend> LlamaForCausalLM<B> {
-    /// Loss × `scale` and gradients with per-layer activation checkpointing. A forward pass without
-    /// a graph keeps only the input of every layer; then, from the top, each segment (the head,
-    /// each layer, the embedding) is recomputed with a graph of its own and differentiated against
-    /// the gradient arriving from the segment above. Every backward pass is a separate one, so only
-    /// one layer's activations are alive at a time.
-    pub fn checkpointed_loss_and_grads<L: Loss>(
-        &self,
-        batch: &TokenBatch,
-        targets: &[i64],
-        loss_fn: &L,
-        scale: f64,
-    ) -> (f64, GradAccumulator<B::InnerBackend>) {
+impl<B: KilnBackend> LlamaForCausalLM<B> {
+    fn ids(&self, batch: &TokenBatch) -> Tensor<B, 2, Int> {
         let device = self.model.embed_tokens.weight.device();
-        let (b, t) = (batch.batch, batch.seq);
-        let ids =
-            Tensor::<B, 2, Int>::from_data(TensorData::new(batch.ids.clone(), [b, t]), &device);
-        let rope = rope_tables::<B>(&self.model.inv_freq, 0, t, &device);
-        let inner = self.valid();
-        let inner_rope = (rope.0.clone().inner(), rope.1.clone().inner());
-        let mut inputs = vec![inner.model.embed_tokens.forward(ids.clone().inner())];
-        for layer in &inner.model.layers {
-            let x = inputs.last().expect("the embeddings").clone();
-            inputs.push(layer.forward(x, &inner_rope, None));
-        }
-        let mut acc = GradAccumulator::default();
-        let leaf = |x: Tensor<B::InnerBackend, 3>| Tensor::<B, 3>::from_inner(x).require_grad();
-
-        // The head: final norm, output projection, loss.
-        let h = leaf(inputs.pop().expect("the last layer's output"));
-        let logits = self.project(self.model.norm.forward(h.clone()));
-        let v = logits.dims()[2];
-        let n = targets.len();
-        let targets =
-            Tensor::<B, 1, Int>::from_data(TensorData::new(targets.to_vec(), [n]), &device);
-        let loss = loss_fn.loss(logits.reshape([b * t, v]), targets) * scale;
-        let loss_value = loss.clone().into_scalar().elem::<f64>();
-        let grads = loss.backward();
-        acc.accumulate_at::<B, _>("model.norm", &self.model.norm, &grads);
-        match &self.lm_head {
-            Some(head) => acc.accumulate_at::<B, _>("lm_head", head, &grads),
-            None => {
-                acc.accumulate_at::<B, _>("model.embed_tokens", &self.model.embed_tokens, &grads)
-            }
-        }
-        let mut upstream = h.grad(&grads).expect("the head depends on its input");
-
-        // Each layer, top down.
-        for (i, layer) in self.model.layers.iter().enumerate().rev() {
-            let x = leaf(inputs.pop().expect("one input per layer"));
-            let out = layer.forward(x.clone(), &rope, None);
-            let grads = (out * Tensor::from_inner(upstream)).sum().backward();
-            acc.accumulate_at::<B, _>(&format!("model.layers.{i}"), layer, &grads);
-            upstream = x.grad(&grads).expect("a layer depends on its input");
-        }
-
-        // The embedding lookup.
-        let e = self.model.embed_tokens.forward(ids);
-        let grads = (e * Tensor::from_inner(upstream)).sum().backward();
-        acc.accumulate_at::<B, _>("model.embed_tokens", &self.model.embed_tokens, &grads);
-        (loss_value, acc)
+        Tensor::from_data(
+            TensorData::new(batch.ids.clone(), [batch.batch, batch.seq]),
+            &device,
+        )
     }
 }
 
-impl<B: KilnBackend> Classifier<B> for LlamaForCausalLM<B> {
+/// Embedding, decoder layers, final norm + projection: the segments activation checkpointing
+/// recomputes one at a time (and pipeline stages would hold).
+impl<B: KilnBackend> Segments<B, TokenBatch> for LlamaForCausalLM<B> {
+    fn num_layers(&self) -> usize {
+        self.model.layers.len()
+    }
+
+    fn embed(&self, batch: &TokenBatch) -> Tensor<B, 3> {
+        self.model.embed_tokens.forward(self.ids(batch))
+    }
+
+    fn layer(&self, i: usize, x: Tensor<B, 3>, batch: &TokenBatch) -> Tensor<B, 3> {
+        // The tables are small ([T, head_dim]); rebuilding them per layer keeps segments stateless.
+        let rope = rope_tables::<B>(&self.model.inv_freq, 0, batch.seq, &x.device());
+        self.model.layers[i].forward(x, &rope, None)
+    }
+
+    fn head(&self, h: Tensor<B, 3>) -> Tensor<B, 2> {
+        let [b, t, _] = h.dims();
+        let logits = self.project(self.model.norm.forward(h));
+        let v = logits.dims()[2];
+        logits.reshape([b * t, v])
+    }
+}
+
+impl<B: KilnBackend> Model<B> for LlamaForCausalLM<B> {
     type Batch = TokenBatch;
 
-    fn loss_and_grads<L: Loss>(
-        &self,
-        batch: &TokenBatch,
-        targets: &[i64],
-        loss: &L,
-        scale: f64,
-    ) -> Option<(f64, GradAccumulator<B::InnerBackend>)>
-    where
-        B: TrainBackend,
-    {
-        self.gradient_checkpointing
-            .then(|| self.checkpointed_loss_and_grads(batch, targets, loss, scale))
+    fn segments(&self) -> Option<&dyn Segments<B, TokenBatch>> {
+        Some(self)
     }
 
     /// One row of vocabulary logits per token, `[batch·seq, vocab]`.
     fn logits(&self, batch: &TokenBatch) -> Tensor<B, 2> {
-        let device = self.model.embed_tokens.weight.device();
-        let ids = Tensor::<B, 2, Int>::from_data(
-            TensorData::new(batch.ids.clone(), [batch.batch, batch.seq]),
-            &device,
-        );
-        let logits = self.forward(ids, None);
+        let logits = self.forward(self.ids(batch), None);
         let v = logits.dims()[2];
         logits.reshape([batch.batch * batch.seq, v])
     }
@@ -469,57 +418,6 @@ mod tests {
         let std = (w.iter().map(|x| x * x).sum::<f32>() / w.len() as f32).sqrt();
         assert!((std - 0.5).abs() < 0.05, "std {std}");
         assert!(host(m.model.norm.weight.val()).iter().all(|&x| x == 1.0));
-    }
-
-    /// Checkpointed training computes the plain path's loss and every gradient.
-    #[test]
-    fn gradient_checkpointing_gives_the_same_gradients() {
-        use crate::backend::CpuTrain;
-        use crate::train::{BatchSource, CrossEntropy};
-        for tie in [true, false] {
-            let mut c = tiny();
-            c.tie_word_embeddings = tie;
-            let d = CpuDevice::default();
-            let mut m = crate::ops::with_seeded_rng::<CpuTrain, _>(&d, 3, || {
-                LlamaForCausalLM::<CpuTrain>::new(&c, &d)
-            });
-            let blocks =
-                crate::data::lm::LmBlocks::pack((0..40).map(|i| (i * 7) % 50).collect(), 10, 1);
-            let (batch, targets) = blocks.batch(&[2, 0, 3]);
-            let n = targets.len();
-            let t =
-                Tensor::<CpuTrain, 1, Int>::from_data(TensorData::new(targets.clone(), [n]), &d);
-            let loss = CrossEntropy.loss(m.logits(&batch), t) * 0.5;
-            let plain_loss = loss.clone().into_scalar().elem::<f64>();
-            let mut plain = GradAccumulator::<Cpu>::default();
-            plain.accumulate::<CpuTrain, _>(&m, &loss.backward());
-            m.gradient_checkpointing = true;
-            let (ck_loss, ck) = m
-                .loss_and_grads(&batch, &targets, &CrossEntropy, 0.5)
-                .expect("checkpointing is on");
-            assert!(
-                (ck_loss - plain_loss).abs() < 1e-6,
-                "{ck_loss} vs {plain_loss}"
-            );
-            assert_eq!(
-                ck.grads.len(),
-                plain.grads.len(),
-                "tie {tie}: every parameter"
-            );
-            for (name, g) in &plain.grads {
-                let (a, b) = (host(g.clone()), host(ck.grads[name].clone()));
-                let err = a
-                    .iter()
-                    .zip(&b)
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0f32, f32::max);
-                let scale = a.iter().fold(0f32, |s, x| s.max(x.abs()));
-                assert!(
-                    err <= 1e-5 * scale.max(1e-3),
-                    "tie {tie}, {name}: max |Δ| {err}"
-                );
-            }
-        }
     }
 
     /// Decoding token by token with the cache gives the logits of one forward over the whole

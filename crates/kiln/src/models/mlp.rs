@@ -6,7 +6,7 @@ use burn::tensor::{activation::relu, backend::Backend, Distribution, Tensor, Ten
 
 use super::layers::Linear;
 use crate::ops::{self, KilnBackend};
-use crate::train::task::Classifier;
+use crate::task::Model;
 
 pub const INPUT: usize = 28 * 28;
 pub const CLASSES: usize = 10;
@@ -56,7 +56,7 @@ pub struct PixelBatch {
     pub pixels: Vec<f32>,
 }
 
-impl<B: KilnBackend> Classifier<B> for MnistMlp<B> {
+impl<B: KilnBackend> Model<B> for MnistMlp<B> {
     type Batch = PixelBatch;
     fn logits(&self, batch: &PixelBatch) -> Tensor<B, 2> {
         let device = self.fc1.weight.device();

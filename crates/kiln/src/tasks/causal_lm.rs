@@ -9,16 +9,48 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use tokenizers::Tokenizer;
 use tracing::info;
 
-use crate::data::lm::{read_documents, LmBlocks};
+use crate::data::lm::{read_documents, LmBlocks, TokenBatch};
 use crate::data::TextEncoding;
 use crate::error::{KilnError, Result};
 use crate::hub::llama_config::LlamaConfig;
 use crate::hub::weights::{load_into, read_model_weights};
 use crate::models::llama::{KvCache, LlamaForCausalLM};
 use crate::ops::{KilnBackend, TrainBackend};
+use crate::task::{BatchSource, CrossEntropy, IGNORE_INDEX};
 use crate::train::checkpoint::ModelFiles;
 use crate::train::trainer::{evaluate, EvalOutput, TrainOutput};
-use crate::train::{CrossEntropy, Trainer, TrainingArguments};
+use crate::train::{Trainer, TrainingArguments};
+
+/// Token blocks as training examples: each block's targets are its tokens shifted left by one, the
+/// last position left out of the loss.
+impl BatchSource for LmBlocks {
+    type Batch = TokenBatch;
+    fn len(&self) -> usize {
+        self.blocks.len()
+    }
+    fn lengths(&self) -> Vec<usize> {
+        vec![self.block_size; self.blocks.len()]
+    }
+    fn batch(&self, indices: &[usize]) -> (TokenBatch, Vec<i64>) {
+        let seq = self.block_size;
+        let mut ids = Vec::with_capacity(indices.len() * seq);
+        let mut targets = Vec::with_capacity(indices.len() * seq);
+        for &i in indices {
+            let b = &self.blocks[i];
+            ids.extend(b.iter().map(|&t| t as i64));
+            targets.extend(b[1..].iter().map(|&t| t as i64));
+            targets.push(IGNORE_INDEX);
+        }
+        (
+            TokenBatch {
+                ids,
+                batch: indices.len(),
+                seq,
+            },
+            targets,
+        )
+    }
+}
 
 /// Loads `LlamaForCausalLM` from a Hugging Face folder; every parameter must be present.
 pub fn load_model<B: KilnBackend>(
@@ -218,8 +250,6 @@ pub fn train<B: TrainBackend>(
         .collect(),
         source_dir: opts.model_dir.clone(),
     };
-    let mut model = model;
-    model.gradient_checkpointing = args.gradient_checkpointing;
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), CrossEntropy, files);
     trainer.dist = dist;
     trainer.train_and_evaluate(&train_set, eval_set.as_ref())

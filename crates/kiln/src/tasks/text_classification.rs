@@ -12,10 +12,11 @@ use crate::error::{KilnError, Result};
 use crate::hub::config::BertConfig;
 use crate::hub::weights::{load_into, read_safetensors};
 use crate::models::bert::BertForSequenceClassification;
+use crate::task::{BatchSource, CrossEntropy, Loss, Model};
 use crate::train::checkpoint::ModelFiles;
 use crate::train::metrics::argmax;
 use crate::train::trainer::{evaluate, EvalOutput, TrainOutput};
-use crate::train::{BatchSource, Classifier, CrossEntropy, Loss, Trainer, TrainingArguments};
+use crate::train::{Trainer, TrainingArguments};
 
 /// Batches of a tokenized classification set.
 pub struct ClassificationBatches<'a> {

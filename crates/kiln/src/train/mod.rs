@@ -1,15 +1,16 @@
 //! Training: arguments, the loop, optimizer, schedules, metrics and checkpoints.
 
+pub mod activation_checkpointing;
 pub mod args;
 pub mod checkpoint;
 pub mod metrics;
 pub mod optim;
 pub mod output_dir;
 pub mod schedule;
-pub mod task;
 pub mod trainer;
 
 pub use args::{IntervalStrategy, TrainingArguments};
 pub use optim::OptimizerType;
-pub use task::{BatchSource, Classifier, CrossEntropy, Loss, IGNORE_INDEX};
+// The task contract, re-exported where library users of the trainer look for it.
+pub use crate::task::{BatchSource, CrossEntropy, Loss, Model, IGNORE_INDEX};
 pub use trainer::{EvalOutput, MetricFn, TrainOutput, Trainer};

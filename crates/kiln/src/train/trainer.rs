@@ -14,6 +14,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Map, Value};
 use tracing::info;
 
+use super::activation_checkpointing::loss_and_grads_by_segment;
 use super::args::{IntervalStrategy, TrainingArguments};
 use super::checkpoint::{
     ensure_finite, put_model_files, read_json, rotate_checkpoints, save_checkpoint, Checkpoint,
@@ -23,12 +24,12 @@ use super::metrics::{classification_report, ClassificationReport, Predictions};
 use super::optim::{AdamWConfig, GradAccumulator, Optimizer};
 use super::output_dir::{claim, resolve_resume_for, Claim, RunDir};
 use super::schedule::lr_factor;
-use super::task::{BatchSource, Classifier, CrossEntropy, Loss};
 use crate::data::batch::{epoch_order, shard};
 use crate::dist::ProcessGroup;
 use crate::error::{KilnError, Result};
 use crate::hub::weights::{load_into, map_params, module_tensors, read_safetensors};
 use crate::ops::{profile, TrainBackend};
+use crate::task::{BatchSource, CrossEntropy, Loss, Model};
 
 /// A user metric: extra `(name, value)` pairs computed from an evaluation's predictions.
 pub type MetricFn = Box<dyn Fn(&Predictions) -> Vec<(String, f64)> + Send + Sync>;
@@ -94,8 +95,8 @@ fn host_rows<B: Backend>(t: Tensor<B, 2>) -> Vec<Vec<f32>> {
 impl<B, M, L> Trainer<B, M, L>
 where
     B: TrainBackend,
-    M: AutodiffModule<B> + Classifier<B> + Clone,
-    M::InnerModule: Classifier<B::InnerBackend, Batch = M::Batch>,
+    M: AutodiffModule<B> + Model<B> + Clone,
+    M::InnerModule: Model<B::InnerBackend, Batch = M::Batch>,
     L: Loss,
 {
     pub fn new(
@@ -400,10 +401,12 @@ where
                     let fwd = profile::scope("step: data + forward");
                     let (batch, targets) = train.batch(idx);
                     let scale = 1.0 / group.len() as f64;
-                    if let Some((l, grads)) = self
-                        .model()
-                        .loss_and_grads(&batch, &targets, &self.loss, scale)
-                    {
+                    let by_segment = if a.gradient_checkpointing {
+                        loss_and_grads_by_segment(self.model(), &batch, &targets, &self.loss, scale)
+                    } else {
+                        None
+                    };
+                    if let Some((l, grads)) = by_segment {
                         step_loss += l;
                         acc.merge(grads);
                         samples += idx.len();
@@ -753,7 +756,7 @@ pub fn evaluate<B, M, E, L>(
 ) -> Result<EvalOutput>
 where
     B: Backend,
-    M: Classifier<B>,
+    M: Model<B>,
     E: BatchSource<Batch = M::Batch>,
     L: Loss,
 {
@@ -773,7 +776,7 @@ where
         let (batch, targets) = eval.batch(idx);
         let counted = targets
             .iter()
-            .filter(|&&t| t != super::task::IGNORE_INDEX)
+            .filter(|&&t| t != crate::task::IGNORE_INDEX)
             .count();
         let logits = model.logits(&batch);
         let loss = loss_fn.loss(

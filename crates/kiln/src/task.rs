@@ -1,37 +1,40 @@
-//! What the trainer needs from a model and a dataset, whatever the task (text classification,
-//! MNIST, causal LM): logits for a host-side batch, and batches of examples with integer targets.
+//! The contract between models, data and the trainer, whatever the task (text classification,
+//! MNIST, causal LM): a model maps a host-side batch to logits, a dataset hands out batches with
+//! integer targets, a loss compares the two. Models, data and the trainer all depend on this
+//! module and on nothing of each other's, so data → model → trainer stays one way.
 
 use burn::module::Module;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{backend::Backend, Int, Tensor};
 
-use super::optim::GradAccumulator;
-use crate::ops::TrainBackend;
-
 /// Target value that is left out of the loss (transformers' `ignore_index`).
 pub const IGNORE_INDEX: i64 = -100;
 
 /// A model that maps a batch to logits `[N, C]`, one row per target.
-pub trait Classifier<B: Backend>: Module<B> {
+pub trait Model<B: Backend>: Module<B> {
     /// The batch as host data, independent of the backend.
     type Batch;
     fn logits(&self, batch: &Self::Batch) -> Tensor<B, 2>;
 
-    /// The loss of `batch` times `scale`, and its gradients, when the model computes them its own
-    /// way (activation checkpointing recomputes each layer during the backward pass). `None`, the
-    /// default, lets the trainer differentiate [`logits`](Self::logits).
-    fn loss_and_grads<L: Loss>(
-        &self,
-        _batch: &Self::Batch,
-        _targets: &[i64],
-        _loss: &L,
-        _scale: f64,
-    ) -> Option<(f64, GradAccumulator<B::InnerBackend>)>
-    where
-        B: TrainBackend,
-    {
+    /// The model as a chain of segments (embedding, layers, head), when it is one: the trainer's
+    /// activation checkpointing runs and differentiates them one at a time (and a pipeline would
+    /// place them on stages). `None`, the default, for models that are not split.
+    fn segments(&self) -> Option<&dyn Segments<B, Self::Batch>> {
         None
     }
+}
+
+/// A forward pass cut into segments: `head(layer(n−1, … layer(0, embed(batch)) …))` equals the
+/// model's logits. Every segment maps hidden states `[B, T, H]` to the next, so each can be run
+/// and differentiated alone.
+pub trait Segments<B: Backend, Batch> {
+    fn num_layers(&self) -> usize;
+    /// The first segment: a batch → hidden states.
+    fn embed(&self, batch: &Batch) -> Tensor<B, 3>;
+    /// Layer `i` (0-based); `batch` gives what every layer needs besides `x` (positions).
+    fn layer(&self, i: usize, x: Tensor<B, 3>, batch: &Batch) -> Tensor<B, 3>;
+    /// The last segment: hidden states → logits `[N, C]`, one row per target.
+    fn head(&self, h: Tensor<B, 3>) -> Tensor<B, 2>;
 }
 
 /// A dataset the trainer can batch.
