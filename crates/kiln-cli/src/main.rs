@@ -490,14 +490,14 @@ where
         Command::Train(cmd) => {
             let sub = matches.subcommand_matches("train").expect("train matches");
             if cmd.task == Task::MnistMlp {
-                let world = kiln::dist::DistEnv::from_env()?.map_or(1, |e| e.world_size);
+                let world = kiln::parallel::DistEnv::from_env()?.map_or(1, |e| e.world_size);
                 let defaults = kiln::tasks::mnist::sample_defaults(world);
                 let args = merged_training_args(&cmd, sub, defaults)?;
                 kiln::tasks::mnist::train::<Autodiff<B>>(&cmd.data_dir, args, &device)?;
                 return Ok(());
             }
             let args = merged_training_args(&cmd, sub, serde_json::json!({}))?;
-            let is_main = kiln::dist::DistEnv::from_env()?.is_none_or(|e| e.rank == 0);
+            let is_main = kiln::parallel::DistEnv::from_env()?.is_none_or(|e| e.rank == 0);
             if cmd.task == Task::CausalLm {
                 let opts = cmd
                     .data
@@ -520,7 +520,7 @@ where
                 kiln::train::CrossEntropy,
                 |_| {},
             )?;
-            if kiln::dist::DistEnv::from_env()?.is_none_or(|e| e.rank == 0) {
+            if kiln::parallel::DistEnv::from_env()?.is_none_or(|e| e.rank == 0) {
                 println!("{}", serde_json::to_string_pretty(&out.metrics)?);
                 if let Some(ev) = eval {
                     println!("{}", serde_json::to_string_pretty(&ev.metrics)?);
@@ -617,7 +617,7 @@ where
             } else {
                 (PathBuf::from(&cmd.command[0]), cmd.command[1..].to_vec())
             };
-            kiln::dist::launch::launch(&kiln::dist::launch::LaunchOptions {
+            kiln::parallel::launch::launch(&kiln::parallel::launch::LaunchOptions {
                 nproc_per_node: cmd.nproc_per_node,
                 nnodes: cmd.nnodes,
                 node_rank: cmd.node_rank,

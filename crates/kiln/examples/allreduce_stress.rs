@@ -2,7 +2,9 @@ use burn::tensor::{Tensor, TensorPrimitive};
 use kiln::backend::Cpu;
 fn main() {
     let device = Default::default();
-    let g = kiln::dist::init_from_env::<Cpu>(&device).unwrap().unwrap();
+    let g = kiln::parallel::init_from_env::<Cpu>(&device)
+        .unwrap()
+        .unwrap();
     let sizes: Vec<usize> = std::env::args()
         .skip(1)
         .map(|s| s.parse().unwrap())

@@ -1,18 +1,20 @@
 //! kiln: Hugging Face Transformers training in Rust.
 //!
 //! Data flows one way: [`data`] (files → tokenized examples → padded batches) → [`models`] →
-//! [`train`] (optimizer, schedule, evaluation) → checkpoints through [`hub`].
+//! [`train`] (optimizer, schedule, evaluation) → checkpoints through [`hub`]. [`task`] is the
+//! contract the three share; [`parallel`] is the one layer the trainer calls for multi-process
+//! training; [`tasks`] wires an end-to-end job for the CLI.
 
 pub mod backend;
 pub mod bench;
+pub mod data;
 pub mod error;
 pub mod hub;
 pub mod models;
 pub mod ops;
+pub mod parallel;
 pub mod task;
-
-pub use error::{KilnError, Result};
-pub mod data;
-pub mod dist;
 pub mod tasks;
 pub mod train;
+
+pub use error::{KilnError, Result};

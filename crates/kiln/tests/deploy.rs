@@ -8,8 +8,8 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use kiln::dist::launch::{worker_env, LaunchOptions};
-use kiln::dist::DistEnv;
+use kiln::parallel::launch::{worker_env, LaunchOptions};
+use kiln::parallel::DistEnv;
 use serde_yaml_ng::Value;
 
 fn docs() -> Vec<Value> {

@@ -15,10 +15,10 @@ use burn::tensor::{Shape, Tensor, TensorPrimitive};
 use super::rows::StepWork;
 use super::BenchResult;
 use crate::backend::Cpu;
-use crate::dist::launch::{worker_env, LaunchOptions};
-use crate::dist::{DistEnv, ProcessGroup};
 use crate::models::mlp;
 use crate::ops::KilnBackend;
+use crate::parallel::launch::{worker_env, LaunchOptions};
+use crate::parallel::{DistEnv, ProcessGroup};
 use crate::{KilnError, Result};
 
 /// Values in the MNIST MLP's gradient plus the step's loss: what the MNIST sample all-reduces per

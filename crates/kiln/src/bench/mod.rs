@@ -310,7 +310,7 @@ pub fn run_row(key: &str, opts: &SuiteOptions) -> Result<BenchResult> {
             opts.mnist_steps,
         ),
         "dp_allreduce_64mib" => {
-            dp::allreduce("dp_allreduce_64mib", crate::dist::BUCKET_ELEMENTS, w, s)
+            dp::allreduce("dp_allreduce_64mib", crate::parallel::BUCKET_ELEMENTS, w, s)
         }
         other => Err(unknown_row(other)),
     })

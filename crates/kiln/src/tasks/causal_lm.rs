@@ -192,7 +192,7 @@ pub fn train<B: TrainBackend>(
 ) -> Result<(TrainOutput, Option<EvalOutput>)> {
     // Join the job first (like torchrun scripts' init_process_group): workers meet before each
     // spends time loading, and a broken set-up is reported whatever the loading takes.
-    let dist = crate::dist::init_from_env::<B::InnerBackend>(device)?;
+    let dist = crate::parallel::init_from_env::<B::InnerBackend>(device)?;
     let tok_path = opts.tokenizer_path()?;
     let tok = load_tokenizer(&tok_path)?;
     let (model, config) = match (&opts.from_config, &opts.model_dir) {

@@ -133,7 +133,7 @@ pub fn train<B: TrainBackend>(
         crate::ops::with_seeded_rng::<B, _>(device, args.seed, || MnistMlp::<B>::new(device));
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), CrossEntropy, files());
     trainer.label_names = Some(digits());
-    trainer.dist = crate::dist::init_from_env::<B::InnerBackend>(device)?;
+    trainer.dist = crate::parallel::init_from_env::<B::InnerBackend>(device)?;
     let out = trainer.train(&train, None::<&MnistSplit>)?;
     if trainer.is_main() {
         println!(

@@ -253,7 +253,7 @@ pub fn train<B: TrainBackend, L: Loss>(
 ) -> Result<(TrainOutput, Option<EvalOutput>)> {
     // Join the job first (like torchrun scripts' init_process_group): workers meet before each
     // spends time loading, and a broken set-up is reported whatever the loading takes.
-    let dist = crate::dist::init_from_env::<B::InnerBackend>(device)?;
+    let dist = crate::parallel::init_from_env::<B::InnerBackend>(device)?;
     let md = ModelDir::new(&opts.model_dir)?;
     let config = md.config()?;
     let tok = md.tokenizer(&config, opts.max_length)?;

@@ -104,7 +104,7 @@ impl<B: KilnBackend> GradAccumulator<B> {
     /// one collective per step instead of one per tensor.
     pub fn all_reduce_mean(
         &mut self,
-        group: &crate::dist::ProcessGroup<B>,
+        group: &crate::parallel::ProcessGroup<B>,
         value: f64,
         device: &B::Device,
     ) -> crate::Result<f64> {

@@ -25,10 +25,10 @@ use super::optim::{AdamWConfig, GradAccumulator, Optimizer};
 use super::output_dir::{claim, resolve_resume_for, Claim, RunDir};
 use super::schedule::lr_factor;
 use crate::data::batch::{epoch_order, shard};
-use crate::dist::ProcessGroup;
 use crate::error::{KilnError, Result};
 use crate::hub::weights::{load_into, map_params, module_tensors, read_safetensors};
 use crate::ops::{profile, TrainBackend};
+use crate::parallel::ProcessGroup;
 use crate::task::{BatchSource, CrossEntropy, Loss, Model};
 
 /// A user metric: extra `(name, value)` pairs computed from an evaluation's predictions.
