@@ -18,6 +18,11 @@
                       processes on this machine, of the MNIST MLP's gradient + loss (105,215
                       floats), divided by the world size as DDP averages; a fresh buffer per step.
   dp_allreduce_64mib  the same for 16,777,216 floats (kiln's all-reduce bucket).
+  dp_allgather_64mib  torch.distributed.all_gather (gloo): each rank contributes 8,388,608 floats,
+                      every rank receives all 16,777,216.
+  dp_reducescatter_64mib  each rank contributes 16,777,216 floats and keeps its half of the sum:
+                      torch.distributed.reduce_scatter_tensor where gloo has it, else (gloo's
+                      usual case) an all_reduce and a slice, as CPU ZeRO runs on gloo.
 
 Prints `RESULT {json}` lines with the keys bench_hf.py uses, plus tokens_per_sec (real tokens).
 Usage: python scripts/bench_reference.py --only mnist_train,tweets_train [--threads 2]
@@ -234,14 +239,40 @@ def _allreduce_worker(rank, port, name, elements, warmup, steps):
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    op = name.split("_")[1]
+    half = elements // 2
+    native_rs = True
     times = []
     for step in range(warmup + steps):
-        t = torch.full((elements,), float(rank + step))
-        t0 = time.perf_counter()
-        dist.all_reduce(t)
-        t /= 2
-        dt = time.perf_counter() - t0
-        assert float(t[0]) == step + 0.5
+        if op == "allgather":
+            t = torch.full((half,), float(rank + step))
+            parts = [torch.empty(half), torch.empty(half)]
+            t0 = time.perf_counter()
+            dist.all_gather(parts, t)
+            out = torch.cat(parts)
+            dt = time.perf_counter() - t0
+            assert float(out[0]) == step and float(out[-1]) == step + 1
+        elif op == "reducescatter":
+            t = torch.full((elements,), float(rank + step))
+            t0 = time.perf_counter()
+            out = torch.empty(half)
+            if native_rs:
+                try:
+                    dist.reduce_scatter_tensor(out, t)
+                except (RuntimeError, NotImplementedError):
+                    native_rs = False
+            if not native_rs:
+                dist.all_reduce(t)
+                out = t[rank * half:(rank + 1) * half].clone()
+            dt = time.perf_counter() - t0
+            assert float(out[0]) == 2 * step + 1
+        else:
+            t = torch.full((elements,), float(rank + step))
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            t /= 2
+            dt = time.perf_counter() - t0
+            assert float(t[0]) == step + 0.5
         if step >= warmup:
             times.append(dt)
     if rank == 0:
@@ -289,8 +320,9 @@ def main():
     if "dp_allreduce_mnist" in which:
         dp_allreduce("dp_allreduce_mnist", 784 * 120 + 120 + 120 * 84 + 84 + 84 * 10 + 10 + 1,
                      max(args.warmup, 5), args.mnist_steps)
-    if "dp_allreduce_64mib" in which:
-        dp_allreduce("dp_allreduce_64mib", 16 << 20, args.warmup, args.steps)
+    for key in ("dp_allreduce_64mib", "dp_allgather_64mib", "dp_reducescatter_64mib"):
+        if key in which or key + "_mpi" in which:
+            dp_allreduce(key, 16 << 20, args.warmup, args.steps)
 
 
 if __name__ == "__main__":

@@ -162,19 +162,34 @@ struct LaunchCmd {
     /// Seconds a worker waits for its peers (rendezvous, any collective) before the job fails.
     #[arg(long, default_value_t = 60)]
     timeout: u64,
+    /// The collective engine: burn (this launcher starts the workers) or mpi (runs `mpirun`;
+    /// needs a kiln built with --features mpi).
+    #[arg(long, value_enum, default_value_t = LaunchBackend::Burn)]
+    backend: LaunchBackend,
+    /// With --backend mpi: mpirun's hostfile naming the machines (needed for --nnodes > 1).
+    #[arg(long)]
+    hostfile: Option<PathBuf>,
     /// The worker command: a kiln subcommand (`train ...`), or a program and its arguments.
     #[arg(last = true, required = true)]
     command: Vec<String>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LaunchBackend {
+    Burn,
+    Mpi,
 }
 
 #[derive(Args)]
 struct BenchCmd {
     /// Comma-separated rows: minilm_train, minilm_train_bf16, minilm_infer, bertbase_train,
     /// mnist_train, tweets_train, smollm2_train, smollm2_prefill, smollm2_generate,
-    /// dp_allreduce_mnist, dp_allreduce_64mib (two processes on this machine).
+    /// dp_allreduce_mnist, dp_allreduce_64mib, dp_allgather_64mib, dp_reducescatter_64mib (two
+    /// processes on this machine), and with --features mpi the same three 64 MiB rows on MPI
+    /// (dp_allreduce_64mib_mpi, dp_allgather_64mib_mpi, dp_reducescatter_64mib_mpi).
     #[arg(
         long,
-        default_value = "minilm_train,minilm_train_bf16,minilm_infer,bertbase_train,mnist_train,tweets_train,smollm2_train,smollm2_prefill,smollm2_generate,dp_allreduce_mnist,dp_allreduce_64mib"
+        default_value = "minilm_train,minilm_train_bf16,minilm_infer,bertbase_train,mnist_train,tweets_train,smollm2_train,smollm2_prefill,smollm2_generate,dp_allreduce_mnist,dp_allreduce_64mib,dp_allgather_64mib,dp_reducescatter_64mib"
     )]
     only: String,
     /// SmolLM2-135M GGUF for the smollm2 rows (converted once to hf/ beside it).
@@ -490,14 +505,14 @@ where
         Command::Train(cmd) => {
             let sub = matches.subcommand_matches("train").expect("train matches");
             if cmd.task == Task::MnistMlp {
-                let world = kiln::parallel::DistEnv::from_env()?.map_or(1, |e| e.world_size);
+                let world = kiln::parallel::world_size_from_env()?;
                 let defaults = kiln::tasks::mnist::sample_defaults(world);
                 let args = merged_training_args(&cmd, sub, defaults)?;
                 kiln::tasks::mnist::train::<Autodiff<B>>(&cmd.data_dir, args, &device)?;
                 return Ok(());
             }
             let args = merged_training_args(&cmd, sub, serde_json::json!({}))?;
-            let is_main = kiln::parallel::DistEnv::from_env()?.is_none_or(|e| e.rank == 0);
+            let is_main = kiln::parallel::is_main_process()?;
             if cmd.task == Task::CausalLm {
                 let opts = cmd
                     .data
@@ -520,7 +535,7 @@ where
                 kiln::train::CrossEntropy,
                 |_| {},
             )?;
-            if kiln::parallel::DistEnv::from_env()?.is_none_or(|e| e.rank == 0) {
+            if kiln::parallel::is_main_process()? {
                 println!("{}", serde_json::to_string_pretty(&out.metrics)?);
                 if let Some(ev) = eval {
                     println!("{}", serde_json::to_string_pretty(&ev.metrics)?);
@@ -617,7 +632,7 @@ where
             } else {
                 (PathBuf::from(&cmd.command[0]), cmd.command[1..].to_vec())
             };
-            kiln::parallel::launch::launch(&kiln::parallel::launch::LaunchOptions {
+            let opts = kiln::parallel::launch::LaunchOptions {
                 nproc_per_node: cmd.nproc_per_node,
                 nnodes: cmd.nnodes,
                 node_rank: cmd.node_rank,
@@ -627,7 +642,16 @@ where
                 timeout: std::time::Duration::from_secs(cmd.timeout),
                 program,
                 args,
-            })?;
+            };
+            match cmd.backend {
+                LaunchBackend::Burn => kiln::parallel::launch::launch(&opts)?,
+                LaunchBackend::Mpi => {
+                    if !cfg!(feature = "mpi") {
+                        bail!("--backend mpi: this kiln was built without MPI (build it with --features mpi)");
+                    }
+                    kiln::parallel::launch::exec_mpirun(&opts, cmd.hostfile.as_deref())?
+                }
+            }
         }
         Command::Precompile(cmd) => precompile(&cli.device, cli.threads, &cmd)?,
         Command::Convert(cmd) => {

@@ -187,6 +187,31 @@ pub const ROWS: &[RowSpec] = &[
         reference: Reference::Extra,
         pytorch_rows: &["dp_allreduce_64mib_gloo"],
     },
+    RowSpec {
+        key: "dp_allreduce_64mib_mpi",
+        reference: Reference::Extra,
+        pytorch_rows: &["dp_allreduce_64mib_gloo"],
+    },
+    RowSpec {
+        key: "dp_allgather_64mib",
+        reference: Reference::Extra,
+        pytorch_rows: &["dp_allgather_64mib_gloo"],
+    },
+    RowSpec {
+        key: "dp_allgather_64mib_mpi",
+        reference: Reference::Extra,
+        pytorch_rows: &["dp_allgather_64mib_gloo"],
+    },
+    RowSpec {
+        key: "dp_reducescatter_64mib",
+        reference: Reference::Extra,
+        pytorch_rows: &["dp_reducescatter_64mib_gloo"],
+    },
+    RowSpec {
+        key: "dp_reducescatter_64mib_mpi",
+        reference: Reference::Extra,
+        pytorch_rows: &["dp_reducescatter_64mib_gloo"],
+    },
 ];
 
 /// What `kiln bench` runs.
@@ -303,14 +328,29 @@ pub fn run_row(key: &str, opts: &SuiteOptions) -> Result<BenchResult> {
             let dir = llama::converted_folder(&opts.smollm2_gguf)?;
             llama::generate(&dir, w, opts.generate_tokens)
         }
-        "dp_allreduce_mnist" => dp::allreduce(
+        "dp_allreduce_mnist" => dp::collective(
             "dp_allreduce_mnist",
+            dp::Op::AllReduce,
+            crate::parallel::Engine::Burn,
             dp::mnist_gradient_len(),
             w.max(5),
             opts.mnist_steps,
         ),
-        "dp_allreduce_64mib" => {
-            dp::allreduce("dp_allreduce_64mib", crate::parallel::BUCKET_ELEMENTS, w, s)
+        key if key.starts_with("dp_") => {
+            use crate::parallel::Engine;
+            let op = if key.starts_with("dp_allgather") {
+                dp::Op::AllGather
+            } else if key.starts_with("dp_reducescatter") {
+                dp::Op::ReduceScatter
+            } else {
+                dp::Op::AllReduce
+            };
+            let engine = if key.ends_with("_mpi") {
+                Engine::Mpi
+            } else {
+                Engine::Burn
+            };
+            dp::collective(key, op, engine, crate::parallel::BUCKET_ELEMENTS, w, s)
         }
         other => Err(unknown_row(other)),
     })

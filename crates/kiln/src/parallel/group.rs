@@ -15,9 +15,10 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::ElementConversion;
+use burn::tensor::{Tensor, TensorPrimitive};
 use burn_collective::{CollectiveConfig, PeerId, ReduceOperation};
 
+use super::collectives::{Collectives, ReduceOp};
 use super::heartbeat::Heartbeat;
 use super::{ensure_port_free, DistEnv};
 use crate::{KilnError, Result};
@@ -81,6 +82,13 @@ fn install_peer_lost_hook(rank: usize) {
         );
         std::process::exit(PEER_LOST_EXIT_CODE);
     }));
+}
+
+/// Runs `f` (a collective of rank `rank`) under the job's watchdog: if it takes longer than
+/// `timeout`, the worker prints `what` and which peers are missing, and exits.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) fn watched<T>(rank: usize, timeout: Duration, what: String, f: impl FnOnce() -> T) -> T {
+    Watchdog::get(rank).guard(timeout, what, f)
 }
 
 /// One pending deadline, checked by a background thread.
@@ -151,6 +159,7 @@ pub struct ProcessGroup<B: Backend> {
     pub env: DistEnv,
     peer: PeerId,
     timeout: Duration,
+    device: B::Device,
     /// CUDA workers reduce on the GPU through NCCL (see `nccl.rs`).
     #[cfg(feature = "cuda")]
     nccl: Option<super::nccl::NcclComm>,
@@ -246,6 +255,7 @@ impl<B: Backend> ProcessGroup<B> {
             env,
             peer,
             timeout,
+            device: device.clone(),
             #[cfg(feature = "cuda")]
             nccl: None,
             _backend: PhantomData,
@@ -267,7 +277,7 @@ impl<B: Backend> ProcessGroup<B> {
             [0u8; 128]
         };
         // Bytes are exact as f32 values; the other ranks add zeros.
-        let shared = self.sum_host(id.iter().map(|&b| b as f32).collect(), device)?;
+        let shared = Collectives::sum_host(self, id.iter().map(|&b| b as f32).collect())?;
         let mut id = [0u8; 128];
         for (dst, v) in id.iter_mut().zip(shared) {
             *dst = v as u8;
@@ -281,18 +291,10 @@ impl<B: Backend> ProcessGroup<B> {
         })
     }
 
-    pub fn rank(&self) -> usize {
-        self.env.rank
-    }
-
-    pub fn world_size(&self) -> usize {
-        self.env.world_size
-    }
-
     /// Reduces `t`, in buckets of at most [`BUCKET_ELEMENTS`] values: burn-communication sends a
     /// tensor as one WebSocket frame and its peers accept frames up to 512 MiB, so a whole model's
     /// gradient (SmolLM2-135M: 540 MB) would reset the connection. PyTorch's DDP buckets too.
-    fn all_reduce(
+    fn reduce_buckets(
         &self,
         t: FloatTensor<B>,
         op: ReduceOperation,
@@ -348,45 +350,71 @@ impl<B: Backend> ProcessGroup<B> {
             })
             .map_err(|e| KilnError::Distributed(format!("rank {}: {what}: {e:?}", self.env.rank)))
     }
+}
 
-    /// Element-wise sum over all workers.
-    pub fn all_reduce_sum(&self, t: FloatTensor<B>) -> Result<FloatTensor<B>> {
-        self.all_reduce(t, ReduceOperation::Sum, "all-reduce (sum)")
+/// The world's collectives on Burn's engine. It reduces only by sum and mean, across processes
+/// only as a whole world, so the rest is built from sum all-reduces (costs in docs/DESIGN.md):
+/// a broadcast is a sum to which the other ranks add zeros, a gather a sum in which each rank
+/// fills its own slot, and a max a gather reduced locally.
+impl<B: Backend> Collectives<B> for ProcessGroup<B> {
+    fn rank(&self) -> usize {
+        self.env.rank
     }
 
-    /// Element-wise mean over all workers (gradient averaging).
-    pub fn all_reduce_mean(&self, t: FloatTensor<B>) -> Result<FloatTensor<B>> {
-        self.all_reduce(t, ReduceOperation::Mean, "all-reduce (mean)")
+    fn size(&self) -> usize {
+        self.env.world_size
     }
 
-    /// Rank 0's `t` on every worker. Burn's broadcast is single-machine only, so this is an
-    /// all-reduce (sum) to which every other rank contributes zeros.
-    pub fn broadcast_from_rank0(&self, t: FloatTensor<B>) -> Result<FloatTensor<B>> {
-        let t = if self.env.rank == 0 {
+    fn device(&self) -> &B::Device {
+        &self.device
+    }
+
+    fn all_reduce(&self, t: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>> {
+        let (op, what) = match op {
+            ReduceOp::Sum => (ReduceOperation::Sum, "all-reduce (sum)"),
+            ReduceOp::Mean => (ReduceOperation::Mean, "all-reduce (mean)"),
+            ReduceOp::Max => {
+                let (n, size) = (t.dims()[0], self.env.world_size);
+                let all = self.all_gather(t)?.reshape([size, n]);
+                return Ok(all.max_dim(0).reshape([n]));
+            }
+        };
+        let out = self.reduce_buckets(t.into_primitive().tensor(), op, what)?;
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+    }
+
+    fn all_gather_v(&self, t: Tensor<B, 1>, counts: &[usize]) -> Result<Tensor<B, 1>> {
+        let total: usize = counts.iter().sum();
+        let before: usize = counts[..self.env.rank].iter().sum();
+        let n = t.dims()[0];
+        let mut parts = Vec::with_capacity(3);
+        if before > 0 {
+            parts.push(Tensor::zeros([before], &self.device));
+        }
+        parts.push(t);
+        if total > before + n {
+            parts.push(Tensor::zeros([total - before - n], &self.device));
+        }
+        let out = self.reduce_buckets(
+            Tensor::cat(parts, 0).into_primitive().tensor(),
+            ReduceOperation::Sum,
+            "all-gather",
+        )?;
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+    }
+
+    fn broadcast(&self, t: Tensor<B, 1>, root: usize) -> Result<Tensor<B, 1>> {
+        let t = if self.env.rank == root {
             t
         } else {
-            B::float_mul_scalar(t, 0f32.elem())
+            t.zeros_like()
         };
-        self.all_reduce(t, ReduceOperation::Sum, "broadcast from rank 0")
-    }
-
-    /// Sums host values over all workers (eval counts, gathered predictions, losses).
-    pub fn sum_host(&self, values: Vec<f32>, device: &B::Device) -> Result<Vec<f32>> {
-        let n = values.len();
-        let t = B::float_from_data(burn::tensor::TensorData::new(values, [n]), device);
-        let out = self.all_reduce(t, ReduceOperation::Sum, "all-reduce of host values")?;
-        let out =
-            burn::tensor::Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(out));
-        Ok(out
-            .into_data()
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .expect("f32 data"))
-    }
-
-    /// Waits until every worker reaches this point.
-    pub fn barrier(&self, device: &B::Device) -> Result<()> {
-        self.sum_host(vec![1.0], device).map(drop)
+        let out = self.reduce_buckets(
+            t.into_primitive().tensor(),
+            ReduceOperation::Sum,
+            &format!("broadcast from rank {root}"),
+        )?;
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
     }
 }
 

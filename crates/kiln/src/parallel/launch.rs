@@ -31,6 +31,52 @@ pub struct LaunchOptions {
     pub args: Vec<String>,
 }
 
+/// `kiln launch --backend mpi`: replaces this process by `mpirun` starting all `nnodes ×
+/// nproc_per_node` workers (on the machines of `hostfile` when given), which join through MPI.
+/// mpirun then owns the job: it prefixes nothing but ends every rank when one fails.
+pub fn exec_mpirun(o: &LaunchOptions, hostfile: Option<&std::path::Path>) -> Result<()> {
+    if o.nproc_per_node == 0 || o.nnodes == 0 {
+        return Err(KilnError::Config(
+            "--nproc-per-node and --nnodes must be at least 1".into(),
+        ));
+    }
+    if o.nnodes > 1 && hostfile.is_none() {
+        return Err(KilnError::Config(format!(
+            "--backend mpi with --nnodes {} needs --hostfile (mpirun starts the workers of every machine from this one)",
+            o.nnodes
+        )));
+    }
+    let world = o.nproc_per_node * o.nnodes;
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["--oversubscribe", "-n", &world.to_string()]);
+    if let Some(h) = hostfile {
+        cmd.arg("--hostfile").arg(h);
+    }
+    if o.nnodes > 1 {
+        cmd.args(["--map-by", &format!("ppr:{}:node", o.nproc_per_node)]);
+    }
+    // Containers run as root, which Open MPI refuses unless told.
+    use std::os::unix::fs::MetadataExt;
+    if std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0) {
+        cmd.arg("--allow-run-as-root");
+    }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per_worker = (threads / o.nproc_per_node).max(1).to_string();
+    for (k, v) in [
+        ("KILN_COLLECTIVES", "mpi".to_string()),
+        ("KILN_DIST_TIMEOUT", o.timeout.as_secs().max(1).to_string()),
+        ("OMP_NUM_THREADS", per_worker.clone()),
+        ("RAYON_NUM_THREADS", per_worker),
+    ] {
+        cmd.env(k, &v).args(["-x", k]);
+    }
+    cmd.arg(&o.program).args(&o.args);
+    let err = cmd.exec();
+    Err(KilnError::Distributed(format!(
+        "cannot run mpirun (install Open MPI: Debian's openmpi-bin): {err}"
+    )))
+}
+
 /// The environment of worker `local_rank` on this node: the torchrun contract [`super::DistEnv`]
 /// reads, plus kiln's collective timeout.
 pub fn worker_env(o: &LaunchOptions, local_rank: usize) -> Vec<(&'static str, String)> {

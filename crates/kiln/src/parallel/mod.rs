@@ -1,14 +1,24 @@
-//! Data parallelism across processes and machines: the torchrun environment contract ([`DistEnv`]),
-//! the launcher that starts workers with it ([`launch`]), and the process group the trainer uses to
-//! average gradients ([`ProcessGroup`], on Burn's collective engine).
+//! Parallelism across processes and machines, the one layer the trainer calls: the torchrun
+//! environment contract ([`DistEnv`]) and the launcher that starts workers with it ([`launch`]);
+//! the [`Collectives`] every strategy is written against, on the world's [`ProcessGroup`] (Burn's
+//! collective engine) and on the sub-groups of a device [`Mesh`]; and the strategies themselves
+//! ([`DataParallel`]).
 
+pub mod collectives;
+mod data_parallel;
 mod group;
 mod heartbeat;
 pub mod launch;
+pub mod mesh;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 #[cfg(feature = "cuda")]
 mod nccl;
 
+pub use collectives::{chunk_range, Collectives, Group, ReduceOp};
+pub use data_parallel::{is_main_process, world_size_from_env, DataParallel};
 pub use group::{ProcessGroup, BUCKET_ELEMENTS};
+pub use mesh::{Coords, Mesh};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,25 +42,81 @@ pub(crate) fn ensure_port_free(host: &str, port: u16, what: &str) -> Result<()> 
     }
 }
 
-/// Joins the job this process was launched into (`kiln launch`, torchrun, a Kubernetes Job), or
-/// `None` for a single-process run. `KILN_DIST_TIMEOUT` (seconds, default 60) bounds every wait.
-pub fn init_from_env<B: Backend>(device: &B::Device) -> Result<Option<Arc<ProcessGroup<B>>>> {
+/// The collective engine of a job: `KILN_COLLECTIVES=burn|mpi`; by default MPI when kiln was
+/// built with it and the workers were started by an MPI launcher, Burn's engine otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    Burn,
+    Mpi,
+}
+
+impl Engine {
+    pub fn from_env() -> Result<Self> {
+        match std::env::var("KILN_COLLECTIVES").as_deref() {
+            Ok("burn") => Ok(Self::Burn),
+            Ok("mpi") => Ok(Self::Mpi),
+            Ok(other) => Err(KilnError::Distributed(format!(
+                "KILN_COLLECTIVES={other:?} is not a collective engine (burn or mpi)"
+            ))),
+            Err(_) if cfg!(feature = "mpi") && mpi_launcher_env() => Ok(Self::Mpi),
+            Err(_) => Ok(Self::Burn),
+        }
+    }
+}
+
+/// Whether an MPI launcher (Open MPI's mpirun, MPICH/Hydra, PMIx) started this process.
+fn mpi_launcher_env() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
+        .iter()
+        .any(|k| std::env::var_os(k).is_some())
+}
+
+/// A job this process joined: its collectives over the whole world, and where it sits.
+pub struct Joined<B: Backend> {
+    pub world: Arc<dyn Collectives<B>>,
+    pub env: DistEnv,
+}
+
+/// Joins the job this process was launched into (`kiln launch`, torchrun, mpirun, a Kubernetes
+/// Job), or `None` for a single-process run. `KILN_DIST_TIMEOUT` (seconds, default 60) bounds
+/// every wait.
+pub fn init_from_env<B: Backend>(device: &B::Device) -> Result<Option<Joined<B>>> {
     let Some(env) = DistEnv::from_env()? else {
         return Ok(None);
     };
-    let timeout = match std::env::var("KILN_DIST_TIMEOUT") {
+    let timeout = Duration::from_secs(match std::env::var("KILN_DIST_TIMEOUT") {
         Ok(v) => v.trim().parse().map_err(|_| {
             KilnError::Distributed(format!(
                 "KILN_DIST_TIMEOUT={v:?} is not a number of seconds"
             ))
         })?,
         Err(_) => 60,
+    });
+    let world: Arc<dyn Collectives<B>> = match Engine::from_env()? {
+        Engine::Burn => Arc::new(ProcessGroup::init(env.clone(), device, timeout)?),
+        #[cfg(feature = "mpi")]
+        Engine::Mpi => {
+            let comm = mpi::MpiComm::<B>::world(device, timeout)?;
+            if (comm.rank(), comm.size()) != (env.rank, env.world_size) {
+                return Err(KilnError::Distributed(format!(
+                    "MPI places this worker at rank {} of {}, the environment at RANK={} of WORLD_SIZE={}",
+                    comm.rank(), comm.size(), env.rank, env.world_size
+                )));
+            }
+            tracing::info!(
+                "rank {} of {} joined the job (MPI)",
+                env.rank,
+                env.world_size
+            );
+            Arc::new(comm)
+        }
+        #[cfg(not(feature = "mpi"))]
+        Engine::Mpi => return Err(KilnError::Distributed(
+            "KILN_COLLECTIVES=mpi: this kiln was built without MPI (build it with --features mpi)"
+                .into(),
+        )),
     };
-    Ok(Some(Arc::new(ProcessGroup::init(
-        env,
-        device,
-        Duration::from_secs(timeout),
-    )?)))
+    Ok(Some(Joined { world, env }))
 }
 
 /// Where this process sits in the job: the variables torchrun (and Kubeflow's PyTorchJob, or a
@@ -91,6 +157,18 @@ impl DistEnv {
 
     /// [`Self::from_env`] over any variable lookup (tests, manifests).
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Option<Self>> {
+        // Workers an MPI launcher started carry its variables instead of torchrun's.
+        let mpi = |torch: &str| -> Option<String> {
+            let alt: &[&str] = match torch {
+                "WORLD_SIZE" => &["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"],
+                "RANK" => &["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"],
+                "LOCAL_RANK" => &["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"],
+                "LOCAL_WORLD_SIZE" => &["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"],
+                _ => &[],
+            };
+            alt.iter().find_map(|k| get(k))
+        };
+        let get = |k: &str| get(k).or_else(|| mpi(k));
         let Some(world) = get("WORLD_SIZE") else {
             return Ok(None);
         };

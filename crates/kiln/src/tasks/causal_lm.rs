@@ -16,6 +16,7 @@ use crate::hub::llama_config::LlamaConfig;
 use crate::hub::weights::{load_into, read_model_weights};
 use crate::models::llama::{KvCache, LlamaForCausalLM};
 use crate::ops::{KilnBackend, TrainBackend};
+use crate::parallel::DataParallel;
 use crate::task::{BatchSource, CrossEntropy, IGNORE_INDEX};
 use crate::train::checkpoint::ModelFiles;
 use crate::train::trainer::{evaluate, EvalOutput, TrainOutput};
@@ -190,9 +191,8 @@ pub fn train<B: TrainBackend>(
     args: TrainingArguments,
     device: &B::Device,
 ) -> Result<(TrainOutput, Option<EvalOutput>)> {
-    // Join the job first (like torchrun scripts' init_process_group): workers meet before each
-    // spends time loading, and a broken set-up is reported whatever the loading takes.
-    let dist = crate::parallel::init_from_env::<B::InnerBackend>(device)?;
+    // Join the job first: workers meet before each spends time loading.
+    let parallel = DataParallel::join(device)?;
     let tok_path = opts.tokenizer_path()?;
     let tok = load_tokenizer(&tok_path)?;
     let (model, config) = match (&opts.from_config, &opts.model_dir) {
@@ -251,7 +251,7 @@ pub fn train<B: TrainBackend>(
         source_dir: opts.model_dir.clone(),
     };
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), CrossEntropy, files);
-    trainer.dist = dist;
+    trainer.parallel = parallel;
     trainer.train_and_evaluate(&train_set, eval_set.as_ref())
 }
 
@@ -275,7 +275,15 @@ pub fn eval<B: KilnBackend>(
         .as_ref()
         .ok_or_else(|| KilnError::Config("kiln eval needs --eval-file".into()))?;
     let set = opts.blocks(file, &tok, eos_id(&config, &tok), opts.max_eval_samples)?;
-    let mut out = evaluate(&model, &set, batch_size, &CrossEntropy, None, None, None)?;
+    let mut out = evaluate(
+        &model,
+        &set,
+        batch_size,
+        &CrossEntropy,
+        None,
+        None,
+        &DataParallel::single(),
+    )?;
     out.metrics.insert(
         "eval_tokens".into(),
         (set.len() * (set.block_size - 1)) as f64,

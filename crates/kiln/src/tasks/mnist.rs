@@ -133,7 +133,7 @@ pub fn train<B: TrainBackend>(
         crate::ops::with_seeded_rng::<B, _>(device, args.seed, || MnistMlp::<B>::new(device));
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), CrossEntropy, files());
     trainer.label_names = Some(digits());
-    trainer.dist = crate::parallel::init_from_env::<B::InnerBackend>(device)?;
+    trainer.parallel = crate::parallel::DataParallel::join(device)?;
     let out = trainer.train(&train, None::<&MnistSplit>)?;
     if trainer.is_main() {
         println!(
@@ -170,7 +170,7 @@ pub fn eval<B: KilnBackend>(
         &CrossEntropy,
         Some(&digits()),
         None,
-        None,
+        &crate::parallel::DataParallel::single(),
     )?;
     let iters = test.len().div_ceil(batch_size.max(1)) as f64;
     println!(

@@ -12,6 +12,7 @@ use crate::error::{KilnError, Result};
 use crate::hub::config::BertConfig;
 use crate::hub::weights::{load_into, read_safetensors};
 use crate::models::bert::BertForSequenceClassification;
+use crate::parallel::DataParallel;
 use crate::task::{BatchSource, CrossEntropy, Loss, Model};
 use crate::train::checkpoint::ModelFiles;
 use crate::train::metrics::argmax;
@@ -251,9 +252,8 @@ pub fn train<B: TrainBackend, L: Loss>(
     loss: L,
     customize: impl FnOnce(&mut Trainer<B, BertForSequenceClassification<B>, L>),
 ) -> Result<(TrainOutput, Option<EvalOutput>)> {
-    // Join the job first (like torchrun scripts' init_process_group): workers meet before each
-    // spends time loading, and a broken set-up is reported whatever the loading takes.
-    let dist = crate::parallel::init_from_env::<B::InnerBackend>(device)?;
+    // Join the job first: workers meet before each spends time loading.
+    let parallel = DataParallel::join(device)?;
     let md = ModelDir::new(&opts.model_dir)?;
     let config = md.config()?;
     let tok = md.tokenizer(&config, opts.max_length)?;
@@ -282,7 +282,7 @@ pub fn train<B: TrainBackend, L: Loss>(
     }
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files);
     trainer.label_names = Some(labels.names().to_vec());
-    trainer.dist = dist;
+    trainer.parallel = parallel;
     customize(&mut trainer);
     let batches = |set| ClassificationBatches {
         set,
@@ -323,7 +323,7 @@ pub fn eval<B: KilnBackend>(
         &CrossEntropy,
         Some(labels.names()),
         None,
-        None,
+        &crate::parallel::DataParallel::single(),
     )
 }
 

@@ -99,14 +99,14 @@ impl<B: KilnBackend> GradAccumulator<B> {
         module.visit(&mut v);
     }
 
-    /// Replaces every gradient by its mean over the data-parallel group (before clipping, as DDP),
-    /// and returns the mean of `value` (the step's loss) too. Everything travels as one flat buffer:
-    /// one collective per step instead of one per tensor.
-    pub fn all_reduce_mean(
+    /// Replaces every gradient (and `value`, the step's loss) by what `reduce` makes of them, all
+    /// in one flat buffer: the data-parallel average is one collective per step, not one per
+    /// tensor.
+    pub fn reduce_flat(
         &mut self,
-        group: &crate::parallel::ProcessGroup<B>,
         value: f64,
         device: &B::Device,
+        reduce: impl FnOnce(Tensor<B, 1>) -> crate::Result<Tensor<B, 1>>,
     ) -> crate::Result<f64> {
         let sizes: Vec<usize> = self.grads.values().map(|g| g.dims()[0]).collect();
         let mut parts: Vec<Tensor<B, 1>> = self.grads.values().cloned().collect();
@@ -114,16 +114,14 @@ impl<B: KilnBackend> GradAccumulator<B> {
             TensorData::new(vec![value as f32], [1]),
             device,
         ));
-        let flat = Tensor::cat(parts, 0);
-        let reduced = group.all_reduce_mean(flat.into_primitive().tensor())?;
-        let reduced = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(reduced));
+        let reduced = reduce(Tensor::cat(parts, 0))?;
         let mut start = 0;
         for (g, n) in self.grads.values_mut().zip(sizes) {
             *g = reduced.clone().narrow(0, start, n);
             start += n;
         }
-        let mean: f32 = reduced.narrow(0, start, 1).into_scalar().elem();
-        Ok(mean as f64)
+        let out: f32 = reduced.narrow(0, start, 1).into_scalar().elem();
+        Ok(out as f64)
     }
 
     /// The global L2 norm of all gradients (after any pending scale).

@@ -3,12 +3,10 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Map, Value};
@@ -24,11 +22,11 @@ use super::metrics::{classification_report, ClassificationReport, Predictions};
 use super::optim::{AdamWConfig, GradAccumulator, Optimizer};
 use super::output_dir::{claim, resolve_resume_for, Claim, RunDir};
 use super::schedule::lr_factor;
-use crate::data::batch::{epoch_order, shard};
+use crate::data::batch::epoch_order;
 use crate::error::{KilnError, Result};
-use crate::hub::weights::{load_into, map_params, module_tensors, read_safetensors};
+use crate::hub::weights::{load_into, module_tensors, read_safetensors};
 use crate::ops::{profile, TrainBackend};
-use crate::parallel::ProcessGroup;
+use crate::parallel::DataParallel;
 use crate::task::{BatchSource, CrossEntropy, Loss, Model};
 
 /// A user metric: extra `(name, value)` pairs computed from an evaluation's predictions.
@@ -65,8 +63,9 @@ pub struct Trainer<B: TrainBackend, M, L = CrossEntropy> {
     optimizer: Optimizer<B::InnerBackend>,
     /// Whether to show a progress bar (rank 0, interactive).
     pub progress: bool,
-    /// The data-parallel group when launched with `kiln launch` / torchrun; `None` alone.
-    pub dist: Option<Arc<ProcessGroup<B::InnerBackend>>>,
+    /// The data-parallel strategy: this process's share of the data and of the job (a world of
+    /// one when run alone; set it to [`DataParallel::join`] under `kiln launch` / torchrun).
+    pub parallel: DataParallel<B::InnerBackend>,
     /// The loss of the last optimizer step (averaged over ranks), as the MNIST sample prints it.
     pub last_step_loss: f64,
     /// This run's id (its checkpoints carry it) and, on rank 0, the lock on the output folder.
@@ -126,7 +125,7 @@ where
             state: TrainerState::default(),
             optimizer,
             progress: true,
-            dist: None,
+            parallel: DataParallel::single(),
             last_step_loss: f64::NAN,
             run: None,
             run_id: String::new(),
@@ -170,41 +169,7 @@ where
 
     /// Rank 0 (or a single process): the one that logs and writes files.
     pub fn is_main(&self) -> bool {
-        self.dist.as_ref().is_none_or(|d| d.rank() == 0)
-    }
-
-    fn world(&self) -> (usize, usize) {
-        self.dist
-            .as_ref()
-            .map_or((0, 1), |d| (d.rank(), d.world_size()))
-    }
-
-    /// Waits for every worker (after rank 0 wrote files the others read).
-    fn barrier(&self) -> Result<()> {
-        match &self.dist {
-            Some(d) => d.barrier(&self.device),
-            None => Ok(()),
-        }
-    }
-
-    /// Makes every rank start from rank 0's weights.
-    fn broadcast_weights(&mut self) -> Result<()> {
-        let Some(d) = self.dist.clone() else {
-            return Ok(());
-        };
-        let mut err = None;
-        let model = map_params(self.take_model(), |_, value: FloatTensor<B>| {
-            let inner = B::inner(value.clone());
-            match d.broadcast_from_rank0(inner) {
-                Ok(v) => B::from_inner(v),
-                Err(e) => {
-                    err.get_or_insert(e);
-                    value
-                }
-            }
-        });
-        self.model = Some(model);
-        err.map_or(Ok(()), Err)
+        self.parallel.is_main()
     }
 
     /// Restores model, optimizer and trainer state from a checkpoint folder.
@@ -235,12 +200,70 @@ where
     }
 
     /// Trains on `train`, evaluating on `eval` as the arguments say; saves the final model in
-    /// `output_dir`.
+    /// `output_dir`. One optimizer step at a time ([`Self::optimizer_step`]), then logging,
+    /// evaluation and saving when they are due.
     pub fn train<S, E>(&mut self, train: &S, eval: Option<&E>) -> Result<TrainOutput>
     where
         S: BatchSource<Batch = M::Batch>,
         E: BatchSource<Batch = M::Batch>,
     {
+        let plan = self.start(train, eval.is_some())?;
+        let a = self.args.clone();
+        let mut run = RunProgress::new(self.state.global_step, self.progress_bar(&plan));
+        let lengths = train.lengths();
+        let first_epoch = run.start_step / plan.updates_per_epoch;
+        let skip_groups = (run.start_step % plan.updates_per_epoch) as usize;
+        'epochs: for epoch in first_epoch.. {
+            if self.state.global_step >= plan.total {
+                break;
+            }
+            let order = epoch_order(
+                &lengths,
+                a.seed,
+                epoch,
+                true,
+                a.group_by_length.then_some(plan.batch_size),
+            );
+            let order = self.parallel.shard(&order, a.dataloader_drop_last);
+            let batches: Vec<&[usize]> = order
+                .chunks(plan.batch_size)
+                .filter(|c| !a.dataloader_drop_last || c.len() == plan.batch_size)
+                .collect();
+            let groups = batches.len().div_ceil(a.gradient_accumulation_steps);
+            for (g, group) in batches.chunks(a.gradient_accumulation_steps).enumerate() {
+                if epoch == first_epoch && g < skip_groups {
+                    continue;
+                }
+                let step = self.optimizer_step(train, group, &plan)?;
+                run.record(&step);
+                let epoch_end = g + 1 == groups;
+                self.maybe_log(&plan, &step, &mut run)?;
+                if let Some(ev) = eval {
+                    if self.due(a.eval_strategy, a.eval_interval(), epoch_end) {
+                        let out = run.bar.suspend(|| self.evaluate(ev))?;
+                        self.log_eval(&out)?;
+                        run.pending_eval = Some(out.metrics);
+                    }
+                }
+                let last = self.state.global_step >= plan.total;
+                if self.due(a.save_strategy, a.save_steps, epoch_end)
+                    || (last && a.load_best_model_at_end)
+                {
+                    let sched = self.scheduler_state(&plan);
+                    let pending = run.pending_eval.take();
+                    run.bar.suspend(|| self.save_checkpoint(&sched, pending))?;
+                }
+                if last {
+                    break 'epochs;
+                }
+            }
+        }
+        self.finish(run)
+    }
+
+    /// Validates the arguments, claims the output folder, derives the plan, resumes from a
+    /// checkpoint when asked, and makes every rank start from the same weights.
+    fn start<S: BatchSource>(&mut self, train: &S, has_eval: bool) -> Result<Plan> {
         let a = self.args.clone();
         a.validate()?;
         crate::ops::set_matmul_precision(if a.bf16 {
@@ -248,12 +271,11 @@ where
         } else {
             crate::ops::MatmulPrecision::F32
         });
-        if a.eval_strategy != IntervalStrategy::No && eval.is_none() {
+        if a.eval_strategy != IntervalStrategy::No && !has_eval {
             return Err(KilnError::Config(
                 "eval_strategy needs evaluation data (--eval-file or --eval-split)".into(),
             ));
         }
-        let (rank, world) = self.world();
         // Rank 0 claims the output folder (lock, leftovers, another run's files); every rank
         // resumes from the same checkpoint.
         let resume_dir = if self.is_main() {
@@ -273,281 +295,242 @@ where
                 .map(|spec| resolve_resume_for(&a.output_dir, spec))
                 .transpose()?
         };
-        let n = train.len();
-        // Each rank trains on its shard of every epoch (see `shard`): equal counts on all ranks.
-        let n_rank = if world == 1 {
-            n
-        } else if a.dataloader_drop_last {
-            n / world
-        } else {
-            n.div_ceil(world)
-        };
-        let bs = a.per_device_train_batch_size;
-        let batches_per_epoch = if a.dataloader_drop_last {
-            n_rank / bs
-        } else {
-            n_rank.div_ceil(bs)
-        };
-        if batches_per_epoch == 0 {
-            return Err(KilnError::Data(format!(
-                "{n} training examples make no full batch of {bs} (dataloader_drop_last)"
-            )));
-        }
-        let updates_per_epoch = batches_per_epoch.div_ceil(a.gradient_accumulation_steps) as u64;
-        let total = if a.max_steps > 0 {
-            a.max_steps as u64
-        } else {
-            (a.num_train_epochs * updates_per_epoch as f64).ceil() as u64
-        };
-        let warmup = if a.warmup_steps > 0 {
-            a.warmup_steps
-        } else {
-            (a.warmup_ratio * total as f64).ceil() as u64
-        };
-
+        let plan = Plan::new(&a, train.len(), &self.parallel)?;
         self.state = TrainerState {
-            max_steps: total,
-            num_train_epochs: total as f64 / updates_per_epoch as f64,
+            max_steps: plan.total,
+            num_train_epochs: plan.total as f64 / plan.updates_per_epoch as f64,
             logging_steps: a.logging_steps,
             eval_steps: a.eval_interval(),
             save_steps: a.save_steps,
-            train_batch_size: bs,
-            is_local_process_zero: self.dist.as_ref().is_none_or(|d| d.env.local_rank == 0),
-            is_world_process_zero: rank == 0,
+            train_batch_size: plan.batch_size,
+            is_local_process_zero: self.parallel.is_local_main(),
+            is_world_process_zero: self.is_main(),
             ..TrainerState::default()
         };
         if let Some(dir) = &resume_dir {
             let sched = self.resume(dir)?;
-            if sched.total_steps != total || sched.seed != a.seed {
+            if sched.total_steps != plan.total || sched.seed != a.seed {
                 tracing::warn!(
-                    "resuming with different total steps ({} → {total}) or seed ({} → {}): the run will not match an uninterrupted one",
-                    sched.total_steps, sched.seed, a.seed
+                    "resuming with different total steps ({} → {}) or seed ({} → {}): the run will not match an uninterrupted one",
+                    sched.total_steps, plan.total, sched.seed, a.seed
                 );
             }
-            self.state.max_steps = total;
+            self.state.max_steps = plan.total;
         }
-
-        self.broadcast_weights()?;
-        if rank == 0 {
+        let model = self.take_model();
+        self.model = Some(self.parallel.broadcast_model(model)?);
+        if self.is_main() {
+            let world = self.parallel.size();
             info!("***** Running training *****");
-            info!("  Num examples = {n}");
+            info!("  Num examples = {}", plan.examples);
             info!("  Num epochs = {:.2}", self.state.num_train_epochs);
-            info!("  Instantaneous batch size per device = {bs}");
+            info!(
+                "  Instantaneous batch size per device = {}",
+                plan.batch_size
+            );
             info!("  World size = {world}");
             info!(
                 "  Total train batch size (w. parallel, distributed & accumulation) = {}",
-                bs * world * a.gradient_accumulation_steps
+                plan.batch_size * world * a.gradient_accumulation_steps
             );
             info!(
                 "  Gradient accumulation steps = {}",
                 a.gradient_accumulation_steps
             );
-            info!("  Total optimization steps = {total} (warmup {warmup})");
-        }
-
-        let bar = if self.progress && rank == 0 {
-            let pb = ProgressBar::new(total);
-            pb.set_style(
-                ProgressStyle::with_template(
-                    "{bar:30.cyan/blue} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
-                )
-                .expect("template"),
+            info!(
+                "  Total optimization steps = {} (warmup {})",
+                plan.total, plan.warmup
             );
-            pb.set_position(self.state.global_step);
-            pb
-        } else {
-            ProgressBar::hidden()
-        };
-
+        }
         crate::ops::take_activation_overflow();
-        let lengths = train.lengths();
-        let start = Instant::now();
-        let start_step = self.state.global_step;
-        let (mut samples, mut run_loss_sum) = (0usize, 0.0f64);
-        let (mut log_loss_sum, mut log_steps) = (0.0f64, 0u64);
-        let mut pending_eval: Option<BTreeMap<String, f64>> = None;
-        let first_epoch = start_step / updates_per_epoch;
-        let skip_groups = (start_step % updates_per_epoch) as usize;
+        Ok(plan)
+    }
 
-        'epochs: for epoch in first_epoch.. {
-            if self.state.global_step >= total {
-                break;
-            }
-            let order = epoch_order(
-                &lengths,
-                a.seed,
-                epoch,
-                true,
-                a.group_by_length.then_some(bs),
-            );
-            let order = shard(&order, rank, world, a.dataloader_drop_last);
-            let batches: Vec<&[usize]> = order
-                .chunks(bs)
-                .filter(|c| !a.dataloader_drop_last || c.len() == bs)
-                .collect();
-            for (g, group) in batches.chunks(a.gradient_accumulation_steps).enumerate() {
-                if epoch == first_epoch && g < skip_groups {
-                    continue;
-                }
-                // Dropout masks come from a stream re-seeded per step: resuming is exact.
-                let step_seed = a
-                    .seed
-                    .wrapping_mul(1_000_003)
-                    .wrapping_add(self.state.global_step);
-                crate::ops::reseed_dropout(step_seed);
-                let mut acc = GradAccumulator::default();
-                let mut step_loss = 0.0;
-                for idx in group {
-                    let fwd = profile::scope("step: data + forward");
-                    let (batch, targets) = train.batch(idx);
-                    let scale = 1.0 / group.len() as f64;
-                    let by_segment = if a.gradient_checkpointing {
-                        loss_and_grads_by_segment(self.model(), &batch, &targets, &self.loss, scale)
-                    } else {
-                        None
-                    };
-                    if let Some((l, grads)) = by_segment {
-                        step_loss += l;
-                        acc.merge(grads);
-                        samples += idx.len();
-                        continue;
-                    }
-                    let logits = self.model().logits(&batch);
-                    let loss = self
-                        .loss
-                        .loss(logits, targets_tensor::<B>(targets, &self.device))
-                        / group.len() as f64;
-                    step_loss += loss.clone().into_scalar().elem::<f64>();
-                    drop(fwd);
-                    let bwd = profile::scope("step: backward");
-                    let grads = loss.backward();
-                    acc.accumulate::<B, M>(self.model(), &grads);
-                    drop(bwd);
-                    samples += idx.len();
-                }
-                // Overflowed activations make a finite-looking loss meaningless (the outputs
-                // collapsed): the step counts as non-finite, on every rank through the average.
-                let overflowed = crate::ops::take_activation_overflow();
-                if overflowed {
-                    step_loss = f64::NAN;
-                }
-                if let Some(d) = &self.dist {
-                    // Average gradients (and the logged loss) over ranks before clipping.
-                    step_loss = acc.all_reduce_mean(d, step_loss, &self.device)?;
-                    samples += (world - 1) * group.iter().map(|i| i.len()).sum::<usize>();
-                }
-                let opt = profile::scope("step: clip + optimizer");
-                let last_grad_norm = acc.clip_global_norm(a.max_grad_norm);
-                let lr = a.learning_rate
-                    * lr_factor(a.lr_scheduler_type, self.state.global_step, warmup, total);
-                // Every rank sees the same averaged loss and norm, so all decide alike.
-                let finite = step_loss.is_finite() && last_grad_norm.is_finite();
-                if finite {
-                    let model = self.take_model();
-                    self.model = Some(self.optimizer.step::<B, M>(model, lr, acc));
-                } else {
-                    self.skip_nonfinite_step(step_loss, last_grad_norm, overflowed)?;
-                }
-                drop(opt);
-                self.state.global_step += 1;
-                self.state.epoch = self.state.global_step as f64 / updates_per_epoch as f64;
-                let last_lr = a.learning_rate
-                    * lr_factor(a.lr_scheduler_type, self.state.global_step, warmup, total);
-                self.last_step_loss = step_loss;
-                // As transformers' logging_nan_inf_filter: a skipped step's loss stays out of the
-                // logged averages.
-                if finite {
-                    run_loss_sum += step_loss;
-                    log_loss_sum += step_loss;
-                    log_steps += 1;
-                }
-                let elapsed = start.elapsed().as_secs_f64();
-                bar.set_position(self.state.global_step);
-                bar.set_message(format!(
-                    "loss {:.4} lr {:.2e} {:.1} samples/s",
-                    step_loss,
-                    lr,
-                    samples as f64 / elapsed.max(1e-9)
-                ));
-
-                let step = self.state.global_step;
-                let epoch_end = g + 1 == batches.len().div_ceil(a.gradient_accumulation_steps);
-                if a.logging_steps > 0 && step.is_multiple_of(a.logging_steps) {
-                    let loss = log_loss_sum / log_steps.max(1) as f64;
-                    let mut entry = json!({"learning_rate": last_lr});
-                    // Only finite values are logged: a window of skipped steps has no loss.
-                    if log_steps > 0 {
-                        entry["loss"] = json!(round4(loss));
-                    }
-                    if last_grad_norm.is_finite() {
-                        entry["grad_norm"] = json!(last_grad_norm);
-                    }
-                    if self.skipped_nonfinite > 0 {
-                        entry["skipped_nonfinite_steps"] = json!(self.skipped_nonfinite);
-                    }
-                    if self.is_main() {
-                        bar.suspend(|| {
-                            info!(
-                                "step {step}/{total} loss {loss:.4} grad_norm {last_grad_norm:.3} lr {last_lr:.3e} epoch {:.2}",
-                                self.state.epoch
-                            )
-                        });
-                    }
-                    self.log(entry.as_object().cloned().unwrap_or_default())?;
-                    (log_loss_sum, log_steps) = (0.0, 0);
-                }
-                let due = |s: IntervalStrategy, every: u64| match s {
-                    IntervalStrategy::No => false,
-                    IntervalStrategy::Steps => step.is_multiple_of(every.max(1)),
-                    IntervalStrategy::Epoch => epoch_end,
-                };
-                if let Some(ev) = eval {
-                    if due(a.eval_strategy, a.eval_interval()) {
-                        let out = bar.suspend(|| self.evaluate(ev))?;
-                        self.log_eval(&out)?;
-                        pending_eval = Some(out.metrics);
-                    }
-                }
-                if due(a.save_strategy, a.save_steps) || (step >= total && a.load_best_model_at_end)
-                {
-                    let sched = SchedulerState {
-                        step: self.optimizer.steps(),
-                        last_lr,
-                        warmup_steps: warmup,
-                        total_steps: total,
-                        seed: a.seed,
-                        skipped_nonfinite: self.skipped_nonfinite,
-                    };
-                    bar.suspend(|| self.save_checkpoint(&sched, pending_eval.take()))?;
-                }
-                if step >= total {
-                    break 'epochs;
-                }
-            }
+    fn progress_bar(&self, plan: &Plan) -> ProgressBar {
+        if !(self.progress && self.is_main()) {
+            return ProgressBar::hidden();
         }
-        bar.finish_and_clear();
+        let pb = ProgressBar::new(plan.total);
+        pb.set_style(
+            ProgressStyle::with_template(
+                "{bar:30.cyan/blue} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+            )
+            .expect("template"),
+        );
+        pb.set_position(self.state.global_step);
+        pb
+    }
 
-        let runtime = start.elapsed().as_secs_f64();
-        let steps_run = self.state.global_step - start_step;
+    /// One optimizer step over the micro-batches of `group`: forward and backward of each
+    /// (accumulating gradients), the data-parallel average, global-norm clipping and the update —
+    /// or, for a non-finite loss or norm, the skip `--skip-nonfinite-steps` allows.
+    fn optimizer_step<S>(
+        &mut self,
+        train: &S,
+        group: &[&[usize]],
+        plan: &Plan,
+    ) -> Result<StepOutcome>
+    where
+        S: BatchSource<Batch = M::Batch>,
+    {
+        let a = &self.args;
+        // Dropout masks come from a stream re-seeded per step: resuming is exact.
+        let step_seed = a
+            .seed
+            .wrapping_mul(1_000_003)
+            .wrapping_add(self.state.global_step);
+        crate::ops::reseed_dropout(step_seed);
+        let checkpointing = a.gradient_checkpointing;
+        let mut acc = GradAccumulator::default();
+        let mut loss_sum = 0.0;
+        let mut samples = 0;
+        for idx in group {
+            let fwd = profile::scope("step: data + forward");
+            let (batch, targets) = train.batch(idx);
+            let scale = 1.0 / group.len() as f64;
+            samples += idx.len();
+            let by_segment = if checkpointing {
+                loss_and_grads_by_segment(self.model(), &batch, &targets, &self.loss, scale)
+            } else {
+                None
+            };
+            if let Some((l, grads)) = by_segment {
+                loss_sum += l;
+                acc.merge(grads);
+                continue;
+            }
+            let logits = self.model().logits(&batch);
+            let loss = self
+                .loss
+                .loss(logits, targets_tensor::<B>(targets, &self.device))
+                / group.len() as f64;
+            loss_sum += loss.clone().into_scalar().elem::<f64>();
+            drop(fwd);
+            let _bwd = profile::scope("step: backward");
+            let grads = loss.backward();
+            acc.accumulate::<B, M>(self.model(), &grads);
+        }
+        // Overflowed activations make a finite-looking loss meaningless (the outputs collapsed):
+        // the step counts as non-finite, on every rank through the average.
+        let overflowed = crate::ops::take_activation_overflow();
+        if overflowed {
+            loss_sum = f64::NAN;
+        }
+        // Average gradients (and the logged loss) over ranks before clipping.
+        let parallel = &self.parallel;
+        let loss = if parallel.size() > 1 {
+            acc.reduce_flat(loss_sum, &self.device, |flat| parallel.average(flat))?
+        } else {
+            loss_sum
+        };
+        let _opt = profile::scope("step: clip + optimizer");
+        let grad_norm = acc.clip_global_norm(self.args.max_grad_norm);
+        let lr = plan.lr(&self.args, self.state.global_step);
+        // Every rank sees the same averaged loss and norm, so all decide alike.
+        let finite = loss.is_finite() && grad_norm.is_finite();
+        if finite {
+            let model = self.take_model();
+            self.model = Some(self.optimizer.step::<B, M>(model, lr, acc));
+        } else {
+            self.skip_nonfinite_step(loss, grad_norm, overflowed)?;
+        }
+        self.state.global_step += 1;
+        self.state.epoch = self.state.global_step as f64 / plan.updates_per_epoch as f64;
+        self.last_step_loss = loss;
+        Ok(StepOutcome {
+            loss,
+            grad_norm,
+            lr,
+            next_lr: plan.lr(&self.args, self.state.global_step),
+            finite,
+            // Every rank trains on as many examples.
+            samples: samples * self.parallel.size(),
+        })
+    }
+
+    /// Whether an evaluation or a save with this strategy is due after the step just taken.
+    fn due(&self, strategy: IntervalStrategy, every: u64, epoch_end: bool) -> bool {
+        match strategy {
+            IntervalStrategy::No => false,
+            IntervalStrategy::Steps => self.state.global_step.is_multiple_of(every.max(1)),
+            IntervalStrategy::Epoch => epoch_end,
+        }
+    }
+
+    /// The progress bar after every step; a `log.jsonl` line every `logging_steps`.
+    fn maybe_log(&mut self, plan: &Plan, step: &StepOutcome, run: &mut RunProgress) -> Result<()> {
+        run.bar.set_position(self.state.global_step);
+        run.bar.set_message(format!(
+            "loss {:.4} lr {:.2e} {:.1} samples/s",
+            step.loss,
+            step.lr,
+            run.samples as f64 / run.start.elapsed().as_secs_f64().max(1e-9)
+        ));
+        let logging = self.args.logging_steps;
+        let global = self.state.global_step;
+        if logging == 0 || !global.is_multiple_of(logging) {
+            return Ok(());
+        }
+        let loss = run.log_loss_sum / run.log_steps.max(1) as f64;
+        let mut entry = json!({"learning_rate": step.next_lr});
+        // Only finite values are logged: a window of skipped steps has no loss.
+        if run.log_steps > 0 {
+            entry["loss"] = json!(round4(loss));
+        }
+        if step.grad_norm.is_finite() {
+            entry["grad_norm"] = json!(step.grad_norm);
+        }
+        if self.skipped_nonfinite > 0 {
+            entry["skipped_nonfinite_steps"] = json!(self.skipped_nonfinite);
+        }
+        if self.is_main() {
+            run.bar.suspend(|| {
+                info!(
+                    "step {global}/{} loss {loss:.4} grad_norm {:.3} lr {:.3e} epoch {:.2}",
+                    plan.total, step.grad_norm, step.next_lr, self.state.epoch
+                )
+            });
+        }
+        self.log(entry.as_object().cloned().unwrap_or_default())?;
+        (run.log_loss_sum, run.log_steps) = (0.0, 0);
+        Ok(())
+    }
+
+    fn scheduler_state(&self, plan: &Plan) -> SchedulerState {
+        SchedulerState {
+            step: self.optimizer.steps(),
+            last_lr: plan.lr(&self.args, self.state.global_step),
+            warmup_steps: plan.warmup,
+            total_steps: plan.total,
+            seed: self.args.seed,
+            skipped_nonfinite: self.skipped_nonfinite,
+        }
+    }
+
+    /// The run's summary metrics, the best model when asked for it, and the final model folder.
+    fn finish(&mut self, run: RunProgress) -> Result<TrainOutput> {
+        run.bar.finish_and_clear();
+        let runtime = run.start.elapsed().as_secs_f64();
+        let steps_run = self.state.global_step - run.start_step;
         let mut metrics: BTreeMap<String, f64> = BTreeMap::new();
         metrics.insert("train_runtime".into(), round4(runtime));
         metrics.insert(
             "train_samples_per_second".into(),
-            round3(samples as f64 / runtime),
+            round3(run.samples as f64 / runtime),
         );
         metrics.insert(
             "train_steps_per_second".into(),
             round3(steps_run as f64 / runtime),
         );
         let finite_steps = steps_run.saturating_sub(self.skipped_nonfinite).max(1);
-        metrics.insert("train_loss".into(), run_loss_sum / finite_steps as f64);
+        metrics.insert("train_loss".into(), run.loss_sum / finite_steps as f64);
         metrics.insert("epoch".into(), round4(self.state.epoch));
         let mut entry: Map<String, Value> =
             metrics.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
         entry.insert("total_flos".into(), json!(0));
         self.log(entry)?;
 
-        if a.load_best_model_at_end {
+        if self.args.load_best_model_at_end {
             if let Some(best) = self.state.best_model_checkpoint.clone() {
                 info!(
                     "loading best model from {best} ({:?})",
@@ -559,10 +542,11 @@ where
             }
         }
         if self.is_main() {
-            self.save_model(&a.output_dir)?;
-            write_json(&a.output_dir.join("train_results.json"), &metrics)?;
+            let dir = self.args.output_dir.clone();
+            self.save_model(&dir)?;
+            write_json(&dir.join("train_results.json"), &metrics)?;
         }
-        self.barrier()?;
+        self.parallel.barrier()?;
         Ok(TrainOutput {
             global_step: self.state.global_step,
             metrics,
@@ -607,7 +591,7 @@ where
         }
         if !self.is_main() {
             // Rank 0 writes; the others wait so that nobody reads a half-written checkpoint.
-            return self.barrier();
+            return self.parallel.barrier();
         }
         let model = module_tensors(self.model());
         ensure_finite(
@@ -633,7 +617,7 @@ where
             let best = self.state.best_model_checkpoint.clone().map(PathBuf::from);
             rotate_checkpoints(&self.args.output_dir, limit, best.as_deref(), &self.run_id)?;
         }
-        self.barrier()
+        self.parallel.barrier()
     }
 
     /// Saves the model (config.json, model.safetensors, tokenizer.json) and trainer state to `dir`,
@@ -739,7 +723,7 @@ where
             &self.loss,
             self.label_names.as_deref(),
             self.compute_metrics.as_ref(),
-            self.dist.as_deref(),
+            &self.parallel,
         )
     }
 }
@@ -752,7 +736,7 @@ pub fn evaluate<B, M, E, L>(
     loss_fn: &L,
     label_names: Option<&[String]>,
     compute_metrics: Option<&MetricFn>,
-    dist: Option<&ProcessGroup<B>>,
+    parallel: &DataParallel<B>,
 ) -> Result<EvalOutput>
 where
     B: Backend,
@@ -768,10 +752,9 @@ where
         .expect("model has a device");
     let (mut loss_sum, mut count) = (0.0, 0usize);
     let mut preds = Predictions::default();
-    let (rank, world) = dist.map_or((0, 1), |d| (d.rank(), d.world_size()));
     crate::ops::take_activation_overflow();
-    // This rank's examples: every `world`-th from `rank` (no padding: nothing counted twice).
-    let order: Vec<usize> = (rank..eval.len()).step_by(world).collect();
+    // This rank's examples (no padding: nothing counted twice).
+    let order = parallel.eval_share(eval.len());
     for idx in order.chunks(batch_size.max(1)) {
         let (batch, targets) = eval.batch(idx);
         let counted = targets
@@ -815,10 +798,9 @@ where
                 .into(),
         ));
     }
-    if let Some(d) = dist {
+    if parallel.size() > 1 {
         (loss_sum, count, preds) = gather_eval(
-            d,
-            &device,
+            parallel,
             eval.len(),
             label_names.map_or(0, |l| l.len()),
             &order,
@@ -868,8 +850,7 @@ where
 /// Gathers every rank's eval results: loss sums and counts are summed, and each example's logits
 /// and label land in its global position (a sum in which every other rank contributes zeros).
 fn gather_eval<B: Backend>(
-    d: &ProcessGroup<B>,
-    device: &B::Device,
+    parallel: &DataParallel<B>,
     n: usize,
     classes: usize,
     mine: &[usize],
@@ -887,7 +868,7 @@ fn gather_eval<B: Backend>(
     }
     let last = buf.len() - 2;
     (buf[last], buf[last + 1]) = (loss_sum as f32, count as f32);
-    let buf = d.sum_host(buf, device)?;
+    let buf = parallel.sum_host(buf)?;
     let (rows, totals) = buf.split_at(last);
     let mut gathered = Predictions::default();
     for row in rows.chunks(width) {
@@ -895,6 +876,113 @@ fn gather_eval<B: Backend>(
         gathered.labels.push(row[classes] as usize);
     }
     Ok((totals[0] as f64, totals[1] as usize, gathered))
+}
+
+/// The sizes of a run, derived once from the data, the arguments and the world.
+struct Plan {
+    examples: usize,
+    batch_size: usize,
+    updates_per_epoch: u64,
+    total: u64,
+    warmup: u64,
+}
+
+impl Plan {
+    fn new<B: Backend>(
+        a: &TrainingArguments,
+        n: usize,
+        parallel: &DataParallel<B>,
+    ) -> Result<Self> {
+        // Each rank trains on its shard of every epoch: equal counts on all ranks.
+        let n_rank = parallel.examples_per_rank(n, a.dataloader_drop_last);
+        let bs = a.per_device_train_batch_size;
+        let batches_per_epoch = if a.dataloader_drop_last {
+            n_rank / bs
+        } else {
+            n_rank.div_ceil(bs)
+        };
+        if batches_per_epoch == 0 {
+            return Err(KilnError::Data(format!(
+                "{n} training examples make no full batch of {bs} (dataloader_drop_last)"
+            )));
+        }
+        let updates_per_epoch = batches_per_epoch.div_ceil(a.gradient_accumulation_steps) as u64;
+        let total = if a.max_steps > 0 {
+            a.max_steps as u64
+        } else {
+            (a.num_train_epochs * updates_per_epoch as f64).ceil() as u64
+        };
+        let warmup = if a.warmup_steps > 0 {
+            a.warmup_steps
+        } else {
+            (a.warmup_ratio * total as f64).ceil() as u64
+        };
+        Ok(Self {
+            examples: n,
+            batch_size: bs,
+            updates_per_epoch,
+            total,
+            warmup,
+        })
+    }
+
+    /// The learning rate of the update after `step` updates.
+    fn lr(&self, a: &TrainingArguments, step: u64) -> f64 {
+        a.learning_rate * lr_factor(a.lr_scheduler_type, step, self.warmup, self.total)
+    }
+}
+
+/// What one optimizer step did.
+struct StepOutcome {
+    /// The step's loss, averaged over micro-batches and ranks.
+    loss: f64,
+    grad_norm: f64,
+    /// The rate this update used, and the one the next will use (transformers logs the latter).
+    lr: f64,
+    next_lr: f64,
+    finite: bool,
+    /// Examples trained on, over all ranks.
+    samples: usize,
+}
+
+/// The running sums of one `train` call.
+struct RunProgress {
+    start: Instant,
+    start_step: u64,
+    samples: usize,
+    /// Sum of the finite step losses of the whole call, and of the current logging window.
+    loss_sum: f64,
+    log_loss_sum: f64,
+    log_steps: u64,
+    /// The last evaluation's metrics, for the next checkpoint's best-model tracking.
+    pending_eval: Option<BTreeMap<String, f64>>,
+    bar: ProgressBar,
+}
+
+impl RunProgress {
+    fn new(start_step: u64, bar: ProgressBar) -> Self {
+        Self {
+            start: Instant::now(),
+            start_step,
+            samples: 0,
+            loss_sum: 0.0,
+            log_loss_sum: 0.0,
+            log_steps: 0,
+            pending_eval: None,
+            bar,
+        }
+    }
+
+    fn record(&mut self, step: &StepOutcome) {
+        self.samples += step.samples;
+        // As transformers' logging_nan_inf_filter: a skipped step's loss stays out of the logged
+        // averages.
+        if step.finite {
+            self.loss_sum += step.loss;
+            self.log_loss_sum += step.loss;
+            self.log_steps += 1;
+        }
+    }
 }
 
 fn round3(x: f64) -> f64 {

@@ -1,0 +1,292 @@
+//! The collectives every parallel strategy is written against, over one engine per build
+//! (burn-collective by default, MPI with `--features mpi`, NCCL for CUDA gradients), and the
+//! sub-groups of a device mesh ([`Group`]).
+//!
+//! Every operation takes and returns a flat `[n]` tensor: strategies flatten what they send (one
+//! buffer per step, not one per tensor), and engines need nothing else. All ranks of the world call
+//! the same collective at the same time (SPMD, as torch.distributed): a sub-group collective is
+//! called by every group of its mesh axis at once, which lets an engine without sub-communicators
+//! run it as one world collective (see [`Group`]).
+
+use std::sync::Arc;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+
+use crate::Result;
+
+/// A reduction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    Mean,
+    Max,
+}
+
+/// The collectives of a set of ranks. Every call blocks until all its ranks made it, under the
+/// job's watchdog: a peer that died or hung stops this worker with an error naming it.
+pub trait Collectives<B: Backend>: Send + Sync {
+    /// This rank's index in the set, `0..size`.
+    fn rank(&self) -> usize;
+    /// How many ranks the set holds.
+    fn size(&self) -> usize;
+    fn device(&self) -> &B::Device;
+
+    /// Element-wise reduction over the set; every rank gets the result.
+    fn all_reduce(&self, t: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>>;
+
+    /// Every rank's `t` concatenated in rank order; rank `r` contributes `counts[r]` values (the
+    /// same `counts` on every rank: a vocabulary split unevenly gathers without padding).
+    fn all_gather_v(&self, t: Tensor<B, 1>, counts: &[usize]) -> Result<Tensor<B, 1>>;
+
+    /// `root`'s `t` on every rank (the others pass a tensor of the same length).
+    fn broadcast(&self, t: Tensor<B, 1>, root: usize) -> Result<Tensor<B, 1>>;
+
+    /// Waits until every rank of the set reaches this point.
+    fn barrier(&self) -> Result<()> {
+        let one = Tensor::from_data(TensorData::new(vec![1f32], [1]), self.device());
+        self.all_reduce(one, ReduceOp::Sum).map(drop)
+    }
+
+    /// Sum over the set, of which this rank keeps its chunk: rank `r` gets the values
+    /// `chunk_range(n, size, r)` (ZeRO-1's gradient shards).
+    fn reduce_scatter(&self, t: Tensor<B, 1>) -> Result<Tensor<B, 1>> {
+        let n = t.dims()[0];
+        let r = chunk_range(n, self.size(), self.rank());
+        Ok(self
+            .all_reduce(t, ReduceOp::Sum)?
+            .narrow(0, r.start, r.len()))
+    }
+
+    /// Every rank's `t` (all the same length) concatenated in rank order.
+    fn all_gather(&self, t: Tensor<B, 1>) -> Result<Tensor<B, 1>> {
+        let counts = vec![t.dims()[0]; self.size()];
+        self.all_gather_v(t, &counts)
+    }
+
+    /// Sends `t` to rank `rank + offset` and returns what rank `rank - offset` sent (modulo the
+    /// size): the stage-to-stage hand-over of a pipeline, as one ring step. All `t` have the same
+    /// length.
+    fn shift(&self, t: Tensor<B, 1>, offset: usize) -> Result<Tensor<B, 1>> {
+        let n = t.dims()[0];
+        let size = self.size();
+        let from = (self.rank() + size - offset % size) % size;
+        Ok(self.all_gather(t)?.narrow(0, from * n, n))
+    }
+
+    /// This set's native sub-communicator for the group of `groups` this rank is in, when the
+    /// engine has them (MPI's `MPI_Comm_split`); `None` makes [`Group`] emulate it. Called by every
+    /// rank at once with the same partition.
+    fn split(&self, groups: &[Vec<usize>]) -> Result<Option<Arc<dyn Collectives<B>>>> {
+        let _ = groups;
+        Ok(None)
+    }
+
+    /// Sums host values over the set (eval counts, losses, gathered predictions).
+    fn sum_host(&self, values: Vec<f32>) -> Result<Vec<f32>> {
+        let n = values.len();
+        let t = Tensor::from_data(TensorData::new(values, [n]), self.device());
+        Ok(host(self.all_reduce(t, ReduceOp::Sum)?))
+    }
+}
+
+/// The values of a flat tensor.
+pub fn host<B: Backend>(t: Tensor<B, 1>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("f32 data")
+}
+
+/// The part of `0..n` that chunk `i` of `parts` near-equal chunks covers (the first `n % parts`
+/// chunks hold one more), as Megatron and NxD split uneven dimensions.
+pub fn chunk_range(n: usize, parts: usize, i: usize) -> std::ops::Range<usize> {
+    let (base, extra) = (n / parts, n % parts);
+    let start = i * base + i.min(extra);
+    start..start + base + usize::from(i < extra)
+}
+
+/// A sub-group of the world: one group of a mesh axis (the TP ranks holding one model replica's
+/// shards, or the DP ranks holding one shard).
+///
+/// burn-collective has no sub-communicators, so a group's collective runs as one world all-reduce
+/// of `groups × n` values in which each group fills its own slot (zeros elsewhere). Every group of
+/// the axis calls at once, so each gets its own result from one world call. The cost, stated in
+/// docs/DESIGN.md: the world moves `groups ×` the data of a native sub-group collective.
+pub struct Group<B: Backend> {
+    world: Arc<dyn Collectives<B>>,
+    /// The engine's own sub-communicator, where it has them.
+    native: Option<Arc<dyn Collectives<B>>>,
+    /// The axis's partition of the world: every group's global ranks, in group order.
+    groups: Vec<Vec<usize>>,
+    /// Which group this rank is in, and its index there.
+    group: usize,
+    index: usize,
+}
+
+impl<B: Backend> Group<B> {
+    /// This rank's group of the partition `groups` (every world rank in exactly one group, all
+    /// groups of equal size). Every rank calls it at once with the same partition.
+    pub fn new(world: Arc<dyn Collectives<B>>, groups: Vec<Vec<usize>>) -> Result<Self> {
+        let me = world.rank();
+        let (group, index) = groups
+            .iter()
+            .enumerate()
+            .find_map(|(g, members)| members.iter().position(|&r| r == me).map(|i| (g, i)))
+            .expect("every rank is in one group of a mesh axis");
+        let native = if groups.len() > 1 {
+            world.split(&groups)?
+        } else {
+            None
+        };
+        Ok(Self {
+            world,
+            native,
+            groups,
+            group,
+            index,
+        })
+    }
+
+    /// The whole world as one group.
+    pub fn world(world: Arc<dyn Collectives<B>>) -> Self {
+        let all = (0..world.size()).collect();
+        Self::new(world, vec![all]).expect("the world needs no split")
+    }
+
+    /// The collectives that serve this group directly: the world itself when the group is the
+    /// world, or the engine's sub-communicator.
+    fn direct(&self) -> Option<&dyn Collectives<B>> {
+        if self.groups.len() == 1 {
+            Some(self.world.as_ref())
+        } else {
+            self.native.as_deref()
+        }
+    }
+
+    /// The global ranks of this group.
+    pub fn members(&self) -> &[usize] {
+        &self.groups[self.group]
+    }
+
+    /// A world buffer of `groups × n` zeros with `t` in this group's slot at `offset`.
+    fn in_slot(&self, t: Tensor<B, 1>, slot: usize, offset: usize) -> Tensor<B, 1> {
+        let n = t.dims()[0];
+        let total = self.groups.len() * slot;
+        let start = self.group * slot + offset;
+        let device = self.world.device();
+        let mut parts = Vec::with_capacity(3);
+        if start > 0 {
+            parts.push(Tensor::zeros([start], device));
+        }
+        parts.push(t);
+        if total > start + n {
+            parts.push(Tensor::zeros([total - start - n], device));
+        }
+        Tensor::cat(parts, 0)
+    }
+}
+
+impl<B: Backend> Collectives<B> for Group<B> {
+    fn rank(&self) -> usize {
+        self.index
+    }
+
+    fn size(&self) -> usize {
+        self.members().len()
+    }
+
+    fn device(&self) -> &B::Device {
+        self.world.device()
+    }
+
+    fn all_reduce(&self, t: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>> {
+        if let Some(c) = self.direct() {
+            return c.all_reduce(t, op);
+        }
+        let n = t.dims()[0];
+        match op {
+            ReduceOp::Sum | ReduceOp::Mean => {
+                let all = self
+                    .world
+                    .all_reduce(self.in_slot(t, n, 0), ReduceOp::Sum)?;
+                let mine = all.narrow(0, self.group * n, n);
+                Ok(if op == ReduceOp::Mean {
+                    mine / self.size() as f32
+                } else {
+                    mine
+                })
+            }
+            // No engine slot can take a max of sums: gather, then reduce locally.
+            ReduceOp::Max => {
+                let size = self.size();
+                let all = self.all_gather(t)?.reshape([size, n]);
+                Ok(all.max_dim(0).reshape([n]))
+            }
+        }
+    }
+
+    fn all_gather_v(&self, t: Tensor<B, 1>, counts: &[usize]) -> Result<Tensor<B, 1>> {
+        if let Some(c) = self.direct() {
+            return c.all_gather_v(t, counts);
+        }
+        // Each member writes its piece at its offset of the group's slot; the sum assembles it.
+        let total: usize = counts.iter().sum();
+        let offset: usize = counts[..self.index].iter().sum();
+        let all = self
+            .world
+            .all_reduce(self.in_slot(t, total, offset), ReduceOp::Sum)?;
+        Ok(all.narrow(0, self.group * total, total))
+    }
+
+    fn broadcast(&self, t: Tensor<B, 1>, root: usize) -> Result<Tensor<B, 1>> {
+        if let Some(c) = self.direct() {
+            return c.broadcast(t, root);
+        }
+        let t = if self.index == root {
+            t
+        } else {
+            t.zeros_like()
+        };
+        self.all_reduce(t, ReduceOp::Sum)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        // Every group of the axis reaches it together: a world barrier is this group's too.
+        match self.direct() {
+            Some(c) => c.barrier(),
+            None => self.world.barrier(),
+        }
+    }
+
+    fn reduce_scatter(&self, t: Tensor<B, 1>) -> Result<Tensor<B, 1>> {
+        match self.direct() {
+            Some(c) => c.reduce_scatter(t),
+            None => {
+                let n = t.dims()[0];
+                let r = chunk_range(n, self.size(), self.index);
+                Ok(self
+                    .all_reduce(t, ReduceOp::Sum)?
+                    .narrow(0, r.start, r.len()))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_uneven_dimensions_without_padding() {
+        // SmolLM2's 49152-token vocabulary over 5 ranks; 9 heads over 2.
+        let r: Vec<_> = (0..5).map(|i| chunk_range(49152, 5, i)).collect();
+        assert_eq!(r[0], 0..9831);
+        assert_eq!(r[1], 9831..19662);
+        assert_eq!(r[4].end, 49152);
+        assert!(r.windows(2).all(|w| w[0].end == w[1].start));
+        assert_eq!(chunk_range(9, 2, 0), 0..5);
+        assert_eq!(chunk_range(9, 2, 1), 5..9);
+        assert_eq!(chunk_range(1, 3, 2), 1..1);
+    }
+}

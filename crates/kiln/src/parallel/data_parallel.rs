@@ -1,0 +1,155 @@
+//! Data parallelism as one strategy the trainer calls: which examples this rank trains on, one
+//! gradient average per optimizer step, every rank starting from rank 0's weights, one writer,
+//! and evaluation shares gathered back. A single-process run is the same object with a world of
+//! one, so the trainer has no `if distributed` branches of its own.
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Shape, Tensor, TensorPrimitive};
+
+use super::collectives::{Collectives, ReduceOp};
+use super::DistEnv;
+use crate::Result;
+
+pub struct DataParallel<B: Backend> {
+    /// The job this process joined (`kiln launch`, torchrun, mpirun, a Kubernetes Job); `None`
+    /// alone.
+    group: Option<Arc<dyn Collectives<B>>>,
+    env: Option<DistEnv>,
+}
+
+impl<B: Backend> Default for DataParallel<B> {
+    fn default() -> Self {
+        Self::single()
+    }
+}
+
+impl<B: Backend> DataParallel<B> {
+    /// A single-process run.
+    pub fn single() -> Self {
+        Self {
+            group: None,
+            env: None,
+        }
+    }
+
+    /// Joins the job this process was launched into, as torch's `init_process_group` does at the
+    /// top of a script: workers meet before each spends time loading, so a broken set-up is
+    /// reported whatever the loading takes. A single-process run when no job is set.
+    pub fn join(device: &B::Device) -> Result<Self> {
+        Ok(match super::init_from_env::<B>(device)? {
+            Some(j) => Self {
+                group: Some(j.world),
+                env: Some(j.env),
+            },
+            None => Self::single(),
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.group.as_ref().map_or(0, |g| g.rank())
+    }
+
+    /// The number of data-parallel ranks.
+    pub fn size(&self) -> usize {
+        self.group.as_ref().map_or(1, |g| g.size())
+    }
+
+    /// Rank 0 (or a single process): the one that logs and writes files.
+    pub fn is_main(&self) -> bool {
+        self.rank() == 0
+    }
+
+    /// The first worker of its machine (transformers' `is_local_process_zero`).
+    pub fn is_local_main(&self) -> bool {
+        self.env.as_ref().is_none_or(|e| e.local_rank == 0)
+    }
+
+    /// How many examples each rank trains on per epoch of `n` (all ranks alike, see [`Self::shard`]).
+    pub fn examples_per_rank(&self, n: usize, drop_last: bool) -> usize {
+        match self.size() {
+            1 => n,
+            w if drop_last => n / w,
+            w => n.div_ceil(w),
+        }
+    }
+
+    /// This rank's share of an epoch's example order.
+    pub fn shard(&self, order: &[usize], drop_last: bool) -> Vec<usize> {
+        crate::data::batch::shard(order, self.rank(), self.size(), drop_last)
+    }
+
+    /// This rank's share of the eval examples: every `size`-th from `rank`, none twice.
+    pub fn eval_share(&self, n: usize) -> Vec<usize> {
+        (self.rank()..n).step_by(self.size()).collect()
+    }
+
+    /// The mean of `flat` (a step's gradients and loss in one buffer) over the ranks, before
+    /// clipping, as DDP: one collective per step.
+    pub fn average(&self, flat: Tensor<B, 1>) -> Result<Tensor<B, 1>> {
+        match &self.group {
+            Some(g) => g.all_reduce(flat, ReduceOp::Mean),
+            None => Ok(flat),
+        }
+    }
+
+    /// Sums host values over the ranks (eval losses, counts, gathered predictions).
+    pub fn sum_host(&self, values: Vec<f32>) -> Result<Vec<f32>> {
+        match &self.group {
+            Some(g) => g.sum_host(values),
+            None => Ok(values),
+        }
+    }
+
+    /// Waits for every rank (after rank 0 wrote files the others read).
+    pub fn barrier(&self) -> Result<()> {
+        match &self.group {
+            Some(g) => g.barrier(),
+            None => Ok(()),
+        }
+    }
+
+    /// Makes every rank start from rank 0's weights (a resumed or freshly initialised model).
+    pub fn broadcast_model<AB, M>(&self, model: M) -> Result<M>
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: Module<AB>,
+    {
+        let Some(g) = &self.group else {
+            return Ok(model);
+        };
+        let mut err = None;
+        let model = crate::hub::weights::map_params(model, |_, value: FloatTensor<AB>| {
+            let shape = burn::tensor::TensorMetadata::shape(&value);
+            let flat =
+                B::float_reshape(AB::inner(value.clone()), Shape::new([shape.num_elements()]));
+            match g.broadcast(Tensor::from_primitive(TensorPrimitive::Float(flat)), 0) {
+                Ok(v) => AB::from_inner(B::float_reshape(v.into_primitive().tensor(), shape)),
+                Err(e) => {
+                    err.get_or_insert(e);
+                    value
+                }
+            }
+        });
+        err.map_or(Ok(model), Err)
+    }
+
+    /// The launch contract this process runs under, if any (for tools that only need to know).
+    pub fn env(&self) -> Option<&DistEnv> {
+        self.env.as_ref()
+    }
+}
+
+/// Whether this process is the job's rank 0 (or runs alone): for callers that print results
+/// before or without joining.
+pub fn is_main_process() -> Result<bool> {
+    Ok(DistEnv::from_env()?.is_none_or(|e| e.rank == 0))
+}
+
+/// The world size this process was launched into (1 alone).
+pub fn world_size_from_env() -> Result<usize> {
+    Ok(DistEnv::from_env()?.map_or(1, |e| e.world_size))
+}
