@@ -21,8 +21,8 @@
   dp_allgather_64mib  torch.distributed.all_gather (gloo): each rank contributes 8,388,608 floats,
                       every rank receives all 16,777,216.
   dp_reducescatter_64mib  each rank contributes 16,777,216 floats and keeps its half of the sum:
-                      torch.distributed.reduce_scatter_tensor where gloo has it, else (gloo's
-                      usual case) an all_reduce and a slice, as CPU ZeRO runs on gloo.
+                      torch.distributed.reduce_scatter_tensor (gloo has it natively in torch 2.15;
+                      an older gloo falls back to all_reduce and a slice).
 
 Prints `RESULT {json}` lines with the keys bench_hf.py uses, plus tokens_per_sec (real tokens).
 Usage: python scripts/bench_reference.py --only mnist_train,tweets_train [--threads 2]

@@ -7,6 +7,8 @@ use burn::module::Module;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{backend::Backend, Int, Tensor};
 
+use crate::ops::KilnBackend;
+
 /// Target value that is left out of the loss (transformers' `ignore_index`).
 pub const IGNORE_INDEX: i64 = -100;
 
@@ -53,7 +55,11 @@ pub trait BatchSource {
 /// A loss over logits and integer targets. The built-in one is [`CrossEntropy`]; a user's own is
 /// honoured in training and in evaluation alike.
 pub trait Loss: Send + Sync {
-    fn loss<B: Backend>(&self, logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Tensor<B, 1>;
+    fn loss<B: KilnBackend>(
+        &self,
+        logits: Tensor<B, 2>,
+        targets: Tensor<B, 1, Int>,
+    ) -> Tensor<B, 1>;
 }
 
 /// Mean cross-entropy over the targets that are not [`IGNORE_INDEX`] (PyTorch's `cross_entropy`).
@@ -61,7 +67,11 @@ pub trait Loss: Send + Sync {
 pub struct CrossEntropy;
 
 impl Loss for CrossEntropy {
-    fn loss<B: Backend>(&self, logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Tensor<B, 1> {
+    fn loss<B: KilnBackend>(
+        &self,
+        logits: Tensor<B, 2>,
+        targets: Tensor<B, 1, Int>,
+    ) -> Tensor<B, 1> {
         let [n, _] = logits.dims();
         let keep = targets.clone().not_equal_elem(IGNORE_INDEX);
         let safe = targets.mask_fill(keep.clone().bool_not(), 0);

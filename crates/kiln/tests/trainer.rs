@@ -4,10 +4,11 @@
 
 mod common;
 
-use burn::tensor::{backend::Backend, Int, Tensor};
+use burn::tensor::{Int, Tensor};
 use common::{asset, tiny_model, tweet_options};
 use kiln::backend::{CpuDevice, CpuTrain};
 use kiln::hub::weights::read_safetensors;
+use kiln::ops::KilnBackend;
 use kiln::tasks::text_classification::train;
 use kiln::train::checkpoint::list_checkpoints;
 use kiln::train::{CrossEntropy, IntervalStrategy, Loss, TrainingArguments};
@@ -18,7 +19,11 @@ struct NanAt {
     calls: std::sync::atomic::AtomicUsize,
 }
 impl Loss for NanAt {
-    fn loss<B: Backend>(&self, logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Tensor<B, 1> {
+    fn loss<B: KilnBackend>(
+        &self,
+        logits: Tensor<B, 2>,
+        targets: Tensor<B, 1, Int>,
+    ) -> Tensor<B, 1> {
         let n = self
             .calls
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
@@ -35,7 +40,11 @@ impl Loss for NanAt {
 /// Cross-entropy times three: a user loss whose effect on every reported loss is known exactly.
 struct TripleCrossEntropy;
 impl Loss for TripleCrossEntropy {
-    fn loss<B: Backend>(&self, logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Tensor<B, 1> {
+    fn loss<B: KilnBackend>(
+        &self,
+        logits: Tensor<B, 2>,
+        targets: Tensor<B, 1, Int>,
+    ) -> Tensor<B, 1> {
         CrossEntropy.loss(logits, targets) * 3.0
     }
 }

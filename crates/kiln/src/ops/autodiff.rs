@@ -10,7 +10,7 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::NodeId;
 
-use super::KilnBackend;
+use super::{KilnBackend, TpComm};
 
 /// Hands `grad` to `parent` if it takes part in the graph.
 fn give<B: KilnBackend>(
@@ -56,6 +56,30 @@ impl<B: KilnBackend> Backward<B, 2> for LinearNoBias {
         let [px, pw] = ids!(ops);
         give::<B>(grads, px, Some(dx));
         give::<B>(grads, pw, Some(dw));
+    }
+}
+
+/// Megatron's `f`: identity forward, gradient summed over the tensor-parallel group.
+#[derive(Debug)]
+struct TpEnter;
+impl<B: KilnBackend> Backward<B, 1> for TpEnter {
+    type State = TpComm;
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let [px] = ids!(ops);
+        give::<B>(grads, px, Some(B::kiln_tp_sum(dy, &ops.state)));
+    }
+}
+
+/// Megatron's `g`: summed forward, identity backward.
+#[derive(Debug)]
+struct TpSum;
+impl<B: KilnBackend> Backward<B, 1> for TpSum {
+    type State = ();
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let [px] = ids!(ops);
+        give::<B>(grads, px, Some(dy));
     }
 }
 
@@ -377,6 +401,25 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
             OpsKind::UnTracked(prep) => prep.finish(y),
         };
         (out, rinv_out)
+    }
+
+    fn kiln_tp_enter(x: FloatTensor<Self>, tp: &TpComm) -> FloatTensor<Self> {
+        match TpEnter
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(tp.clone(), x.primitive),
+            OpsKind::UnTracked(prep) => prep.finish(x.primitive),
+        }
+    }
+
+    fn kiln_tp_sum(x: FloatTensor<Self>, tp: &TpComm) -> FloatTensor<Self> {
+        let y = B::kiln_tp_sum(x.primitive.clone(), tp);
+        TpSum
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateless(y)
     }
 
     fn kiln_swiglu(g: FloatTensor<Self>, u: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -49,6 +49,23 @@ pub fn take_activation_overflow() -> bool {
     ACTIVATION_OVERFLOW.swap(false, std::sync::atomic::Ordering::Relaxed)
 }
 
+/// The one collective the tensor-parallel ops need: an element-wise sum over the ranks of a
+/// tensor-parallel group, of host values (activations are on the host on CPU; a CUDA build copies
+/// them). `parallel` implements it over any engine; ops never depend on `parallel`. A failed sum
+/// ends the worker (it runs inside backward, which cannot return an error; the engines' watchdog
+/// names the missing peer first).
+pub trait TpReduce: Send + Sync + std::fmt::Debug {
+    fn sum(&self, values: Vec<f32>) -> Vec<f32>;
+    /// Element-wise max (a shift that keeps a vocab-parallel softmax finite; no gradient).
+    fn max(&self, values: Vec<f32>) -> Vec<f32>;
+    /// This rank's index in the group, and the group's size.
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+}
+
+/// A tensor-parallel group's communicator, as the ops and the models hold it.
+pub type TpComm = std::sync::Arc<dyn TpReduce>;
+
 thread_local! {
     static MATMUL_PRECISION: std::cell::Cell<MatmulPrecision> = const {
         std::cell::Cell::new(MatmulPrecision::F32)
@@ -457,6 +474,27 @@ pub trait KilnBackend: Backend {
     }
 
     /// Σ x² of a flat tensor, on the host.
+    /// Entering a tensor-parallel region (Megatron's `f`): the identity forward; under autodiff the
+    /// backward sums the gradient over the group, since every rank's shard used the same input.
+    fn kiln_tp_enter(x: FloatTensor<Self>, _tp: &TpComm) -> FloatTensor<Self> {
+        x
+    }
+
+    /// Leaving a tensor-parallel region (Megatron's `g`): the sum of every rank's partial result;
+    /// under autodiff the backward is the identity (each rank's partial result had weight one).
+    fn kiln_tp_sum(x: FloatTensor<Self>, tp: &TpComm) -> FloatTensor<Self> {
+        use burn::tensor::TensorMetadata;
+        let shape = x.shape();
+        let flat = t::<Self, 1>(Self::float_reshape(x, Shape::new([shape.num_elements()])));
+        let device = flat.device();
+        let values = flat
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .expect("f32");
+        Self::kiln_from_host(tp.sum(values), shape, &device)
+    }
+
     fn kiln_sum_squares(x: FloatTensor<Self>) -> f64 {
         use burn::tensor::ElementConversion;
         t::<Self, 1>(x)
@@ -570,6 +608,16 @@ pub fn swiglu<B: KilnBackend, const D: usize>(
     let n: usize = dims.iter().product();
     let y = B::kiln_swiglu(p(reshape(gate, [n])), p(reshape(up, [n])));
     reshape(t::<B, 1>(y), dims)
+}
+
+/// Entering a tensor-parallel region: see [`KilnBackend::kiln_tp_enter`].
+pub fn tp_enter<B: KilnBackend, const D: usize>(x: Tensor<B, D>, tp: &TpComm) -> Tensor<B, D> {
+    t(B::kiln_tp_enter(p(x), tp))
+}
+
+/// Leaving a tensor-parallel region: see [`KilnBackend::kiln_tp_sum`].
+pub fn tp_sum<B: KilnBackend, const D: usize>(x: Tensor<B, D>, tp: &TpComm) -> Tensor<B, D> {
+    t(B::kiln_tp_sum(p(x), tp))
 }
 
 /// `layer_norm(dropout(x) + residual)` over the last dimension (dropout only in training).

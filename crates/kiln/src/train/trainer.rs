@@ -739,7 +739,7 @@ pub fn evaluate<B, M, E, L>(
     parallel: &DataParallel<B>,
 ) -> Result<EvalOutput>
 where
-    B: Backend,
+    B: crate::ops::KilnBackend,
     M: Model<B>,
     E: BatchSource<Batch = M::Batch>,
     L: Loss,

@@ -1,0 +1,260 @@
+//! Tensor parallelism's building blocks: a mesh group as the communicator the tensor-parallel ops
+//! use ([`TpGroup`]), and vocab-parallel cross-entropy ([`VocabParallelCrossEntropy`]), which
+//! takes each rank's slice of the vocabulary logits and never gathers the full rows.
+
+use std::sync::Arc;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+
+use super::collectives::{chunk_range, host, Collectives, ReduceOp};
+use crate::ops::{tp_sum, KilnBackend, TpComm, TpReduce};
+use crate::task::{Loss, IGNORE_INDEX};
+
+/// A tensor-parallel group (any engine) as the ops' [`TpReduce`].
+pub struct TpGroup<B: Backend> {
+    comm: Arc<dyn Collectives<B>>,
+}
+
+impl<B: Backend> TpGroup<B> {
+    /// The communicator the tensor-parallel ops and models hold.
+    pub fn comm(comm: Arc<dyn Collectives<B>>) -> TpComm {
+        Arc::new(Self { comm })
+    }
+
+    fn reduce(&self, values: Vec<f32>, op: ReduceOp) -> Vec<f32> {
+        let n = values.len();
+        let t = Tensor::from_data(TensorData::new(values, [n]), self.comm.device());
+        match self.comm.all_reduce(t, op) {
+            Ok(t) => host(t),
+            // Inside backward there is no caller to return an error to; the engine's watchdog
+            // has named a missing peer before a collective fails.
+            Err(e) => {
+                eprintln!(
+                    "error: tensor-parallel rank {}: {e}; stopping this worker",
+                    self.comm.rank()
+                );
+                std::process::exit(super::group::PEER_LOST_EXIT_CODE)
+            }
+        }
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for TpGroup<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "TpGroup(rank {} of {})",
+            self.comm.rank(),
+            self.comm.size()
+        )
+    }
+}
+
+impl<B: Backend> TpReduce for TpGroup<B> {
+    fn sum(&self, values: Vec<f32>) -> Vec<f32> {
+        self.reduce(values, ReduceOp::Sum)
+    }
+    fn max(&self, values: Vec<f32>) -> Vec<f32> {
+        self.reduce(values, ReduceOp::Max)
+    }
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+    fn size(&self) -> usize {
+        self.comm.size()
+    }
+}
+
+/// Mean cross-entropy over the non-ignored targets (as [`crate::task::CrossEntropy`]) of logits
+/// split by vocabulary over a tensor-parallel group: rank `r` holds columns
+/// `chunk_range(vocab, size, r)`. Per row, three sums cross the group — the max (a shift, no
+/// gradient), the sum of exponentials and the target's logit (from the rank that holds it) — so
+/// each rank moves `3 × rows` values instead of `rows × vocab`. Every rank gets the same loss, and
+/// the gradient of its own slice, `softmax − one-hot`, as Megatron's and NxD's do.
+#[derive(Debug, Clone)]
+pub struct VocabParallelCrossEntropy {
+    pub tp: TpComm,
+    /// The full vocabulary size.
+    pub vocab: usize,
+}
+
+impl Loss for VocabParallelCrossEntropy {
+    fn loss<B: KilnBackend>(
+        &self,
+        logits: Tensor<B, 2>,
+        targets: Tensor<B, 1, Int>,
+    ) -> Tensor<B, 1> {
+        let [n, local] = logits.dims();
+        let device = logits.device();
+        let cols = chunk_range(self.vocab, self.tp.size(), self.tp.rank());
+        debug_assert_eq!(local, cols.len(), "this rank's vocabulary slice");
+        // The row max over the whole vocabulary: a constant shift (no gradient flows through it).
+        let local_max = host(logits.clone().detach().max_dim(1).reshape([n]));
+        let shift =
+            Tensor::<B, 1>::from_data(TensorData::new(self.tp.max(local_max), [n]), &device)
+                .reshape([n, 1]);
+        let z = logits - shift;
+        let sum_exp = tp_sum(z.clone().exp().sum_dim(1).reshape([n]), &self.tp);
+        // The target's shifted logit, from the one rank whose slice holds it.
+        let keep = targets.clone().not_equal_elem(IGNORE_INDEX);
+        let start = cols.start as i64;
+        let mine = targets
+            .clone()
+            .greater_equal_elem(start)
+            .bool_and(targets.clone().lower_elem(cols.end as i64))
+            .bool_and(keep.clone());
+        let local_idx = (targets - start).clamp(0, local.saturating_sub(1) as i64);
+        let picked = z.gather(1, local_idx.reshape([n, 1])).reshape([n]) * mine.float();
+        let target_logit = tp_sum(picked, &self.tp);
+        let keep = keep.float();
+        let count = keep.clone().sum().clamp_min(1.0);
+        ((sum_exp.log() - target_logit) * keep).sum() / count
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{Cpu, CpuTrain};
+    use crate::parallel::threads::ThreadComm;
+    use crate::task::CrossEntropy;
+    use burn::tensor::Distribution;
+
+    fn vec2(t: Tensor<Cpu, 2>) -> Vec<f32> {
+        t.into_data().into_vec().unwrap()
+    }
+
+    /// Runs `f(rank, comm)` on `size` threads, one tensor-parallel rank each.
+    fn on_ranks<T: Send>(size: usize, f: impl Fn(usize, TpComm) -> T + Sync) -> Vec<T> {
+        let comms = ThreadComm::<Cpu>::group(size, &Default::default());
+        std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .enumerate()
+                .map(|(r, c)| {
+                    let f = &f;
+                    s.spawn(move || f(r, TpGroup::comm(Arc::new(c))))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+        assert_eq!(a.len(), b.len(), "{what}: lengths");
+        let err = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(err <= tol, "{what}: max |Δ| {err}");
+    }
+
+    /// Values and gradients of the vocab-parallel loss equal plain cross-entropy's, with ignored
+    /// targets, a vocabulary that does not divide by the group (7 over 2 and 3) and large logits.
+    #[test]
+    fn vocab_parallel_cross_entropy_equals_cross_entropy() {
+        let device = Default::default();
+        let (n, vocab) = (6, 7);
+        let full =
+            Tensor::<Cpu, 2>::random([n, vocab], Distribution::Normal(0.0, 4.0), &device) + 30.0;
+        let targets: Vec<i64> = vec![0, 6, IGNORE_INDEX, 3, 4, IGNORE_INDEX];
+        let tt = |d: &<CpuTrain as Backend>::Device| {
+            Tensor::<CpuTrain, 1, Int>::from_data(TensorData::new(targets.clone(), [n]), d)
+        };
+        let x = Tensor::<CpuTrain, 2>::from_inner(full.clone()).require_grad();
+        let want = CrossEntropy.loss(x.clone(), tt(&device));
+        let want_loss = want.clone().into_scalar();
+        let want_grad = vec2(x.grad(&want.backward()).unwrap());
+        for size in [1, 2, 3] {
+            let got = on_ranks(size, |r, tp| {
+                let cols = chunk_range(vocab, size, r);
+                let slice = full.clone().slice([0..n, cols.clone()]);
+                let x = Tensor::<CpuTrain, 2>::from_inner(slice).require_grad();
+                let loss = VocabParallelCrossEntropy { tp, vocab }.loss(x.clone(), tt(&device));
+                let value = loss.clone().into_scalar();
+                (value, cols, vec2(x.grad(&loss.backward()).unwrap()))
+            });
+            for (value, cols, grad) in got {
+                assert!(
+                    (value - want_loss).abs() < 1e-5,
+                    "tp={size}: {value} vs {want_loss}"
+                );
+                let want_slice: Vec<f32> = (0..n)
+                    .flat_map(|i| want_grad[i * vocab + cols.start..i * vocab + cols.end].to_vec())
+                    .collect();
+                close(
+                    &grad,
+                    &want_slice,
+                    1e-6,
+                    &format!("tp={size} gradient of {cols:?}"),
+                );
+            }
+        }
+    }
+
+    /// A column-parallel layer followed by a row-parallel one (Megatron's MLP split) gives the
+    /// full layer's output and gradients: the region ops sum what must be summed, once.
+    #[test]
+    fn column_then_row_parallel_equals_the_full_layers() {
+        use crate::ops::{linear, swiglu, tp_enter};
+        let device = Default::default();
+        let (n, h, i) = (5, 8, 12);
+        let normal = |dims: [usize; 2]| {
+            Tensor::<Cpu, 2>::random(dims, Distribution::Normal(0.0, 0.5), &device)
+        };
+        let (x0, gate0, up0, down0) = (
+            normal([n, h]),
+            normal([i, h]),
+            normal([i, h]),
+            normal([h, i]),
+        );
+        let weight = normal([n, h]);
+        let param = |t: Tensor<Cpu, 2>| Tensor::<CpuTrain, 2>::from_inner(t).require_grad();
+        let run = |x: Tensor<CpuTrain, 2>, g, u, d, tp: Option<&TpComm>| {
+            let x_in = match tp {
+                Some(tp) => tp_enter(x, tp),
+                None => x,
+            };
+            let a = swiglu(linear(x_in.clone(), g, None), linear(x_in, u, None));
+            let y = linear(a, d, None);
+            let y = match tp {
+                Some(tp) => tp_sum(y, tp),
+                None => y,
+            };
+            (y.clone() * Tensor::from_inner(weight.clone())).sum()
+        };
+        let (x, g, u, d) = (
+            param(x0.clone()),
+            param(gate0.clone()),
+            param(up0.clone()),
+            param(down0.clone()),
+        );
+        let loss = run(x.clone(), g.clone(), u.clone(), d.clone(), None);
+        let grads = loss.backward();
+        let want = |t: &Tensor<CpuTrain, 2>| vec2(t.grad(&grads).unwrap());
+        let (wx, wg, wd) = (want(&x), want(&g), want(&d));
+        for size in [2, 3] {
+            let got = on_ranks(size, |r, tp| {
+                let rows = chunk_range(i, size, r);
+                let x = param(x0.clone());
+                let g = param(gate0.clone().slice([rows.clone(), 0..h]));
+                let u = param(up0.clone().slice([rows.clone(), 0..h]));
+                let d = param(down0.clone().slice([0..h, rows.clone()]));
+                let loss = run(x.clone(), g.clone(), u, d.clone(), Some(&tp));
+                let grads = loss.backward();
+                let get = |t: &Tensor<CpuTrain, 2>| vec2(t.grad(&grads).unwrap());
+                (rows, get(&x), get(&g), get(&d))
+            });
+            for (rows, gx, gg, gd) in got {
+                close(&gx, &wx, 1e-5, &format!("tp={size}: input gradient"));
+                close(&gg, &wg[rows.start * h..rows.end * h], 1e-5, "gate rows");
+                let want_d: Vec<f32> = (0..h)
+                    .flat_map(|o| wd[o * i + rows.start..o * i + rows.end].to_vec())
+                    .collect();
+                close(&gd, &want_d, 1e-5, &format!("tp={size}: down columns"));
+            }
+        }
+    }
+}
