@@ -66,6 +66,15 @@ pub trait TpReduce: Send + Sync + std::fmt::Debug {
 /// A tensor-parallel group's communicator, as the ops and the models hold it.
 pub type TpComm = std::sync::Arc<dyn TpReduce>;
 
+/// The part of `0..n` that chunk `i` of `parts` near-equal chunks covers (the first `n % parts`
+/// chunks hold one more), as Megatron and NxD split uneven dimensions: how every tensor-parallel
+/// shard and ZeRO-1 partition is cut.
+pub fn chunk_range(n: usize, parts: usize, i: usize) -> std::ops::Range<usize> {
+    let (base, extra) = (n / parts, n % parts);
+    let start = i * base + i.min(extra);
+    start..start + base + usize::from(i < extra)
+}
+
 thread_local! {
     static MATMUL_PRECISION: std::cell::Cell<MatmulPrecision> = const {
         std::cell::Cell::new(MatmulPrecision::F32)

@@ -98,13 +98,7 @@ pub fn host<B: Backend>(t: Tensor<B, 1>) -> Vec<f32> {
         .expect("f32 data")
 }
 
-/// The part of `0..n` that chunk `i` of `parts` near-equal chunks covers (the first `n % parts`
-/// chunks hold one more), as Megatron and NxD split uneven dimensions.
-pub fn chunk_range(n: usize, parts: usize, i: usize) -> std::ops::Range<usize> {
-    let (base, extra) = (n / parts, n % parts);
-    let start = i * base + i.min(extra);
-    start..start + base + usize::from(i < extra)
-}
+pub use crate::ops::chunk_range;
 
 /// A sub-group of the world: one group of a mesh axis (the TP ranks holding one model replica's
 /// shards, or the DP ranks holding one shard).

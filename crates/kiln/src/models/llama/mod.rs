@@ -4,6 +4,9 @@
 //! RMSNorm, rotary position embeddings (rotate-half form), grouped-query attention with a causal
 //! mask, a SwiGLU MLP, and a key/value cache for generation. Tied embeddings (`tie_word_embeddings`)
 //! have no `lm_head` parameter: the output projection reuses `embed_tokens.weight`.
+//! [`tensor_parallel`] cuts a model into one rank's shard of a tensor-parallel group.
+
+pub mod tensor_parallel;
 
 use burn::module::{Ignored, Module};
 use burn::tensor::activation::softmax;
@@ -12,8 +15,9 @@ use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 use super::layers::{Embedding, Linear, RmsNorm};
 use crate::data::lm::TokenBatch;
 use crate::hub::llama_config::LlamaConfig;
-use crate::ops::{self, KilnBackend};
+use crate::ops::{self, tp_enter, tp_sum, KilnBackend};
 use crate::task::{Model, Segments};
+pub use tensor_parallel::LlamaShard;
 
 #[derive(Module, Debug)]
 pub struct LlamaAttention<B: Backend> {
@@ -55,6 +59,8 @@ pub struct LlamaForCausalLM<B: Backend> {
     pub model: LlamaModel<B>,
     /// `None` when the embeddings are tied.
     pub lm_head: Option<Linear<B>>,
+    /// This rank's place in a tensor-parallel group (`None`: the whole model).
+    pub shard: Ignored<Option<LlamaShard>>,
 }
 
 /// Keys and values of the positions seen so far, per layer (`[B, S, kv_heads, head_dim]`, after
@@ -161,13 +167,38 @@ impl<B: KilnBackend> LlamaAttention<B> {
         x: Tensor<B, 3>,
         rope: &(Tensor<B, 2>, Tensor<B, 2>),
         cache: Option<&mut Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
+        shard: Option<&LlamaShard>,
     ) -> Tensor<B, 3> {
         let [b, t, _] = x.dims();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let x = match shard {
+            Some(s) => tp_enter(x, &s.tp),
+            None => x,
+        };
         let heads = |y: Tensor<B, 3>, n: usize| y.reshape([b, t, n, hd]);
         let q = apply_rope(heads(self.q_proj.forward(x.clone()), nh), &rope.0, &rope.1);
-        let k = apply_rope(heads(self.k_proj.forward(x.clone()), nkv), &rope.0, &rope.1);
-        let v = heads(self.v_proj.forward(x), nkv);
+        let (k, v) = match shard {
+            // Whole k/v projections on every rank: compute all heads, keep the ones this rank's
+            // queries read; the weights' gradient is summed over the group.
+            Some(s) if s.kv_replicated => {
+                let all = |l: &Linear<B>| {
+                    let w = tp_enter(l.weight.val(), &s.tp);
+                    let bias = l.bias.as_ref().map(|bias| tp_enter(bias.val(), &s.tp));
+                    let total = l.weight.dims()[0] / hd;
+                    heads(ops::linear(x.clone(), w, bias), total).narrow(
+                        2,
+                        s.kv_heads.start,
+                        s.kv_heads.len(),
+                    )
+                };
+                (all(&self.k_proj), all(&self.v_proj))
+            }
+            _ => (
+                heads(self.k_proj.forward(x.clone()), nkv),
+                heads(self.v_proj.forward(x), nkv),
+            ),
+        };
+        let k = apply_rope(k, &rope.0, &rope.1);
         let (k, v) = match cache {
             None => (k, v),
             Some(slot) => {
@@ -179,7 +210,8 @@ impl<B: KilnBackend> LlamaAttention<B> {
                 };
                 *slot = Some((k_all.clone(), v_all.clone()));
                 if !fresh {
-                    return self.o_proj.forward(self.attend_cached(q, k_all, v_all));
+                    let out = self.attend_cached(q, k_all, v_all, shard);
+                    return self.output(out, shard);
                 }
                 (k_all, v_all)
             }
@@ -187,23 +219,59 @@ impl<B: KilnBackend> LlamaAttention<B> {
         let flat = |y: Tensor<B, 4>| y.reshape([b, t, nh * hd]);
         let out = ops::causal_attention(
             flat(q),
-            flat(repeat_kv(k, nh / nkv)),
-            flat(repeat_kv(v, nh / nkv)),
+            flat(self.expand_kv(k, shard)),
+            flat(self.expand_kv(v, shard)),
             nh,
         );
-        self.o_proj.forward(out)
+        self.output(out, shard)
+    }
+
+    /// `o_proj`; under tensor parallelism the partial products of the ranks' heads are summed,
+    /// then the bias is added once.
+    fn output(&self, out: Tensor<B, 3>, shard: Option<&LlamaShard>) -> Tensor<B, 3> {
+        match shard {
+            None => self.o_proj.forward(out),
+            Some(s) => row_parallel(&self.o_proj, out, s),
+        }
+    }
+
+    /// Key/value heads `[B, S, kv, D]` → one per query head `[B, S, heads, D]`.
+    fn expand_kv(&self, x: Tensor<B, 4>, shard: Option<&LlamaShard>) -> Tensor<B, 4> {
+        let map = match shard {
+            Some(s) => s.kv_of_q(),
+            None => return repeat_kv(x, self.num_heads / self.num_kv_heads),
+        };
+        let n = self.num_heads / self.num_kv_heads.max(1);
+        let regular = map.iter().enumerate().all(|(i, &k)| k == i / n.max(1));
+        if regular && n * self.num_kv_heads == self.num_heads {
+            return repeat_kv(x, n);
+        }
+        // A query range that starts or ends inside a group (replicated key/value heads).
+        let idx = Tensor::<B, 1, burn::tensor::Int>::from_data(
+            TensorData::new(
+                map.iter().map(|&k| k as i64).collect::<Vec<_>>(),
+                [map.len()],
+            ),
+            &x.device(),
+        );
+        x.select(2, idx)
     }
 
     /// Attention of `q [B, T, heads, D]` over all cached keys/values `[B, S, kv_heads, D]`
     /// (queries at positions `S − T..S`), composed of Burn ops; `[B, T, heads·D]` out.
-    fn attend_cached(&self, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Tensor<B, 3> {
+    fn attend_cached(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        shard: Option<&LlamaShard>,
+    ) -> Tensor<B, 3> {
         let [b, t, nh, hd] = q.dims();
         let s = k.dims()[1];
-        let rep = nh / self.num_kv_heads;
         let (q, k, v) = (
             q.swap_dims(1, 2),
-            repeat_kv(k, rep).swap_dims(1, 2),
-            repeat_kv(v, rep).swap_dims(1, 2),
+            self.expand_kv(k, shard).swap_dims(1, 2),
+            self.expand_kv(v, shard).swap_dims(1, 2),
         );
         let scores = q
             .matmul(k.swap_dims(2, 3))
@@ -224,9 +292,26 @@ impl<B: KilnBackend> LlamaMlp<B> {
         }
     }
 
-    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    fn forward(&self, x: Tensor<B, 3>, shard: Option<&LlamaShard>) -> Tensor<B, 3> {
+        let x = match shard {
+            Some(s) => tp_enter(x, &s.tp),
+            None => x,
+        };
         let gated = ops::swiglu(self.gate_proj.forward(x.clone()), self.up_proj.forward(x));
-        self.down_proj.forward(gated)
+        match shard {
+            None => self.down_proj.forward(gated),
+            Some(s) => row_parallel(&self.down_proj, gated, s),
+        }
+    }
+}
+
+/// A row-parallel linear: this rank's columns times its part of the input, summed over the
+/// group, then the (whole) bias once.
+fn row_parallel<B: KilnBackend>(l: &Linear<B>, x: Tensor<B, 3>, s: &LlamaShard) -> Tensor<B, 3> {
+    let y = tp_sum(ops::linear(x, l.weight.val(), None), &s.tp);
+    match &l.bias {
+        Some(b) => y + b.val().unsqueeze::<3>(),
+        None => y,
     }
 }
 
@@ -236,12 +321,16 @@ impl<B: KilnBackend> LlamaDecoderLayer<B> {
         x: Tensor<B, 3>,
         rope: &(Tensor<B, 2>, Tensor<B, 2>),
         cache: Option<&mut Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
+        shard: Option<&LlamaShard>,
     ) -> Tensor<B, 3> {
         let h = x.clone()
             + self
                 .self_attn
-                .forward(self.input_layernorm.forward(x), rope, cache);
-        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
+                .forward(self.input_layernorm.forward(x), rope, cache, shard);
+        h.clone()
+            + self
+                .mlp
+                .forward(self.post_attention_layernorm.forward(h), shard)
     }
 }
 
@@ -279,6 +368,7 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
             },
             lm_head: (!c.tie_word_embeddings)
                 .then(|| Linear::new(h, c.vocab_size, false, std, device)),
+            shard: Ignored(None),
         }
     }
 
@@ -297,16 +387,37 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
         let device = ids.device();
         let start = cache.as_ref().map_or(0, |c| c.len());
         let rope = rope_tables::<B>(&self.model.inv_freq, start, t, &device);
-        let mut x = self.model.embed_tokens.forward(ids);
+        let mut x = self.embed(ids);
         for (i, layer) in self.model.layers.iter().enumerate() {
             let slot = cache.as_mut().map(|c| &mut c.layers[i]);
-            x = layer.forward(x, &rope, slot);
+            x = layer.forward(x, &rope, slot, self.shard.as_ref());
         }
         self.model.norm.forward(x)
     }
 
-    /// Vocabulary logits for hidden states `[…, H]`.
+    /// Token embeddings `[B, T, H]`; under tensor parallelism each rank looks up the ids in its
+    /// vocabulary rows (zeros for the others) and the ranks' rows are summed.
+    fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let Some(s) = self.shard.as_ref() else {
+            return self.model.embed_tokens.forward(ids);
+        };
+        let start = s.vocab.start as i64;
+        let mine = ids
+            .clone()
+            .greater_equal_elem(start)
+            .bool_and(ids.clone().lower_elem(s.vocab.end as i64));
+        let local = (ids - start).clamp(0, s.vocab.len() as i64 - 1);
+        let rows = self.model.embed_tokens.forward(local) * mine.float().unsqueeze_dim::<3>(2);
+        tp_sum(rows, &s.tp)
+    }
+
+    /// Vocabulary logits for hidden states `[…, H]` (under tensor parallelism: this rank's
+    /// vocabulary columns; see [`Self::full_logits`]).
     pub fn project<const D: usize>(&self, h: Tensor<B, D>) -> Tensor<B, D> {
+        let h = match self.shard.as_ref() {
+            Some(s) => tp_enter(h, &s.tp),
+            None => h,
+        };
         match &self.lm_head {
             Some(head) => head.forward(h),
             None => ops::linear(h, self.model.embed_tokens.weight.val(), None),
@@ -322,11 +433,29 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
         let h = self.hidden(ids, Some(cache));
         let hd = h.dims()[2];
         let last = h.slice([0..1, n - 1..n, 0..hd]).reshape([1, hd]);
-        self.project(last)
-            .into_data()
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .expect("f32 logits")
+        self.full_logits(self.project(last))
+    }
+
+    /// Host logits over the whole vocabulary from [`Self::project`]'s rows: under tensor
+    /// parallelism the ranks' slices are put together (for decoding, one row at a time).
+    pub fn full_logits(&self, logits: Tensor<B, 2>) -> Vec<f32> {
+        let host = |t: Tensor<B, 2>| {
+            t.into_data()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .expect("f32 logits")
+        };
+        let Some(s) = self.shard.as_ref() else {
+            return host(logits);
+        };
+        let rows = logits.dims()[0];
+        let local = host(logits);
+        let mut full = vec![0f32; rows * s.vocab_size];
+        for (r, part) in local.chunks(s.vocab.len()).enumerate() {
+            full[r * s.vocab_size + s.vocab.start..r * s.vocab_size + s.vocab.end]
+                .copy_from_slice(part);
+        }
+        s.tp.sum(full)
     }
 
     /// Logits `[B, T, vocab]`.
@@ -353,13 +482,13 @@ impl<B: KilnBackend> Segments<B, TokenBatch> for LlamaForCausalLM<B> {
     }
 
     fn embed(&self, batch: &TokenBatch) -> Tensor<B, 3> {
-        self.model.embed_tokens.forward(self.ids(batch))
+        LlamaForCausalLM::embed(self, self.ids(batch))
     }
 
     fn layer(&self, i: usize, x: Tensor<B, 3>, batch: &TokenBatch) -> Tensor<B, 3> {
         // The tables are small ([T, head_dim]); rebuilding them per layer keeps segments stateless.
         let rope = rope_tables::<B>(&self.model.inv_freq, 0, batch.seq, &x.device());
-        self.model.layers[i].forward(x, &rope, None)
+        self.model.layers[i].forward(x, &rope, None, self.shard.as_ref())
     }
 
     fn head(&self, h: Tensor<B, 3>) -> Tensor<B, 2> {

@@ -1,0 +1,205 @@
+//! Tensor parallelism for Llama, split as Megatron and neuronx-distributed split it: q/k/v and
+//! gate/up by output rows (column-parallel), o_proj and down_proj by input columns (row-parallel,
+//! bias added once after the sum), the embedding and the output head by vocabulary rows
+//! (vocab-parallel; the loss is `parallel::VocabParallelCrossEntropy`). Norms are replicated.
+//! Parameters keep their Hugging Face names with this rank's shapes.
+//!
+//! Attention is split by key/value group, so each rank's query heads read only its own key/value
+//! heads; uneven splits (SmolLM2: 9 query / 3 key-value heads at TP=2) get no padding heads. With
+//! fewer key/value heads than ranks, every rank holds the whole (small) k/v projections and reads
+//! the heads its query heads need; their gradient is summed over the group (each rank's part comes
+//! from its own query heads), so the replicas stay equal.
+
+use std::ops::Range;
+
+use burn::module::{Ignored, Param};
+use burn::tensor::Tensor;
+
+use super::LlamaForCausalLM;
+use crate::hub::llama_config::LlamaConfig;
+use crate::models::layers::Linear;
+use crate::ops::{chunk_range as chunk, KilnBackend, TpComm};
+use crate::{KilnError, Result};
+
+/// What one tensor-parallel rank holds of a Llama.
+#[derive(Debug, Clone)]
+pub struct LlamaShard {
+    pub tp: TpComm,
+    /// Rows of `embed_tokens` / `lm_head`.
+    pub vocab: Range<usize>,
+    pub vocab_size: usize,
+    /// This rank's query heads, and the key/value heads they read.
+    pub q_heads: Range<usize>,
+    pub kv_heads: Range<usize>,
+    /// Whether k/v projections are whole on every rank (fewer key/value heads than ranks).
+    pub kv_replicated: bool,
+    /// Query heads per key/value head.
+    pub group: usize,
+    /// Rows of gate/up, columns of down.
+    pub intermediate: Range<usize>,
+    pub head_dim: usize,
+}
+
+impl LlamaShard {
+    /// Rank `tp.rank()`'s part of a model of config `c`.
+    pub fn new(c: &LlamaConfig, tp: TpComm) -> Result<Self> {
+        let (n, r) = (tp.size(), tp.rank());
+        let (nh, nkv) = (c.num_attention_heads, c.kv_heads());
+        if n > nh {
+            return Err(KilnError::Config(format!(
+                "--tensor-parallel-size {n} is more than the model's {nh} attention heads; \
+                 use at most {nh}"
+            )));
+        }
+        if n > c.intermediate_size || n > c.vocab_size {
+            return Err(KilnError::Config(format!(
+                "--tensor-parallel-size {n} leaves a rank without MLP rows or vocabulary"
+            )));
+        }
+        let group = nh / nkv;
+        let (q_heads, kv_heads, kv_replicated) = if nkv >= n {
+            let kv = chunk(nkv, n, r);
+            (kv.start * group..kv.end * group, kv, false)
+        } else {
+            let q = chunk(nh, n, r);
+            let kv = q.start / group..(q.end - 1) / group + 1;
+            (q, kv, true)
+        };
+        Ok(Self {
+            vocab: chunk(c.vocab_size, n, r),
+            vocab_size: c.vocab_size,
+            q_heads,
+            kv_heads,
+            kv_replicated,
+            group,
+            intermediate: chunk(c.intermediate_size, n, r),
+            head_dim: c.head_size(),
+            tp,
+        })
+    }
+
+    /// For each local query head, the index of the key/value head it reads among those this rank
+    /// uses (`kv_heads`).
+    pub fn kv_of_q(&self) -> Vec<usize> {
+        self.q_heads
+            .clone()
+            .map(|q| q / self.group - self.kv_heads.start)
+            .collect()
+    }
+
+    fn head_rows(&self, heads: &Range<usize>) -> Range<usize> {
+        heads.start * self.head_dim..heads.end * self.head_dim
+    }
+}
+
+fn slice_rows<B: KilnBackend>(p: Param<Tensor<B, 2>>, rows: Range<usize>) -> Param<Tensor<B, 2>> {
+    let w = p.val();
+    let cols = w.dims()[1];
+    Param::from_tensor(crate::ops::owned(w.slice([rows, 0..cols])).detach())
+}
+
+fn slice_cols<B: KilnBackend>(p: Param<Tensor<B, 2>>, cols: Range<usize>) -> Param<Tensor<B, 2>> {
+    let w = p.val();
+    let rows = w.dims()[0];
+    Param::from_tensor(crate::ops::owned(w.slice([0..rows, cols])).detach())
+}
+
+fn slice_vec<B: KilnBackend>(p: Param<Tensor<B, 1>>, r: Range<usize>) -> Param<Tensor<B, 1>> {
+    Param::from_tensor(crate::ops::owned(p.val().slice([r])).detach())
+}
+
+/// A column-parallel linear: output rows `rows` (and their bias).
+fn column<B: KilnBackend>(l: Linear<B>, rows: Range<usize>) -> Linear<B> {
+    Linear {
+        weight: slice_rows(l.weight, rows.clone()),
+        bias: l.bias.map(|b| slice_vec(b, rows)),
+    }
+}
+
+/// A row-parallel linear: input columns `cols`; the bias stays whole (added after the sum).
+fn row<B: KilnBackend>(l: Linear<B>, cols: Range<usize>) -> Linear<B> {
+    Linear {
+        weight: slice_cols(l.weight, cols),
+        bias: l.bias,
+    }
+}
+
+impl<B: KilnBackend> LlamaForCausalLM<B> {
+    /// This rank's shard of the whole model `self`: every rank builds (or loads) the same full
+    /// weights first, so TP = N starts from exactly the weights of TP = 1.
+    pub fn shard(mut self, s: LlamaShard) -> Self {
+        self.model.embed_tokens.weight =
+            slice_rows(self.model.embed_tokens.weight, s.vocab.clone());
+        self.lm_head = self.lm_head.map(|h| column(h, s.vocab.clone()));
+        let q_rows = s.head_rows(&s.q_heads);
+        for layer in &mut self.model.layers {
+            let a = &mut layer.self_attn;
+            a.q_proj = column(a.q_proj.clone(), q_rows.clone());
+            if !s.kv_replicated {
+                let kv_rows = s.head_rows(&s.kv_heads);
+                a.k_proj = column(a.k_proj.clone(), kv_rows.clone());
+                a.v_proj = column(a.v_proj.clone(), kv_rows);
+            }
+            a.o_proj = row(a.o_proj.clone(), q_rows.clone());
+            a.num_heads = s.q_heads.len();
+            a.num_kv_heads = s.kv_heads.len();
+            let m = &mut layer.mlp;
+            m.gate_proj = column(m.gate_proj.clone(), s.intermediate.clone());
+            m.up_proj = column(m.up_proj.clone(), s.intermediate.clone());
+            m.down_proj = row(m.down_proj.clone(), s.intermediate.clone());
+        }
+        self.shard = Ignored(Some(s));
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Fake(usize, usize);
+    impl crate::ops::TpReduce for Fake {
+        fn sum(&self, v: Vec<f32>) -> Vec<f32> {
+            v
+        }
+        fn max(&self, v: Vec<f32>) -> Vec<f32> {
+            v
+        }
+        fn rank(&self) -> usize {
+            self.0
+        }
+        fn size(&self) -> usize {
+            self.1
+        }
+    }
+
+    fn config(heads: usize, kv: usize) -> LlamaConfig {
+        serde_json::from_value(serde_json::json!({
+            "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+            "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv}))
+        .unwrap()
+    }
+
+    fn shard(c: &LlamaConfig, r: usize, n: usize) -> Result<LlamaShard> {
+        LlamaShard::new(c, std::sync::Arc::new(Fake(r, n)))
+    }
+
+    #[test]
+    fn heads_split_by_key_value_group_without_padding() {
+        // SmolLM2-135M: 9 query / 3 key-value heads at TP = 2.
+        let c = config(9, 3);
+        let (a, b) = (shard(&c, 0, 2).unwrap(), shard(&c, 1, 2).unwrap());
+        assert_eq!((a.q_heads.clone(), a.kv_heads.clone()), (0..6, 0..2));
+        assert_eq!((b.q_heads.clone(), b.kv_heads.clone()), (6..9, 2..3));
+        assert!(!a.kv_replicated);
+        assert_eq!(b.kv_of_q(), vec![0, 0, 0]);
+        // 3 key-value heads over 4 ranks: replicated, and rank 2's queries straddle two groups.
+        let r2 = shard(&c, 2, 4).unwrap();
+        assert!(r2.kv_replicated);
+        assert_eq!((r2.q_heads.clone(), r2.kv_heads.clone()), (5..7, 1..3));
+        assert_eq!(r2.kv_of_q(), vec![0, 1]);
+        let e = shard(&c, 0, 10).unwrap_err().to_string();
+        assert!(e.contains("more than the model's 9 attention heads"), "{e}");
+    }
+}
