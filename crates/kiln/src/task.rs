@@ -24,6 +24,33 @@ pub trait Model<B: Backend>: Module<B> {
     fn segments(&self) -> Option<&dyn Segments<B, Self::Batch>> {
         None
     }
+
+    /// Under tensor parallelism: how each parameter (by its Hugging Face name) is cut over the
+    /// group, and the group. `None`, the default, for a whole model.
+    fn tensor_parallel(&self) -> Option<TensorParallelLayout> {
+        None
+    }
+}
+
+/// How a parameter is cut over the ranks of a tensor-parallel group.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum ParamSplit {
+    /// Every rank holds all of it, and the copies stay equal.
+    Replicated,
+    /// This rank holds `range` of dimension `axis`, whose whole size is `full`.
+    Sharded {
+        axis: usize,
+        range: std::ops::Range<usize>,
+        full: usize,
+    },
+}
+
+/// A sharded model's place in its tensor-parallel group.
+#[derive(Debug, Clone)]
+pub struct TensorParallelLayout {
+    pub tp: crate::ops::TpComm,
+    /// Every parameter's split, by Hugging Face name.
+    pub splits: std::collections::BTreeMap<String, ParamSplit>,
 }
 
 /// A forward pass cut into segments: `head(layer(n−1, … layer(0, embed(batch)) …))` equals the

@@ -102,6 +102,21 @@ fn worker() {
     // Every TP group runs its collectives at once, then every DP group.
     check_all(&tp, &tp_members, "tp group");
     check_all(&dp, &dp_members, "dp group");
+    // Groups of one axis may carry payloads of different lengths (each DP group averages its own
+    // tensor-parallel shard): each gets its own sum.
+    let me = world.rank();
+    let n = 5 + 3 * mesh.coords(me).tp;
+    let got = host(
+        dp.all_reduce(tensor(data(me, n, 0.5)), ReduceOp::Sum)
+            .unwrap(),
+    );
+    let want: Vec<f32> = (0..n)
+        .map(|i| dp_members.iter().map(|&r| data(r, n, 0.5)[i]).sum())
+        .collect();
+    assert_eq!(
+        got, want,
+        "dp group: payloads of different lengths per group"
+    );
     check_all(
         &Group::world(world),
         &(0..WORLD).collect::<Vec<_>>(),

@@ -347,6 +347,25 @@ pub fn safetensors_bytes(
     safetensors::serialize(views, Some(meta)).map_err(|e| KilnError::Weights(e.to_string()))
 }
 
+/// Every float parameter's shape, keyed by Hugging Face path (no data is read).
+pub fn module_shapes<B: Backend, M: Module<B>>(module: &M) -> BTreeMap<String, Vec<usize>> {
+    struct Shapes(PathTracker, BTreeMap<String, Vec<usize>>);
+    impl<B: Backend> ModuleVisitor<B> for Shapes {
+        fn enter_module(&mut self, name: &str, container: &str) {
+            self.0.enter(name, container);
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.exit();
+        }
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            self.1.insert(self.0.path(), p.val().dims().to_vec());
+        }
+    }
+    let mut v = Shapes(PathTracker::default(), BTreeMap::new());
+    module.visit(&mut v);
+    v.1
+}
+
 /// Every float parameter of `module` as host tensors keyed by Hugging Face path.
 pub fn module_tensors<B: Backend, M: Module<B>>(module: &M) -> BTreeMap<String, HostTensor> {
     let mut out = BTreeMap::new();

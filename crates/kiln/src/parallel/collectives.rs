@@ -163,7 +163,27 @@ impl<B: Backend> Group<B> {
         &self.groups[self.group]
     }
 
-    /// A world buffer of `groups × n` zeros with `t` in this group's slot at `offset`.
+    /// The longest payload any group of the axis brings to this call: groups hold different
+    /// shards (a data-parallel group of tensor-parallel rank 0 averages a bigger shard than rank
+    /// 2's), so every emulated call first agrees on one slot size. The length travels as two
+    /// values below 2^20, exact in f32.
+    fn slot_len(&self, n: usize) -> Result<usize> {
+        let groups = self.groups.len();
+        let mut v = vec![0f32; 2 * groups];
+        if self.index == 0 {
+            v[2 * self.group] = (n >> 20) as f32;
+            v[2 * self.group + 1] = (n & ((1 << 20) - 1)) as f32;
+        }
+        let t = Tensor::from_data(TensorData::new(v, [2 * groups]), self.world.device());
+        let all = host(self.world.all_reduce(t, ReduceOp::Sum)?);
+        Ok(all
+            .chunks(2)
+            .map(|p| ((p[0] as usize) << 20) + p[1] as usize)
+            .max()
+            .unwrap_or(n))
+    }
+
+    /// A world buffer of `groups × slot` zeros with `t` in this group's slot at `offset`.
     fn in_slot(&self, t: Tensor<B, 1>, slot: usize, offset: usize) -> Tensor<B, 1> {
         let n = t.dims()[0];
         let total = self.groups.len() * slot;
@@ -198,13 +218,17 @@ impl<B: Backend> Collectives<B> for Group<B> {
         if let Some(c) = self.direct() {
             return c.all_reduce(t, op);
         }
+        if self.size() == 1 {
+            return Ok(t);
+        }
         let n = t.dims()[0];
         match op {
             ReduceOp::Sum | ReduceOp::Mean => {
+                let slot = self.slot_len(n)?;
                 let all = self
                     .world
-                    .all_reduce(self.in_slot(t, n, 0), ReduceOp::Sum)?;
-                let mine = all.narrow(0, self.group * n, n);
+                    .all_reduce(self.in_slot(t, slot, 0), ReduceOp::Sum)?;
+                let mine = all.narrow(0, self.group * slot, n);
                 Ok(if op == ReduceOp::Mean {
                     mine / self.size() as f32
                 } else {
@@ -224,18 +248,25 @@ impl<B: Backend> Collectives<B> for Group<B> {
         if let Some(c) = self.direct() {
             return c.all_gather_v(t, counts);
         }
+        if self.size() == 1 {
+            return Ok(t);
+        }
         // Each member writes its piece at its offset of the group's slot; the sum assembles it.
         let total: usize = counts.iter().sum();
         let offset: usize = counts[..self.index].iter().sum();
+        let slot = self.slot_len(total)?;
         let all = self
             .world
-            .all_reduce(self.in_slot(t, total, offset), ReduceOp::Sum)?;
-        Ok(all.narrow(0, self.group * total, total))
+            .all_reduce(self.in_slot(t, slot, offset), ReduceOp::Sum)?;
+        Ok(all.narrow(0, self.group * slot, total))
     }
 
     fn broadcast(&self, t: Tensor<B, 1>, root: usize) -> Result<Tensor<B, 1>> {
         if let Some(c) = self.direct() {
             return c.broadcast(t, root);
+        }
+        if self.size() == 1 {
+            return Ok(t);
         }
         let t = if self.index == root {
             t

@@ -14,10 +14,15 @@ use super::collectives::{Collectives, ReduceOp};
 use super::DistEnv;
 use crate::Result;
 
+/// A set of ranks' collectives, shared by the strategies that use them.
+pub type SharedCollectives<B> = Arc<dyn Collectives<B>>;
+
 pub struct DataParallel<B: Backend> {
-    /// The job this process joined (`kiln launch`, torchrun, mpirun, a Kubernetes Job); `None`
-    /// alone.
+    /// The data-parallel group: the ranks that hold the same model (shard) and average its
+    /// gradients — the whole job unless tensor parallelism takes part of it; `None` alone.
     group: Option<Arc<dyn Collectives<B>>>,
+    /// The whole job (`kiln launch`, torchrun, mpirun, a Kubernetes Job).
+    world: Option<Arc<dyn Collectives<B>>>,
     env: Option<DistEnv>,
 }
 
@@ -32,6 +37,7 @@ impl<B: Backend> DataParallel<B> {
     pub fn single() -> Self {
         Self {
             group: None,
+            world: None,
             env: None,
         }
     }
@@ -42,11 +48,47 @@ impl<B: Backend> DataParallel<B> {
     pub fn join(device: &B::Device) -> Result<Self> {
         Ok(match super::init_from_env::<B>(device)? {
             Some(j) => Self {
-                group: Some(j.world),
+                group: Some(j.world.clone()),
+                world: Some(j.world),
                 env: Some(j.env),
             },
             None => Self::single(),
         })
+    }
+
+    /// Joins the job as [`Self::join`] does and lays it out as a mesh of `tp`-rank tensor-parallel
+    /// groups (contiguous ranks) and data parallelism across them: returns the data-parallel
+    /// strategy and this rank's tensor-parallel group (`None` at `tp` = 1).
+    pub fn join_mesh(
+        device: &B::Device,
+        tp: usize,
+    ) -> Result<(Self, Option<SharedCollectives<B>>)> {
+        let joined = Self::join(device)?;
+        if tp <= 1 {
+            return Ok((joined, None));
+        }
+        let Some(world) = joined.world.clone() else {
+            return Err(crate::KilnError::Config(format!(
+                "--tensor-parallel-size {tp} needs {tp} processes: start them with                  `kiln launch --nproc-per-node {tp} -- train ...` (or torchrun / mpirun)"
+            )));
+        };
+        let mesh = super::Mesh::new(world.size(), tp, 1)?;
+        // Both splits are collectives: every rank makes them, in the same order.
+        let tp_group: Arc<dyn Collectives<B>> =
+            Arc::new(super::Group::new(world.clone(), mesh.tp_groups())?);
+        let dp_group: Arc<dyn Collectives<B>> =
+            Arc::new(super::Group::new(world.clone(), mesh.dp_groups())?);
+        if joined.is_main() {
+            tracing::info!("layout: {mesh} over {} processes", world.size());
+        }
+        Ok((
+            Self {
+                group: Some(dp_group),
+                world: Some(world),
+                env: joined.env,
+            },
+            Some(tp_group),
+        ))
     }
 
     pub fn rank(&self) -> usize {
@@ -58,9 +100,9 @@ impl<B: Backend> DataParallel<B> {
         self.group.as_ref().map_or(1, |g| g.size())
     }
 
-    /// Rank 0 (or a single process): the one that logs and writes files.
+    /// Global rank 0 (or a single process): the one that logs and writes files.
     pub fn is_main(&self) -> bool {
-        self.rank() == 0
+        self.world.as_ref().is_none_or(|w| w.rank() == 0)
     }
 
     /// The first worker of its machine (transformers' `is_local_process_zero`).
@@ -104,15 +146,16 @@ impl<B: Backend> DataParallel<B> {
         }
     }
 
-    /// Waits for every rank (after rank 0 wrote files the others read).
+    /// Waits for every rank of the job (after rank 0 wrote files the others read).
     pub fn barrier(&self) -> Result<()> {
-        match &self.group {
+        match &self.world {
             Some(g) => g.barrier(),
             None => Ok(()),
         }
     }
 
-    /// Makes every rank start from rank 0's weights (a resumed or freshly initialised model).
+    /// Makes every data-parallel rank start from the weights of the group's first rank (a resumed
+    /// or freshly initialised model; under tensor parallelism each shard from its own).
     pub fn broadcast_model<AB, M>(&self, model: M) -> Result<M>
     where
         AB: AutodiffBackend<InnerBackend = B>,

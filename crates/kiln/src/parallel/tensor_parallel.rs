@@ -7,9 +7,13 @@ use std::sync::Arc;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
+use std::collections::BTreeMap;
+
 use super::collectives::{chunk_range, host, Collectives, ReduceOp};
+use crate::hub::weights::HostTensor;
 use crate::ops::{tp_sum, KilnBackend, TpComm, TpReduce};
-use crate::task::{Loss, IGNORE_INDEX};
+use crate::task::{Loss, ParamSplit, TensorParallelLayout, IGNORE_INDEX};
+use crate::{KilnError, Result};
 
 /// A tensor-parallel group (any engine) as the ops' [`TpReduce`].
 pub struct TpGroup<B: Backend> {
@@ -64,6 +68,76 @@ impl<B: Backend> TpReduce for TpGroup<B> {
     fn size(&self) -> usize {
         self.comm.size()
     }
+}
+
+/// The whole model from every rank's shard (a collective: every rank of the group calls it and
+/// gets the whole tensors). Sharded parameters travel as one buffer, each rank filling its part;
+/// replicated ones are checked equal on every rank — replicas that drifted apart (a missing
+/// gradient sum) are an error naming the parameter, never a silent pick of one of them.
+pub fn consolidate(
+    layout: &TensorParallelLayout,
+    local: BTreeMap<String, HostTensor>,
+) -> Result<BTreeMap<String, HostTensor>> {
+    let tp = &layout.tp;
+    let split = |name: &str| {
+        layout.splits.get(name).ok_or_else(|| {
+            KilnError::Weights(format!("{name}: no tensor-parallel split is known for it"))
+        })
+    };
+    // One buffer of every sharded tensor's whole size, and one of the replicated values.
+    let (mut whole, mut replicated) = (Vec::new(), Vec::new());
+    for (name, t) in &local {
+        match split(name)? {
+            ParamSplit::Replicated => replicated.extend_from_slice(&t.data),
+            ParamSplit::Sharded { axis, range, full } => {
+                let start = whole.len();
+                let inner: usize = t.shape[axis + 1..].iter().product();
+                let outer: usize = t.shape[..*axis].iter().product();
+                whole.resize(start + outer * full * inner, 0.0);
+                for o in 0..outer {
+                    let src = &t.data[o * range.len() * inner..(o + 1) * range.len() * inner];
+                    let dst = start + (o * full + range.start) * inner;
+                    whole[dst..dst + src.len()].copy_from_slice(src);
+                }
+            }
+        }
+    }
+    let whole = tp.sum(whole);
+    let most = tp.max(replicated.clone());
+    let least: Vec<f32> = tp
+        .max(replicated.iter().map(|v| -v).collect())
+        .into_iter()
+        .map(|v| -v)
+        .collect();
+    let (mut at_whole, mut at_repl) = (0, 0);
+    let mut out = BTreeMap::new();
+    for (name, t) in local {
+        let t = match split(&name)? {
+            ParamSplit::Replicated => {
+                let n = t.data.len();
+                let spread = (at_repl..at_repl + n)
+                    .map(|i| most[i] - least[i])
+                    .fold(0f32, f32::max);
+                at_repl += n;
+                if spread > 0.0 || spread.is_nan() {
+                    return Err(KilnError::Weights(format!(
+                        "{name}: its copies on the tensor-parallel ranks differ (by up to {spread});                          a replicated parameter must stay equal on every rank"
+                    )));
+                }
+                t
+            }
+            ParamSplit::Sharded { axis, full, .. } => {
+                let mut shape = t.shape.clone();
+                shape[*axis] = *full;
+                let n: usize = shape.iter().product();
+                let data = whole[at_whole..at_whole + n].to_vec();
+                at_whole += n;
+                HostTensor { shape, data }
+            }
+        };
+        out.insert(name, t);
+    }
+    Ok(out)
 }
 
 /// Mean cross-entropy over the non-ignored targets (as [`crate::task::CrossEntropy`]) of logits

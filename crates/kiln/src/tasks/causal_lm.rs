@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use burn::tensor::{Int, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use tokenizers::Tokenizer;
 use tracing::info;
@@ -14,10 +15,10 @@ use crate::data::TextEncoding;
 use crate::error::{KilnError, Result};
 use crate::hub::llama_config::LlamaConfig;
 use crate::hub::weights::{load_into, read_model_weights};
-use crate::models::llama::{KvCache, LlamaForCausalLM};
+use crate::models::llama::{KvCache, LlamaForCausalLM, LlamaShard};
 use crate::ops::{KilnBackend, TrainBackend};
-use crate::parallel::DataParallel;
-use crate::task::{BatchSource, CrossEntropy, IGNORE_INDEX};
+use crate::parallel::{DataParallel, TpGroup, VocabParallelCrossEntropy};
+use crate::task::{BatchSource, CrossEntropy, Loss, IGNORE_INDEX};
 use crate::train::checkpoint::ModelFiles;
 use crate::train::trainer::{evaluate, EvalOutput, TrainOutput};
 use crate::train::{Trainer, TrainingArguments};
@@ -192,7 +193,8 @@ pub fn train<B: TrainBackend>(
     device: &B::Device,
 ) -> Result<(TrainOutput, Option<EvalOutput>)> {
     // Join the job first: workers meet before each spends time loading.
-    let parallel = DataParallel::join(device)?;
+    let (parallel, tp_group) =
+        DataParallel::<B::InnerBackend>::join_mesh(device, args.tensor_parallel_size)?;
     let tok_path = opts.tokenizer_path()?;
     let tok = load_tokenizer(&tok_path)?;
     let (model, config) = match (&opts.from_config, &opts.model_dir) {
@@ -217,6 +219,20 @@ pub fn train<B: TrainBackend>(
     };
     crate::data::tokenize::check_ids_fit(&tok, &tok_path, config.vocab_size)?;
     warn_beyond_positions(&config, opts.block_size, "--block-size");
+    // Every rank holds the same whole model first, then keeps its shard: TP = N starts from the
+    // weights of TP = 1.
+    let (model, loss) = match tp_group {
+        None => (model, LmLoss::Plain(CrossEntropy)),
+        Some(group) => {
+            let tp = TpGroup::comm(group);
+            let shard = LlamaShard::new(&config, tp.clone())?;
+            let loss = LmLoss::VocabParallel(VocabParallelCrossEntropy {
+                tp,
+                vocab: config.vocab_size,
+            });
+            (model.shard(shard), loss)
+        }
+    };
     let eos = eos_id(&config, &tok);
     let train_file = opts
         .train_file
@@ -250,9 +266,29 @@ pub fn train<B: TrainBackend>(
         .collect(),
         source_dir: opts.model_dir.clone(),
     };
-    let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), CrossEntropy, files);
+    let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files);
     trainer.parallel = parallel;
     trainer.train_and_evaluate(&train_set, eval_set.as_ref())
+}
+
+/// A causal LM's loss: plain cross-entropy, or its vocab-parallel form for a sharded model.
+#[derive(Debug, Clone)]
+pub enum LmLoss {
+    Plain(CrossEntropy),
+    VocabParallel(VocabParallelCrossEntropy),
+}
+
+impl Loss for LmLoss {
+    fn loss<B: KilnBackend>(
+        &self,
+        logits: Tensor<B, 2>,
+        targets: Tensor<B, 1, Int>,
+    ) -> Tensor<B, 1> {
+        match self {
+            Self::Plain(l) => l.loss(logits, targets),
+            Self::VocabParallel(l) => l.loss(logits, targets),
+        }
+    }
 }
 
 /// Loss and perplexity of a model folder on a held-out corpus.

@@ -107,6 +107,11 @@ pub struct TrainingArguments {
     /// logged and counted) instead of stopping at the first, as large-scale trainers allow.
     #[arg(long, default_value_t = 0)]
     pub skip_nonfinite_steps: u64,
+    /// Tensor parallelism (optimum-neuron / NxD's name): each layer's weights cut over N
+    /// processes, which must be launched together (`kiln launch --nproc-per-node`); data
+    /// parallelism takes the rest of the world (DP = world / N).
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel_size: usize,
 }
 
 /// A flag's f64 value, refusing NaN and infinities (clap then names the flag in its error).
@@ -222,6 +227,9 @@ impl TrainingArguments {
     pub fn validate(&self) -> Result<()> {
         self.check_finite().map_err(KilnError::Config)?;
         let bad = |m: String| Err(KilnError::Config(m));
+        if self.tensor_parallel_size == 0 {
+            return bad("tensor_parallel_size must be at least 1".into());
+        }
 
         // torch.optim's own checks: a negative rate, decay or epsilon, or a beta outside [0, 1).
         for (name, v) in [

@@ -126,12 +126,16 @@ impl<B: KilnBackend> GradAccumulator<B> {
 
     /// The global L2 norm of all gradients (after any pending scale).
     pub fn global_norm(&self) -> f64 {
-        let sum: f64 = self
-            .grads
-            .values()
-            .map(|g| B::kiln_sum_squares(g.clone().into_primitive().tensor()))
-            .sum();
-        sum.sqrt() * self.factor.abs()
+        self.sum_squares(|_| true).sqrt() * self.factor.abs()
+    }
+
+    /// The sum of the squares of the gradients whose names `pick` (before any pending scale).
+    pub fn sum_squares(&self, pick: impl Fn(&str) -> bool) -> f64 {
+        self.grads
+            .iter()
+            .filter(|(name, _)| pick(name))
+            .map(|(_, g)| B::kiln_sum_squares(g.clone().into_primitive().tensor()))
+            .sum()
     }
 
     /// Multiplies every gradient by `factor` (lazily: the optimizer applies it).
@@ -142,13 +146,19 @@ impl<B: KilnBackend> GradAccumulator<B> {
     /// Clips to `max_norm` like `torch.nn.utils.clip_grad_norm_`; returns the norm before clipping.
     pub fn clip_global_norm(&mut self, max_norm: f64) -> f64 {
         let norm = self.global_norm();
+        self.clip_norm(norm, max_norm);
+        norm
+    }
+
+    /// Clips gradients whose global norm is `norm` (computed by the caller: under tensor
+    /// parallelism it spans every rank's shards) to `max_norm`.
+    pub fn clip_norm(&mut self, norm: f64, max_norm: f64) {
         if max_norm > 0.0 {
             let coef = max_norm / (norm + 1e-6);
             if coef < 1.0 {
                 self.scale(coef);
             }
         }
-        norm
     }
 }
 

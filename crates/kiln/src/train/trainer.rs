@@ -27,7 +27,7 @@ use crate::error::{KilnError, Result};
 use crate::hub::weights::{load_into, module_tensors, read_safetensors};
 use crate::ops::{profile, TrainBackend};
 use crate::parallel::DataParallel;
-use crate::task::{BatchSource, CrossEntropy, Loss, Model};
+use crate::task::{BatchSource, CrossEntropy, Loss, Model, ParamSplit, TensorParallelLayout};
 
 /// A user metric: extra `(name, value)` pairs computed from an evaluation's predictions.
 pub type MetricFn = Box<dyn Fn(&Predictions) -> Vec<(String, f64)> + Send + Sync>;
@@ -73,6 +73,8 @@ pub struct Trainer<B: TrainBackend, M, L = CrossEntropy> {
     run_id: String,
     /// Steps skipped so far for a non-finite loss or gradient norm (`--skip-nonfinite-steps`).
     skipped_nonfinite: u64,
+    /// A tensor-parallel model's splits and group (set at the start of training).
+    tp_layout: Option<TensorParallelLayout>,
 }
 
 fn targets_tensor<B: Backend>(t: Vec<i64>, device: &B::Device) -> Tensor<B, 1, Int> {
@@ -130,6 +132,7 @@ where
             run: None,
             run_id: String::new(),
             skipped_nonfinite: 0,
+            tp_layout: None,
         }
     }
 
@@ -295,6 +298,14 @@ where
                 .map(|spec| resolve_resume_for(&a.output_dir, spec))
                 .transpose()?
         };
+        self.tp_layout = self.model().tensor_parallel();
+        if self.tp_layout.is_some() && a.save_strategy != IntervalStrategy::No {
+            return Err(KilnError::Config(format!(
+                "--tensor-parallel-size {}: checkpoints of a sharded model are not written yet \
+                 (the final model is); pass --save-strategy no",
+                a.tensor_parallel_size
+            )));
+        }
         let plan = Plan::new(&a, train.len(), &self.parallel)?;
         self.state = TrainerState {
             max_steps: plan.total,
@@ -424,7 +435,20 @@ where
             loss_sum
         };
         let _opt = profile::scope("step: clip + optimizer");
-        let grad_norm = acc.clip_global_norm(self.args.max_grad_norm);
+        let grad_norm = match &self.tp_layout {
+            None => acc.clip_global_norm(self.args.max_grad_norm),
+            Some(layout) => {
+                // Each shard counts once over the group, each replicated parameter once.
+                let sharded =
+                    |n: &str| matches!(layout.splits.get(n), Some(ParamSplit::Sharded { .. }));
+                let shards = acc.sum_squares(sharded);
+                let replicated = acc.sum_squares(|n| !sharded(n));
+                let total = layout.tp.sum(vec![shards as f32])[0] as f64 + replicated;
+                let norm = total.sqrt() * acc.factor.abs();
+                acc.clip_norm(norm, self.args.max_grad_norm);
+                norm
+            }
+        };
         let lr = plan.lr(&self.args, self.state.global_step);
         // Every rank sees the same averaged loss and norm, so all decide alike.
         let finite = loss.is_finite() && grad_norm.is_finite();
@@ -541,9 +565,11 @@ where
                 self.model = Some(load_into(model, w, None, &self.device)?.0);
             }
         }
+        // Under tensor parallelism every rank takes part in putting the model together.
+        let tensors = self.whole_model_tensors()?;
         if self.is_main() {
             let dir = self.args.output_dir.clone();
-            self.save_model(&dir)?;
+            self.write_model(&dir, tensors)?;
             write_json(&dir.join("train_results.json"), &metrics)?;
         }
         self.parallel.barrier()?;
@@ -624,7 +650,25 @@ where
     /// all files as one group: a failure (a full disk) leaves the previous model whole, and a model
     /// with non-finite weights is never written.
     pub fn save_model(&self, dir: &Path) -> Result<()> {
-        let tensors = module_tensors(self.model());
+        let tensors = self.whole_model_tensors()?;
+        self.write_model(dir, tensors)
+    }
+
+    /// The model's parameters, whole: a tensor-parallel model's shards are put together (every
+    /// rank of its group must call this).
+    fn whole_model_tensors(&self) -> Result<BTreeMap<String, crate::hub::weights::HostTensor>> {
+        let local = module_tensors(self.model());
+        match &self.tp_layout {
+            None => Ok(local),
+            Some(layout) => crate::parallel::tensor_parallel::consolidate(layout, local),
+        }
+    }
+
+    fn write_model(
+        &self,
+        dir: &Path,
+        tensors: BTreeMap<String, crate::hub::weights::HostTensor>,
+    ) -> Result<()> {
         ensure_finite(&tensors, &format!("saving the model to {}", dir.display()))?;
         let mut group = crate::hub::files::FileGroup::new(dir)?;
         put_model_files(&tensors, &self.files, |name, bytes| group.add(name, bytes))?;

@@ -16,7 +16,7 @@ use super::layers::{Embedding, Linear, RmsNorm};
 use crate::data::lm::TokenBatch;
 use crate::hub::llama_config::LlamaConfig;
 use crate::ops::{self, tp_enter, tp_sum, KilnBackend};
-use crate::task::{Model, Segments};
+use crate::task::{Model, Segments, TensorParallelLayout};
 pub use tensor_parallel::LlamaShard;
 
 #[derive(Module, Debug)]
@@ -504,6 +504,21 @@ impl<B: KilnBackend> Model<B> for LlamaForCausalLM<B> {
 
     fn segments(&self) -> Option<&dyn Segments<B, TokenBatch>> {
         Some(self)
+    }
+
+    fn tensor_parallel(&self) -> Option<TensorParallelLayout> {
+        let s = self.shard.as_ref()?;
+        let splits = crate::hub::weights::module_shapes(self)
+            .into_keys()
+            .map(|name| {
+                let split = s.split_of(&name);
+                (name, split)
+            })
+            .collect();
+        Some(TensorParallelLayout {
+            tp: s.tp.clone(),
+            splits,
+        })
     }
 
     /// One row of vocabulary logits per token, `[batch·seq, vocab]`.

@@ -19,6 +19,7 @@ use super::LlamaForCausalLM;
 use crate::hub::llama_config::LlamaConfig;
 use crate::models::layers::Linear;
 use crate::ops::{chunk_range as chunk, KilnBackend, TpComm};
+use crate::task::ParamSplit;
 use crate::{KilnError, Result};
 
 /// What one tensor-parallel rank holds of a Llama.
@@ -38,6 +39,9 @@ pub struct LlamaShard {
     /// Rows of gate/up, columns of down.
     pub intermediate: Range<usize>,
     pub head_dim: usize,
+    /// The whole model's sizes: query heads, key/value heads, MLP width.
+    pub full_heads: (usize, usize),
+    pub intermediate_size: usize,
 }
 
 impl LlamaShard {
@@ -74,6 +78,8 @@ impl LlamaShard {
             group,
             intermediate: chunk(c.intermediate_size, n, r),
             head_dim: c.head_size(),
+            full_heads: (nh, nkv),
+            intermediate_size: c.intermediate_size,
             tp,
         })
     }
@@ -89,6 +95,52 @@ impl LlamaShard {
 
     fn head_rows(&self, heads: &Range<usize>) -> Range<usize> {
         heads.start * self.head_dim..heads.end * self.head_dim
+    }
+
+    /// How parameter `name` (a Hugging Face name) is cut on this rank.
+    pub fn split_of(&self, name: &str) -> ParamSplit {
+        let rows = |range: Range<usize>, full: usize| ParamSplit::Sharded {
+            axis: 0,
+            range,
+            full,
+        };
+        let cols = |range: Range<usize>, full: usize| ParamSplit::Sharded {
+            axis: 1,
+            range,
+            full,
+        };
+        let hd = self.head_dim;
+        let (q, kv) = (
+            self.head_rows(&self.q_heads),
+            self.head_rows(&self.kv_heads),
+        );
+        let (nq, nkv) = (self.full_heads.0 * hd, self.full_heads.1 * hd);
+        let part = |suffix: &str| name.ends_with(suffix);
+        if part("embed_tokens.weight") || name == "lm_head.weight" {
+            rows(self.vocab.clone(), self.vocab_size)
+        } else if part("q_proj.weight") || part("q_proj.bias") {
+            rows(q, nq)
+        } else if (part("k_proj.weight")
+            || part("k_proj.bias")
+            || part("v_proj.weight")
+            || part("v_proj.bias"))
+            && !self.kv_replicated
+        {
+            rows(kv, nkv)
+        } else if part("o_proj.weight") {
+            cols(q, nq)
+        } else if part("gate_proj.weight")
+            || part("gate_proj.bias")
+            || part("up_proj.weight")
+            || part("up_proj.bias")
+        {
+            rows(self.intermediate.clone(), self.intermediate_size)
+        } else if part("down_proj.weight") {
+            cols(self.intermediate.clone(), self.intermediate_size)
+        } else {
+            // Norms, row-parallel biases, replicated k/v projections.
+            ParamSplit::Replicated
+        }
     }
 }
 
