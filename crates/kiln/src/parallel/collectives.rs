@@ -90,6 +90,15 @@ pub trait Collectives<B: Backend>: Send + Sync {
     }
 }
 
+/// A flat tensor of `values` with a buffer of its own. Burn's ndarray backend keeps a tensor
+/// made from `TensorData` as a borrowed view and copies it on every later use; a gradient buffer
+/// that is then cut into hundreds of parameters would be copied whole for each (SmolLM2's 540 MB
+/// flat gradient took 12 GB). One multiplication makes it an array of its own.
+pub fn owned_tensor<B: Backend>(values: Vec<f32>, device: &B::Device) -> Tensor<B, 1> {
+    let n = values.len();
+    Tensor::<B, 1>::from_data(TensorData::new(values, [n]), device).mul_scalar(1.0)
+}
+
 /// The values of a flat tensor.
 pub fn host<B: Backend>(t: Tensor<B, 1>) -> Vec<f32> {
     t.into_data()

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 use mpi::collective::SystemOperation;
 use mpi::environment::{Threading, Universe};
 use mpi::topology::{Color, SimpleCommunicator};
@@ -104,8 +104,7 @@ impl<B: Backend> MpiComm<B> {
     }
 
     fn tensor(&self, v: Vec<f32>) -> Tensor<B, 1> {
-        let n = v.len();
-        Tensor::from_data(TensorData::new(v, [n]), &self.device)
+        super::collectives::owned_tensor(v, &self.device)
     }
 }
 

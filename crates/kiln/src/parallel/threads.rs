@@ -6,7 +6,7 @@
 use std::sync::{Arc, Barrier, Mutex};
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 
 use super::collectives::{host, Collectives, ReduceOp};
 use crate::Result;
@@ -52,8 +52,7 @@ impl<B: Backend> ThreadComm<B> {
     }
 
     fn tensor(&self, v: Vec<f32>) -> Tensor<B, 1> {
-        let n = v.len();
-        Tensor::from_data(TensorData::new(v, [n]), &self.device)
+        super::collectives::owned_tensor(v, &self.device)
     }
 }
 
