@@ -192,4 +192,30 @@ fn bad_tensor_parallel_layouts_are_one_sentence() {
         !out.status.success() && err.contains("--tensor-parallel-size 2 needs 2 processes"),
         "{err}"
     );
+    // A global batch that the per-device batch does not divide, before anything is loaded.
+    let out = kiln()
+        .args(["train", "--task", "causal-lm", "--from-config"])
+        .arg(&cfg)
+        .arg("--tokenizer")
+        .arg(tmp.path().join("missing-tokenizer"))
+        .arg("--train-file")
+        .arg(&corpus)
+        .args([
+            "--global-batch-size",
+            "6",
+            "--per-device-train-batch-size",
+            "4",
+        ])
+        .arg("--output-dir")
+        .arg(tmp.path().join("o"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains(
+                "--global-batch-size 6 is not a multiple of --per-device-train-batch-size 4"
+            ),
+        "{err}"
+    );
 }

@@ -195,6 +195,9 @@ pub fn train<B: TrainBackend>(
     // Join the job first: workers meet before each spends time loading.
     let (parallel, tp_group) =
         DataParallel::<B::InnerBackend>::join_mesh(device, args.tensor_parallel_size)?;
+    // The batch arithmetic is checked before anything is loaded.
+    let mut args = args;
+    args.resolve_global_batch(parallel.size())?;
     let tok_path = opts.tokenizer_path()?;
     let tok = load_tokenizer(&tok_path)?;
     let (model, config) = match (&opts.from_config, &opts.model_dir) {

@@ -112,6 +112,10 @@ pub struct TrainingArguments {
     /// parallelism takes the rest of the world (DP = world / N).
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel_size: usize,
+    /// The batch of one optimizer step over the whole job (NxD's global batch size): the
+    /// accumulation steps follow from it, `global / (per-device batch × data-parallel size)`.
+    #[arg(long)]
+    pub global_batch_size: Option<usize>,
 }
 
 /// A flag's f64 value, refusing NaN and infinities (clap then names the flag in its error).
@@ -223,12 +227,44 @@ impl TrainingArguments {
         }
     }
 
+    /// Derives the gradient accumulation steps from `--global-batch-size` for a job of
+    /// `data_parallel` data-parallel ranks (each with the per-device batch), as NxD and
+    /// optimum-neuron do; without a global batch size, nothing changes.
+    pub fn resolve_global_batch(&mut self, data_parallel: usize) -> Result<()> {
+        let Some(global) = self.global_batch_size else {
+            return Ok(());
+        };
+        let per_step = self.per_device_train_batch_size * data_parallel;
+        if per_step == 0 || global == 0 || !global.is_multiple_of(per_step) {
+            return Err(KilnError::Config(format!(
+                "--global-batch-size {global} is not a multiple of --per-device-train-batch-size \
+                 {} × {data_parallel} data-parallel ranks = {per_step}",
+                self.per_device_train_batch_size
+            )));
+        }
+        let accumulation = global / per_step;
+        if self.gradient_accumulation_steps != 1 && self.gradient_accumulation_steps != accumulation
+        {
+            return Err(KilnError::Config(format!(
+                "--global-batch-size {global} means {accumulation} accumulation steps at \
+                 {data_parallel} data-parallel ranks × batch {}, but \
+                 --gradient-accumulation-steps {} was given: give one of the two",
+                self.per_device_train_batch_size, self.gradient_accumulation_steps
+            )));
+        }
+        self.gradient_accumulation_steps = accumulation;
+        Ok(())
+    }
+
     /// Ranges as transformers and torch enforce them, checked before anything runs.
     pub fn validate(&self) -> Result<()> {
         self.check_finite().map_err(KilnError::Config)?;
         let bad = |m: String| Err(KilnError::Config(m));
         if self.tensor_parallel_size == 0 {
             return bad("tensor_parallel_size must be at least 1".into());
+        }
+        if self.global_batch_size == Some(0) {
+            return bad("global_batch_size must be at least 1".into());
         }
 
         // torch.optim's own checks: a negative rate, decay or epsilon, or a beta outside [0, 1).
@@ -289,5 +325,40 @@ impl TrainingArguments {
             );
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn global_batch_size_sets_accumulation_or_says_why_not() {
+        let mut a = TrainingArguments {
+            per_device_train_batch_size: 4,
+            global_batch_size: Some(32),
+            ..TrainingArguments::default()
+        };
+        a.resolve_global_batch(2).unwrap();
+        assert_eq!(a.gradient_accumulation_steps, 4);
+        // Again (resuming, another call): the same answer, no conflict with itself.
+        a.resolve_global_batch(2).unwrap();
+        assert_eq!(a.gradient_accumulation_steps, 4);
+        let e = a.resolve_global_batch(3).unwrap_err().to_string();
+        assert!(
+            e.contains("--global-batch-size 32 is not a multiple of"),
+            "{e}"
+        );
+        let mut b = TrainingArguments {
+            per_device_train_batch_size: 4,
+            gradient_accumulation_steps: 2,
+            global_batch_size: Some(32),
+            ..TrainingArguments::default()
+        };
+        let e = b.resolve_global_batch(2).unwrap_err().to_string();
+        assert!(e.contains("give one of the two"), "{e}");
+        let mut c = TrainingArguments::default();
+        c.resolve_global_batch(8).unwrap();
+        assert_eq!(c.gradient_accumulation_steps, 1);
     }
 }

@@ -267,6 +267,7 @@ where
     /// Validates the arguments, claims the output folder, derives the plan, resumes from a
     /// checkpoint when asked, and makes every rank start from the same weights.
     fn start<S: BatchSource>(&mut self, train: &S, has_eval: bool) -> Result<Plan> {
+        self.args.resolve_global_batch(self.parallel.size())?;
         let a = self.args.clone();
         a.validate()?;
         crate::ops::set_matmul_precision(if a.bf16 {
@@ -339,7 +340,14 @@ where
                 "  Instantaneous batch size per device = {}",
                 plan.batch_size
             );
-            info!("  World size = {world}");
+            info!("  World size (data parallel) = {world}");
+            if a.tensor_parallel_size > 1 {
+                info!(
+                    "  Layout: tensor parallel {tp} × data parallel {world} = {} processes",
+                    a.tensor_parallel_size * world,
+                    tp = a.tensor_parallel_size
+                );
+            }
             info!(
                 "  Total train batch size (w. parallel, distributed & accumulation) = {}",
                 plan.batch_size * world * a.gradient_accumulation_steps
