@@ -175,47 +175,38 @@ fn bad_tensor_parallel_layouts_are_one_sentence() {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = config(tmp.path(), "c.json", 4, 2, true, false);
     let corpus = corpus(tmp.path(), &brown);
+    // Each command must fail before anything is loaded (the tokenizer does not even exist).
+    let fail = |extra: &[&str]| {
+        let out = kiln()
+            .args(["train", "--task", "causal-lm", "--from-config"])
+            .arg(&cfg)
+            .arg("--tokenizer")
+            .arg(tmp.path().join("missing-tokenizer"))
+            .arg("--train-file")
+            .arg(&corpus)
+            .args(extra)
+            .arg("--output-dir")
+            .arg(tmp.path().join("o"))
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
     // Alone, TP 2 has no second process.
-    let out = kiln()
-        .args(["train", "--task", "causal-lm", "--from-config"])
-        .arg(&cfg)
-        .arg("--tokenizer")
-        .arg(tmp.path().join("missing-tokenizer"))
-        .arg("--train-file")
-        .arg(&corpus)
-        .args(["--tensor-parallel-size", "2", "--output-dir"])
-        .arg(tmp.path().join("o"))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = fail(&["--tensor-parallel-size", "2"]);
     assert!(
-        !out.status.success() && err.contains("--tensor-parallel-size 2 needs 2 processes"),
+        err.contains("--tensor-parallel-size 2 needs 2 processes"),
         "{err}"
     );
-    // A global batch that the per-device batch does not divide, before anything is loaded.
-    let out = kiln()
-        .args(["train", "--task", "causal-lm", "--from-config"])
-        .arg(&cfg)
-        .arg("--tokenizer")
-        .arg(tmp.path().join("missing-tokenizer"))
-        .arg("--train-file")
-        .arg(&corpus)
-        .args([
-            "--global-batch-size",
-            "6",
-            "--per-device-train-batch-size",
-            "4",
-        ])
-        .arg("--output-dir")
-        .arg(tmp.path().join("o"))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    // A global batch that the per-device batch does not divide.
+    let err = fail(&[
+        "--global-batch-size",
+        "6",
+        "--per-device-train-batch-size",
+        "4",
+    ]);
     assert!(
-        !out.status.success()
-            && err.contains(
-                "--global-batch-size 6 is not a multiple of --per-device-train-batch-size 4"
-            ),
+        err.contains("--global-batch-size 6 is not a multiple of --per-device-train-batch-size 4"),
         "{err}"
     );
 }
