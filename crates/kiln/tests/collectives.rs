@@ -3,6 +3,8 @@
 //! test binary run again, by itself with the torchrun variables set or by `mpirun`) on a
 //! 2 (TP) × 2 (DP) mesh.
 
+mod common;
+
 use std::process::Command;
 
 use burn::tensor::{Tensor, TensorData};
@@ -124,29 +126,13 @@ fn worker() {
     );
 }
 
-/// A port `p` with `p + 1 ..= p + WORLD` free too (rendezvous and every rank's tensor service).
-fn free_ports() -> u16 {
-    let free = |q: u16| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok();
-    for _ in 0..50 {
-        let p = std::net::TcpListener::bind(("127.0.0.1", 0))
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        if p < 65000 && (1..=WORLD as u16).all(|k| free(p + k)) {
-            return p;
-        }
-    }
-    panic!("no run of free ports");
-}
-
 #[test]
 fn every_collective_equals_its_local_reference_on_the_world_and_mesh_groups() {
     if DistEnv::from_env().unwrap().is_some() {
         return worker();
     }
     let exe = std::env::current_exe().unwrap();
-    let port = free_ports();
+    let port = common::free_ports(WORLD as u16);
     let children: Vec<_> = (0..WORLD)
         .map(|r| {
             Command::new(&exe)

@@ -336,7 +336,7 @@ pub fn run_row(key: &str, opts: &SuiteOptions) -> Result<BenchResult> {
             w.max(5),
             opts.mnist_steps,
         ),
-        key if key.starts_with("dp_") => {
+        key if key.starts_with("dp_") && ROWS.iter().any(|r| r.key == key) => {
             use crate::parallel::Engine;
             let op = if key.starts_with("dp_allgather") {
                 dp::Op::AllGather

@@ -99,6 +99,26 @@ pub fn owned_tensor<B: Backend>(values: Vec<f32>, device: &B::Device) -> Tensor<
     Tensor::<B, 1>::from_data(TensorData::new(values, [n]), device).mul_scalar(1.0)
 }
 
+/// `t` at position `start` of `total` zeros: how an engine without gathers builds one from a
+/// sum, each rank filling its own part.
+pub(crate) fn placed<B: Backend>(
+    t: Tensor<B, 1>,
+    start: usize,
+    total: usize,
+    device: &B::Device,
+) -> Tensor<B, 1> {
+    let n = t.dims()[0];
+    let mut parts = Vec::with_capacity(3);
+    if start > 0 {
+        parts.push(Tensor::zeros([start], device));
+    }
+    parts.push(t);
+    if total > start + n {
+        parts.push(Tensor::zeros([total - start - n], device));
+    }
+    Tensor::cat(parts, 0)
+}
+
 /// The values of a flat tensor.
 pub fn host<B: Backend>(t: Tensor<B, 1>) -> Vec<f32> {
     t.into_data()
@@ -194,19 +214,8 @@ impl<B: Backend> Group<B> {
 
     /// A world buffer of `groups × slot` zeros with `t` in this group's slot at `offset`.
     fn in_slot(&self, t: Tensor<B, 1>, slot: usize, offset: usize) -> Tensor<B, 1> {
-        let n = t.dims()[0];
-        let total = self.groups.len() * slot;
         let start = self.group * slot + offset;
-        let device = self.world.device();
-        let mut parts = Vec::with_capacity(3);
-        if start > 0 {
-            parts.push(Tensor::zeros([start], device));
-        }
-        parts.push(t);
-        if total > start + n {
-            parts.push(Tensor::zeros([total - start - n], device));
-        }
-        Tensor::cat(parts, 0)
+        placed(t, start, self.groups.len() * slot, self.world.device())
     }
 }
 

@@ -18,7 +18,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 use burn_collective::{CollectiveConfig, PeerId, ReduceOperation};
 
-use super::collectives::{Collectives, ReduceOp};
+use super::collectives::{placed, Collectives, ReduceOp};
 use super::heartbeat::Heartbeat;
 use super::{ensure_port_free, DistEnv};
 use crate::{KilnError, Result};
@@ -386,17 +386,10 @@ impl<B: Backend> Collectives<B> for ProcessGroup<B> {
     fn all_gather_v(&self, t: Tensor<B, 1>, counts: &[usize]) -> Result<Tensor<B, 1>> {
         let total: usize = counts.iter().sum();
         let before: usize = counts[..self.env.rank].iter().sum();
-        let n = t.dims()[0];
-        let mut parts = Vec::with_capacity(3);
-        if before > 0 {
-            parts.push(Tensor::zeros([before], &self.device));
-        }
-        parts.push(t);
-        if total > before + n {
-            parts.push(Tensor::zeros([total - before - n], &self.device));
-        }
         let out = self.reduce_buckets(
-            Tensor::cat(parts, 0).into_primitive().tensor(),
+            placed(t, before, total, &self.device)
+                .into_primitive()
+                .tensor(),
             ReduceOperation::Sum,
             "all-gather",
         )?;

@@ -47,13 +47,6 @@ pub struct MpiComm<B: Backend> {
     timeout: Duration,
 }
 
-/// Whether this process was started by an MPI launcher (Open MPI's mpirun, MPICH/Hydra, Slurm).
-pub fn launched_by_mpi() -> bool {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
-        .iter()
-        .any(|k| std::env::var_os(k).is_some())
-}
-
 impl<B: Backend> MpiComm<B> {
     /// Initialises MPI (once per process) and returns its world.
     pub fn world(device: &B::Device, timeout: Duration) -> Result<Self> {

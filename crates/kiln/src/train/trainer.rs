@@ -573,12 +573,15 @@ where
                 self.model = Some(load_into(model, w, None, &self.device)?.0);
             }
         }
-        // Under tensor parallelism every rank takes part in putting the model together.
-        let tensors = self.whole_model_tensors()?;
-        if self.is_main() {
-            let dir = self.args.output_dir.clone();
-            self.write_model(&dir, tensors)?;
-            write_json(&dir.join("train_results.json"), &metrics)?;
+        // Under tensor parallelism every rank takes part in putting the model together; otherwise
+        // only rank 0 reads its weights.
+        if self.is_main() || self.tp_layout.is_some() {
+            let tensors = self.whole_model_tensors()?;
+            if self.is_main() {
+                let dir = self.args.output_dir.clone();
+                self.write_model(&dir, tensors)?;
+                write_json(&dir.join("train_results.json"), &metrics)?;
+            }
         }
         self.parallel.barrier()?;
         Ok(TrainOutput {
