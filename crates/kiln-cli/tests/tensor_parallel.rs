@@ -36,10 +36,9 @@ struct Run<'a> {
     out: &'a Path,
 }
 
-/// Trains 5 steps with `procs` processes at tensor-parallel size `tp` (`seed` as given); returns
-/// the saved (consolidated) weights.
-fn train(r: &Run, name: &str, procs: usize, tp: usize, seed: u64) -> BTreeMap<String, HostTensor> {
-    let out = r.out.join(name);
+/// `kiln train` of the causal LM `r` into `out`, under `kiln launch` with `procs` processes at
+/// tensor-parallel size `tp`; `args` adds the run's own flags.
+fn command(r: &Run, out: &Path, (procs, tp): (usize, usize), args: &[&str]) -> Command {
     let mut c = kiln();
     if procs > 1 {
         c.args(["launch", "--nproc-per-node", &procs.to_string()])
@@ -49,26 +48,39 @@ fn train(r: &Run, name: &str, procs: usize, tp: usize, seed: u64) -> BTreeMap<St
             ])
             .args(["--timeout", "60", "--"]);
     }
-    let st = c
-        .args(["train", "--task", "causal-lm", "--from-config"])
+    c.args(["train", "--task", "causal-lm", "--from-config"])
         .arg(r.cfg)
         .arg("--tokenizer")
         .arg(r.tokenizer)
         .arg("--train-file")
         .arg(r.corpus)
-        .args(["--block-size", "16", "--max-steps", "5"])
-        .args(["--learning-rate", "1e-3", "--max-grad-norm", "0.5"])
-        .args(["--per-device-train-batch-size", "4", "--seed"])
-        .arg(seed.to_string())
+        .args(["--block-size", "16", "--learning-rate", "1e-3"])
+        .args(["--max-grad-norm", "0.5", "--logging-steps", "1"])
         .args(["--tensor-parallel-size", &tp.to_string()])
-        .args([
-            "--logging-steps",
-            "1",
-            "--save-strategy",
-            "no",
-            "--output-dir",
-        ])
-        .arg(&out)
+        .args(args)
+        .arg("--output-dir")
+        .arg(out);
+    c
+}
+
+/// Trains 5 steps with `procs` processes at tensor-parallel size `tp` (`seed` as given), a
+/// per-device batch of 4 unless `extra` says otherwise; returns the saved (consolidated) weights.
+fn train(
+    r: &Run,
+    name: &str,
+    layout: (usize, usize),
+    seed: u64,
+    extra: &[&str],
+) -> BTreeMap<String, HostTensor> {
+    let out = r.out.join(name);
+    let batch: &[&str] = if extra.contains(&"--per-device-train-batch-size") {
+        &[]
+    } else {
+        &["--per-device-train-batch-size", "4"]
+    };
+    let seed = seed.to_string();
+    let base = ["--max-steps", "5", "--save-strategy", "no", "--seed", &seed];
+    let st = command(r, &out, layout, &[&base[..], batch, extra].concat())
         .status()
         .unwrap();
     assert!(st.success(), "{name} failed");
@@ -154,16 +166,197 @@ fn tensor_parallel_training_equals_one_process() {
             out: tmp.path(),
         };
         let stem = cfg.file_stem().unwrap().to_string_lossy().to_string();
-        let single = train(&run, &format!("{stem}-tp1"), 1, 1, 3);
-        let control = train(&run, &format!("{stem}-control"), 1, 1, 4);
+        let single = train(&run, &format!("{stem}-tp1"), (1, 1), 3, &[]);
+        let control = train(&run, &format!("{stem}-control"), (1, 1), 4, &[]);
         let c = max_diff(&control, &single);
         assert!(c > 1e-4, "control too close ({c}): the test cannot tell");
         for tp in sizes {
-            let sharded = train(&run, &format!("{stem}-tp{tp}"), tp, tp, 3);
+            let sharded = train(&run, &format!("{stem}-tp{tp}"), (tp, tp), 3, &[]);
             let d = max_diff(&sharded, &single);
             eprintln!("{stem}: TP={tp} vs TP=1: max |Δw| = {d:e} (control {c:e})");
             assert!(d <= 1e-5, "{stem}: TP={tp} differs from one process by {d}");
         }
+    }
+}
+
+/// ZeRO-1 (`--zero-1`): at DP = 2 the sharded optimizer takes the same steps as the replicated
+/// one, and TP = 2 × DP = 2 with ZeRO-1 (4 processes) equals one process with the same global batch.
+#[test]
+fn zero1_equals_replicated_optimizer_and_one_process() {
+    let (Some(gguf), Some(brown)) = (
+        asset("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        asset("brown/eval.jsonl"),
+    ) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = tmp.path().join("smollm2");
+    let st = kiln()
+        .args(["convert", "--from-gguf"])
+        .arg(&gguf)
+        .arg("--out")
+        .arg(&hf)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let corpus = corpus(tmp.path(), &brown);
+    let cfg = config(tmp.path(), "z.json", 9, 3, false, true);
+    let run = Run {
+        cfg: &cfg,
+        tokenizer: &hf,
+        corpus: &corpus,
+        out: tmp.path(),
+    };
+    let half = ["--per-device-train-batch-size", "2"];
+    let plain = train(&run, "dp2", (2, 1), 3, &half);
+    let zero = train(
+        &run,
+        "dp2-zero1",
+        (2, 1),
+        3,
+        &[&half[..], &["--zero-1"]].concat(),
+    );
+    let d = max_diff(&zero, &plain);
+    eprintln!("ZeRO-1 DP=2 vs DP=2: max |Δw| = {d:e}");
+    assert!(
+        d <= 1e-6,
+        "ZeRO-1 differs from the replicated optimizer by {d}"
+    );
+    let single = train(&run, "one", (1, 1), 3, &[]);
+    let control = train(&run, "control", (1, 1), 4, &[]);
+    let c = max_diff(&control, &single);
+    assert!(c > 1e-4, "control too close ({c}): the test cannot tell");
+    let mesh = train(
+        &run,
+        "tp2-dp2-zero1",
+        (4, 2),
+        3,
+        &[&half[..], &["--zero-1"]].concat(),
+    );
+    let d = max_diff(&mesh, &single);
+    eprintln!("TP=2 × DP=2 with ZeRO-1 vs one process: max |Δw| = {d:e} (control {c:e})");
+    assert!(
+        d <= 1e-5,
+        "TP=2 × DP=2 with ZeRO-1 differs from one process by {d}"
+    );
+}
+
+/// A sharded checkpoint (TP = 2 × DP = 2 with ZeRO-1) written at step 3 of 6, after which rank 0
+/// is killed: the job stops with an error naming it, the checkpoint is complete, and resuming from
+/// it at the same layout, at TP = 3, at DP = 2 with ZeRO-1 and in one process all end where an
+/// uninterrupted single process ends.
+#[test]
+fn sharded_checkpoints_resume_at_any_layout() {
+    let (Some(gguf), Some(brown)) = (
+        asset("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        asset("brown/eval.jsonl"),
+    ) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = tmp.path().join("smollm2");
+    let st = kiln()
+        .args(["convert", "--from-gguf"])
+        .arg(&gguf)
+        .arg("--out")
+        .arg(&hf)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let corpus = corpus(tmp.path(), &brown);
+    let cfg = config(tmp.path(), "r.json", 9, 3, false, true);
+    let run = Run {
+        cfg: &cfg,
+        tokenizer: &hf,
+        corpus: &corpus,
+        out: tmp.path(),
+    };
+    // A constant rate: a run stopped at step 3 and resumed takes the steps an unbroken one takes.
+    let steps = [
+        "--max-steps",
+        "6",
+        "--lr-scheduler-type",
+        "constant",
+        "--seed",
+        "3",
+    ];
+    let (b2, b4) = (
+        ["--per-device-train-batch-size", "2"],
+        ["--per-device-train-batch-size", "4"],
+    );
+    let reference_dir = tmp.path().join("reference");
+    let st = command(
+        &run,
+        &reference_dir,
+        (1, 1),
+        &[&steps[..], &b4, &["--save-strategy", "no"]].concat(),
+    )
+    .status()
+    .unwrap();
+    assert!(st.success());
+    let reference = read_safetensors(&reference_dir.join("model.safetensors")).unwrap();
+
+    let broken = tmp.path().join("broken");
+    let out = command(
+        &run,
+        &broken,
+        (4, 2),
+        &[&steps[..], &b2, &["--zero-1", "--save-steps", "3"]].concat(),
+    )
+    .env("KILN_TEST_CRASH_AT", "checkpoint:renamed:1")
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the killed job must fail");
+    assert!(
+        err.contains("rank 0"),
+        "the error names the killed rank: {err}"
+    );
+    let ck = broken.join("checkpoint-3");
+    for f in [
+        "shards.json",
+        "model/tp_rank_00.safetensors",
+        "model/tp_rank_01.safetensors",
+        "optimizer/tp_rank_01_dp_rank_01.safetensors",
+        "kiln_checkpoint.json",
+        "tokenizer.json",
+    ] {
+        assert!(ck.join(f).exists(), "checkpoint-3 lacks {f}");
+    }
+    assert!(!broken.join("checkpoint-6").exists());
+    let ck_arg = ck.to_string_lossy().to_string();
+    for (name, layout, extra) in [
+        ("same", (4, 2), &[&b2[..], &["--zero-1"]].concat()),
+        ("tp3", (3, 3), &b4[..].to_vec()),
+        ("dp2-zero1", (2, 1), &[&b2[..], &["--zero-1"]].concat()),
+        ("single", (1, 1), &b4[..].to_vec()),
+    ] {
+        let dir = tmp.path().join(format!("resumed-{name}"));
+        let st = command(
+            &run,
+            &dir,
+            layout,
+            &[
+                &steps[..],
+                &extra[..],
+                &["--save-strategy", "no", "--resume-from-checkpoint", &ck_arg],
+            ]
+            .concat(),
+        )
+        .status()
+        .unwrap();
+        assert!(st.success(), "resume {name} failed");
+        // It went on from step 3, not from the start.
+        let log = std::fs::read_to_string(dir.join("log.jsonl")).unwrap();
+        let first: serde_json::Value = serde_json::from_str(log.lines().next().unwrap()).unwrap();
+        assert_eq!(first["step"], 4, "resume {name}: {log}");
+        let w = read_safetensors(&dir.join("model.safetensors")).unwrap();
+        let d = max_diff(&w, &reference);
+        eprintln!("resumed at {name} vs unbroken single process: max |Δw| = {d:e}");
+        assert!(
+            d <= 1e-5,
+            "resumed at {name}: differs from the unbroken run by {d}"
+        );
     }
 }
 
@@ -185,6 +378,11 @@ fn bad_tensor_parallel_layouts_are_one_sentence() {
             .arg("--train-file")
             .arg(&corpus)
             .args(extra)
+            .args(if extra.contains(&"--per-device-train-batch-size") {
+                &[][..]
+            } else {
+                &["--per-device-train-batch-size", "4"][..]
+            })
             .arg("--output-dir")
             .arg(tmp.path().join("o"))
             .output()

@@ -6,6 +6,7 @@ pub mod files;
 pub mod gguf;
 pub mod limits;
 pub mod llama_config;
+pub mod sharded;
 pub mod weights;
 
 use std::path::Path;

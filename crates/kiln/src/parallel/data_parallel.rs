@@ -138,6 +138,14 @@ impl<B: Backend> DataParallel<B> {
         }
     }
 
+    /// ZeRO-1 over the data-parallel group (`None` alone: there is nothing to shard).
+    pub fn zero1(&self) -> Option<super::Zero1<B>> {
+        self.group
+            .as_ref()
+            .filter(|g| g.size() > 1)
+            .map(|g| super::Zero1::new(g.clone()))
+    }
+
     /// Sums host values over the ranks (eval losses, counts, gathered predictions).
     pub fn sum_host(&self, values: Vec<f32>) -> Result<Vec<f32>> {
         match &self.group {

@@ -2,8 +2,9 @@
 //! environment contract ([`DistEnv`]) and the launcher that starts workers with it ([`launch`]);
 //! the [`Collectives`] every strategy is written against, on the world's [`ProcessGroup`] (Burn's
 //! collective engine) and on the sub-groups of a device [`Mesh`]; and the strategies themselves
-//! ([`DataParallel`]; tensor parallelism's pieces in [`tensor_parallel`]). [`threads`] runs ranks
-//! as threads of one process, for tests of a strategy's arithmetic.
+//! ([`DataParallel`], ZeRO-1's optimizer-state sharding in [`zero`]; tensor parallelism's pieces in
+//! [`tensor_parallel`]). [`threads`] runs ranks as threads of one process, for tests of a
+//! strategy's arithmetic.
 
 pub mod collectives;
 mod data_parallel;
@@ -17,12 +18,14 @@ pub mod mpi;
 mod nccl;
 pub mod tensor_parallel;
 pub mod threads;
+pub mod zero;
 
 pub use collectives::{chunk_range, Collectives, Group, ReduceOp};
 pub use data_parallel::{is_main_process, world_size_from_env, DataParallel};
 pub use group::{ProcessGroup, BUCKET_ELEMENTS};
 pub use mesh::{Coords, Mesh};
 pub use tensor_parallel::{TpGroup, VocabParallelCrossEntropy};
+pub use zero::{Zero1, ZeroPartition};
 
 use std::sync::Arc;
 use std::time::Duration;

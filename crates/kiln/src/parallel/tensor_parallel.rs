@@ -10,6 +10,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use std::collections::BTreeMap;
 
 use super::collectives::{chunk_range, host, Collectives, ReduceOp};
+use crate::hub::sharded::place_axis;
 use crate::hub::weights::HostTensor;
 use crate::ops::{tp_sum, KilnBackend, TpComm, TpReduce};
 use crate::task::{Loss, ParamSplit, TensorParallelLayout, IGNORE_INDEX};
@@ -91,14 +92,8 @@ pub fn consolidate(
             ParamSplit::Replicated => replicated.extend_from_slice(&t.data),
             ParamSplit::Sharded { axis, range, full } => {
                 let start = whole.len();
-                let inner: usize = t.shape[axis + 1..].iter().product();
-                let outer: usize = t.shape[..*axis].iter().product();
-                whole.resize(start + outer * full * inner, 0.0);
-                for o in 0..outer {
-                    let src = &t.data[o * range.len() * inner..(o + 1) * range.len() * inner];
-                    let dst = start + (o * full + range.start) * inner;
-                    whole[dst..dst + src.len()].copy_from_slice(src);
-                }
+                whole.resize(start + t.data.len() / range.len() * full, 0.0);
+                place_axis(&mut whole[start..], t, *axis, range, *full);
             }
         }
     }

@@ -116,6 +116,10 @@ pub struct TrainingArguments {
     /// accumulation steps follow from it, `global / (per-device batch × data-parallel size)`.
     #[arg(long)]
     pub global_batch_size: Option<usize>,
+    /// ZeRO stage 1 (optimum-neuron / NxD's `zero_1`): AdamW's moments are split over the
+    /// data-parallel ranks, each updating its part of the parameters and sharing the result.
+    #[arg(long = "zero-1", default_value_t = false)]
+    pub zero_1: bool,
 }
 
 /// A flag's f64 value, refusing NaN and infinities (clap then names the flag in its error).
@@ -262,6 +266,11 @@ impl TrainingArguments {
         let bad = |m: String| Err(KilnError::Config(m));
         if self.tensor_parallel_size == 0 {
             return bad("tensor_parallel_size must be at least 1".into());
+        }
+        if self.zero_1 && self.optim != OptimizerType::AdamwTorch {
+            return bad(
+                "--zero-1 shards AdamW's moments; --optim sgd keeps no state to shard".into(),
+            );
         }
         if self.global_batch_size == Some(0) {
             return bad("global_batch_size must be at least 1".into());

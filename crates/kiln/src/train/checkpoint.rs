@@ -62,11 +62,19 @@ pub fn put_model_files(
     files: &ModelFiles,
     mut put: impl FnMut(&str, &[u8]) -> Result<()>,
 ) -> Result<()> {
-    put("config.json", files.config_json.as_bytes())?;
     put(
         "model.safetensors",
         &safetensors_bytes(tensors, StoreDtype::F32)?,
     )?;
+    put_config_files(files, put)
+}
+
+/// The files of a model folder besides its weights: `config.json`, `tokenizer.json`, the extras.
+pub fn put_config_files(
+    files: &ModelFiles,
+    mut put: impl FnMut(&str, &[u8]) -> Result<()>,
+) -> Result<()> {
+    put("config.json", files.config_json.as_bytes())?;
     let read =
         |src: &Path| crate::hub::files::read_regular(src, "file to copy into the model folder");
     if let Some(tok) = &files.tokenizer_json {
@@ -173,16 +181,28 @@ fn json<T: Serialize>(v: &T) -> Vec<u8> {
 /// returns its path. On failure (a full disk) the temporary folder is removed.
 pub fn save_checkpoint(output_dir: &Path, ck: &Checkpoint, run_id: &str) -> Result<PathBuf> {
     let step = ck.state.global_step;
-    let final_dir = checkpoint_dir(output_dir, step);
-    let tmp = output_dir.join(format!("{TEMP_PREFIX}checkpoint-{step}"));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(|e| KilnError::io(&tmp, e))?;
-    }
+    let tmp = staging_dir(output_dir, step)?;
     let written = write_checkpoint_files(&tmp, ck, run_id);
     if let Err(e) = written {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
+    publish(output_dir, &tmp, step)
+}
+
+/// The hidden folder checkpoint `step` is written into, emptied of any leftover.
+pub fn staging_dir(output_dir: &Path, step: u64) -> Result<PathBuf> {
+    let tmp = output_dir.join(format!("{TEMP_PREFIX}checkpoint-{step}"));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| KilnError::io(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| KilnError::io(&tmp, e))?;
+    Ok(tmp)
+}
+
+/// Moves the complete staging folder `tmp` into place as `checkpoint-<step>` (one rename).
+pub fn publish(output_dir: &Path, tmp: &Path, step: u64) -> Result<PathBuf> {
+    let final_dir = checkpoint_dir(output_dir, step);
     crash_point("checkpoint:complete");
     // rename(2) cannot replace a non-empty folder: a checkpoint of the same step (another run's,
     // with --overwrite-output-dir) is moved aside first, and deleted once the new one is in place.
@@ -196,7 +216,7 @@ pub fn save_checkpoint(output_dir: &Path, ck: &Checkpoint, run_id: &str) -> Resu
     if let Some(old) = &old {
         std::fs::rename(&final_dir, old).map_err(|e| KilnError::io(&final_dir, e))?;
     }
-    std::fs::rename(&tmp, &final_dir).map_err(|e| KilnError::io(&final_dir, e))?;
+    std::fs::rename(tmp, &final_dir).map_err(|e| KilnError::io(&final_dir, e))?;
     sync_dir(output_dir)?;
     crash_point("checkpoint:renamed");
     if let Some(old) = old {
@@ -205,8 +225,37 @@ pub fn save_checkpoint(output_dir: &Path, ck: &Checkpoint, run_id: &str) -> Resu
     Ok(final_dir)
 }
 
+/// Writes the marker of a staging folder whose files are all written: it lists every file (in
+/// sub-folders too) with its size, so a checkpoint missing a rank's shard is never complete.
+pub fn write_marker(tmp: &Path, run_id: &str, step: u64) -> Result<()> {
+    fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<String, u64>) -> Result<()> {
+        for e in std::fs::read_dir(dir).map_err(|e| KilnError::io(dir, e))? {
+            let e = e.map_err(|e| KilnError::io(dir, e))?;
+            let path = e.path();
+            let meta = e.metadata().map_err(|e| KilnError::io(&path, e))?;
+            if meta.is_dir() {
+                walk(root, &path, out)?;
+                sync_dir(&path)?;
+            } else {
+                let name = path.strip_prefix(root).expect("inside root");
+                out.insert(name.to_string_lossy().replace('\\', "/"), meta.len());
+            }
+        }
+        Ok(())
+    }
+    let mut files = BTreeMap::new();
+    walk(tmp, tmp, &mut files)?;
+    files.remove(MARKER);
+    let marker = Marker {
+        run_id: run_id.to_string(),
+        global_step: step,
+        files,
+    };
+    write_synced(&tmp.join(MARKER), &json(&marker))?;
+    sync_dir(tmp)
+}
+
 fn write_checkpoint_files(tmp: &Path, ck: &Checkpoint, run_id: &str) -> Result<()> {
-    std::fs::create_dir_all(tmp).map_err(|e| KilnError::io(tmp, e))?;
     let mut sizes = BTreeMap::new();
     // Each file is written (and its bytes dropped) before the next is made.
     let mut put = |name: &str, bytes: &[u8]| -> Result<()> {

@@ -3,10 +3,12 @@
 pub mod activation_checkpointing;
 pub mod args;
 pub mod checkpoint;
+pub mod grad_sync;
 pub mod metrics;
 pub mod optim;
 pub mod output_dir;
 pub mod schedule;
+pub mod sharded_checkpoint;
 pub mod trainer;
 
 pub use args::{IntervalStrategy, TrainingArguments};

@@ -15,19 +15,26 @@ use tracing::info;
 use super::activation_checkpointing::loss_and_grads_by_segment;
 use super::args::{IntervalStrategy, TrainingArguments};
 use super::checkpoint::{
-    ensure_finite, put_model_files, read_json, rotate_checkpoints, save_checkpoint, Checkpoint,
-    ModelFiles, SchedulerState, TrainerState,
+    ensure_finite, publish, put_config_files, put_model_files, read_json, rotate_checkpoints,
+    save_checkpoint, staging_dir, write_marker, Checkpoint, ModelFiles, SchedulerState,
+    TrainerState,
 };
+use super::grad_sync::{sync_and_clip, sync_and_clip_zero1, Synced, SyncedGrads};
 use super::metrics::{classification_report, ClassificationReport, Predictions};
 use super::optim::{AdamWConfig, GradAccumulator, Optimizer};
 use super::output_dir::{claim, resolve_resume_for, Claim, RunDir};
 use super::schedule::lr_factor;
+use super::sharded_checkpoint::{
+    read_rank_state, write_layout, write_rank_files, Place, RankState,
+};
 use crate::data::batch::epoch_order;
 use crate::error::{KilnError, Result};
-use crate::hub::weights::{load_into, module_tensors, read_safetensors};
+use crate::hub::files::write_synced;
+use crate::hub::sharded::LAYOUT_FILE;
+use crate::hub::weights::{load_into, module_shapes, module_tensors};
 use crate::ops::{profile, TrainBackend};
-use crate::parallel::DataParallel;
-use crate::task::{BatchSource, CrossEntropy, Loss, Model, ParamSplit, TensorParallelLayout};
+use crate::parallel::{DataParallel, Zero1};
+use crate::task::{BatchSource, CrossEntropy, Loss, Model, TensorParallelLayout};
 
 /// A user metric: extra `(name, value)` pairs computed from an evaluation's predictions.
 pub type MetricFn = Box<dyn Fn(&Predictions) -> Vec<(String, f64)> + Send + Sync>;
@@ -75,6 +82,8 @@ pub struct Trainer<B: TrainBackend, M, L = CrossEntropy> {
     skipped_nonfinite: u64,
     /// A tensor-parallel model's splits and group (set at the start of training).
     tp_layout: Option<TensorParallelLayout>,
+    /// ZeRO-1 over the data-parallel group (`--zero-1` with more than one data-parallel rank).
+    zero: Option<Zero1<B::InnerBackend>>,
 }
 
 fn targets_tensor<B: Backend>(t: Vec<i64>, device: &B::Device) -> Tensor<B, 1, Int> {
@@ -133,6 +142,7 @@ where
             run_id: String::new(),
             skipped_nonfinite: 0,
             tp_layout: None,
+            zero: None,
         }
     }
 
@@ -175,10 +185,36 @@ where
         self.parallel.is_main()
     }
 
+    /// Where this rank sits in a sharded run (tensor-parallel and data-parallel ranks).
+    fn place(&self) -> Place {
+        Place {
+            tp: self.tp_layout.as_ref().map_or(0, |l| l.tp.rank()),
+            tp_size: self.tp_layout.as_ref().map_or(1, |l| l.tp.size()),
+            dp: self.parallel.rank(),
+            dp_size: self.parallel.size(),
+            zero: self.zero.is_some(),
+        }
+    }
+
+    /// Whether checkpoints are written per rank (tensor parallelism or ZeRO-1).
+    fn sharded(&self) -> bool {
+        self.tp_layout.is_some() || self.zero.is_some()
+    }
+
+    /// This rank's model and optimizer state in checkpoint `dir`, whatever layout wrote it.
+    fn rank_state(&self, dir: &Path) -> Result<RankState> {
+        read_rank_state(
+            dir,
+            self.place(),
+            self.tp_layout.as_ref().map(|l| &l.splits),
+            &module_shapes(self.model()),
+        )
+    }
+
     /// Restores model, optimizer and trainer state from a checkpoint folder.
     fn resume(&mut self, dir: &Path) -> Result<SchedulerState> {
-        let weights = read_safetensors(&dir.join("model.safetensors"))?;
-        let (model, report) = load_into(self.take_model(), weights, None, &self.device)?;
+        let rank = self.rank_state(dir)?;
+        let (model, report) = load_into(self.take_model(), rank.model, None, &self.device)?;
         if !report.missing.is_empty() {
             return Err(KilnError::Checkpoint(format!(
                 "{}: checkpoint lacks parameters {:?}",
@@ -189,9 +225,8 @@ where
         self.model = Some(model);
         self.state = read_json(&dir.join("trainer_state.json"))?;
         let sched: SchedulerState = read_json(&dir.join("scheduler.json"))?;
-        let moments = read_safetensors(&dir.join("optimizer.safetensors"))?;
         self.optimizer
-            .load_state(sched.step, &moments, &self.device);
+            .load_state(sched.step, &rank.moments, Some(&rank.covers), &self.device);
         self.skipped_nonfinite = sched.skipped_nonfinite;
         info!(
             "resumed from {} at step {} (epoch {:.2})",
@@ -300,13 +335,11 @@ where
                 .transpose()?
         };
         self.tp_layout = self.model().tensor_parallel();
-        if self.tp_layout.is_some() && a.save_strategy != IntervalStrategy::No {
-            return Err(KilnError::Config(format!(
-                "--tensor-parallel-size {}: checkpoints of a sharded model are not written yet \
-                 (the final model is); pass --save-strategy no",
-                a.tensor_parallel_size
-            )));
-        }
+        self.zero = if a.zero_1 {
+            self.parallel.zero1()
+        } else {
+            None
+        };
         let plan = Plan::new(&a, train.len(), &self.parallel)?;
         self.state = TrainerState {
             max_steps: plan.total,
@@ -347,6 +380,14 @@ where
                     a.tensor_parallel_size * world,
                     tp = a.tensor_parallel_size
                 );
+            }
+            match (&self.zero, a.zero_1) {
+                (Some(z), _) => info!(
+                    "  ZeRO-1: AdamW moments split over {} data-parallel ranks",
+                    z.size()
+                ),
+                (None, true) => info!("  ZeRO-1: one data-parallel rank, nothing to split"),
+                _ => {}
             }
             info!(
                 "  Total train batch size (w. parallel, distributed & accumulation) = {}",
@@ -436,33 +477,40 @@ where
             loss_sum = f64::NAN;
         }
         // Average gradients (and the logged loss) over ranks before clipping.
-        let parallel = &self.parallel;
-        let loss = if parallel.size() > 1 {
-            acc.reduce_flat(loss_sum, &self.device, |flat| parallel.average(flat))?
-        } else {
-            loss_sum
+        let tp = self.tp_layout.as_ref();
+        let max_norm = self.args.max_grad_norm;
+        let Synced {
+            loss,
+            grad_norm,
+            grads,
+        } = match &self.zero {
+            Some(zero) => sync_and_clip_zero1(acc, loss_sum, zero, tp, max_norm)?,
+            None => sync_and_clip(acc, loss_sum, &self.device, &self.parallel, tp, max_norm)?,
         };
         let _opt = profile::scope("step: clip + optimizer");
-        let grad_norm = match &self.tp_layout {
-            None => acc.clip_global_norm(self.args.max_grad_norm),
-            Some(layout) => {
-                // Each shard counts once over the group, each replicated parameter once.
-                let sharded =
-                    |n: &str| matches!(layout.splits.get(n), Some(ParamSplit::Sharded { .. }));
-                let shards = acc.sum_squares(sharded);
-                let replicated = acc.sum_squares(|n| !sharded(n));
-                let total = layout.tp.sum(vec![shards as f32])[0] as f64 + replicated;
-                let norm = total.sqrt() * acc.factor.abs();
-                acc.clip_norm(norm, self.args.max_grad_norm);
-                norm
-            }
-        };
         let lr = plan.lr(&self.args, self.state.global_step);
         // Every rank sees the same averaged loss and norm, so all decide alike.
         let finite = loss.is_finite() && grad_norm.is_finite();
         if finite {
             let model = self.take_model();
-            self.model = Some(self.optimizer.step::<B, M>(model, lr, acc));
+            self.model = Some(match (grads, &self.zero) {
+                (SyncedGrads::Whole(acc), _) => self.optimizer.step::<B, M>(model, lr, acc),
+                (
+                    SyncedGrads::Chunk {
+                        partition,
+                        chunk,
+                        factor,
+                    },
+                    Some(zero),
+                ) => self.optimizer.step_zero1::<B, M>(
+                    model,
+                    lr,
+                    &partition,
+                    (chunk, factor),
+                    |c| zero.gather(c, &partition),
+                )?,
+                (SyncedGrads::Chunk { .. }, None) => unreachable!("chunks come from ZeRO-1"),
+            });
         } else {
             self.skip_nonfinite_step(loss, grad_norm, overflowed)?;
         }
@@ -568,7 +616,7 @@ where
                     "loading best model from {best} ({:?})",
                     self.state.best_metric
                 );
-                let w = read_safetensors(&PathBuf::from(&best).join("model.safetensors"))?;
+                let w = self.rank_state(&PathBuf::from(&best))?.model;
                 let model = self.take_model();
                 self.model = Some(load_into(model, w, None, &self.device)?.0);
             }
@@ -626,6 +674,9 @@ where
                 tracing::warn!("metric_for_best_model {name} is not among the eval metrics");
             }
         }
+        if self.sharded() {
+            return self.save_sharded_checkpoint(sched);
+        }
         if !self.is_main() {
             // Rank 0 writes; the others wait so that nobody reads a half-written checkpoint.
             return self.parallel.barrier();
@@ -653,6 +704,57 @@ where
         if let Some(limit) = self.args.save_total_limit {
             let best = self.state.best_model_checkpoint.clone().map(PathBuf::from);
             rotate_checkpoints(&self.args.output_dir, limit, best.as_deref(), &self.run_id)?;
+        }
+        self.parallel.barrier()
+    }
+
+    /// A checkpoint of a sharded run: every rank writes its shard into the staging folder, then
+    /// rank 0 adds the shared files, the layout and the marker, and moves it into place.
+    fn save_sharded_checkpoint(&mut self, sched: &SchedulerState) -> Result<()> {
+        let step = self.state.global_step;
+        let out = self.args.output_dir.clone();
+        let tmp = out.join(format!(
+            "{}checkpoint-{step}",
+            crate::hub::files::TEMP_PREFIX
+        ));
+        if self.is_main() {
+            staging_dir(&out, step)?;
+        }
+        self.parallel.barrier()?;
+        let place = self.place();
+        write_rank_files(
+            &tmp,
+            place,
+            &module_tensors(self.model()),
+            self.tp_layout.as_ref().map(|l| &l.splits),
+            &self.optimizer.state_tensors(),
+            &self.optimizer.covers(),
+        )?;
+        self.parallel.barrier()?;
+        if self.is_main() {
+            let a = &self.args;
+            let mut put = |name: &str, bytes: &[u8]| write_synced(&tmp.join(name), bytes);
+            put_config_files(&self.files, &mut put)?;
+            put(
+                "trainer_state.json",
+                &serde_json::to_vec_pretty(&self.state).expect("json"),
+            )?;
+            put(
+                "scheduler.json",
+                &serde_json::to_vec_pretty(sched).expect("json"),
+            )?;
+            put(
+                "training_args.json",
+                &serde_json::to_vec_pretty(a).expect("json"),
+            )?;
+            write_layout(&tmp, place.tp_size, place.dp_size, place.zero)?;
+            write_marker(&tmp, &self.run_id, step)?;
+            let path = publish(&out, &tmp, step)?;
+            info!("saved {} (sharded: {LAYOUT_FILE})", path.display());
+            if let Some(limit) = a.save_total_limit {
+                let best = self.state.best_model_checkpoint.clone().map(PathBuf::from);
+                rotate_checkpoints(&out, limit, best.as_deref(), &self.run_id)?;
+            }
         }
         self.parallel.barrier()
     }

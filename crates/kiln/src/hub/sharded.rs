@@ -1,0 +1,424 @@
+//! Sharded model and optimizer files: what a tensor-parallel (and ZeRO-1) run saves per rank, and
+//! the self-describing layout that lets any tool put them back together or cut them again.
+//!
+//! A sharded folder holds, beside the usual `config.json` / tokenizer files:
+//! - `model/tp_rank_NN.safetensors`: tensor-parallel rank NN's parameters, Hugging Face names,
+//!   local shapes (NxD's `model/dp_rank_00_tp_rank_NN_pp_rank_00.pt`, in safetensors);
+//! - `optimizer/tp_rank_NN_dp_rank_MM.safetensors`: AdamW's `<name>.exp_avg` / `.exp_avg_sq` of
+//!   the values data-parallel rank MM updates (all of the shard without ZeRO-1, one file per TP
+//!   rank; a contiguous part of each with ZeRO-1);
+//! - `shards.json` ([`ShardLayout`]): every parameter's whole shape, how each TP rank holds it,
+//!   and which values of it each optimizer file covers.
+//!
+//! The functions here are pure: cutting a whole tensor for a rank, and putting every rank's
+//! pieces back (replicas checked equal, never one picked silently).
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::weights::{read_safetensors, HostTensor};
+use crate::task::ParamSplit;
+use crate::{KilnError, Result};
+
+/// The layout file of a sharded folder.
+pub const LAYOUT_FILE: &str = "shards.json";
+
+/// Tensor-parallel rank `tp`'s model file.
+pub fn model_file(tp: usize) -> String {
+    format!("model/tp_rank_{tp:02}.safetensors")
+}
+
+/// The optimizer file of tensor-parallel rank `tp` and data-parallel rank `dp`.
+pub fn optimizer_file(tp: usize, dp: usize) -> String {
+    format!("optimizer/tp_rank_{tp:02}_dp_rank_{dp:02}.safetensors")
+}
+
+/// How one tensor-parallel rank holds a parameter: rows/columns `range` of dimension `axis`, or
+/// (`None`) the whole tensor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Cut {
+    pub axis: usize,
+    pub range: Range<usize>,
+}
+
+/// One parameter of a sharded folder.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParamLayout {
+    /// The whole tensor's shape.
+    pub shape: Vec<usize>,
+    /// Per tensor-parallel rank: its cut, or `None` for a whole copy.
+    pub ranks: Vec<Option<Cut>>,
+}
+
+impl ParamLayout {
+    /// Rank `tp`'s local shape.
+    pub fn local_shape(&self, tp: usize) -> Vec<usize> {
+        let mut shape = self.shape.clone();
+        if let Some(c) = &self.ranks[tp] {
+            shape[c.axis] = c.range.len();
+        }
+        shape
+    }
+}
+
+/// `shards.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardLayout {
+    pub tensor_parallel_size: usize,
+    /// The data-parallel size of the run that wrote the optimizer files.
+    pub data_parallel_size: usize,
+    pub zero_1: bool,
+    pub params: BTreeMap<String, ParamLayout>,
+    /// Per tensor-parallel rank, per optimizer file (data-parallel rank): the values of each
+    /// parameter's flat local shard that file's moments cover. Empty when no optimizer was saved.
+    #[serde(default)]
+    pub optimizer: Vec<Vec<BTreeMap<String, Range<usize>>>>,
+}
+
+impl ShardLayout {
+    /// The layout of `tp` ranks whose cuts `splits[r]` (every rank's [`ParamSplit`] by name) of
+    /// whole shapes `shapes` describe.
+    pub fn from_splits(
+        shapes: &BTreeMap<String, Vec<usize>>,
+        splits: &[BTreeMap<String, ParamSplit>],
+    ) -> Result<Self> {
+        let mut params = BTreeMap::new();
+        for (name, shape) in shapes {
+            let ranks = splits
+                .iter()
+                .map(|s| match s.get(name) {
+                    Some(ParamSplit::Sharded { axis, range, .. }) => Ok(Some(Cut {
+                        axis: *axis,
+                        range: range.clone(),
+                    })),
+                    Some(ParamSplit::Replicated) => Ok(None),
+                    None => Err(KilnError::Weights(format!(
+                        "{name}: no tensor-parallel split is known for it"
+                    ))),
+                })
+                .collect::<Result<_>>()?;
+            params.insert(
+                name.clone(),
+                ParamLayout {
+                    shape: shape.clone(),
+                    ranks,
+                },
+            );
+        }
+        Ok(Self {
+            tensor_parallel_size: splits.len(),
+            data_parallel_size: 1,
+            zero_1: false,
+            params,
+            optimizer: Vec::new(),
+        })
+    }
+
+    fn param(&self, name: &str) -> Result<&ParamLayout> {
+        self.params.get(name).ok_or_else(|| {
+            KilnError::Weights(format!("{name}: not in the sharded layout ({LAYOUT_FILE})"))
+        })
+    }
+
+    /// Rank `tp`'s piece of the whole tensor `name`.
+    pub fn cut(&self, name: &str, tp: usize, whole: &HostTensor) -> Result<HostTensor> {
+        let p = self.param(name)?;
+        if whole.shape != p.shape {
+            return Err(KilnError::Weights(format!(
+                "{name}: shape {:?}, the layout says {:?}",
+                whole.shape, p.shape
+            )));
+        }
+        Ok(match &p.ranks[tp] {
+            None => whole.clone(),
+            Some(c) => cut_axis(whole, c.axis, &c.range),
+        })
+    }
+
+    /// The whole tensor `name` from every rank's piece (in rank order). Whole copies must be
+    /// equal on every rank: replicas that drifted apart are an error naming the parameter.
+    pub fn join(&self, name: &str, pieces: &[&HostTensor]) -> Result<HostTensor> {
+        let p = self.param(name)?;
+        let mut out = HostTensor {
+            shape: p.shape.clone(),
+            data: vec![0.0; p.shape.iter().product()],
+        };
+        let mut copy: Option<&HostTensor> = None;
+        for (tp, piece) in pieces.iter().enumerate() {
+            let expect = p.local_shape(tp);
+            if piece.shape != expect {
+                return Err(KilnError::Weights(format!(
+                    "{name}: tensor-parallel rank {tp} holds shape {:?}, the layout says {expect:?}",
+                    piece.shape
+                )));
+            }
+            match &p.ranks[tp] {
+                Some(c) => place_axis(&mut out.data, piece, c.axis, &c.range, p.shape[c.axis]),
+                None => match copy {
+                    Some(first) if first.data != piece.data => {
+                        return Err(KilnError::Weights(format!(
+                            "{name}: its copies on tensor-parallel ranks 0 and {tp} differ; a \
+                             replicated parameter must be equal on every rank"
+                        )))
+                    }
+                    Some(_) => {}
+                    None => {
+                        copy = Some(piece);
+                        out.data.clone_from(&piece.data);
+                    }
+                },
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Values `range` of dimension `axis` of `t`.
+pub fn cut_axis(t: &HostTensor, axis: usize, range: &Range<usize>) -> HostTensor {
+    let full = t.shape[axis];
+    let inner: usize = t.shape[axis + 1..].iter().product();
+    let outer: usize = t.shape[..axis].iter().product();
+    let mut data = Vec::with_capacity(outer * range.len() * inner);
+    for o in 0..outer {
+        let start = (o * full + range.start) * inner;
+        data.extend_from_slice(&t.data[start..start + range.len() * inner]);
+    }
+    let mut shape = t.shape.clone();
+    shape[axis] = range.len();
+    HostTensor { shape, data }
+}
+
+/// Writes `piece` (values `range` of dimension `axis`, whose whole size is `full`) into the
+/// whole tensor's values `whole`.
+pub fn place_axis(
+    whole: &mut [f32],
+    piece: &HostTensor,
+    axis: usize,
+    range: &Range<usize>,
+    full: usize,
+) {
+    let inner: usize = piece.shape[axis + 1..].iter().product();
+    let outer: usize = piece.shape[..axis].iter().product();
+    let n = range.len() * inner;
+    for o in 0..outer {
+        let dst = (o * full + range.start) * inner;
+        whole[dst..dst + n].copy_from_slice(&piece.data[o * n..(o + 1) * n]);
+    }
+}
+
+/// Reads `shards.json` of a sharded folder, or `None` when `dir` is not sharded.
+pub fn read_layout(dir: &Path) -> Result<Option<ShardLayout>> {
+    let path = dir.join(LAYOUT_FILE);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let layout: ShardLayout = super::read_json(&path)?;
+    let bad = |m: String| {
+        Err(KilnError::Parse {
+            path: path.clone(),
+            line: 0,
+            msg: m,
+        })
+    };
+    for (name, p) in &layout.params {
+        if p.ranks.len() != layout.tensor_parallel_size {
+            return bad(format!(
+                "{name}: {} ranks listed for tensor_parallel_size {}",
+                p.ranks.len(),
+                layout.tensor_parallel_size
+            ));
+        }
+        for c in p.ranks.iter().flatten() {
+            if c.axis >= p.shape.len() || c.range.end > p.shape[c.axis] {
+                return bad(format!(
+                    "{name}: cut {c:?} lies outside shape {:?}",
+                    p.shape
+                ));
+            }
+        }
+    }
+    Ok(Some(layout))
+}
+
+/// The whole model of a sharded folder.
+pub fn read_whole_model(dir: &Path, layout: &ShardLayout) -> Result<BTreeMap<String, HostTensor>> {
+    let ranks = (0..layout.tensor_parallel_size)
+        .map(|tp| read_safetensors(&dir.join(model_file(tp))))
+        .collect::<Result<Vec<_>>>()?;
+    let mut out = BTreeMap::new();
+    for name in layout.params.keys() {
+        let pieces = ranks
+            .iter()
+            .enumerate()
+            .map(|(tp, r)| {
+                r.get(name).ok_or_else(|| {
+                    KilnError::Weights(format!(
+                        "{}: lacks {name}",
+                        dir.join(model_file(tp)).display()
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        out.insert(name.clone(), layout.join(name, &pieces)?);
+    }
+    Ok(out)
+}
+
+/// The moments of tensor-parallel rank `tp`'s whole shard (`<name>.exp_avg` / `.exp_avg_sq`, in
+/// local shapes), put together from its optimizer files.
+pub fn read_rank_optimizer(
+    dir: &Path,
+    layout: &ShardLayout,
+    tp: usize,
+) -> Result<BTreeMap<String, HostTensor>> {
+    let files = layout.optimizer.get(tp).ok_or_else(|| {
+        KilnError::Checkpoint(format!(
+            "{}: {LAYOUT_FILE} lists no optimizer files for tensor-parallel rank {tp}",
+            dir.display()
+        ))
+    })?;
+    let parts = (0..files.len())
+        .map(|dp| read_safetensors(&dir.join(optimizer_file(tp, dp))))
+        .collect::<Result<Vec<_>>>()?;
+    let mut out = BTreeMap::new();
+    for (name, p) in &layout.params {
+        let shape = p.local_shape(tp);
+        let n: usize = shape.iter().product();
+        for moment in ["exp_avg", "exp_avg_sq"] {
+            let key = format!("{name}.{moment}");
+            let mut data = vec![0.0; n];
+            let mut covered = 0;
+            for (dp, (ranges, tensors)) in files.iter().zip(&parts).enumerate() {
+                let Some(r) = ranges.get(name) else { continue };
+                let t = tensors.get(&key).filter(|t| t.data.len() == r.len());
+                let Some(t) = t.filter(|_| r.end <= n) else {
+                    return Err(KilnError::Checkpoint(format!(
+                        "{}: lacks {key} over values {r:?}",
+                        dir.join(optimizer_file(tp, dp)).display()
+                    )));
+                };
+                data[r.clone()].copy_from_slice(&t.data);
+                covered += r.len();
+            }
+            if covered == 0 {
+                // A parameter that never had a gradient has no moments.
+                continue;
+            }
+            if covered != n {
+                return Err(KilnError::Checkpoint(format!(
+                    "{}: the optimizer files of tensor-parallel rank {tp} cover {covered} of \
+                     {key}'s {n} values",
+                    dir.display()
+                )));
+            }
+            out.insert(
+                key,
+                HostTensor {
+                    shape: shape.clone(),
+                    data,
+                },
+            );
+        }
+    }
+    Ok(out)
+}
+
+/// The whole model's moments (whole shapes) of a sharded folder.
+pub fn read_whole_optimizer(
+    dir: &Path,
+    layout: &ShardLayout,
+) -> Result<BTreeMap<String, HostTensor>> {
+    let ranks = (0..layout.tensor_parallel_size)
+        .map(|tp| read_rank_optimizer(dir, layout, tp))
+        .collect::<Result<Vec<_>>>()?;
+    let mut out = BTreeMap::new();
+    for key in ranks[0].keys() {
+        let name = key
+            .rsplit_once('.')
+            .map(|(n, _)| n)
+            .expect("moment keys end in .exp_avg or .exp_avg_sq");
+        let pieces = ranks
+            .iter()
+            .map(|r| {
+                r.get(key).ok_or_else(|| {
+                    KilnError::Checkpoint(format!(
+                        "{}: {key} is missing on some rank",
+                        dir.display()
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        out.insert(key.clone(), layout.join(name, &pieces)?);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(shape: &[usize]) -> HostTensor {
+        let n: usize = shape.iter().product();
+        HostTensor {
+            shape: shape.to_vec(),
+            data: (0..n).map(|i| i as f32).collect(),
+        }
+    }
+
+    #[test]
+    fn cuts_put_back_together_along_either_axis() {
+        let whole = t(&[5, 3]);
+        for axis in [0, 1] {
+            let full = whole.shape[axis];
+            let cuts = [0..2, 2..full];
+            let pieces: Vec<HostTensor> = cuts.iter().map(|r| cut_axis(&whole, axis, r)).collect();
+            let mut back = vec![0.0; 15];
+            for (p, r) in pieces.iter().zip(&cuts) {
+                place_axis(&mut back, p, axis, r, full);
+            }
+            assert_eq!(back, whole.data, "axis {axis}");
+        }
+        // Rows 2..5 of a [5, 3] tensor are its values 6..15; columns 0..2 skip every third value.
+        assert_eq!(
+            cut_axis(&whole, 0, &(2..5)).data,
+            (6..15).map(|v| v as f32).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            cut_axis(&whole, 1, &(0..2)).data,
+            vec![0., 1., 3., 4., 6., 7., 9., 10., 12., 13.]
+        );
+    }
+
+    #[test]
+    fn replicas_that_differ_are_refused() {
+        let layout = ShardLayout {
+            tensor_parallel_size: 2,
+            data_parallel_size: 1,
+            zero_1: false,
+            params: [(
+                "norm".to_string(),
+                ParamLayout {
+                    shape: vec![3],
+                    ranks: vec![None, None],
+                },
+            )]
+            .into(),
+            optimizer: vec![],
+        };
+        let a = t(&[3]);
+        let mut b = a.clone();
+        assert_eq!(layout.join("norm", &[&a, &b]).unwrap().data, a.data);
+        b.data[1] = 7.0;
+        let err = layout.join("norm", &[&a, &b]).unwrap_err().to_string();
+        assert!(
+            err.contains("norm: its copies on tensor-parallel ranks 0 and 1 differ"),
+            "{err}"
+        );
+    }
+}

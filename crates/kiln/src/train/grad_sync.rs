@@ -1,0 +1,114 @@
+//! How one step's accumulated gradients become what the optimizer applies: averaged over the
+//! data-parallel ranks (whole, or each rank's ZeRO-1 chunk), then clipped by one global norm that
+//! counts every value once — a tensor-parallel shard once per group, a replicated parameter once,
+//! a ZeRO-1 chunk once per data-parallel group.
+
+use burn::tensor::Tensor;
+
+use super::optim::{clip_coefficient, GradAccumulator};
+use crate::ops::KilnBackend;
+use crate::parallel::{DataParallel, Zero1, ZeroPartition};
+use crate::task::{ParamSplit, TensorParallelLayout};
+use crate::Result;
+
+/// The gradients an update applies.
+pub enum SyncedGrads<B: KilnBackend> {
+    /// Every parameter's averaged gradient.
+    Whole(GradAccumulator<B>),
+    /// This rank's ZeRO-1 chunk of the averaged gradients, and the clipping factor to apply.
+    Chunk {
+        partition: ZeroPartition,
+        chunk: Tensor<B, 1>,
+        factor: f64,
+    },
+}
+
+/// A step's loss and gradient norm as every rank sees them, and its gradients.
+pub struct Synced<B: KilnBackend> {
+    pub loss: f64,
+    /// The norm before clipping.
+    pub grad_norm: f64,
+    pub grads: SyncedGrads<B>,
+}
+
+/// Whether parameter `name` is a tensor-parallel shard (its squares are summed over the group).
+fn is_shard(tp: Option<&TensorParallelLayout>, name: &str) -> bool {
+    tp.is_some_and(|l| matches!(l.splits.get(name), Some(ParamSplit::Sharded { .. })))
+}
+
+/// The global norm from the sums of squares of sharded and replicated values.
+fn norm_of(tp: Option<&TensorParallelLayout>, shards: f64, replicated: f64) -> f64 {
+    let shards = match tp {
+        Some(l) => l.tp.sum(vec![shards as f32])[0] as f64,
+        None => shards,
+    };
+    (shards + replicated).sqrt()
+}
+
+/// Averages `acc` (and the step's summed micro-batch loss) over the data-parallel ranks and clips
+/// it to `max_norm` (0 = no clipping).
+pub fn sync_and_clip<B: KilnBackend>(
+    mut acc: GradAccumulator<B>,
+    loss_sum: f64,
+    device: &B::Device,
+    parallel: &DataParallel<B>,
+    tp: Option<&TensorParallelLayout>,
+    max_norm: f64,
+) -> Result<Synced<B>> {
+    let loss = if parallel.size() > 1 {
+        acc.reduce_flat(loss_sum, device, |flat| parallel.average(flat))?
+    } else {
+        loss_sum
+    };
+    let shards = acc.sum_squares(|n| is_shard(tp, n));
+    let replicated = acc.sum_squares(|n| !is_shard(tp, n));
+    let grad_norm = norm_of(tp, shards, replicated) * acc.factor.abs();
+    acc.clip_norm(grad_norm, max_norm);
+    Ok(Synced {
+        loss,
+        grad_norm,
+        grads: SyncedGrads::Whole(acc),
+    })
+}
+
+/// ZeRO-1's [`sync_and_clip`]: gradients are reduce-scattered, so this rank receives the average
+/// of its own chunk only, and the norm is summed from every rank's chunk.
+pub fn sync_and_clip_zero1<B: KilnBackend>(
+    acc: GradAccumulator<B>,
+    loss_sum: f64,
+    zero: &Zero1<B>,
+    tp: Option<&TensorParallelLayout>,
+    max_norm: f64,
+) -> Result<Synced<B>> {
+    let partition = ZeroPartition::new(
+        acc.grads.iter().map(|(p, g)| (p.as_str(), g.dims()[0])),
+        zero.rank(),
+        zero.size(),
+    );
+    let pending = acc.factor;
+    let flat = Tensor::cat(acc.grads.into_values().collect(), 0);
+    let chunk = zero.average_chunk(flat)?;
+    let (mut shards, mut replicated) = (0.0, 0.0);
+    for seg in partition.owned() {
+        let part = chunk.clone().narrow(0, seg.at.start, seg.at.len());
+        let sq = B::kiln_sum_squares(part.into_primitive().tensor());
+        if is_shard(tp, &seg.path) {
+            shards += sq;
+        } else {
+            replicated += sq;
+        }
+    }
+    let sums = zero.sum_host(vec![loss_sum as f32, shards as f32, replicated as f32])?;
+    let loss = sums[0] as f64 / zero.size() as f64;
+    let grad_norm = norm_of(tp, sums[1] as f64, sums[2] as f64) * pending.abs();
+    let factor = pending * clip_coefficient(grad_norm, max_norm);
+    Ok(Synced {
+        loss,
+        grad_norm,
+        grads: SyncedGrads::Chunk {
+            partition,
+            chunk,
+            factor,
+        },
+    })
+}

@@ -1,0 +1,268 @@
+//! Checkpoints of a sharded run (tensor parallelism and/or ZeRO-1): every rank writes its own
+//! files into the checkpoint's staging folder, rank 0 adds the shared files, composes the layout
+//! (`shards.json`, see [`crate::hub::sharded`]) and the marker, and moves the folder into place —
+//! the same atomic life as a plain checkpoint. The output folder must be one filesystem for all
+//! ranks (as NxD's checkpoints need a shared one across nodes).
+//!
+//! Resuming reads only this rank's files when the layout is the same; at another tensor- or
+//! data-parallel size (or from a plain checkpoint) it puts the whole model and moments together
+//! and cuts this rank's part from them.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::checkpoint::ensure_finite;
+use crate::hub::files::write_synced;
+use crate::hub::sharded::{
+    cut_axis, model_file, optimizer_file, read_layout, read_rank_optimizer, read_whole_model,
+    read_whole_optimizer, Cut, ParamLayout, ShardLayout, LAYOUT_FILE,
+};
+use crate::hub::weights::{read_safetensors, safetensors_bytes, HostTensor, StoreDtype};
+use crate::parallel::ZeroPartition;
+use crate::task::ParamSplit;
+use crate::{KilnError, Result};
+
+/// Where a rank sits in a sharded run.
+#[derive(Debug, Clone, Copy)]
+pub struct Place {
+    pub tp: usize,
+    pub tp_size: usize,
+    pub dp: usize,
+    pub dp_size: usize,
+    /// Whether AdamW's moments are split over the data-parallel ranks.
+    pub zero: bool,
+}
+
+/// A rank's part of the layout, written beside its model shard and composed by rank 0.
+#[derive(Serialize, Deserialize)]
+struct RankCuts {
+    /// Every parameter's whole shape and this rank's cut.
+    params: BTreeMap<String, (Vec<usize>, Option<Cut>)>,
+}
+
+fn cuts_file(tp: usize) -> String {
+    format!("model/tp_rank_{tp:02}.cuts.json")
+}
+
+fn covers_file(tp: usize, dp: usize) -> String {
+    format!("optimizer/tp_rank_{tp:02}_dp_rank_{dp:02}.covers.json")
+}
+
+fn write_json_file<T: Serialize>(dir: &Path, name: &str, v: &T) -> Result<()> {
+    let path = dir.join(name);
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| KilnError::io(parent, e))?;
+    }
+    write_synced(&path, &serde_json::to_vec_pretty(v).expect("plain data"))
+}
+
+fn write_tensors(dir: &Path, name: &str, t: &BTreeMap<String, HostTensor>) -> Result<()> {
+    let path = dir.join(name);
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| KilnError::io(parent, e))?;
+    }
+    write_synced(&path, &safetensors_bytes(t, StoreDtype::F32)?)
+}
+
+/// Whole shape of a local tensor cut by `split`.
+fn whole_shape(local: &[usize], split: Option<&ParamSplit>) -> Vec<usize> {
+    let mut shape = local.to_vec();
+    if let Some(ParamSplit::Sharded { axis, full, .. }) = split {
+        shape[*axis] = *full;
+    }
+    shape
+}
+
+fn cut_of(split: Option<&ParamSplit>) -> Option<Cut> {
+    match split {
+        Some(ParamSplit::Sharded { axis, range, .. }) => Some(Cut {
+            axis: *axis,
+            range: range.clone(),
+        }),
+        _ => None,
+    }
+}
+
+/// Writes this rank's files into the staging folder `tmp`: its model shard (the first
+/// data-parallel rank of each tensor-parallel rank; the others hold the same) and its moments
+/// (every rank under ZeRO-1, the first data-parallel rank otherwise).
+pub fn write_rank_files(
+    tmp: &Path,
+    place: Place,
+    model: &BTreeMap<String, HostTensor>,
+    splits: Option<&BTreeMap<String, ParamSplit>>,
+    moments: &BTreeMap<String, HostTensor>,
+    covers: &BTreeMap<String, Range<usize>>,
+) -> Result<()> {
+    if place.dp == 0 {
+        ensure_finite(model, &format!("saving {}", model_file(place.tp)))?;
+        write_tensors(tmp, &model_file(place.tp), model)?;
+        let params = model
+            .iter()
+            .map(|(name, t)| {
+                let split = splits.and_then(|s| s.get(name));
+                (name.clone(), (whole_shape(&t.shape, split), cut_of(split)))
+            })
+            .collect();
+        write_json_file(tmp, &cuts_file(place.tp), &RankCuts { params })?;
+    }
+    if place.zero || place.dp == 0 {
+        write_tensors(tmp, &optimizer_file(place.tp, place.dp), moments)?;
+        write_json_file(tmp, &covers_file(place.tp, place.dp), covers)?;
+    }
+    Ok(())
+}
+
+/// Rank 0, once every rank wrote its files: composes `shards.json` from their pieces.
+pub fn write_layout(tmp: &Path, tp_size: usize, dp_size: usize, zero: bool) -> Result<()> {
+    let read = |name: String| -> Result<Vec<u8>> {
+        let p = tmp.join(&name);
+        let bytes = std::fs::read(&p).map_err(|e| KilnError::io(&p, e))?;
+        std::fs::remove_file(&p).map_err(|e| KilnError::io(&p, e))?;
+        Ok(bytes)
+    };
+    fn parse<T: serde::de::DeserializeOwned>(tmp: &Path, name: &str, bytes: &[u8]) -> Result<T> {
+        serde_json::from_slice(bytes)
+            .map_err(|e| KilnError::Checkpoint(format!("{}: {e}", tmp.join(name).display())))
+    }
+    let mut params: BTreeMap<String, ParamLayout> = BTreeMap::new();
+    for tp in 0..tp_size {
+        let name = cuts_file(tp);
+        let cuts: RankCuts = parse(tmp, &name, &read(name.clone())?)?;
+        for (param, (shape, cut)) in cuts.params {
+            let entry = params.entry(param).or_insert_with(|| ParamLayout {
+                shape,
+                ranks: vec![None; tp_size],
+            });
+            entry.ranks[tp] = cut;
+        }
+    }
+    let files = if zero { dp_size } else { 1 };
+    let mut optimizer = Vec::with_capacity(tp_size);
+    for tp in 0..tp_size {
+        let mut per_dp = Vec::with_capacity(files);
+        for dp in 0..files {
+            let name = covers_file(tp, dp);
+            per_dp.push(parse(tmp, &name, &read(name.clone())?)?);
+        }
+        optimizer.push(per_dp);
+    }
+    let layout = ShardLayout {
+        tensor_parallel_size: tp_size,
+        data_parallel_size: dp_size,
+        zero_1: zero,
+        params,
+        optimizer,
+    };
+    write_json_file(tmp, LAYOUT_FILE, &layout)
+}
+
+/// What a rank resumes from: its model shard and its moments (with the values they cover).
+pub struct RankState {
+    pub model: BTreeMap<String, HostTensor>,
+    pub moments: BTreeMap<String, HostTensor>,
+    pub covers: BTreeMap<String, Range<usize>>,
+}
+
+/// This rank's part of checkpoint `dir` (sharded at any layout, or plain): `splits` are its
+/// tensor-parallel cuts (`None` without tensor parallelism), `shapes` its parameters' local shapes.
+pub fn read_rank_state(
+    dir: &Path,
+    place: Place,
+    splits: Option<&BTreeMap<String, ParamSplit>>,
+    shapes: &BTreeMap<String, Vec<usize>>,
+) -> Result<RankState> {
+    let split = |name: &str| splits.and_then(|s| s.get(name));
+    let layout = read_layout(dir)?;
+    let same_cuts = layout.as_ref().is_some_and(|l| {
+        l.tensor_parallel_size == place.tp_size
+            && l.params
+                .iter()
+                .all(|(name, p)| p.ranks[place.tp] == cut_of(split(name)))
+    });
+    let (model, moments) = match &layout {
+        // The same tensor-parallel layout: this rank's own files only.
+        Some(l) if same_cuts => (
+            read_safetensors(&dir.join(model_file(place.tp)))?,
+            read_rank_optimizer(dir, l, place.tp)?,
+        ),
+        _ => {
+            let (whole, moments) = match &layout {
+                Some(l) => (read_whole_model(dir, l)?, read_whole_optimizer(dir, l)?),
+                None => (
+                    read_safetensors(&dir.join("model.safetensors"))?,
+                    read_safetensors(&dir.join("optimizer.safetensors"))?,
+                ),
+            };
+            let local = |name: &str, t: &HostTensor| match split(name) {
+                Some(ParamSplit::Sharded { axis, range, .. }) => cut_axis(t, *axis, range),
+                _ => t.clone(),
+            };
+            let mut cut_moments = BTreeMap::new();
+            for (key, m) in &moments {
+                let name = key.rsplit_once('.').map_or(key.as_str(), |(n, _)| n);
+                let Some(w) = whole.get(name) else { continue };
+                // A plain checkpoint keeps moments flat: they take their parameter's shape.
+                let m = HostTensor {
+                    shape: w.shape.clone(),
+                    data: m.data.clone(),
+                };
+                if m.data.len() != w.data.len() {
+                    return Err(KilnError::Checkpoint(format!(
+                        "{}: {key} has {} values, {name} has {}",
+                        dir.display(),
+                        m.data.len(),
+                        w.data.len()
+                    )));
+                }
+                cut_moments.insert(key.clone(), local(name, &m));
+            }
+            let model = whole
+                .iter()
+                .map(|(n, t)| (n.clone(), local(n, t)))
+                .collect();
+            (model, cut_moments)
+        }
+    };
+    // ZeRO-1: keep the moments of the values this data-parallel rank updates.
+    let partition = (place.zero && place.dp_size > 1).then(|| {
+        ZeroPartition::new(
+            shapes.iter().map(|(p, s)| (p.as_str(), s.iter().product())),
+            place.dp,
+            place.dp_size,
+        )
+    });
+    let mut covers = BTreeMap::new();
+    let mut kept = BTreeMap::new();
+    let owned: BTreeMap<String, Range<usize>> = match &partition {
+        Some(p) => p.owned().into_iter().map(|s| (s.path, s.within)).collect(),
+        None => shapes
+            .iter()
+            .map(|(p, s)| (p.clone(), 0..s.iter().product()))
+            .collect(),
+    };
+    for (path, within) in owned {
+        for moment in ["exp_avg", "exp_avg_sq"] {
+            let key = format!("{path}.{moment}");
+            if let Some(m) = moments.get(&key) {
+                let data = m.data[within.clone()].to_vec();
+                kept.insert(
+                    key,
+                    HostTensor {
+                        shape: vec![data.len()],
+                        data,
+                    },
+                );
+                covers.insert(path.clone(), within.clone());
+            }
+        }
+    }
+    Ok(RankState {
+        model,
+        moments: kept,
+        covers,
+    })
+}
