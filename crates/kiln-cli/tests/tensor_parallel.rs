@@ -324,13 +324,34 @@ fn sharded_checkpoints_resume_at_any_layout() {
         assert!(ck.join(f).exists(), "checkpoint-3 lacks {f}");
     }
     assert!(!broken.join("checkpoint-6").exists());
-    let ck_arg = ck.to_string_lossy().to_string();
-    for (name, layout, extra) in [
-        ("same", (4, 2), &[&b2[..], &["--zero-1"]].concat()),
-        ("tp3", (3, 3), &b4[..].to_vec()),
-        ("dp2-zero1", (2, 1), &[&b2[..], &["--zero-1"]].concat()),
-        ("single", (1, 1), &b4[..].to_vec()),
+    // The checkpoint converted (optimizer state included) resumes as well.
+    let converted_full = tmp.path().join("ck-full");
+    let converted_tp3 = tmp.path().join("ck-tp3");
+    for (flag, out) in [
+        (&["--to-full"][..], &converted_full),
+        (&["--to-tp", "3"][..], &converted_tp3),
     ] {
+        let st = kiln()
+            .arg("convert")
+            .args(flag)
+            .arg("--model")
+            .arg(&ck)
+            .arg("--out")
+            .arg(out)
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+    assert!(converted_full.join("optimizer.safetensors").exists());
+    for (name, layout, extra, from) in [
+        ("same", (4, 2), [&b2[..], &["--zero-1"]].concat(), &ck),
+        ("tp3", (3, 3), b4.to_vec(), &ck),
+        ("dp2-zero1", (2, 1), [&b2[..], &["--zero-1"]].concat(), &ck),
+        ("single", (1, 1), b4.to_vec(), &ck),
+        ("converted-full", (1, 1), b4.to_vec(), &converted_full),
+        ("converted-tp3", (3, 3), b4.to_vec(), &converted_tp3),
+    ] {
+        let ck_arg = from.to_string_lossy().to_string();
         let dir = tmp.path().join(format!("resumed-{name}"));
         let st = command(
             &run,
@@ -358,6 +379,70 @@ fn sharded_checkpoints_resume_at_any_layout() {
             "resumed at {name}: differs from the unbroken run by {d}"
         );
     }
+}
+
+/// `kiln convert`: HF → TP 2 → full and HF → TP 2 → TP 3 → full give back the very bytes of
+/// the model file; a bad size is one sentence.
+#[test]
+fn convert_round_trips_are_byte_identical() {
+    let Some(gguf) = asset("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |n: &str| tmp.path().join(n);
+    let convert = |args: &[&str], from: &Path, to: &Path| {
+        let out = kiln()
+            .arg("convert")
+            .args(args)
+            .arg(if args.is_empty() {
+                "--from-gguf"
+            } else {
+                "--model"
+            })
+            .arg(from)
+            .arg("--out")
+            .arg(to)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    assert!(convert(&[], &gguf, &dir("hf")).0);
+    for (from, args, to) in [
+        ("hf", &["--to-tp", "2"][..], "tp2"),
+        ("tp2", &["--to-tp", "3"][..], "tp3"),
+        ("tp2", &["--to-full"][..], "full2"),
+        ("tp3", &["--to-full"][..], "full3"),
+    ] {
+        let (ok, err) = convert(args, &dir(from), &dir(to));
+        assert!(ok, "{from} → {to}: {err}");
+    }
+    let original = std::fs::read(dir("hf/model.safetensors")).unwrap();
+    for full in ["full2", "full3"] {
+        let back = std::fs::read(dir(full).join("model.safetensors")).unwrap();
+        assert!(
+            back == original,
+            "{full}/model.safetensors differs from the original"
+        );
+    }
+    // TP 3 shards are what a TP = 3 run holds: SmolLM2's 9 heads, 3 per rank.
+    let shard = read_safetensors(&dir("tp3/model/tp_rank_01.safetensors")).unwrap();
+    assert_eq!(
+        shard["model.layers.0.self_attn.q_proj.weight"].shape,
+        vec![192, 576]
+    );
+    let (ok, err) = convert(&["--to-tp", "10"], &dir("hf"), &dir("tp10"));
+    assert!(
+        !ok && err.contains("more than the model's 9 attention heads"),
+        "{err}"
+    );
+    let (ok, err) = convert(&["--to-tp", "2"], &dir("hf"), &dir("tp2"));
+    assert!(
+        !ok && err.contains("the folder exists and is not empty"),
+        "{err}"
+    );
 }
 
 #[test]

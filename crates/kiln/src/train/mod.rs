@@ -7,6 +7,7 @@ pub mod grad_sync;
 pub mod metrics;
 pub mod optim;
 pub mod output_dir;
+pub mod reshard;
 pub mod schedule;
 pub mod sharded_checkpoint;
 pub mod trainer;

@@ -10,6 +10,7 @@
 //! the heads its query heads need; their gradient is summed over the group (each rank's part comes
 //! from its own query heads), so the replicas stay equal.
 
+use std::collections::BTreeMap;
 use std::ops::Range;
 
 use burn::module::{Ignored, Param};
@@ -142,6 +143,44 @@ impl LlamaShard {
             ParamSplit::Replicated
         }
     }
+}
+
+/// Rank `rank` of `size` for working out a layout only (resharding files): there is no group to
+/// talk to, and a collective through it is a bug.
+#[derive(Debug)]
+struct LayoutOnly(usize, usize);
+
+impl crate::ops::TpReduce for LayoutOnly {
+    fn sum(&self, _: Vec<f32>) -> Vec<f32> {
+        unreachable!("a layout-only rank runs no collective")
+    }
+    fn max(&self, _: Vec<f32>) -> Vec<f32> {
+        unreachable!("a layout-only rank runs no collective")
+    }
+    fn rank(&self) -> usize {
+        self.0
+    }
+    fn size(&self) -> usize {
+        self.1
+    }
+}
+
+/// Every rank's cut of the parameters `names` of a model of config `c` split over `n` ranks, as
+/// training at `--tensor-parallel-size n` holds them.
+pub fn splits_for<'a>(
+    c: &LlamaConfig,
+    names: impl Iterator<Item = &'a str> + Clone,
+    n: usize,
+) -> Result<Vec<BTreeMap<String, ParamSplit>>> {
+    (0..n)
+        .map(|r| {
+            let shard = LlamaShard::new(c, std::sync::Arc::new(LayoutOnly(r, n)))?;
+            Ok(names
+                .clone()
+                .map(|name| (name.to_string(), shard.split_of(name)))
+                .collect())
+        })
+        .collect()
 }
 
 fn slice_rows<B: KilnBackend>(p: Param<Tensor<B, 2>>, rows: Range<usize>) -> Param<Tensor<B, 2>> {

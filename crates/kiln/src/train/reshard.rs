@@ -1,0 +1,231 @@
+//! `kiln convert --to-tp N` / `--to-full`: a model folder or checkpoint, whole or sharded at any
+//! tensor-parallel size, rewritten whole (a Hugging Face folder, or a plain checkpoint) or as
+//! tensor-parallel shards — the optimizer moments too, so a run can resume at another layout from
+//! the converted folder (NxD's converter leaves the optimizer behind).
+//!
+//! The output is written into a hidden folder beside `--out` and renamed into place, so a failed
+//! conversion leaves nothing half-written.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use super::checkpoint::{write_marker, Marker, MARKER};
+use crate::hub::files::{sync_dir, write_synced, TEMP_PREFIX};
+use crate::hub::sharded::{
+    model_file, optimizer_file, read_layout, read_whole_model, read_whole_optimizer, ShardLayout,
+    LAYOUT_FILE,
+};
+use crate::hub::weights::{
+    read_model_weights, read_safetensors, safetensors_bytes, HostTensor, StoreDtype,
+};
+use crate::task::ParamSplit;
+use crate::{KilnError, Result};
+
+/// What to write.
+pub enum Target {
+    /// One `model.safetensors` (and a flat `optimizer.safetensors` for a checkpoint).
+    Full,
+    /// Tensor-parallel shards: every rank's cut of every parameter, by name.
+    TensorParallel(Vec<BTreeMap<String, ParamSplit>>),
+}
+
+/// A folder's contents, put together.
+pub struct WholeFolder {
+    pub model: BTreeMap<String, HostTensor>,
+    /// AdamW's moments in their parameters' shapes (a checkpoint's), if any.
+    pub moments: Option<BTreeMap<String, HostTensor>>,
+    /// The other files (config, tokenizer, trainer state), copied as they are.
+    pub others: Vec<PathBuf>,
+    /// The marker of a kiln checkpoint.
+    pub marker: Option<Marker>,
+}
+
+/// Files a conversion rewrites rather than copies.
+fn is_rewritten(name: &str) -> bool {
+    name.ends_with(".safetensors")
+        || name == "model.safetensors.index.json"
+        || name == LAYOUT_FILE
+        || name == MARKER
+}
+
+/// Reads a model folder or checkpoint (whole or sharded) whole.
+pub fn read_whole_folder(dir: &Path) -> Result<WholeFolder> {
+    let layout = read_layout(dir)?;
+    let (model, moments) = match &layout {
+        Some(l) => (
+            read_whole_model(dir, l)?,
+            (!l.optimizer.is_empty())
+                .then(|| read_whole_optimizer(dir, l))
+                .transpose()?,
+        ),
+        None => {
+            let model = read_model_weights(dir)?;
+            let opt = dir.join("optimizer.safetensors");
+            let moments = if opt.exists() {
+                // A plain checkpoint keeps moments flat: they take their parameter's shape.
+                let mut m = read_safetensors(&opt)?;
+                for (key, t) in m.iter_mut() {
+                    let name = key.rsplit_once('.').map_or(key.as_str(), |(n, _)| n);
+                    let shape = model.get(name).map(|w| w.shape.clone());
+                    match shape {
+                        Some(s) if s.iter().product::<usize>() == t.data.len() => t.shape = s,
+                        _ => {
+                            return Err(KilnError::Checkpoint(format!(
+                                "{}: {key} matches no parameter of the model",
+                                opt.display()
+                            )))
+                        }
+                    }
+                }
+                Some(m)
+            } else {
+                None
+            };
+            (model, moments)
+        }
+    };
+    let mut others = Vec::new();
+    for e in std::fs::read_dir(dir).map_err(|e| KilnError::io(dir, e))? {
+        let e = e.map_err(|e| KilnError::io(dir, e))?;
+        let name = e.file_name().to_string_lossy().to_string();
+        if e.file_type().is_ok_and(|t| t.is_file()) && !is_rewritten(&name) {
+            others.push(e.path());
+        }
+    }
+    others.sort();
+    let marker = crate::hub::read_json(&dir.join(MARKER)).ok();
+    Ok(WholeFolder {
+        model,
+        moments,
+        others,
+        marker,
+    })
+}
+
+/// Writes `src` (any layout) into the new folder `out` as `target` says, which sees the whole
+/// folder (its parameter names and shapes) first.
+pub fn reshard(
+    src: &Path,
+    out: &Path,
+    target: impl FnOnce(&WholeFolder) -> Result<Target>,
+) -> Result<()> {
+    if out.exists()
+        && std::fs::read_dir(out)
+            .map_err(|e| KilnError::io(out, e))?
+            .next()
+            .is_some()
+    {
+        return Err(KilnError::Config(format!(
+            "--out {}: the folder exists and is not empty; choose a new one",
+            out.display()
+        )));
+    }
+    let whole = read_whole_folder(src)?;
+    let target = target(&whole)?;
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|e| KilnError::io(parent, e))?;
+    let name = out
+        .file_name()
+        .map_or("out".into(), |n| n.to_string_lossy());
+    let tmp = parent.join(format!("{TEMP_PREFIX}{name}-{}", std::process::id()));
+    let written = write_folder(&tmp, &whole, &target);
+    if let Err(e) = written {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if out.exists() {
+        std::fs::remove_dir(out).map_err(|e| KilnError::io(out, e))?;
+    }
+    std::fs::rename(&tmp, out).map_err(|e| KilnError::io(out, e))?;
+    sync_dir(parent)
+}
+
+fn put(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
+    let path = dir.join(name);
+    if let Some(p) = path.parent() {
+        std::fs::create_dir_all(p).map_err(|e| KilnError::io(p, e))?;
+    }
+    write_synced(&path, bytes)
+}
+
+fn flat(t: &BTreeMap<String, HostTensor>) -> BTreeMap<String, HostTensor> {
+    t.iter()
+        .map(|(k, v)| {
+            let data = v.data.clone();
+            let shape = vec![data.len()];
+            (k.clone(), HostTensor { shape, data })
+        })
+        .collect()
+}
+
+fn write_folder(tmp: &Path, whole: &WholeFolder, target: &Target) -> Result<()> {
+    std::fs::create_dir_all(tmp).map_err(|e| KilnError::io(tmp, e))?;
+    for src in &whole.others {
+        let bytes = std::fs::read(src).map_err(|e| KilnError::io(src, e))?;
+        let name = src.file_name().expect("a file").to_string_lossy();
+        put(tmp, &name, &bytes)?;
+    }
+    match target {
+        Target::Full => {
+            put(
+                tmp,
+                "model.safetensors",
+                &safetensors_bytes(&whole.model, StoreDtype::F32)?,
+            )?;
+            if let Some(m) = &whole.moments {
+                put(
+                    tmp,
+                    "optimizer.safetensors",
+                    &safetensors_bytes(&flat(m), StoreDtype::F32)?,
+                )?;
+            }
+        }
+        Target::TensorParallel(splits) => {
+            let shapes = whole
+                .model
+                .iter()
+                .map(|(k, t)| (k.clone(), t.shape.clone()))
+                .collect();
+            let mut layout = ShardLayout::from_splits(&shapes, splits)?;
+            for tp in 0..splits.len() {
+                let cut = |t: &BTreeMap<String, HostTensor>, param: fn(&str) -> &str| {
+                    t.iter()
+                        .map(|(k, v)| Ok((k.clone(), layout.cut(param(k), tp, v)?)))
+                        .collect::<Result<BTreeMap<_, _>>>()
+                };
+                let model = cut(&whole.model, |k| k)?;
+                put(
+                    tmp,
+                    &model_file(tp),
+                    &safetensors_bytes(&model, StoreDtype::F32)?,
+                )?;
+                if let Some(m) = &whole.moments {
+                    let moments = cut(m, |k| k.rsplit_once('.').map_or(k, |(n, _)| n))?;
+                    put(
+                        tmp,
+                        &optimizer_file(tp, 0),
+                        &safetensors_bytes(&moments, StoreDtype::F32)?,
+                    )?;
+                    layout.optimizer.push(vec![model
+                        .iter()
+                        .filter(|(k, _)| m.contains_key(&format!("{k}.exp_avg")))
+                        .map(|(k, t)| (k.clone(), 0..t.data.len()))
+                        .collect()]);
+                }
+            }
+            put(
+                tmp,
+                LAYOUT_FILE,
+                &serde_json::to_vec_pretty(&layout).expect("plain data"),
+            )?;
+        }
+    }
+    // A converted checkpoint stays a complete checkpoint of the run that wrote it.
+    if let Some(m) = &whole.marker {
+        write_marker(tmp, &m.run_id, m.global_step)?;
+    }
+    sync_dir(tmp)
+}
