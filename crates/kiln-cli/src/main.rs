@@ -148,6 +148,9 @@ struct GenerateCmd {
     /// Print one JSON object (ids, text, timings) instead of streaming the text.
     #[arg(long)]
     json: bool,
+    /// The model cut over N processes started together (`kiln launch`), as in training.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel_size: usize,
 }
 
 #[derive(Args)]
@@ -325,6 +328,9 @@ struct EvalCmd {
     data: DataOpts,
     #[arg(long, default_value_t = 32)]
     per_device_eval_batch_size: usize,
+    /// causal-lm: the model cut over N processes started together (`kiln launch`), as in training.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel_size: usize,
     /// Also write the metrics and the per-class report here (JSON).
     #[arg(long)]
     output: Option<PathBuf>,
@@ -566,13 +572,26 @@ where
             }
             if cmd.task == Task::CausalLm {
                 let opts = cmd.data.lm_options(Some(cmd.model.clone()), None)?;
-                let out = causal_lm::eval::<B>(&opts, cmd.per_device_eval_batch_size, &device)?;
+                let out = causal_lm::eval::<B>(
+                    &opts,
+                    cmd.per_device_eval_batch_size,
+                    cmd.tensor_parallel_size,
+                    &device,
+                )?;
+                if !kiln::parallel::is_main_process()? {
+                    return Ok(());
+                }
                 if let Some(path) = &cmd.output {
                     std::fs::write(path, serde_json::to_vec_pretty(&out.metrics)?)
                         .with_context(|| format!("{}", path.display()))?;
                 }
                 println!("{}", serde_json::to_string_pretty(&out.metrics)?);
                 return Ok(());
+            }
+            if cmd.tensor_parallel_size > 1 {
+                bail!(
+                    "--tensor-parallel-size: only --task causal-lm (Llama) is cut over processes"
+                );
             }
             let opts = cmd.data.options(&cmd.model, 42)?;
             let out = tc::eval::<B>(&opts, cmd.per_device_eval_batch_size, &device)?;
@@ -707,7 +726,11 @@ where
             );
         }
         Command::Generate(cmd) => {
-            let (model, config) = causal_lm::load_model::<B>(&cmd.model, &device)?;
+            // Under tensor parallelism every rank decodes the same tokens (the logits are put
+            // together on each); rank 0 prints them.
+            let (model, config, _, _) =
+                causal_lm::load_model_parallel::<B>(&cmd.model, &device, cmd.tensor_parallel_size)?;
+            let main = kiln::parallel::is_main_process()?;
             let tok = causal_lm::load_tokenizer(&cmd.model)?;
             let enc = tok
                 .encode(cmd.prompt.as_str(), true)
@@ -719,17 +742,21 @@ where
                 seed: cmd.seed,
                 stop_at_eos: !cmd.ignore_eos,
             };
+            let stream = main && !cmd.json;
             let mut stdout = std::io::stdout();
-            if !cmd.json {
+            if stream {
                 print!("{}", cmd.prompt);
                 stdout.flush()?;
             }
             let g = causal_lm::generate(&model, &tok, &config, enc.get_ids(), &opts, |piece| {
-                if !cmd.json {
+                if stream {
                     print!("{piece}");
                     let _ = std::io::stdout().flush();
                 }
             })?;
+            if !main {
+                return Ok(());
+            }
             if cmd.json {
                 let mut v = serde_json::to_value(&g)?;
                 v["prompt_ids"] = serde_json::json!(enc.get_ids());

@@ -445,6 +445,108 @@ fn convert_round_trips_are_byte_identical() {
     );
 }
 
+/// `kiln generate` and `kiln eval --task causal-lm` under `--tensor-parallel-size`: SmolLM2 cut
+/// over 3 processes (from a `convert --to-tp 3` folder) decodes the same greedy tokens as one
+/// process, and over 2 gives the same held-out loss.
+#[test]
+fn generate_and_eval_under_tensor_parallelism() {
+    let (Some(gguf), Some(brown)) = (
+        asset("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        asset("brown/eval.jsonl"),
+    ) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = tmp.path().join("hf");
+    let tp3 = tmp.path().join("tp3");
+    for args in [
+        vec!["--from-gguf".into(), gguf.clone().into_os_string()],
+        vec![
+            "--to-tp".into(),
+            "3".into(),
+            "--model".into(),
+            hf.clone().into_os_string(),
+        ],
+    ] {
+        let out = if args[0] == "--from-gguf" { &hf } else { &tp3 };
+        let st = kiln()
+            .arg("convert")
+            .args(args)
+            .arg("--out")
+            .arg(out)
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+    let launched = |procs: usize| {
+        let mut c = kiln();
+        if procs > 1 {
+            c.args(["launch", "--nproc-per-node", &procs.to_string()])
+                .args([
+                    "--master-port",
+                    &common::free_ports(procs as u16).to_string(),
+                ])
+                .args(["--timeout", "60", "--"]);
+        }
+        c
+    };
+    let generate = |procs: usize, model: &Path| {
+        let out = launched(procs)
+            .args([
+                "generate",
+                "--prompt",
+                "The jury said",
+                "--max-new-tokens",
+                "8",
+            ])
+            .args([
+                "--ignore-eos",
+                "--json",
+                "--tensor-parallel-size",
+                &procs.to_string(),
+            ])
+            .arg("--model")
+            .arg(model)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let json = &text[text.find('{').expect("a JSON line")..];
+        let v: serde_json::Value = serde_json::from_str(json.lines().next().unwrap()).unwrap();
+        v["new_ids"].clone()
+    };
+    let one = generate(1, &hf);
+    assert_eq!(one.as_array().unwrap().len(), 8);
+    assert_eq!(generate(3, &tp3), one, "TP = 3 decodes other tokens");
+    let corpus = corpus(tmp.path(), &brown);
+    let eval = |procs: usize| {
+        let metrics = tmp.path().join(format!("eval-{procs}.json"));
+        let st = launched(procs)
+            .args(["eval", "--task", "causal-lm", "--block-size", "64"])
+            .args(["--tensor-parallel-size", &procs.to_string(), "--model"])
+            .arg(&hf)
+            .arg("--eval-file")
+            .arg(&corpus)
+            .arg("--output")
+            .arg(&metrics)
+            .status()
+            .unwrap();
+        assert!(st.success());
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&metrics).unwrap()).unwrap();
+        v["eval_loss"].as_f64().unwrap()
+    };
+    let (l1, l2) = (eval(1), eval(2));
+    assert!(
+        (l1 - l2).abs() < 1e-4,
+        "eval loss {l1} alone, {l2} at TP = 2"
+    );
+}
+
 #[test]
 fn bad_tensor_parallel_layouts_are_one_sentence() {
     let Some(brown) = asset("brown/eval.jsonl") else {
@@ -479,6 +581,34 @@ fn bad_tensor_parallel_layouts_are_one_sentence() {
     let err = fail(&["--tensor-parallel-size", "2"]);
     assert!(
         err.contains("--tensor-parallel-size 2 needs 2 processes"),
+        "{err}"
+    );
+    // More ranks than attention heads, said before the tokenizer (missing) is looked for.
+    let out = kiln()
+        .args(["launch", "--nproc-per-node", "5"])
+        .args(["--master-port", &common::free_ports(5).to_string()])
+        .args([
+            "--timeout",
+            "60",
+            "--",
+            "train",
+            "--task",
+            "causal-lm",
+            "--from-config",
+        ])
+        .arg(&cfg)
+        .arg("--tokenizer")
+        .arg(tmp.path().join("missing-tokenizer"))
+        .arg("--train-file")
+        .arg(&corpus)
+        .args(["--tensor-parallel-size", "5", "--output-dir"])
+        .arg(tmp.path().join("o5"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("--tensor-parallel-size 5 is more than the model's 4 attention heads"),
         "{err}"
     );
     // A global batch that the per-device batch does not divide.

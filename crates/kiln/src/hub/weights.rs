@@ -235,9 +235,14 @@ pub fn stored_as_other_dtype(path: &Path, missing: &[&String]) -> String {
     }
 }
 
-/// Every weight of a model folder: `model.safetensors`, or the shards listed in
-/// `model.safetensors.index.json` (transformers' layout for large models).
+/// Every weight of a model folder: `model.safetensors`, the shards listed in
+/// `model.safetensors.index.json` (transformers' layout for large models), or tensor-parallel
+/// shards put back together.
 pub fn read_model_weights(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
+    // A tensor-parallel folder (`kiln convert --to-tp`, a sharded checkpoint) is put together.
+    if let Some(layout) = super::sharded::read_layout(dir)? {
+        return super::sharded::read_whole_model(dir, &layout);
+    }
     let single = dir.join("model.safetensors");
     if single.exists() {
         return read_safetensors(&single);

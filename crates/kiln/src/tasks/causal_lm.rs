@@ -17,7 +17,7 @@ use crate::hub::llama_config::LlamaConfig;
 use crate::hub::weights::{load_into, read_model_weights};
 use crate::models::llama::{KvCache, LlamaForCausalLM, LlamaShard};
 use crate::ops::{KilnBackend, TrainBackend};
-use crate::parallel::{DataParallel, TpGroup, VocabParallelCrossEntropy};
+use crate::parallel::{DataParallel, SharedCollectives, TpGroup, VocabParallelCrossEntropy};
 use crate::task::{BatchSource, CrossEntropy, Loss, IGNORE_INDEX};
 use crate::train::checkpoint::ModelFiles;
 use crate::train::trainer::{evaluate, EvalOutput, TrainOutput};
@@ -81,6 +81,45 @@ pub fn load_model<B: KilnBackend>(
         info!("unused tensors in {}: {unexpected:?}", dir.display());
     }
     Ok((model, config))
+}
+
+/// This rank's cut of a model of `config` over the tensor-parallel `group` (none without one) and
+/// the loss that fits it. Worked out before any weight is read: more ranks than attention heads
+/// is one sentence at once, not after minutes of loading.
+fn tensor_parallel_plan<X: burn::tensor::backend::Backend>(
+    config: &LlamaConfig,
+    group: Option<SharedCollectives<X>>,
+) -> Result<(Option<LlamaShard>, LmLoss)> {
+    let Some(group) = group else {
+        return Ok((None, LmLoss::Plain(CrossEntropy)));
+    };
+    let tp = TpGroup::comm(group);
+    let shard = LlamaShard::new(config, tp.clone())?;
+    let loss = LmLoss::VocabParallel(VocabParallelCrossEntropy {
+        tp,
+        vocab: config.vocab_size,
+    });
+    Ok((Some(shard), loss))
+}
+
+/// A model folder (whole or sharded) loaded for this process's part of a job of tensor-parallel
+/// size `tp` (`kiln eval` / `kiln generate` under `kiln launch`): the job joined, the whole model
+/// read and cut to this rank's shard; with the loss that fits it and the data-parallel rest of
+/// the job.
+pub fn load_model_parallel<B: KilnBackend>(
+    dir: &Path,
+    device: &B::Device,
+    tp: usize,
+) -> Result<(LlamaForCausalLM<B>, LlamaConfig, LmLoss, DataParallel<B>)> {
+    let (parallel, group) = DataParallel::<B>::join_mesh(device, tp)?;
+    let config = LlamaConfig::from_file(&dir.join("config.json"))?;
+    let (shard, loss) = tensor_parallel_plan(&config, group)?;
+    let (model, config) = load_model::<B>(dir, device)?;
+    let model = match shard {
+        Some(s) => model.shard(s),
+        None => model,
+    };
+    Ok((model, config, loss, parallel))
 }
 
 pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
@@ -198,6 +237,16 @@ pub fn train<B: TrainBackend>(
     // The batch arithmetic is checked before anything is loaded.
     let mut args = args;
     args.resolve_global_batch(parallel.size())?;
+    let config_path = match (&opts.from_config, &opts.model_dir) {
+        (Some(cfg), _) => cfg.clone(),
+        (None, Some(dir)) => dir.join("config.json"),
+        (None, None) => {
+            return Err(KilnError::Config(
+                "give --model DIR or --from-config FILE".into(),
+            ))
+        }
+    };
+    let (shard, loss) = tensor_parallel_plan(&LlamaConfig::from_file(&config_path)?, tp_group)?;
     let tok_path = opts.tokenizer_path()?;
     let tok = load_tokenizer(&tok_path)?;
     let (model, config) = match (&opts.from_config, &opts.model_dir) {
@@ -214,27 +263,15 @@ pub fn train<B: TrainBackend>(
             (model, config)
         }
         (None, Some(dir)) => load_model::<B>(dir, device)?,
-        (None, None) => {
-            return Err(KilnError::Config(
-                "give --model DIR or --from-config FILE".into(),
-            ))
-        }
+        (None, None) => unreachable!("checked above"),
     };
     crate::data::tokenize::check_ids_fit(&tok, &tok_path, config.vocab_size)?;
     warn_beyond_positions(&config, opts.block_size, "--block-size");
     // Every rank holds the same whole model first, then keeps its shard: TP = N starts from the
     // weights of TP = 1.
-    let (model, loss) = match tp_group {
-        None => (model, LmLoss::Plain(CrossEntropy)),
-        Some(group) => {
-            let tp = TpGroup::comm(group);
-            let shard = LlamaShard::new(&config, tp.clone())?;
-            let loss = LmLoss::VocabParallel(VocabParallelCrossEntropy {
-                tp,
-                vocab: config.vocab_size,
-            });
-            (model.shard(shard), loss)
-        }
+    let model = match shard {
+        Some(s) => model.shard(s),
+        None => model,
     };
     let eos = eos_id(&config, &tok);
     let train_file = opts
@@ -298,6 +335,7 @@ impl Loss for LmLoss {
 pub fn eval<B: KilnBackend>(
     opts: &CausalLmOptions,
     batch_size: usize,
+    tensor_parallel_size: usize,
     device: &B::Device,
 ) -> Result<EvalOutput> {
     let dir = opts
@@ -306,7 +344,8 @@ pub fn eval<B: KilnBackend>(
         .ok_or_else(|| KilnError::Config("kiln eval needs --model".into()))?;
     let tok_path = opts.tokenizer_path()?;
     let tok = load_tokenizer(&tok_path)?;
-    let (model, config) = load_model::<B>(dir, device)?;
+    let (model, config, loss, parallel) =
+        load_model_parallel::<B>(dir, device, tensor_parallel_size)?;
     crate::data::tokenize::check_ids_fit(&tok, &tok_path, config.vocab_size)?;
     warn_beyond_positions(&config, opts.block_size, "--block-size");
     let file = opts
@@ -314,15 +353,7 @@ pub fn eval<B: KilnBackend>(
         .as_ref()
         .ok_or_else(|| KilnError::Config("kiln eval needs --eval-file".into()))?;
     let set = opts.blocks(file, &tok, eos_id(&config, &tok), opts.max_eval_samples)?;
-    let mut out = evaluate(
-        &model,
-        &set,
-        batch_size,
-        &CrossEntropy,
-        None,
-        None,
-        &DataParallel::single(),
-    )?;
+    let mut out = evaluate(&model, &set, batch_size, &loss, None, None, &parallel)?;
     out.metrics.insert(
         "eval_tokens".into(),
         (set.len() * (set.block_size - 1)) as f64,
