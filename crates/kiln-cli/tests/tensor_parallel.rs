@@ -36,8 +36,38 @@ struct Run<'a> {
     out: &'a Path,
 }
 
-/// `kiln train` of the causal LM `r` into `out`, under `kiln launch` with `procs` processes at
-/// tensor-parallel size `tp`; `args` adds the run's own flags.
+/// `kiln train` of the causal LM `r` into `out` at tensor-parallel size `tp`; `args` adds the
+/// run's own flags.
+fn train_args(r: &Run, out: &Path, tp: usize, args: &[&str]) -> Vec<std::ffi::OsString> {
+    let mut v: Vec<std::ffi::OsString> = ["train", "--task", "causal-lm", "--from-config"]
+        .iter()
+        .map(Into::into)
+        .collect();
+    v.push(r.cfg.into());
+    v.extend(["--tokenizer".into(), r.tokenizer.into()]);
+    v.extend(["--train-file".into(), r.corpus.into()]);
+    for a in [
+        "--block-size",
+        "16",
+        "--learning-rate",
+        "1e-3",
+        "--max-grad-norm",
+        "0.5",
+        "--logging-steps",
+        "1",
+        "--tensor-parallel-size",
+        &tp.to_string(),
+    ]
+    .iter()
+    .chain(args)
+    {
+        v.push(a.into());
+    }
+    v.extend(["--output-dir".into(), out.into()]);
+    v
+}
+
+/// [`train_args`] under `kiln launch` with `procs` processes (alone when 1).
 fn command(r: &Run, out: &Path, (procs, tp): (usize, usize), args: &[&str]) -> Command {
     let mut c = kiln();
     if procs > 1 {
@@ -48,18 +78,7 @@ fn command(r: &Run, out: &Path, (procs, tp): (usize, usize), args: &[&str]) -> C
             ])
             .args(["--timeout", "60", "--"]);
     }
-    c.args(["train", "--task", "causal-lm", "--from-config"])
-        .arg(r.cfg)
-        .arg("--tokenizer")
-        .arg(r.tokenizer)
-        .arg("--train-file")
-        .arg(r.corpus)
-        .args(["--block-size", "16", "--learning-rate", "1e-3"])
-        .args(["--max-grad-norm", "0.5", "--logging-steps", "1"])
-        .args(["--tensor-parallel-size", &tp.to_string()])
-        .args(args)
-        .arg("--output-dir")
-        .arg(out);
+    c.args(train_args(r, out, tp, args));
     c
 }
 
@@ -93,6 +112,25 @@ fn train(
         "{name}: grad_norm {norm} is below --max-grad-norm"
     );
     read_safetensors(&out.join("model.safetensors")).unwrap()
+}
+
+/// A temporary folder with SmolLM2's Hugging Face folder (its tokenizer serves the tiny
+/// configs) and a small corpus; `None` without the assets.
+fn setup() -> Option<(tempfile::TempDir, std::path::PathBuf, std::path::PathBuf)> {
+    let gguf = asset("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")?;
+    let brown = asset("brown/eval.jsonl")?;
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = tmp.path().join("smollm2");
+    let st = kiln()
+        .args(["convert", "--from-gguf"])
+        .arg(&gguf)
+        .arg("--out")
+        .arg(&hf)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let corpus = corpus(tmp.path(), &brown);
+    Some((tmp, hf, corpus))
 }
 
 fn max_diff(a: &BTreeMap<String, HostTensor>, b: &BTreeMap<String, HostTensor>) -> f32 {
@@ -135,24 +173,9 @@ fn config(
 
 #[test]
 fn tensor_parallel_training_equals_one_process() {
-    let (Some(gguf), Some(brown)) = (
-        asset("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-        asset("brown/eval.jsonl"),
-    ) else {
+    let Some((tmp, hf, corpus)) = setup() else {
         return;
     };
-    let tmp = tempfile::tempdir().unwrap();
-    // The tokenizer: SmolLM2's, from its GGUF.
-    let hf = tmp.path().join("smollm2");
-    let st = kiln()
-        .args(["convert", "--from-gguf"])
-        .arg(&gguf)
-        .arg("--out")
-        .arg(&hf)
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let corpus = corpus(tmp.path(), &brown);
     for (cfg, sizes) in [
         // SmolLM2's 9 query / 3 key-value heads, untied, with biases: TP 2 (6+3 heads) and 3.
         (config(tmp.path(), "a.json", 9, 3, false, true), vec![2, 3]),
@@ -183,23 +206,9 @@ fn tensor_parallel_training_equals_one_process() {
 /// one, and TP = 2 × DP = 2 with ZeRO-1 (4 processes) equals one process with the same global batch.
 #[test]
 fn zero1_equals_replicated_optimizer_and_one_process() {
-    let (Some(gguf), Some(brown)) = (
-        asset("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-        asset("brown/eval.jsonl"),
-    ) else {
+    let Some((tmp, hf, corpus)) = setup() else {
         return;
     };
-    let tmp = tempfile::tempdir().unwrap();
-    let hf = tmp.path().join("smollm2");
-    let st = kiln()
-        .args(["convert", "--from-gguf"])
-        .arg(&gguf)
-        .arg("--out")
-        .arg(&hf)
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let corpus = corpus(tmp.path(), &brown);
     let cfg = config(tmp.path(), "z.json", 9, 3, false, true);
     let run = Run {
         cfg: &cfg,
@@ -247,23 +256,9 @@ fn zero1_equals_replicated_optimizer_and_one_process() {
 /// uninterrupted single process ends.
 #[test]
 fn sharded_checkpoints_resume_at_any_layout() {
-    let (Some(gguf), Some(brown)) = (
-        asset("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-        asset("brown/eval.jsonl"),
-    ) else {
+    let Some((tmp, hf, corpus)) = setup() else {
         return;
     };
-    let tmp = tempfile::tempdir().unwrap();
-    let hf = tmp.path().join("smollm2");
-    let st = kiln()
-        .args(["convert", "--from-gguf"])
-        .arg(&gguf)
-        .arg("--out")
-        .arg(&hf)
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let corpus = corpus(tmp.path(), &brown);
     let cfg = config(tmp.path(), "r.json", 9, 3, false, true);
     let run = Run {
         cfg: &cfg,
@@ -445,39 +440,72 @@ fn convert_round_trips_are_byte_identical() {
     );
 }
 
+/// Two "machines" on loopback (two launchers, `--nnodes 2`, two workers each): TP = 2 inside
+/// each machine, data parallelism with ZeRO-1 across them, equals one process.
+#[test]
+fn two_nodes_tensor_parallel_inside_data_parallel_across() {
+    let Some((tmp, hf, corpus)) = setup() else {
+        return;
+    };
+    let cfg = config(tmp.path(), "n.json", 9, 3, false, true);
+    let run = Run {
+        cfg: &cfg,
+        tokenizer: &hf,
+        corpus: &corpus,
+        out: tmp.path(),
+    };
+    let single = train(&run, "single", (1, 1), 3, &[]);
+    let out = tmp.path().join("two-nodes");
+    let port = common::free_ports(4).to_string();
+    let node = |rank: usize| {
+        kiln()
+            .args(["launch", "--nnodes", "2", "--node-rank", &rank.to_string()])
+            .args(["--nproc-per-node", "2", "--master-addr", "127.0.0.1"])
+            .args(["--master-port", &port, "--timeout", "60", "--"])
+            .args(train_args(
+                &run,
+                &out,
+                2,
+                &[
+                    "--max-steps",
+                    "5",
+                    "--save-strategy",
+                    "no",
+                    "--seed",
+                    "3",
+                    "--per-device-train-batch-size",
+                    "2",
+                    "--zero-1",
+                ],
+            ))
+            .spawn()
+            .unwrap()
+    };
+    let (mut n0, mut n1) = (node(0), node(1));
+    assert!(n0.wait().unwrap().success() && n1.wait().unwrap().success());
+    let nodes = read_safetensors(&out.join("model.safetensors")).unwrap();
+    let d = max_diff(&nodes, &single);
+    eprintln!("2 nodes × (TP = 2) with ZeRO-1 across vs one process: max |Δw| = {d:e}");
+    assert!(d <= 1e-5, "two nodes differ from one process by {d}");
+}
+
 /// `kiln generate` and `kiln eval --task causal-lm` under `--tensor-parallel-size`: SmolLM2 cut
 /// over 3 processes (from a `convert --to-tp 3` folder) decodes the same greedy tokens as one
 /// process, and over 2 gives the same held-out loss.
 #[test]
 fn generate_and_eval_under_tensor_parallelism() {
-    let (Some(gguf), Some(brown)) = (
-        asset("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-        asset("brown/eval.jsonl"),
-    ) else {
+    let Some((tmp, hf, corpus)) = setup() else {
         return;
     };
-    let tmp = tempfile::tempdir().unwrap();
-    let hf = tmp.path().join("hf");
     let tp3 = tmp.path().join("tp3");
-    for args in [
-        vec!["--from-gguf".into(), gguf.clone().into_os_string()],
-        vec![
-            "--to-tp".into(),
-            "3".into(),
-            "--model".into(),
-            hf.clone().into_os_string(),
-        ],
-    ] {
-        let out = if args[0] == "--from-gguf" { &hf } else { &tp3 };
-        let st = kiln()
-            .arg("convert")
-            .args(args)
-            .arg("--out")
-            .arg(out)
-            .status()
-            .unwrap();
-        assert!(st.success());
-    }
+    let st = kiln()
+        .args(["convert", "--to-tp", "3", "--model"])
+        .arg(&hf)
+        .arg("--out")
+        .arg(&tp3)
+        .status()
+        .unwrap();
+    assert!(st.success());
     let launched = |procs: usize| {
         let mut c = kiln();
         if procs > 1 {
@@ -522,7 +550,6 @@ fn generate_and_eval_under_tensor_parallelism() {
     let one = generate(1, &hf);
     assert_eq!(one.as_array().unwrap().len(), 8);
     assert_eq!(generate(3, &tp3), one, "TP = 3 decodes other tokens");
-    let corpus = corpus(tmp.path(), &brown);
     let eval = |procs: usize| {
         let metrics = tmp.path().join(format!("eval-{procs}.json"));
         let st = launched(procs)
