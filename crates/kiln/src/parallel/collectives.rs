@@ -51,11 +51,7 @@ pub trait Collectives<B: Backend>: Send + Sync {
     /// Sum over the set, of which this rank keeps its chunk: rank `r` gets the values
     /// `chunk_range(n, size, r)` (ZeRO-1's gradient shards).
     fn reduce_scatter(&self, t: Tensor<B, 1>) -> Result<Tensor<B, 1>> {
-        let n = t.dims()[0];
-        let r = chunk_range(n, self.size(), self.rank());
-        Ok(self
-            .all_reduce(t, ReduceOp::Sum)?
-            .narrow(0, r.start, r.len()))
+        reduce_scatter_by_sum(self, t)
     }
 
     /// Every rank's `t` (all the same length) concatenated in rank order.
@@ -88,6 +84,17 @@ pub trait Collectives<B: Backend>: Send + Sync {
         let t = Tensor::from_data(TensorData::new(values, [n]), self.device());
         Ok(host(self.all_reduce(t, ReduceOp::Sum)?))
     }
+}
+
+/// A reduce-scatter as a sum all-reduce of which each rank keeps its chunk (what an engine
+/// without a native one does).
+pub(crate) fn reduce_scatter_by_sum<B: Backend, C: Collectives<B> + ?Sized>(
+    c: &C,
+    t: Tensor<B, 1>,
+) -> Result<Tensor<B, 1>> {
+    let n = t.dims()[0];
+    let r = chunk_range(n, c.size(), c.rank());
+    Ok(c.all_reduce(t, ReduceOp::Sum)?.narrow(0, r.start, r.len()))
 }
 
 /// A flat tensor of `values` with a buffer of its own. Burn's ndarray backend keeps a tensor

@@ -369,7 +369,21 @@ impl<B: Backend> Collectives<B> for ProcessGroup<B> {
         &self.device
     }
 
+    fn reduce_scatter(&self, t: Tensor<B, 1>) -> Result<Tensor<B, 1>> {
+        #[cfg(feature = "cuda")]
+        if let Some(nccl) = &self.nccl {
+            return self.nccl_reduce_scatter(nccl, t);
+        }
+        super::collectives::reduce_scatter_by_sum(self, t)
+    }
+
     fn all_reduce(&self, t: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>> {
+        #[cfg(feature = "cuda")]
+        if let (Some(nccl), ReduceOp::Max) = (&self.nccl, op) {
+            return self.on_nccl("all-reduce (max)", |_| {
+                nccl.all_reduce_max::<B>(t.into_primitive().tensor())
+            });
+        }
         let (op, what) = match op {
             ReduceOp::Sum => (ReduceOperation::Sum, "all-reduce (sum)"),
             ReduceOp::Mean => (ReduceOperation::Mean, "all-reduce (mean)"),
@@ -384,6 +398,26 @@ impl<B: Backend> Collectives<B> for ProcessGroup<B> {
     }
 
     fn all_gather_v(&self, t: Tensor<B, 1>, counts: &[usize]) -> Result<Tensor<B, 1>> {
+        #[cfg(feature = "cuda")]
+        if let Some(nccl) = &self.nccl {
+            // ncclAllGather takes one length: every rank pads to the longest, the padding is
+            // dropped after.
+            let most = counts.iter().copied().max().unwrap_or(0);
+            let padded = placed(t, 0, most, &self.device);
+            let out = Tensor::<B, 1>::zeros([most * counts.len()], &self.device);
+            let all = self.on_nccl("all-gather", |_| {
+                nccl.all_gather::<B>(
+                    padded.into_primitive().tensor(),
+                    out.into_primitive().tensor(),
+                )
+            })?;
+            let parts = counts
+                .iter()
+                .enumerate()
+                .map(|(r, &c)| all.clone().narrow(0, r * most, c))
+                .collect();
+            return Ok(Tensor::cat(parts, 0));
+        }
         let total: usize = counts.iter().sum();
         let before: usize = counts[..self.env.rank].iter().sum();
         let out = self.reduce_buckets(
@@ -397,6 +431,12 @@ impl<B: Backend> Collectives<B> for ProcessGroup<B> {
     }
 
     fn broadcast(&self, t: Tensor<B, 1>, root: usize) -> Result<Tensor<B, 1>> {
+        #[cfg(feature = "cuda")]
+        if let Some(nccl) = &self.nccl {
+            return self.on_nccl(&format!("broadcast from rank {root}"), |_| {
+                nccl.broadcast::<B>(t.into_primitive().tensor(), root)
+            });
+        }
         let t = if self.env.rank == root {
             t
         } else {
@@ -408,6 +448,56 @@ impl<B: Backend> Collectives<B> for ProcessGroup<B> {
             &format!("broadcast from rank {root}"),
         )?;
         Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+    }
+}
+
+impl<B: Backend> ProcessGroup<B> {
+    /// Runs one NCCL collective under the watchdog; `call` gets this rank.
+    #[cfg(feature = "cuda")]
+    fn on_nccl(
+        &self,
+        what: &str,
+        call: impl FnOnce(usize) -> Result<FloatTensor<B>>,
+    ) -> Result<Tensor<B, 1>> {
+        let n = HEARTBEAT.get().map_or(0, |hb| hb.enter());
+        let msg = format!(
+            "{what} #{n} did not complete within {}s",
+            self.timeout.as_secs()
+        );
+        let rank = self.env.rank;
+        let out = Watchdog::get(rank)
+            .guard(self.timeout, msg, || call(rank))
+            .map_err(|e| KilnError::Distributed(format!("rank {rank}: {what}: {e}")))?;
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+    }
+
+    /// ZeRO-1's reduce-scatter through NCCL: the sum padded to a multiple of the world, each rank
+    /// receiving its padded chunk, trimmed to its `chunk_range`.
+    #[cfg(feature = "cuda")]
+    fn nccl_reduce_scatter(
+        &self,
+        nccl: &super::nccl::NcclComm,
+        t: Tensor<B, 1>,
+    ) -> Result<Tensor<B, 1>> {
+        let (n, size) = (t.dims()[0], self.env.world_size);
+        let (mine, chunks) = (
+            super::chunk_range(n, size, self.env.rank),
+            (0..size).map(|r| super::chunk_range(n, size, r)),
+        );
+        let most = n.div_ceil(size);
+        // Every rank's chunk at slot r × most, so NCCL's equal chunks are kiln's uneven ones.
+        let slots = chunks
+            .map(|c| placed(t.clone().narrow(0, c.start, c.len()), 0, most, &self.device))
+            .collect();
+        let padded = Tensor::cat(slots, 0);
+        let out = Tensor::<B, 1>::zeros([most], &self.device);
+        let got = self.on_nccl("reduce-scatter", |_| {
+            nccl.reduce_scatter::<B>(
+                padded.into_primitive().tensor(),
+                out.into_primitive().tensor(),
+            )
+        })?;
+        Ok(got.narrow(0, 0, mine.len()))
     }
 }
 
