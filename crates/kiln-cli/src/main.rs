@@ -114,6 +114,10 @@ struct ConvertCmd {
     /// Hugging Face folder (a plain checkpoint when it holds optimizer state).
     #[arg(long, requires = "model")]
     to_full: bool,
+    /// With --to-tp: store each rank's attention q/k/v as NxD's one fused `qkv_proj` (rows: the
+    /// rank's query heads, then the key/value heads they read).
+    #[arg(long, requires = "to_tp")]
+    coalesce_qkv: bool,
     /// The folder to convert (with --to-tp / --to-full).
     #[arg(long)]
     model: Option<PathBuf>,
@@ -693,7 +697,7 @@ where
             };
             let t0 = std::time::Instant::now();
             if let Some(model) = &cmd.model {
-                reshard(model, &cmd.out, cmd.to_tp)?;
+                reshard(model, &cmd.out, cmd.to_tp, cmd.coalesce_qkv)?;
                 println!(
                     "{} → {}: {} ({:.1} s)",
                     model.display(),
@@ -923,7 +927,12 @@ fn main() -> ExitCode {
 
 /// `kiln convert --to-tp N` (Llama splits, as training at `--tensor-parallel-size N` holds them)
 /// or `--to-full` (`to_tp` = `None`).
-fn reshard(model: &std::path::Path, out: &std::path::Path, to_tp: Option<usize>) -> Result<()> {
+fn reshard(
+    model: &std::path::Path,
+    out: &std::path::Path,
+    to_tp: Option<usize>,
+    coalesce_qkv: bool,
+) -> Result<()> {
     use kiln::train::reshard::Target;
     let config_path = model.join("config.json");
     kiln::train::reshard::reshard(model, out, |whole| match to_tp {
@@ -933,13 +942,15 @@ fn reshard(model: &std::path::Path, out: &std::path::Path, to_tp: Option<usize>)
         )),
         Some(n) => {
             let config: kiln::hub::llama_config::LlamaConfig = kiln::hub::read_json(&config_path)?;
-            Ok(Target::TensorParallel(
-                kiln::models::llama::tensor_parallel::splits_for(
+            Ok(Target::TensorParallel {
+                splits: kiln::models::llama::tensor_parallel::splits_for(
                     &config,
                     whole.model.keys().map(String::as_str),
                     n,
+                    coalesce_qkv,
                 )?,
-            ))
+                coalesce_qkv,
+            })
         }
     })?;
     Ok(())

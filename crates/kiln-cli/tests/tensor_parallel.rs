@@ -376,8 +376,8 @@ fn sharded_checkpoints_resume_at_any_layout() {
     }
 }
 
-/// `kiln convert`: HF → TP 2 → full and HF → TP 2 → TP 3 → full give back the very bytes of
-/// the model file; a bad size is one sentence.
+/// `kiln convert`: HF → TP 2 → full, HF → TP 2 → TP 3 → full and through NxD's fused q/k/v
+/// layout give back the very bytes of the model file; a bad size is one sentence.
 #[test]
 fn convert_round_trips_are_byte_identical() {
     let Some(gguf) = asset("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") else {
@@ -414,8 +414,38 @@ fn convert_round_trips_are_byte_identical() {
         let (ok, err) = convert(args, &dir(from), &dir(to));
         assert!(ok, "{from} → {to}: {err}");
     }
+    // NxD's fused q/k/v with GQA-correct sizes: at TP 2 rank 0 holds query heads 0..6 and the
+    // key/value heads 0..2 they read; at TP 4 (fewer key/value heads than ranks) rank 2 holds
+    // query heads 5..7, which read key/value heads 1 and 2.
+    for (args, to, rank, rows) in [
+        (
+            &["--to-tp", "2", "--coalesce-qkv"][..],
+            "tp2-fused",
+            0,
+            (6 + 2 * 2) * 64,
+        ),
+        (
+            &["--to-tp", "4", "--coalesce-qkv"][..],
+            "tp4-fused",
+            2,
+            (2 + 2 * 2) * 64,
+        ),
+    ] {
+        let (ok, err) = convert(args, &dir("hf"), &dir(to));
+        assert!(ok, "{to}: {err}");
+        let shard = read_safetensors(&dir(to).join(format!("model/tp_rank_{rank:02}.safetensors")))
+            .unwrap();
+        assert_eq!(
+            shard["model.layers.0.self_attn.qkv_proj.weight"].shape,
+            vec![rows, 576]
+        );
+        assert!(!shard.contains_key("model.layers.0.self_attn.q_proj.weight"));
+        let full = format!("{to}-full");
+        let (ok, err) = convert(&["--to-full"], &dir(to), &dir(&full));
+        assert!(ok, "{full}: {err}");
+    }
     let original = std::fs::read(dir("hf/model.safetensors")).unwrap();
-    for full in ["full2", "full3"] {
+    for full in ["full2", "full3", "tp2-fused-full", "tp4-fused-full"] {
         let back = std::fs::read(dir(full).join("model.safetensors")).unwrap();
         assert!(
             back == original,

@@ -79,6 +79,11 @@ pub struct ShardLayout {
     /// parameter's flat local shard that file's moments cover. Empty when no optimizer was saved.
     #[serde(default)]
     pub optimizer: Vec<Vec<BTreeMap<String, Range<usize>>>>,
+    /// Whether the model files hold attention's q/k/v as one `qkv_proj` per layer (NxD's fused
+    /// layout: the rank's q rows, then its k rows, then its v rows); `params` still describes
+    /// q_proj, k_proj and v_proj.
+    #[serde(default)]
+    pub coalesced_qkv: bool,
 }
 
 impl ShardLayout {
@@ -117,6 +122,7 @@ impl ShardLayout {
             zero_1: false,
             params,
             optimizer: Vec::new(),
+            coalesced_qkv: false,
         })
     }
 
@@ -177,6 +183,63 @@ impl ShardLayout {
         }
         Ok(out)
     }
+}
+
+const QKV: [&str; 3] = ["q_proj", "k_proj", "v_proj"];
+
+/// NxD's fused attention input: every layer's `q_proj`, `k_proj`, `v_proj` (weight and bias)
+/// of one rank's tensors stacked by rows into `qkv_proj`.
+pub fn coalesce_qkv(mut t: BTreeMap<String, HostTensor>) -> BTreeMap<String, HostTensor> {
+    let queries: Vec<String> = t
+        .keys()
+        .filter(|k| k.contains(".q_proj."))
+        .cloned()
+        .collect();
+    for q in queries {
+        let parts: Vec<HostTensor> = QKV
+            .iter()
+            .filter_map(|p| t.remove(&q.replace("q_proj", p)))
+            .collect();
+        let mut shape = parts[0].shape.clone();
+        shape[0] = parts.iter().map(|p| p.shape[0]).sum();
+        let data = parts.into_iter().flat_map(|p| p.data).collect();
+        t.insert(q.replace("q_proj", "qkv_proj"), HostTensor { shape, data });
+    }
+    t
+}
+
+/// [`coalesce_qkv`] undone for rank `tp`: each fused tensor cut back into q, k and v by the row
+/// counts the layout gives them.
+fn split_qkv(
+    layout: &ShardLayout,
+    tp: usize,
+    mut t: BTreeMap<String, HostTensor>,
+) -> Result<BTreeMap<String, HostTensor>> {
+    let fused: Vec<String> = t
+        .keys()
+        .filter(|k| k.contains(".qkv_proj."))
+        .cloned()
+        .collect();
+    for name in fused {
+        let whole = t.remove(&name).expect("listed");
+        let inner: usize = whole.shape[1..].iter().product();
+        let mut at = 0;
+        for p in QKV {
+            let part = name.replace("qkv_proj", p);
+            let shape = layout.param(&part)?.local_shape(tp);
+            let n = shape.iter().product::<usize>();
+            if at + n > whole.data.len() || shape[1..].iter().product::<usize>() != inner {
+                return Err(KilnError::Weights(format!(
+                    "{name}: shape {:?} does not hold the layout's q/k/v rows for rank {tp}",
+                    whole.shape
+                )));
+            }
+            let data = whole.data[at..at + n].to_vec();
+            at += n;
+            t.insert(part, HostTensor { shape, data });
+        }
+    }
+    Ok(t)
 }
 
 /// Values `range` of dimension `axis` of `t`.
@@ -249,7 +312,14 @@ pub fn read_layout(dir: &Path) -> Result<Option<ShardLayout>> {
 /// The whole model of a sharded folder.
 pub fn read_whole_model(dir: &Path, layout: &ShardLayout) -> Result<BTreeMap<String, HostTensor>> {
     let ranks = (0..layout.tensor_parallel_size)
-        .map(|tp| read_safetensors(&dir.join(model_file(tp))))
+        .map(|tp| {
+            let t = read_safetensors(&dir.join(model_file(tp)))?;
+            if layout.coalesced_qkv {
+                split_qkv(layout, tp, t)
+            } else {
+                Ok(t)
+            }
+        })
         .collect::<Result<Vec<_>>>()?;
     let mut out = BTreeMap::new();
     for name in layout.params.keys() {
@@ -410,6 +480,7 @@ mod tests {
             )]
             .into(),
             optimizer: vec![],
+            coalesced_qkv: false,
         };
         let a = t(&[3]);
         let mut b = a.clone();

@@ -137,12 +137,15 @@ impl<B: Backend> Collectives<B> for MpiComm<B> {
         send.resize(width, 0.0);
         let mut all = vec![0f32; width * self.size];
         self.call("all-gather", |c| c.all_gather_into(&send[..], &mut all[..]));
-        let packed: Vec<f32> = all
-            .chunks(width.max(1))
-            .zip(counts)
-            .flat_map(|(piece, &k)| piece[..k].to_vec())
-            .collect();
-        Ok(self.tensor(packed))
+        drop(send);
+        // Packed in place: each piece moves left over the padding before it.
+        let mut at = 0;
+        for (r, &k) in counts.iter().enumerate() {
+            all.copy_within(r * width..r * width + k, at);
+            at += k;
+        }
+        all.truncate(at);
+        Ok(self.tensor(all))
     }
 
     fn broadcast(&self, t: Tensor<B, 1>, root: usize) -> Result<Tensor<B, 1>> {
@@ -159,18 +162,23 @@ impl<B: Backend> Collectives<B> for MpiComm<B> {
     }
 
     fn reduce_scatter(&self, t: Tensor<B, 1>) -> Result<Tensor<B, 1>> {
-        let send = host(t);
+        let mut send = host(t);
         let n = send.len();
-        if !n.is_multiple_of(self.size) {
-            // MPI's block form needs equal chunks; uneven ones reduce in full.
-            let r = chunk_range(n, self.size, self.rank);
-            let all = self.all_reduce(self.tensor(send), ReduceOp::Sum)?;
-            return Ok(all.narrow(0, r.start, r.len()));
+        // MPI's block form takes equal chunks: kiln's uneven ones (`chunk_range`: the first
+        // `n % size` one longer) sit in slots of the longest, zero-padded, moved in place.
+        let width = n.div_ceil(self.size);
+        send.resize(width * self.size, 0.0);
+        for r in (0..self.size).rev() {
+            let c = chunk_range(n, self.size, r);
+            send.copy_within(c.clone(), r * width);
+            send[r * width + c.len()..(r + 1) * width].fill(0.0);
         }
-        let mut out = vec![0f32; n / self.size];
+        let mut out = vec![0f32; width];
         self.call("reduce-scatter", |c| {
             c.reduce_scatter_block_into(&send[..], &mut out[..], SystemOperation::sum())
         });
+        drop(send);
+        out.truncate(chunk_range(n, self.size, self.rank).len());
         Ok(self.tensor(out))
     }
 

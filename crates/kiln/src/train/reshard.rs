@@ -25,8 +25,12 @@ use crate::{KilnError, Result};
 pub enum Target {
     /// One `model.safetensors` (and a flat `optimizer.safetensors` for a checkpoint).
     Full,
-    /// Tensor-parallel shards: every rank's cut of every parameter, by name.
-    TensorParallel(Vec<BTreeMap<String, ParamSplit>>),
+    /// Tensor-parallel shards: every rank's cut of every parameter, by name; with
+    /// `coalesce_qkv`, attention's q/k/v stored as NxD's one `qkv_proj` per rank.
+    TensorParallel {
+        splits: Vec<BTreeMap<String, ParamSplit>>,
+        coalesce_qkv: bool,
+    },
 }
 
 /// A folder's contents, put together.
@@ -183,13 +187,17 @@ fn write_folder(tmp: &Path, whole: &WholeFolder, target: &Target) -> Result<()> 
                 )?;
             }
         }
-        Target::TensorParallel(splits) => {
+        Target::TensorParallel {
+            splits,
+            coalesce_qkv,
+        } => {
             let shapes = whole
                 .model
                 .iter()
                 .map(|(k, t)| (k.clone(), t.shape.clone()))
                 .collect();
             let mut layout = ShardLayout::from_splits(&shapes, splits)?;
+            layout.coalesced_qkv = *coalesce_qkv;
             for tp in 0..splits.len() {
                 let cut = |t: &BTreeMap<String, HostTensor>, param: fn(&str) -> &str| {
                     t.iter()
@@ -197,10 +205,15 @@ fn write_folder(tmp: &Path, whole: &WholeFolder, target: &Target) -> Result<()> 
                         .collect::<Result<BTreeMap<_, _>>>()
                 };
                 let model = cut(&whole.model, |k| k)?;
+                let stored = if *coalesce_qkv {
+                    crate::hub::sharded::coalesce_qkv(model.clone())
+                } else {
+                    model.clone()
+                };
                 put(
                     tmp,
                     &model_file(tp),
-                    &safetensors_bytes(&model, StoreDtype::F32)?,
+                    &safetensors_bytes(&stored, StoreDtype::F32)?,
                 )?;
                 if let Some(m) = &whole.moments {
                     let moments = cut(m, |k| k.rsplit_once('.').map_or(k, |(n, _)| n))?;

@@ -156,6 +156,7 @@ pub fn write_layout(tmp: &Path, tp_size: usize, dp_size: usize, zero: bool) -> R
         zero_1: zero,
         params,
         optimizer,
+        coalesced_qkv: false,
     };
     write_json_file(tmp, LAYOUT_FILE, &layout)
 }
@@ -178,7 +179,8 @@ pub fn read_rank_state(
     let split = |name: &str| splits.and_then(|s| s.get(name));
     let layout = read_layout(dir)?;
     let same_cuts = layout.as_ref().is_some_and(|l| {
-        l.tensor_parallel_size == place.tp_size
+        !l.coalesced_qkv
+            && l.tensor_parallel_size == place.tp_size
             && l.params
                 .iter()
                 .all(|(name, p)| p.ranks[place.tp] == cut_of(split(name)))

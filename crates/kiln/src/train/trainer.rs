@@ -381,6 +381,24 @@ where
                     tp = a.tensor_parallel_size
                 );
             }
+            // What each rank keeps between steps (f32): its weights, their gradients and the
+            // two AdamW moments — a ZeRO-1 rank only its data-parallel share of the moments.
+            let weights: usize = module_shapes(self.model())
+                .values()
+                .map(|s| s.iter().product::<usize>())
+                .sum();
+            let moments = match (a.optim, &self.zero) {
+                (crate::train::OptimizerType::Sgd, _) => 0,
+                (_, Some(z)) => 2 * weights.div_ceil(z.size()),
+                (_, None) => 2 * weights,
+            };
+            let mb = |n: usize| n as f64 * 4.0 / 1e6;
+            info!(
+                "  Training state per rank = {:.1} MB weights + {:.1} MB gradients + {:.1} MB optimizer",
+                mb(weights),
+                mb(weights),
+                mb(moments)
+            );
             match (&self.zero, a.zero_1) {
                 (Some(z), _) => info!(
                     "  ZeRO-1: AdamW moments split over {} data-parallel ranks",

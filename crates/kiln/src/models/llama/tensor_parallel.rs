@@ -166,18 +166,35 @@ impl crate::ops::TpReduce for LayoutOnly {
 }
 
 /// Every rank's cut of the parameters `names` of a model of config `c` split over `n` ranks, as
-/// training at `--tensor-parallel-size n` holds them.
+/// training at `--tensor-parallel-size n` holds them. With `kv_heads_read`, replicated key/value
+/// projections (fewer key/value heads than ranks) are cut to the heads each rank's queries read,
+/// as NxD's fused `qkv_proj` holds them.
 pub fn splits_for<'a>(
     c: &LlamaConfig,
     names: impl Iterator<Item = &'a str> + Clone,
     n: usize,
+    kv_heads_read: bool,
 ) -> Result<Vec<BTreeMap<String, ParamSplit>>> {
     (0..n)
         .map(|r| {
             let shard = LlamaShard::new(c, std::sync::Arc::new(LayoutOnly(r, n)))?;
+            let kv = shard.head_rows(&shard.kv_heads);
+            let kv_full = shard.full_heads.1 * shard.head_dim;
             Ok(names
                 .clone()
-                .map(|name| (name.to_string(), shard.split_of(name)))
+                .map(|name| {
+                    let is_kv = name.contains(".k_proj.") || name.contains(".v_proj.");
+                    let split = if kv_heads_read && shard.kv_replicated && is_kv {
+                        ParamSplit::Sharded {
+                            axis: 0,
+                            range: kv.clone(),
+                            full: kv_full,
+                        }
+                    } else {
+                        shard.split_of(name)
+                    };
+                    (name.to_string(), split)
+                })
                 .collect())
         })
         .collect()
