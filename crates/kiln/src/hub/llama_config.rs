@@ -140,6 +140,15 @@ impl LlamaConfig {
                 self.hidden_act
             ));
         }
+        // kiln's Llama has no dropout (released Llama-family configs all set 0.0): a config
+        // that asks for it is refused rather than trained without it.
+        if let Some(p) = self.extra.get("attention_dropout") {
+            if p.as_f64() != Some(0.0) {
+                return Err(format!(
+                    "attention_dropout {p} is not supported (kiln's Llama has no dropout; set it to 0.0)"
+                ));
+            }
+        }
         non_negative("rms_norm_eps", self.rms_norm_eps, true)?;
         non_negative("rope_theta", self.rope_theta, true)?;
         non_negative("initializer_range", self.initializer_range, false)?;
@@ -340,5 +349,15 @@ mod tests {
         let c = cfg(r#", "eos_token_id": [2, 5]"#);
         assert_eq!(c.eos_ids(), vec![2, 5]);
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn attention_dropout_is_refused_unless_zero() {
+        assert!(cfg(r#", "attention_dropout": 0.0"#).validate().is_ok());
+        let err = cfg(r#", "attention_dropout": 0.1"#).validate().unwrap_err();
+        assert!(
+            err.contains("attention_dropout 0.1 is not supported"),
+            "{err}"
+        );
     }
 }

@@ -45,6 +45,19 @@ pub struct Cut {
     pub range: Range<usize>,
 }
 
+impl Cut {
+    /// The cut a [`ParamSplit`] makes (`None`: the whole tensor).
+    pub fn of(split: Option<&ParamSplit>) -> Option<Self> {
+        match split {
+            Some(ParamSplit::Sharded { axis, range, .. }) => Some(Self {
+                axis: *axis,
+                range: range.clone(),
+            }),
+            _ => None,
+        }
+    }
+}
+
 /// One parameter of a sharded folder.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -124,6 +137,17 @@ impl ShardLayout {
             optimizer: Vec::new(),
             coalesced_qkv: false,
         })
+    }
+
+    /// Whether tensor-parallel rank `tp` of a `size`-rank split cutting parameters as `split`
+    /// says holds exactly this folder's file `model_file(tp)` (then nothing else need be read).
+    pub fn same_cut(&self, tp: usize, size: usize, split: impl Fn(&str) -> ParamSplit) -> bool {
+        !self.coalesced_qkv
+            && self.tensor_parallel_size == size
+            && self
+                .params
+                .iter()
+                .all(|(name, p)| p.ranks[tp] == Cut::of(Some(&split(name))))
     }
 
     fn param(&self, name: &str) -> Result<&ParamLayout> {

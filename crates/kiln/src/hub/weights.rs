@@ -169,6 +169,15 @@ fn is_buffer_dtype(d: Dtype) -> bool {
 /// buffers such as `embeddings.position_ids` are skipped: they are not parameters). A float type
 /// kiln cannot read (FP8, ...) is an error, never a silently re-initialised weight.
 pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>> {
+    read_safetensors_with(path, &mut |_, t| t)
+}
+
+/// [`read_safetensors`], each tensor handed to `keep` as soon as it is converted (to cut it to a
+/// tensor-parallel shard before the next is made: the whole model is never held as f32).
+pub fn read_safetensors_with(
+    path: &Path,
+    keep: &mut dyn FnMut(&str, HostTensor) -> HostTensor,
+) -> Result<BTreeMap<String, HostTensor>> {
     let bytes = crate::hub::files::read_regular(path, "safetensors file")?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| {
         KilnError::Weights(format!("{}: not a safetensors file: {e}", path.display()))
@@ -201,13 +210,11 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>> {
             )))
             }
         };
-        out.insert(
-            name,
-            HostTensor {
-                shape: view.shape().to_vec(),
-                data,
-            },
-        );
+        let t = HostTensor {
+            shape: view.shape().to_vec(),
+            data,
+        };
+        out.insert(name.clone(), keep(&name, t));
     }
     Ok(out)
 }
@@ -239,13 +246,26 @@ pub fn stored_as_other_dtype(path: &Path, missing: &[&String]) -> String {
 /// `model.safetensors.index.json` (transformers' layout for large models), or tensor-parallel
 /// shards put back together.
 pub fn read_model_weights(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
+    read_model_weights_with(dir, &mut |_, t| t)
+}
+
+/// [`read_model_weights`], each tensor handed to `keep` as it is read (see
+/// [`read_safetensors_with`]).
+pub fn read_model_weights_with(
+    dir: &Path,
+    keep: &mut dyn FnMut(&str, HostTensor) -> HostTensor,
+) -> Result<BTreeMap<String, HostTensor>> {
     // A tensor-parallel folder (`kiln convert --to-tp`, a sharded checkpoint) is put together.
     if let Some(layout) = super::sharded::read_layout(dir)? {
-        return super::sharded::read_whole_model(dir, &layout);
+        let whole = super::sharded::read_whole_model(dir, &layout)?;
+        return Ok(whole
+            .into_iter()
+            .map(|(n, t)| (n.clone(), keep(&n, t)))
+            .collect());
     }
     let single = dir.join("model.safetensors");
     if single.exists() {
-        return read_safetensors(&single);
+        return read_safetensors_with(&single, keep);
     }
     let index = dir.join("model.safetensors.index.json");
     if !index.exists() {
@@ -283,7 +303,7 @@ pub fn read_model_weights(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
     shards.dedup();
     let mut out = BTreeMap::new();
     for shard in shards {
-        out.extend(read_safetensors(&dir.join(shard))?);
+        out.extend(read_safetensors_with(&dir.join(shard), keep)?);
     }
     if let Some(name) = map.keys().find(|name| !out.contains_key(*name)) {
         return Err(KilnError::Weights(format!(

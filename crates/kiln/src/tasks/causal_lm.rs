@@ -14,10 +14,16 @@ use crate::data::lm::{read_documents, LmBlocks, TokenBatch};
 use crate::data::TextEncoding;
 use crate::error::{KilnError, Result};
 use crate::hub::llama_config::LlamaConfig;
-use crate::hub::weights::{load_into, read_model_weights};
+use std::collections::BTreeMap;
+
+use crate::hub::sharded::{cut_axis, model_file, read_layout};
+use crate::hub::weights::{
+    load_into, read_model_weights, read_model_weights_with, read_safetensors, HostTensor,
+};
 use crate::models::llama::{KvCache, LlamaForCausalLM, LlamaShard};
 use crate::ops::{KilnBackend, TrainBackend};
 use crate::parallel::{DataParallel, SharedCollectives, TpGroup, VocabParallelCrossEntropy};
+use crate::task::ParamSplit;
 use crate::task::{BatchSource, CrossEntropy, Loss, IGNORE_INDEX};
 use crate::train::checkpoint::ModelFiles;
 use crate::train::trainer::{evaluate, EvalOutput, TrainOutput};
@@ -59,11 +65,26 @@ pub fn load_model<B: KilnBackend>(
     dir: &Path,
     device: &B::Device,
 ) -> Result<(LlamaForCausalLM<B>, LlamaConfig)> {
+    load_model_shard(dir, device, None)
+}
+
+/// [`load_model`] for tensor-parallel rank `shard` (whole without one), holding only its shard:
+/// a tensor-parallel folder cut the same way is read from this rank's own file, any other
+/// folder tensor by tensor, each cut as it is read.
+pub fn load_model_shard<B: KilnBackend>(
+    dir: &Path,
+    device: &B::Device,
+    shard: Option<LlamaShard>,
+) -> Result<(LlamaForCausalLM<B>, LlamaConfig)> {
     let config = LlamaConfig::from_file(&dir.join("config.json"))?;
     // The weights first: a corrupt file fails before the model is allocated.
-    let tensors = read_model_weights(dir)?;
-    let model =
-        crate::ops::with_seeded_rng::<B, _>(device, 0, || LlamaForCausalLM::new(&config, device));
+    let tensors = match &shard {
+        None => read_model_weights(dir)?,
+        Some(s) => read_shard_weights(dir, s)?,
+    };
+    let model = crate::ops::with_seeded_rng::<B, _>(device, 0, || {
+        LlamaForCausalLM::new_sharded(&config, device, shard)
+    });
     let (model, report) = load_into(model, tensors, None, device)?;
     if !report.missing.is_empty() {
         return Err(KilnError::Weights(format!(
@@ -81,6 +102,19 @@ pub fn load_model<B: KilnBackend>(
         info!("unused tensors in {}: {unexpected:?}", dir.display());
     }
     Ok((model, config))
+}
+
+/// Tensor-parallel rank `s`'s weights of the model folder `dir`.
+fn read_shard_weights(dir: &Path, s: &LlamaShard) -> Result<BTreeMap<String, HostTensor>> {
+    if let Some(layout) = read_layout(dir)? {
+        if layout.same_cut(s.tp.rank(), s.tp.size(), |n| s.split_of(n)) {
+            return read_safetensors(&dir.join(model_file(s.tp.rank())));
+        }
+    }
+    read_model_weights_with(dir, &mut |name, t| match s.split_of(name) {
+        ParamSplit::Sharded { axis, range, .. } => cut_axis(&t, axis, &range),
+        ParamSplit::Replicated => t,
+    })
 }
 
 /// This rank's cut of a model of `config` over the tensor-parallel `group` (none without one) and
@@ -114,11 +148,7 @@ pub fn load_model_parallel<B: KilnBackend>(
     let (parallel, group) = DataParallel::<B>::join_mesh(device, tp)?;
     let config = LlamaConfig::from_file(&dir.join("config.json"))?;
     let (shard, loss) = tensor_parallel_plan(&config, group)?;
-    let (model, config) = load_model::<B>(dir, device)?;
-    let model = match shard {
-        Some(s) => model.shard(s),
-        None => model,
-    };
+    let (model, config) = load_model_shard::<B>(dir, device, shard)?;
     Ok((model, config, loss, parallel))
 }
 
@@ -249,11 +279,14 @@ pub fn train<B: TrainBackend>(
     let (shard, loss) = tensor_parallel_plan(&LlamaConfig::from_file(&config_path)?, tp_group)?;
     let tok_path = opts.tokenizer_path()?;
     let tok = load_tokenizer(&tok_path)?;
+    // Each rank holds only its shard from the start: a whole model is built (from the seed)
+    // layer by layer and cut, or loaded tensor by tensor and cut, so TP = N starts from exactly
+    // the weights of TP = 1.
     let (model, config) = match (&opts.from_config, &opts.model_dir) {
         (Some(cfg), _) => {
             let config = LlamaConfig::from_file(cfg)?;
             let model = crate::ops::with_seeded_rng::<B, _>(device, args.seed, || {
-                LlamaForCausalLM::new(&config, device)
+                LlamaForCausalLM::new_sharded(&config, device, shard)
             });
             info!(
                 "{}: random initialisation (seed {})",
@@ -262,17 +295,11 @@ pub fn train<B: TrainBackend>(
             );
             (model, config)
         }
-        (None, Some(dir)) => load_model::<B>(dir, device)?,
+        (None, Some(dir)) => load_model_shard::<B>(dir, device, shard)?,
         (None, None) => unreachable!("checked above"),
     };
     crate::data::tokenize::check_ids_fit(&tok, &tok_path, config.vocab_size)?;
     warn_beyond_positions(&config, opts.block_size, "--block-size");
-    // Every rank holds the same whole model first, then keeps its shard: TP = N starts from the
-    // weights of TP = 1.
-    let model = match shard {
-        Some(s) => model.shard(s),
-        None => model,
-    };
     let eos = eos_id(&config, &tok);
     let train_file = opts
         .train_file

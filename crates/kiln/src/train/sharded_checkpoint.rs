@@ -76,16 +76,6 @@ fn whole_shape(local: &[usize], split: Option<&ParamSplit>) -> Vec<usize> {
     shape
 }
 
-fn cut_of(split: Option<&ParamSplit>) -> Option<Cut> {
-    match split {
-        Some(ParamSplit::Sharded { axis, range, .. }) => Some(Cut {
-            axis: *axis,
-            range: range.clone(),
-        }),
-        _ => None,
-    }
-}
-
 /// Writes this rank's files into the staging folder `tmp`: its model shard (the first
 /// data-parallel rank of each tensor-parallel rank; the others hold the same) and its moments
 /// (every rank under ZeRO-1, the first data-parallel rank otherwise).
@@ -104,7 +94,7 @@ pub fn write_rank_files(
             .iter()
             .map(|(name, t)| {
                 let split = splits.and_then(|s| s.get(name));
-                (name.clone(), (whole_shape(&t.shape, split), cut_of(split)))
+                (name.clone(), (whole_shape(&t.shape, split), Cut::of(split)))
             })
             .collect();
         write_json_file(tmp, &cuts_file(place.tp), &RankCuts { params })?;
@@ -179,11 +169,9 @@ pub fn read_rank_state(
     let split = |name: &str| splits.and_then(|s| s.get(name));
     let layout = read_layout(dir)?;
     let same_cuts = layout.as_ref().is_some_and(|l| {
-        !l.coalesced_qkv
-            && l.tensor_parallel_size == place.tp_size
-            && l.params
-                .iter()
-                .all(|(name, p)| p.ranks[place.tp] == cut_of(split(name)))
+        l.same_cut(place.tp, place.tp_size, |name| {
+            split(name).cloned().unwrap_or(ParamSplit::Replicated)
+        })
     });
     let (model, moments) = match &layout {
         // The same tensor-parallel layout: this rank's own files only.

@@ -339,6 +339,13 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
     /// Linear and Embedding weights ~ N(0, initializer_range), biases 0, the padding row of the
     /// embedding 0, RMSNorm weights 1.
     pub fn new(c: &LlamaConfig, device: &B::Device) -> Self {
+        Self::new_sharded(c, device, None)
+    }
+
+    /// [`Self::new`] cut to tensor-parallel rank `shard` as it is built: each layer is made whole
+    /// (from the same random stream, so the weights equal [`Self::new`]'s cut by [`Self::shard`])
+    /// and cut at once, so a rank never holds more than its shard and one whole layer.
+    pub fn new_sharded(c: &LlamaConfig, device: &B::Device, shard: Option<LlamaShard>) -> Self {
         let (h, std) = (c.hidden_size, c.initializer_range);
         let mut embed = Embedding::new(c.vocab_size, h, std, device);
         if let Some(pad) = c
@@ -352,14 +359,20 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
             embed.weight = burn::module::Param::from_tensor(w.detach());
         }
         let layers = (0..c.num_hidden_layers)
-            .map(|_| LlamaDecoderLayer {
-                self_attn: LlamaAttention::new(c, device),
-                mlp: LlamaMlp::new(c, device),
-                input_layernorm: RmsNorm::new(h, c.rms_norm_eps, device),
-                post_attention_layernorm: RmsNorm::new(h, c.rms_norm_eps, device),
+            .map(|_| {
+                let layer = LlamaDecoderLayer {
+                    self_attn: LlamaAttention::new(c, device),
+                    mlp: LlamaMlp::new(c, device),
+                    input_layernorm: RmsNorm::new(h, c.rms_norm_eps, device),
+                    post_attention_layernorm: RmsNorm::new(h, c.rms_norm_eps, device),
+                };
+                match &shard {
+                    Some(s) => tensor_parallel::shard_layer(layer, s),
+                    None => layer,
+                }
             })
             .collect();
-        Self {
+        let model = Self {
             model: LlamaModel {
                 embed_tokens: embed,
                 layers,
@@ -369,6 +382,11 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
             lm_head: (!c.tie_word_embeddings)
                 .then(|| Linear::new(h, c.vocab_size, false, std, device)),
             shard: Ignored(None),
+        };
+        match shard {
+            // The layers are cut already; the embedding and head are cut now.
+            Some(s) => model.shard_ends(s),
+            None => model,
         }
     }
 

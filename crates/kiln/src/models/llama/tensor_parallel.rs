@@ -16,7 +16,7 @@ use std::ops::Range;
 use burn::module::{Ignored, Param};
 use burn::tensor::Tensor;
 
-use super::LlamaForCausalLM;
+use super::{LlamaDecoderLayer, LlamaForCausalLM};
 use crate::hub::llama_config::LlamaConfig;
 use crate::models::layers::Linear;
 use crate::ops::{chunk_range as chunk, KilnBackend, TpComm};
@@ -236,29 +236,47 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
     /// This rank's shard of the whole model `self`: every rank builds (or loads) the same full
     /// weights first, so TP = N starts from exactly the weights of TP = 1.
     pub fn shard(mut self, s: LlamaShard) -> Self {
+        self.model.layers = self
+            .model
+            .layers
+            .into_iter()
+            .map(|l| shard_layer(l, &s))
+            .collect();
+        self.shard_ends(s)
+    }
+
+    /// The vocabulary-parallel ends (embedding, output head) cut, the shard recorded; the
+    /// layers are the caller's.
+    pub(super) fn shard_ends(mut self, s: LlamaShard) -> Self {
         self.model.embed_tokens.weight =
             slice_rows(self.model.embed_tokens.weight, s.vocab.clone());
         self.lm_head = self.lm_head.map(|h| column(h, s.vocab.clone()));
-        let q_rows = s.head_rows(&s.q_heads);
-        for layer in &mut self.model.layers {
-            let a = &mut layer.self_attn;
-            a.q_proj = column(a.q_proj.clone(), q_rows.clone());
-            if !s.kv_replicated {
-                let kv_rows = s.head_rows(&s.kv_heads);
-                a.k_proj = column(a.k_proj.clone(), kv_rows.clone());
-                a.v_proj = column(a.v_proj.clone(), kv_rows);
-            }
-            a.o_proj = row(a.o_proj.clone(), q_rows.clone());
-            a.num_heads = s.q_heads.len();
-            a.num_kv_heads = s.kv_heads.len();
-            let m = &mut layer.mlp;
-            m.gate_proj = column(m.gate_proj.clone(), s.intermediate.clone());
-            m.up_proj = column(m.up_proj.clone(), s.intermediate.clone());
-            m.down_proj = row(m.down_proj.clone(), s.intermediate.clone());
-        }
         self.shard = Ignored(Some(s));
         self
     }
+}
+
+/// This rank's shard of one decoder layer.
+pub(super) fn shard_layer<B: KilnBackend>(
+    mut layer: LlamaDecoderLayer<B>,
+    s: &LlamaShard,
+) -> LlamaDecoderLayer<B> {
+    let q_rows = s.head_rows(&s.q_heads);
+    let a = &mut layer.self_attn;
+    a.q_proj = column(a.q_proj.clone(), q_rows.clone());
+    if !s.kv_replicated {
+        let kv_rows = s.head_rows(&s.kv_heads);
+        a.k_proj = column(a.k_proj.clone(), kv_rows.clone());
+        a.v_proj = column(a.v_proj.clone(), kv_rows);
+    }
+    a.o_proj = row(a.o_proj.clone(), q_rows);
+    a.num_heads = s.q_heads.len();
+    a.num_kv_heads = s.kv_heads.len();
+    let m = &mut layer.mlp;
+    m.gate_proj = column(m.gate_proj.clone(), s.intermediate.clone());
+    m.up_proj = column(m.up_proj.clone(), s.intermediate.clone());
+    m.down_proj = row(m.down_proj.clone(), s.intermediate.clone());
+    layer
 }
 
 #[cfg(test)]
