@@ -71,13 +71,15 @@ impl<B: Backend> TpReduce for TpGroup<B> {
     }
 }
 
-/// The whole model from every rank's shard (a collective: every rank of the group calls it and
-/// gets the whole tensors). Sharded parameters travel as one buffer, each rank filling its part;
-/// replicated ones are checked equal on every rank — replicas that drifted apart (a missing
-/// gradient sum) are an error naming the parameter, never a silent pick of one of them.
+/// The whole model from every rank's shard (a collective: every rank of the group calls it; the
+/// ranks with `keep` get the whole tensors, the others an empty map). Sharded parameters travel
+/// one at a time, each rank filling its part, so no rank holds more than one whole parameter
+/// besides what it keeps; replicated ones are checked equal on every rank — replicas that drifted
+/// apart (a missing gradient sum) are an error naming the parameter, never a silent pick of one.
 pub fn consolidate(
     layout: &TensorParallelLayout,
     local: BTreeMap<String, HostTensor>,
+    keep: bool,
 ) -> Result<BTreeMap<String, HostTensor>> {
     let tp = &layout.tp;
     let split = |name: &str| {
@@ -85,26 +87,21 @@ pub fn consolidate(
             KilnError::Weights(format!("{name}: no tensor-parallel split is known for it"))
         })
     };
-    // One buffer of every sharded tensor's whole size, and one of the replicated values.
-    let (mut whole, mut replicated) = (Vec::new(), Vec::new());
+    // The replicated values (norms, biases, replicated key/value heads: small), checked at once.
+    let mut replicated = Vec::new();
     for (name, t) in &local {
-        match split(name)? {
-            ParamSplit::Replicated => replicated.extend_from_slice(&t.data),
-            ParamSplit::Sharded { axis, range, full } => {
-                let start = whole.len();
-                whole.resize(start + t.data.len() / range.len() * full, 0.0);
-                place_axis(&mut whole[start..], t, *axis, range, *full);
-            }
+        if let ParamSplit::Replicated = split(name)? {
+            replicated.extend_from_slice(&t.data);
         }
     }
-    let whole = tp.sum(whole);
     let most = tp.max(replicated.clone());
     let least: Vec<f32> = tp
         .max(replicated.iter().map(|v| -v).collect())
         .into_iter()
         .map(|v| -v)
         .collect();
-    let (mut at_whole, mut at_repl) = (0, 0);
+    drop(replicated);
+    let mut at_repl = 0;
     let mut out = BTreeMap::new();
     for (name, t) in local {
         let t = match split(&name)? {
@@ -116,21 +113,27 @@ pub fn consolidate(
                 at_repl += n;
                 if spread > 0.0 || spread.is_nan() {
                     return Err(KilnError::Weights(format!(
-                        "{name}: its copies on the tensor-parallel ranks differ (by up to {spread});                          a replicated parameter must stay equal on every rank"
+                        "{name}: its copies on the tensor-parallel ranks differ (by up to {spread}); \
+                         a replicated parameter must stay equal on every rank"
                     )));
                 }
                 t
             }
-            ParamSplit::Sharded { axis, full, .. } => {
+            ParamSplit::Sharded { axis, range, full } => {
                 let mut shape = t.shape.clone();
                 shape[*axis] = *full;
-                let n: usize = shape.iter().product();
-                let data = whole[at_whole..at_whole + n].to_vec();
-                at_whole += n;
-                HostTensor { shape, data }
+                let mut whole = vec![0.0; shape.iter().product()];
+                place_axis(&mut whole, &t, *axis, range, *full);
+                drop(t);
+                HostTensor {
+                    shape,
+                    data: tp.sum(whole),
+                }
             }
         };
-        out.insert(name, t);
+        if keep {
+            out.insert(name, t);
+        }
     }
     Ok(out)
 }

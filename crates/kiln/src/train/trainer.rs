@@ -782,16 +782,22 @@ where
     /// with non-finite weights is never written.
     pub fn save_model(&self, dir: &Path) -> Result<()> {
         let tensors = self.whole_model_tensors()?;
+        if self.tp_layout.is_some() && !self.is_main() {
+            // Every rank helped put the model together; rank 0 writes it.
+            return Ok(());
+        }
         self.write_model(dir, tensors)
     }
 
     /// The model's parameters, whole: a tensor-parallel model's shards are put together (every
-    /// rank of its group must call this).
+    /// rank of its group must call this; only rank 0 receives them, the others an empty map).
     fn whole_model_tensors(&self) -> Result<BTreeMap<String, crate::hub::weights::HostTensor>> {
         let local = module_tensors(self.model());
         match &self.tp_layout {
             None => Ok(local),
-            Some(layout) => crate::parallel::tensor_parallel::consolidate(layout, local),
+            Some(layout) => {
+                crate::parallel::tensor_parallel::consolidate(layout, local, self.is_main())
+            }
         }
     }
 
