@@ -203,7 +203,8 @@ fn tensor_parallel_training_equals_one_process() {
 }
 
 /// ZeRO-1 (`--zero-1`): at DP = 2 the sharded optimizer takes the same steps as the replicated
-/// one, and TP = 2 × DP = 2 with ZeRO-1 (4 processes) equals one process with the same global batch.
+/// one, and TP = 2 × DP = 2 with ZeRO-1 (4 processes), and DP = 2 with gradient accumulation,
+/// equal one process with the same global batch.
 #[test]
 fn zero1_equals_replicated_optimizer_and_one_process() {
     let Some((tmp, hf, corpus)) = setup() else {
@@ -247,6 +248,26 @@ fn zero1_equals_replicated_optimizer_and_one_process() {
     assert!(
         d <= 1e-5,
         "TP=2 × DP=2 with ZeRO-1 differs from one process by {d}"
+    );
+    // With gradient accumulation (global batch 4 = 2 ranks × batch 1 × 2 micro-batches).
+    let accumulated = train(
+        &run,
+        "dp2-zero1-accumulation",
+        (2, 1),
+        3,
+        &[
+            "--per-device-train-batch-size",
+            "1",
+            "--global-batch-size",
+            "4",
+            "--zero-1",
+        ],
+    );
+    let d = max_diff(&accumulated, &single);
+    eprintln!("ZeRO-1 DP=2 × 2 micro-batches vs one process: max |Δw| = {d:e}");
+    assert!(
+        d <= 1e-5,
+        "ZeRO-1 with accumulation differs from one process by {d}"
     );
 }
 
