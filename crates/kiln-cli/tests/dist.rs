@@ -74,6 +74,67 @@ fn two_workers_of_8_equal_one_process_of_16() {
     );
 }
 
+/// torchrun from the reference venv (`$KILN_PYTHON`'s folder, else ~/.cache/kiln-venv), if any.
+fn torchrun() -> Option<std::path::PathBuf> {
+    let from_python = std::env::var_os("KILN_PYTHON")
+        .map(std::path::PathBuf::from)
+        .and_then(|p| p.parent().map(|d| d.join("torchrun")));
+    let venv = std::env::var_os("HOME")
+        .map(|h| std::path::PathBuf::from(h).join(".cache/kiln-venv/bin/torchrun"));
+    [from_python, venv]
+        .into_iter()
+        .flatten()
+        .find(|p| p.exists())
+}
+
+/// The real torchrun starts kiln workers (`--no-python`): they join (kiln's rendezvous steps
+/// aside from the port torchrun's store holds) and take the same steps as under `kiln launch`.
+#[test]
+fn torchrun_starts_kiln_workers() {
+    let Some((tmp, model, tweets)) = setup(false) else {
+        return;
+    };
+    let Some(torchrun) = torchrun() else {
+        eprintln!("torchrun_starts_kiln_workers: SKIPPED (no torchrun; run scripts/setup-reference-python)");
+        return;
+    };
+    let launched = tmp.path().join("launched");
+    let port = free_ports(3).to_string();
+    let st = kiln()
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            &port,
+            "--",
+        ])
+        .args(train_args(&model, &tweets, 8, &launched, 4))
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let by_torchrun = tmp.path().join("torchrun");
+    let out = Command::new(torchrun)
+        .args(["--standalone", "--nproc-per-node", "2", "--no-python"])
+        .arg(env!("CARGO_BIN_EXE_kiln"))
+        .args(train_args(&model, &tweets, 8, &by_torchrun, 4))
+        .env("KILN_LOG", "warn")
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "torchrun failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let d = max_abs_diff(&weights(&by_torchrun), &weights(&launched));
+    eprintln!("torchrun vs kiln launch: max |Δw| = {d:e}");
+    assert!(
+        d <= 1e-6,
+        "torchrun's workers differ from kiln launch's by {d}"
+    );
+}
+
 /// Children of `pid` (Linux /proc).
 fn children(pid: u32) -> Vec<u32> {
     std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))

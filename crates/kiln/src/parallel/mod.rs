@@ -138,7 +138,8 @@ pub struct DistEnv {
     pub local_world_size: usize,
     /// Host of the rendezvous (rank 0's machine).
     pub master_addr: String,
-    /// Port of the rendezvous; worker `r` also serves its tensor data on `master_port + 1 + r`.
+    /// Port of the rendezvous (`MASTER_PORT`, or the one above it under torchrun, whose store
+    /// holds `MASTER_PORT`); worker `r` also serves its tensor data on `master_port + 1 + r`.
     pub master_port: u16,
     /// The address other machines reach this worker at (`KILN_NODE_ADDR`; defaults to
     /// `master_addr` when every worker is on one machine).
@@ -204,7 +205,10 @@ impl DistEnv {
             )));
         }
         let master_addr = get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
-        let master_port = num("MASTER_PORT", Some(29500))?;
+        // torchrun's agent keeps its TCP store on MASTER_PORT for the whole job: workers it
+        // started (TORCHELASTIC_RUN_ID is set) meet on the port above it instead.
+        let torchrun = usize::from(get("TORCHELASTIC_RUN_ID").is_some());
+        let master_port = num("MASTER_PORT", Some(29500))? + torchrun;
         let master_port = u16::try_from(master_port)
             .ok()
             .filter(|p| (*p as usize) + world_size < 65536)
@@ -259,6 +263,16 @@ mod tests {
         assert_eq!((e.rank, e.local_rank, e.world_size), (3, 1, 4));
         assert_eq!((e.master_addr.as_str(), e.master_port), ("10.0.0.7", 29400));
         assert_eq!(e.data_port(3), 29404);
+        // Under torchrun its store holds MASTER_PORT: kiln meets on the port above.
+        let e = DistEnv::from_lookup(env(&[
+            ("WORLD_SIZE", "2"),
+            ("RANK", "1"),
+            ("MASTER_PORT", "29400"),
+            ("TORCHELASTIC_RUN_ID", "none"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(e.master_port, 29401);
         assert_eq!(DistEnv::from_lookup(env(&[])).unwrap(), None);
         assert_eq!(
             DistEnv::from_lookup(env(&[("WORLD_SIZE", "1")])).unwrap(),
