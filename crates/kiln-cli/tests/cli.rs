@@ -48,6 +48,16 @@ fn yaml_config_with_flag_overrides_then_predict() {
             "--learning-rate",
             "0.002",
             "--per_device_train_batch_size=4",
+            // Spelled as transformers' scripts and HfArgumentParser spell them.
+            "--lr_scheduler_type",
+            "constant_with_warmup",
+            "--optim",
+            "adamw_torch_fused",
+            "--group_by_length",
+            "True",
+            "--greater_is_better",
+            "False",
+            "--dataloader_drop_last",
         ])
         .arg("--output-dir")
         .arg(&out)
@@ -64,6 +74,17 @@ fn yaml_config_with_flag_overrides_then_predict() {
         args["per_device_train_batch_size"], 4,
         "underscore flag overrides the file"
     );
+    assert_eq!(args["lr_scheduler_type"], "constant_with_warmup");
+    assert_eq!(
+        args["optim"], "adamw_torch",
+        "adamw_torch_fused is the same update"
+    );
+    assert_eq!(args["group_by_length"], true, "--group_by_length True");
+    assert_eq!(
+        args["greater_is_better"], false,
+        "--greater_is_better False"
+    );
+    assert_eq!(args["dataloader_drop_last"], true, "a bare boolean flag");
     let state: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("trainer_state.json")).unwrap())
             .unwrap();

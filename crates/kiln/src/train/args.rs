@@ -75,33 +75,33 @@ pub struct TrainingArguments {
     /// Keep at most this many checkpoints (oldest deleted first; the best one is kept).
     #[arg(long)]
     pub save_total_limit: Option<usize>,
-    #[arg(long, default_value_t = false)]
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
     pub load_best_model_at_end: bool,
     /// `loss`, `accuracy`, `f1`, `f1_macro`, ... (an `eval_` prefix is optional).
     #[arg(long)]
     pub metric_for_best_model: Option<String>,
     /// Defaults to false for metrics containing "loss", true otherwise.
-    #[arg(long)]
+    #[arg(long, value_parser = hf_bool)]
     pub greater_is_better: Option<bool>,
-    #[arg(long, default_value_t = false)]
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
     pub dataloader_drop_last: bool,
     /// Batch examples of similar length together (less padding).
-    #[arg(long, default_value_t = false)]
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
     pub group_by_length: bool,
     /// A checkpoint folder, or `latest` for the newest checkpoint in output_dir.
     #[arg(long)]
     pub resume_from_checkpoint: Option<String>,
     /// bf16 mixed precision: Linear layers multiply bf16 operands with f32 accumulation (forward
     /// and backward); master weights, optimizer state, LayerNorm, softmax and the loss stay f32.
-    #[arg(long, default_value_t = false)]
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
     pub bf16: bool,
     /// Activation checkpointing per layer: keep each layer's input only and recompute the layer
     /// during the backward pass (causal LMs; about one extra forward pass of compute).
-    #[arg(long, default_value_t = false)]
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
     pub gradient_checkpointing: bool,
     /// Train into an --output-dir that already holds a run (its files are replaced; its checkpoints
     /// are left alone, never rotated nor resumed).
-    #[arg(long, default_value_t = false)]
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
     pub overwrite_output_dir: bool,
     /// Skip the update of up to N steps whose loss or gradient norm is NaN or infinite (each is
     /// logged and counted) instead of stopping at the first, as large-scale trainers allow.
@@ -118,8 +118,18 @@ pub struct TrainingArguments {
     pub global_batch_size: Option<usize>,
     /// ZeRO stage 1 (optimum-neuron / NxD's `zero_1`): AdamW's moments are split over the
     /// data-parallel ranks, each updating its part of the parameters and sharing the result.
-    #[arg(long = "zero-1", default_value_t = false)]
+    #[arg(long = "zero-1", default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
     pub zero_1: bool,
+}
+
+/// A boolean flag's value as Hugging Face scripts write it: `True`/`False` (any case), `1`/`0`,
+/// `yes`/`no` (HfArgumentParser's `string_to_bool`); a bare flag means true.
+fn hf_bool(s: &str) -> std::result::Result<bool, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" | "y" | "t" => Ok(true),
+        "false" | "0" | "no" | "n" | "f" => Ok(false),
+        other => Err(format!("{other:?} is not a boolean (True or False)")),
+    }
 }
 
 /// A flag's f64 value, refusing NaN and infinities (clap then names the flag in its error).

@@ -194,7 +194,11 @@ pub struct AdamWConfig {
 #[serde(rename_all = "snake_case")]
 #[value(rename_all = "snake_case")]
 pub enum OptimizerType {
+    /// `adamw_torch`, or transformers 5.x's default `adamw_torch_fused` (the same update; kiln's
+    /// AdamW is one fused kernel anyway).
     #[default]
+    #[serde(alias = "adamw_torch_fused")]
+    #[value(alias = "adamw_torch_fused")]
     AdamwTorch,
     Sgd,
 }

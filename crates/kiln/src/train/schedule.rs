@@ -2,13 +2,17 @@
 
 use serde::{Deserialize, Serialize};
 
+/// transformers' `lr_scheduler_type` names (`constant_with_warmup`; the dashed spelling is
+/// accepted on the command line too).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
 pub enum SchedulerType {
     #[default]
     Linear,
     Cosine,
     Constant,
+    #[value(alias = "constant-with-warmup")]
     ConstantWithWarmup,
 }
 
