@@ -177,8 +177,6 @@ pub struct AdamWConfig {
     pub weight_decay: f64,
 }
 
-/// Whether decoupled weight decay applies: not to biases nor normalisation weights (transformers'
-/// `get_decay_parameter_names`).
 /// Hugging Face's `optim` names for the optimizers kiln has.
 #[derive(
     Debug,
@@ -312,6 +310,8 @@ fn update_flat<AB: AutodiffBackend<InnerBackend: KilnBackend>>(
     AB::from_inner(AB::InnerBackend::kiln_reshape(update(flat), shape))
 }
 
+/// Whether decoupled weight decay applies: not to biases nor normalisation weights (transformers'
+/// `get_decay_parameter_names`).
 pub fn decays(info: &ParamInfo) -> bool {
     !(info.path.ends_with("bias") || info.owner.contains("Norm"))
 }
