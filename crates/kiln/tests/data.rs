@@ -657,3 +657,27 @@ fn parquet_fixtures_fail_with_the_reason() {
         "{err}"
     );
 }
+
+#[test]
+fn crlf_files_name_the_line_of_a_short_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(
+        dir.path(),
+        "w.csv",
+        b"label,text\r\npos,a\r\nneg\r\npos,b\r\n\r\nneg,c,extra\r\npos,d\r\n",
+    );
+    for encoding in [TextEncoding::Utf8, TextEncoding::Latin1] {
+        let (rows, report) = read_examples(&path, &cols(Some("label")), encoding, false).unwrap();
+        assert_eq!(
+            rows_of(&rows),
+            [(2, "a", "pos"), (4, "b", "pos"), (7, "d", "pos")]
+        );
+        assert_eq!(
+            skips_of(&report),
+            [
+                (3, "expected 2 fields, found 1"),
+                (6, "expected 2 fields, found 3"),
+            ]
+        );
+    }
+}
