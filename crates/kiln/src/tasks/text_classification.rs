@@ -233,11 +233,17 @@ impl ClassificationOptions {
     }
 }
 
+/// Each file's rows used; skipped rows (malformed, empty, an eval label training never saw) are a
+/// warning with their count and first lines: data left out is never only an info line.
 fn log_reports(reports: &[(PathBuf, data::ReadReport)]) {
     for (path, r) in reports {
-        info!("{}: {}", path.display(), r.summary());
+        if r.skipped.is_empty() {
+            info!("{}: {}", path.display(), r.summary());
+            continue;
+        }
+        tracing::warn!("{}: {}", path.display(), r.summary());
         for s in r.skipped.iter().skip(1).take(4) {
-            info!("  also skipped {s}");
+            tracing::warn!("  also skipped {s}");
         }
     }
 }
