@@ -246,13 +246,19 @@ fn split_qkv(
         .collect();
     for name in fused {
         let whole = t.remove(&name).expect("listed");
+        if whole.shape.is_empty() {
+            return Err(KilnError::Weights(format!(
+                "{name}: a fused q/k/v tensor needs rows, it has shape []"
+            )));
+        }
         let inner: usize = whole.shape[1..].iter().product();
         let mut at = 0;
         for p in QKV {
             let part = name.replace("qkv_proj", p);
             let shape = layout.param(&part)?.local_shape(tp);
             let n = shape.iter().product::<usize>();
-            if at + n > whole.data.len() || shape[1..].iter().product::<usize>() != inner {
+            let row: usize = shape.iter().skip(1).product();
+            if at + n > whole.data.len() || row != inner {
                 return Err(KilnError::Weights(format!(
                     "{name}: shape {:?} does not hold the layout's q/k/v rows for rank {tp}",
                     whole.shape
@@ -264,6 +270,18 @@ fn split_qkv(
         }
     }
     Ok(t)
+}
+
+/// Rank's piece of the whole tensor `t` by `split`, or `None` when `t` is not the whole tensor
+/// the split cuts (too few dimensions, or another size on the split axis): the caller then keeps
+/// it whole, and loading names the shape mismatch in a sentence.
+pub fn cut_split(t: &HostTensor, split: &ParamSplit) -> Option<HostTensor> {
+    match split {
+        ParamSplit::Replicated => Some(t.clone()),
+        ParamSplit::Sharded { axis, range, full } => (t.shape.get(*axis) == Some(full)
+            && range.end <= *full)
+            .then(|| cut_axis(t, *axis, range)),
+    }
 }
 
 /// Values `range` of dimension `axis` of `t`.
@@ -487,6 +505,19 @@ mod tests {
             cut_axis(&whole, 1, &(0..2)).data,
             vec![0., 1., 3., 4., 6., 7., 9., 10., 12., 13.]
         );
+    }
+
+    #[test]
+    fn a_tensor_of_another_shape_is_not_cut() {
+        let split = ParamSplit::Sharded {
+            axis: 0,
+            range: 2..4,
+            full: 5,
+        };
+        assert_eq!(cut_split(&t(&[5, 3]), &split).unwrap().shape, vec![2, 3]);
+        // Rows 2..4 of a 3-row or a 0-d tensor: not the tensor the split cuts.
+        assert!(cut_split(&t(&[3, 3]), &split).is_none());
+        assert!(cut_split(&t(&[]), &split).is_none());
     }
 
     #[test]

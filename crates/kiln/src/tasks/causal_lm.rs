@@ -16,14 +16,13 @@ use crate::error::{KilnError, Result};
 use crate::hub::llama_config::LlamaConfig;
 use std::collections::BTreeMap;
 
-use crate::hub::sharded::{cut_axis, model_file, read_layout};
+use crate::hub::sharded::{cut_split, model_file, read_layout};
 use crate::hub::weights::{
     load_into, read_model_weights, read_model_weights_with, read_safetensors, HostTensor,
 };
 use crate::models::llama::{KvCache, LlamaForCausalLM, LlamaShard};
 use crate::ops::{KilnBackend, TrainBackend};
 use crate::parallel::{DataParallel, SharedCollectives, TpGroup, VocabParallelCrossEntropy};
-use crate::task::ParamSplit;
 use crate::task::{BatchSource, CrossEntropy, Loss, IGNORE_INDEX};
 use crate::train::checkpoint::ModelFiles;
 use crate::train::trainer::{evaluate, EvalOutput, TrainOutput};
@@ -111,9 +110,9 @@ fn read_shard_weights(dir: &Path, s: &LlamaShard) -> Result<BTreeMap<String, Hos
             return read_safetensors(&dir.join(model_file(s.tp.rank())));
         }
     }
-    read_model_weights_with(dir, &mut |name, t| match s.split_of(name) {
-        ParamSplit::Sharded { axis, range, .. } => cut_axis(&t, axis, &range),
-        ParamSplit::Replicated => t,
+    // A tensor of another shape than the config's stays whole: loading then names the mismatch.
+    read_model_weights_with(dir, &mut |name, t| {
+        cut_split(&t, &s.split_of(name)).unwrap_or(t)
     })
 }
 

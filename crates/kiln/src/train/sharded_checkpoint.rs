@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use super::checkpoint::ensure_finite;
 use crate::hub::files::write_synced;
 use crate::hub::sharded::{
-    cut_axis, model_file, optimizer_file, read_layout, read_rank_optimizer, read_whole_model,
+    cut_split, model_file, optimizer_file, read_layout, read_rank_optimizer, read_whole_model,
     read_whole_optimizer, Cut, ParamLayout, ShardLayout, LAYOUT_FILE,
 };
 use crate::hub::weights::{read_safetensors, safetensors_bytes, HostTensor, StoreDtype};
@@ -187,9 +187,10 @@ pub fn read_rank_state(
                     read_safetensors(&dir.join("optimizer.safetensors"))?,
                 ),
             };
+            // A tensor of another shape than this model's stays whole: loading names it.
             let local = |name: &str, t: &HostTensor| match split(name) {
-                Some(ParamSplit::Sharded { axis, range, .. }) => cut_axis(t, *axis, range),
-                _ => t.clone(),
+                Some(sp) => cut_split(t, sp).unwrap_or_else(|| t.clone()),
+                None => t.clone(),
             };
             let mut cut_moments = BTreeMap::new();
             for (key, m) in &moments {
@@ -238,7 +239,14 @@ pub fn read_rank_state(
         for moment in ["exp_avg", "exp_avg_sq"] {
             let key = format!("{path}.{moment}");
             if let Some(m) = moments.get(&key) {
-                let data = m.data[within.clone()].to_vec();
+                let Some(data) = m.data.get(within.clone()).map(<[f32]>::to_vec) else {
+                    return Err(KilnError::Checkpoint(format!(
+                        "{}: {key} has {} values; this model's {path} needs {}",
+                        dir.display(),
+                        m.data.len(),
+                        shapes[&path].iter().product::<usize>()
+                    )));
+                };
                 kept.insert(
                     key,
                     HostTensor {
