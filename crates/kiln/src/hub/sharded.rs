@@ -331,6 +331,9 @@ pub fn read_layout(dir: &Path) -> Result<Option<ShardLayout>> {
             msg: m,
         })
     };
+    if layout.tensor_parallel_size == 0 {
+        return bad("tensor_parallel_size must be at least 1".into());
+    }
     for (name, p) in &layout.params {
         if p.ranks.len() != layout.tensor_parallel_size {
             return bad(format!(

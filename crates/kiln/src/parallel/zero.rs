@@ -36,8 +36,8 @@ pub struct ZeroPartition {
 }
 
 impl ZeroPartition {
-    /// The layout of parameters `sizes` (path → number of values, in the order they are laid
-    /// out) over `size` data-parallel ranks, seen from `rank`.
+    /// The layout of parameters `sizes` (path → number of values, in path order: a `BTreeMap`'s
+    /// order) over `size` data-parallel ranks, seen from `rank`.
     pub fn new<'a>(
         sizes: impl IntoIterator<Item = (&'a str, usize)>,
         rank: usize,
@@ -51,7 +51,11 @@ impl ZeroPartition {
                 total += n;
                 (p.to_string(), at, n)
             })
-            .collect();
+            .collect::<Vec<(String, usize, usize)>>();
+        debug_assert!(
+            params.windows(2).all(|w| w[0].0 < w[1].0),
+            "parameters are laid out in path order"
+        );
         Self {
             params,
             total,
@@ -97,12 +101,14 @@ impl ZeroPartition {
             .collect()
     }
 
-    /// Where parameter `path` sits in the flat vector.
+    /// Where parameter `path` sits in the flat vector (the parameters are in path order).
     pub fn range_of(&self, path: &str) -> Option<Range<usize>> {
-        self.params
-            .iter()
-            .find(|(p, _, _)| p == path)
-            .map(|(_, at, n)| *at..at + n)
+        let i = self
+            .params
+            .binary_search_by(|(p, _, _)| p.as_str().cmp(path))
+            .ok()?;
+        let (_, at, n) = &self.params[i];
+        Some(*at..at + n)
     }
 }
 
