@@ -241,6 +241,9 @@ struct BenchCmd {
     /// The PyTorch side of the rows bench_hf.py lacks (MNIST, real data).
     #[arg(long, default_value = "scripts/bench_reference.py")]
     extra_reference: PathBuf,
+    /// The PyTorch side of every row under `--device cuda` (timed on the same GPU).
+    #[arg(long, default_value = "scripts/bench_reference_cuda.py")]
+    cuda_reference: PathBuf,
     /// Write the full report here as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -493,7 +496,11 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
     // Only these run a model in this process; the others pass --device on or ignore it.
     if !matches!(
         cli.command,
-        Command::Train(_) | Command::Eval(_) | Command::Predict(_) | Command::Generate(_)
+        Command::Train(_)
+            | Command::Eval(_)
+            | Command::Predict(_)
+            | Command::Generate(_)
+            | Command::Bench(_)
     ) {
         return run_on::<Cpu>(cli, matches, &CpuDevice::default());
     }
@@ -643,16 +650,18 @@ where
                 python: cmd.python,
                 reference: cmd.reference,
                 extra_reference: cmd.extra_reference,
+                cuda_reference: cmd.cuda_reference,
+                device: cli.device.parse()?,
                 threads,
                 profile: cmd.profile,
                 row_command: Some(row_command),
             };
             if let Some(key) = &cmd.row {
-                let r = kiln::bench::run_row(key, &opts)?;
+                let r = kiln::bench::run_row::<B>(key, &opts, &device)?;
                 println!("RESULT {}", serde_json::to_string(&r)?);
                 return Ok(());
             }
-            let report = kiln::bench::run_suite(&opts)?;
+            let report = kiln::bench::run_suite::<B>(&opts, &device)?;
             if let Some(p) = &cmd.json {
                 std::fs::write(p, serde_json::to_vec_pretty(&report)?)
                     .with_context(|| format!("{}", p.display()))?;

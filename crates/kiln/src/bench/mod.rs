@@ -10,6 +10,7 @@ pub mod rows;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use burn::backend::Autodiff;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{KilnError, Result};
@@ -245,15 +246,33 @@ pub struct SuiteOptions {
     /// The command that runs one kiln row in a child process (`kiln … bench … --row`); the key is
     /// appended. Without it rows run in this process and peak memory is not measured.
     pub row_command: Option<Vec<String>>,
+    /// Where kiln's rows run. On a GPU the PyTorch side is `cuda_reference` on the same GPU.
+    pub device: crate::backend::DeviceSpec,
+    /// The PyTorch side of every row on a CUDA device (bench_hf.py times the CPU only).
+    pub cuda_reference: PathBuf,
 }
 
-/// Runs one row in this process on the CPU backend.
-pub fn run_row(key: &str, opts: &SuiteOptions) -> Result<BenchResult> {
-    use crate::backend::{Cpu, CpuTrain};
+/// The rows that run on a GPU; the others (Llama, collectives) time CPU paths.
+pub const GPU_ROWS: &[&str] = &[
+    "minilm_train",
+    "minilm_train_bf16",
+    "minilm_infer",
+    "bertbase_train",
+    "mnist_train",
+    "tweets_train",
+];
+
+/// Runs one row in this process on backend `B` (training rows on `Autodiff<B>`).
+pub fn run_row<B>(key: &str, opts: &SuiteOptions, device: &B::Device) -> Result<BenchResult>
+where
+    B: crate::ops::KilnBackend,
+    Autodiff<B>: crate::ops::TrainBackend<InnerBackend = B, Device = B::Device>,
+{
     use crate::hub::config::BertConfig;
     use crate::hub::weights::{load_into, read_safetensors};
     use crate::models::bert::BertForSequenceClassification;
-    let device = Default::default();
+    runs_on_device(key, opts)?;
+    let device = device.clone();
     let minilm = || -> Result<_> {
         let cfg = BertConfig::from_file(&opts.minilm_dir.join("config.json"))?;
         let weights = read_safetensors(&opts.minilm_dir.join("model.safetensors"))?;
@@ -263,7 +282,7 @@ pub fn run_row(key: &str, opts: &SuiteOptions) -> Result<BenchResult> {
     profiled(opts.profile, || match key {
         "minilm_train" | "minilm_train_bf16" => {
             let (cfg, weights) = minilm()?;
-            let m = BertForSequenceClassification::<CpuTrain>::new(&cfg, 6, &device);
+            let m = BertForSequenceClassification::<Autodiff<B>>::new(&cfg, 6, &device);
             let (m, _) = load_into(m, weights, Some("bert"), &device)?;
             let bf16 = key.ends_with("bf16");
             if bf16 {
@@ -280,7 +299,7 @@ pub fn run_row(key: &str, opts: &SuiteOptions) -> Result<BenchResult> {
         }
         "minilm_infer" => {
             let (cfg, weights) = minilm()?;
-            let m = BertForSequenceClassification::<Cpu>::new(&cfg, 6, &device);
+            let m = BertForSequenceClassification::<B>::new(&cfg, 6, &device);
             let (m, _) = load_into(m, weights, Some("bert"), &device)?;
             Ok(rows::bert_infer(
                 "minilm_infer_fp32",
@@ -296,7 +315,7 @@ pub fn run_row(key: &str, opts: &SuiteOptions) -> Result<BenchResult> {
                 "vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12,
                 "num_attention_heads": 12, "intermediate_size": 3072}))
             .expect("valid config");
-            let m = BertForSequenceClassification::<CpuTrain>::new(&cfg, 6, &device);
+            let m = BertForSequenceClassification::<Autodiff<B>>::new(&cfg, 6, &device);
             let steps = opts.base_steps;
             Ok(rows::bert_train(
                 "bertbase_train_fp32",
@@ -307,15 +326,20 @@ pub fn run_row(key: &str, opts: &SuiteOptions) -> Result<BenchResult> {
                 steps,
             ))
         }
-        "mnist_train" => Ok(rows::mnist_train::<CpuTrain>(
+        "mnist_train" => Ok(rows::mnist_train::<Autodiff<B>>(
             32,
             w.max(5),
             opts.mnist_steps,
             &device,
         )),
-        "tweets_train" => {
-            rows::tweets_train::<CpuTrain>(&opts.minilm_dir, &opts.tweets_file, 16, w, s, &device)
-        }
+        "tweets_train" => rows::tweets_train::<Autodiff<B>>(
+            &opts.minilm_dir,
+            &opts.tweets_file,
+            16,
+            w,
+            s,
+            &device,
+        ),
         "smollm2_train" => {
             let dir = llama::converted_folder(&opts.smollm2_gguf)?;
             llama::train(&dir, &opts.lm_corpus, w, opts.base_steps)
@@ -354,6 +378,17 @@ pub fn run_row(key: &str, opts: &SuiteOptions) -> Result<BenchResult> {
         }
         other => Err(unknown_row(other)),
     })
+}
+
+/// An error for a CPU-only row asked for on a GPU.
+fn runs_on_device(key: &str, opts: &SuiteOptions) -> Result<()> {
+    if opts.device == crate::backend::DeviceSpec::Cpu || GPU_ROWS.contains(&key) {
+        return Ok(());
+    }
+    Err(KilnError::Config(format!(
+        "benchmark {key} runs on the CPU only (rows on a GPU: {})",
+        GPU_ROWS.join(", ")
+    )))
 }
 
 fn unknown_row(key: &str) -> KilnError {
@@ -416,9 +451,13 @@ fn parse_results(text: &str) -> (Vec<serde_json::Value>, Vec<String>) {
 }
 
 /// Runs a kiln row in a child process (when `row_command` is set) for its peak memory.
-fn kiln_row(key: &str, opts: &SuiteOptions) -> Result<BenchResult> {
+fn kiln_row<B>(key: &str, opts: &SuiteOptions, device: &B::Device) -> Result<BenchResult>
+where
+    B: crate::ops::KilnBackend,
+    Autodiff<B>: crate::ops::TrainBackend<InnerBackend = B, Device = B::Device>,
+{
     let Some(cmd) = &opts.row_command else {
-        return run_row(key, opts);
+        return run_row::<B>(key, opts, device);
     };
     let m = measure::run_measured(Command::new(&cmd[0]).args(&cmd[1..]).arg(key))
         .map_err(|e| KilnError::io(std::path::Path::new(&cmd[0]), e))?;
@@ -442,9 +481,14 @@ fn pytorch_row(
     opts: &SuiteOptions,
     header: &mut Vec<String>,
 ) -> Vec<PytorchRow> {
-    let script = match spec.reference {
-        Reference::BenchHf => &opts.reference,
-        Reference::Extra => &opts.extra_reference,
+    let on_gpu = match opts.device {
+        crate::backend::DeviceSpec::Cpu => None,
+        crate::backend::DeviceSpec::Cuda(i) => Some(format!("cuda:{i}")),
+    };
+    let script = match (&on_gpu, spec.reference) {
+        (Some(_), _) => &opts.cuda_reference,
+        (None, Reference::BenchHf) => &opts.reference,
+        (None, Reference::Extra) => &opts.extra_reference,
     };
     let mut cmd = Command::new(py);
     cmd.arg(script)
@@ -453,12 +497,19 @@ fn pytorch_row(
         .args(["--warmup", &opts.warmup.to_string()])
         .args(["--steps", &opts.steps.to_string()])
         .env("MINILM_DIR", &opts.minilm_dir);
-    match spec.reference {
-        Reference::BenchHf => {
+    match (&on_gpu, spec.reference) {
+        (Some(device), _) => {
+            cmd.args(["--device", device])
+                .args(["--base-steps", &opts.base_steps.to_string()])
+                .args(["--mnist-steps", &opts.mnist_steps.to_string()])
+                .arg("--tweets-file")
+                .arg(&opts.tweets_file);
+        }
+        (None, Reference::BenchHf) => {
             cmd.args(["--base-steps", &opts.base_steps.to_string()])
                 .args(["--bf16-steps", &opts.steps.to_string()]);
         }
-        Reference::Extra => {
+        (None, Reference::Extra) => {
             cmd.args(["--mnist-steps", &opts.mnist_steps.to_string()])
                 .args(["--base-steps", &opts.base_steps.to_string()])
                 .args(["--generate-tokens", &opts.generate_tokens.to_string()])
@@ -504,20 +555,24 @@ fn pytorch_row(
 }
 
 /// Runs each selected row in kiln, then in PyTorch (if a Python is given), one after the other.
-pub fn run_suite(opts: &SuiteOptions) -> Result<SuiteReport> {
-    use crate::backend::Cpu;
+pub fn run_suite<B>(opts: &SuiteOptions, device: &B::Device) -> Result<SuiteReport>
+where
+    B: crate::ops::KilnBackend,
+    Autodiff<B>: crate::ops::TrainBackend<InnerBackend = B, Device = B::Device>,
+{
     for key in &opts.only {
         if !ROWS.iter().any(|r| r.key == key) {
             return Err(unknown_row(key));
         }
+        runs_on_device(key, opts)?;
     }
-    let gemm = rows::gemm_gflops::<Cpu>(&Default::default());
+    let gemm = rows::gemm_gflops::<B>(device);
     tracing::info!("kiln sgemm 1024: {gemm:.1} GFLOP/s");
     let mut out = Vec::new();
     let mut header = Vec::new();
     for spec in ROWS.iter().filter(|r| opts.only.iter().any(|o| o == r.key)) {
         tracing::info!("kiln: {}", spec.key);
-        let kiln = kiln_row(spec.key, opts)?;
+        let kiln = kiln_row::<B>(spec.key, opts, device)?;
         tracing::info!("{kiln:?}");
         let pytorch = match &opts.python {
             Some(py) => pytorch_row(py, spec, opts, &mut header),

@@ -139,6 +139,8 @@ pub fn load_classifier<B: KilnBackend>(
         BertForSequenceClassification::new(&config, labels.len(), device)
     });
     let (model, report) = load_into(model, tensors, Some("bert"), device)?;
+    let model =
+        fresh_weights_from_cpu(model, &report.missing, &config, labels.len(), seed, device)?;
     // A new classification head is expected (and a pooler, as transformers initialises one for
     // encoders saved without it); any other missing weight means this is not the model it claims.
     let (head, rest): (Vec<&String>, Vec<&String>) = report
@@ -177,6 +179,30 @@ pub fn load_classifier<B: KilnBackend>(
         );
     }
     Ok((model, config, labels))
+}
+
+/// The weights the file lacks (a new head, a pooler), drawn on the CPU whatever the device, as
+/// transformers initialises on the CPU before moving a model: the same seed starts the same run on
+/// a GPU as on the CPU (each backend's own generator draws different numbers).
+fn fresh_weights_from_cpu<B: KilnBackend>(
+    model: BertForSequenceClassification<B>,
+    missing: &[String],
+    config: &BertConfig,
+    num_labels: usize,
+    seed: u64,
+    device: &B::Device,
+) -> Result<BertForSequenceClassification<B>> {
+    use crate::backend::{Cpu, CpuDevice};
+    if missing.is_empty() || std::any::TypeId::of::<B>() == std::any::TypeId::of::<Cpu>() {
+        return Ok(model);
+    }
+    let cpu = CpuDevice::default();
+    let fresh = crate::ops::with_seeded_rng::<Cpu, _>(&cpu, seed, || {
+        BertForSequenceClassification::<Cpu>::new(config, num_labels, &cpu)
+    });
+    let mut tensors = crate::hub::weights::module_tensors(&fresh);
+    tensors.retain(|k, _| missing.contains(k));
+    Ok(load_into(model, tensors, None, device)?.0)
 }
 
 /// Text pairs are told apart by token type 0 and 1: the model needs two token-type embeddings.
