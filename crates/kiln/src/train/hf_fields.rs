@@ -1,0 +1,174 @@
+//! Every field of transformers' `TrainingArguments` (5.x, and the 4.x names scripts still carry),
+//! and what kiln does with it. A config file or flag that names a field in none of these lists,
+//! nor one of kiln's own, is an error naming it: a run never changes without a word.
+//!
+//! docs/TRAINING_ARGUMENTS.md is this table for people; `tests/fixtures/training_args_fields.json`
+//! (written by transformers) is checked against it, so a new transformers field is noticed.
+
+use serde_json::Value;
+
+/// What kiln does with a transformers field it does not hold as a [`super::TrainingArguments`] field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposition {
+    /// Accepted, kept for `training_args.json`, and without effect in kiln, for the reason given
+    /// (logged in one line when the value is not the default).
+    Recorded(&'static str),
+    /// Accepted at a neutral value (null, false, 0, "", [], {}, "no", "none", or one listed in
+    /// [`NEUTRAL`]); any other value is refused with the reason, which says what to use instead.
+    OnlyNeutral(&'static str),
+    /// The older name of a field kiln implements under the new one.
+    Renamed(&'static str),
+}
+
+use Disposition::{OnlyNeutral, Recorded, Renamed};
+
+/// transformers fields kiln does not hold as a `TrainingArguments` field: (name, disposition).
+/// Fields kiln implements are the struct's own (see docs/TRAINING_ARGUMENTS.md).
+pub const HF_FIELDS: &[(&str, Disposition)] = &[
+    // Optimizer and schedule.
+    ("optim_args", OnlyNeutral("optimizer argument strings are not parsed: use adam_beta1/2, adam_epsilon, weight_decay, lr_scheduler_kwargs")),
+    ("optim_target_modules", OnlyNeutral("GaLore/APOLLO optimizers are not implemented")),
+    ("average_tokens_across_devices", Recorded("kiln averages each batch's loss over its tokens, then over data-parallel ranks")),
+    // Precision and memory.
+    ("fp16", OnlyNeutral("kiln has no fp16 path; --bf16 gives bf16 matmuls with f32 accumulation on CPU and CUDA, what fp16 autocast is used for")),
+    ("bf16_full_eval", OnlyNeutral("evaluation runs in f32 (bf16 matmuls only while training with --bf16)")),
+    ("fp16_full_eval", OnlyNeutral("evaluation runs in f32")),
+    ("tf32", Recorded("kiln's f32 matmuls are full f32 on the CPU and on CUDA")),
+    ("activation_checkpointing", Renamed("gradient_checkpointing")),
+    ("activation_checkpointing_kwargs", Recorded("kiln recomputes whole layers; there are no options")),
+    ("gradient_checkpointing_kwargs", Recorded("kiln recomputes whole layers; there are no options")),
+    ("torch_compile", Recorded("kiln's kernels are compiled ahead (CPU) or cached after their first run (CUDA)")),
+    ("torch_compile_backend", Recorded("no torch.compile in kiln")),
+    ("torch_compile_mode", Recorded("no torch.compile in kiln")),
+    ("use_liger_kernel", Recorded("kiln's own fused kernels always run")),
+    ("liger_kernel_config", Recorded("kiln's own fused kernels always run")),
+    ("use_cache", Recorded("training keeps no KV cache")),
+    ("neftune_noise_alpha", OnlyNeutral("NEFTune embedding noise is not implemented")),
+    ("torch_empty_cache_steps", Recorded("kiln's allocators return memory on their own")),
+    ("auto_find_batch_size", OnlyNeutral("set per_device_train_batch_size; kiln does not retry smaller batches")),
+    // Logging.
+    ("log_on_each_node", Recorded("only rank 0 logs")),
+    ("logging_nan_inf_filter", Recorded("a non-finite loss stops the run, or is skipped with --skip-nonfinite-steps")),
+    ("include_num_input_tokens_seen", Recorded("log.jsonl does not count input tokens")),
+    ("log_level", Recorded("set KILN_LOG (error, warn, info, debug)")),
+    ("log_level_replica", Recorded("set KILN_LOG")),
+    ("disable_tqdm", Recorded("the progress bar hides itself when standard error is not a terminal")),
+    ("report_to", Recorded("kiln writes log.jsonl in output_dir; no tracker is called")),
+    ("run_name", Recorded("no tracker is called")),
+    ("project", Recorded("no tracker is called")),
+    ("trackio_space_id", Recorded("no tracker is called")),
+    ("trackio_bucket_id", Recorded("no tracker is called")),
+    ("trackio_static_space_id", Recorded("no tracker is called")),
+    ("logging_dir", Recorded("log.jsonl goes to output_dir")),
+    // Evaluation.
+    ("eval_delay", OnlyNeutral("evaluation starts at the first eval_steps (or epoch)")),
+    ("prediction_loss_only", Recorded("kiln's evaluation always reports loss and metrics")),
+    ("eval_do_concat_batches", Recorded("kiln gathers predictions itself")),
+    ("eval_use_gather_object", Recorded("kiln gathers predictions itself")),
+    ("eval_accumulation_steps", Recorded("predictions stay on the host")),
+    ("include_for_metrics", Recorded("kiln's metrics are fixed per task")),
+    ("batch_eval_metrics", Recorded("kiln's metrics are computed over the whole evaluation set")),
+    // Saving and the Hub.
+    ("save_on_each_node", Recorded("rank 0 saves; a sharded checkpoint has each rank's own file")),
+    ("enable_jit_checkpoint", Recorded("kiln saves on schedule; an interrupted run resumes from the last checkpoint")),
+    ("save_safetensors", Recorded("kiln always writes safetensors")),
+    ("push_to_hub", OnlyNeutral("kiln does not upload; run `hf upload <repo> <output_dir>` after training")),
+    ("hub_token", Recorded("kiln does not upload")),
+    ("hub_private_repo", Recorded("kiln does not upload")),
+    ("hub_model_id", Recorded("kiln does not upload")),
+    ("hub_strategy", Recorded("kiln does not upload")),
+    ("hub_always_push", Recorded("kiln does not upload")),
+    ("hub_revision", Recorded("kiln does not upload")),
+    ("push_to_hub_model_id", Recorded("kiln does not upload")),
+    ("push_to_hub_organization", Recorded("kiln does not upload")),
+    ("push_to_hub_token", Recorded("kiln does not upload")),
+    ("ignore_data_skip", Recorded("kiln resumes the data order exactly, without replaying batches")),
+    ("restore_callback_states_from_checkpoint", Recorded("kiln has no callbacks")),
+    ("full_determinism", Recorded("kiln's runs are deterministic for a seed")),
+    // Devices and data loading.
+    ("use_cpu", Recorded("the device is --device (cpu by default)")),
+    ("no_cuda", Recorded("the device is --device (cpu by default)")),
+    ("use_mps_device", Recorded("the device is --device")),
+    ("accelerator_config", Recorded("no accelerate in kiln")),
+    ("parallelism_config", Recorded("parallelism is --tensor-parallel-size, --zero-1 and kiln launch")),
+    ("dataloader_num_workers", Recorded("kiln reads data in the training process")),
+    ("dataloader_pin_memory", Recorded("kiln reads data in the training process")),
+    ("dataloader_persistent_workers", Recorded("kiln reads data in the training process")),
+    ("dataloader_prefetch_factor", Recorded("kiln reads data in the training process")),
+    ("dataloader_multiprocessing_context", Recorded("kiln reads data in the training process")),
+    ("dataloader_in_order", Recorded("kiln reads data in the training process")),
+    ("remove_unused_columns", Recorded("kiln reads only the columns it is told (--text-column, --label-column)")),
+    ("label_names", Recorded("the label column is --label-column")),
+    ("length_column_name", Recorded("lengths are counted from the tokens")),
+    ("train_sampling_strategy", OnlyNeutral("only random (the default) and group_by_length are implemented")),
+    // Distribution.
+    ("ddp_find_unused_parameters", Recorded("kiln's data parallelism reduces every gradient")),
+    ("ddp_bucket_cap_mb", Recorded("kiln's all-reduce buckets are fixed at 64 MiB")),
+    ("ddp_broadcast_buffers", Recorded("kiln's models have no buffers")),
+    ("ddp_static_graph", Recorded("kiln's data parallelism reduces every gradient")),
+    ("ddp_backend", Recorded("the collectives are kiln launch --backend")),
+    ("ddp_timeout", Recorded("the timeout is kiln launch --timeout")),
+    ("fsdp", OnlyNeutral("use --tensor-parallel-size and --zero-1")),
+    ("fsdp_config", OnlyNeutral("use --tensor-parallel-size and --zero-1")),
+    ("fsdp_min_num_params", OnlyNeutral("use --tensor-parallel-size and --zero-1")),
+    ("fsdp_transformer_layer_cls_to_wrap", OnlyNeutral("use --tensor-parallel-size and --zero-1")),
+    ("deepspeed", OnlyNeutral("ZeRO stage 1 is --zero-1")),
+    ("sharded_ddp", OnlyNeutral("ZeRO stage 1 is --zero-1")),
+    ("tp_size", Renamed("tensor_parallel_size")),
+    ("local_rank", Recorded("workers read LOCAL_RANK from their launcher")),
+    ("debug", Recorded("kiln has no debug modes")),
+    ("skip_memory_metrics", Recorded("kiln does not report memory in its metrics")),
+    // What transformers' example scripts do with them.
+    ("do_train", Recorded("kiln train always trains")),
+    ("do_eval", Recorded("kiln train evaluates when it has an evaluation set")),
+    ("do_predict", Recorded("use kiln predict")),
+    // 4.x spellings.
+    ("evaluation_strategy", Renamed("eval_strategy")),
+    ("per_gpu_train_batch_size", Renamed("per_device_train_batch_size")),
+    ("per_gpu_eval_batch_size", Renamed("per_device_eval_batch_size")),
+    ("fp16_opt_level", Recorded("kiln has no fp16 path")),
+    ("fp16_backend", Recorded("kiln has no fp16 path")),
+    ("half_precision_backend", Recorded("kiln's bf16 path is its own")),
+    ("tpu_num_cores", Recorded("no TPUs")),
+    ("tpu_metrics_debug", Recorded("no TPUs")),
+    ("past_index", Recorded("no models with mems")),
+    ("ray_scope", Recorded("no hyperparameter search")),
+    ("include_inputs_for_metrics", Recorded("kiln's metrics are fixed per task")),
+    ("include_tokens_per_second", Recorded("log.jsonl reports samples and steps per second")),
+    ("mp_parameters", Recorded("no SageMaker model parallelism")),
+    ("jit_mode_eval", Recorded("no TorchScript")),
+    ("use_ipex", Recorded("kiln's CPU kernels are its own")),
+    ("torchdynamo", Recorded("no torch.compile in kiln")),
+    ("dispatch_batches", Recorded("no accelerate in kiln")),
+    ("split_batches", Recorded("no accelerate in kiln")),
+    ("use_legacy_prediction_loop", Recorded("kiln has one evaluation loop")),
+    ("adafactor", OnlyNeutral("Adafactor is not implemented")),
+];
+
+/// Non-default values some fields take that are as good as neutral (e.g. 5.x writes
+/// `report_to: "none"`, 4.x `"all"`; `fsdp: []`; `train_sampling_strategy: "random"`).
+pub const NEUTRAL: &[(&str, &str)] = &[
+    ("train_sampling_strategy", "\"random\""),
+    ("average_tokens_across_devices", "true"),
+];
+
+/// The field's disposition, if transformers has it and kiln does not hold it as a struct field.
+pub fn lookup(name: &str) -> Option<Disposition> {
+    HF_FIELDS.iter().find(|(n, _)| *n == name).map(|(_, d)| *d)
+}
+
+/// A value that asks for nothing: null, false, 0, "", an empty list or map, "no", "none".
+pub fn is_neutral(name: &str, v: &Value) -> bool {
+    let listed = NEUTRAL
+        .iter()
+        .any(|(n, text)| *n == name && serde_json::from_str::<Value>(text).ok().as_ref() == Some(v));
+    listed
+        || match v {
+            Value::Null => true,
+            Value::Bool(b) => !b,
+            Value::Number(n) => n.as_f64() == Some(0.0),
+            Value::String(s) => matches!(s.to_ascii_lowercase().as_str(), "" | "no" | "none"),
+            Value::Array(a) => a.is_empty() || a.iter().all(|x| x.as_str() == Some("none")),
+            Value::Object(o) => o.is_empty(),
+        }
+}
