@@ -1,5 +1,7 @@
 //! `kiln`: the command-line front end. Argument parsing only; the work is in the `kiln` library.
 
+mod hf_flags;
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -262,7 +264,7 @@ struct DataOpts {
     #[arg(long)]
     train_file: Option<PathBuf>,
     /// Evaluation data (same formats).
-    #[arg(long)]
+    #[arg(long, alias = "validation-file")]
     eval_file: Option<PathBuf>,
     /// Hold out this fraction of the training data for evaluation (seeded by --seed).
     #[arg(long)]
@@ -284,7 +286,7 @@ struct DataOpts {
     #[arg(long)]
     max_eval_samples: Option<usize>,
     /// Truncate to this many tokens.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, alias = "max-seq-length")]
     max_length: usize,
     /// Pad every batch to --max-length (fixed shapes) instead of the longest example in the batch.
     #[arg(long)]
@@ -305,7 +307,11 @@ struct TrainCmd {
     #[arg(long, default_value = "text-classification")]
     task: Task,
     /// A Hugging Face model folder (config.json, model.safetensors, tokenizer.json).
-    #[arg(long, required_if_eq("task", "text-classification"))]
+    #[arg(
+        long,
+        alias = "model-name-or-path",
+        required_if_eq("task", "text-classification")
+    )]
     model: Option<PathBuf>,
     /// causal-lm: start from random weights with this config.json (pretraining from scratch).
     #[arg(long)]
@@ -316,6 +322,9 @@ struct TrainCmd {
     /// A YAML or JSON file of TrainingArguments; flags given on the command line override it.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// A config key or flag kiln does not know is a warning, not an error.
+    #[arg(long)]
+    ignore_unknown_args: bool,
     #[command(flatten)]
     data: DataOpts,
     #[command(flatten)]
@@ -425,11 +434,33 @@ fn merged_training_args(
     if let (Some(b), Some(d)) = (base.as_object_mut(), task_defaults.as_object()) {
         b.extend(d.clone());
     }
+    let mut recorded = std::collections::BTreeMap::new();
     if let Some(path) = &cmd.config {
-        let given = TrainingArguments::file_entries(path)?;
+        let given = TrainingArguments::file_entries(path, cmd.ignore_unknown_args)?;
         if let Some(b) = base.as_object_mut() {
-            b.extend(given);
+            b.extend(given.known);
         }
+        recorded.extend(given.recorded);
+    }
+    // transformers flags without a clap option of their own (hf_flags.rs).
+    if let Some(hf) = HF_FLAGS.get() {
+        for flag in &hf.ignored {
+            tracing::warn!("unknown flag {flag}: ignored (--ignore-unknown-args)");
+        }
+        let source = kiln::train::hf_fields::Source {
+            name: "the command line".into(),
+            text: None,
+        };
+        let given = kiln::train::hf_fields::sort_entries(
+            hf.entries.clone(),
+            &TrainingArguments::field_names(),
+            &source,
+            cmd.ignore_unknown_args,
+        )?;
+        if let Some(b) = base.as_object_mut() {
+            b.extend(given.known);
+        }
+        recorded.extend(given.recorded);
     }
     let flags = serde_json::to_value(&cmd.args)?;
     let (Some(base_map), Some(flag_map)) = (base.as_object_mut(), flags.as_object()) else {
@@ -441,8 +472,9 @@ fn merged_training_args(
         }
     }
     // The merged keys as TrainingArguments; a bad value names its key.
-    let args: TrainingArguments = serde_path_to_error::deserialize(base)
+    let mut args: TrainingArguments = serde_path_to_error::deserialize(base)
         .map_err(|e| anyhow::anyhow!("training argument `{}`: {}", e.path(), e.inner()))?;
+    args.recorded = recorded;
     // Checked before any model or data is loaded.
     args.validate()?;
     Ok(args)
@@ -537,11 +569,17 @@ where
                 let world = kiln::parallel::world_size_from_env()?;
                 let defaults = kiln::tasks::mnist::sample_defaults(world);
                 let args = merged_training_args(&cmd, sub, defaults)?;
+                if args.label_smoothing_factor != 0.0 {
+                    bail!("label_smoothing_factor is implemented for text classification only");
+                }
                 kiln::tasks::mnist::train::<Autodiff<B>>(&cmd.data_dir, args, &device)?;
                 return Ok(());
             }
             let args = merged_training_args(&cmd, sub, serde_json::json!({}))?;
             let is_main = kiln::parallel::is_main_process()?;
+            if cmd.task != Task::TextClassification && args.label_smoothing_factor != 0.0 {
+                bail!("label_smoothing_factor is implemented for text classification only");
+            }
             if cmd.task == Task::CausalLm {
                 let opts = cmd
                     .data
@@ -557,13 +595,10 @@ where
             }
             let model = cmd.model.clone().context("--model is required")?;
             let opts = cmd.data.options(&model, args.seed)?;
-            let (out, eval) = tc::train::<Autodiff<B>, _>(
-                &opts,
-                args,
-                &device,
-                kiln::train::CrossEntropy,
-                |_| {},
-            )?;
+            let loss = kiln::train::LabelSmoothedCrossEntropy {
+                epsilon: args.label_smoothing_factor,
+            };
+            let (out, eval) = tc::train::<Autodiff<B>, _>(&opts, args, &device, loss, |_| {})?;
             if kiln::parallel::is_main_process()? {
                 println!("{}", serde_json::to_string_pretty(&out.metrics)?);
                 if let Some(ev) = eval {
@@ -881,6 +916,27 @@ fn precompile(device: &str, threads: Option<usize>, cmd: &PrecompileCmd) -> Resu
     Ok(())
 }
 
+/// transformers flags `train` took that clap does not parse (see hf_flags.rs).
+static HF_FLAGS: std::sync::OnceLock<hf_flags::HfFlags> = std::sync::OnceLock::new();
+
+/// Every long flag name (and alias) clap knows for `train`, global ones included.
+fn train_flag_names() -> Vec<String> {
+    let cli = Cli::command();
+    let train = cli.find_subcommand("train").expect("a train subcommand");
+    let mut names: Vec<String> = train
+        .get_arguments()
+        .chain(cli.get_arguments())
+        .flat_map(|a| {
+            a.get_long()
+                .into_iter()
+                .chain(a.get_all_aliases().unwrap_or_default())
+                .map(str::to_string)
+        })
+        .collect();
+    names.extend(["help".to_string(), "version".to_string()]);
+    names
+}
+
 fn main() -> ExitCode {
     keep_freed_memory();
     tracing_subscriber::fmt()
@@ -909,6 +965,8 @@ fn main() -> ExitCode {
             normalize_flag(a)
         })
         .collect();
+    let (argv, hf) = hf_flags::take_hf_flags(argv, &train_flag_names());
+    HF_FLAGS.set(hf).expect("set once");
     let matches = Cli::command().get_matches_from(argv);
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(c) => c,

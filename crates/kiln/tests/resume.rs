@@ -9,7 +9,7 @@ use common::{asset, tiny_model, tweet_options};
 use kiln::backend::{CpuDevice, CpuTrain};
 use kiln::hub::weights::read_safetensors;
 use kiln::tasks::text_classification::train;
-use kiln::train::{CrossEntropy, IntervalStrategy, TrainingArguments};
+use kiln::train::{CrossEntropy, SaveStrategy, TrainingArguments};
 
 fn args(out: &Path, resume: Option<&str>) -> TrainingArguments {
     TrainingArguments {
@@ -18,11 +18,11 @@ fn args(out: &Path, resume: Option<&str>) -> TrainingArguments {
         per_device_train_batch_size: 4,
         gradient_accumulation_steps: 2,
         learning_rate: 1e-3,
-        warmup_steps: 2,
+        warmup_steps: 2.0,
         weight_decay: 0.01,
-        logging_steps: 1,
-        save_strategy: IntervalStrategy::Steps,
-        save_steps: 4,
+        logging_steps: 1.0,
+        save_strategy: SaveStrategy::Steps,
+        save_steps: 4.0,
         resume_from_checkpoint: resume.map(str::to_string),
         ..TrainingArguments::default()
     }

@@ -11,7 +11,7 @@ use kiln::hub::weights::read_safetensors;
 use kiln::ops::KilnBackend;
 use kiln::tasks::text_classification::train;
 use kiln::train::checkpoint::list_checkpoints;
-use kiln::train::{CrossEntropy, IntervalStrategy, Loss, TrainingArguments};
+use kiln::train::{CrossEntropy, IntervalStrategy, Loss, SaveStrategy, TrainingArguments};
 
 /// Cross-entropy, except that call number `bad` (1-based) gives NaN, as a diverging batch would.
 struct NanAt {
@@ -64,10 +64,10 @@ fn user_loss_and_metric_are_used_in_training_and_evaluation() {
         max_steps: 3,
         per_device_train_batch_size: 8,
         learning_rate: 0.0,
-        logging_steps: 1,
+        logging_steps: 1.0,
         eval_strategy: IntervalStrategy::Steps,
-        eval_steps: Some(3),
-        save_strategy: IntervalStrategy::No,
+        eval_steps: Some(3.0),
+        save_strategy: SaveStrategy::No,
         ..TrainingArguments::default()
     };
     let device = CpuDevice::default();
@@ -119,11 +119,11 @@ fn rotation_keeps_the_best_checkpoint_and_it_is_loaded_at_the_end() {
         max_steps: 8,
         per_device_train_batch_size: 8,
         learning_rate: 3e-3,
-        logging_steps: 2,
+        logging_steps: 2.0,
         eval_strategy: IntervalStrategy::Steps,
-        eval_steps: Some(2),
-        save_strategy: IntervalStrategy::Steps,
-        save_steps: 2,
+        eval_steps: Some(2.0),
+        save_strategy: SaveStrategy::Steps,
+        save_steps: 2.0,
         save_total_limit: Some(1),
         load_best_model_at_end: true,
         metric_for_best_model: Some("loss".into()),
@@ -184,9 +184,9 @@ fn a_nonfinite_step_stops_training_or_is_skipped_within_the_budget() {
         max_steps: 5,
         per_device_train_batch_size: 8,
         learning_rate: 1e-3,
-        logging_steps: 1,
-        save_strategy: IntervalStrategy::Steps,
-        save_steps: 1,
+        logging_steps: 1.0,
+        save_strategy: SaveStrategy::Steps,
+        save_steps: 1.0,
         skip_nonfinite_steps: budget,
         ..TrainingArguments::default()
     };

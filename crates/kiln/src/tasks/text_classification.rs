@@ -306,7 +306,15 @@ pub fn train<B: TrainBackend, L: Loss>(
     let files = ModelFiles {
         config_json: config.to_json(),
         tokenizer_json: Some(md.dir.join("tokenizer.json")),
-        copy: Vec::new(),
+        // What AutoTokenizer reads besides tokenizer.json (model_max_length, special tokens).
+        copy: [
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "vocab.txt",
+        ]
+        .iter()
+        .map(|f| md.dir.join(f))
+        .collect(),
         source_dir: Some(md.dir.clone()),
     };
     if args.gradient_checkpointing {

@@ -49,29 +49,62 @@ pub struct TrainingArguments {
     /// Clip gradients to this global L2 norm (0 disables).
     #[arg(long, default_value_t = 1.0, value_parser = finite_f64, allow_negative_numbers = true)]
     pub max_grad_norm: f64,
+    /// linear, cosine, constant, constant_with_warmup, cosine_with_restarts, polynomial,
+    /// inverse_sqrt, cosine_with_min_lr, warmup_stable_decay (as transformers' get_scheduler,
+    /// checked step by step against it); reduce_lr_on_plateau is not implemented.
     #[arg(long, value_enum, default_value_t = SchedulerType::Linear)]
     pub lr_scheduler_type: SchedulerType,
-    /// The optimizer: `adamw_torch` (default) or plain `sgd` (the MNIST sample's).
+    /// The optimizer: `adamw_torch` (default; `adamw_torch_fused` is the same update) or plain
+    /// `sgd` (the MNIST sample's); adafactor, lion and SGD with momentum are not implemented.
     #[arg(long, value_enum, default_value_t = OptimizerType::AdamwTorch)]
     pub optim: OptimizerType,
-    #[arg(long, default_value_t = 0)]
-    pub warmup_steps: u64,
-    /// Fraction of total steps used for warmup (when warmup_steps is 0).
+    /// Linear warmup steps; below 1, a ratio of the total steps (transformers 5.x).
+    #[arg(long, default_value_t = 0.0, value_parser = steps_value)]
+    pub warmup_steps: f64,
+    /// Fraction of total steps used for warmup when warmup_steps is 0 (transformers 4.x).
     #[arg(long, default_value_t = 0.0, value_parser = finite_f64, allow_negative_numbers = true)]
     pub warmup_ratio: f64,
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
-    #[arg(long, default_value_t = 500)]
-    pub logging_steps: u64,
+    /// The seed of the data order (shuffling); default: seed.
+    #[arg(long)]
+    pub data_seed: Option<u64>,
+    /// Smooth the classification targets: (1 − ε) on the label, ε spread over all classes.
+    #[arg(long, default_value_t = 0.0, value_parser = finite_f64)]
+    pub label_smoothing_factor: f64,
+    /// Scheduler options, as a JSON object: num_cycles (cosine_with_restarts), power and lr_end
+    /// (polynomial), timescale (inverse_sqrt), min_lr or min_lr_rate (cosine_with_min_lr),
+    /// num_decay_steps, num_stable_steps, min_lr_ratio, decay_type (warmup_stable_decay).
+    #[arg(long, value_parser = json_object)]
+    pub lr_scheduler_kwargs: Option<serde_json::Value>,
+    /// Log every N steps; below 1, a ratio of the total steps.
+    #[arg(long, default_value_t = 500.0, value_parser = steps_value)]
+    pub logging_steps: f64,
+    /// `steps` (every logging_steps), `epoch`, or `no`.
+    #[arg(long, value_enum, default_value_t = IntervalStrategy::Steps)]
+    pub logging_strategy: IntervalStrategy,
+    /// Log the first step too.
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
+    pub logging_first_step: bool,
     #[arg(long, value_enum, default_value_t = IntervalStrategy::No)]
     pub eval_strategy: IntervalStrategy,
-    /// Evaluate every N steps with eval_strategy=steps (default: logging_steps).
-    #[arg(long)]
-    pub eval_steps: Option<u64>,
-    #[arg(long, value_enum, default_value_t = IntervalStrategy::Steps)]
-    pub save_strategy: IntervalStrategy,
-    #[arg(long, default_value_t = 500)]
-    pub save_steps: u64,
+    /// Evaluate every N steps with eval_strategy=steps (default: logging_steps); below 1, a ratio
+    /// of the total steps.
+    #[arg(long, value_parser = steps_value)]
+    pub eval_steps: Option<f64>,
+    /// Evaluate once before the first step (a baseline).
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
+    pub eval_on_start: bool,
+    /// `steps`, `epoch`, `best` (whenever the evaluation metric improves) or `no`.
+    #[arg(long, value_enum, default_value_t = SaveStrategy::Steps)]
+    pub save_strategy: SaveStrategy,
+    /// Save every N steps; below 1, a ratio of the total steps.
+    #[arg(long, default_value_t = 500.0, value_parser = steps_value)]
+    pub save_steps: f64,
+    /// Checkpoints hold the model only (no optimizer, scheduler or RNG state): smaller, but a run
+    /// cannot resume from them.
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
+    pub save_only_model: bool,
     /// Keep at most this many checkpoints (oldest deleted first; the best one is kept).
     #[arg(long)]
     pub save_total_limit: Option<usize>,
@@ -88,7 +121,8 @@ pub struct TrainingArguments {
     /// Batch examples of similar length together (less padding).
     #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
     pub group_by_length: bool,
-    /// A checkpoint folder, or `latest` for the newest checkpoint in output_dir.
+    /// A checkpoint folder, or `latest` (or `True`, as transformers' scripts write it) for the
+    /// newest checkpoint in output_dir.
     #[arg(long)]
     pub resume_from_checkpoint: Option<String>,
     /// bf16 mixed precision: Linear layers multiply bf16 operands with f32 accumulation (forward
@@ -120,6 +154,68 @@ pub struct TrainingArguments {
     /// data-parallel ranks, each updating its part of the parameters and sharing the result.
     #[arg(long = "zero-1", default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
     pub zero_1: bool,
+    /// transformers fields kiln accepts without acting on them (see `hf_fields`), as given:
+    /// written back to training_args.json.
+    #[arg(skip)]
+    #[serde(skip)]
+    pub recorded: std::collections::BTreeMap<String, serde_json::Value>,
+}
+
+/// `save_strategy`: [`IntervalStrategy`] plus transformers' `best`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum SaveStrategy {
+    No,
+    #[default]
+    Steps,
+    Epoch,
+    /// Save whenever an evaluation improves on the best metric so far.
+    Best,
+}
+
+/// The 1-based line where `key` (a path like `a.b` names its first part) is set in a YAML or
+/// JSON file's text, or 0.
+fn line_of_key(text: &str, key: &str) -> usize {
+    let key = key.split(['.', '[']).next().unwrap_or(key);
+    text.lines()
+        .position(|l| {
+            let l = l.trim_start();
+            l.starts_with(&format!("\"{key}\"")) || l.starts_with(&format!("{key}:"))
+        })
+        .map_or(0, |i| i + 1)
+}
+
+/// A `*_steps` value: a count, or a ratio of the total steps below 1 (transformers 5.x).
+fn steps_value(s: &str) -> std::result::Result<f64, String> {
+    let v = finite_f64(s)?;
+    if v < 0.0 {
+        return Err("must be at least 0".into());
+    }
+    if v >= 1.0 && v.fract() != 0.0 {
+        return Err(format!(
+            "{v} is neither a whole number of steps nor a ratio below 1"
+        ));
+    }
+    Ok(v)
+}
+
+/// A JSON object given on the command line (`--lr-scheduler-kwargs '{"num_cycles": 2}'`).
+fn json_object(s: &str) -> std::result::Result<serde_json::Value, String> {
+    match serde_json::from_str::<serde_json::Value>(s) {
+        Ok(v @ serde_json::Value::Object(_)) => Ok(v),
+        Ok(_) => Err("must be a JSON object, like '{\"num_cycles\": 2}'".into()),
+        Err(e) => Err(format!("not JSON: {e}")),
+    }
+}
+
+/// Resolves a `*_steps` value against the run's total steps as transformers does: a ratio below 1
+/// is `ceil(total × ratio)`, a count is itself.
+pub fn resolve_steps(value: f64, total: u64) -> u64 {
+    if value > 0.0 && value < 1.0 {
+        (value * total as f64).ceil() as u64
+    } else {
+        value as u64
+    }
 }
 
 /// A boolean flag's value as Hugging Face scripts write it: `True`/`False` (any case), `1`/`0`,
@@ -155,53 +251,146 @@ impl Default for TrainingArguments {
 }
 
 impl TrainingArguments {
-    /// Reads a YAML or JSON file (by extension) of TrainingArguments keys; absent keys keep defaults.
+    /// Reads a YAML or JSON file (by extension) of TrainingArguments keys; absent keys keep
+    /// defaults, transformers fields kiln does not act on are kept in `recorded`, and an unknown
+    /// key is an error naming it.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| KilnError::io(path, e))?;
-        let is_json = path.extension().and_then(|e| e.to_str()) == Some("json");
-        // The error names the key (`learning_rate: invalid type: ...`), not only the line.
-        let located = |field: String, line: usize, msg: String| KilnError::Parse {
-            path: path.to_path_buf(),
-            line,
-            msg: if field == "." {
-                msg
-            } else {
-                format!("key `{field}`: {msg}")
-            },
-        };
-        if is_json {
-            let mut de = serde_json::Deserializer::from_str(&text);
-            serde_path_to_error::deserialize(&mut de).map_err(|e| {
-                let field = e.path().to_string();
-                let inner = e.into_inner();
-                located(field, inner.line(), inner.to_string())
-            })
-        } else {
-            serde_path_to_error::deserialize(serde_yaml_ng::Deserializer::from_str(&text)).map_err(
-                |e| {
-                    let field = e.path().to_string();
-                    let inner = e.into_inner();
-                    let line = inner.location().map(|l| l.line()).unwrap_or(0);
-                    located(field, line, inner.to_string())
-                },
-            )
+        let sorted = Self::file_entries(path, false)?;
+        let mut args = Self::over_defaults(sorted.known, |key, e| {
+            KilnError::Config(format!("{}: key `{key}`: {e}", path.display()))
+        })?;
+        args.recorded = sorted.recorded;
+        Ok(args)
+    }
+
+    /// `training_args.json` as transformers writes it: only its field names (HfArgumentParser and
+    /// `TrainingArguments(**json)` read it back), kiln's 4.x fields in their 5.x form, and the
+    /// recorded fields as they were given. kiln's own settings (tensor parallelism, ZeRO-1, …)
+    /// are in the log and, for a sharded checkpoint, shards.json.
+    pub fn to_hf_json(&self) -> String {
+        let mut v = serde_json::to_value(self).expect("plain data serialises");
+        let m = v.as_object_mut().expect("a struct is an object");
+        for kiln_only in [
+            "skip_nonfinite_steps",
+            "tensor_parallel_size",
+            "global_batch_size",
+            "zero_1",
+            "overwrite_output_dir",
+        ] {
+            m.remove(kiln_only);
+        }
+        if let Some(ratio) = m.remove("warmup_ratio").and_then(|r| r.as_f64()) {
+            if self.warmup_steps == 0.0 && ratio > 0.0 {
+                m.insert(
+                    "warmup_steps".into(),
+                    serde_json::json!(ratio.min(0.999_999)),
+                );
+            }
+        }
+        if m.remove("group_by_length") == Some(serde_json::Value::Bool(true)) {
+            m.insert("train_sampling_strategy".into(), "group_by_length".into());
+        }
+        if self.resume_from_checkpoint.as_deref() == Some("latest") {
+            m.insert(
+                "resume_from_checkpoint".into(),
+                serde_json::Value::Bool(true),
+            );
+        }
+        for (k, val) in &self.recorded {
+            m.entry(k.clone()).or_insert_with(|| val.clone());
+        }
+        serde_json::to_string_pretty(&v).expect("plain data serialises")
+    }
+
+    /// The names of kiln's fields (as a file or transformers spells them).
+    pub fn field_names() -> Vec<String> {
+        match serde_json::to_value(Self::default()) {
+            Ok(serde_json::Value::Object(m)) => m.keys().cloned().collect(),
+            _ => Vec::new(),
         }
     }
 
-    /// Only the keys a YAML/JSON file sets (validated as [`Self::from_file`] does), so that they can
-    /// be laid over other defaults (a task's) rather than the generic ones.
-    pub fn file_entries(path: &Path) -> Result<serde_json::Map<String, serde_json::Value>> {
-        Self::from_file(path)?
-            .check_finite()
-            .map_err(|m| KilnError::Config(format!("{}: {m}", path.display())))?;
+    /// `entries` laid over the defaults; a bad value is `bad(key, error)`.
+    pub fn over_defaults(
+        entries: serde_json::Map<String, serde_json::Value>,
+        bad: impl Fn(String, String) -> KilnError,
+    ) -> Result<Self> {
+        let mut base = serde_json::to_value(Self::default()).expect("plain data serialises");
+        if let Some(b) = base.as_object_mut() {
+            b.extend(entries);
+        }
+        serde_path_to_error::deserialize(base).map_err(|e| {
+            let key = e.path().to_string();
+            bad(key, e.into_inner().to_string())
+        })
+    }
+
+    /// A YAML/JSON file's keys sorted by [`super::hf_fields::sort_entries`] (an unknown key only
+    /// warns with `ignore_unknown`), their values checked: a bad one names its file, line and key.
+    pub fn file_entries(path: &Path, ignore_unknown: bool) -> Result<super::hf_fields::Sorted> {
+        use super::hf_fields::{sort_entries, Source};
         let text = std::fs::read_to_string(path).map_err(|e| KilnError::io(path, e))?;
-        let value: serde_json::Value =
-            serde_yaml_ng::from_str(&text).map_err(|e| KilnError::Parse {
+        let is_json = path.extension().and_then(|e| e.to_str()) == Some("json");
+        let value: serde_json::Value = if is_json {
+            serde_json::from_str(&text).map_err(|e| KilnError::Parse {
                 path: path.to_path_buf(),
-                line: e.location().map(|l| l.line()).unwrap_or(0),
+                line: e.line(),
                 msg: e.to_string(),
-            })?;
-        Ok(value.as_object().cloned().unwrap_or_default())
+            })?
+        } else {
+            let yaml: serde_yaml_ng::Value =
+                serde_yaml_ng::from_str(&text).map_err(|e| KilnError::Parse {
+                    path: path.to_path_buf(),
+                    line: e.location().map(|l| l.line()).unwrap_or(0),
+                    msg: e.to_string(),
+                })?;
+            // YAML has .nan and .inf, JSON values do not (they would become null): name them here.
+            if let serde_yaml_ng::Value::Mapping(m) = &yaml {
+                for (k, v) in m {
+                    if let (Some(k), Some(f)) = (k.as_str(), v.as_f64()) {
+                        if !f.is_finite() {
+                            return Err(KilnError::Parse {
+                                path: path.to_path_buf(),
+                                line: line_of_key(&text, k),
+                                msg: format!("{k} must be a finite number, got {f}"),
+                            });
+                        }
+                    }
+                }
+            }
+            serde_json::to_value(yaml).map_err(|e| KilnError::Parse {
+                path: path.to_path_buf(),
+                line: 0,
+                msg: e.to_string(),
+            })?
+        };
+        let entries = match value {
+            serde_json::Value::Object(m) => m,
+            serde_json::Value::Null => serde_json::Map::new(),
+            other => {
+                return Err(KilnError::Parse {
+                    path: path.to_path_buf(),
+                    line: 1,
+                    msg: format!(
+                        "training arguments must be a mapping of names to values, not {other}"
+                    ),
+                })
+            }
+        };
+        let source = Source {
+            name: path.display().to_string(),
+            text: Some(&text),
+        };
+        let sorted = sort_entries(entries, &Self::field_names(), &source, ignore_unknown)?;
+        // The values' types and ranges, checked now so that a bad one names this file.
+        let args = Self::over_defaults(sorted.known.clone(), |key, msg| KilnError::Parse {
+            path: path.to_path_buf(),
+            line: line_of_key(&text, &key),
+            msg: format!("key `{key}`: {msg}"),
+        })?;
+        args.check_finite()
+            .map_err(|m| KilnError::Config(format!("{}: {m}", path.display())))?;
+        Ok(sorted)
     }
 
     /// The metric that selects the best checkpoint, as `eval_<name>`, and whether higher is better.
@@ -219,8 +408,34 @@ impl TrainingArguments {
         (m, greater)
     }
 
-    pub fn eval_interval(&self) -> u64 {
-        self.eval_steps.unwrap_or(self.logging_steps).max(1)
+    /// Steps between evaluations with eval_strategy `steps`, for a run of `total` steps.
+    pub fn eval_interval(&self, total: u64) -> u64 {
+        resolve_steps(self.eval_steps.unwrap_or(self.logging_steps), total).max(1)
+    }
+
+    /// Steps between log lines with logging_strategy `steps` (0: none).
+    pub fn logging_interval(&self, total: u64) -> u64 {
+        resolve_steps(self.logging_steps, total)
+    }
+
+    /// Steps between checkpoints with save_strategy `steps`.
+    pub fn save_interval(&self, total: u64) -> u64 {
+        resolve_steps(self.save_steps, total).max(1)
+    }
+
+    /// Warmup steps of a run of `total` steps: warmup_steps (a count, or a ratio below 1), else
+    /// 4.x's warmup_ratio.
+    pub fn warmup_of(&self, total: u64) -> u64 {
+        if self.warmup_steps > 0.0 {
+            resolve_steps(self.warmup_steps, total)
+        } else {
+            (self.warmup_ratio * total as f64).ceil() as u64
+        }
+    }
+
+    /// The seed of the data order: data_seed, else seed.
+    pub fn shuffle_seed(&self) -> u64 {
+        self.data_seed.unwrap_or(self.seed)
     }
 
     /// Every float argument finite (NaN in a YAML file would otherwise surface later, nameless).
@@ -234,6 +449,11 @@ impl TrainingArguments {
             ("adam_epsilon", self.adam_epsilon),
             ("max_grad_norm", self.max_grad_norm),
             ("warmup_ratio", self.warmup_ratio),
+            ("warmup_steps", self.warmup_steps),
+            ("logging_steps", self.logging_steps),
+            ("save_steps", self.save_steps),
+            ("eval_steps", self.eval_steps.unwrap_or(0.0)),
+            ("label_smoothing_factor", self.label_smoothing_factor),
         ];
         match floats.iter().find(|(_, v)| !v.is_finite()) {
             Some((name, v)) => Err(format!("{name} must be a finite number, got {v}")),
@@ -282,6 +502,12 @@ impl TrainingArguments {
                 "--zero-1 shards AdamW's moments; --optim sgd keeps no state to shard".into(),
             );
         }
+        super::schedule::Schedule::new(
+            self.lr_scheduler_type,
+            self.lr_scheduler_kwargs.as_ref(),
+            self.learning_rate,
+        )
+        .map_err(KilnError::Config)?;
         if self.global_batch_size == Some(0) {
             return bad("global_batch_size must be at least 1".into());
         }
@@ -323,11 +549,32 @@ impl TrainingArguments {
                 self.warmup_ratio
             ));
         }
-        if self.save_strategy == IntervalStrategy::Steps && self.save_steps == 0 {
-            return bad("save_steps must be at least 1 with save_strategy \"steps\"".into());
+        for (name, v) in [
+            ("warmup_steps", Some(self.warmup_steps)),
+            ("logging_steps", Some(self.logging_steps)),
+            ("save_steps", Some(self.save_steps)),
+            ("eval_steps", self.eval_steps),
+        ] {
+            if let Some(v) = v {
+                if let Err(m) = steps_value(&v.to_string()) {
+                    return bad(format!("{name}: {m}"));
+                }
+            }
         }
-        if self.eval_steps == Some(0) {
-            return bad("eval_steps must be at least 1".into());
+        if self.save_strategy == SaveStrategy::Steps && self.save_steps == 0.0 {
+            return bad("save_steps must be above 0 with save_strategy \"steps\"".into());
+        }
+        if self.eval_steps == Some(0.0) {
+            return bad("eval_steps must be above 0".into());
+        }
+        if !(0.0..1.0).contains(&self.label_smoothing_factor) {
+            return bad(format!(
+                "label_smoothing_factor must be in [0, 1), got {}",
+                self.label_smoothing_factor
+            ));
+        }
+        if self.save_strategy == SaveStrategy::Best && self.eval_strategy == IntervalStrategy::No {
+            return bad("save_strategy \"best\" needs an eval_strategy (steps or epoch)".into());
         }
         if self.save_total_limit == Some(0) {
             return bad(
@@ -335,12 +582,18 @@ impl TrainingArguments {
                     .into(),
             );
         }
-        if self.load_best_model_at_end
-            && (self.eval_strategy == IntervalStrategy::No
-                || self.eval_strategy != self.save_strategy)
-        {
+        let same = matches!(
+            (self.eval_strategy, self.save_strategy),
+            (IntervalStrategy::Steps, SaveStrategy::Steps)
+                | (IntervalStrategy::Epoch, SaveStrategy::Epoch)
+                | (
+                    IntervalStrategy::Steps | IntervalStrategy::Epoch,
+                    SaveStrategy::Best
+                )
+        );
+        if self.load_best_model_at_end && !same {
             return bad(
-                "load_best_model_at_end needs eval_strategy equal to save_strategy (and not \"no\")".into(),
+                "load_best_model_at_end needs eval_strategy equal to save_strategy (and not \"no\"), or save_strategy \"best\"".into(),
             );
         }
         Ok(())

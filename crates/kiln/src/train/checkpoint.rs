@@ -74,18 +74,47 @@ pub fn put_config_files(
     files: &ModelFiles,
     mut put: impl FnMut(&str, &[u8]) -> Result<()>,
 ) -> Result<()> {
-    put("config.json", files.config_json.as_bytes())?;
+    put("config.json", stamped_config(&files.config_json).as_bytes())?;
     let read =
         |src: &Path| crate::hub::files::read_regular(src, "file to copy into the model folder");
     if let Some(tok) = &files.tokenizer_json {
         put("tokenizer.json", &read(tok)?)?;
     }
     // The extras are optional (a model folder may lack generation_config.json).
+    let mut copied_tokenizer_config = false;
     for src in files.copy.iter().filter(|p| p.exists()) {
         let name = src.file_name().map(|n| n.to_string_lossy().to_string());
-        put(&name.unwrap_or_default(), &read(src)?)?;
+        let name = name.unwrap_or_default();
+        copied_tokenizer_config |= name == "tokenizer_config.json";
+        put(&name, &read(src)?)?;
+    }
+    // Without a tokenizer_config.json, transformers' AutoTokenizer takes the maximum length to be
+    // 1e30 and a pipeline fed a long text overruns the position embeddings: write the model's.
+    if files.tokenizer_json.is_some() && !copied_tokenizer_config {
+        let config: serde_json::Value =
+            serde_json::from_str(&files.config_json).unwrap_or_default();
+        if let Some(n) = config["max_position_embeddings"].as_u64() {
+            let tc = serde_json::json!({ "model_max_length": n });
+            put("tokenizer_config.json", &json(&tc))?;
+        }
     }
     Ok(())
+}
+
+/// The transformers release whose file formats kiln writes (its interop tests load them with it).
+pub const TRANSFORMERS_FORMAT: &str = "5.23.0";
+
+/// `config.json` stamped as transformers stamps what it saves: `transformers_version` is the
+/// format's release (not the input model's), and `kiln_version` says who wrote it.
+fn stamped_config(config_json: &str) -> String {
+    match serde_json::from_str::<serde_json::Value>(config_json) {
+        Ok(serde_json::Value::Object(mut m)) => {
+            m.insert("transformers_version".into(), TRANSFORMERS_FORMAT.into());
+            m.insert("kiln_version".into(), env!("CARGO_PKG_VERSION").into());
+            serde_json::to_string_pretty(&m).expect("plain data serialises")
+        }
+        _ => config_json.to_string(),
+    }
 }
 
 /// Writes `config.json`, `model.safetensors` and `tokenizer.json` (and the extras) into `dir`, as a
@@ -137,7 +166,8 @@ pub struct SchedulerState {
 pub struct Checkpoint<'a> {
     pub model: &'a BTreeMap<String, HostTensor>,
     pub files: &'a ModelFiles,
-    pub optimizer: &'a BTreeMap<String, HostTensor>,
+    /// `None` with save_only_model: no optimizer.safetensors, and no resuming from it.
+    pub optimizer: Option<&'a BTreeMap<String, HostTensor>>,
     pub state: &'a TrainerState,
     pub scheduler: &'a SchedulerState,
     pub training_args_json: &'a str,
@@ -265,10 +295,12 @@ fn write_checkpoint_files(tmp: &Path, ck: &Checkpoint, run_id: &str) -> Result<(
         Ok(())
     };
     put_model_files(ck.model, ck.files, &mut put)?;
-    put(
-        "optimizer.safetensors",
-        &safetensors_bytes(ck.optimizer, StoreDtype::F32)?,
-    )?;
+    if let Some(optimizer) = ck.optimizer {
+        put(
+            "optimizer.safetensors",
+            &safetensors_bytes(optimizer, StoreDtype::F32)?,
+        )?;
+    }
     put("trainer_state.json", &json(ck.state))?;
     put("scheduler.json", &json(ck.scheduler))?;
     put("training_args.json", ck.training_args_json.as_bytes())?;
@@ -437,7 +469,7 @@ mod tests {
         let ck = Checkpoint {
             model: &model,
             files: &files,
-            optimizer: &BTreeMap::new(),
+            optimizer: Some(&BTreeMap::new()),
             state: &state,
             scheduler: &sched,
             training_args_json: "{}",

@@ -145,11 +145,32 @@ pub const HF_FIELDS: &[(&str, Disposition)] = &[
     ("adafactor", OnlyNeutral("Adafactor is not implemented")),
 ];
 
-/// Non-default values some fields take that are as good as neutral (e.g. 5.x writes
-/// `report_to: "none"`, 4.x `"all"`; `fsdp: []`; `train_sampling_strategy: "random"`).
+/// transformers' defaults that the generic rule of [`is_neutral`] does not cover (its
+/// `to_json_string()` writes them all): no note is logged for a field left at its default.
 pub const NEUTRAL: &[(&str, &str)] = &[
     ("train_sampling_strategy", "\"random\""),
     ("average_tokens_across_devices", "true"),
+    ("log_on_each_node", "true"),
+    ("logging_nan_inf_filter", "true"),
+    ("log_level", "\"passive\""),
+    ("log_level_replica", "\"warning\""),
+    ("project", "\"huggingface\""),
+    ("eval_do_concat_batches", "true"),
+    ("hub_strategy", "\"every_save\""),
+    ("hub_token", "\"<HUB_TOKEN>\""),
+    ("dataloader_pin_memory", "true"),
+    ("dataloader_in_order", "true"),
+    ("remove_unused_columns", "true"),
+    ("length_column_name", "\"length\""),
+    ("ddp_timeout", "1800"),
+    ("skip_memory_metrics", "true"),
+    ("local_rank", "-1"),
+    ("save_safetensors", "true"),
+    ("report_to", "\"all\""),
+    (
+        "accelerator_config",
+        r#"{"split_batches": false, "dispatch_batches": null, "even_batches": true, "use_seedable_sampler": true, "non_blocking": false, "gradient_accumulation_kwargs": null}"#,
+    ),
 ];
 
 /// The field's disposition, if transformers has it and kiln does not hold it as a struct field.
@@ -159,9 +180,9 @@ pub fn lookup(name: &str) -> Option<Disposition> {
 
 /// A value that asks for nothing: null, false, 0, "", an empty list or map, "no", "none".
 pub fn is_neutral(name: &str, v: &Value) -> bool {
-    let listed = NEUTRAL
-        .iter()
-        .any(|(n, text)| *n == name && serde_json::from_str::<Value>(text).ok().as_ref() == Some(v));
+    let listed = NEUTRAL.iter().any(|(n, text)| {
+        *n == name && serde_json::from_str::<Value>(text).ok().as_ref() == Some(v)
+    });
     listed
         || match v {
             Value::Null => true,
@@ -171,4 +192,180 @@ pub fn is_neutral(name: &str, v: &Value) -> bool {
             Value::Array(a) => a.is_empty() || a.iter().all(|x| x.as_str() == Some("none")),
             Value::Object(o) => o.is_empty(),
         }
+}
+
+/// Where training-argument entries came from, for messages: a file (its text gives line
+/// numbers) or the command line.
+pub struct Source<'a> {
+    pub name: String,
+    pub text: Option<&'a str>,
+}
+
+impl Source<'_> {
+    /// `file:line` of `key` (its first mention as a YAML or JSON key), or the source's name.
+    fn at(&self, key: &str) -> String {
+        let line = self.text.and_then(|t| {
+            t.lines().position(|l| {
+                let l = l.trim_start().trim_start_matches("- ");
+                l.starts_with(&format!("\"{key}\"")) || l.starts_with(&format!("{key}:"))
+            })
+        });
+        match line {
+            Some(i) => format!("{}:{}", self.name, i + 1),
+            None => self.name.clone(),
+        }
+    }
+}
+
+/// Entries sorted by what kiln does with them.
+#[derive(Debug, Default)]
+pub struct Sorted {
+    /// Keys of kiln's `TrainingArguments` (renamed ones under their new name).
+    pub known: serde_json::Map<String, Value>,
+    /// transformers fields kept as given, without effect.
+    pub recorded: std::collections::BTreeMap<String, Value>,
+}
+
+/// Sorts training-argument entries: kiln's own fields (`known_keys`) pass, transformers' renamed
+/// ones take their new name, recorded ones are kept aside (a non-default value logged in one line),
+/// and one kiln cannot honour, or a key nobody knows, is an error naming it and where it is —
+/// unknown keys only a warning with `ignore_unknown`.
+pub fn sort_entries(
+    entries: serde_json::Map<String, Value>,
+    known_keys: &[String],
+    source: &Source,
+    ignore_unknown: bool,
+) -> crate::Result<Sorted> {
+    use crate::error::KilnError;
+    let mut out = Sorted::default();
+    for (key, value) in entries {
+        if key == "train_sampling_strategy" && value == "group_by_length" {
+            // transformers 5.x's spelling of 4.x's group_by_length, which kiln implements.
+            out.known
+                .insert("group_by_length".into(), Value::Bool(true));
+            out.recorded.insert(key, value);
+            continue;
+        }
+        if known_keys.contains(&key) {
+            let value = normalize_known(&key, value);
+            out.known.insert(key, value);
+            continue;
+        }
+        match lookup(&key) {
+            Some(Disposition::Renamed(new)) => {
+                if is_neutral(&key, &value) {
+                    continue;
+                }
+                if let Some(given) = out.known.get(new).filter(|v| !is_neutral(new, v)) {
+                    if *given != value {
+                        return Err(KilnError::Config(format!(
+                            "{}: `{key}` ({value}) is the older name of `{new}`, which is also given ({given}): keep one",
+                            source.at(&key)
+                        )));
+                    }
+                }
+                out.known
+                    .insert(new.to_string(), normalize_known(new, value));
+            }
+            Some(Disposition::Recorded(reason)) => {
+                if !is_neutral(&key, &value) {
+                    tracing::info!("{key} = {value}: recorded, no effect in kiln ({reason})");
+                }
+                out.recorded.insert(key, value);
+            }
+            Some(Disposition::OnlyNeutral(reason)) => {
+                if !is_neutral(&key, &value) {
+                    return Err(KilnError::Config(format!(
+                        "{}: `{key}` = {value} is not supported: {reason}",
+                        source.at(&key)
+                    )));
+                }
+                out.recorded.insert(key, value);
+            }
+            None => {
+                let names = known_keys
+                    .iter()
+                    .map(String::as_str)
+                    .chain(HF_FIELDS.iter().map(|(n, _)| *n));
+                let near = names
+                    .map(|n| (strsim::jaro_winkler(n, &key), n))
+                    .filter(|(score, _)| *score > 0.85)
+                    .max_by(|a, b| a.0.total_cmp(&b.0))
+                    .map(|(_, n)| format!(" (did you mean `{n}`?)"))
+                    .unwrap_or_default();
+                let msg = format!(
+                    "{}: unknown training argument `{key}`{near}: it is neither a transformers \
+                     TrainingArguments field nor one of kiln's",
+                    source.at(&key)
+                );
+                if !ignore_unknown {
+                    return Err(KilnError::Config(format!(
+                        "{msg} (--ignore-unknown-args makes this a warning)"
+                    )));
+                }
+                tracing::warn!("{msg}; ignored (--ignore-unknown-args)");
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// transformers' spellings of values kiln's fields take: `resume_from_checkpoint: true`
+/// ("True" in scripts) is the newest checkpoint, `false` none.
+fn normalize_known(key: &str, value: Value) -> Value {
+    match (key, &value) {
+        ("resume_from_checkpoint", Value::Bool(true)) => Value::String("latest".into()),
+        ("resume_from_checkpoint", Value::Bool(false)) => Value::Null,
+        ("resume_from_checkpoint", Value::String(s)) if s.eq_ignore_ascii_case("true") => {
+            Value::String("latest".into())
+        }
+        ("resume_from_checkpoint", Value::String(s)) if s.eq_ignore_ascii_case("false") => {
+            Value::Null
+        }
+        _ => value,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every field of transformers' TrainingArguments (tests/fixtures/training_args_fields.json,
+    /// written by transformers) is one of kiln's or has a disposition here: a field a new
+    /// transformers adds fails this test until it is sorted.
+    #[test]
+    fn every_transformers_field_is_sorted() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/training_args_fields.json"
+        );
+        let fx: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let kiln = crate::train::TrainingArguments::field_names();
+        let unsorted: Vec<&String> = fx["fields"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .filter(|k| !kiln.contains(k) && lookup(k).is_none())
+            .collect();
+        assert!(
+            unsorted.is_empty(),
+            "fields with no disposition: {unsorted:?}"
+        );
+        // And no field is both kiln's and in the table.
+        for (name, _) in HF_FIELDS {
+            assert!(
+                !kiln.iter().any(|k| k == name),
+                "{name} is kiln's own field"
+            );
+        }
+    }
+
+    #[test]
+    fn neutral_values() {
+        assert!(is_neutral("fsdp", &Value::Array(vec![])));
+        assert!(is_neutral("report_to", &serde_json::json!(["none"])));
+        assert!(is_neutral("ddp_timeout", &serde_json::json!(1800)));
+        assert!(!is_neutral("push_to_hub", &Value::Bool(true)));
+        assert!(!is_neutral("report_to", &serde_json::json!(["wandb"])));
+    }
 }

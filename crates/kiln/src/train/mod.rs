@@ -4,6 +4,7 @@ pub mod activation_checkpointing;
 pub mod args;
 pub mod checkpoint;
 pub mod grad_sync;
+pub mod hf_fields;
 pub mod metrics;
 pub mod optim;
 pub mod output_dir;
@@ -12,8 +13,10 @@ pub mod schedule;
 pub mod sharded_checkpoint;
 pub mod trainer;
 
-pub use args::{IntervalStrategy, TrainingArguments};
+pub use args::{IntervalStrategy, SaveStrategy, TrainingArguments};
 pub use optim::OptimizerType;
 // The task contract, re-exported where library users of the trainer look for it.
-pub use crate::task::{BatchSource, CrossEntropy, Loss, Model, IGNORE_INDEX};
+pub use crate::task::{
+    BatchSource, CrossEntropy, LabelSmoothedCrossEntropy, Loss, Model, IGNORE_INDEX,
+};
 pub use trainer::{EvalOutput, MetricFn, TrainOutput, Trainer};

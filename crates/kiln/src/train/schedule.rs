@@ -14,20 +14,214 @@ pub enum SchedulerType {
     Constant,
     #[value(alias = "constant-with-warmup")]
     ConstantWithWarmup,
+    /// Cosine decay restarting `num_cycles` times (hard restarts).
+    CosineWithRestarts,
+    /// (lr − lr_end) · remaining^power + lr_end.
+    Polynomial,
+    /// 1 / √((step + timescale − warmup) / timescale) after warmup.
+    InverseSqrt,
+    /// Cosine decay down to min_lr (or min_lr_rate × lr).
+    CosineWithMinLr,
+    /// Warmup, a constant stretch, then a decay over num_decay_steps.
+    WarmupStableDecay,
 }
 
-/// The multiplier of the base learning rate used by optimizer step `step` (0-based) of `total`.
-pub fn lr_factor(kind: SchedulerType, step: u64, warmup: u64, total: u64) -> f64 {
-    let (s, w, t) = (step as f64, warmup as f64, total as f64);
-    if kind != SchedulerType::Constant && step < warmup {
-        return s / w.max(1.0);
+/// `lr_scheduler_kwargs`, with transformers' defaults.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SchedulerKwargs {
+    /// cosine: 0.5 (half a wave); cosine_with_restarts: 1; cosine_with_min_lr: 0.5;
+    /// warmup_stable_decay (cosine decay): 0.5.
+    pub num_cycles: Option<f64>,
+    /// polynomial.
+    pub power: f64,
+    pub lr_end: f64,
+    /// inverse_sqrt (default: the warmup steps, or 10 000 without warmup).
+    pub timescale: Option<f64>,
+    /// cosine_with_min_lr: one of the two.
+    pub min_lr: Option<f64>,
+    pub min_lr_rate: Option<f64>,
+    /// warmup_stable_decay.
+    pub num_decay_steps: Option<u64>,
+    pub num_stable_steps: Option<u64>,
+    pub min_lr_ratio: f64,
+    pub warmup_type: String,
+    pub decay_type: String,
+}
+
+impl Default for SchedulerKwargs {
+    fn default() -> Self {
+        Self {
+            num_cycles: None,
+            power: 1.0,
+            lr_end: 1e-7,
+            timescale: None,
+            min_lr: None,
+            min_lr_rate: None,
+            num_decay_steps: None,
+            num_stable_steps: None,
+            min_lr_ratio: 0.0,
+            warmup_type: "linear".into(),
+            decay_type: "cosine".into(),
+        }
     }
-    match kind {
-        SchedulerType::Constant | SchedulerType::ConstantWithWarmup => 1.0,
-        SchedulerType::Linear => ((t - s) / (t - w).max(1.0)).max(0.0),
-        SchedulerType::Cosine => {
-            let progress = (s - w) / (t - w).max(1.0);
-            (0.5 * (1.0 + (std::f64::consts::PI * progress).cos())).max(0.0)
+}
+
+/// A schedule: the type, its options and the base learning rate, checked together.
+#[derive(Debug, Clone)]
+pub struct Schedule {
+    pub kind: SchedulerType,
+    pub kw: SchedulerKwargs,
+    pub lr: f64,
+}
+
+impl Schedule {
+    /// Reads `lr_scheduler_kwargs` for `kind`; an option the type does not take, a missing
+    /// required one, or an impossible value is an error naming it.
+    pub fn new(
+        kind: SchedulerType,
+        kwargs: Option<&serde_json::Value>,
+        lr: f64,
+    ) -> Result<Self, String> {
+        let kw: SchedulerKwargs = match kwargs {
+            None | Some(serde_json::Value::Null) => SchedulerKwargs::default(),
+            Some(v) => serde_json::from_value(v.clone())
+                .map_err(|e| format!("lr_scheduler_kwargs: {e}"))?,
+        };
+        let given: Vec<String> = kwargs
+            .and_then(|v| v.as_object())
+            .map(|o| o.keys().cloned().collect())
+            .unwrap_or_default();
+        use SchedulerType as S;
+        let takes: &[&str] = match kind {
+            S::Linear | S::Constant | S::ConstantWithWarmup => &[],
+            S::Cosine | S::CosineWithRestarts => &["num_cycles"],
+            S::Polynomial => &["power", "lr_end"],
+            S::InverseSqrt => &["timescale"],
+            S::CosineWithMinLr => &["num_cycles", "min_lr", "min_lr_rate"],
+            S::WarmupStableDecay => &[
+                "num_decay_steps",
+                "num_stable_steps",
+                "min_lr_ratio",
+                "warmup_type",
+                "decay_type",
+                "num_cycles",
+            ],
+        };
+        if let Some(k) = given.iter().find(|k| !takes.contains(&k.as_str())) {
+            return Err(format!(
+                "lr_scheduler_kwargs: {kind:?} takes no `{k}` (it takes: {})",
+                if takes.is_empty() {
+                    "nothing".to_string()
+                } else {
+                    takes.join(", ")
+                }
+            ));
+        }
+        match kind {
+            S::Polynomial if lr <= kw.lr_end => {
+                return Err(format!(
+                    "lr_scheduler_kwargs: lr_end ({}) must be below the learning rate ({lr})",
+                    kw.lr_end
+                ))
+            }
+            S::CosineWithMinLr if kw.min_lr.is_some() == kw.min_lr_rate.is_some() => {
+                return Err(
+                    "lr_scheduler_kwargs: cosine_with_min_lr needs one of min_lr and min_lr_rate"
+                        .into(),
+                )
+            }
+            S::WarmupStableDecay if kw.num_decay_steps.is_none() => {
+                return Err("lr_scheduler_kwargs: warmup_stable_decay needs num_decay_steps".into())
+            }
+            S::WarmupStableDecay
+                if !["linear", "cosine", "1-sqrt"].contains(&kw.warmup_type.as_str())
+                    || !["linear", "cosine", "1-sqrt"].contains(&kw.decay_type.as_str()) =>
+            {
+                return Err(
+                    "lr_scheduler_kwargs: warmup_type and decay_type are linear, cosine or 1-sqrt"
+                        .into(),
+                )
+            }
+            _ => {}
+        }
+        Ok(Self { kind, kw, lr })
+    }
+
+    /// The multiplier of the base learning rate used by optimizer step `step` (0-based) of
+    /// `total`, after `warmup` warmup steps — transformers' `get_scheduler` lambdas.
+    pub fn factor(&self, step: u64, warmup: u64, total: u64) -> f64 {
+        use std::f64::consts::PI;
+        use SchedulerType as S;
+        let (s, w, t) = (step as f64, warmup as f64, total as f64);
+        let kw = &self.kw;
+        let warming = step < warmup;
+        let ramp = s / w.max(1.0);
+        let progress = (s - w) / (t - w).max(1.0);
+        match self.kind {
+            S::Constant => 1.0,
+            _ if warming && self.kind != S::WarmupStableDecay => ramp,
+            S::ConstantWithWarmup => 1.0,
+            S::Linear => ((t - s) / (t - w).max(1.0)).max(0.0),
+            S::Cosine => {
+                let cycles = kw.num_cycles.unwrap_or(0.5);
+                (0.5 * (1.0 + (PI * cycles * 2.0 * progress).cos())).max(0.0)
+            }
+            S::CosineWithRestarts => {
+                if progress >= 1.0 {
+                    return 0.0;
+                }
+                let cycles = kw.num_cycles.unwrap_or(1.0);
+                (0.5 * (1.0 + (PI * ((cycles * progress) % 1.0)).cos())).max(0.0)
+            }
+            S::Polynomial => {
+                if step > total {
+                    return kw.lr_end / self.lr;
+                }
+                let remaining = 1.0 - (s - w) / (t - w);
+                ((self.lr - kw.lr_end) * remaining.powf(kw.power) + kw.lr_end) / self.lr
+            }
+            S::InverseSqrt => {
+                let timescale = kw
+                    .timescale
+                    .unwrap_or(if warmup > 0 { w } else { 10_000.0 });
+                1.0 / ((s + timescale - w) / timescale).sqrt()
+            }
+            S::CosineWithMinLr => {
+                let rate = kw
+                    .min_lr_rate
+                    .unwrap_or_else(|| kw.min_lr.unwrap_or(0.0) / self.lr);
+                let cycles = kw.num_cycles.unwrap_or(0.5);
+                let f = 0.5 * (1.0 + (PI * cycles * 2.0 * progress).cos());
+                (f * (1.0 - rate) + rate).max(0.0)
+            }
+            S::WarmupStableDecay => {
+                let decay = kw.num_decay_steps.unwrap_or(0);
+                let stable = kw
+                    .num_stable_steps
+                    .unwrap_or_else(|| total.saturating_sub(warmup + decay));
+                let floor = kw.min_lr_ratio;
+                let shape = |kind: &str, p: f64, rising: bool| match (kind, rising) {
+                    ("linear", true) => p,
+                    ("linear", false) => 1.0 - p,
+                    ("cosine", true) => 0.5 * (1.0 - (PI * p).cos()),
+                    ("cosine", false) => {
+                        0.5 * (1.0 + (PI * kw.num_cycles.unwrap_or(0.5) * 2.0 * p).cos())
+                    }
+                    (_, true) => 1.0 - (1.0 - p).sqrt(),
+                    (_, false) => 1.0 - p.sqrt(),
+                };
+                if warming {
+                    (shape(&kw.warmup_type, ramp, true) * (1.0 - floor) + floor).max(0.0)
+                } else if step < warmup + stable {
+                    1.0
+                } else if step < warmup + stable + decay {
+                    let p = (step - warmup - stable) as f64 / (decay.max(1)) as f64;
+                    (shape(&kw.decay_type, p, false) * (1.0 - floor) + floor).max(0.0)
+                } else {
+                    floor
+                }
+            }
         }
     }
 }
@@ -36,21 +230,53 @@ pub fn lr_factor(kind: SchedulerType, step: u64, warmup: u64, total: u64) -> f64
 mod tests {
     use super::*;
 
+    /// Every schedule, step by step, against transformers' `get_scheduler`
+    /// (tests/fixtures/lr_schedules.json, from tests/fixtures/gen_lr_schedules.py).
     #[test]
-    fn linear_warmup_then_decay_matches_transformers() {
-        // transformers: lambda(s) = s/w for s < w, else (t - s)/(t - w).
-        assert_eq!(lr_factor(SchedulerType::Linear, 0, 10, 110), 0.0);
-        assert_eq!(lr_factor(SchedulerType::Linear, 5, 10, 110), 0.5);
-        assert_eq!(lr_factor(SchedulerType::Linear, 10, 10, 110), 1.0);
-        assert_eq!(lr_factor(SchedulerType::Linear, 60, 10, 110), 0.5);
-        assert_eq!(lr_factor(SchedulerType::Linear, 110, 10, 110), 0.0);
+    fn every_schedule_matches_transformers() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/lr_schedules.json"
+        );
+        let fx: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let lr = fx["learning_rate"].as_f64().unwrap();
+        let (total, warmup) = (
+            fx["total"].as_u64().unwrap(),
+            fx["warmup"].as_u64().unwrap(),
+        );
+        for case in fx["cases"].as_array().unwrap() {
+            let kind: SchedulerType = serde_json::from_value(case["type"].clone()).unwrap();
+            let kwargs = case["kwargs"].clone();
+            let sched = Schedule::new(kind, Some(&kwargs), lr).unwrap();
+            for (step, want) in case["lrs"].as_array().unwrap().iter().enumerate() {
+                let want = want.as_f64().unwrap();
+                let got = lr * sched.factor(step as u64, warmup, total);
+                assert!(
+                    (got - want).abs() <= 1e-12 + 1e-9 * want.abs(),
+                    "{kind:?} {kwargs} step {step}: kiln {got}, transformers {want}"
+                );
+            }
+        }
     }
 
     #[test]
-    fn cosine_and_constant() {
-        assert!((lr_factor(SchedulerType::Cosine, 60, 10, 110) - 0.5).abs() < 1e-12);
-        assert!(lr_factor(SchedulerType::Cosine, 110, 10, 110).abs() < 1e-12);
-        assert_eq!(lr_factor(SchedulerType::Constant, 0, 10, 110), 1.0);
-        assert_eq!(lr_factor(SchedulerType::ConstantWithWarmup, 2, 4, 110), 0.5);
+    fn options_a_schedule_does_not_take_are_refused_by_name() {
+        let e = Schedule::new(
+            SchedulerType::Linear,
+            Some(&serde_json::json!({"num_cycles": 2})),
+            1e-3,
+        )
+        .unwrap_err();
+        assert!(e.contains("takes no `num_cycles`"), "{e}");
+        let e = Schedule::new(
+            SchedulerType::Cosine,
+            Some(&serde_json::json!({"num_cylces": 2})),
+            1e-3,
+        )
+        .unwrap_err();
+        assert!(e.contains("num_cylces"), "{e}");
+        let e = Schedule::new(SchedulerType::WarmupStableDecay, None, 1e-3).unwrap_err();
+        assert!(e.contains("needs num_decay_steps"), "{e}");
     }
 }

@@ -182,10 +182,16 @@ pub fn read_rank_state(
         _ => {
             let (whole, moments) = match &layout {
                 Some(l) => (read_whole_model(dir, l)?, read_whole_optimizer(dir, l)?),
-                None => (
-                    read_safetensors(&dir.join("model.safetensors"))?,
-                    read_safetensors(&dir.join("optimizer.safetensors"))?,
-                ),
+                None => {
+                    // save_only_model checkpoints have no optimizer file: resuming refuses them.
+                    let opt = dir.join("optimizer.safetensors");
+                    let moments = if opt.exists() {
+                        read_safetensors(&opt)?
+                    } else {
+                        BTreeMap::new()
+                    };
+                    (read_safetensors(&dir.join("model.safetensors"))?, moments)
+                }
             };
             // A tensor of another shape than this model's stays whole: loading names it.
             let local = |name: &str, t: &HostTensor| match split(name) {

@@ -13,7 +13,7 @@ use serde_json::{json, Map, Value};
 use tracing::info;
 
 use super::activation_checkpointing::loss_and_grads_by_segment;
-use super::args::{IntervalStrategy, TrainingArguments};
+use super::args::{IntervalStrategy, SaveStrategy, TrainingArguments};
 use super::checkpoint::{
     ensure_finite, publish, put_config_files, put_model_files, read_json, rotate_checkpoints,
     save_checkpoint, staging_dir, write_marker, Checkpoint, ModelFiles, SchedulerState,
@@ -23,7 +23,7 @@ use super::grad_sync::{sync_and_clip, sync_and_clip_zero1, Synced, SyncedGrads};
 use super::metrics::{classification_report, ClassificationReport, Predictions};
 use super::optim::{AdamWConfig, GradAccumulator, Optimizer};
 use super::output_dir::{claim, resolve_resume_for, Claim, RunDir};
-use super::schedule::lr_factor;
+use super::schedule::Schedule;
 use super::sharded_checkpoint::{
     read_rank_state, write_layout, write_rank_files, Place, RankState,
 };
@@ -213,6 +213,16 @@ where
 
     /// Restores model, optimizer and trainer state from a checkpoint folder.
     fn resume(&mut self, dir: &Path) -> Result<SchedulerState> {
+        let model_only =
+            !dir.join("optimizer.safetensors").exists() && !dir.join(LAYOUT_FILE).exists();
+        if model_only {
+            return Err(KilnError::Checkpoint(format!(
+                "{} holds the model only (saved with save_only_model): there is no optimizer \
+                 state to resume from; start a new run from it with --model {}",
+                dir.display(),
+                dir.display()
+            )));
+        }
         let rank = self.rank_state(dir)?;
         let (model, report) = load_into(self.take_model(), rank.model, None, &self.device)?;
         if !report.missing.is_empty() {
@@ -251,13 +261,18 @@ where
         let lengths = train.lengths();
         let first_epoch = run.start_step / plan.updates_per_epoch;
         let skip_groups = (run.start_step % plan.updates_per_epoch) as usize;
+        if let (Some(ev), true, 0) = (eval, a.eval_on_start, run.start_step) {
+            // A baseline before the first step (eval_on_start); it never counts as a best model.
+            let out = run.bar.suspend(|| self.evaluate(ev))?;
+            self.log_eval(&out)?;
+        }
         'epochs: for epoch in first_epoch.. {
             if self.state.global_step >= plan.total {
                 break;
             }
             let order = epoch_order(
                 &lengths,
-                a.seed,
+                a.shuffle_seed(),
                 epoch,
                 true,
                 a.group_by_length.then_some(plan.batch_size),
@@ -275,18 +290,29 @@ where
                 let step = self.optimizer_step(train, group, &plan)?;
                 run.record(&step);
                 let epoch_end = g + 1 == groups;
-                self.maybe_log(&plan, &step, &mut run)?;
+                self.maybe_log(&plan, &step, &mut run, epoch_end)?;
+                let mut improved = false;
                 if let Some(ev) = eval {
-                    if self.due(a.eval_strategy, a.eval_interval(), epoch_end) {
+                    let every = a.eval_interval(plan.total);
+                    if self.due(a.eval_strategy, every, epoch_end) {
                         let out = run.bar.suspend(|| self.evaluate(ev))?;
                         self.log_eval(&out)?;
+                        improved = self.improves_best(&out.metrics);
                         run.pending_eval = Some(out.metrics);
                     }
                 }
                 let last = self.state.global_step >= plan.total;
-                if self.due(a.save_strategy, a.save_steps, epoch_end)
-                    || (last && a.load_best_model_at_end)
-                {
+                let save = match a.save_strategy {
+                    SaveStrategy::No => false,
+                    SaveStrategy::Steps => self.due(
+                        IntervalStrategy::Steps,
+                        a.save_interval(plan.total),
+                        epoch_end,
+                    ),
+                    SaveStrategy::Epoch => epoch_end,
+                    SaveStrategy::Best => improved,
+                };
+                if save || (last && a.load_best_model_at_end) {
                     let sched = self.scheduler_state(&plan);
                     let pending = run.pending_eval.take();
                     run.bar.suspend(|| self.save_checkpoint(&sched, pending))?;
@@ -340,13 +366,18 @@ where
         } else {
             None
         };
+        if a.save_only_model && self.sharded() {
+            return Err(KilnError::Config(
+                "save_only_model is not implemented for sharded checkpoints (tensor parallelism or --zero-1)".into(),
+            ));
+        }
         let plan = Plan::new(&a, train.len(), &self.parallel)?;
         self.state = TrainerState {
             max_steps: plan.total,
             num_train_epochs: plan.total as f64 / plan.updates_per_epoch as f64,
-            logging_steps: a.logging_steps,
-            eval_steps: a.eval_interval(),
-            save_steps: a.save_steps,
+            logging_steps: a.logging_interval(plan.total),
+            eval_steps: a.eval_interval(plan.total),
+            save_steps: a.save_interval(plan.total),
             train_batch_size: plan.batch_size,
             is_local_process_zero: self.parallel.is_local_main(),
             is_world_process_zero: self.is_main(),
@@ -539,7 +570,6 @@ where
             loss,
             grad_norm,
             lr,
-            next_lr: plan.lr(&self.args, self.state.global_step),
             finite,
             // Every rank trains on as many examples.
             samples: samples * self.parallel.size(),
@@ -555,8 +585,25 @@ where
         }
     }
 
-    /// The progress bar after every step; a `log.jsonl` line every `logging_steps`.
-    fn maybe_log(&mut self, plan: &Plan, step: &StepOutcome, run: &mut RunProgress) -> Result<()> {
+    /// Whether these evaluation metrics beat the best so far (metric_for_best_model).
+    fn improves_best(&self, metrics: &BTreeMap<String, f64>) -> bool {
+        let (name, greater) = self.args.best_metric();
+        match (metrics.get(&name), self.state.best_metric) {
+            (None, _) => false,
+            (Some(_), None) => true,
+            (Some(&v), Some(b)) => (greater && v > b) || (!greater && v < b),
+        }
+    }
+
+    /// The progress bar after every step; a `log.jsonl` line as logging_strategy says (every
+    /// logging_steps, or at each epoch's end), and after the first step with logging_first_step.
+    fn maybe_log(
+        &mut self,
+        plan: &Plan,
+        step: &StepOutcome,
+        run: &mut RunProgress,
+        epoch_end: bool,
+    ) -> Result<()> {
         run.bar.set_position(self.state.global_step);
         run.bar.set_message(format!(
             "loss {:.4} lr {:.2e} {:.1} samples/s",
@@ -564,13 +611,19 @@ where
             step.lr,
             run.samples as f64 / run.start.elapsed().as_secs_f64().max(1e-9)
         ));
-        let logging = self.args.logging_steps;
         let global = self.state.global_step;
-        if logging == 0 || !global.is_multiple_of(logging) {
+        let every = self.args.logging_interval(plan.total);
+        let due = match self.args.logging_strategy {
+            IntervalStrategy::No => false,
+            IntervalStrategy::Steps => every > 0 && global.is_multiple_of(every),
+            IntervalStrategy::Epoch => epoch_end,
+        };
+        if !(due || (global == 1 && self.args.logging_first_step)) {
             return Ok(());
         }
         let loss = run.log_loss_sum / run.log_steps.max(1) as f64;
-        let mut entry = json!({"learning_rate": step.next_lr});
+        // The rate the step just taken used, as transformers logs it.
+        let mut entry = json!({"learning_rate": step.lr});
         // Only finite values are logged: a window of skipped steps has no loss.
         if run.log_steps > 0 {
             entry["loss"] = json!(round4(loss));
@@ -585,7 +638,7 @@ where
             run.bar.suspend(|| {
                 info!(
                     "step {global}/{} loss {loss:.4} grad_norm {:.3} lr {:.3e} epoch {:.2}",
-                    plan.total, step.grad_norm, step.next_lr, self.state.epoch
+                    plan.total, step.grad_norm, step.lr, self.state.epoch
                 )
             });
         }
@@ -705,13 +758,13 @@ where
             &format!("saving checkpoint-{}", self.state.global_step),
         )?;
         let opt = self.optimizer.state_tensors();
-        let args_json = serde_json::to_string_pretty(&self.args).expect("json");
+        let args_json = self.args.to_hf_json();
         let path = save_checkpoint(
             &self.args.output_dir,
             &Checkpoint {
                 model: &model,
                 files: &self.files,
-                optimizer: &opt,
+                optimizer: (!self.args.save_only_model).then_some(&opt),
                 state: &self.state,
                 scheduler: sched,
                 training_args_json: &args_json,
@@ -761,10 +814,7 @@ where
                 "scheduler.json",
                 &serde_json::to_vec_pretty(sched).expect("json"),
             )?;
-            put(
-                "training_args.json",
-                &serde_json::to_vec_pretty(a).expect("json"),
-            )?;
+            put("training_args.json", a.to_hf_json().as_bytes())?;
             write_layout(&tmp, place.tp_size, place.dp_size, place.zero)?;
             write_marker(&tmp, &self.run_id, step)?;
             let path = publish(&out, &tmp, step)?;
@@ -813,10 +863,7 @@ where
             "trainer_state.json",
             &serde_json::to_vec_pretty(&self.state).expect("json"),
         )?;
-        group.add(
-            "training_args.json",
-            &serde_json::to_vec_pretty(&self.args).expect("json"),
-        )?;
+        group.add("training_args.json", self.args.to_hf_json().as_bytes())?;
         group.commit()?;
         info!("saved model to {}", dir.display());
         Ok(())
@@ -1066,6 +1113,7 @@ struct Plan {
     updates_per_epoch: u64,
     total: u64,
     warmup: u64,
+    schedule: Schedule,
 }
 
 impl Plan {
@@ -1093,23 +1141,26 @@ impl Plan {
         } else {
             (a.num_train_epochs * updates_per_epoch as f64).ceil() as u64
         };
-        let warmup = if a.warmup_steps > 0 {
-            a.warmup_steps
-        } else {
-            (a.warmup_ratio * total as f64).ceil() as u64
-        };
+        let warmup = a.warmup_of(total);
+        let schedule = Schedule::new(
+            a.lr_scheduler_type,
+            a.lr_scheduler_kwargs.as_ref(),
+            a.learning_rate,
+        )
+        .map_err(KilnError::Config)?;
         Ok(Self {
             examples: n,
             batch_size: bs,
             updates_per_epoch,
             total,
             warmup,
+            schedule,
         })
     }
 
     /// The learning rate of the update after `step` updates.
     fn lr(&self, a: &TrainingArguments, step: u64) -> f64 {
-        a.learning_rate * lr_factor(a.lr_scheduler_type, step, self.warmup, self.total)
+        a.learning_rate * self.schedule.factor(step, self.warmup, self.total)
     }
 }
 
@@ -1118,9 +1169,8 @@ struct StepOutcome {
     /// The step's loss, averaged over micro-batches and ranks.
     loss: f64,
     grad_norm: f64,
-    /// The rate this update used, and the one the next will use (transformers logs the latter).
+    /// The rate this update used (what transformers logs for it).
     lr: f64,
-    next_lr: f64,
     finite: bool,
     /// Examples trained on, over all ranks.
     samples: usize,
