@@ -191,6 +191,12 @@ fn transformers_training_args_json_runs_as_is() {
         .map(|e| e["step"].as_u64().unwrap())
         .collect();
     assert_eq!(evals, [3, 6], "eval_steps 0.5 of 6");
+    // A step is a batch of per_device_eval_batch_size (16 in the file): about 30 eval examples
+    // make 2 steps, so a step holds between 8 and 16 of them.
+    let ev = log.iter().find(|e| e.get("eval_loss").is_some()).unwrap();
+    let per_step = ev["eval_samples_per_second"].as_f64().unwrap()
+        / ev["eval_steps_per_second"].as_f64().unwrap();
+    assert!(per_step > 8.0 && per_step <= 16.01, "{ev}");
     assert!(out.join("checkpoint-3").is_dir() && out.join("checkpoint-6").is_dir());
 
     // training_args.json holds transformers' names only, the recorded ones as given.

@@ -141,3 +141,53 @@ impl Loss for LabelSmoothedCrossEntropy {
         nll * (1.0 - self.epsilon) + smooth * self.epsilon
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Cpu;
+    use burn::tensor::TensorData;
+
+    /// transformers' LabelSmoother (= torch's `cross_entropy(label_smoothing=ε)`), written out in
+    /// f64: (1 − ε)·mean(−log p[label]) + ε·mean over rows and classes of −log p, ignored rows out.
+    fn reference(logits: &[[f64; 3]], targets: &[i64], eps: f64) -> f64 {
+        let (mut nll, mut all, mut n) = (0.0, 0.0, 0.0);
+        for (row, &t) in logits.iter().zip(targets) {
+            if t == IGNORE_INDEX {
+                continue;
+            }
+            let z = row.iter().map(|v| v.exp()).sum::<f64>().ln();
+            nll -= row[t as usize] - z;
+            all -= row.iter().map(|v| v - z).sum::<f64>() / row.len() as f64;
+            n += 1.0;
+        }
+        (1.0 - eps) * nll / n + eps * all / n
+    }
+
+    #[test]
+    fn label_smoothing_matches_transformers_label_smoother() {
+        let logits = [
+            [2.0, -1.0, 0.5],
+            [0.1, 0.2, 3.0],
+            [-2.0, 1.5, 0.0],
+            [1.0, 1.0, 1.0],
+        ];
+        let targets = [0i64, 2, IGNORE_INDEX, 1];
+        let device = Default::default();
+        let flat: Vec<f32> = logits.iter().flatten().map(|&v| v as f32).collect();
+        for eps in [0.0, 0.1, 0.3] {
+            let l = Tensor::<Cpu, 2>::from_data(TensorData::new(flat.clone(), [4, 3]), &device);
+            let t =
+                Tensor::<Cpu, 1, Int>::from_data(TensorData::new(targets.to_vec(), [4]), &device);
+            let got: f64 = LabelSmoothedCrossEntropy { epsilon: eps }
+                .loss(l, t)
+                .into_scalar()
+                .into();
+            let want = reference(&logits, &targets, eps);
+            assert!(
+                (got - want).abs() < 1e-6,
+                "ε {eps}: kiln {got}, reference {want}"
+            );
+        }
+    }
+}

@@ -1068,6 +1068,12 @@ where
         "eval_samples_per_second".into(),
         round3(eval.len() as f64 / runtime),
     );
+    // transformers counts a step as one batch of every rank together.
+    let steps = eval.len().div_ceil(batch_size.max(1) * parallel.size());
+    metrics.insert(
+        "eval_steps_per_second".into(),
+        round3(steps as f64 / runtime),
+    );
     Ok(EvalOutput {
         metrics,
         report,
