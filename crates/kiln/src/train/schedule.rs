@@ -125,6 +125,12 @@ impl Schedule {
                     kw.lr_end
                 ))
             }
+            S::InverseSqrt if kw.timescale.is_some_and(|t| t <= 0.0 || !t.is_finite()) => {
+                return Err(format!(
+                    "lr_scheduler_kwargs: timescale must be above 0, got {}",
+                    kw.timescale.unwrap_or_default()
+                ))
+            }
             S::CosineWithMinLr if kw.min_lr.is_some() == kw.min_lr_rate.is_some() => {
                 return Err(
                     "lr_scheduler_kwargs: cosine_with_min_lr needs one of min_lr and min_lr_rate"
@@ -278,5 +284,12 @@ mod tests {
         assert!(e.contains("num_cylces"), "{e}");
         let e = Schedule::new(SchedulerType::WarmupStableDecay, None, 1e-3).unwrap_err();
         assert!(e.contains("needs num_decay_steps"), "{e}");
+        let e = Schedule::new(
+            SchedulerType::InverseSqrt,
+            Some(&serde_json::json!({"timescale": 0})),
+            1e-3,
+        )
+        .unwrap_err();
+        assert!(e.contains("timescale must be above 0"), "{e}");
     }
 }
