@@ -100,15 +100,21 @@ impl Loss for CrossEntropy {
         targets: Tensor<B, 1, Int>,
     ) -> Tensor<B, 1> {
         let [n, _] = logits.dims();
-        let keep = targets.clone().not_equal_elem(IGNORE_INDEX);
-        let safe = targets.mask_fill(keep.clone().bool_not(), 0);
+        let (keep, safe) = kept_targets(targets);
         let picked = log_softmax(logits, 1)
             .gather(1, safe.reshape([n, 1]))
             .reshape([n]);
-        let keep = keep.float();
         let count = keep.clone().sum().clamp_min(1.0);
         (picked * keep).sum().neg() / count
     }
+}
+
+/// 1.0 where a target counts (not [`IGNORE_INDEX`]), else 0.0; and the targets with ignored ones
+/// set to class 0, so that gathering by them stays in range.
+fn kept_targets<B: KilnBackend>(targets: Tensor<B, 1, Int>) -> (Tensor<B, 1>, Tensor<B, 1, Int>) {
+    let keep = targets.clone().not_equal_elem(IGNORE_INDEX);
+    let safe = targets.mask_fill(keep.clone().bool_not(), 0);
+    (keep.float(), safe)
 }
 
 /// Cross-entropy against smoothed targets, as transformers' `LabelSmoother`
@@ -129,12 +135,10 @@ impl Loss for LabelSmoothedCrossEntropy {
             return CrossEntropy.loss(logits, targets);
         }
         let [n, classes] = logits.dims();
-        let keep = targets.clone().not_equal_elem(IGNORE_INDEX);
-        let safe = targets.mask_fill(keep.clone().bool_not(), 0);
+        let (keep, safe) = kept_targets(targets);
         let log_p = log_softmax(logits, 1);
         let picked = log_p.clone().gather(1, safe.reshape([n, 1])).reshape([n]);
         let all = log_p.sum_dim(1).reshape([n]);
-        let keep = keep.float();
         let count = keep.clone().sum().clamp_min(1.0);
         let nll = (picked * keep.clone()).sum().neg() / count.clone();
         let smooth = (all * keep).sum().neg() / (count * classes as f64);

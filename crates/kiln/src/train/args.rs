@@ -175,11 +175,11 @@ pub enum SaveStrategy {
 
 /// The 1-based line where `key` (a path like `a.b` names its first part) is set in a YAML or
 /// JSON file's text, or 0.
-fn line_of_key(text: &str, key: &str) -> usize {
+pub(crate) fn line_of_key(text: &str, key: &str) -> usize {
     let key = key.split(['.', '[']).next().unwrap_or(key);
     text.lines()
         .position(|l| {
-            let l = l.trim_start();
+            let l = l.trim_start().trim_start_matches("- ");
             l.starts_with(&format!("\"{key}\"")) || l.starts_with(&format!("{key}:"))
         })
         .map_or(0, |i| i + 1)

@@ -204,15 +204,9 @@ pub struct Source<'a> {
 impl Source<'_> {
     /// `file:line` of `key` (its first mention as a YAML or JSON key), or the source's name.
     fn at(&self, key: &str) -> String {
-        let line = self.text.and_then(|t| {
-            t.lines().position(|l| {
-                let l = l.trim_start().trim_start_matches("- ");
-                l.starts_with(&format!("\"{key}\"")) || l.starts_with(&format!("{key}:"))
-            })
-        });
-        match line {
-            Some(i) => format!("{}:{}", self.name, i + 1),
-            None => self.name.clone(),
+        match self.text.map_or(0, |t| super::args::line_of_key(t, key)) {
+            0 => self.name.clone(),
+            line => format!("{}:{line}", self.name),
         }
     }
 }
