@@ -161,12 +161,14 @@ struct GenerateCmd {
 
 #[derive(Args)]
 struct LaunchCmd {
-    /// Worker processes on this machine.
-    #[arg(long, default_value_t = 1)]
-    nproc_per_node: usize,
-    /// Machines in the job.
-    #[arg(long, default_value_t = 1)]
-    nnodes: usize,
+    /// Worker processes on this machine: a number, `gpu` (one per visible GPU), `cpu` (one per
+    /// core) or `auto` (`gpu` when there are GPUs, else `cpu`), as torchrun counts them.
+    #[arg(long, default_value = "1")]
+    nproc_per_node: String,
+    /// Machines in the job: N, or torchrun's MIN:MAX with MIN = MAX (kiln does not grow or
+    /// shrink a running job).
+    #[arg(long, default_value = "1")]
+    nnodes: String,
     /// This machine's index, `0..nnodes` (the rendezvous runs on node 0).
     #[arg(long, default_value_t = 0)]
     node_rank: usize,
@@ -176,6 +178,33 @@ struct LaunchCmd {
     /// Rendezvous port on node 0; worker r also uses master_port + 1 + r.
     #[arg(long, default_value_t = 29500)]
     master_port: u16,
+    /// One machine, rendezvous on loopback at a free port, a fresh run id (torchrun's
+    /// `--standalone`).
+    #[arg(long, conflicts_with_all = ["nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint"])]
+    standalone: bool,
+    /// The rendezvous as torchrun names it, `host:port` (the same as --master-addr and
+    /// --master-port).
+    #[arg(long, conflicts_with_all = ["master_addr", "master_port"])]
+    rdzv_endpoint: Option<String>,
+    /// The job's id, the same on every machine (TORCHELASTIC_RUN_ID; default: a fresh one, or
+    /// "none" with --nnodes above 1, as torchrun's). Restarted workers continue only the run their
+    /// job wrote.
+    #[arg(long)]
+    rdzv_id: Option<String>,
+    /// torchrun's rendezvous backend: c10d or static (both mean node 0 hosts it here).
+    #[arg(long, default_value = "static")]
+    rdzv_backend: String,
+    /// After a worker fails, stop every worker and start them all again, up to N times; they
+    /// resume from the run's latest checkpoint (torchrun's elastic restarts).
+    #[arg(long, default_value_t = 0)]
+    max_restarts: usize,
+    /// Also write each worker's output to `DIR/<run id>/attempt_<n>/<local rank>/{stdout,stderr}.log`.
+    #[arg(long, value_name = "DIR")]
+    log_dir: Option<PathBuf>,
+    /// Show every rank's standard output (by default only rank 0's, as with torchrun's
+    /// `--local-ranks-filter 0`; errors and warnings of every rank are always shown).
+    #[arg(long)]
+    all_ranks: bool,
     /// This machine's address, reachable from every other machine: its workers serve their
     /// tensors there (default: --master-addr, right when all workers run on node 0).
     #[arg(long)]
@@ -190,7 +219,8 @@ struct LaunchCmd {
     /// With --backend mpi: mpirun's hostfile naming the machines (needed for --nnodes > 1).
     #[arg(long)]
     hostfile: Option<PathBuf>,
-    /// The worker command: a kiln subcommand (`train ...`), or a program and its arguments.
+    /// The worker command, with or without `--` before it: a kiln subcommand (`train ...`), or
+    /// a program and its arguments.
     #[arg(last = true, required = true)]
     command: Vec<String>,
 }
@@ -258,21 +288,35 @@ struct BenchCmd {
     row: Option<String>,
 }
 
-#[derive(Args, Clone)]
-struct DataOpts {
-    /// Training data (.csv, .tsv, .jsonl or .parquet).
+/// The data only training reads.
+#[derive(Args, Clone, Default)]
+#[command(next_help_heading = "Data")]
+struct TrainData {
+    /// Training data (.csv, .tsv, .json, .jsonl or .parquet).
     #[arg(long)]
     train_file: Option<PathBuf>,
-    /// Evaluation data (same formats).
-    #[arg(long, alias = "validation-file")]
-    eval_file: Option<PathBuf>,
     /// Hold out this fraction of the training data for evaluation (seeded by --seed).
     #[arg(long)]
     eval_split: Option<f64>,
+    /// Train on the first N examples only (transformers' example scripts' name).
+    #[arg(long, value_name = "N")]
+    max_train_samples: Option<usize>,
+}
+
+/// How labelled text is read and tokenized, for training and evaluation alike.
+#[derive(Args, Clone)]
+#[command(next_help_heading = "Data")]
+struct DataOpts {
+    /// Evaluation data (.csv, .tsv, .json, .jsonl or .parquet).
+    #[arg(long, alias = "validation-file")]
+    eval_file: Option<PathBuf>,
+    /// The column holding the text.
     #[arg(long, default_value = "text")]
     text_column: String,
+    /// The column holding the second text of a pair (sentence-pair tasks such as MRPC).
     #[arg(long)]
     text_pair_column: Option<String>,
+    /// The column holding the label (names or integer ids).
     #[arg(long, default_value = "label")]
     label_column: String,
     /// Encoding of CSV/TSV files: utf-8, latin-1, windows-1252.
@@ -281,9 +325,8 @@ struct DataOpts {
     /// Fail on the first malformed row instead of skipping and counting it.
     #[arg(long)]
     strict: bool,
-    #[arg(long)]
-    max_train_samples: Option<usize>,
-    #[arg(long)]
+    /// Evaluate on the first N examples only.
+    #[arg(long, value_name = "N")]
     max_eval_samples: Option<usize>,
     /// Truncate to this many tokens.
     #[arg(long, default_value_t = 128, alias = "max-seq-length")]
@@ -291,10 +334,16 @@ struct DataOpts {
     /// Pad every batch to --max-length (fixed shapes) instead of the longest example in the batch.
     #[arg(long)]
     pad_to_max_length: bool,
-    /// causal-lm: tokens per packed training block.
+}
+
+/// How a causal LM's text corpus becomes blocks of tokens.
+#[derive(Args, Clone)]
+#[command(next_help_heading = "Causal LM")]
+struct LmOpts {
+    /// Tokens per packed block.
     #[arg(long, default_value_t = 128)]
     block_size: usize,
-    /// causal-lm: tokenizer.json (or its folder), when it is not the model folder's.
+    /// tokenizer.json (or its folder), when it is not the model folder's.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
 }
@@ -304,56 +353,67 @@ struct TrainCmd {
     /// What to train: `text-classification` (a BERT-family model folder and labelled text),
     /// `causal-lm` (a Llama-family model and a text corpus, packed into --block-size blocks) or
     /// `mnist-mlp` (the AWS Neuron MNIST MLP sample on IDX files in --data-dir).
-    #[arg(long, default_value = "text-classification")]
+    #[arg(long, default_value = "text-classification", help_heading = "Model")]
     task: Task,
     /// A Hugging Face model folder (config.json, model.safetensors, tokenizer.json).
     #[arg(
         long,
         alias = "model-name-or-path",
-        required_if_eq("task", "text-classification")
+        required_if_eq("task", "text-classification"),
+        help_heading = "Model"
     )]
     model: Option<PathBuf>,
-    /// causal-lm: start from random weights with this config.json (pretraining from scratch).
-    #[arg(long)]
-    from_config: Option<PathBuf>,
     /// Folder with the MNIST IDX files (mnist-mlp).
-    #[arg(long, default_value = "assets/mnist")]
+    #[arg(long, default_value = "assets/mnist", help_heading = "Data")]
     data_dir: PathBuf,
     /// A YAML or JSON file of TrainingArguments; flags given on the command line override it.
-    #[arg(long)]
+    #[arg(long, help_heading = "Training")]
     config: Option<PathBuf>,
     /// A config key or flag kiln does not know is a warning, not an error.
-    #[arg(long)]
+    #[arg(long, help_heading = "Training")]
     ignore_unknown_args: bool,
+    #[command(flatten)]
+    train_data: TrainData,
     #[command(flatten)]
     data: DataOpts,
     #[command(flatten)]
     args: TrainingArguments,
+    #[command(flatten)]
+    lm: LmOpts,
+    /// Start from random weights with this config.json (pretraining from scratch).
+    #[arg(long, help_heading = "Causal LM")]
+    from_config: Option<PathBuf>,
 }
 
 #[derive(Args)]
 struct EvalCmd {
-    #[arg(long, default_value = "text-classification")]
+    /// What the model is: text-classification, causal-lm or mnist-mlp (as in `train`).
+    #[arg(long, default_value = "text-classification", help_heading = "Model")]
     task: Task,
-    #[arg(long)]
+    /// The model folder to evaluate (a `kiln train` output or checkpoint, or any HF folder).
+    #[arg(long, help_heading = "Model")]
     model: PathBuf,
     /// Folder with the MNIST IDX files (mnist-mlp; the t10k split is used).
-    #[arg(long, default_value = "assets/mnist")]
+    #[arg(long, default_value = "assets/mnist", help_heading = "Data")]
     data_dir: PathBuf,
     #[command(flatten)]
     data: DataOpts,
-    #[arg(long, default_value_t = 32)]
+    /// Examples per forward pass (per process).
+    #[arg(long, default_value_t = 32, help_heading = "Evaluation")]
     per_device_eval_batch_size: usize,
-    /// causal-lm: the model cut over N processes started together (`kiln launch`), as in training.
-    #[arg(long, default_value_t = 1)]
+    /// The model cut over N processes started together (`kiln launch`), as in training.
+    #[arg(long, default_value_t = 1, help_heading = "Parallelism")]
     tensor_parallel_size: usize,
     /// Also write the metrics and the per-class report here (JSON).
-    #[arg(long)]
+    #[arg(long, help_heading = "Evaluation")]
     output: Option<PathBuf>,
+    #[command(flatten)]
+    lm: LmOpts,
 }
 
 #[derive(Args)]
 struct PredictCmd {
+    /// A fine-tuned text-classification model folder.
     #[arg(long)]
     model: PathBuf,
     /// One text to classify.
@@ -362,25 +422,29 @@ struct PredictCmd {
     /// A file of texts: .txt (one per line), or .csv/.jsonl/.parquet with --text-column.
     #[arg(long)]
     input: Option<PathBuf>,
+    /// The column holding the text (.csv/.jsonl/.parquet input).
     #[arg(long, default_value = "text")]
     text_column: String,
+    /// Encoding of CSV/TSV/TXT input: utf-8, latin-1, windows-1252.
     #[arg(long, default_value = "utf-8")]
     encoding: String,
     /// Write JSON lines here instead of standard output.
     #[arg(long)]
     output: Option<PathBuf>,
+    /// Truncate to this many tokens.
     #[arg(long, default_value_t = 128)]
     max_length: usize,
+    /// Texts per forward pass.
     #[arg(long, default_value_t = 32)]
     batch_size: usize,
 }
 
 impl DataOpts {
-    fn to_data_args(&self, seed: u64, labelled: bool) -> Result<DataArgs> {
+    fn to_data_args(&self, train: &TrainData, seed: u64, labelled: bool) -> Result<DataArgs> {
         Ok(DataArgs {
-            train_file: self.train_file.clone(),
+            train_file: train.train_file.clone(),
             eval_file: self.eval_file.clone(),
-            eval_split: self.eval_split,
+            eval_split: train.eval_split,
             columns: Columns {
                 text: self.text_column.clone(),
                 text_pair: self.text_pair_column.clone(),
@@ -388,34 +452,41 @@ impl DataOpts {
             },
             encoding: self.encoding.parse::<TextEncoding>()?,
             strict: self.strict,
-            max_train_samples: self.max_train_samples,
+            max_train_samples: train.max_train_samples,
             max_eval_samples: self.max_eval_samples,
             seed,
         })
     }
     fn lm_options(
         &self,
+        train: &TrainData,
+        lm: &LmOpts,
         model: Option<PathBuf>,
         from_config: Option<PathBuf>,
     ) -> Result<CausalLmOptions> {
         Ok(CausalLmOptions {
             model_dir: model,
             from_config,
-            tokenizer: self.tokenizer.clone(),
-            train_file: self.train_file.clone(),
+            tokenizer: lm.tokenizer.clone(),
+            train_file: train.train_file.clone(),
             eval_file: self.eval_file.clone(),
             text_column: self.text_column.clone(),
             encoding: self.encoding.parse::<TextEncoding>()?,
             strict: self.strict,
-            block_size: self.block_size,
-            max_train_samples: self.max_train_samples,
+            block_size: lm.block_size,
+            max_train_samples: train.max_train_samples,
             max_eval_samples: self.max_eval_samples,
         })
     }
-    fn options(&self, model: &std::path::Path, seed: u64) -> Result<ClassificationOptions> {
+    fn options(
+        &self,
+        train: &TrainData,
+        model: &std::path::Path,
+        seed: u64,
+    ) -> Result<ClassificationOptions> {
         Ok(ClassificationOptions {
             model_dir: model.to_path_buf(),
-            data: self.to_data_args(seed, true)?,
+            data: self.to_data_args(train, seed, true)?,
             max_length: self.max_length,
             pad_to_max_length: self.pad_to_max_length,
         })
@@ -581,9 +652,12 @@ where
                 bail!("label_smoothing_factor is implemented for text classification only");
             }
             if cmd.task == Task::CausalLm {
-                let opts = cmd
-                    .data
-                    .lm_options(cmd.model.clone(), cmd.from_config.clone())?;
+                let opts = cmd.data.lm_options(
+                    &cmd.train_data,
+                    &cmd.lm,
+                    cmd.model.clone(),
+                    cmd.from_config.clone(),
+                )?;
                 let (out, eval) = causal_lm::train::<Autodiff<B>>(&opts, args, &device)?;
                 if is_main {
                     println!("{}", serde_json::to_string_pretty(&out.metrics)?);
@@ -594,7 +668,7 @@ where
                 return Ok(());
             }
             let model = cmd.model.clone().context("--model is required")?;
-            let opts = cmd.data.options(&model, args.seed)?;
+            let opts = cmd.data.options(&cmd.train_data, &model, args.seed)?;
             let loss = kiln::train::LabelSmoothedCrossEntropy {
                 epsilon: args.label_smoothing_factor,
             };
@@ -617,7 +691,12 @@ where
                 return Ok(());
             }
             if cmd.task == Task::CausalLm {
-                let opts = cmd.data.lm_options(Some(cmd.model.clone()), None)?;
+                let opts = cmd.data.lm_options(
+                    &TrainData::default(),
+                    &cmd.lm,
+                    Some(cmd.model.clone()),
+                    None,
+                )?;
                 let out = causal_lm::eval::<B>(
                     &opts,
                     cmd.per_device_eval_batch_size,
@@ -639,7 +718,7 @@ where
                     "--tensor-parallel-size: only --task causal-lm (Llama) is cut over processes"
                 );
             }
-            let opts = cmd.data.options(&cmd.model, 42)?;
+            let opts = cmd.data.options(&TrainData::default(), &cmd.model, 42)?;
             let out = tc::eval::<B>(&opts, cmd.per_device_eval_batch_size, &device)?;
             let json = serde_json::json!({"metrics": out.metrics, "report": out.report});
             if let Some(path) = &cmd.output {
@@ -711,24 +790,16 @@ where
             } else {
                 (PathBuf::from(&cmd.command[0]), cmd.command[1..].to_vec())
             };
-            let opts = kiln::parallel::launch::LaunchOptions {
-                nproc_per_node: cmd.nproc_per_node,
-                nnodes: cmd.nnodes,
-                node_rank: cmd.node_rank,
-                master_addr: cmd.master_addr,
-                master_port: cmd.master_port,
-                node_addr: cmd.node_addr,
-                timeout: std::time::Duration::from_secs(cmd.timeout),
-                program,
-                args,
-            };
-            match cmd.backend {
+            let backend = cmd.backend;
+            let hostfile = cmd.hostfile.clone();
+            let opts = launch_options(cmd, program, args)?;
+            match backend {
                 LaunchBackend::Burn => kiln::parallel::launch::launch(&opts)?,
                 LaunchBackend::Mpi => {
                     if !cfg!(feature = "mpi") {
                         bail!("--backend mpi: this kiln was built without MPI (build it with --features mpi)");
                     }
-                    kiln::parallel::launch::exec_mpirun(&opts, cmd.hostfile.as_deref())?
+                    kiln::parallel::launch::exec_mpirun(&opts, hostfile.as_deref())?
                 }
             }
         }
@@ -945,18 +1016,24 @@ fn main() -> ExitCode {
                 // burn-communication logs every tensor transfer of every all-reduce at info, and
                 // both Burn crates log a dead peer's broken connections as errors: kiln reports
                 // those itself, in one line naming the peer (KILN_LOG=debug shows Burn's view).
+                // Ranks other than 0 log warnings and errors only, as transformers' Trainer
+                // logs replicas (`log_level_replica` "warning"): rank 0 tells the run once.
                 .unwrap_or_else(|_| {
-                    tracing_subscriber::EnvFilter::new(
-                        "info,burn_communication=off,burn_collective=off",
-                    )
+                    let replica = std::env::var("RANK").is_ok_and(|r| r.trim() != "0");
+                    tracing_subscriber::EnvFilter::new(format!(
+                        "{},burn_communication=off,burn_collective=off",
+                        if replica { "warn" } else { "info" }
+                    ))
                 }),
         )
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .with_target(false)
         .init();
     // Flags before a `--` are normalised; a launched worker's own arguments pass through untouched.
     let mut after_dashes = false;
-    let argv: Vec<String> = std::env::args()
+    let argv: Vec<String> = separate_worker_command(std::env::args().collect())
+        .into_iter()
         .map(|a| {
             if after_dashes {
                 return a;
@@ -990,6 +1067,100 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `kiln launch`'s options as the launcher takes them: torchrun's spellings resolved.
+fn launch_options(
+    cmd: LaunchCmd,
+    program: PathBuf,
+    args: Vec<String>,
+) -> Result<kiln::parallel::launch::LaunchOptions> {
+    use kiln::parallel::launch;
+    let nproc_per_node = launch::nproc_per_node(&cmd.nproc_per_node)?;
+    let nnodes = launch::nnodes(&cmd.nnodes)?;
+    if !matches!(cmd.rdzv_backend.as_str(), "c10d" | "static") {
+        bail!(
+            "--rdzv-backend {:?}: kiln's rendezvous is hosted by rank 0 (c10d or static); etcd is not supported",
+            cmd.rdzv_backend
+        );
+    }
+    let (master_addr, master_port) = if cmd.standalone {
+        let addr = "127.0.0.1".to_string();
+        let port = launch::free_port_block(&addr, nproc_per_node as u16 + 1)?;
+        (addr, port)
+    } else if let Some(ep) = &cmd.rdzv_endpoint {
+        match ep.rsplit_once(':') {
+            Some((host, port)) => (
+                host.trim_matches(['[', ']']).to_string(),
+                port.parse().with_context(|| {
+                    format!("--rdzv-endpoint {ep:?}: {port:?} is not a port number")
+                })?,
+            ),
+            None => (ep.clone(), cmd.master_port),
+        }
+    } else {
+        (cmd.master_addr, cmd.master_port)
+    };
+    let run_id = cmd.rdzv_id.unwrap_or_else(|| {
+        if nnodes > 1 {
+            "none".into()
+        } else {
+            launch::fresh_run_id()
+        }
+    });
+    Ok(launch::LaunchOptions {
+        nproc_per_node,
+        nnodes,
+        node_rank: cmd.node_rank,
+        master_addr,
+        master_port,
+        node_addr: cmd.node_addr,
+        timeout: std::time::Duration::from_secs(cmd.timeout),
+        program,
+        args,
+        max_restarts: cmd.max_restarts,
+        run_id,
+        log_dir: cmd.log_dir,
+        quiet: !cmd.all_ranks,
+    })
+}
+
+/// Puts the `--` that `launch` and `precompile` take before their worker command when the user
+/// left it out (torchrun needs none): the worker's arguments are then its own, never read as
+/// the launcher's or normalised here.
+fn separate_worker_command(mut argv: Vec<String>) -> Vec<String> {
+    let cli = Cli::command();
+    let Some(at) = argv.iter().position(|a| a == "launch" || a == "precompile") else {
+        return argv;
+    };
+    let sub = cli
+        .find_subcommand(&argv[at])
+        .expect("launch and precompile are subcommands");
+    let takes_value = |name: &str| {
+        sub.get_arguments()
+            .chain(cli.get_arguments())
+            .find(|a| a.get_long() == Some(name))
+            .is_some_and(|a| a.get_action().takes_values())
+    };
+    let mut i = at + 1;
+    while i < argv.len() {
+        let a = &argv[i];
+        if a == "--" {
+            return argv;
+        }
+        match a.strip_prefix("--") {
+            Some(flag) if !flag.contains('=') => {
+                i += 1 + usize::from(takes_value(&flag.replace('_', "-")));
+            }
+            Some(_) => i += 1,
+            None if a.starts_with('-') => i += 1,
+            None => {
+                argv.insert(i, "--".into());
+                return argv;
+            }
+        }
+    }
+    argv
 }
 
 /// `kiln convert --to-tp N` (Llama splits, as training at `--tensor-parallel-size N` holds them)

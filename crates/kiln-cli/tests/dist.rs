@@ -99,16 +99,8 @@ fn torchrun_starts_kiln_workers() {
         return;
     };
     let launched = tmp.path().join("launched");
-    let port = free_ports(3).to_string();
     let st = kiln()
-        .args([
-            "launch",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            &port,
-            "--",
-        ])
+        .args(["launch", "--standalone", "--nproc-per-node", "2", "--"])
         .args(train_args(&model, &tweets, 8, &launched, 4))
         .status()
         .unwrap();
@@ -411,4 +403,112 @@ fn a_single_process_checkpoint_resumes_on_two_workers() {
         moved > 1e-4,
         "resumed run did not move from the checkpoint ({moved})"
     );
+}
+
+/// The worker of `launcher` whose environment says `RANK=rank`.
+fn worker_of_rank(launcher: u32, rank: usize) -> Option<u32> {
+    children(launcher).into_iter().find(|pid| {
+        std::fs::read(format!("/proc/{pid}/environ"))
+            .unwrap_or_default()
+            .split(|b| *b == 0)
+            .any(|kv| kv == format!("RANK={rank}").as_bytes())
+    })
+}
+
+/// `--max-restarts 1` (torchrun's elastic restart): a worker killed mid-run stops the job, every
+/// worker starts again from the run's latest checkpoint, and the run ends with the weights of an
+/// undisturbed run. The command is given without `--`, as torchrun takes it.
+#[test]
+fn a_restarted_job_ends_where_an_undisturbed_one_does() {
+    let Some((tmp, model, tweets)) = setup(false) else {
+        return;
+    };
+    let steps = 200;
+    let args = |out: &std::path::Path| {
+        let mut a = train_args(&model, &tweets, 8, out, steps);
+        let save = a.iter().position(|a| a == "--save-strategy").unwrap();
+        a[save + 1] = "steps".into();
+        a.extend(["--save-steps".into(), "20".into()]);
+        a
+    };
+    let undisturbed = tmp.path().join("undisturbed");
+    let st = kiln()
+        .args(["launch", "--nproc-per-node", "2", "--master-port"])
+        .arg(free_ports(2).to_string())
+        .arg("--")
+        .args(args(&undisturbed))
+        .status()
+        .unwrap();
+    assert!(st.success());
+
+    let restarted = tmp.path().join("restarted");
+    let logs = tmp.path().join("logs");
+    let mut launcher = kiln()
+        .env("KILN_LOG", "info")
+        .args(["launch", "--nproc-per-node", "2", "--max-restarts", "1"])
+        .args(["--rdzv-id", "job7", "--log-dir"])
+        .arg(&logs)
+        .args(["--master-port", &free_ports(2).to_string()])
+        .args(args(&restarted))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let err = std::thread::spawn({
+        let mut stderr = launcher.stderr.take().unwrap();
+        move || {
+            let mut s = String::new();
+            std::io::Read::read_to_string(&mut stderr, &mut s).unwrap();
+            s
+        }
+    });
+    // Kill rank 1 once the first checkpoint is complete (its marker is written last).
+    let t0 = Instant::now();
+    let first = restarted.join("checkpoint-20").join("kiln_checkpoint.json");
+    while !first.exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(300),
+            "no checkpoint after 300 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let victim = worker_of_rank(launcher.id(), 1).expect("rank 1 is running");
+    // SAFETY: signals a worker process this test's launcher started.
+    unsafe { libc_kill(victim as i32, 9) };
+    let status = launcher.wait().unwrap();
+    let err = err.join().unwrap();
+    assert!(status.success(), "the restarted job failed: {err}");
+    assert!(
+        err.contains("worker rank 1 was killed by signal 9")
+            && err.contains("restarting every worker (restart 1 of 1)"),
+        "no restart reported: {err}"
+    );
+    let from: u64 = err
+        .split("restart 1: resuming from ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|p| p.rsplit("checkpoint-").next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("the restart did not resume a checkpoint: {err}"));
+    assert!(
+        (20..steps as u64).contains(&from),
+        "resumed from step {from}"
+    );
+    let diff = max_abs_diff(&weights(&restarted), &weights(&undisturbed));
+    eprintln!("killed at checkpoint 20, restarted from checkpoint-{from}: max |Δw| vs undisturbed = {diff:e}");
+    assert!(diff < 1e-5, "the restarted run differs by {diff}");
+    // It trained on after the restart rather than stopping at the checkpoint it resumed.
+    let ckpt = restarted.join(format!("checkpoint-{from}"));
+    assert!(max_abs_diff(&weights(&restarted), &weights(&ckpt)) > 1e-4);
+    // --log-dir keeps each attempt's output, per local rank.
+    for attempt in ["attempt_0", "attempt_1"] {
+        for rank in ["0", "1"] {
+            let f = logs
+                .join("job7")
+                .join(attempt)
+                .join(rank)
+                .join("stderr.log");
+            assert!(f.exists(), "{} missing", f.display());
+        }
+    }
 }

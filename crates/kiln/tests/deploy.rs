@@ -127,10 +127,11 @@ fn manifests_set_the_launcher_contract() {
             timeout: Duration::from_secs(flag("--timeout").parse().unwrap()),
             program: "kiln".into(),
             args: words[dashes + 1..].to_vec(),
+            ..LaunchOptions::default()
         };
         assert_eq!(opts.node_rank, index);
         for local in 0..opts.nproc_per_node {
-            let mut worker: BTreeMap<String, String> = worker_env(&opts, local)
+            let mut worker: BTreeMap<String, String> = worker_env(&opts, local, 0)
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))
                 .collect();

@@ -99,14 +99,14 @@ fn spawn_peer_and_run(
         node_addr: None,
         timeout,
         program: exe.clone(),
-        args: Vec::new(),
+        ..LaunchOptions::default()
     };
-    let rank0: HashMap<_, _> = worker_env(&launch, 0).into_iter().collect();
+    let rank0: HashMap<_, _> = worker_env(&launch, 0, 0).into_iter().collect();
     let env =
         DistEnv::from_lookup(|k| rank0.get(k).cloned())?.expect("two workers are distributed");
     let mut peer = Command::new(&exe)
         .args(std::env::args_os().skip(1))
-        .envs(worker_env(&launch, 1))
+        .envs(worker_env(&launch, 1, 0))
         .env("KILN_COLLECTIVES", "burn")
         .stdout(Stdio::null())
         .spawn()
@@ -209,17 +209,5 @@ fn run_steps(c: &dyn Collectives<Cpu>, op: Op, elements: usize, n: usize) -> Res
 
 /// A port `p` with `p + 1` and `p + 2` free too (rendezvous and the two tensor services).
 fn free_port_pair() -> Result<u16> {
-    for _ in 0..20 {
-        let p = std::net::TcpListener::bind(("127.0.0.1", 0))
-            .and_then(|l| l.local_addr())
-            .map_err(|e| KilnError::Distributed(format!("no free port: {e}")))?
-            .port();
-        let free = |q: u16| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok();
-        if p < 65533 && free(p + 1) && free(p + 2) {
-            return Ok(p);
-        }
-    }
-    Err(KilnError::Distributed(
-        "no three consecutive free ports".into(),
-    ))
+    crate::parallel::launch::free_port_block("127.0.0.1", 2)
 }

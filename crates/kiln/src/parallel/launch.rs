@@ -1,6 +1,9 @@
 //! `kiln launch`: starts the workers of one machine with the torchrun environment contract, prefixes
 //! their output with their rank, forwards SIGINT/SIGTERM, and ends the job as soon as one worker
-//! fails — stopping the others and naming the failed rank — instead of leaving them waiting.
+//! fails — stopping the others and naming the failed rank — instead of leaving them waiting. With
+//! `max_restarts`, a failure instead stops every worker and starts them all again (as torchrun's
+//! elastic agent does); `TORCHELASTIC_RESTART_COUNT` tells them to resume from the latest
+//! checkpoint of the run (see `train::output_dir`).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::CommandExt;
@@ -29,6 +32,37 @@ pub struct LaunchOptions {
     /// The worker program and its arguments.
     pub program: PathBuf,
     pub args: Vec<String>,
+    /// How many times a failed job is started again (`--max-restarts`).
+    pub max_restarts: usize,
+    /// The job's id (`--rdzv-id`, `TORCHELASTIC_RUN_ID`): a restarted worker resumes only a run
+    /// this job wrote.
+    pub run_id: String,
+    /// Where each attempt's worker output is also written, as torchrun lays it out:
+    /// `<log_dir>/<run_id>/attempt_<n>/<local_rank>/{stdout,stderr}.log`.
+    pub log_dir: Option<PathBuf>,
+    /// Show only rank 0's standard output (torchrun's `--local-ranks-filter 0`); every rank's
+    /// errors are still shown.
+    pub quiet: bool,
+}
+
+impl Default for LaunchOptions {
+    fn default() -> Self {
+        Self {
+            nproc_per_node: 1,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: 29500,
+            node_addr: None,
+            timeout: Duration::from_secs(60),
+            program: PathBuf::new(),
+            args: Vec::new(),
+            max_restarts: 0,
+            run_id: "none".into(),
+            log_dir: None,
+            quiet: false,
+        }
+    }
 }
 
 /// `kiln launch --backend mpi`: replaces this process by `mpirun` starting all `nnodes ×
@@ -77,23 +111,150 @@ pub fn exec_mpirun(o: &LaunchOptions, hostfile: Option<&std::path::Path>) -> Res
     )))
 }
 
-/// The environment of worker `local_rank` on this node: the torchrun contract [`super::DistEnv`]
-/// reads, plus kiln's collective timeout.
-pub fn worker_env(o: &LaunchOptions, local_rank: usize) -> Vec<(&'static str, String)> {
+/// The environment of worker `local_rank` on this node in attempt `restart` (0 first): the
+/// torchrun contract [`super::DistEnv`] reads, torchrun's elastic variables, and kiln's collective
+/// timeout.
+pub fn worker_env(
+    o: &LaunchOptions,
+    local_rank: usize,
+    restart: usize,
+) -> Vec<(&'static str, String)> {
     let world = o.nproc_per_node * o.nnodes;
+    let rank = global_rank(o, local_rank).to_string();
     let mut env = vec![
-        ("RANK", global_rank(o, local_rank).to_string()),
+        ("RANK", rank.clone()),
         ("LOCAL_RANK", local_rank.to_string()),
         ("WORLD_SIZE", world.to_string()),
         ("LOCAL_WORLD_SIZE", o.nproc_per_node.to_string()),
         ("MASTER_ADDR", o.master_addr.clone()),
         ("MASTER_PORT", o.master_port.to_string()),
+        ("GROUP_RANK", o.node_rank.to_string()),
+        ("GROUP_WORLD_SIZE", o.nnodes.to_string()),
+        ("ROLE_NAME", "default".into()),
+        ("ROLE_RANK", rank),
+        ("ROLE_WORLD_SIZE", world.to_string()),
+        ("TORCHELASTIC_RESTART_COUNT", restart.to_string()),
+        ("TORCHELASTIC_MAX_RESTARTS", o.max_restarts.to_string()),
+        ("TORCHELASTIC_RUN_ID", o.run_id.clone()),
+        // No agent holds a store on MASTER_PORT here (torchrun's does): the workers meet on it.
+        ("TORCHELASTIC_USE_AGENT_STORE", "False".into()),
         ("KILN_DIST_TIMEOUT", o.timeout.as_secs().max(1).to_string()),
     ];
     if let Some(addr) = &o.node_addr {
         env.push(("KILN_NODE_ADDR", addr.clone()));
     }
     env
+}
+
+/// Where a worker sits among the attempts of its job, when a launcher that restarts failed jobs
+/// (`kiln launch`, torchrun) started it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attempt {
+    /// `TORCHELASTIC_RUN_ID`: the job.
+    pub run_id: String,
+    /// `TORCHELASTIC_RESTART_COUNT`: 0 for the first start.
+    pub restart: usize,
+}
+
+impl Attempt {
+    /// The attempt this process belongs to, from the environment a launcher set; `None` when it
+    /// was not started by one (or the count is not a number).
+    pub fn from_env() -> Option<Self> {
+        let run_id = std::env::var("TORCHELASTIC_RUN_ID").ok()?;
+        let restart = std::env::var("TORCHELASTIC_RESTART_COUNT")
+            .map_or(Some(0), |v| v.trim().parse().ok())?;
+        Some(Self { run_id, restart })
+    }
+}
+
+/// A port `p` of `host` with `p..=p + n` all free (the rendezvous and `n` workers' tensor
+/// services), as `--standalone` picks one.
+pub fn free_port_block(host: &str, n: u16) -> Result<u16> {
+    for _ in 0..50 {
+        let p = std::net::TcpListener::bind((host, 0))
+            .and_then(|l| l.local_addr())
+            .map_err(|e| KilnError::Distributed(format!("no free port on {host}: {e}")))?
+            .port();
+        let free = |q: u16| std::net::TcpListener::bind((host, q)).is_ok();
+        if (p as usize) + (n as usize) < 65536 && (1..=n).all(|i| free(p + i)) {
+            return Ok(p);
+        }
+    }
+    Err(KilnError::Distributed(format!(
+        "no {} consecutive free ports on {host}",
+        n as usize + 1
+    )))
+}
+
+/// The GPUs workers on this machine can see: `CUDA_VISIBLE_DEVICES` when set, else the NVIDIA
+/// driver's list (none without it).
+pub fn visible_gpus() -> usize {
+    if let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") {
+        // CUDA stops at the first invalid entry, as `-1` is used to hide every GPU.
+        return v
+            .split(',')
+            .map(str::trim)
+            .take_while(|d| !d.is_empty() && !d.starts_with('-'))
+            .count();
+    }
+    std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count())
+}
+
+/// A job id for `--rdzv-id` left unset on one machine (torchrun's `--standalone` draws one too).
+pub fn fresh_run_id() -> String {
+    format!("{:08x}", rand::random::<u32>())
+}
+
+/// `--nproc-per-node` as torchrun reads it: a number, `gpu`, `cpu`, or `auto`.
+pub fn nproc_per_node(spec: &str) -> Result<usize> {
+    let cores = || std::thread::available_parallelism().map_or(1, |n| n.get());
+    match spec.trim() {
+        "cpu" => Ok(cores()),
+        "gpu" => match visible_gpus() {
+            0 => Err(KilnError::Config(
+                "--nproc-per-node gpu: this machine has no visible GPU".into(),
+            )),
+            n => Ok(n),
+        },
+        "auto" => Ok(match visible_gpus() {
+            0 => cores(),
+            n => n,
+        }),
+        n => n.parse().ok().filter(|&n| n > 0).ok_or_else(|| {
+            KilnError::Config(format!(
+                "--nproc-per-node {n:?}: give a number of workers, or gpu, cpu or auto"
+            ))
+        }),
+    }
+}
+
+/// `--nnodes` as torchrun reads it: `N`, or `MIN:MAX` with both equal.
+pub fn nnodes(spec: &str) -> Result<usize> {
+    let bad = || {
+        KilnError::Config(format!(
+            "--nnodes {spec:?}: give a number of machines (or MIN:MAX with MIN = MAX)"
+        ))
+    };
+    let n = match spec.split_once(':') {
+        None => spec.trim().parse().map_err(|_| bad())?,
+        Some((lo, hi)) => {
+            let (lo, hi): (usize, usize) = (
+                lo.trim().parse().map_err(|_| bad())?,
+                hi.trim().parse().map_err(|_| bad())?,
+            );
+            if lo != hi {
+                return Err(KilnError::Config(format!(
+                    "--nnodes {spec}: kiln runs a fixed number of machines (elastic scaling \
+                     between {lo} and {hi} is not supported); give --nnodes {hi}"
+                )));
+            }
+            lo
+        }
+    };
+    if n == 0 {
+        return Err(bad());
+    }
+    Ok(n)
 }
 
 /// This node's worker `local_rank` as a global rank.
@@ -113,32 +274,45 @@ struct Worker {
 /// The last `error: ...` line each rank printed, for the launcher's own one-line verdict.
 type LastErrors = Arc<Mutex<std::collections::BTreeMap<usize, String>>>;
 
-/// Copies `from` line by line to `to`, each line prefixed with `[rank N]`; keeps the rank's last
-/// `error:` line in `errors`.
-fn relay(
-    from: impl Read + Send + 'static,
+/// Where a worker's stream goes: the console (prefixed `[rank N]`, or not at all when `show` is
+/// false) and, with `--log-dir`, a file of its own.
+struct Sink {
     rank: usize,
     to_stderr: bool,
+    show: bool,
+    file: Option<std::fs::File>,
+}
+
+/// Copies `from` line by line to `sink`; keeps the rank's last `error:` line in `errors`.
+fn relay(
+    from: impl Read + Send + 'static,
+    mut sink: Sink,
     errors: LastErrors,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut r = BufReader::new(from);
         let mut line = Vec::new();
+        let rank = sink.rank;
         while r
             .read_until(b'\n', &mut line)
             .map(|n| n > 0)
             .unwrap_or(false)
         {
+            if let Some(f) = sink.file.as_mut() {
+                let _ = f.write_all(&line);
+            }
             let text = String::from_utf8_lossy(&line);
             let text = text.trim_end_matches(['\n', '\r']);
             if let Some(e) = text.strip_prefix("error: ") {
                 let mut errors = errors.lock().unwrap_or_else(|p| p.into_inner());
                 errors.insert(rank, e.to_string());
             }
-            if to_stderr {
-                let _ = writeln!(std::io::stderr().lock(), "[rank {rank}] {text}");
-            } else {
-                let _ = writeln!(std::io::stdout().lock(), "[rank {rank}] {text}");
+            if sink.show {
+                if sink.to_stderr {
+                    let _ = writeln!(std::io::stderr().lock(), "[rank {rank}] {text}");
+                } else {
+                    let _ = writeln!(std::io::stdout().lock(), "[rank {rank}] {text}");
+                }
             }
             line.clear();
         }
@@ -182,8 +356,47 @@ fn stop_all(workers: &mut [Worker], sig: i32) {
     }
 }
 
+/// How one attempt of the job ended, short of success.
+enum Failure {
+    Interrupted,
+    Worker {
+        rank: usize,
+        status: ExitStatus,
+        said: Option<String>,
+    },
+}
+
+impl Failure {
+    fn message(&self) -> String {
+        use std::os::unix::process::ExitStatusExt;
+        match self {
+            Failure::Interrupted => "interrupted: stopped every worker".into(),
+            Failure::Worker { rank, status, said } => {
+                let why = match (status.code(), status.signal()) {
+                    (Some(super::group::TIMEOUT_EXIT_CODE), _) => {
+                        "timed out waiting for its peers".into()
+                    }
+                    (Some(super::group::PEER_LOST_EXIT_CODE), _) => {
+                        "lost the connection to a peer".into()
+                    }
+                    (Some(c), _) => format!("exited with status {c}"),
+                    (None, Some(sig)) => format!("was killed by signal {sig}"),
+                    (None, None) => "was killed by a signal".into(),
+                };
+                // The verdict quotes the failed worker's own error line (which names the peer
+                // it waited for).
+                let said = said
+                    .as_ref()
+                    .map_or_else(String::new, |s| format!(" ({s})"));
+                format!("worker rank {rank} {why}{said}; stopped the other workers")
+            }
+        }
+    }
+}
+
 /// Runs the job's workers on this machine and waits for them. `Ok` when all exit successfully; an
-/// error naming the first rank that failed otherwise (the others are stopped).
+/// error naming the first rank that failed otherwise (the others are stopped) once
+/// `max_restarts` fresh starts of every worker have failed too.
 pub fn launch(o: &LaunchOptions) -> Result<()> {
     if o.nproc_per_node == 0 || o.nnodes == 0 {
         return Err(KilnError::Config(
@@ -203,6 +416,50 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
             o.master_port
         )));
     }
+    tracing::info!(
+        "launching {} worker(s) on node {}/{} (world size {world}, rendezvous {}:{}, run id {})",
+        o.nproc_per_node,
+        o.node_rank,
+        o.nnodes,
+        o.master_addr,
+        o.master_port,
+        o.run_id
+    );
+    let interrupted = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, interrupted.clone())
+            .map_err(|e| KilnError::Distributed(format!("installing a signal handler: {e}")))?;
+    }
+    for restart in 0.. {
+        let failure = match run_attempt(o, restart, &interrupted)? {
+            None => return Ok(()),
+            Some(f) => f,
+        };
+        let message = failure.message();
+        if matches!(failure, Failure::Interrupted) || restart >= o.max_restarts {
+            let tried = if o.max_restarts > 0 {
+                format!(" (after {restart} restart(s) of {})", o.max_restarts)
+            } else {
+                String::new()
+            };
+            return Err(KilnError::Distributed(format!("{message}{tried}")));
+        }
+        tracing::warn!(
+            "{message}; restarting every worker (restart {} of {}): they resume from the run's latest checkpoint",
+            restart + 1,
+            o.max_restarts
+        );
+    }
+    unreachable!("the attempts loop returns")
+}
+
+/// Starts every worker of this node for attempt `restart` and waits for them: `None` when all
+/// succeed.
+fn run_attempt(
+    o: &LaunchOptions,
+    restart: usize,
+    interrupted: &Arc<AtomicBool>,
+) -> Result<Option<Failure>> {
     if o.node_rank == 0 {
         // The rendezvous runs in rank 0 on this machine: fail now, clearly, if its port is taken.
         // Workers bind this machine's address (KILN_NODE_ADDR, else MASTER_ADDR), as checked here.
@@ -215,21 +472,6 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
     }
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let per_worker = (threads / o.nproc_per_node).max(1).to_string();
-    tracing::info!(
-        "launching {} worker(s) on node {}/{} (world size {world}, rendezvous {}:{})",
-        o.nproc_per_node,
-        o.node_rank,
-        o.nnodes,
-        o.master_addr,
-        o.master_port
-    );
-
-    let interrupted = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(sig, interrupted.clone())
-            .map_err(|e| KilnError::Distributed(format!("installing a signal handler: {e}")))?;
-    }
-
     let mut workers = Vec::new();
     let mut relays = Vec::new();
     let errors: LastErrors = Arc::default();
@@ -237,7 +479,7 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
         let rank = global_rank(o, local_rank);
         let mut cmd = Command::new(&o.program);
         cmd.args(&o.args)
-            .envs(worker_env(o, local_rank))
+            .envs(worker_env(o, local_rank, restart))
             .process_group(0)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -246,6 +488,22 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
         if std::env::var_os("RAYON_NUM_THREADS").is_none() {
             cmd.env("RAYON_NUM_THREADS", &per_worker);
         }
+        let files = match &o.log_dir {
+            Some(dir) => {
+                let dir = dir
+                    .join(&o.run_id)
+                    .join(format!("attempt_{restart}"))
+                    .join(local_rank.to_string());
+                std::fs::create_dir_all(&dir).map_err(|e| KilnError::io(&dir, e))?;
+                let open = |name: &str| {
+                    let p = dir.join(name);
+                    std::fs::File::create(&p).map_err(|e| KilnError::io(&p, e))
+                };
+                Some((open("stdout.log")?, open("stderr.log")?))
+            }
+            None => None,
+        };
+        let (out_file, err_file) = files.map_or((None, None), |(a, b)| (Some(a), Some(b)));
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
@@ -258,14 +516,22 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
         };
         relays.push(relay(
             child.stdout.take().expect("piped"),
-            rank,
-            false,
+            Sink {
+                rank,
+                to_stderr: false,
+                show: !o.quiet || rank == 0,
+                file: out_file,
+            },
             errors.clone(),
         ));
         relays.push(relay(
             child.stderr.take().expect("piped"),
-            rank,
-            true,
+            Sink {
+                rank,
+                to_stderr: true,
+                show: true,
+                file: err_file,
+            },
             errors.clone(),
         ));
         workers.push(Worker {
@@ -278,12 +544,7 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
     let result = loop {
         if interrupted.load(Ordering::Relaxed) {
             stop_all(&mut workers, libc::SIGTERM);
-            for w in &workers {
-                signal(&w.child, libc::SIGKILL);
-            }
-            return Err(KilnError::Distributed(
-                "interrupted: stopped every worker".into(),
-            ));
+            break Some(Failure::Interrupted);
         }
         let mut failed = None;
         for w in workers.iter_mut().filter(|w| w.status.is_none()) {
@@ -296,10 +557,14 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
         }
         if let Some((rank, status)) = failed {
             stop_all(&mut workers, libc::SIGTERM);
-            break Err((rank, status));
+            break Some(Failure::Worker {
+                rank,
+                status,
+                said: None,
+            });
         }
         if workers.iter().all(|w| w.status.is_some()) {
-            break Ok(());
+            break None;
         }
         std::thread::sleep(Duration::from_millis(50));
     };
@@ -310,24 +575,63 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
     for r in relays {
         let _ = r.join();
     }
-    // The verdict quotes the failed worker's own error line (which names the peer it waited for).
-    result.map_err(|(rank, status)| {
-        use std::os::unix::process::ExitStatusExt;
-        let said = errors
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&rank)
-            .cloned();
-        let why = match (status.code(), status.signal()) {
-            (Some(super::group::TIMEOUT_EXIT_CODE), _) => "timed out waiting for its peers".into(),
-            (Some(super::group::PEER_LOST_EXIT_CODE), _) => "lost the connection to a peer".into(),
-            (Some(c), _) => format!("exited with status {c}"),
-            (None, Some(sig)) => format!("was killed by signal {sig}"),
-            (None, None) => "was killed by a signal".into(),
+    Ok(result.map(|f| match f {
+        Failure::Worker { rank, status, .. } => Failure::Worker {
+            rank,
+            status,
+            said: errors
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&rank)
+                .cloned(),
+        },
+        other => other,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_torchruns_spellings_of_the_worker_and_machine_counts() {
+        assert_eq!(nproc_per_node("4").unwrap(), 4);
+        let cores = std::thread::available_parallelism().unwrap().get();
+        assert_eq!(nproc_per_node("cpu").unwrap(), cores);
+        assert!(nproc_per_node("0").is_err());
+        assert!(nproc_per_node("two")
+            .unwrap_err()
+            .to_string()
+            .contains("gpu, cpu or auto"));
+        assert_eq!(nnodes("3").unwrap(), 3);
+        assert_eq!(nnodes("2:2").unwrap(), 2);
+        let e = nnodes("1:4").unwrap_err().to_string();
+        assert!(e.contains("elastic scaling"), "{e}");
+        assert!(nnodes("0").is_err() && nnodes("x:2").is_err());
+    }
+
+    #[test]
+    fn workers_get_torchruns_elastic_variables() {
+        let o = LaunchOptions {
+            nproc_per_node: 2,
+            nnodes: 3,
+            node_rank: 1,
+            max_restarts: 2,
+            run_id: "job7".into(),
+            ..LaunchOptions::default()
         };
-        let said = said.map_or_else(String::new, |s| format!(" ({s})"));
-        KilnError::Distributed(format!(
-            "worker rank {rank} {why}{said}; stopped the other workers"
-        ))
-    })
+        let env: std::collections::BTreeMap<_, _> = worker_env(&o, 1, 2).into_iter().collect();
+        assert_eq!(env["RANK"], "3");
+        assert_eq!(env["GROUP_RANK"], "1");
+        assert_eq!(env["GROUP_WORLD_SIZE"], "3");
+        assert_eq!(env["ROLE_WORLD_SIZE"], "6");
+        assert_eq!(env["TORCHELASTIC_RESTART_COUNT"], "2");
+        assert_eq!(env["TORCHELASTIC_MAX_RESTARTS"], "2");
+        assert_eq!(env["TORCHELASTIC_RUN_ID"], "job7");
+        // The workers meet on MASTER_PORT itself: no agent store holds it.
+        let d = super::super::DistEnv::from_lookup(|k| env.get(k).cloned())
+            .unwrap()
+            .unwrap();
+        assert_eq!(d.master_port, o.master_port);
+    }
 }

@@ -205,10 +205,14 @@ impl DistEnv {
             )));
         }
         let master_addr = get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
-        // torchrun's agent keeps its TCP store on MASTER_PORT for the whole job: workers it
-        // started (TORCHELASTIC_RUN_ID is set) meet on the port above it instead.
-        let torchrun = usize::from(get("TORCHELASTIC_RUN_ID").is_some());
-        let master_port = num("MASTER_PORT", Some(29500))? + torchrun;
+        // torchrun's agent keeps its TCP store on MASTER_PORT for the whole job
+        // (TORCHELASTIC_USE_AGENT_STORE=True; older torchruns only set TORCHELASTIC_RUN_ID):
+        // its workers meet on the port above instead. `kiln launch` holds no store there.
+        let agent_store = match get("TORCHELASTIC_USE_AGENT_STORE") {
+            Some(v) => v.trim().eq_ignore_ascii_case("true"),
+            None => get("TORCHELASTIC_RUN_ID").is_some(),
+        };
+        let master_port = num("MASTER_PORT", Some(29500))? + usize::from(agent_store);
         let master_port = u16::try_from(master_port)
             .ok()
             .filter(|p| (*p as usize) + world_size < 65536)
@@ -273,6 +277,17 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!(e.master_port, 29401);
+        // `kiln launch` sets the elastic variables too, but no store holds MASTER_PORT.
+        let e = DistEnv::from_lookup(env(&[
+            ("WORLD_SIZE", "2"),
+            ("RANK", "1"),
+            ("MASTER_PORT", "29400"),
+            ("TORCHELASTIC_RUN_ID", "b3f1"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "False"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(e.master_port, 29400);
         assert_eq!(DistEnv::from_lookup(env(&[])).unwrap(), None);
         assert_eq!(
             DistEnv::from_lookup(env(&[("WORLD_SIZE", "1")])).unwrap(),

@@ -20,30 +20,43 @@ pub enum IntervalStrategy {
 
 #[derive(Debug, Clone, Serialize, Deserialize, clap::Args)]
 #[serde(default)]
+#[command(next_help_heading = "Training")]
 pub struct TrainingArguments {
     /// Where checkpoints, logs and the final model go.
-    #[arg(long, default_value = "runs/kiln")]
+    #[arg(
+        long,
+        default_value = "runs/kiln",
+        help_heading = "Evaluation & saving"
+    )]
     pub output_dir: PathBuf,
+    /// Passes over the training data (fractions stop part-way through the last).
     #[arg(long, default_value_t = 3.0, value_parser = finite_f64, allow_negative_numbers = true)]
     pub num_train_epochs: f64,
     /// If > 0, the total number of optimizer steps (overrides num_train_epochs).
     #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
     pub max_steps: i64,
+    /// Training examples per step in each process (before gradient accumulation).
     #[arg(long, default_value_t = 8)]
     pub per_device_train_batch_size: usize,
-    #[arg(long, default_value_t = 8)]
+    /// Evaluation examples per forward pass in each process.
+    #[arg(long, default_value_t = 8, help_heading = "Evaluation & saving")]
     pub per_device_eval_batch_size: usize,
+    /// Batches whose gradients are summed before each optimizer step.
     #[arg(long, default_value_t = 1)]
     pub gradient_accumulation_steps: usize,
+    /// The peak learning rate (after warmup).
     #[arg(long, default_value_t = 5e-5, value_parser = finite_f64, allow_negative_numbers = true)]
     pub learning_rate: f64,
     /// Decoupled weight decay (not applied to biases and LayerNorm weights).
     #[arg(long, default_value_t = 0.0, value_parser = finite_f64, allow_negative_numbers = true)]
     pub weight_decay: f64,
+    /// AdamW's first-moment decay.
     #[arg(long, default_value_t = 0.9, value_parser = finite_f64, allow_negative_numbers = true)]
     pub adam_beta1: f64,
+    /// AdamW's second-moment decay.
     #[arg(long, default_value_t = 0.999, value_parser = finite_f64, allow_negative_numbers = true)]
     pub adam_beta2: f64,
+    /// AdamW's denominator epsilon.
     #[arg(long, default_value_t = 1e-8, value_parser = finite_f64, allow_negative_numbers = true)]
     pub adam_epsilon: f64,
     /// Clip gradients to this global L2 norm (0 disables).
@@ -64,6 +77,7 @@ pub struct TrainingArguments {
     /// Fraction of total steps used for warmup when warmup_steps is 0 (transformers 4.x).
     #[arg(long, default_value_t = 0.0, value_parser = finite_f64, allow_negative_numbers = true)]
     pub warmup_ratio: f64,
+    /// Seed of the weights drawn fresh (a new classifier head), dropout and, without --data-seed, the data order.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
     /// The seed of the data order (shuffling); default: seed.
@@ -78,44 +92,47 @@ pub struct TrainingArguments {
     #[arg(long, value_parser = json_object)]
     pub lr_scheduler_kwargs: Option<serde_json::Value>,
     /// Log every N steps; below 1, a ratio of the total steps.
-    #[arg(long, default_value_t = 500.0, value_parser = steps_value)]
+    #[arg(long, default_value_t = 500.0, value_parser = steps_value, help_heading = "Evaluation & saving")]
     pub logging_steps: f64,
     /// `steps` (every logging_steps), `epoch`, or `no`.
-    #[arg(long, value_enum, default_value_t = IntervalStrategy::Steps)]
+    #[arg(long, value_enum, default_value_t = IntervalStrategy::Steps, help_heading = "Evaluation & saving")]
     pub logging_strategy: IntervalStrategy,
     /// Log the first step too.
-    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set, help_heading = "Evaluation & saving")]
     pub logging_first_step: bool,
-    #[arg(long, value_enum, default_value_t = IntervalStrategy::No)]
+    /// When to evaluate: `no`, `steps` (every eval_steps) or `epoch`.
+    #[arg(long, value_enum, default_value_t = IntervalStrategy::No, help_heading = "Evaluation & saving")]
     pub eval_strategy: IntervalStrategy,
     /// Evaluate every N steps with eval_strategy=steps (default: logging_steps); below 1, a ratio
     /// of the total steps.
-    #[arg(long, value_parser = steps_value)]
+    #[arg(long, value_parser = steps_value, help_heading = "Evaluation & saving")]
     pub eval_steps: Option<f64>,
     /// Evaluate once before the first step (a baseline).
-    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set, help_heading = "Evaluation & saving")]
     pub eval_on_start: bool,
     /// `steps`, `epoch`, `best` (whenever the evaluation metric improves) or `no`.
-    #[arg(long, value_enum, default_value_t = SaveStrategy::Steps)]
+    #[arg(long, value_enum, default_value_t = SaveStrategy::Steps, help_heading = "Evaluation & saving")]
     pub save_strategy: SaveStrategy,
     /// Save every N steps; below 1, a ratio of the total steps.
-    #[arg(long, default_value_t = 500.0, value_parser = steps_value)]
+    #[arg(long, default_value_t = 500.0, value_parser = steps_value, help_heading = "Evaluation & saving")]
     pub save_steps: f64,
     /// Checkpoints hold the model only (no optimizer, scheduler or RNG state): smaller, but a run
     /// cannot resume from them.
-    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set, help_heading = "Evaluation & saving")]
     pub save_only_model: bool,
     /// Keep at most this many checkpoints (oldest deleted first; the best one is kept).
-    #[arg(long)]
+    #[arg(long, help_heading = "Evaluation & saving")]
     pub save_total_limit: Option<usize>,
-    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
+    /// At the end, load the checkpoint with the best metric_for_best_model into the saved model.
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set, help_heading = "Evaluation & saving")]
     pub load_best_model_at_end: bool,
     /// `loss`, `accuracy`, `f1`, `f1_macro`, ... (an `eval_` prefix is optional).
-    #[arg(long)]
+    #[arg(long, help_heading = "Evaluation & saving")]
     pub metric_for_best_model: Option<String>,
     /// Defaults to false for metrics containing "loss", true otherwise.
-    #[arg(long, value_parser = hf_bool)]
+    #[arg(long, value_parser = hf_bool, help_heading = "Evaluation & saving")]
     pub greater_is_better: Option<bool>,
+    /// Drop the last incomplete batch of each epoch.
     #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
     pub dataloader_drop_last: bool,
     /// Batch examples of similar length together (less padding).
@@ -123,7 +140,7 @@ pub struct TrainingArguments {
     pub group_by_length: bool,
     /// A checkpoint folder, or `latest` (or `True`, as transformers' scripts write it) for the
     /// newest checkpoint in output_dir.
-    #[arg(long)]
+    #[arg(long, help_heading = "Evaluation & saving")]
     pub resume_from_checkpoint: Option<String>,
     /// bf16 mixed precision: Linear layers multiply bf16 operands with f32 accumulation (forward
     /// and backward); master weights, optimizer state, LayerNorm, softmax and the loss stay f32.
@@ -135,7 +152,7 @@ pub struct TrainingArguments {
     pub gradient_checkpointing: bool,
     /// Train into an --output-dir that already holds a run (its files are replaced; its checkpoints
     /// are left alone, never rotated nor resumed).
-    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set, help_heading = "Evaluation & saving")]
     pub overwrite_output_dir: bool,
     /// Skip the update of up to N steps whose loss or gradient norm is NaN or infinite (each is
     /// logged and counted) instead of stopping at the first, as large-scale trainers allow.
@@ -144,15 +161,15 @@ pub struct TrainingArguments {
     /// Tensor parallelism (optimum-neuron / NxD's name): each layer's weights cut over N
     /// processes, which must be launched together (`kiln launch --nproc-per-node`); data
     /// parallelism takes the rest of the world (DP = world / N).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, help_heading = "Parallelism")]
     pub tensor_parallel_size: usize,
     /// The batch of one optimizer step over the whole job (NxD's global batch size): the
     /// accumulation steps follow from it, `global / (per-device batch × data-parallel size)`.
-    #[arg(long)]
+    #[arg(long, help_heading = "Parallelism")]
     pub global_batch_size: Option<usize>,
     /// ZeRO stage 1 (optimum-neuron / NxD's `zero_1`): AdamW's moments are split over the
     /// data-parallel ranks, each updating its part of the parameters and sharing the result.
-    #[arg(long = "zero-1", default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
+    #[arg(long = "zero-1", default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set, help_heading = "Parallelism")]
     pub zero_1: bool,
     /// transformers fields kiln accepts without acting on them (see `hf_fields`), as given:
     /// written back to training_args.json.

@@ -18,6 +18,7 @@ use tracing::{info, warn};
 use super::checkpoint::{list_checkpoints, resolve_resume, Marker};
 use crate::error::{KilnError, Result};
 use crate::hub::files::{remove_leftovers, TEMP_PREFIX, TRASH_PREFIX};
+use crate::parallel::launch::Attempt;
 
 /// The run record kept in the output folder.
 pub const RUN_FILE: &str = "kiln_run.json";
@@ -25,6 +26,10 @@ pub const RUN_FILE: &str = "kiln_run.json";
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct RunRecord {
     run_id: String,
+    /// The launcher's job (`TORCHELASTIC_RUN_ID`) that trains into the folder, if one started it:
+    /// its restarted workers continue this run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    job: Option<String>,
 }
 
 /// A claimed output folder. The lock is held as long as this value lives.
@@ -33,6 +38,9 @@ pub struct RunDir {
     pub run_id: String,
     /// The checkpoint to resume from, resolved (`latest` → a folder).
     pub resume: Option<PathBuf>,
+    /// Whether a restarted worker continued the run its job's earlier attempt began (then
+    /// `resume` is that run's latest checkpoint, whatever `--resume-from-checkpoint` says).
+    pub restarted: bool,
     _lock: File,
 }
 
@@ -44,17 +52,22 @@ pub struct Claim<'a> {
     /// `--resume-from-checkpoint`: a folder or `latest`.
     pub resume: Option<&'a str>,
     pub overwrite: bool,
+    /// The launcher's attempt this worker belongs to, if one started it.
+    pub attempt: Option<&'a Attempt>,
 }
 
-/// The run id recorded in `output_dir`, if any.
-pub fn recorded_run_id(output_dir: &Path) -> Option<String> {
+/// The run record kept in `output_dir`, if any.
+fn recorded(output_dir: &Path) -> Option<RunRecord> {
     let path = output_dir.join(RUN_FILE);
     if !path.exists() {
         return None;
     }
-    crate::hub::read_json::<RunRecord>(&path)
-        .ok()
-        .map(|r| r.run_id)
+    crate::hub::read_json::<RunRecord>(&path).ok()
+}
+
+/// The run id recorded in `output_dir`, if any.
+pub fn recorded_run_id(output_dir: &Path) -> Option<String> {
+    recorded(output_dir).map(|r| r.run_id)
 }
 
 /// Resolves `--resume-from-checkpoint` the way [`claim`] does, for ranks that do not claim.
@@ -88,7 +101,32 @@ pub fn claim(c: &Claim) -> Result<RunDir> {
             removed.join(", ")
         );
     }
-    let recorded = recorded_run_id(dir);
+    let record = recorded(dir);
+    let job = c.attempt.map(|a| a.run_id.clone());
+    // A restarted worker of the job that began this run continues it from its latest complete
+    // checkpoint (what the first attempt was told to resume from is behind it), or, when it
+    // saved none, begins again as the first attempt did.
+    if let (Some(a), Some(r)) = (c.attempt.filter(|a| a.restart > 0), &record) {
+        if r.job.is_some() && r.job == job {
+            let latest = list_checkpoints(dir)
+                .into_iter()
+                .rev()
+                .find(|k| k.is_complete_of(Some(&r.run_id)));
+            if let Some(k) = latest {
+                info!("restart {}: resuming from {}", a.restart, k.path.display());
+                return finish_claim(dir, r.run_id.clone(), job, Some(k.path), true, lock);
+            }
+            if c.resume.is_none() {
+                info!(
+                    "restart {}: the run saved no checkpoint yet; starting it over",
+                    a.restart
+                );
+                remove_log(dir)?;
+                return finish_claim(dir, new_run_id(), job, None, true, lock);
+            }
+        }
+    }
+    let recorded = record.map(|r| r.run_id);
     let (run_id, resume) = match c.resume {
         Some(spec) => {
             let path = resolve_resume(spec, dir, recorded.as_deref())?;
@@ -119,22 +157,41 @@ pub fn claim(c: &Claim) -> Result<RunDir> {
                     previous.join(", ")
                 );
             }
-            // A fresh run starts a fresh log.
-            let log = dir.join("log.jsonl");
-            if log.exists() {
-                std::fs::remove_file(&log).map_err(|e| KilnError::io(&log, e))?;
-            }
+            remove_log(dir)?;
             (new_run_id(), None)
         }
     };
+    finish_claim(dir, run_id, job, resume, false, lock)
+}
+
+/// A fresh run starts a fresh log.
+fn remove_log(dir: &Path) -> Result<()> {
+    let log = dir.join("log.jsonl");
+    if log.exists() {
+        std::fs::remove_file(&log).map_err(|e| KilnError::io(&log, e))?;
+    }
+    Ok(())
+}
+
+/// Records the run that now owns `dir`.
+fn finish_claim(
+    dir: &Path,
+    run_id: String,
+    job: Option<String>,
+    resume: Option<PathBuf>,
+    restarted: bool,
+    lock: File,
+) -> Result<RunDir> {
     let record = serde_json::to_vec_pretty(&RunRecord {
         run_id: run_id.clone(),
+        job,
     })
     .expect("plain data serialises");
     crate::hub::atomic_write(&dir.join(RUN_FILE), &record)?;
     Ok(RunDir {
         run_id,
         resume,
+        restarted,
         _lock: lock,
     })
 }
@@ -187,6 +244,7 @@ mod tests {
             source_dir: None,
             resume,
             overwrite,
+            attempt: None,
         })
     }
 
@@ -210,6 +268,67 @@ mod tests {
         assert_eq!(recorded_run_id(&dir), Some(second.run_id.clone()));
     }
 
+    /// A folder `checkpoint-<step>` that lists as a complete checkpoint of `run_id`.
+    fn fake_checkpoint(dir: &Path, step: u64, run_id: &str) -> PathBuf {
+        let p = super::super::checkpoint::checkpoint_dir(dir, step);
+        std::fs::create_dir_all(&p).unwrap();
+        let marker = Marker {
+            run_id: run_id.into(),
+            global_step: step,
+            files: Default::default(),
+        };
+        std::fs::write(
+            p.join(super::super::checkpoint::MARKER),
+            serde_json::to_vec(&marker).unwrap(),
+        )
+        .unwrap();
+        std::fs::write(p.join("trainer_state.json"), b"{}").unwrap();
+        p
+    }
+
+    #[test]
+    fn a_restarted_worker_continues_the_run_its_job_began() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("out");
+        let job = |run_id: &str, restart| Attempt {
+            run_id: run_id.into(),
+            restart,
+        };
+        let claim_as = |a: &Attempt, overwrite| {
+            claim(&Claim {
+                output_dir: &dir,
+                source_dir: None,
+                resume: None,
+                overwrite,
+                attempt: Some(a),
+            })
+        };
+        let first = claim_as(&job("job-a", 0), false).unwrap();
+        assert!(!first.restarted);
+        drop(first);
+        // Failed before its first checkpoint: the restart begins again instead of refusing
+        // the folder its own first attempt claimed.
+        let again = claim_as(&job("job-a", 1), false).unwrap();
+        assert!(again.restarted && again.resume.is_none());
+        let id = again.run_id.clone();
+        drop(again);
+        fake_checkpoint(&dir, 4, &id);
+        let eight = fake_checkpoint(&dir, 8, &id);
+        fake_checkpoint(&dir, 12, "another-run");
+        let resumed = claim_as(&job("job-a", 2), false).unwrap();
+        assert_eq!(resumed.resume.as_deref(), Some(eight.as_path()));
+        assert_eq!(resumed.run_id, id);
+        drop(resumed);
+        // Another job's restart is no continuation: the folder holds someone else's run.
+        let e = claim_as(&job("job-b", 1), false).unwrap_err();
+        assert!(
+            e.to_string().contains("already holds a training run"),
+            "{e}"
+        );
+        // Nor is a first attempt of the same job id.
+        assert!(claim_as(&job("job-a", 0), false).is_err());
+    }
+
     #[test]
     fn the_model_folder_is_not_an_output_folder() {
         let tmp = tempfile::tempdir().unwrap();
@@ -218,6 +337,7 @@ mod tests {
             source_dir: Some(&tmp.path().join(".")),
             resume: None,
             overwrite: false,
+            attempt: None,
         })
         .unwrap_err();
         assert!(

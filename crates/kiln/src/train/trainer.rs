@@ -33,6 +33,7 @@ use crate::hub::files::write_synced;
 use crate::hub::sharded::LAYOUT_FILE;
 use crate::hub::weights::{load_into, module_shapes, module_tensors};
 use crate::ops::{profile, TrainBackend};
+use crate::parallel::launch::Attempt;
 use crate::parallel::{DataParallel, Zero1};
 use crate::task::{BatchSource, CrossEntropy, Loss, Model, TensorParallelLayout};
 
@@ -343,23 +344,53 @@ where
         }
         // Rank 0 claims the output folder (lock, leftovers, another run's files); every rank
         // resumes from the same checkpoint.
-        let resume_dir = if self.is_main() {
+        let attempt = Attempt::from_env();
+        let (mut resume_dir, mut restarted) = (None, false);
+        if self.is_main() {
             let run = claim(&Claim {
                 output_dir: &a.output_dir,
                 source_dir: self.files.source_dir.as_deref(),
                 resume: a.resume_from_checkpoint.as_deref(),
                 overwrite: a.overwrite_output_dir,
+                attempt: attempt.as_ref(),
             })?;
             self.run_id = run.run_id.clone();
-            let dir = run.resume.clone();
+            (resume_dir, restarted) = (run.resume.clone(), run.restarted);
             self.run = Some(run);
-            dir
-        } else {
-            a.resume_from_checkpoint
+        }
+        // A restarted job's ranks take rank 0's choice: only it reads the folder before
+        // rewriting the run's record. (Steps travel as f32: exact below 2^24.)
+        if attempt.is_some_and(|a| a.restart > 0) && self.parallel.size() > 1 {
+            let step = resume_dir
+                .as_deref()
+                .and_then(|p| {
+                    p.file_name()?
+                        .to_str()?
+                        .strip_prefix("checkpoint-")?
+                        .parse()
+                        .ok()
+                })
+                .map_or(0.0, |s: u64| s as f32 + 1.0);
+            let mine = if self.is_main() {
+                vec![f32::from(u8::from(restarted)), step]
+            } else {
+                vec![0.0, 0.0]
+            };
+            let chosen = self.parallel.sum_host(mine)?;
+            restarted = chosen[0] > 0.0;
+            if restarted && !self.is_main() {
+                resume_dir = (chosen[1] > 0.0).then(|| {
+                    super::checkpoint::checkpoint_dir(&a.output_dir, chosen[1] as u64 - 1)
+                });
+            }
+        }
+        if !self.is_main() && !restarted {
+            resume_dir = a
+                .resume_from_checkpoint
                 .as_deref()
                 .map(|spec| resolve_resume_for(&a.output_dir, spec))
-                .transpose()?
-        };
+                .transpose()?;
+        }
         self.tp_layout = self.model().tensor_parallel();
         self.zero = if a.zero_1 {
             self.parallel.zero1()
