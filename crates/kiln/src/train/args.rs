@@ -67,10 +67,15 @@ pub struct TrainingArguments {
     /// checked step by step against it); reduce_lr_on_plateau is not implemented.
     #[arg(long, value_enum, default_value_t = SchedulerType::Linear)]
     pub lr_scheduler_type: SchedulerType,
-    /// The optimizer: `adamw_torch` (default; `adamw_torch_fused` is the same update) or plain
-    /// `sgd` (the MNIST sample's); adafactor, lion and SGD with momentum are not implemented.
+    /// The optimizer: `adamw_torch` (default; `adamw_torch_fused` is the same update), `sgd`
+    /// (momentum etc. through --optim-args), `adafactor` or `lion_32bit`, as transformers' Trainer
+    /// builds each (checked step by step against torch, transformers and bitsandbytes).
     #[arg(long, value_enum, default_value_t = OptimizerType::AdamwTorch)]
     pub optim: OptimizerType,
+    /// Options of the optimizer as transformers reads them, `key=value,...`: for sgd,
+    /// `momentum`, `dampening` and `nesterov` (e.g. `momentum=0.9,nesterov=True`).
+    #[arg(long)]
+    pub optim_args: Option<String>,
     /// Linear warmup steps; below 1, a ratio of the total steps (transformers 5.x).
     #[arg(long, default_value_t = 0.0, value_parser = steps_value)]
     pub warmup_steps: f64,
@@ -237,7 +242,7 @@ pub fn resolve_steps(value: f64, total: u64) -> u64 {
 
 /// A boolean flag's value as Hugging Face scripts write it: `True`/`False` (any case), `1`/`0`,
 /// `yes`/`no` (HfArgumentParser's `string_to_bool`); a bare flag means true.
-fn hf_bool(s: &str) -> std::result::Result<bool, String> {
+pub(crate) fn hf_bool(s: &str) -> std::result::Result<bool, String> {
     match s.trim().to_ascii_lowercase().as_str() {
         "true" | "1" | "yes" | "y" | "t" => Ok(true),
         "false" | "0" | "no" | "n" | "f" => Ok(false),
@@ -515,9 +520,37 @@ impl TrainingArguments {
             return bad("tensor_parallel_size must be at least 1".into());
         }
         if self.zero_1 && self.optim != OptimizerType::AdamwTorch {
-            return bad(
-                "--zero-1 shards AdamW's moments; --optim sgd keeps no state to shard".into(),
-            );
+            return bad("--zero-1 shards AdamW's moments only; use --optim adamw_torch".into());
+        }
+        let given_args = self
+            .optim_args
+            .as_deref()
+            .is_some_and(|s| !s.trim().is_empty());
+        let stateful = match self.optim {
+            OptimizerType::AdamwTorch => false,
+            OptimizerType::Sgd => {
+                let rule =
+                    super::optimizers::Rule::sgd_from_optim_args(self.optim_args.as_deref())?;
+                rule.state_len(&[1]) > 0
+            }
+            OptimizerType::Adafactor | OptimizerType::Lion32bit => {
+                if given_args {
+                    tracing::warn!(
+                        "optim_args has no effect on {:?} (as in transformers, which reads it for sgd, adagrad, rmsprop and a few others)",
+                        self.optim
+                    );
+                }
+                true
+            }
+        };
+        if given_args && self.optim == OptimizerType::AdamwTorch {
+            tracing::warn!("optim_args has no effect on adamw_torch (as in transformers)");
+        }
+        if stateful && self.tensor_parallel_size > 1 {
+            return bad(format!(
+                "--optim {:?} with state under --tensor-parallel-size {}: sharded checkpoints hold AdamW's moments only; use --optim adamw_torch",
+                self.optim, self.tensor_parallel_size
+            ));
         }
         super::schedule::Schedule::new(
             self.lr_scheduler_type,

@@ -26,7 +26,6 @@ use Disposition::{OnlyNeutral, Recorded, Renamed};
 /// Fields kiln implements are the struct's own (see docs/TRAINING_ARGUMENTS.md).
 pub const HF_FIELDS: &[(&str, Disposition)] = &[
     // Optimizer and schedule.
-    ("optim_args", OnlyNeutral("optimizer argument strings are not parsed: use adam_beta1/2, adam_epsilon, weight_decay, lr_scheduler_kwargs")),
     ("optim_target_modules", OnlyNeutral("GaLore/APOLLO optimizers are not implemented")),
     ("average_tokens_across_devices", Recorded("kiln averages each batch's loss over its tokens, then over data-parallel ranks")),
     // Precision and memory.
@@ -142,7 +141,7 @@ pub const HF_FIELDS: &[(&str, Disposition)] = &[
     ("dispatch_batches", Recorded("no accelerate in kiln")),
     ("split_batches", Recorded("no accelerate in kiln")),
     ("use_legacy_prediction_loop", Recorded("kiln has one evaluation loop")),
-    ("adafactor", OnlyNeutral("Adafactor is not implemented")),
+    ("adafactor", OnlyNeutral("the 4.x switch: use optim: adafactor")),
 ];
 
 /// transformers' defaults that the generic rule of [`is_neutral`] does not cover (its

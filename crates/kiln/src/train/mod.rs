@@ -7,6 +7,7 @@ pub mod grad_sync;
 pub mod hf_fields;
 pub mod metrics;
 pub mod optim;
+pub mod optimizers;
 pub mod output_dir;
 pub mod reshard;
 pub mod schedule;

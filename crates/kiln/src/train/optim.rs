@@ -14,6 +14,7 @@ use burn::tensor::{ElementConversion, Shape, Tensor, TensorData, TensorMetadata,
 
 use crate::ops::{AdamWStep, KilnBackend};
 
+use super::optimizers::{Rule, RuleOptimizer};
 use crate::hub::weights::{map_params, HostTensor, ParamInfo, PathTracker};
 use crate::parallel::zero::{OwnedSegment, ZeroPartition};
 
@@ -198,29 +199,60 @@ pub enum OptimizerType {
     #[serde(alias = "adamw_torch_fused")]
     #[value(alias = "adamw_torch_fused")]
     AdamwTorch,
+    /// `torch.optim.SGD`; momentum, dampening and nesterov from `optim_args`.
     Sgd,
+    /// transformers' Adafactor as the Trainer builds it (no relative step, no parameter scaling).
+    Adafactor,
+    /// Lion with betas (adam_beta1, adam_beta2), as bitsandbytes' Lion32bit (`lion` also reads).
+    #[serde(rename = "lion_32bit", alias = "lion")]
+    #[value(name = "lion_32bit", alias = "lion")]
+    Lion32bit,
 }
 
-/// The trainer's optimizer: AdamW, or plain SGD (`p ← p − lr·g`, no momentum, as `torch.optim.SGD`
-/// with its defaults).
+/// The trainer's optimizer: AdamW (one fused kernel), or one of the rules in
+/// [`super::optimizers`].
 pub enum Optimizer<B: KilnBackend> {
     AdamW(AdamW<B>),
-    Sgd { step: u64 },
+    Rule(RuleOptimizer<B>),
 }
 
 impl<B: KilnBackend> Optimizer<B> {
+    /// `kind` with AdamW's settings `cfg` (Lion takes its betas, every rule the weight decay);
+    /// SGD's options come from `optim_args` (transformers' `key=value,...` string).
     pub fn new(kind: OptimizerType, cfg: AdamWConfig) -> Self {
-        match kind {
-            OptimizerType::AdamwTorch => Self::AdamW(AdamW::new(cfg)),
-            OptimizerType::Sgd => Self::Sgd { step: 0 },
-        }
+        Self::with_optim_args(kind, cfg, None).expect("no optim_args to read")
+    }
+
+    pub fn with_optim_args(
+        kind: OptimizerType,
+        cfg: AdamWConfig,
+        optim_args: Option<&str>,
+    ) -> crate::Result<Self> {
+        let rule = match kind {
+            OptimizerType::AdamwTorch => return Ok(Self::AdamW(AdamW::new(cfg))),
+            OptimizerType::Sgd => Rule::sgd_from_optim_args(optim_args)?,
+            OptimizerType::Adafactor => Rule::Adafactor { beta1: None },
+            OptimizerType::Lion32bit => Rule::Lion {
+                beta1: cfg.beta1,
+                beta2: cfg.beta2,
+            },
+        };
+        Ok(Self::Rule(RuleOptimizer::new(rule, cfg.weight_decay)))
     }
 
     /// Optimizer steps taken.
     pub fn steps(&self) -> u64 {
         match self {
             Self::AdamW(a) => a.step,
-            Self::Sgd { step } => *step,
+            Self::Rule(r) => r.step,
+        }
+    }
+
+    /// f32 values of optimizer state for parameters of these shapes.
+    pub fn state_len<'a>(&self, shapes: impl Iterator<Item = &'a Vec<usize>>) -> usize {
+        match self {
+            Self::AdamW(_) => shapes.map(|s| 2 * s.iter().product::<usize>()).sum(),
+            Self::Rule(r) => shapes.map(|s| r.rule.state_len(s)).sum(),
         }
     }
 
@@ -231,23 +263,27 @@ impl<B: KilnBackend> Optimizer<B> {
     {
         match self {
             Self::AdamW(a) => a.step::<AB, M>(model, lr, grads),
-            Self::Sgd { step } => {
-                *step += 1;
+            Self::Rule(r) => {
+                r.step += 1;
                 let GradAccumulator { mut grads, factor } = grads;
                 map_params(model, |info, value: FloatTensor<AB>| {
                     let Some(g) = grads.remove(info.path) else {
                         return value;
                     };
+                    let g = if factor != 1.0 { g * factor } else { g };
+                    let dims = value.shape().dims.clone();
                     update_flat::<AB>(value, |p| {
                         let p = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(p));
-                        (p - g * (lr * factor)).into_primitive().tensor()
+                        r.update(info.path, &dims, p, g, lr, decays(info))
+                            .into_primitive()
+                            .tensor()
                     })
                 })
             }
         }
     }
 
-    /// [`AdamW::step_zero1`]; SGD keeps no state to shard (the trainer refuses the pair first).
+    /// [`AdamW::step_zero1`]; the other rules are not sharded (the trainer refuses the pair first).
     pub fn step_zero1<AB, M>(
         &mut self,
         model: M,
@@ -262,25 +298,26 @@ impl<B: KilnBackend> Optimizer<B> {
     {
         match self {
             Self::AdamW(a) => a.step_zero1::<AB, M>(model, lr, partition, chunk, gather),
-            Self::Sgd { .. } => Err(crate::KilnError::Config(
-                "--zero-1 shards AdamW's state; --optim sgd keeps none".into(),
+            Self::Rule(_) => Err(crate::KilnError::Config(
+                "--zero-1 shards AdamW's state only; use --optim adamw_torch".into(),
             )),
         }
     }
 
-    /// Which values of each parameter the saved state covers (none for SGD).
+    /// Which values of each parameter the saved state covers (AdamW's; the rules save whole
+    /// parameters only).
     pub fn covers(&self) -> BTreeMap<String, Range<usize>> {
         match self {
             Self::AdamW(a) => a.covers().clone(),
-            Self::Sgd { .. } => BTreeMap::new(),
+            Self::Rule(_) => BTreeMap::new(),
         }
     }
 
-    /// Saved state (AdamW moments; SGD has none).
+    /// Saved state (AdamW moments, or the rule's slots).
     pub fn state_tensors(&self) -> BTreeMap<String, HostTensor> {
         match self {
             Self::AdamW(a) => a.state_tensors(),
-            Self::Sgd { .. } => BTreeMap::new(),
+            Self::Rule(r) => r.state_tensors(),
         }
     }
 
@@ -293,7 +330,7 @@ impl<B: KilnBackend> Optimizer<B> {
     ) {
         match self {
             Self::AdamW(a) => a.load_state(step, tensors, covers, device),
-            Self::Sgd { step: s } => *s = step,
+            Self::Rule(r) => r.load_state(step, tensors, device),
         }
     }
 }

@@ -151,6 +151,10 @@ pub fn write_layout(tmp: &Path, tp_size: usize, dp_size: usize, zero: bool) -> R
     write_json_file(tmp, LAYOUT_FILE, &layout)
 }
 
+/// Optimizer state slots not shaped like their parameter (Adafactor's factored second moment);
+/// every other slot (AdamW's and Lion's `exp_avg`, `exp_avg_sq`, SGD's `momentum_buffer`) is.
+const FACTORED_SLOTS: [&str; 2] = ["exp_avg_sq_row", "exp_avg_sq_col"];
+
 /// What a rank resumes from: its model shard and its moments (with the values they cover).
 pub struct RankState {
     pub model: BTreeMap<String, HostTensor>,
@@ -200,7 +204,12 @@ pub fn read_rank_state(
             };
             let mut cut_moments = BTreeMap::new();
             for (key, m) in &moments {
-                let name = key.rsplit_once('.').map_or(key.as_str(), |(n, _)| n);
+                let (name, slot) = key.rsplit_once('.').unwrap_or((key.as_str(), ""));
+                if FACTORED_SLOTS.contains(&slot) {
+                    // Adafactor's row and column statistics are not shaped like the parameter.
+                    cut_moments.insert(key.clone(), m.clone());
+                    continue;
+                }
                 let Some(w) = whole.get(name) else { continue };
                 // A plain checkpoint keeps moments flat: they take their parameter's shape.
                 let m = HostTensor {
@@ -241,8 +250,22 @@ pub fn read_rank_state(
             .map(|(p, s)| (p.clone(), 0..s.iter().product()))
             .collect(),
     };
+    for (key, m) in &moments {
+        if key
+            .rsplit_once('.')
+            .is_some_and(|(_, slot)| FACTORED_SLOTS.contains(&slot))
+        {
+            if partition.is_some() {
+                return Err(KilnError::Checkpoint(format!(
+                    "{}: {key} is Adafactor state, which ZeRO-1 does not split",
+                    dir.display()
+                )));
+            }
+            kept.insert(key.clone(), m.clone());
+        }
+    }
     for (path, within) in owned {
-        for moment in ["exp_avg", "exp_avg_sq"] {
+        for moment in ["exp_avg", "exp_avg_sq", "momentum_buffer"] {
             let key = format!("{path}.{moment}");
             if let Some(m) = moments.get(&key) {
                 let Some(data) = m.data.get(within.clone()).map(<[f32]>::to_vec) else {

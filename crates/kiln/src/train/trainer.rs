@@ -117,15 +117,8 @@ where
         loss: L,
         files: ModelFiles,
     ) -> Self {
-        let optimizer = Optimizer::new(
-            args.optim,
-            AdamWConfig {
-                beta1: args.adam_beta1,
-                beta2: args.adam_beta2,
-                eps: args.adam_epsilon,
-                weight_decay: args.weight_decay,
-            },
-        );
+        // Built again from the checked arguments when training starts (optim_args may be bad).
+        let optimizer = Optimizer::new(args.optim, adamw_config(&args));
         Self {
             args,
             model: Some(model),
@@ -332,6 +325,8 @@ where
         self.args.resolve_global_batch(self.parallel.size())?;
         let a = self.args.clone();
         a.validate()?;
+        self.optimizer =
+            Optimizer::with_optim_args(a.optim, adamw_config(&a), a.optim_args.as_deref())?;
         crate::ops::set_matmul_precision(if a.bf16 {
             crate::ops::MatmulPrecision::Bf16
         } else {
@@ -449,10 +444,11 @@ where
                 .values()
                 .map(|s| s.iter().product::<usize>())
                 .sum();
-            let moments = match (a.optim, &self.zero) {
-                (crate::train::OptimizerType::Sgd, _) => 0,
-                (_, Some(z)) => 2 * weights.div_ceil(z.size()),
-                (_, None) => 2 * weights,
+            let moments = match &self.zero {
+                Some(z) => 2 * weights.div_ceil(z.size()),
+                None => self
+                    .optimizer
+                    .state_len(module_shapes(self.model()).values()),
             };
             let mb = |n: usize| n as f64 * 4.0 / 1e6;
             info!(
@@ -1270,4 +1266,13 @@ pub fn format_metrics(m: &BTreeMap<String, f64>) -> String {
 
 pub fn write_json<T: serde::Serialize>(path: &Path, v: &T) -> Result<()> {
     crate::hub::atomic_write(path, &serde_json::to_vec_pretty(v).expect("json"))
+}
+/// AdamW's settings from the arguments (Lion takes the betas, every optimizer the weight decay).
+fn adamw_config(a: &TrainingArguments) -> AdamWConfig {
+    AdamWConfig {
+        beta1: a.adam_beta1,
+        beta2: a.adam_beta2,
+        eps: a.adam_epsilon,
+        weight_decay: a.weight_decay,
+    }
 }
