@@ -522,10 +522,6 @@ impl TrainingArguments {
         if self.zero_1 && self.optim != OptimizerType::AdamwTorch {
             return bad("--zero-1 shards AdamW's moments only; use --optim adamw_torch".into());
         }
-        let given_args = self
-            .optim_args
-            .as_deref()
-            .is_some_and(|s| !s.trim().is_empty());
         let stateful = match self.optim {
             OptimizerType::AdamwTorch => false,
             OptimizerType::Sgd => {
@@ -533,19 +529,8 @@ impl TrainingArguments {
                     super::optimizers::Rule::sgd_from_optim_args(self.optim_args.as_deref())?;
                 rule.state_len(&[1]) > 0
             }
-            OptimizerType::Adafactor | OptimizerType::Lion32bit => {
-                if given_args {
-                    tracing::warn!(
-                        "optim_args has no effect on {:?} (as in transformers, which reads it for sgd, adagrad, rmsprop and a few others)",
-                        self.optim
-                    );
-                }
-                true
-            }
+            OptimizerType::Adafactor | OptimizerType::Lion32bit => true,
         };
-        if given_args && self.optim == OptimizerType::AdamwTorch {
-            tracing::warn!("optim_args has no effect on adamw_torch (as in transformers)");
-        }
         if stateful && self.tensor_parallel_size > 1 {
             return bad(format!(
                 "--optim {:?} with state under --tensor-parallel-size {}: sharded checkpoints hold AdamW's moments only; use --optim adamw_torch",

@@ -228,6 +228,11 @@ impl<B: KilnBackend> Optimizer<B> {
         cfg: AdamWConfig,
         optim_args: Option<&str>,
     ) -> crate::Result<Self> {
+        if kind != OptimizerType::Sgd && optim_args.is_some_and(|s| !s.trim().is_empty()) {
+            tracing::warn!(
+                "optim_args has no effect on {kind:?} (as in transformers, which reads it for sgd, adagrad, rmsprop and a few others)"
+            );
+        }
         let rule = match kind {
             OptimizerType::AdamwTorch => return Ok(Self::AdamW(AdamW::new(cfg))),
             OptimizerType::Sgd => Rule::sgd_from_optim_args(optim_args)?,
