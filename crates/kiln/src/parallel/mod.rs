@@ -78,6 +78,24 @@ fn mpi_launcher_env() -> bool {
         .any(|k| std::env::var_os(k).is_some())
 }
 
+/// Linux's default range of ephemeral ports (`ip_local_port_range`), a constant rather than read
+/// from /proc so that every machine of a job computes the same port.
+const EPHEMERAL_PORTS: std::ops::RangeInclusive<usize> = 32768..=60999;
+
+/// Where kiln's workers meet when torchrun's store holds `store_port`: the port above it, unless
+/// that block of ports lies in the ephemeral range. torchrun usually draws its store port there,
+/// and the kernel hands out the ports right above it to outgoing connections (torchrun's own
+/// clients among them), so a block there is often taken; kiln then meets at
+/// `20000 + store_port mod 10000`, below the range, where no connection takes a port.
+fn beside_agent_store(store_port: usize, world_size: usize) -> usize {
+    let above = store_port + 1;
+    if EPHEMERAL_PORTS.contains(&above) || EPHEMERAL_PORTS.contains(&(above + world_size)) {
+        20_000 + store_port % 10_000
+    } else {
+        above
+    }
+}
+
 /// A job this process joined: its collectives over the whole world, and where it sits.
 pub struct Joined<B: Backend> {
     pub world: Arc<dyn Collectives<B>>,
@@ -212,7 +230,12 @@ impl DistEnv {
             Some(v) => v.trim().eq_ignore_ascii_case("true"),
             None => get("TORCHELASTIC_RUN_ID").is_some(),
         };
-        let master_port = num("MASTER_PORT", Some(29500))? + usize::from(agent_store);
+        let master_port = num("MASTER_PORT", Some(29500))?;
+        let master_port = if agent_store {
+            beside_agent_store(master_port, world_size)
+        } else {
+            master_port
+        };
         let master_port = u16::try_from(master_port)
             .ok()
             .filter(|p| (*p as usize) + world_size < 65536)
@@ -277,6 +300,8 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!(e.master_port, 29401);
+        // A store port in the ephemeral range: kiln meets below it.
+        assert_eq!(beside_agent_store(36427, 2), 26427);
         // `kiln launch` sets the elastic variables too, but no store holds MASTER_PORT.
         let e = DistEnv::from_lookup(env(&[
             ("WORLD_SIZE", "2"),
