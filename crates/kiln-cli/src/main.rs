@@ -1086,7 +1086,15 @@ fn launch_options(
     }
     let (master_addr, master_port) = if cmd.standalone {
         let addr = "127.0.0.1".to_string();
-        let port = launch::free_port_block(&addr, nproc_per_node as u16 + 1)?;
+        let workers = u16::try_from(nproc_per_node)
+            .ok()
+            .filter(|n| *n < u16::MAX)
+            .with_context(|| {
+                format!(
+                    "--nproc-per-node {nproc_per_node}: too many workers for one machine's ports"
+                )
+            })?;
+        let port = launch::free_port_block(&addr, workers + 1)?;
         (addr, port)
     } else if let Some(ep) = &cmd.rdzv_endpoint {
         match ep.rsplit_once(':') {

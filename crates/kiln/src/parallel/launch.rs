@@ -158,12 +158,20 @@ pub struct Attempt {
 
 impl Attempt {
     /// The attempt this process belongs to, from the environment a launcher set; `None` when it
-    /// was not started by one (or the count is not a number).
-    pub fn from_env() -> Option<Self> {
-        let run_id = std::env::var("TORCHELASTIC_RUN_ID").ok()?;
-        let restart = std::env::var("TORCHELASTIC_RESTART_COUNT")
-            .map_or(Some(0), |v| v.trim().parse().ok())?;
-        Some(Self { run_id, restart })
+    /// was not started by one.
+    pub fn from_env() -> Result<Option<Self>> {
+        let Ok(run_id) = std::env::var("TORCHELASTIC_RUN_ID") else {
+            return Ok(None);
+        };
+        let restart = match std::env::var("TORCHELASTIC_RESTART_COUNT") {
+            Err(_) => 0,
+            Ok(v) => v.trim().parse().map_err(|_| {
+                KilnError::Distributed(format!(
+                    "TORCHELASTIC_RESTART_COUNT={v:?} is not a non-negative integer"
+                ))
+            })?,
+        };
+        Ok(Some(Self { run_id, restart }))
     }
 }
 

@@ -525,9 +525,8 @@ impl TrainingArguments {
         let stateful = match self.optim {
             OptimizerType::AdamwTorch => false,
             OptimizerType::Sgd => {
-                let rule =
-                    super::optimizers::Rule::sgd_from_optim_args(self.optim_args.as_deref())?;
-                rule.state_len(&[1]) > 0
+                super::optimizers::Rule::sgd_from_optim_args(self.optim_args.as_deref())?
+                    .keeps_state()
             }
             OptimizerType::Adafactor | OptimizerType::Lion32bit => true,
         };

@@ -88,6 +88,11 @@ impl Rule {
         })
     }
 
+    /// Whether the rule keeps state between steps (all but plain SGD).
+    pub fn keeps_state(&self) -> bool {
+        !matches!(self, Self::Sgd { momentum, .. } if *momentum == 0.0)
+    }
+
     /// f32 values of state this rule keeps for a parameter of shape `dims`.
     pub fn state_len(&self, dims: &[usize]) -> usize {
         let n: usize = dims.iter().product();

@@ -251,18 +251,33 @@ pub fn read_rank_state(
             .collect(),
     };
     for (key, m) in &moments {
-        if key
+        let Some((path, slot)) = key
             .rsplit_once('.')
-            .is_some_and(|(_, slot)| FACTORED_SLOTS.contains(&slot))
-        {
-            if partition.is_some() {
-                return Err(KilnError::Checkpoint(format!(
-                    "{}: {key} is Adafactor state, which ZeRO-1 does not split",
-                    dir.display()
-                )));
-            }
-            kept.insert(key.clone(), m.clone());
+            .filter(|(_, slot)| FACTORED_SLOTS.contains(slot))
+        else {
+            continue;
+        };
+        if partition.is_some() {
+            return Err(KilnError::Checkpoint(format!(
+                "{}: {key} is Adafactor state, which ZeRO-1 does not split",
+                dir.display()
+            )));
         }
+        // A row statistic has one value per row of the last two dimensions, a column one per
+        // column: checked here, so a checkpoint of another model is a sentence, not a panic.
+        let needed = shapes.get(path).filter(|d| d.len() >= 2).map(|d| {
+            let n: usize = d.iter().product();
+            n / d[d.len() - if slot == "exp_avg_sq_row" { 1 } else { 2 }].max(1)
+        });
+        if needed != Some(m.data.len()) {
+            return Err(KilnError::Checkpoint(format!(
+                "{}: {key} has {} values; this model's {path} has shape {:?}",
+                dir.display(),
+                m.data.len(),
+                shapes.get(path)
+            )));
+        }
+        kept.insert(key.clone(), m.clone());
     }
     for (path, within) in owned {
         for moment in ["exp_avg", "exp_avg_sq", "momentum_buffer"] {

@@ -339,7 +339,7 @@ where
         }
         // Rank 0 claims the output folder (lock, leftovers, another run's files); every rank
         // resumes from the same checkpoint.
-        let attempt = Attempt::from_env();
+        let attempt = Attempt::from_env()?;
         let (mut resume_dir, mut restarted) = (None, false);
         if self.is_main() {
             let run = claim(&Claim {
