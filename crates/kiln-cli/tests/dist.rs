@@ -18,7 +18,7 @@ fn kiln() -> Command {
 }
 
 /// The heart of data parallelism: 2 workers × batch 8 take the same optimizer steps as one process
-/// × batch 16 over the same samples (dropout off, fp32).
+/// × batch 16 over the same samples (dropout off, fp32), and count the same total_flos.
 #[test]
 fn two_workers_of_8_equal_one_process_of_16() {
     let Some((tmp, model, tweets)) = setup(false) else {
@@ -34,14 +34,23 @@ fn two_workers_of_8_equal_one_process_of_16() {
         }
         let st = c
             .args(train_args(&model, &tweets, batch, &out, 4))
+            .arg("--pad-to-max-length")
             .status()
             .unwrap();
         assert!(st.success(), "{name} failed");
-        weights(&out)
+        let state = std::fs::read_to_string(out.join("trainer_state.json")).unwrap();
+        let state: serde_json::Value = serde_json::from_str(&state).unwrap();
+        (weights(&out), state["total_flos"].as_f64().unwrap())
     };
-    let single = run(16, 1, "single16");
-    let ddp = run(8, 2, "ddp2x8");
-    let half = run(8, 1, "single8");
+    let (single, single_flos) = run(16, 1, "single16");
+    let (ddp, ddp_flos) = run(8, 2, "ddp2x8");
+    let (half, _) = run(8, 1, "single8");
+    // total_flos counts every rank's tokens, as transformers' store_flos sums them.
+    assert!(single_flos > 0.0);
+    assert!(
+        (ddp_flos - single_flos).abs() <= 1e-6 * single_flos,
+        "total_flos: 2 workers {ddp_flos}, one process {single_flos}"
+    );
     // Two "machines" on loopback: two launchers, one worker each, --nnodes 2.
     let two_nodes = tmp.path().join("two_nodes");
     let port = free_ports(2).to_string();

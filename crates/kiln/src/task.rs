@@ -25,6 +25,19 @@ pub trait Model<B: Backend>: Module<B> {
         None
     }
 
+    /// Elements of the batch's `input_ids`, padding included: the tokens transformers' Trainer
+    /// counts for `total_flos` (6 × tokens × non-embedding parameters). 0, the default, for a
+    /// model without token inputs (no flos are counted, as transformers counts none).
+    fn input_ids_numel(&self, _batch: &Self::Batch) -> usize {
+        0
+    }
+
+    /// Names of the embedding tables, which `total_flos` leaves out as transformers'
+    /// `num_parameters(exclude_embeddings=True)` does.
+    fn embedding_parameters(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// Under tensor parallelism: how each parameter (by its Hugging Face name) is cut over the
     /// group, and the group. `None`, the default, for a whole model.
     fn tensor_parallel(&self) -> Option<TensorParallelLayout> {
@@ -63,7 +76,7 @@ pub trait Segments<B: Backend, Batch> {
     /// Layer `i` (0-based); `batch` gives what every layer needs besides `x` (positions).
     fn layer(&self, i: usize, x: Tensor<B, 3>, batch: &Batch) -> Tensor<B, 3>;
     /// The last segment: hidden states → logits `[N, C]`, one row per target.
-    fn head(&self, h: Tensor<B, 3>) -> Tensor<B, 2>;
+    fn head(&self, h: Tensor<B, 3>, batch: &Batch) -> Tensor<B, 2>;
 }
 
 /// A dataset the trainer can batch.

@@ -173,4 +173,113 @@ fn every_optimizers_state_resumes_exactly() {
         finals.push(weights(&full));
     }
     assert!(max_diff(&finals[1], &finals[2]) > 1e-4 && max_diff(&finals[0], &finals[1]) > 1e-4);
+
+    // Another optimizer would drop the checkpoint's state: refused, naming both.
+    let other = tmp.path().join("other-optim");
+    copy_dir(
+        &tmp.path().join("Sgd-full/checkpoint-4"),
+        &other.join("checkpoint-4"),
+    );
+    let Err(e) = train::<CpuTrain, _>(
+        &opts,
+        TrainingArguments {
+            optim: OptimizerType::Adafactor,
+            ..args(&other, Some("latest"))
+        },
+        &device,
+        CrossEntropy,
+        quiet,
+    ) else {
+        panic!("resuming SGD's state with Adafactor was not refused");
+    };
+    let e = e.to_string();
+    assert!(
+        e.contains("trained with optim sgd") && e.contains("with adafactor"),
+        "{e}"
+    );
+}
+
+/// reduce_lr_on_plateau in a real run: evaluated every 2 steps, each evaluation's eval_loss steps
+/// the scheduler (replayed here with `Plateau`, whose rule is checked against torch in
+/// `train::schedule`), the next steps train at the rate it gives, and a run resumed from
+/// checkpoint-4 picks the state up from scheduler.json and ends with the same rates and weights.
+#[test]
+fn reduce_lr_on_plateau_follows_the_evaluations_and_resumes() {
+    use kiln::train::schedule::{Plateau, Schedule, SchedulerType};
+    use kiln::train::IntervalStrategy;
+    let Some((tmp, mut opts)) = tiny_model_and_tweets() else {
+        return;
+    };
+    opts.data.eval_split = Some(0.25);
+    let device = CpuDevice::default();
+    let quiet = |t: &mut kiln::train::Trainer<CpuTrain, _, _>| t.progress = false;
+    // Demanding a 30 % better loss at every evaluation makes the rate drop within a few.
+    let kwargs = serde_json::json!({"patience": 0, "factor": 0.5, "threshold": 0.3});
+    let args = |out: &Path, resume: Option<&str>| TrainingArguments {
+        lr_scheduler_type: SchedulerType::ReduceLrOnPlateau,
+        lr_scheduler_kwargs: Some(kwargs.clone()),
+        warmup_steps: 0.0,
+        eval_strategy: IntervalStrategy::Steps,
+        eval_steps: Some(2.0),
+        ..args(out, resume)
+    };
+    let full = tmp.path().join("plateau-full");
+    train::<CpuTrain, _>(&opts, args(&full, None), &device, CrossEntropy, quiet).unwrap();
+    let history = |dir: &Path| -> Vec<serde_json::Value> {
+        let s = std::fs::read_to_string(dir.join("trainer_state.json")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&s).unwrap();
+        v["log_history"].as_array().unwrap().clone()
+    };
+    let rates = |h: &[serde_json::Value]| -> Vec<f64> {
+        h.iter()
+            .filter_map(|e| e.get("learning_rate").and_then(|v| v.as_f64()))
+            .collect()
+    };
+
+    // Replay: the rate of step s is the plateau's after the evaluations before it.
+    let sched = Schedule::new(SchedulerType::ReduceLrOnPlateau, Some(&kwargs), 1e-3).unwrap();
+    let mut p = Plateau::new(1e-3);
+    let mut want = Vec::new();
+    for e in history(&full) {
+        if e.get("learning_rate").is_some() {
+            want.push(p.lr);
+        }
+        if let Some(l) = e.get("eval_loss").and_then(|v| v.as_f64()) {
+            p.step(l, &sched.kw);
+        }
+    }
+    let got = rates(&history(&full));
+    assert_eq!(got.len(), 8, "one logged rate per step");
+    assert_eq!(got, want, "logged rates against the replayed plateau");
+    assert!(got[7] < got[0], "the rate never dropped: {got:?}");
+    let saved: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(full.join("checkpoint-4/scheduler.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(saved["plateau"]["last_epoch"], 2, "{saved}");
+
+    let resumed = tmp.path().join("plateau-resumed");
+    copy_dir(&full.join("checkpoint-4"), &resumed.join("checkpoint-4"));
+    train::<CpuTrain, _>(
+        &opts,
+        args(&resumed, Some("latest")),
+        &device,
+        CrossEntropy,
+        quiet,
+    )
+    .unwrap();
+    assert_eq!(rates(&history(&resumed)), got);
+    let (a, b) = (
+        read_safetensors(&full.join("model.safetensors")).unwrap(),
+        read_safetensors(&resumed.join("model.safetensors")).unwrap(),
+    );
+    for (k, t) in &a {
+        let d = t
+            .data
+            .iter()
+            .zip(&b[k].data)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(d <= 1e-6, "{k}: resumed differs by {d}");
+    }
 }

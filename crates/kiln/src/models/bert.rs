@@ -11,7 +11,7 @@ use super::layers::{Embedding, LayerNorm, Linear};
 use crate::data::batch::TextBatch;
 use crate::hub::config::BertConfig;
 use crate::ops::{attention_qkv, dropout, gelu, linear, reshape, KilnBackend};
-use crate::task::Model;
+use crate::task::{Model, Segments};
 
 /// One tokenized, padded batch. Masks are 1 for real tokens and 0 for padding.
 #[derive(Debug, Clone)]
@@ -321,21 +321,30 @@ impl<B: KilnBackend> BertForSequenceClassification<B> {
         self.classifier.weight.dims()[0]
     }
 
-    /// Logits `[B, num_labels]`.
+    /// Logits `[B, num_labels]`: the segments one after the other.
     pub fn forward(&self, input: &BertInput<B>) -> Tensor<B, 2> {
-        let b = input.input_ids.dims()[0];
-        // Additive mask: 0 where attended, the most negative float where padded (as transformers).
-        let mask_bias = (input.attention_mask.clone().float().neg() + 1.0).mul_scalar(f32::MIN);
-        let mut x = self.bert.embeddings.forward(input);
-        let unpadded = input.unpadded.as_ref();
-        if let Some(u) = unpadded {
-            x = u.pack(x);
-        }
+        let mask_bias = mask_bias(input);
+        let mut x = self.embed_input(input);
         for layer in &self.bert.encoder.layer {
-            x = layer.forward(x, mask_bias.clone(), unpadded);
+            x = layer.forward(x, mask_bias.clone(), input.unpadded.as_ref());
         }
+        self.head_input(x, input)
+    }
+
+    /// The embeddings' output, packed to the real tokens when the batch is right-padded.
+    fn embed_input(&self, input: &BertInput<B>) -> Tensor<B, 3> {
+        let x = self.bert.embeddings.forward(input);
+        match &input.unpadded {
+            Some(u) => u.pack(x),
+            None => x,
+        }
+    }
+
+    /// The last layer's output → pooler → classifier.
+    fn head_input(&self, x: Tensor<B, 3>, input: &BertInput<B>) -> Tensor<B, 2> {
+        let b = input.input_ids.dims()[0];
         let h = x.dims()[2];
-        let cls = match unpadded {
+        let cls = match &input.unpadded {
             Some(u) => reshape::<B, 3, 2>(x, [u.tokens.dims()[0], h]).select(0, u.first.clone()),
             None => x.slice([0..b, 0..1, 0..h]).reshape([b, h]),
         };
@@ -343,13 +352,58 @@ impl<B: KilnBackend> BertForSequenceClassification<B> {
         self.classifier
             .forward(dropout(pooled, self.classifier_dropout))
     }
+
+    fn input(&self, batch: &TextBatch) -> BertInput<B> {
+        BertInput::from_batch(batch, &self.classifier.weight.device())
+    }
+}
+
+/// Additive attention mask `[B, T]`: 0 where attended, the most negative float where padded (as
+/// transformers).
+fn mask_bias<B: KilnBackend>(input: &BertInput<B>) -> Tensor<B, 2> {
+    (input.attention_mask.clone().float().neg() + 1.0).mul_scalar(f32::MIN)
+}
+
+/// Embeddings, encoder layers, pooler + classifier: the segments activation checkpointing
+/// (`--gradient-checkpointing`) recomputes one at a time. Each call rebuilds the batch's small
+/// index tensors, which keeps the segments stateless.
+impl<B: KilnBackend> Segments<B, TextBatch> for BertForSequenceClassification<B> {
+    fn num_layers(&self) -> usize {
+        self.bert.encoder.layer.len()
+    }
+
+    fn embed(&self, batch: &TextBatch) -> Tensor<B, 3> {
+        self.embed_input(&self.input(batch))
+    }
+
+    fn layer(&self, i: usize, x: Tensor<B, 3>, batch: &TextBatch) -> Tensor<B, 3> {
+        let input = self.input(batch);
+        self.bert.encoder.layer[i].forward(x, mask_bias(&input), input.unpadded.as_ref())
+    }
+
+    fn head(&self, h: Tensor<B, 3>, batch: &TextBatch) -> Tensor<B, 2> {
+        self.head_input(h, &self.input(batch))
+    }
 }
 
 impl<B: KilnBackend> Model<B> for BertForSequenceClassification<B> {
     type Batch = TextBatch;
 
     fn logits(&self, batch: &TextBatch) -> Tensor<B, 2> {
-        let device = self.classifier.weight.device();
-        self.forward(&BertInput::from_batch(batch, &device))
+        self.forward(&self.input(batch))
+    }
+
+    fn segments(&self) -> Option<&dyn Segments<B, TextBatch>> {
+        Some(self)
+    }
+
+    fn input_ids_numel(&self, batch: &TextBatch) -> usize {
+        batch.batch * batch.seq
+    }
+
+    fn embedding_parameters(&self) -> Vec<String> {
+        ["word", "position", "token_type"]
+            .map(|e| format!("bert.embeddings.{e}_embeddings.weight"))
+            .into()
     }
 }

@@ -698,6 +698,17 @@ pub fn reseed_dropout(seed: u64) {
     DROPOUT_STREAM.with(|s| s.set(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
 }
 
+/// Where this thread's dropout stream stands: with [`set_dropout_position`], activation
+/// checkpointing recomputes a segment with the very masks its first forward pass drew.
+pub fn dropout_position() -> u64 {
+    DROPOUT_STREAM.with(|s| s.get())
+}
+
+/// Puts this thread's dropout stream back where [`dropout_position`] found it.
+pub fn set_dropout_position(position: u64) {
+    DROPOUT_STREAM.with(|s| s.set(position));
+}
+
 /// The seed of the next dropout mask on this thread.
 fn next_dropout_seed() -> u64 {
     DROPOUT_STREAM.with(|s| {

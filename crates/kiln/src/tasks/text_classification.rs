@@ -317,9 +317,6 @@ pub fn train<B: TrainBackend, L: Loss>(
         .collect(),
         source_dir: Some(md.dir.clone()),
     };
-    if args.gradient_checkpointing {
-        warn!("--gradient-checkpointing applies to causal LMs; BERT trains without it");
-    }
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files);
     trainer.label_names = Some(labels.names().to_vec());
     trainer.parallel = parallel;

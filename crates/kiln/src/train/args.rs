@@ -64,7 +64,8 @@ pub struct TrainingArguments {
     pub max_grad_norm: f64,
     /// linear, cosine, constant, constant_with_warmup, cosine_with_restarts, polynomial,
     /// inverse_sqrt, cosine_with_min_lr, warmup_stable_decay (as transformers' get_scheduler,
-    /// checked step by step against it); reduce_lr_on_plateau is not implemented.
+    /// checked step by step against it), reduce_lr_on_plateau (stepped by each evaluation's
+    /// metric_for_best_model, as torch's ReduceLROnPlateau; options via --lr-scheduler-kwargs).
     #[arg(long, value_enum, default_value_t = SchedulerType::Linear)]
     pub lr_scheduler_type: SchedulerType,
     /// The optimizer: `adamw_torch` (default; `adamw_torch_fused` is the same update), `sgd`
@@ -152,7 +153,8 @@ pub struct TrainingArguments {
     #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
     pub bf16: bool,
     /// Activation checkpointing per layer: keep each layer's input only and recompute the layer
-    /// during the backward pass (causal LMs; about one extra forward pass of compute).
+    /// during the backward pass (BERT and causal LMs; about one extra forward pass of compute; dropout
+    /// masks are replayed, so training is unchanged).
     #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
     pub gradient_checkpointing: bool,
     /// Train into an --output-dir that already holds a run (its files are replaced; its checkpoints
@@ -542,6 +544,14 @@ impl TrainingArguments {
             self.learning_rate,
         )
         .map_err(KilnError::Config)?;
+        if self.lr_scheduler_type == super::schedule::SchedulerType::ReduceLrOnPlateau
+            && self.eval_strategy == IntervalStrategy::No
+        {
+            return bad(
+                "lr_scheduler_type reduce_lr_on_plateau requires an eval strategy (--eval-strategy steps or epoch)"
+                    .into(),
+            );
+        }
         if self.global_batch_size == Some(0) {
             return bad("global_batch_size must be at least 1".into());
         }

@@ -160,6 +160,9 @@ pub struct SchedulerState {
     /// Steps whose update was skipped for a non-finite loss or gradient (`--skip-nonfinite-steps`).
     #[serde(default)]
     pub skipped_nonfinite: u64,
+    /// reduce_lr_on_plateau's rate, best metric and counters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plateau: Option<super::schedule::Plateau>,
 }
 
 /// Everything one checkpoint holds.
@@ -465,6 +468,7 @@ mod tests {
             total_steps: 10,
             seed: 1,
             skipped_nonfinite: 0,
+            plateau: None,
         };
         let ck = Checkpoint {
             model: &model,

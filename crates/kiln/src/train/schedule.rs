@@ -24,6 +24,10 @@ pub enum SchedulerType {
     CosineWithMinLr,
     /// Warmup, a constant stretch, then a decay over num_decay_steps.
     WarmupStableDecay,
+    /// torch's ReduceLROnPlateau: the rate drops by `factor` when the evaluation metric
+    /// (metric_for_best_model, default loss) stops improving; stepped after each evaluation,
+    /// without warmup, as transformers' Trainer does.
+    ReduceLrOnPlateau,
 }
 
 /// `lr_scheduler_kwargs`, with transformers' defaults.
@@ -47,6 +51,14 @@ pub struct SchedulerKwargs {
     pub min_lr_ratio: f64,
     pub warmup_type: String,
     pub decay_type: String,
+    /// reduce_lr_on_plateau (torch's ReduceLROnPlateau keywords; `min_lr` above, default 0).
+    pub mode: String,
+    pub factor: f64,
+    pub patience: u64,
+    pub threshold: f64,
+    pub threshold_mode: String,
+    pub cooldown: u64,
+    pub eps: f64,
 }
 
 impl Default for SchedulerKwargs {
@@ -63,6 +75,13 @@ impl Default for SchedulerKwargs {
             min_lr_ratio: 0.0,
             warmup_type: "linear".into(),
             decay_type: "cosine".into(),
+            mode: "min".into(),
+            factor: 0.1,
+            patience: 10,
+            threshold: 1e-4,
+            threshold_mode: "rel".into(),
+            cooldown: 0,
+            eps: 1e-8,
         }
     }
 }
@@ -107,6 +126,16 @@ impl Schedule {
                 "decay_type",
                 "num_cycles",
             ],
+            S::ReduceLrOnPlateau => &[
+                "mode",
+                "factor",
+                "patience",
+                "threshold",
+                "threshold_mode",
+                "cooldown",
+                "min_lr",
+                "eps",
+            ],
         };
         if let Some(k) = given.iter().find(|k| !takes.contains(&k.as_str())) {
             return Err(format!(
@@ -149,6 +178,24 @@ impl Schedule {
                         .into(),
                 )
             }
+            S::ReduceLrOnPlateau if !(kw.factor < 1.0 && kw.factor >= 0.0) => {
+                return Err(format!(
+                    "lr_scheduler_kwargs: factor must be in [0, 1), got {}",
+                    kw.factor
+                ))
+            }
+            S::ReduceLrOnPlateau if !["min", "max"].contains(&kw.mode.as_str()) => {
+                return Err(format!(
+                    "lr_scheduler_kwargs: mode is min or max, got {:?}",
+                    kw.mode
+                ))
+            }
+            S::ReduceLrOnPlateau if !["rel", "abs"].contains(&kw.threshold_mode.as_str()) => {
+                return Err(format!(
+                    "lr_scheduler_kwargs: threshold_mode is rel or abs, got {:?}",
+                    kw.threshold_mode
+                ))
+            }
             _ => {}
         }
         Ok(Self { kind, kw, lr })
@@ -165,7 +212,8 @@ impl Schedule {
         let ramp = s / w.max(1.0);
         let progress = (s - w) / (t - w).max(1.0);
         match self.kind {
-            S::Constant => 1.0,
+            // Its rate follows the evaluations ([`Plateau`]), not the step.
+            S::Constant | S::ReduceLrOnPlateau => 1.0,
             _ if warming && self.kind != S::WarmupStableDecay => ramp,
             S::ConstantWithWarmup => 1.0,
             S::Linear => ((t - s) / (t - w).max(1.0)).max(0.0),
@@ -232,6 +280,71 @@ impl Schedule {
     }
 }
 
+/// reduce_lr_on_plateau's state, as torch's `ReduceLROnPlateau` keeps it: the rate now, the best
+/// metric so far, and the counters. Saved in scheduler.json, so a resumed run goes on exactly.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Plateau {
+    pub lr: f64,
+    /// `None` before the first evaluation (torch's ±inf, which JSON cannot hold).
+    pub best: Option<f64>,
+    pub num_bad_epochs: u64,
+    pub cooldown_counter: u64,
+    /// Evaluations seen.
+    pub last_epoch: u64,
+}
+
+impl Plateau {
+    pub fn new(lr: f64) -> Self {
+        Self {
+            lr,
+            best: None,
+            num_bad_epochs: 0,
+            cooldown_counter: 0,
+            last_epoch: 0,
+        }
+    }
+
+    /// One evaluation's `metric`: counts it as an improvement or not, and lowers the rate after
+    /// more than `patience` evaluations without one (torch's `ReduceLROnPlateau.step`).
+    pub fn step(&mut self, metric: f64, kw: &SchedulerKwargs) {
+        self.last_epoch += 1;
+        let max = kw.mode == "max";
+        let better = match self.best {
+            None => {
+                if max {
+                    metric > f64::NEG_INFINITY
+                } else {
+                    metric < f64::INFINITY
+                }
+            }
+            Some(best) => match (max, kw.threshold_mode == "abs") {
+                (false, false) => metric < best * (1.0 - kw.threshold),
+                (false, true) => metric < best - kw.threshold,
+                (true, false) => metric > best * (1.0 + kw.threshold),
+                (true, true) => metric > best + kw.threshold,
+            },
+        };
+        if better {
+            self.best = Some(metric);
+            self.num_bad_epochs = 0;
+        } else {
+            self.num_bad_epochs += 1;
+        }
+        if self.cooldown_counter > 0 {
+            self.cooldown_counter -= 1;
+            self.num_bad_epochs = 0; // bad evaluations in cooldown do not count
+        }
+        if self.num_bad_epochs > kw.patience {
+            let new = (self.lr * kw.factor).max(kw.min_lr.unwrap_or(0.0));
+            if self.lr - new > kw.eps {
+                self.lr = new;
+            }
+            self.cooldown_counter = kw.cooldown;
+            self.num_bad_epochs = 0;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -264,6 +377,56 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// reduce_lr_on_plateau against torch's ReduceLROnPlateau fed the same metrics
+    /// (the fixture's `plateau` cases), including a resume from the saved state mid-way.
+    #[test]
+    fn reduce_lr_on_plateau_matches_torch() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/lr_schedules.json"
+        );
+        let fx: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let lr = fx["learning_rate"].as_f64().unwrap();
+        let cases = fx["plateau"].as_array().unwrap();
+        assert!(cases.len() >= 4);
+        for case in cases {
+            let kwargs = case["kwargs"].clone();
+            let sched = Schedule::new(SchedulerType::ReduceLrOnPlateau, Some(&kwargs), lr).unwrap();
+            let metrics: Vec<f64> = serde_json::from_value(case["metrics"].clone()).unwrap();
+            let want: Vec<f64> = serde_json::from_value(case["lrs"].clone()).unwrap();
+            let mut p = Plateau::new(lr);
+            for (i, (&m, &w)) in metrics.iter().zip(&want).enumerate() {
+                p.step(m, &sched.kw);
+                assert!(
+                    (p.lr - w).abs() <= 1e-15 + 1e-12 * w,
+                    "{kwargs} after evaluation {i}: kiln {}, torch {w}",
+                    p.lr
+                );
+                // Through scheduler.json and back, as a resumed run reads it.
+                p = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
+            }
+            assert!(
+                want.last() < want.first(),
+                "{kwargs}: the rate never dropped"
+            );
+        }
+        let e = Schedule::new(
+            SchedulerType::ReduceLrOnPlateau,
+            Some(&serde_json::json!({"factor": 1.5})),
+            1e-3,
+        )
+        .unwrap_err();
+        assert!(e.contains("factor must be in [0, 1)"), "{e}");
+        let e = Schedule::new(
+            SchedulerType::ReduceLrOnPlateau,
+            Some(&serde_json::json!({"num_cycles": 2})),
+            1e-3,
+        )
+        .unwrap_err();
+        assert!(e.contains("takes no `num_cycles`"), "{e}");
     }
 
     #[test]

@@ -21,9 +21,9 @@ use super::checkpoint::{
 };
 use super::grad_sync::{sync_and_clip, sync_and_clip_zero1, Synced, SyncedGrads};
 use super::metrics::{classification_report, ClassificationReport, Predictions};
-use super::optim::{AdamWConfig, GradAccumulator, Optimizer};
+use super::optim::{AdamWConfig, GradAccumulator, Optimizer, OptimizerType};
 use super::output_dir::{claim, resolve_resume_for, Claim, RunDir};
-use super::schedule::Schedule;
+use super::schedule::{Plateau, Schedule, SchedulerType};
 use super::sharded_checkpoint::{
     read_rank_state, write_layout, write_rank_files, Place, RankState,
 };
@@ -35,7 +35,7 @@ use crate::hub::weights::{load_into, module_shapes, module_tensors};
 use crate::ops::{profile, TrainBackend};
 use crate::parallel::launch::Attempt;
 use crate::parallel::{DataParallel, Zero1};
-use crate::task::{BatchSource, CrossEntropy, Loss, Model, TensorParallelLayout};
+use crate::task::{BatchSource, CrossEntropy, Loss, Model, ParamSplit, TensorParallelLayout};
 
 /// A user metric: extra `(name, value)` pairs computed from an evaluation's predictions.
 pub type MetricFn = Box<dyn Fn(&Predictions) -> Vec<(String, f64)> + Send + Sync>;
@@ -85,6 +85,12 @@ pub struct Trainer<B: TrainBackend, M, L = CrossEntropy> {
     tp_layout: Option<TensorParallelLayout>,
     /// ZeRO-1 over the data-parallel group (`--zero-1` with more than one data-parallel rank).
     zero: Option<Zero1<B::InnerBackend>>,
+    /// reduce_lr_on_plateau's state: the rate follows the evaluations instead of the step.
+    plateau: Option<Plateau>,
+    /// Non-embedding parameters of the whole model (all tensor-parallel shards), and this rank's
+    /// floating-point operations since they were last added to `state.total_flos`.
+    flos_params: f64,
+    current_flos: f64,
 }
 
 fn targets_tensor<B: Backend>(t: Vec<i64>, device: &B::Device) -> Tensor<B, 1, Int> {
@@ -137,6 +143,9 @@ where
             skipped_nonfinite: 0,
             tp_layout: None,
             zero: None,
+            plateau: None,
+            flos_params: 0.0,
+            current_flos: 0.0,
         }
     }
 
@@ -205,6 +214,30 @@ where
         )
     }
 
+    /// A checkpoint's optimizer state belongs to the optimizer that wrote it: resuming it with
+    /// another would drop that state without a word (transformers fails loading it).
+    fn check_same_optimizer(&self, dir: &Path) -> Result<()> {
+        let saved: Value = match std::fs::read_to_string(dir.join("training_args.json")) {
+            Ok(s) => serde_json::from_str(&s).unwrap_or(Value::Null),
+            Err(_) => return Ok(()), // written by a kiln without it: nothing to compare
+        };
+        let Some(name) = saved.get("optim").and_then(Value::as_str) else {
+            return Ok(());
+        };
+        let now = self.args.optim;
+        match serde_json::from_value::<OptimizerType>(json!(name)) {
+            Ok(then) if then != now => Err(KilnError::Checkpoint(format!(
+                "{} was trained with optim {name}; resuming it with {} would throw its optimizer \
+                 state away: resume with --optim {name}, or start a new run from its weights with \
+                 --model {}",
+                dir.display(),
+                json!(now).as_str().unwrap_or("another optimizer"),
+                dir.display()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// Restores model, optimizer and trainer state from a checkpoint folder.
     fn resume(&mut self, dir: &Path) -> Result<SchedulerState> {
         let model_only =
@@ -217,6 +250,7 @@ where
                 dir.display()
             )));
         }
+        self.check_same_optimizer(dir)?;
         let rank = self.rank_state(dir)?;
         let (model, report) = load_into(self.take_model(), rank.model, None, &self.device)?;
         if !report.missing.is_empty() {
@@ -291,6 +325,7 @@ where
                     if self.due(a.eval_strategy, every, epoch_end) {
                         let out = run.bar.suspend(|| self.evaluate(ev))?;
                         self.log_eval(&out)?;
+                        self.step_plateau(&out.metrics, &plan)?;
                         improved = self.improves_best(&out.metrics);
                         run.pending_eval = Some(out.metrics);
                     }
@@ -387,6 +422,8 @@ where
                 .transpose()?;
         }
         self.tp_layout = self.model().tensor_parallel();
+        self.flos_params = self.non_embedding_parameters() as f64;
+        self.current_flos = 0.0;
         self.zero = if a.zero_1 {
             self.parallel.zero1()
         } else {
@@ -409,8 +446,25 @@ where
             is_world_process_zero: self.is_main(),
             ..TrainerState::default()
         };
+        let plateau = a.lr_scheduler_type == SchedulerType::ReduceLrOnPlateau;
+        self.plateau = plateau.then(|| Plateau::new(a.learning_rate));
+        if plateau && plan.warmup > 0 {
+            tracing::warn!(
+                "reduce_lr_on_plateau has no warmup (as in transformers): warmup of {} steps ignored",
+                plan.warmup
+            );
+        }
         if let Some(dir) = &resume_dir {
             let sched = self.resume(dir)?;
+            if plateau {
+                match sched.plateau {
+                    Some(p) => self.plateau = Some(p),
+                    None => tracing::warn!(
+                        "{} was saved without reduce_lr_on_plateau: its plateau state starts afresh",
+                        dir.display()
+                    ),
+                }
+            }
             if sched.total_steps != plan.total || sched.seed != a.seed {
                 tracing::warn!(
                     "resuming with different total steps ({} → {}) or seed ({} → {}): the run will not match an uninterrupted one",
@@ -525,6 +579,8 @@ where
             let (batch, targets) = train.batch(idx);
             let scale = 1.0 / group.len() as f64;
             samples += idx.len();
+            self.current_flos +=
+                6.0 * self.model().input_ids_numel(&batch) as f64 * self.flos_params;
             let by_segment = if checkpointing {
                 loss_and_grads_by_segment(self.model(), &batch, &targets, &self.loss, scale)
             } else {
@@ -564,7 +620,7 @@ where
             None => sync_and_clip(acc, loss_sum, &self.device, &self.parallel, tp, max_norm)?,
         };
         let _opt = profile::scope("step: clip + optimizer");
-        let lr = plan.lr(&self.args, self.state.global_step);
+        let lr = self.lr(plan);
         // Every rank sees the same averaged loss and norm, so all decide alike.
         let finite = loss.is_finite() && grad_norm.is_finite();
         if finite {
@@ -677,12 +733,80 @@ where
     fn scheduler_state(&self, plan: &Plan) -> SchedulerState {
         SchedulerState {
             step: self.optimizer.steps(),
-            last_lr: plan.lr(&self.args, self.state.global_step),
+            last_lr: self.lr(plan),
             warmup_steps: plan.warmup,
             total_steps: plan.total,
             seed: self.args.seed,
             skipped_nonfinite: self.skipped_nonfinite,
+            plateau: self.plateau.clone(),
         }
+    }
+
+    /// Parameters outside the embedding tables, over the whole model: a tensor-parallel shard
+    /// counts at its full size (transformers' `num_parameters(exclude_embeddings=True)`).
+    fn non_embedding_parameters(&self) -> usize {
+        let skip = self.model().embedding_parameters();
+        let splits = self.tp_layout.as_ref().map(|l| &l.splits);
+        module_shapes(self.model())
+            .into_iter()
+            .filter(|(name, _)| !skip.contains(name))
+            .map(|(name, mut shape)| {
+                if let Some(ParamSplit::Sharded { axis, full, .. }) =
+                    splits.and_then(|s| s.get(&name))
+                {
+                    shape[*axis] = *full;
+                }
+                shape.iter().product::<usize>()
+            })
+            .sum()
+    }
+
+    /// Adds every data-parallel rank's floating-point operations since the last call to
+    /// `state.total_flos` (transformers' `store_flos`): before a checkpoint and at the end.
+    fn store_flos(&mut self) -> Result<()> {
+        self.state.total_flos += if self.parallel.size() > 1 {
+            // f32 keeps 7 significant digits of a count that is itself an estimate.
+            f64::from(self.parallel.sum_host(vec![self.current_flos as f32])?[0])
+        } else {
+            self.current_flos
+        };
+        self.current_flos = 0.0;
+        Ok(())
+    }
+
+    /// The learning rate of the next update: the schedule's at this step, or reduce_lr_on_plateau's.
+    fn lr(&self, plan: &Plan) -> f64 {
+        match &self.plateau {
+            Some(p) => p.lr,
+            None => plan.lr(&self.args, self.state.global_step),
+        }
+    }
+
+    /// reduce_lr_on_plateau: one evaluation's metric_for_best_model (default loss) steps it, as
+    /// transformers' Trainer does after every evaluation but eval_on_start's.
+    fn step_plateau(&mut self, metrics: &BTreeMap<String, f64>, plan: &Plan) -> Result<()> {
+        let main = self.is_main();
+        let Some(p) = self.plateau.as_mut() else {
+            return Ok(());
+        };
+        let (name, _) = self.args.best_metric();
+        let Some(&v) = metrics.get(&name) else {
+            return Err(KilnError::Config(format!(
+                "reduce_lr_on_plateau follows metric_for_best_model {name}, which the evaluation \
+                 does not report (it reports: {})",
+                metrics.keys().cloned().collect::<Vec<_>>().join(", ")
+            )));
+        };
+        let before = p.lr;
+        p.step(v, &plan.schedule.kw);
+        if p.lr != before && main {
+            info!(
+                "{name} {v:.4} has not improved for {} evaluations: learning rate {before:.3e} → {:.3e}",
+                plan.schedule.kw.patience + 1,
+                p.lr
+            );
+        }
+        Ok(())
     }
 
     /// The run's summary metrics, the best model when asked for it, and the final model folder.
@@ -705,7 +829,8 @@ where
         metrics.insert("epoch".into(), round4(self.state.epoch));
         let mut entry: Map<String, Value> =
             metrics.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
-        entry.insert("total_flos".into(), json!(0));
+        self.store_flos()?;
+        entry.insert("total_flos".into(), json!(self.state.total_flos));
         self.log(entry)?;
 
         if self.args.load_best_model_at_end {
@@ -755,6 +880,7 @@ where
         sched: &SchedulerState,
         eval_metrics: Option<BTreeMap<String, f64>>,
     ) -> Result<()> {
+        self.store_flos()?;
         let a = &self.args;
         let dir = super::checkpoint::checkpoint_dir(&a.output_dir, self.state.global_step);
         if let Some(m) = eval_metrics {

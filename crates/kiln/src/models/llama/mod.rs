@@ -509,7 +509,7 @@ impl<B: KilnBackend> Segments<B, TokenBatch> for LlamaForCausalLM<B> {
         self.model.layers[i].forward(x, &rope, None, self.shard.as_ref())
     }
 
-    fn head(&self, h: Tensor<B, 3>) -> Tensor<B, 2> {
+    fn head(&self, h: Tensor<B, 3>, _batch: &TokenBatch) -> Tensor<B, 2> {
         let [b, t, _] = h.dims();
         let logits = self.project(self.model.norm.forward(h));
         let v = logits.dims()[2];
@@ -522,6 +522,15 @@ impl<B: KilnBackend> Model<B> for LlamaForCausalLM<B> {
 
     fn segments(&self) -> Option<&dyn Segments<B, TokenBatch>> {
         Some(self)
+    }
+
+    fn input_ids_numel(&self, batch: &TokenBatch) -> usize {
+        batch.batch * batch.seq
+    }
+
+    /// A tied head has no parameter of its own; an untied `lm_head` counts, as in transformers.
+    fn embedding_parameters(&self) -> Vec<String> {
+        vec!["model.embed_tokens.weight".into()]
     }
 
     fn tensor_parallel(&self) -> Option<TensorParallelLayout> {
