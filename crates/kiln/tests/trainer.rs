@@ -284,4 +284,5 @@ fn total_flos_counts_six_per_token_and_non_embedding_parameter() {
     let log = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
     let last: serde_json::Value = serde_json::from_str(log.lines().last().unwrap()).unwrap();
     assert_eq!(last["total_flos"].as_f64(), Some(3.0 * per_step), "{last}");
+    assert_eq!(res.metrics["total_flos"], 3.0 * per_step);
 }

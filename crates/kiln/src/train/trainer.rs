@@ -827,10 +827,10 @@ where
         let finite_steps = steps_run.saturating_sub(self.skipped_nonfinite).max(1);
         metrics.insert("train_loss".into(), run.loss_sum / finite_steps as f64);
         metrics.insert("epoch".into(), round4(self.state.epoch));
-        let mut entry: Map<String, Value> =
-            metrics.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
         self.store_flos()?;
-        entry.insert("total_flos".into(), json!(self.state.total_flos));
+        metrics.insert("total_flos".into(), self.state.total_flos);
+        let entry: Map<String, Value> =
+            metrics.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
         self.log(entry)?;
 
         if self.args.load_best_model_at_end {
