@@ -1,5 +1,5 @@
 //! Fused CPU kernels for the ndarray backend: contiguous f32 slices, rayon over rows, and
-//! `matrixmultiply::sgemm` called with strides so no operand is ever transposed in memory.
+//! the `gemm` crate called with strides so no operand is ever transposed in memory.
 
 use burn::backend::ndarray::{NdArray, NdArrayTensor};
 use burn::tensor::ops::FloatTensor;
@@ -71,11 +71,11 @@ fn slice(a: &ArcArray<f32, IxDyn>) -> &[f32] {
 }
 
 /// C[m×n] (row stride `n`) = A·B + β·C (+ `bias` on every row), with A and B given by element
-/// strides. The rows of C are split across the rayon pool and each part runs single-threaded
-/// matrixmultiply (its own thread pool is disabled in `ops::init_threads`), so only one set of
-/// threads ever competes for the cores. Each part adds the bias to its own block right after its
-/// product: a separate broadcast pass (copy the bias into C, then β = 1) cost 35 % on top of a
-/// 2048×384×384 product.
+/// strides (β is 0 or 1). The `gemm` crate does the product: it picks its micro-kernel at run time
+/// (AVX-512 where the CPU has it — the `x86-v4` feature — else AVX2/FMA) and splits the work over
+/// the rayon pool itself. matrixmultiply, used before, has no AVX-512 kernel: on the models' shapes
+/// `gemm` is 1.2–2.1× faster on AVX-512 machines (docs/DESIGN.md "CPU GEMM", `examples/gemm_crates.rs`). The
+/// bias is added row by row afterwards, in parallel.
 #[allow(clippy::too_many_arguments)]
 fn sgemm(
     m: usize,
@@ -96,81 +96,48 @@ fn sgemm(
     assert!(k == 0 || b.len() > (k - 1) * rsb + (n - 1) * csb);
     assert!(c.len() >= m * n);
     // Small products (the MNIST MLP's) are not worth a trip through the thread pool.
-    let parts = if m * n * k < 1 << 18 {
+    let threads = if m * n * k < 1 << 18 {
         1
     } else {
         rayon::current_num_threads().max(1)
     };
-    if parts > 1 && n >= m && n >= 64 * parts {
-        // Few rows, many columns (prompt processing, the vocabulary projection): split the
-        // columns, so each thread packs only its share of B — split by rows, every thread would
-        // pack all of B, which costs as much as the multiplication when M is small.
-        let cols = n.div_ceil(parts).div_ceil(16) * 16;
-        let c_ptr = SharedMut(c.as_mut_ptr());
-        (0..n.div_ceil(cols)).into_par_iter().for_each(|i| {
-            let j0 = i * cols;
-            let nc = cols.min(n - j0);
-            // SAFETY: columns j0..j0+nc of C (row stride n) belong to this task alone; A and B
-            // are in bounds by the asserts.
-            unsafe {
-                matrixmultiply::sgemm(
-                    m,
-                    k,
-                    nc,
-                    1.0,
-                    a.as_ptr(),
-                    rsa as isize,
-                    csa as isize,
-                    b.as_ptr().add(j0 * csb),
-                    rsb as isize,
-                    csb as isize,
-                    beta,
-                    c_ptr.at(j0),
-                    n as isize,
-                    1,
-                );
-            }
-            if let Some(bias) = bias {
-                for r in 0..m {
-                    // SAFETY: row r, columns j0..j0+nc of C: this task's block (see above).
-                    let row = unsafe { std::slice::from_raw_parts_mut(c_ptr.at(r * n + j0), nc) };
-                    add_into(row, &bias[j0..j0 + nc]);
-                }
-            }
-        });
-        return;
+    let parallelism = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    let accumulate = beta != 0.0;
+    // SAFETY: the asserts above keep every addressed element of A, B and C in bounds; C is
+    // borrowed mutably, so nothing else writes it.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.as_ptr(),
+            csa as isize,
+            rsa as isize,
+            b.as_ptr(),
+            csb as isize,
+            rsb as isize,
+            beta,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
     }
-    // Whole multiples of 8 rows per part keep the micro-kernel's row blocks intact.
-    let rows = m.div_ceil(parts).div_ceil(8) * 8;
-    c[..m * n]
-        .par_chunks_mut(rows * n)
-        .enumerate()
-        .for_each(|(i, cpart)| {
-            let r0 = i * rows;
-            let mr = cpart.len() / n;
-            // SAFETY: rows r0..r0+mr of A are in bounds by the asserts; `cpart` is this task's rows of C.
-            unsafe {
-                matrixmultiply::sgemm(
-                    mr,
-                    k,
-                    n,
-                    1.0,
-                    a.as_ptr().add(r0 * rsa),
-                    rsa as isize,
-                    csa as isize,
-                    b.as_ptr(),
-                    rsb as isize,
-                    csb as isize,
-                    beta,
-                    cpart.as_mut_ptr(),
-                    n as isize,
-                    1,
-                );
-            }
-            if let Some(bias) = bias {
-                cpart.chunks_mut(n).for_each(|row| add_into(row, bias));
-            }
-        });
+    if let Some(bias) = bias {
+        let rows = (1 << 14) / n + 1;
+        c[..m * n]
+            .par_chunks_mut(rows * n)
+            .for_each(|block| block.chunks_mut(n).for_each(|row| add_into(row, bias)));
+    }
 }
 
 /// `dst += src`, element-wise.

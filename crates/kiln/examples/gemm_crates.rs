@@ -1,0 +1,225 @@
+//! GEMM throughput on the models' shapes: matrixmultiply (split over rayon by rows, as kiln's
+//! `sgemm` did until issue 16) beside the `gemm` crate (what it calls now, with its own rayon parallelism). A probe for issue 16:
+//! `cargo run --release -p kiln --example gemm_crates`.
+#![allow(clippy::too_many_arguments)]
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+/// (name, m, k, n, transposed B: B given as [n, k] like a Linear weight, transposed A: A given as [k, m]).
+const SHAPES: &[(&str, usize, usize, usize, bool, bool)] = &[
+    ("sq1024", 1024, 1024, 1024, false, false),
+    ("minilm qkv fwd", 2048, 384, 1152, true, false),
+    ("minilm ffn1 fwd", 2048, 384, 1536, true, false),
+    ("minilm ffn2 fwd", 2048, 1536, 384, true, false),
+    ("minilm ffn1 dX", 2048, 1536, 384, false, false),
+    ("minilm ffn1 dW", 1536, 2048, 384, false, true),
+    ("smollm2 mlp fwd", 512, 576, 1536, true, false),
+    ("smollm2 down dW", 576, 512, 1536, false, true),
+    ("smollm2 lm_head", 512, 576, 49152, true, false),
+    ("prefill 128 mlp", 128, 576, 1536, true, false),
+];
+
+fn strides(rows: usize, cols: usize, t: bool) -> (usize, usize) {
+    // Element (i, j) of a rows×cols operand stored transposed lies at j*rows + i.
+    if t {
+        (1, rows)
+    } else {
+        (cols, 1)
+    }
+}
+
+fn mm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    sa: (usize, usize),
+    b: &[f32],
+    sb: (usize, usize),
+    c: &mut [f32],
+) {
+    let parts = rayon::current_num_threads();
+    let rows = m.div_ceil(parts).div_ceil(8) * 8;
+    c.par_chunks_mut(rows * n).enumerate().for_each(|(i, cp)| {
+        let r0 = i * rows;
+        let mr = cp.len() / n;
+        unsafe {
+            matrixmultiply::sgemm(
+                mr,
+                k,
+                n,
+                1.0,
+                a.as_ptr().add(r0 * sa.0),
+                sa.0 as isize,
+                sa.1 as isize,
+                b.as_ptr(),
+                sb.0 as isize,
+                sb.1 as isize,
+                0.0,
+                cp.as_mut_ptr(),
+                n as isize,
+                1,
+            );
+        }
+    });
+}
+
+fn gm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    sa: (usize, usize),
+    b: &[f32],
+    sb: (usize, usize),
+    c: &mut [f32],
+) {
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            sa.1 as isize,
+            sa.0 as isize,
+            b.as_ptr(),
+            sb.1 as isize,
+            sb.0 as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::Rayon(rayon::current_num_threads()),
+        );
+    }
+}
+
+/// kiln's own split (columns when C is wide, else rows) with single-threaded `gemm` per part.
+fn gs(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    sa: (usize, usize),
+    b: &[f32],
+    sb: (usize, usize),
+    c: &mut [f32],
+) {
+    let parts = rayon::current_num_threads();
+    if n >= m && n >= 64 * parts {
+        let cols = n.div_ceil(parts).div_ceil(16) * 16;
+        let cp = c.as_mut_ptr() as usize;
+        (0..n.div_ceil(cols)).into_par_iter().for_each(|i| {
+            let j0 = i * cols;
+            let nc = cols.min(n - j0);
+            unsafe {
+                gemm::gemm(
+                    m,
+                    nc,
+                    k,
+                    (cp as *mut f32).add(j0),
+                    1,
+                    n as isize,
+                    false,
+                    a.as_ptr(),
+                    sa.1 as isize,
+                    sa.0 as isize,
+                    b.as_ptr().add(j0 * sb.1),
+                    sb.1 as isize,
+                    sb.0 as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+        });
+        return;
+    }
+    let rows = m.div_ceil(parts).div_ceil(8) * 8;
+    c.par_chunks_mut(rows * n)
+        .enumerate()
+        .for_each(|(i, cpart)| {
+            let r0 = i * rows;
+            let mr = cpart.len() / n;
+            unsafe {
+                gemm::gemm(
+                    mr,
+                    n,
+                    k,
+                    cpart.as_mut_ptr(),
+                    1,
+                    n as isize,
+                    false,
+                    a.as_ptr().add(r0 * sa.0),
+                    sa.1 as isize,
+                    sa.0 as isize,
+                    b.as_ptr(),
+                    sb.1 as isize,
+                    sb.0 as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+        });
+}
+
+fn time(f: &mut dyn FnMut()) -> f64 {
+    f();
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let mut n = 0;
+        while t.elapsed().as_secs_f64() < 0.2 || n < 2 {
+            f();
+            n += 1;
+        }
+        best = best.min(t.elapsed().as_secs_f64() / n as f64);
+    }
+    best
+}
+
+fn main() {
+    println!("threads {}", rayon::current_num_threads());
+    for &(name, m, k, n, tb, ta) in SHAPES {
+        let a: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
+        let b: Vec<f32> = (0..k * n)
+            .map(|i| ((i * 104729) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
+        let (sa, sb) = (strides(m, k, ta), strides(k, n, tb));
+        let mut c1 = vec![0f32; m * n];
+        let mut c2 = vec![0f32; m * n];
+        let t1 = time(&mut || mm(m, k, n, &a, sa, &b, sb, &mut c1));
+        let t2 = time(&mut || gm(m, k, n, &a, sa, &b, sb, &mut c2));
+        let mut c3 = vec![0f32; m * n];
+        let t3 = time(&mut || gs(m, k, n, &a, sa, &b, sb, &mut c3));
+        let err3 = c3
+            .iter()
+            .zip(&c2)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(err3 < 1e-3);
+        let err = c1
+            .iter()
+            .zip(&c2)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        let gf = |t: f64| 2.0 * (m * k * n) as f64 / t / 1e9;
+        println!("{name:18} {m}x{k}x{n} matrixmultiply {:7.1} GF/s  gemm {:7.1} GF/s  gemm split {:7.1} GF/s  max|d| {err:.1e}",
+            gf(t1), gf(t2), gf(t3));
+    }
+}
