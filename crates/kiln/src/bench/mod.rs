@@ -437,6 +437,43 @@ pub struct SuiteReport {
     pub pytorch_header: Vec<String>,
     pub threads: usize,
     pub date: String,
+    /// The CPU model and the vector/matrix extensions kiln dispatches on (rows of different CPU
+    /// kinds are not comparable).
+    pub cpu: String,
+}
+
+/// `model (ISA: …)` from /proc/cpuinfo's text: the model name, and which of the instruction sets
+/// kiln's kernels choose between the CPU reports.
+pub fn cpu_description(cpuinfo: &str) -> String {
+    let field = |name: &str| {
+        cpuinfo
+            .lines()
+            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+    };
+    let model = field("model name").unwrap_or_else(|| "unknown CPU".into());
+    let flags = field("flags").unwrap_or_default();
+    let flags: Vec<&str> = flags.split_whitespace().collect();
+    let isa: Vec<&str> = [
+        "avx2",
+        "fma",
+        "avx512f",
+        "avx512_bf16",
+        "amx_tile",
+        "amx_bf16",
+    ]
+    .into_iter()
+    .filter(|f| flags.contains(f))
+    .collect();
+    format!(
+        "{model} (ISA: {})",
+        if isa.is_empty() {
+            "none of avx2/avx512/amx".to_string()
+        } else {
+            isa.join(" ")
+        }
+    )
 }
 
 fn parse_results(text: &str) -> (Vec<serde_json::Value>, Vec<String>) {
@@ -596,6 +633,7 @@ where
         pytorch_header: header,
         threads: opts.threads,
         date: today(),
+        cpu: cpu_description(&std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default()),
     })
 }
 
@@ -678,13 +716,38 @@ impl SuiteReport {
             }
         }
         s += &format!(
-            "\n{}; threads {}; fp32 GEMM peak {:.1} GFLOP/s (best of kiln's sgemm 1024³ {:.1} and PyTorch's calibration). PyTorch: {}\n",
+            "\n{}; {}; threads {}; fp32 GEMM peak {:.1} GFLOP/s (best of kiln's sgemm 1024³ {:.1} and PyTorch's calibration). PyTorch: {}\n",
             self.date,
+            self.cpu,
             self.threads,
             peak,
             self.kiln_gemm_gflops,
             self.pytorch_header.join("; ")
         );
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cpu_description;
+
+    #[test]
+    fn the_cpu_is_named_with_the_extensions_kiln_dispatches_on() {
+        let intel = "processor\t: 0\nmodel name\t: INTEL(R) XEON(R) PLATINUM 8581C CPU @ 2.10GHz\n\
+                     flags\t\t: fpu sse2 avx2 fma avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8\n";
+        assert_eq!(
+            cpu_description(intel),
+            "INTEL(R) XEON(R) PLATINUM 8581C CPU @ 2.10GHz (ISA: avx2 fma avx512f avx512_bf16 amx_tile amx_bf16)"
+        );
+        let zen3 = "model name\t: AMD EPYC 7B13 64-Core Processor\nflags\t\t: fpu sse2 avx2 fma\n";
+        assert_eq!(
+            cpu_description(zen3),
+            "AMD EPYC 7B13 64-Core Processor (ISA: avx2 fma)"
+        );
+        assert_eq!(
+            cpu_description(""),
+            "unknown CPU (ISA: none of avx2/avx512/amx)"
+        );
     }
 }
