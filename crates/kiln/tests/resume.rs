@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use common::{asset, tiny_model, tweet_options};
 use kiln::backend::{CpuDevice, CpuTrain};
@@ -43,25 +43,8 @@ fn resume_from_checkpoint_is_exact() {
     let Some((tmp, opts)) = tiny_model_and_tweets() else {
         return;
     };
-    let device = CpuDevice::default();
-    let quiet = |t: &mut kiln::train::Trainer<CpuTrain, _, _>| t.progress = false;
-
-    let full = tmp.path().join("full");
-    train::<CpuTrain, _>(&opts, args(&full, None), &device, CrossEntropy, quiet).unwrap();
-
-    // An "interrupted" run: only checkpoint-4 survives; resume it to step 8.
-    let resumed = tmp.path().join("resumed");
-    std::fs::create_dir_all(&resumed).unwrap();
-    copy_dir(&full.join("checkpoint-4"), &resumed.join("checkpoint-4"));
-    let (out, _) = train::<CpuTrain, _>(
-        &opts,
-        args(&resumed, Some("latest")),
-        &device,
-        CrossEntropy,
-        quiet,
-    )
-    .unwrap();
-    assert_eq!(out.global_step, 8);
+    let (full, resumed, resumed_steps) = full_and_resumed(tmp.path(), &opts, "adamw", args);
+    assert_eq!(resumed_steps, 8);
 
     let a = read_safetensors(&full.join("model.safetensors")).unwrap();
     let b = read_safetensors(&resumed.join("model.safetensors")).unwrap();
@@ -103,6 +86,32 @@ fn resume_from_checkpoint_is_exact() {
         .map(|e| e["step"].as_u64().unwrap())
         .collect();
     assert_eq!(steps, (1..=8).collect::<Vec<_>>());
+}
+
+/// Trains `args` to the end in `<name>-full`; then, as if that run had been interrupted with only
+/// checkpoint-4 left, resumes a copy of it in `<name>-resumed`. Returns both folders and the
+/// resumed run's final step.
+fn full_and_resumed(
+    tmp: &Path,
+    opts: &ClassificationOptions,
+    name: &str,
+    args: impl Fn(&Path, Option<&str>) -> TrainingArguments,
+) -> (PathBuf, PathBuf, u64) {
+    let device = CpuDevice::default();
+    let quiet = |t: &mut kiln::train::Trainer<CpuTrain, _, _>| t.progress = false;
+    let full = tmp.join(format!("{name}-full"));
+    train::<CpuTrain, _>(opts, args(&full, None), &device, CrossEntropy, quiet).unwrap();
+    let resumed = tmp.join(format!("{name}-resumed"));
+    copy_dir(&full.join("checkpoint-4"), &resumed.join("checkpoint-4"));
+    let (out, _) = train::<CpuTrain, _>(
+        opts,
+        args(&resumed, Some("latest")),
+        &device,
+        CrossEntropy,
+        quiet,
+    )
+    .unwrap();
+    (full, resumed, out.global_step)
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -153,18 +162,7 @@ fn every_optimizers_state_resumes_exactly() {
             },
             ..args(out, resume)
         };
-        let full = tmp.path().join(format!("{optim:?}-full"));
-        train::<CpuTrain, _>(&opts, args(&full, None), &device, CrossEntropy, quiet).unwrap();
-        let resumed = tmp.path().join(format!("{optim:?}-resumed"));
-        copy_dir(&full.join("checkpoint-4"), &resumed.join("checkpoint-4"));
-        train::<CpuTrain, _>(
-            &opts,
-            args(&resumed, Some("latest")),
-            &device,
-            CrossEntropy,
-            quiet,
-        )
-        .unwrap();
+        let (full, resumed, _) = full_and_resumed(tmp.path(), &opts, &format!("{optim:?}"), args);
         let d = max_diff(&weights(&full), &weights(&resumed));
         let moved = max_diff(&weights(&full), &weights(&full.join("checkpoint-4")));
         eprintln!("{optim:?}: resumed differs by {d:e}; steps 5..8 moved the weights by {moved:e}");
@@ -211,8 +209,6 @@ fn reduce_lr_on_plateau_follows_the_evaluations_and_resumes() {
         return;
     };
     opts.data.eval_split = Some(0.25);
-    let device = CpuDevice::default();
-    let quiet = |t: &mut kiln::train::Trainer<CpuTrain, _, _>| t.progress = false;
     // Demanding a 30 % better loss at every evaluation makes the rate drop within a few.
     let kwargs = serde_json::json!({"patience": 0, "factor": 0.5, "threshold": 0.3});
     let args = |out: &Path, resume: Option<&str>| TrainingArguments {
@@ -223,8 +219,7 @@ fn reduce_lr_on_plateau_follows_the_evaluations_and_resumes() {
         eval_steps: Some(2.0),
         ..args(out, resume)
     };
-    let full = tmp.path().join("plateau-full");
-    train::<CpuTrain, _>(&opts, args(&full, None), &device, CrossEntropy, quiet).unwrap();
+    let (full, resumed, _) = full_and_resumed(tmp.path(), &opts, "plateau", args);
     let history = |dir: &Path| -> Vec<serde_json::Value> {
         let s = std::fs::read_to_string(dir.join("trainer_state.json")).unwrap();
         let v: serde_json::Value = serde_json::from_str(&s).unwrap();
@@ -258,16 +253,6 @@ fn reduce_lr_on_plateau_follows_the_evaluations_and_resumes() {
     .unwrap();
     assert_eq!(saved["plateau"]["last_epoch"], 2, "{saved}");
 
-    let resumed = tmp.path().join("plateau-resumed");
-    copy_dir(&full.join("checkpoint-4"), &resumed.join("checkpoint-4"));
-    train::<CpuTrain, _>(
-        &opts,
-        args(&resumed, Some("latest")),
-        &device,
-        CrossEntropy,
-        quiet,
-    )
-    .unwrap();
     assert_eq!(rates(&history(&resumed)), got);
     let (a, b) = (
         read_safetensors(&full.join("model.safetensors")).unwrap(),
