@@ -1053,7 +1053,7 @@ fn main() -> ExitCode {
     // KILN_PROFILE=1: time every fused kernel and print the table at exit (stderr).
     let profile = std::env::var_os("KILN_PROFILE").is_some();
     kiln::ops::profile::enable(profile);
-    let result = run(cli, &matches);
+    let result = kiln::ops::on_pool(|| run(cli, &matches));
     if profile {
         eprintln!("kernel profile (wall time, all calls):");
         for (name, calls, secs) in kiln::ops::profile::take() {

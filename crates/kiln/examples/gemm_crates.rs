@@ -18,6 +18,10 @@ const SHAPES: &[(&str, usize, usize, usize, bool, bool)] = &[
     ("smollm2 down dW", 576, 512, 1536, false, true),
     ("smollm2 lm_head", 512, 576, 49152, true, false),
     ("prefill 128 mlp", 128, 576, 1536, true, false),
+    ("mnist fc1 fwd", 32, 784, 120, true, false),
+    ("mnist fc1 dW", 120, 32, 784, false, true),
+    ("mnist fc2 fwd", 32, 120, 84, true, false),
+    ("mnist fc2 dX", 32, 84, 120, false, false),
 ];
 
 fn strides(rows: usize, cols: usize, t: bool) -> (usize, usize) {
@@ -74,7 +78,13 @@ fn gm(
     b: &[f32],
     sb: (usize, usize),
     c: &mut [f32],
+    threads: usize,
 ) {
+    let par = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
     unsafe {
         gemm::gemm(
             m,
@@ -95,8 +105,56 @@ fn gm(
             false,
             false,
             false,
-            gemm::Parallelism::Rayon(rayon::current_num_threads()),
+            par,
         );
+    }
+}
+
+/// Two single-threaded products side by side: C's columns (or rows, when M is the larger side) split in half.
+fn split2(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    sa: (usize, usize),
+    b: &[f32],
+    sb: (usize, usize),
+    c: &mut [f32],
+) {
+    struct P(*mut f32);
+    unsafe impl Sync for P {}
+    unsafe impl Send for P {}
+    let cp = P(c.as_mut_ptr());
+    let cp = &cp;
+    let one = |m0: usize, mr: usize, n0: usize, nr: usize| unsafe {
+        gemm::gemm(
+            mr,
+            nr,
+            k,
+            cp.0.add(m0 * n + n0),
+            1,
+            n as isize,
+            false,
+            a.as_ptr().add(m0 * sa.0),
+            sa.1 as isize,
+            sa.0 as isize,
+            b.as_ptr().add(n0 * sb.1),
+            sb.1 as isize,
+            sb.0 as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    };
+    if n >= m {
+        let h = (n / 2).div_ceil(16) * 16;
+        rayon::join(|| one(0, m, 0, h), || one(0, m, h, n - h));
+    } else {
+        let h = (m / 2).div_ceil(8) * 8;
+        rayon::join(|| one(0, h, 0, n), || one(h, m - h, 0, n));
     }
 }
 
@@ -128,7 +186,16 @@ fn main() {
         let mut c1 = vec![0f32; m * n];
         let mut c2 = vec![0f32; m * n];
         let t1 = time(&mut || mm(m, k, n, &a, sa, &b, sb, &mut c1));
-        let t2 = time(&mut || gm(m, k, n, &a, sa, &b, sb, &mut c2));
+        let threads = rayon::current_num_threads();
+        let t2 = time(&mut || gm(m, k, n, &a, sa, &b, sb, &mut c2, threads));
+        let t3 = time(&mut || gm(m, k, n, &a, sa, &b, sb, &mut c2, 1));
+        let mut c3 = vec![0f32; m * n];
+        let t4 = time(&mut || split2(m, k, n, &a, sa, &b, sb, &mut c3));
+        let err2 = c3
+            .iter()
+            .zip(&c2)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
         let err = c1
             .iter()
             .zip(&c2)
@@ -136,9 +203,11 @@ fn main() {
             .fold(0f32, f32::max);
         let gf = |t: f64| 2.0 * (m * k * n) as f64 / t / 1e9;
         println!(
-            "{name:18} {m}x{k}x{n} matrixmultiply {:7.1} GF/s  gemm {:7.1} GF/s  max|d| {err:.1e}",
+            "{name:18} {m}x{k}x{n} matrixmultiply {:7.1} GF/s  gemm {:7.1} GF/s  gemm 1 thread {:7.1} GF/s  split2 {:7.1} GF/s  max|d| {err:.1e} {err2:.1e}",
             gf(t1),
-            gf(t2)
+            gf(t2),
+            gf(t3),
+            gf(t4)
         );
     }
 }

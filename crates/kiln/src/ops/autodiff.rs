@@ -37,9 +37,9 @@ impl<B: KilnBackend> Backward<B, 3> for LinearBias {
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let dy = grads.consume::<B>(&ops.node);
         let (x, w) = ops.state;
-        let (dx, dw, db) = B::kiln_linear_backward(x, w, dy, true);
         let [px, pw, pb] = ids!(ops);
-        give::<B>(grads, px, Some(dx));
+        let (dx, dw, db) = B::kiln_linear_backward(x, w, dy, (px.is_some(), true));
+        give::<B>(grads, px, dx);
         give::<B>(grads, pw, Some(dw));
         give::<B>(grads, pb, db);
     }
@@ -52,9 +52,9 @@ impl<B: KilnBackend> Backward<B, 2> for LinearNoBias {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let dy = grads.consume::<B>(&ops.node);
         let (x, w) = ops.state;
-        let (dx, dw, _) = B::kiln_linear_backward(x, w, dy, false);
         let [px, pw] = ids!(ops);
-        give::<B>(grads, px, Some(dx));
+        let (dx, dw, _) = B::kiln_linear_backward(x, w, dy, (px.is_some(), false));
+        give::<B>(grads, px, dx);
         give::<B>(grads, pw, Some(dw));
     }
 }

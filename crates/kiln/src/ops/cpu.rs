@@ -70,12 +70,17 @@ fn slice(a: &ArcArray<f32, IxDyn>) -> &[f32] {
     a.as_slice().expect("standard layout")
 }
 
-/// C[m×n] (row stride `n`) = A·B + β·C (+ `bias` on every row), with A and B given by element
-/// strides (β is 0 or 1). The `gemm` crate does the product: it picks its micro-kernel at run time
-/// (AVX-512 where the CPU has it — the `x86-v4` feature — else AVX2/FMA) and splits the work over
-/// the rayon pool itself. matrixmultiply, used before, has no AVX-512 kernel: on the models' shapes
-/// `gemm` is 1.2–2.1× faster on AVX-512 machines (docs/DESIGN.md "CPU GEMM", `examples/gemm_crates.rs`). The
-/// bias is added row by row afterwards, in parallel.
+/// C = A·B (+ `beta`·C) (+ `bias` on every row) for row-major C `[m, n]`; A and B are given by
+/// (row stride, column stride) so either may be read transposed. Runs on the `gemm` crate's kernels
+/// (AVX-512 where the CPU has it — the `x86-v4` feature — else AVX2/FMA); matrixmultiply, used
+/// before, has no AVX-512 kernel and is 1.2–2.1× slower on AVX-512 machines (docs/DESIGN.md "CPU
+/// GEMM", `examples/gemm_crates.rs`).
+///
+/// kiln splits C into one tile per thread itself, each tile a single-threaded `gemm` call with the
+/// bias added in the same task, instead of `gemm`'s own rayon split: on 2 threads that was as fast
+/// or faster on every model shape measured (+24 % on MiniLM's weight gradient, 3× on the MNIST
+/// MLP's first layer, where `gemm`'s split costs more than it saves), and products too small to
+/// pay for a second thread run on the caller's.
 #[allow(clippy::too_many_arguments)]
 fn sgemm(
     m: usize,
@@ -95,50 +100,79 @@ fn sgemm(
     assert!(k == 0 || a.len() > (m - 1) * rsa + (k - 1) * csa);
     assert!(k == 0 || b.len() > (k - 1) * rsb + (n - 1) * csb);
     assert!(c.len() >= m * n);
-    // Small products (the MNIST MLP's) are not worth a trip through the thread pool.
-    let threads = if m * n * k < 1 << 18 {
-        1
-    } else {
-        rayon::current_num_threads().max(1)
+    assert!(bias.is_none_or(|b| b.len() >= n));
+    let (tm, tn) = gemm_grid(m, n, k, rayon::current_num_threads());
+    // Tile edges: rows in multiples of 8, columns in multiples of 16 (one AVX-512 register).
+    let (rows, cols) = (
+        m.div_ceil(tm).div_ceil(8) * 8,
+        n.div_ceil(tn).div_ceil(16) * 16,
+    );
+    let (cp, ap, bp) = (
+        SharedMut(c.as_mut_ptr()),
+        a.as_ptr() as usize,
+        b.as_ptr() as usize,
+    );
+    let tile = |t: usize| {
+        let (i0, j0) = ((t / tn) * rows, (t % tn) * cols);
+        if i0 >= m || j0 >= n {
+            return;
+        }
+        let (mr, nr) = (rows.min(m - i0), cols.min(n - j0));
+        let (a, b) = (ap as *const f32, bp as *const f32);
+        // SAFETY: the asserts above keep every element addressed by this tile of A, B and C in
+        // bounds, and tiles are disjoint, so no two tasks write the same element of C.
+        unsafe {
+            let dst = cp.at(i0 * n + j0);
+            gemm::gemm(
+                mr,
+                nr,
+                k,
+                dst,
+                1,
+                n as isize,
+                beta != 0.0,
+                a.add(i0 * rsa),
+                csa as isize,
+                rsa as isize,
+                b.add(j0 * csb),
+                csb as isize,
+                rsb as isize,
+                beta,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+            if let Some(bias) = bias {
+                for i in 0..mr {
+                    let row = std::slice::from_raw_parts_mut(dst.add(i * n), nr);
+                    add_into(row, &bias[j0..j0 + nr]);
+                }
+            }
+        }
     };
-    let parallelism = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
-    let accumulate = beta != 0.0;
-    // SAFETY: the asserts above keep every addressed element of A, B and C in bounds; C is
-    // borrowed mutably, so nothing else writes it.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            c.as_mut_ptr(),
-            1,
-            n as isize,
-            accumulate,
-            a.as_ptr(),
-            csa as isize,
-            rsa as isize,
-            b.as_ptr(),
-            csb as isize,
-            rsb as isize,
-            beta,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism,
-        );
-    }
-    if let Some(bias) = bias {
-        let rows = (1 << 14) / n + 1;
-        c[..m * n]
-            .par_chunks_mut(rows * n)
-            .for_each(|block| block.chunks_mut(n).for_each(|row| add_into(row, bias)));
+    match tm * tn {
+        1 => tile(0),
+        tasks => (0..tasks).into_par_iter().for_each(tile),
     }
 }
+
+/// How many tiles (rows × columns of tiles) an `m×k·k×n` product is split into for `threads`
+/// threads: at most one per thread, each at least [`GEMM_TASK_MIN`] multiply-adds, shaped as close
+/// to square as the divisors allow (a thin tile packs its shared operand for little work).
+pub(super) fn gemm_grid(m: usize, n: usize, k: usize, threads: usize) -> (usize, usize) {
+    let tasks = (m * n * k / GEMM_TASK_MIN).clamp(1, threads.max(1));
+    (1..=tasks)
+        .filter(|tn| tasks.is_multiple_of(*tn))
+        .map(|tn| (tasks / tn, tn))
+        .max_by_key(|&(tm, tn)| (m / tm).min(n / tn))
+        .unwrap_or((1, 1))
+}
+
+/// Multiply-adds below which a second thread costs more than it saves (measured on 2 threads with
+/// `examples/gemm_crates.rs`: the MNIST MLP's 32×120×84 runs faster on one).
+const GEMM_TASK_MIN: usize = 1 << 20;
 
 /// `dst += src`, element-wise.
 #[inline]
@@ -792,9 +826,9 @@ impl KilnBackend for Cpu {
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
         dy: FloatTensor<Self>,
-        bias: bool,
+        (input_grad, bias): (bool, bool),
     ) -> (
-        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
         FloatTensor<Self>,
         Option<FloatTensor<Self>>,
     ) {
@@ -802,8 +836,11 @@ impl KilnBackend for Cpu {
         let (x, w, dy) = (dense(x), dense(w), dense(dy));
         let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
         let (xs, ws, dys) = (slice(&x), slice(&w), slice(&dy));
-        let mut dx = vec![0f32; m * k];
-        matmul(m, n, k, dys, (n, 1), ws, (k, 1), None, &mut dx); // dy · w
+        let dx = input_grad.then(|| {
+            let mut dx = vec![0f32; m * k];
+            matmul(m, n, k, dys, (n, 1), ws, (k, 1), None, &mut dx); // dy · w
+            tensor(&[m, k], dx)
+        });
         let mut dw = vec![0f32; n * k];
         matmul(n, m, k, dys, (1, n), xs, (k, 1), None, &mut dw); // dyᵀ · x
         let db = bias.then(|| {
@@ -826,7 +863,7 @@ impl KilnBackend for Cpu {
                 );
             tensor(&[n], sum)
         });
-        (tensor(&[m, k], dx), tensor(&[n, k], dw), db)
+        (dx, tensor(&[n, k], dw), db)
     }
 
     fn kiln_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -1377,6 +1414,58 @@ impl KilnBackend for Cpu {
             NdArrayTensor::from(m),
             NdArrayTensor::from(v),
         )
+    }
+
+    fn kiln_sgd(
+        p: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        buf: Option<FloatTensor<Self>>,
+        h: super::SgdStep,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let _p = super::profile::scope("sgd");
+        let (mut p, g) = (dense(p), dense(g));
+        let (lr, wd, gs) = (h.lr as f32, h.weight_decay as f32, h.grad_scale as f32);
+        let (mu, damp) = (h.momentum as f32, (1.0 - h.dampening) as f32);
+        let (first, nesterov) = (buf.is_none(), h.nesterov);
+        // Without momentum there is no buffer; on the first step torch starts it at the gradient.
+        let mut buf = (mu != 0.0).then(|| match buf {
+            Some(b) => dense(b),
+            None => ArcArray::zeros(IxDyn(&[g.len()])),
+        });
+        // ArcArray::as_slice_mut copies only if the buffer is shared.
+        let ps = p.as_slice_mut().expect("standard layout");
+        let bs = buf
+            .as_mut()
+            .map(|b| b.as_slice_mut().expect("standard layout"));
+        const CHUNK: usize = 32_768;
+        let update = |pc: &mut [f32], gc: &[f32], bc: Option<&mut [f32]>| {
+            simd(
+                #[inline(always)]
+                || match bc {
+                    None => pc.iter_mut().zip(gc).for_each(|(p, &g)| {
+                        *p -= lr * (g * gs + wd * *p);
+                    }),
+                    Some(bc) => pc.iter_mut().zip(gc).zip(bc).for_each(|((p, &g), b)| {
+                        let g = g * gs + wd * *p;
+                        *b = if first { g } else { *b * mu + g * damp };
+                        *p -= lr * if nesterov { g + mu * *b } else { *b };
+                    }),
+                },
+            )
+        };
+        let gs_ = slice(&g);
+        match bs {
+            None => ps
+                .par_chunks_mut(CHUNK)
+                .zip(gs_.par_chunks(CHUNK))
+                .for_each(|(pc, gc)| update(pc, gc, None)),
+            Some(bs) => ps
+                .par_chunks_mut(CHUNK)
+                .zip(gs_.par_chunks(CHUNK))
+                .zip(bs.par_chunks_mut(CHUNK))
+                .for_each(|((pc, gc), bc)| update(pc, gc, Some(bc))),
+        }
+        (NdArrayTensor::from(p), buf.map(NdArrayTensor::from))
     }
 
     fn kiln_sum_squares(x: FloatTensor<Self>) -> f64 {

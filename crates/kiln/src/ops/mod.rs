@@ -105,6 +105,19 @@ fn matmul_2d<B: Backend>(a: Tensor<B, 2>, b: Tensor<B, 2>) -> Tensor<B, 2> {
     }
 }
 
+/// The scalars of one SGD step for one parameter (torch.optim.SGD's).
+#[derive(Debug, Clone, Copy)]
+pub struct SgdStep {
+    pub lr: f64,
+    /// 0 for parameters exempt from decay; torch adds `weight_decay·p` to the gradient.
+    pub weight_decay: f64,
+    pub momentum: f64,
+    pub dampening: f64,
+    pub nesterov: bool,
+    /// Multiplies the gradient first (gradient clipping's coefficient).
+    pub grad_scale: f64,
+}
+
 /// The scalars of one AdamW step for one parameter.
 #[derive(Debug, Clone, Copy)]
 pub struct AdamWStep {
@@ -158,23 +171,25 @@ pub trait KilnBackend: Backend {
         })
     }
 
-    /// `(dx, dw, db)` of [`Self::kiln_linear`] for output gradient `dy [M, N]`.
+    /// `(dx, dw, db)` of [`Self::kiln_linear`] for output gradient `dy [M, N]`; `dx` only when
+    /// `input_grad` (a model's first layer reads data, whose gradient nobody wants — for the MNIST
+    /// MLP that product is a third of the backward's work), `db` only when `bias`.
     fn kiln_linear_backward(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
         dy: FloatTensor<Self>,
-        bias: bool,
+        (input_grad, bias): (bool, bool),
     ) -> (
-        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
         FloatTensor<Self>,
         Option<FloatTensor<Self>>,
     ) {
         let dy = t::<Self, 2>(dy);
         let n = dy.dims()[1];
-        let dx = matmul_2d(dy.clone(), t::<Self, 2>(w));
+        let dx = input_grad.then(|| p(matmul_2d(dy.clone(), t::<Self, 2>(w))));
         let dw = matmul_2d(dy.clone().transpose(), t::<Self, 2>(x));
         let db = bias.then(|| p(dy.sum_dim(0).reshape([n])));
-        (p(dx), p(dw), db)
+        (dx, p(dw), db)
     }
 
     /// Exact GELU `x·Φ(x)` (any shape).
@@ -460,6 +475,40 @@ pub trait KilnBackend: Backend {
         ))
     }
 
+    /// One SGD update of a flat parameter `p` with gradient `g·grad_scale`, exactly as
+    /// `torch.optim.SGD`: with momentum, `buf` is the momentum buffer (`None` on the first step,
+    /// where torch starts it at the gradient) and the new one is returned. The CPU kernel is one
+    /// pass, in place: through Burn's ops the update is 2–6 passes and as many allocations, most
+    /// of a small model's optimizer step.
+    fn kiln_sgd(
+        p: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        buf: Option<FloatTensor<Self>>,
+        h: SgdStep,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let mut g = t::<Self, 1>(g);
+        if h.grad_scale != 1.0 {
+            g = g * h.grad_scale;
+        }
+        let pt = t::<Self, 1>(p);
+        if h.weight_decay != 0.0 {
+            g = g + pt.clone() * h.weight_decay;
+        }
+        if h.momentum == 0.0 {
+            return (p_(pt - g * h.lr), None);
+        }
+        let buf = match buf {
+            Some(b) => t::<Self, 1>(b) * h.momentum + g.clone() * (1.0 - h.dampening),
+            None => g.clone(),
+        };
+        let step = if h.nesterov {
+            g + buf.clone() * h.momentum
+        } else {
+            buf.clone()
+        };
+        (p_(pt - step * h.lr), Some(p_(buf)))
+    }
+
     /// One AdamW update of a flat parameter `p` with gradient `g·grad_scale` and moments `m`, `v`, exactly
     /// as `torch.optim.AdamW` (decoupled decay first, then the bias-corrected Adam step). Returns
     /// `(p, m, v)`; the CPU kernel updates in place.
@@ -669,11 +718,30 @@ pub fn masked_softmax<B: KilnBackend>(
 pub fn init_threads(threads: Option<usize>) {
     // SAFETY (set_var): called at start-up, before other threads exist.
     std::env::set_var("MATMUL_NUM_THREADS", "1");
+    let mut pool = rayon::ThreadPoolBuilder::new().stack_size(WORKER_STACK);
     if let Some(n) = threads {
-        let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global();
+        pool = pool.num_threads(n);
     }
+    let _ = pool.build_global();
+}
+
+/// Stack of each pool thread: [`on_pool`] runs the whole command on one, which must hold as much as
+/// the main thread's 8 MiB.
+const WORKER_STACK: usize = 8 << 20;
+
+/// Runs `f` on a thread of the kernel pool (the caller waits). A kernel that splits its work from
+/// there hands half to the other threads through the pool's own queues, and a kernel too small to
+/// split runs in place; from a thread outside the pool every parallel call is a round trip through
+/// the pool's injector and a sleeping latch (≈ 10–30 µs), which is most of a small model's step.
+///
+/// Not with a one-thread pool: `f` would then hold the pool's only thread, and a thread outside
+/// it that hands the pool work while `f` waits on that thread (Burn's collectives sum tensors on
+/// their own threads) would wait forever.
+pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() || rayon::current_num_threads() < 2 {
+        return f();
+    }
+    rayon::scope(|_| f())
 }
 
 /// Runs `f` right after seeding the backend's random generator, holding a process-wide lock: the

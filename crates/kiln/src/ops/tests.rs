@@ -57,6 +57,57 @@ fn check<const D: usize, const N: usize>(
     }
 }
 
+/// A first layer reads data that needs no gradient: the fused backward skips that product and
+/// still gives the weight and bias theirs.
+#[test]
+fn linear_of_data_gives_parameter_gradients_only() {
+    let x = Tensor::<CpuTrain, 2>::from_inner(rand([32, 78], 21).inner());
+    let (w, b) = (rand([12, 78], 22), rand([12], 23));
+    let upstream = Tensor::<CpuTrain, 2>::from_inner(rand([32, 12], 24).inner());
+    let fused = (linear(x.clone(), w.clone(), Some(b.clone())) * upstream.clone())
+        .sum()
+        .backward();
+    let reference = ((x.clone().matmul(w.clone().transpose()) + b.clone().unsqueeze_dim(0))
+        * upstream)
+        .sum()
+        .backward();
+    assert!(x.grad(&fused).is_none());
+    assert_close(
+        "weight grad",
+        host(w.grad(&fused).unwrap()),
+        host(w.grad(&reference).unwrap()),
+        1e-5,
+    );
+    assert_close(
+        "bias grad",
+        host(b.grad(&fused).unwrap()),
+        host(b.grad(&reference).unwrap()),
+        1e-5,
+    );
+}
+
+#[test]
+fn gemm_tiles_are_one_per_thread_and_as_square_as_they_divide() {
+    use super::cpu::gemm_grid;
+    assert_eq!(
+        gemm_grid(32, 120, 84, 2),
+        (1, 1),
+        "too small for a second thread"
+    );
+    assert_eq!(
+        gemm_grid(32, 120, 784, 2),
+        (1, 2),
+        "few rows: split the columns"
+    );
+    assert_eq!(
+        gemm_grid(1536, 384, 2048, 2),
+        (2, 1),
+        "few columns: split the rows"
+    );
+    assert_eq!(gemm_grid(1024, 1024, 1024, 4), (2, 2));
+    assert_eq!(gemm_grid(1024, 1024, 1024, 1), (1, 1));
+}
+
 #[test]
 fn linear_matches_matmul_with_transposed_weight() {
     let inputs = [rand([37, 24], 1), rand([19, 24], 2), rand([1, 19], 3)];
@@ -87,6 +138,25 @@ fn linear_matches_matmul_with_transposed_weight() {
         },
         |t| t[0].clone().matmul(t[1].clone().transpose()) + t[2].clone(),
     );
+    // Products big enough to split into one tile per thread: pools of 2, 3 and 4 threads cut C
+    // by columns, by rows and into a 2×2 grid, at sizes that leave ragged edge tiles.
+    for threads in [2, 3, 4] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            for (m, k, n) in [(37, 901, 170), (203, 301, 170), (203, 901, 21)] {
+                let inputs = [rand([m, k], 12), rand([n, k], 13), rand([1, n], 14)];
+                check(
+                    &format!("linear, {m}×{k}×{n} on {threads} threads"),
+                    inputs,
+                    |t| linear(t[0].clone(), t[1].clone(), Some(t[2].clone().reshape([n]))),
+                    |t| t[0].clone().matmul(t[1].clone().transpose()) + t[2].clone(),
+                );
+            }
+        });
+    }
     // A few rows (token-by-token decoding) take the dot-product path: odd sizes cross its
     // 16-lane chunks and 64-output blocks.
     for rows in [1, 3, 4] {

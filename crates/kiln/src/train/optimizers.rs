@@ -10,10 +10,12 @@
 use std::collections::BTreeMap;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
 use crate::error::{KilnError, Result};
 use crate::hub::weights::HostTensor;
+use crate::ops::{KilnBackend, SgdStep};
 
 /// An update rule besides AdamW, with its hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -125,7 +127,16 @@ pub struct RuleOptimizer<B: Backend> {
     state: BTreeMap<String, Tensor<B, 1>>,
 }
 
-impl<B: Backend> RuleOptimizer<B> {
+/// The backend's float tensor inside `t`, for the fused kernels.
+fn prim<B: Backend>(t: Tensor<B, 1>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+fn tensor<B: Backend>(p: FloatTensor<B>) -> Tensor<B, 1> {
+    Tensor::from_primitive(TensorPrimitive::Float(p))
+}
+
+impl<B: KilnBackend> RuleOptimizer<B> {
     pub fn new(rule: Rule, weight_decay: f64) -> Self {
         Self {
             rule,
@@ -174,22 +185,20 @@ impl<B: Backend> RuleOptimizer<B> {
                 dampening,
                 nesterov,
             } => {
-                let g = if wd != 0.0 { g + p.clone() * wd } else { g };
-                let g = if momentum != 0.0 {
-                    let buf = match self.state.remove(&format!("{path}.momentum_buffer")) {
-                        Some(b) => b * momentum + g.clone() * (1.0 - dampening),
-                        None => g.clone(),
-                    };
-                    self.put(path, "momentum_buffer", buf.clone());
-                    if nesterov {
-                        g + buf * momentum
-                    } else {
-                        buf
-                    }
-                } else {
-                    g
+                let buf = self.state.remove(&format!("{path}.momentum_buffer"));
+                let h = SgdStep {
+                    lr,
+                    weight_decay: wd,
+                    momentum,
+                    dampening,
+                    nesterov,
+                    grad_scale: 1.0,
                 };
-                p - g * lr
+                let (p, buf) = B::kiln_sgd(prim(p), prim(g), buf.map(prim), h);
+                if let Some(buf) = buf {
+                    self.put(path, "momentum_buffer", tensor(buf));
+                }
+                tensor(p)
             }
             Rule::Lion { beta1, beta2 } => {
                 let p = if wd != 0.0 { p * (1.0 - lr * wd) } else { p };
