@@ -170,9 +170,11 @@ pub(super) fn gemm_grid(m: usize, n: usize, k: usize, threads: usize) -> (usize,
         .unwrap_or((1, 1))
 }
 
-/// Multiply-adds below which a second thread costs more than it saves (measured on 2 threads with
-/// `examples/gemm_crates.rs`: the MNIST MLP's 32×120×84 runs faster on one).
-const GEMM_TASK_MIN: usize = 1 << 20;
+/// Multiply-adds below which a second thread costs more than it saves. Alone, the MNIST MLP's
+/// 32×784×120 (3·2²⁰) runs faster as two tiles (`examples/gemm_crates.rs`), but the whole MNIST
+/// step is 12 % faster with it on one thread (2²⁰ against 2²², four paired `kiln bench` runs):
+/// the second thread's wake-up and cold caches cost more than the half product it takes.
+const GEMM_TASK_MIN: usize = 1 << 22;
 
 /// `dst += src`, element-wise.
 #[inline]

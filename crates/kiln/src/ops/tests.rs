@@ -96,6 +96,11 @@ fn gemm_tiles_are_one_per_thread_and_as_square_as_they_divide() {
     );
     assert_eq!(
         gemm_grid(32, 120, 784, 2),
+        (1, 1),
+        "the MNIST MLP stays on one thread"
+    );
+    assert_eq!(
+        gemm_grid(32, 480, 784, 2),
         (1, 2),
         "few rows: split the columns"
     );
@@ -146,7 +151,7 @@ fn linear_matches_matmul_with_transposed_weight() {
             .build()
             .unwrap();
         pool.install(|| {
-            for (m, k, n) in [(37, 901, 170), (203, 301, 170), (203, 901, 21)] {
+            for (m, k, n) in [(37, 1801, 170), (203, 601, 170), (403, 1801, 21)] {
                 let inputs = [rand([m, k], 12), rand([n, k], 13), rand([1, n], 14)];
                 check(
                     &format!("linear, {m}×{k}×{n} on {threads} threads"),
