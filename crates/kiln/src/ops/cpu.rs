@@ -70,7 +70,7 @@ fn slice(a: &ArcArray<f32, IxDyn>) -> &[f32] {
     a.as_slice().expect("standard layout")
 }
 
-/// C = A·B (+ `beta`·C) (+ `bias` on every row) for row-major C `[m, n]`; A and B are given by
+/// C = A·B (+ C when `beta` is 1) (+ `bias` on every row) for row-major C `[m, n]`; A and B are given by
 /// (row stride, column stride) so either may be read transposed. Runs on the `gemm` crate's kernels
 /// (AVX-512 where the CPU has it — the `x86-v4` feature — else AVX2/FMA); matrixmultiply, used
 /// before, has no AVX-512 kernel and is 1.2–2.1× slower on AVX-512 machines (docs/DESIGN.md "CPU
@@ -101,6 +101,10 @@ fn sgemm(
     assert!(k == 0 || b.len() > (k - 1) * rsb + (n - 1) * csb);
     assert!(c.len() >= m * n);
     assert!(bias.is_none_or(|b| b.len() >= n));
+    assert!(
+        beta == 0.0 || beta == 1.0,
+        "β is 0 (overwrite C) or 1 (add to C)"
+    );
     let (tm, tn) = gemm_grid(m, n, k, rayon::current_num_threads());
     // Tile edges: rows in multiples of 8, columns in multiples of 16 (one AVX-512 register).
     let (rows, cols) = (
@@ -123,26 +127,15 @@ fn sgemm(
         // bounds, and tiles are disjoint, so no two tasks write the same element of C.
         unsafe {
             let dst = cp.at(i0 * n + j0);
-            gemm::gemm(
-                mr,
-                nr,
-                k,
+            small_gemm(
+                (mr, nr, k),
                 dst,
-                1,
-                n as isize,
-                beta != 0.0,
+                (n, 1),
                 a.add(i0 * rsa),
-                csa as isize,
-                rsa as isize,
+                (rsa, csa),
                 b.add(j0 * csb),
-                csb as isize,
-                rsb as isize,
-                beta,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
+                (rsb, csb),
+                beta != 0.0,
             );
             if let Some(bias) = bias {
                 for i in 0..mr {
