@@ -275,11 +275,10 @@ impl<B: KilnBackend> Optimizer<B> {
                     let Some(g) = grads.remove(info.path) else {
                         return value;
                     };
-                    let g = if factor != 1.0 { g * factor } else { g };
                     let dims = value.shape().dims.clone();
                     update_flat::<AB>(value, |p| {
                         let p = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(p));
-                        r.update(info.path, &dims, p, g, lr, decays(info))
+                        r.update(info.path, &dims, p, (g, factor), lr, decays(info))
                             .into_primitive()
                             .tensor()
                     })

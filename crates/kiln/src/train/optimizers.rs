@@ -165,20 +165,27 @@ impl<B: KilnBackend> RuleOptimizer<B> {
         self.state.insert(format!("{path}.{slot}"), t);
     }
 
-    /// Updates parameter `path` (flat values `p` of shape `dims`, its final gradient `g`) at
-    /// learning rate `lr`; `decay`: whether weight decay applies to it. Call once per parameter
-    /// per step, after counting the step in [`Self::step`].
+    /// Updates parameter `path` (flat values `p` of shape `dims`, its gradient `g` times
+    /// `grad_scale`, the pending clipping factor) at learning rate `lr`; `decay`: whether weight
+    /// decay applies to it. Call once per parameter per step, after counting the step in
+    /// [`Self::step`].
     pub fn update(
         &mut self,
         path: &str,
         dims: &[usize],
         p: Tensor<B, 1>,
-        g: Tensor<B, 1>,
+        (g, grad_scale): (Tensor<B, 1>, f64),
         lr: f64,
         decay: bool,
     ) -> Tensor<B, 1> {
         let wd = if decay { self.weight_decay } else { 0.0 };
         let n = g.dims()[0];
+        // SGD's fused kernel scales the gradient as it reads it; the other rules take it first.
+        let g = match self.rule {
+            Rule::Sgd { .. } if grad_scale != 1.0 => g,
+            _ if grad_scale != 1.0 => g * grad_scale,
+            _ => g,
+        };
         match self.rule {
             Rule::Sgd {
                 momentum,
@@ -192,7 +199,7 @@ impl<B: KilnBackend> RuleOptimizer<B> {
                     momentum,
                     dampening,
                     nesterov,
-                    grad_scale: 1.0,
+                    grad_scale,
                 };
                 let (p, buf) = B::kiln_sgd(prim(p), prim(g), buf.map(prim), h);
                 if let Some(buf) = buf {
@@ -380,10 +387,13 @@ mod tests {
                         .collect();
                     let g = floats(&p["grads"][step]);
                     let n = g.len();
-                    let g = Tensor::from_data(TensorData::new(g, [n]), &device);
+                    // Half the gradient with a pending factor of 2 (both exact in binary): the
+                    // clipping factor must reach every rule exactly once.
+                    let half: Vec<f32> = g.iter().map(|x| x * 0.5).collect();
+                    let g = Tensor::from_data(TensorData::new(half, [n]), &device);
                     let path = p["name"].as_str().unwrap();
                     let decay = p["decay"].as_bool().unwrap();
-                    values[i] = opt.update(path, &dims, values[i].clone(), g, *lr, decay);
+                    values[i] = opt.update(path, &dims, values[i].clone(), (g, 2.0), *lr, decay);
                     let got = values[i].to_data().into_vec::<f32>().unwrap();
                     let want = floats(&p["after"][step]);
                     for (a, b) in got.iter().zip(&want) {
