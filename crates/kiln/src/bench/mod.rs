@@ -5,6 +5,7 @@
 pub mod dp;
 pub mod llama;
 pub mod measure;
+pub mod peak;
 pub mod rows;
 
 use std::path::{Path, PathBuf};
@@ -440,20 +441,28 @@ pub struct SuiteReport {
     /// The CPU model and the vector/matrix extensions kiln dispatches on (rows of different CPU
     /// kinds are not comparable).
     pub cpu: String,
+    /// The CPU's arithmetic ceiling (rows on a GPU, and CPUs without AVX2, have none).
+    pub machine_peak: Option<peak::MachinePeak>,
+}
+
+/// The value of /proc/cpuinfo's first `name` line (the first CPU's).
+fn cpuinfo_field(cpuinfo: &str, name: &str) -> Option<String> {
+    cpuinfo
+        .lines()
+        .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, v)| v.trim().to_string())
+}
+
+fn cpu_flags(cpuinfo: &str) -> String {
+    cpuinfo_field(cpuinfo, "flags").unwrap_or_default()
 }
 
 /// `model (ISA: …)` from /proc/cpuinfo's text: the model name, and which of the instruction sets
 /// kiln's kernels choose between the CPU reports.
 pub fn cpu_description(cpuinfo: &str) -> String {
-    let field = |name: &str| {
-        cpuinfo
-            .lines()
-            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
-            .and_then(|l| l.split_once(':'))
-            .map(|(_, v)| v.trim().to_string())
-    };
-    let model = field("model name").unwrap_or_else(|| "unknown CPU".into());
-    let flags = field("flags").unwrap_or_default();
+    let model = cpuinfo_field(cpuinfo, "model name").unwrap_or_else(|| "unknown CPU".into());
+    let flags = cpu_flags(cpuinfo);
     let flags: Vec<&str> = flags.split_whitespace().collect();
     let isa: Vec<&str> = [
         "avx2",
@@ -603,6 +612,14 @@ where
         }
         runs_on_device(key, opts)?;
     }
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let machine_peak = match opts.device {
+        crate::backend::DeviceSpec::Cpu => peak::measure(&cpu_flags(&cpuinfo)),
+        _ => None,
+    };
+    if let Some(p) = &machine_peak {
+        tracing::info!("{}", p.how);
+    }
     let gemm = rows::gemm_gflops::<B>(device);
     tracing::info!("kiln sgemm 1024: {gemm:.1} GFLOP/s");
     let mut out = Vec::new();
@@ -633,7 +650,8 @@ where
         pytorch_header: header,
         threads: opts.threads,
         date: today(),
-        cpu: cpu_description(&std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default()),
+        cpu: cpu_description(&cpuinfo),
+        machine_peak,
     })
 }
 
@@ -663,14 +681,14 @@ impl SuiteReport {
     pub fn markdown(&self) -> String {
         let peak = self.gemm_peak_gflops;
         let mut s = String::from(
-            "| benchmark | batch×seq | kiln ms/step | kiln samples/s | kiln tokens/s | kiln GFLOP/s | % GEMM peak | kiln peak RSS MiB \
+            "| benchmark | batch×seq | kiln ms/step | kiln samples/s | kiln tokens/s | kiln GFLOP/s | % GEMM peak | % machine peak | kiln peak RSS MiB \
              | PyTorch row | PyTorch ms/step | PyTorch samples/s | PyTorch tokens/s | PyTorch peak RSS MiB | kiln/PyTorch |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         );
         for r in &self.rows {
             let k = &r.kiln;
             let kiln_cols = format!(
-                "| {} | {}×{} | {:.1} | {:.2} | {:.0} | {:.1} | {:.0}% | {} ",
+                "| {} | {}×{} | {:.1} | {:.2} | {:.0} | {:.1} | {:.0}% | {} | {} ",
                 k.name,
                 k.batch,
                 k.seq,
@@ -679,6 +697,7 @@ impl SuiteReport {
                 k.tokens_per_sec,
                 k.gflops,
                 100.0 * k.gflops / peak,
+                self.machine_share(k),
                 fmt_opt(k.peak_rss_mib, 0),
             );
             if r.pytorch.is_empty() {
@@ -716,21 +735,73 @@ impl SuiteReport {
             }
         }
         s += &format!(
-            "\n{}; {}; threads {}; fp32 GEMM peak {:.1} GFLOP/s (best of kiln's sgemm 1024³ {:.1} and PyTorch's calibration). PyTorch: {}\n",
+            "\n{}; {}; threads {}; fp32 GEMM peak {:.1} GFLOP/s (best of kiln's sgemm 1024³ {:.1} and PyTorch's calibration); {}. PyTorch: {}\n",
             self.date,
             self.cpu,
             self.threads,
             peak,
             self.kiln_gemm_gflops,
+            self.machine_peak
+                .as_ref()
+                .map_or("no machine peak measured", |p| p.how.as_str()),
             self.pytorch_header.join("; ")
         );
         s
+    }
+
+    /// A row's rate as a share of the machine's fp32 peak, and for a bf16 row of its bf16 peak.
+    fn machine_share(&self, k: &BenchResult) -> String {
+        let Some(p) = &self.machine_peak else {
+            return "–".into();
+        };
+        let fp32 = 100.0 * k.gflops / p.fp32_gflops;
+        if k.name.contains("bf16") {
+            format!(
+                "{fp32:.0}% fp32 · {:.0}% bf16",
+                100.0 * k.gflops / p.bf16_gflops
+            )
+        } else {
+            format!("{fp32:.0}%")
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::cpu_description;
+    use super::*;
+
+    #[test]
+    fn every_row_is_a_share_of_the_machine_peak_and_bf16_rows_of_both() {
+        let work = StepWork {
+            samples: 1,
+            tokens: 1,
+            padded_seq: 1,
+            flops: 50e9,
+        };
+        let row = |name: &str| SuiteRow {
+            key: name.into(),
+            kiln: BenchResult::from_times(name, &[1.0], std::slice::from_ref(&work)),
+            pytorch: Vec::new(),
+        };
+        let report = SuiteReport {
+            rows: vec![row("minilm_train_fp32"), row("minilm_train_bf16")],
+            kiln_gemm_gflops: 80.0,
+            gemm_peak_gflops: 100.0,
+            pytorch_header: Vec::new(),
+            threads: 2,
+            date: "2026-11-23".into(),
+            cpu: "test CPU".into(),
+            machine_peak: Some(peak::MachinePeak {
+                fp32_gflops: 200.0,
+                bf16_gflops: 400.0,
+                how: "measured somehow".into(),
+            }),
+        };
+        let md = report.markdown();
+        assert!(md.contains("| 50.0 | 50% | 25% | –"), "{md}");
+        assert!(md.contains("| 50.0 | 50% | 25% fp32 · 12% bf16 | –"), "{md}");
+        assert!(md.contains("; measured somehow."), "{md}");
+    }
 
     #[test]
     fn the_cpu_is_named_with_the_extensions_kiln_dispatches_on() {
