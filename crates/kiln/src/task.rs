@@ -112,13 +112,13 @@ impl Loss for CrossEntropy {
         logits: Tensor<B, 2>,
         targets: Tensor<B, 1, Int>,
     ) -> Tensor<B, 1> {
-        let [n, _] = logits.dims();
-        let (keep, safe) = kept_targets(targets);
-        let picked = log_softmax(logits, 1)
-            .gather(1, safe.reshape([n, 1]))
-            .reshape([n]);
-        let count = keep.clone().sum().clamp_min(1.0);
-        (picked * keep).sum().neg() / count
+        let count = targets
+            .clone()
+            .not_equal_elem(IGNORE_INDEX)
+            .float()
+            .sum()
+            .clamp_min(1.0);
+        crate::ops::cross_entropy(logits, targets, IGNORE_INDEX).sum() / count
     }
 }
 

@@ -799,7 +799,10 @@ mod tests {
         };
         let md = report.markdown();
         assert!(md.contains("| 50.0 | 50% | 25% | –"), "{md}");
-        assert!(md.contains("| 50.0 | 50% | 25% fp32 · 12% bf16 | –"), "{md}");
+        assert!(
+            md.contains("| 50.0 | 50% | 25% fp32 · 12% bf16 | –"),
+            "{md}"
+        );
         assert!(md.contains("; measured somehow."), "{md}");
     }
 

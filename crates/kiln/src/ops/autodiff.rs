@@ -3,7 +3,7 @@
 
 use burn::backend::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Shape, TensorMetadata};
 use burn_autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn_autodiff::grads::Gradients;
@@ -187,6 +187,20 @@ impl<B: KilnBackend> Backward<B, 1> for MaskedSoftmax {
             px,
             Some(B::kiln_masked_softmax_backward(y, dy, scale)),
         );
+    }
+}
+
+#[derive(Debug)]
+struct CrossEntropyOp;
+impl<B: KilnBackend> Backward<B, 1> for CrossEntropyOp {
+    /// The logits, the targets, the ignored target and each row's log-sum-exp.
+    type State = (FloatTensor<B>, IntTensor<B>, i64, FloatTensor<B>);
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dloss = grads.consume::<B>(&ops.node);
+        let (x, targets, ignore, lse) = ops.state;
+        let [px] = ids!(ops);
+        let dx = B::kiln_cross_entropy_backward(x, targets, ignore, lse, dloss);
+        give::<B>(grads, px, Some(dx));
     }
 }
 
@@ -520,6 +534,26 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
             OpsKind::Tracked(prep) => prep.finish((y.clone(), scale), y),
             OpsKind::UnTracked(prep) => prep.finish(y),
         }
+    }
+
+    fn kiln_cross_entropy(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        ignore: i64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (losses, lse) =
+            B::kiln_cross_entropy(logits.primitive.clone(), targets.clone(), ignore);
+        let lse_out = Self::from_inner(lse.clone());
+        // The targets are integers: only the logits are differentiated.
+        let out = match CrossEntropyOp
+            .prepare::<C>([logits.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((logits.primitive, targets, ignore, lse), losses),
+            OpsKind::UnTracked(prep) => prep.finish(losses),
+        };
+        (out, lse_out)
     }
 
     fn kiln_dropout_mask(

@@ -2,7 +2,7 @@
 //! the `gemm` crate called with strides so no operand is ever transposed in memory.
 
 use burn::backend::ndarray::{NdArray, NdArrayTensor};
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Shape, TensorMetadata};
 use ndarray::{ArcArray, IxDyn};
 use rayon::prelude::*;
@@ -388,6 +388,69 @@ fn max_of(x: &[f32]) -> f32 {
         }
     }
     acc.iter().fold(tail, |m, &v| m.max(v))
+}
+
+/// `log Σ exp(row)`, shifted by the row's maximum so no term overflows.
+#[inline(always)]
+fn log_sum_exp(row: &[f32]) -> f32 {
+    simd(
+        #[inline(always)]
+        || {
+            let max = max_of(row);
+            max + sum_map(row, |x| exp_fast(x - max)).ln()
+        },
+    )
+}
+
+/// In place: `row ← g · (exp(row − lse) − onehot(target))`, one row of cross-entropy's gradient
+/// (all zeros for an ignored row).
+#[inline(always)]
+fn softmax_minus_onehot_row(row: &mut [f32], target: Option<usize>, lse: f32, g: f32) {
+    let Some(t) = target else {
+        row.fill(0.0);
+        return;
+    };
+    simd(
+        #[inline(always)]
+        || {
+            for x in row.iter_mut() {
+                *x = g * exp_fast(*x - lse);
+            }
+        },
+    );
+    row[t] -= g;
+}
+
+/// The class of each of the `n` targets (`None` for `ignore`). A target outside `0..classes` is a
+/// bug upstream (data loading checks labels against the model), so it stops the step as torch does.
+fn class_indices(
+    targets: NdArrayTensor,
+    n: usize,
+    classes: usize,
+    ignore: i64,
+) -> Vec<Option<usize>> {
+    let values: Vec<i64> = match targets {
+        NdArrayTensor::I64(s) => s.into_shared().iter().copied().collect(),
+        NdArrayTensor::I32(s) => s.into_shared().iter().map(|&v| v as i64).collect(),
+        other => panic!(
+            "cross-entropy targets must be integers, got {:?}",
+            other.dtype()
+        ),
+    };
+    assert_eq!(values.len(), n, "one target per row of logits");
+    values
+        .into_iter()
+        .map(|t| {
+            if t == ignore {
+                return None;
+            }
+            assert!(
+                (0..classes as i64).contains(&t),
+                "cross-entropy target {t} is outside the {classes} classes (and is not the ignored {ignore})"
+            );
+            Some(t as usize)
+        })
+        .collect()
 }
 
 /// In place: `row ← softmax(row·scale + mask)` (one attention row; `mask` is additive, per key).
@@ -1261,6 +1324,76 @@ impl KilnBackend for Cpu {
                 }
             });
         tensor(&shape, dx)
+    }
+
+    fn kiln_cross_entropy(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        ignore: i64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let _p = super::profile::scope("cross_entropy_fwd");
+        let x = dense(logits);
+        let (n, c) = (x.shape()[0], x.shape()[1]);
+        let targets = class_indices(targets, n, c, ignore);
+        let mut out = vec![0f32; 2 * n];
+        let (losses, lse) = out.split_at_mut(n);
+        let rows = rows_per_task(c);
+        let body =
+            |((xs, ts), (ls, es)): ((&[f32], &[Option<usize>]), (&mut [f32], &mut [f32]))| {
+                for (((row, t), l), e) in xs.chunks(c).zip(ts).zip(ls).zip(es) {
+                    *e = log_sum_exp(row);
+                    *l = t.map_or(0.0, |t| *e - row[t]);
+                }
+            };
+        let x = slice(&x);
+        if n <= rows {
+            // One task's worth (a classifier's batch): no trip through the pool.
+            body(((x, &targets), (losses, lse)));
+        } else {
+            x.par_chunks(rows * c)
+                .zip(targets.par_chunks(rows))
+                .zip(losses.par_chunks_mut(rows).zip(lse.par_chunks_mut(rows)))
+                .for_each(body);
+        }
+        let lse = lse.to_vec();
+        out.truncate(n);
+        (tensor(&[n], out), tensor(&[n], lse))
+    }
+
+    fn kiln_cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        ignore: i64,
+        lse: FloatTensor<Self>,
+        dloss: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let _p = super::profile::scope("cross_entropy_bwd");
+        let (lse, dloss) = (dense(lse), dense(dloss));
+        let x = dense(logits);
+        let (n, c) = (x.shape()[0], x.shape()[1]);
+        let targets = class_indices(targets, n, c, ignore);
+        // The logits are usually held by this backward alone: their buffer becomes the gradient.
+        let mut dx = into_vec(x);
+        let rows = rows_per_task(c);
+        let body = |(dc, ((ts, es), gs)): (&mut [f32], ((&[Option<usize>], &[f32]), &[f32]))| {
+            for (((row, t), &e), &g) in dc.chunks_mut(c).zip(ts).zip(es).zip(gs) {
+                softmax_minus_onehot_row(row, *t, e, g);
+            }
+        };
+        let (lse, dloss) = (slice(&lse), slice(&dloss));
+        if n <= rows {
+            body((&mut dx, ((&targets, lse), dloss)));
+        } else {
+            dx.par_chunks_mut(rows * c)
+                .zip(
+                    targets
+                        .par_chunks(rows)
+                        .zip(lse.par_chunks(rows))
+                        .zip(dloss.par_chunks(rows)),
+                )
+                .for_each(body);
+        }
+        tensor(&[n, c], dx)
     }
 
     fn kiln_attention(

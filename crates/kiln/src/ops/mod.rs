@@ -12,8 +12,8 @@ mod cpu;
 pub mod profile;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Distribution, Shape, Tensor, TensorPrimitive};
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{Distribution, Int, Shape, Tensor, TensorPrimitive};
 
 fn t<B: Backend, const D: usize>(p: FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(p))
@@ -330,6 +330,46 @@ pub trait KilnBackend: Backend {
         let (y, dy) = (t::<Self, 4>(y), t::<Self, 4>(dy));
         let dot = (dy.clone() * y.clone()).sum_dim(3);
         p((dy - dot) * y * scale)
+    }
+
+    /// Cross-entropy of each row of `logits [N, C]` against its class in `targets [N]`:
+    /// `lse − logits[target]` with `lse = log Σ exp(logits)`, and 0 for rows whose target is
+    /// `ignore` (PyTorch's `ignore_index`). Returns `(losses [N], lse [N])`; `lse` is kept for the
+    /// backward. The CPU kernel reads the logits once, where log-softmax + gather through Burn's
+    /// ops make six passes and as many `[N, C]` buffers (a causal LM's are 100 MB each).
+    fn kiln_cross_entropy(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        ignore: i64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let x = t::<Self, 2>(logits);
+        let [n, _] = x.dims();
+        let targets = Tensor::<Self, 1, Int>::from_primitive(targets);
+        let keep = targets.clone().not_equal_elem(ignore);
+        let safe = targets.mask_fill(keep.clone().bool_not(), 0);
+        let max = x.clone().max_dim(1);
+        let lse = (x.clone() - max.clone()).exp().sum_dim(1).log() + max;
+        let picked = x.gather(1, safe.reshape([n, 1]));
+        let losses = (lse.clone() - picked).reshape([n]) * keep.float();
+        (p(losses), p(lse.reshape([n])))
+    }
+
+    /// `dlogits = dloss[r] · (softmax(logits[r]) − onehot(target[r]))`, zero on ignored rows.
+    fn kiln_cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        ignore: i64,
+        lse: FloatTensor<Self>,
+        dloss: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let x = t::<Self, 2>(logits);
+        let [n, c] = x.dims();
+        let targets = Tensor::<Self, 1, Int>::from_primitive(targets);
+        let keep = targets.clone().not_equal_elem(ignore);
+        let safe = targets.mask_fill(keep.clone().bool_not(), 0);
+        let g = (t::<Self, 1>(dloss) * keep.float()).reshape([n, 1]);
+        let probs = (x - t::<Self, 1>(lse).reshape([n, 1])).exp();
+        p((probs - safe.one_hot::<2>(c).float()) * g)
     }
 
     /// `layer_norm(dropout(x) + r)` over the last dimension of `[R, H]` inputs — a transformer block's
@@ -710,6 +750,16 @@ pub fn masked_softmax<B: KilnBackend>(
     scale: f64,
 ) -> Tensor<B, 4> {
     t(B::kiln_masked_softmax(p(scores), p(mask), scale))
+}
+
+/// Per-row cross-entropy of `logits [N, C]` against `targets [N]` (0 where the target is `ignore`),
+/// with its gradient from one fused kernel on the CPU.
+pub fn cross_entropy<B: KilnBackend>(
+    logits: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    ignore: i64,
+) -> Tensor<B, 1> {
+    t(B::kiln_cross_entropy(p(logits), targets.into_primitive(), ignore).0)
 }
 
 /// Sets the CPU worker threads: one rayon pool runs every kernel, and matrixmultiply's own pool is

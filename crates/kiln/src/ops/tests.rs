@@ -526,3 +526,65 @@ fn swiglu_matches_composed() {
         |t| burn::tensor::activation::silu(t[0].clone()) * t[1].clone(),
     );
 }
+
+/// Per-row cross-entropy against Burn's log-softmax + gather (and Burn's autodiff of them): a
+/// classifier's batch (one task), a language model's rows split across the pool, ignored rows, and
+/// logits large enough that an unshifted exp would overflow.
+#[test]
+fn cross_entropy_matches_log_softmax_gather() {
+    use burn::tensor::activation::log_softmax;
+    use burn::tensor::Int;
+    for (n, c, spread) in [(32, 10, 1.0), (300, 2000, 1.0), (7, 50, 60.0)] {
+        let x = Tensor::<CpuTrain, 2>::from_inner(rand([n, c], 31).inner() * spread).require_grad();
+        let targets: Vec<i64> = (0..n)
+            .map(|r| {
+                if r % 5 == 3 {
+                    -100
+                } else {
+                    ((r * 7919) % c) as i64
+                }
+            })
+            .collect();
+        let t = || {
+            Tensor::<CpuTrain, 1, Int>::from_data(
+                TensorData::new(targets.clone(), [n]),
+                &Default::default(),
+            )
+        };
+        let keep = Tensor::<CpuTrain, 1>::from_data(
+            TensorData::new(
+                targets
+                    .iter()
+                    .map(|&t| f32::from(t != -100))
+                    .collect::<Vec<_>>(),
+                [n],
+            ),
+            &Default::default(),
+        );
+        check(
+            &format!("cross_entropy {n}×{c}"),
+            [x],
+            |i| cross_entropy(i[0].clone(), t(), -100),
+            |i| {
+                let safe = t().clamp_min(0).reshape([n, 1]);
+                log_softmax(i[0].clone(), 1)
+                    .gather(1, safe)
+                    .reshape([n])
+                    .neg()
+                    * keep.clone()
+            },
+        );
+    }
+}
+
+#[test]
+#[should_panic(expected = "cross-entropy target 10 is outside the 10 classes")]
+fn cross_entropy_refuses_a_target_outside_the_classes() {
+    use burn::tensor::Int;
+    let x = rand([2, 10], 5);
+    let t = Tensor::<CpuTrain, 1, Int>::from_data(
+        TensorData::new(vec![3i64, 10], [2]),
+        &Default::default(),
+    );
+    let _ = cross_entropy(x, t, -100);
+}
