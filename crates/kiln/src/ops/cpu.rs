@@ -390,6 +390,30 @@ fn max_of(x: &[f32]) -> f32 {
     acc.iter().fold(tail, |m, &v| m.max(v))
 }
 
+/// Cross-entropy of the rows of `x` (as many as `targets`): each row's log-sum-exp into `lse` and
+/// its loss into `losses`.
+fn cross_entropy_rows(x: &[f32], targets: &[Option<usize>], losses: &mut [f32], lse: &mut [f32]) {
+    if targets.is_empty() {
+        return;
+    }
+    let c = x.len() / targets.len();
+    for (((row, t), l), e) in x.chunks(c).zip(targets).zip(losses).zip(lse) {
+        *e = log_sum_exp(row);
+        *l = t.map_or(0.0, |t| *e - row[t]);
+    }
+}
+
+/// In place: the logits rows `dx` become their cross-entropy gradient (upstream `dloss`).
+fn cross_entropy_grad_rows(dx: &mut [f32], targets: &[Option<usize>], lse: &[f32], dloss: &[f32]) {
+    if targets.is_empty() {
+        return;
+    }
+    let c = dx.len() / targets.len();
+    for (((row, t), &e), &g) in dx.chunks_mut(c).zip(targets).zip(lse).zip(dloss) {
+        softmax_minus_onehot_row(row, *t, e, g);
+    }
+}
+
 /// `log Σ exp(row)`, shifted by the row's maximum so no term overflows.
 #[inline(always)]
 fn log_sum_exp(row: &[f32]) -> f32 {
@@ -1338,22 +1362,15 @@ impl KilnBackend for Cpu {
         let mut out = vec![0f32; 2 * n];
         let (losses, lse) = out.split_at_mut(n);
         let rows = rows_per_task(c);
-        let body =
-            |((xs, ts), (ls, es)): ((&[f32], &[Option<usize>]), (&mut [f32], &mut [f32]))| {
-                for (((row, t), l), e) in xs.chunks(c).zip(ts).zip(ls).zip(es) {
-                    *e = log_sum_exp(row);
-                    *l = t.map_or(0.0, |t| *e - row[t]);
-                }
-            };
         let x = slice(&x);
         if n <= rows {
             // One task's worth (a classifier's batch): no trip through the pool.
-            body(((x, &targets), (losses, lse)));
+            cross_entropy_rows(x, &targets, losses, lse);
         } else {
             x.par_chunks(rows * c)
                 .zip(targets.par_chunks(rows))
                 .zip(losses.par_chunks_mut(rows).zip(lse.par_chunks_mut(rows)))
-                .for_each(body);
+                .for_each(|((xs, ts), (ls, es))| cross_entropy_rows(xs, ts, ls, es));
         }
         let lse = lse.to_vec();
         out.truncate(n);
@@ -1375,23 +1392,14 @@ impl KilnBackend for Cpu {
         // The logits are usually held by this backward alone: their buffer becomes the gradient.
         let mut dx = into_vec(x);
         let rows = rows_per_task(c);
-        let body = |(dc, ((ts, es), gs)): (&mut [f32], ((&[Option<usize>], &[f32]), &[f32]))| {
-            for (((row, t), &e), &g) in dc.chunks_mut(c).zip(ts).zip(es).zip(gs) {
-                softmax_minus_onehot_row(row, *t, e, g);
-            }
-        };
         let (lse, dloss) = (slice(&lse), slice(&dloss));
         if n <= rows {
-            body((&mut dx, ((&targets, lse), dloss)));
+            cross_entropy_grad_rows(&mut dx, &targets, lse, dloss);
         } else {
             dx.par_chunks_mut(rows * c)
-                .zip(
-                    targets
-                        .par_chunks(rows)
-                        .zip(lse.par_chunks(rows))
-                        .zip(dloss.par_chunks(rows)),
-                )
-                .for_each(body);
+                .zip(targets.par_chunks(rows))
+                .zip(lse.par_chunks(rows).zip(dloss.par_chunks(rows)))
+                .for_each(|((dc, ts), (es, gs))| cross_entropy_grad_rows(dc, ts, es, gs));
         }
         tensor(&[n, c], dx)
     }
