@@ -191,6 +191,19 @@ impl<B: KilnBackend> Backward<B, 1> for MaskedSoftmax {
 }
 
 #[derive(Debug)]
+struct Rope;
+impl<B: KilnBackend> Backward<B, 1> for Rope {
+    /// The cos and sin tables (constants).
+    type State = (FloatTensor<B>, FloatTensor<B>);
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (cos, sin) = ops.state;
+        let [px] = ids!(ops);
+        give::<B>(grads, px, Some(B::kiln_rope(dy, cos, sin, true)));
+    }
+}
+
+#[derive(Debug)]
 struct CrossEntropyOp;
 impl<B: KilnBackend> Backward<B, 1> for CrossEntropyOp {
     /// The logits, the targets, the ignored target and each row's log-sum-exp.
@@ -532,6 +545,25 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
             .stateful()
         {
             OpsKind::Tracked(prep) => prep.finish((y.clone(), scale), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn kiln_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        transpose: bool,
+    ) -> FloatTensor<Self> {
+        // The tables are constants: only `x` is differentiated.
+        let (cos, sin) = (Self::inner(cos), Self::inner(sin));
+        let y = B::kiln_rope(x.primitive, cos.clone(), sin.clone(), transpose);
+        match Rope
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((cos, sin), y),
             OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }

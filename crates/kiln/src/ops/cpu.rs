@@ -390,6 +390,31 @@ fn max_of(x: &[f32]) -> f32 {
     acc.iter().fold(tail, |m, &v| m.max(v))
 }
 
+/// In place: one head's rotary embedding (or, with `transpose`, its transpose) at one position.
+/// Pairs `(i, i + D/2)` turn by the 2×2 matrix `[[c_i, −s_i], [s_j, c_j]]` (`j = i + D/2`).
+#[inline(always)]
+fn rope_head(x: &mut [f32], c: &[f32], s: &[f32], transpose: bool) {
+    let h = x.len() / 2;
+    let (a, b) = x.split_at_mut(h);
+    let (c1, c2) = c.split_at(h);
+    let (s1, s2) = s.split_at(h);
+    simd(
+        #[inline(always)]
+        || {
+            for i in 0..h {
+                let (u, v) = (a[i], b[i]);
+                if transpose {
+                    a[i] = u * c1[i] + v * s2[i];
+                    b[i] = v * c2[i] - u * s1[i];
+                } else {
+                    a[i] = u * c1[i] - v * s1[i];
+                    b[i] = v * c2[i] + u * s2[i];
+                }
+            }
+        },
+    )
+}
+
 /// Cross-entropy of the rows of `x` (as many as `targets`): each row's log-sum-exp into `lse` and
 /// its loss into `losses`.
 fn cross_entropy_rows(x: &[f32], targets: &[Option<usize>], losses: &mut [f32], lse: &mut [f32]) {
@@ -1348,6 +1373,39 @@ impl KilnBackend for Cpu {
                 }
             });
         tensor(&shape, dx)
+    }
+
+    fn kiln_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        transpose: bool,
+    ) -> FloatTensor<Self> {
+        let _p = super::profile::scope(if transpose { "rope_bwd" } else { "rope_fwd" });
+        let (x, cos, sin) = (dense(x), dense(cos), dense(sin));
+        let shape = x.shape().to_vec();
+        let (t, d) = (shape[1], shape[3]);
+        let row = shape[2] * d;
+        let (cos, sin) = (slice(&cos), slice(&sin));
+        assert!(
+            cos.len() == t * d && sin.len() == t * d,
+            "rope tables must be [positions, head_dim]"
+        );
+        let mut y = into_vec(x);
+        let rows = rows_per_task(row);
+        y.par_chunks_mut(rows * row)
+            .enumerate()
+            .for_each(|(task, chunk)| {
+                for (i, r) in chunk.chunks_mut(row).enumerate() {
+                    // Row (b, position) of the flattened [B·T, heads·D].
+                    let pos = (task * rows + i) % t;
+                    let (c, s) = (&cos[pos * d..][..d], &sin[pos * d..][..d]);
+                    for head in r.chunks_mut(d) {
+                        rope_head(head, c, s, transpose);
+                    }
+                }
+            });
+        tensor(&shape, y)
     }
 
     fn kiln_cross_entropy(

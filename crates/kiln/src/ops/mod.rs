@@ -332,6 +332,37 @@ pub trait KilnBackend: Backend {
         p((dy - dot) * y * scale)
     }
 
+    /// Rotary position embedding of `x [B, T, heads, D]` with tables `cos`, `sin` `[T, D]`:
+    /// `x·cos + rotate_half(x)·sin`, `rotate_half([a, b]) = [−b, a]` (transformers'
+    /// `apply_rotary_pos_emb`). With `transpose` the rotation is undone instead — its own gradient:
+    /// `dx = dy·cos + rotate_halfᵀ(dy·sin)`, `rotate_halfᵀ([a, b]) = [b, −a]`.
+    fn kiln_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        transpose: bool,
+    ) -> FloatTensor<Self> {
+        let x = t::<Self, 4>(x);
+        let [b, n, h, d] = x.dims();
+        let cos = t::<Self, 2>(cos).reshape([1, n, 1, d]);
+        let sin = t::<Self, 2>(sin).reshape([1, n, 1, d]);
+        let half = |x: Tensor<Self, 4>, r: std::ops::Range<usize>| x.slice([0..b, 0..n, 0..h, r]);
+        if transpose {
+            let xs = x.clone() * sin;
+            let turned = Tensor::cat(
+                vec![half(xs.clone(), d / 2..d), half(xs, 0..d / 2).neg()],
+                3,
+            );
+            p(x * cos + turned)
+        } else {
+            let turned = Tensor::cat(
+                vec![half(x.clone(), d / 2..d).neg(), half(x.clone(), 0..d / 2)],
+                3,
+            );
+            p(x * cos + turned * sin)
+        }
+    }
+
     /// Cross-entropy of each row of `logits [N, C]` against its class in `targets [N]`:
     /// `lse − logits[target]` with `lse = log Σ exp(logits)`, and 0 for rows whose target is
     /// `ignore` (PyTorch's `ignore_index`). Returns `(losses [N], lse [N])`; `lse` is kept for the
@@ -750,6 +781,15 @@ pub fn masked_softmax<B: KilnBackend>(
     scale: f64,
 ) -> Tensor<B, 4> {
     t(B::kiln_masked_softmax(p(scores), p(mask), scale))
+}
+
+/// Rotary position embedding of `x [B, T, heads, D]` (see [`KilnBackend::kiln_rope`]).
+pub fn rope<B: KilnBackend>(
+    x: Tensor<B, 4>,
+    cos: &Tensor<B, 2>,
+    sin: &Tensor<B, 2>,
+) -> Tensor<B, 4> {
+    t(B::kiln_rope(p(x), p(cos.clone()), p(sin.clone()), false))
 }
 
 /// Per-row cross-entropy of `logits [N, C]` against `targets [N]` (0 where the target is `ignore`),

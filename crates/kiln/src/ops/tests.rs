@@ -588,3 +588,24 @@ fn cross_entropy_refuses_a_target_outside_the_classes() {
     );
     let _ = cross_entropy(x, t, -100);
 }
+
+/// Rotary embedding against transformers' formula in Burn ops (`x·cos + rotate_half(x)·sin`), its
+/// gradient against Burn's autodiff of that formula. The tables are random, not the duplicated
+/// halves RoPE uses, so each half's cos and sin are checked in their own place.
+#[test]
+fn rope_matches_rotate_half_formula() {
+    let (b, t, h, d) = (2, 5, 3, 8);
+    let (cos, sin) = (rand([t, d], 41), rand([t, d], 42));
+    check(
+        "rope",
+        [rand([b * t, h * d], 43)],
+        |i| rope(i[0].clone().reshape([b, t, h, d]), &cos, &sin),
+        |i| {
+            let x = i[0].clone().reshape([b, t, h, d]);
+            let first = x.clone().slice([0..b, 0..t, 0..h, 0..d / 2]);
+            let second = x.clone().slice([0..b, 0..t, 0..h, d / 2..d]);
+            let rotated = Tensor::cat(vec![second.neg(), first], 3);
+            x * cos.clone().reshape([1, t, 1, d]) + rotated * sin.clone().reshape([1, t, 1, d])
+        },
+    );
+}

@@ -115,15 +115,6 @@ fn rope_tables<B: Backend>(
     (t(cos), t(sin))
 }
 
-/// `x·cos + rotate_half(x)·sin` for `x [B, T, heads, D]`; `rotate_half([a, b]) = [−b, a]`.
-fn apply_rope<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>) -> Tensor<B, 4> {
-    let [b, t, h, d] = x.dims();
-    let first = x.clone().slice([0..b, 0..t, 0..h, 0..d / 2]);
-    let second = x.clone().slice([0..b, 0..t, 0..h, d / 2..d]);
-    let rotated = Tensor::cat(vec![second.neg(), first], 3);
-    x * cos.clone().reshape([1, t, 1, d]) + rotated * sin.clone().reshape([1, t, 1, d])
-}
-
 /// `[B, S, kv_heads, D]` → `[B, S, kv_heads·n, D]`, each key/value head serving `n` query heads
 /// (transformers' `repeat_kv`: query head `i` reads key/value head `i / n`).
 fn repeat_kv<B: Backend>(x: Tensor<B, 4>, n: usize) -> Tensor<B, 4> {
@@ -176,7 +167,7 @@ impl<B: KilnBackend> LlamaAttention<B> {
             None => x,
         };
         let heads = |y: Tensor<B, 3>, n: usize| y.reshape([b, t, n, hd]);
-        let q = apply_rope(heads(self.q_proj.forward(x.clone()), nh), &rope.0, &rope.1);
+        let q = ops::rope(heads(self.q_proj.forward(x.clone()), nh), &rope.0, &rope.1);
         let (k, v) = match shard {
             // Whole k/v projections on every rank: compute all heads, keep the ones this rank's
             // queries read; the weights' gradient is summed over the group.
@@ -198,7 +189,7 @@ impl<B: KilnBackend> LlamaAttention<B> {
                 heads(self.v_proj.forward(x), nkv),
             ),
         };
-        let k = apply_rope(k, &rope.0, &rope.1);
+        let k = ops::rope(k, &rope.0, &rope.1);
         let (k, v) = match cache {
             None => (k, v),
             Some(slot) => {
