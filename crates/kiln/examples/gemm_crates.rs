@@ -18,6 +18,19 @@ const SHAPES: &[(&str, usize, usize, usize, bool, bool)] = &[
     ("smollm2 down dW", 576, 512, 1536, false, true),
     ("smollm2 lm_head", 512, 576, 49152, true, false),
     ("prefill 128 mlp", 128, 576, 1536, true, false),
+    ("prefill 128 q", 128, 576, 576, true, false),
+    ("prefill 128 kv", 128, 576, 192, true, false),
+    ("prefill 128 qkv", 128, 576, 960, true, false),
+    ("prefill 128 gate+up", 128, 576, 3072, true, false),
+    ("prefill 128 down", 128, 1536, 576, true, false),
+    ("prefill 128 head", 128, 576, 49152, true, false),
+    ("prefill 128 down [k,n]", 128, 1536, 576, false, false),
+    ("prefill 128 q [k,n]", 128, 576, 576, false, false),
+    ("prefill 128 head [k,n]", 128, 576, 49152, false, false),
+    ("infer 4096 qkv", 4096, 384, 1152, true, false),
+    ("infer 4096 out", 4096, 384, 384, true, false),
+    ("infer 4096 ffn1", 4096, 384, 1536, true, false),
+    ("infer 4096 ffn2", 4096, 1536, 384, true, false),
     ("mnist fc1 fwd", 32, 784, 120, true, false),
     ("mnist fc1 dW", 120, 32, 784, false, true),
     ("mnist fc2 fwd", 32, 120, 84, true, false),
@@ -110,6 +123,83 @@ fn gm(
     }
 }
 
+/// One thread, K cut into `parts` blocks accumulated into C (two calls' worth of gemm's own K blocking).
+fn gm_ksplit(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    sa: (usize, usize),
+    b: &[f32],
+    sb: (usize, usize),
+    c: &mut [f32],
+    parts: usize,
+) {
+    let kb = k.div_ceil(parts);
+    for (i, k0) in (0..k).step_by(kb).enumerate() {
+        let kr = kb.min(k - k0);
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                kr,
+                c.as_mut_ptr(),
+                1,
+                n as isize,
+                i > 0,
+                a.as_ptr().add(k0 * sa.1),
+                sa.1 as isize,
+                sa.0 as isize,
+                b.as_ptr().add(k0 * sb.0),
+                sb.1 as isize,
+                sb.0 as isize,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+    }
+}
+
+/// One thread computing Cᵀ = Bᵀ·Aᵀ (the same product with the operands' roles swapped).
+fn gm_t(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    sa: (usize, usize),
+    b: &[f32],
+    sb: (usize, usize),
+    c: &mut [f32],
+) {
+    unsafe {
+        gemm::gemm(
+            n,
+            m,
+            k,
+            c.as_mut_ptr(),
+            n as isize,
+            1,
+            false,
+            b.as_ptr(),
+            sb.0 as isize,
+            sb.1 as isize,
+            a.as_ptr(),
+            sa.0 as isize,
+            sa.1 as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
 /// Two single-threaded products side by side: C's columns (or rows, when M is the larger side) split in half.
 fn split2(
     m: usize,
@@ -189,6 +279,21 @@ fn main() {
         let threads = rayon::current_num_threads();
         let t2 = time(&mut || gm(m, k, n, &a, sa, &b, sb, &mut c2, threads));
         let t3 = time(&mut || gm(m, k, n, &a, sa, &b, sb, &mut c2, 1));
+        let mut c4 = vec![0f32; m * n];
+        let t5 = time(&mut || gm_t(m, k, n, &a, sa, &b, sb, &mut c4));
+        let mut c5 = vec![0f32; m * n];
+        let t6 = time(&mut || gm_ksplit(m, k, n, &a, sa, &b, sb, &mut c5, 2));
+        let t7 = time(&mut || gm_ksplit(m, k, n, &a, sa, &b, sb, &mut c5, 3));
+        let err4 = c5
+            .iter()
+            .zip(&c2)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        let err3 = c4
+            .iter()
+            .zip(&c2)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
         let mut c3 = vec![0f32; m * n];
         let t4 = time(&mut || split2(m, k, n, &a, sa, &b, sb, &mut c3));
         let err2 = c3
@@ -203,10 +308,13 @@ fn main() {
             .fold(0f32, f32::max);
         let gf = |t: f64| 2.0 * (m * k * n) as f64 / t / 1e9;
         println!(
-            "{name:18} {m}x{k}x{n} matrixmultiply {:7.1} GF/s  gemm {:7.1} GF/s  gemm 1 thread {:7.1} GF/s  split2 {:7.1} GF/s  max|d| {err:.1e} {err2:.1e}",
+            "{name:18} {m}x{k}x{n} matrixmultiply {:7.1} GF/s  gemm {:7.1} GF/s  gemm 1 thread {:7.1} GF/s  1 thread Cᵀ {:7.1} GF/s (max|d| {err3:.1e})  K/2 {:7.1}  K/3 {:7.1} (max|d| {err4:.1e})  split2 {:7.1} GF/s  max|d| {err:.1e} {err2:.1e}",
             gf(t1),
             gf(t2),
             gf(t3),
+            gf(t5),
+            gf(t6),
+            gf(t7),
             gf(t4)
         );
     }
