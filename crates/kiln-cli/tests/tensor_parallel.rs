@@ -390,8 +390,13 @@ fn sharded_checkpoints_resume_at_any_layout() {
         let w = read_safetensors(&dir.join("model.safetensors")).unwrap();
         let d = max_diff(&w, &reference);
         eprintln!("resumed at {name} vs unbroken single process: max |Δw| = {d:e}");
+        // Layouts with TP take the vocab-parallel cross-entropy (Burn ops) while the reference
+        // takes the fused kernel: the same math rounded differently, which Adam's normalisation
+        // amplifies on gradients near zero to ≈3e-5 after six steps (1e-6 without TP). A lost or
+        // misplaced optimizer state moves weights by the learning rate, 1e-3; the seed control of
+        // the other tests differs by 0.15.
         assert!(
-            d <= 1e-5,
+            d <= 1e-4,
             "resumed at {name}: differs from the unbroken run by {d}"
         );
     }
