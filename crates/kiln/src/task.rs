@@ -122,14 +122,6 @@ impl Loss for CrossEntropy {
     }
 }
 
-/// 1.0 where a target counts (not [`IGNORE_INDEX`]), else 0.0; and the targets with ignored ones
-/// set to class 0, so that gathering by them stays in range.
-fn kept_targets<B: KilnBackend>(targets: Tensor<B, 1, Int>) -> (Tensor<B, 1>, Tensor<B, 1, Int>) {
-    let keep = targets.clone().not_equal_elem(IGNORE_INDEX);
-    let safe = targets.mask_fill(keep.clone().bool_not(), 0);
-    (keep.float(), safe)
-}
-
 /// Cross-entropy against smoothed targets, as transformers' `LabelSmoother`
 /// (`label_smoothing_factor` ε): (1 − ε) × the cross-entropy of the labels plus ε × the mean over
 /// all classes of −log p, over the targets that are not [`IGNORE_INDEX`]. ε = 0 is [`CrossEntropy`].
@@ -148,7 +140,7 @@ impl Loss for LabelSmoothedCrossEntropy {
             return CrossEntropy.loss(logits, targets);
         }
         let [n, classes] = logits.dims();
-        let (keep, safe) = kept_targets(targets);
+        let (keep, safe) = crate::ops::kept_targets(targets, IGNORE_INDEX);
         let log_p = log_softmax(logits, 1);
         let picked = log_p.clone().gather(1, safe.reshape([n, 1])).reshape([n]);
         let all = log_p.sum_dim(1).reshape([n]);

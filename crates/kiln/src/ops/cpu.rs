@@ -1417,22 +1417,19 @@ impl KilnBackend for Cpu {
         let x = dense(logits);
         let (n, c) = (x.shape()[0], x.shape()[1]);
         let targets = class_indices(targets, n, c, ignore);
-        let mut out = vec![0f32; 2 * n];
-        let (losses, lse) = out.split_at_mut(n);
+        let (mut losses, mut lse) = (vec![0f32; n], vec![0f32; n]);
         let rows = rows_per_task(c);
         let x = slice(&x);
         if n <= rows {
             // One task's worth (a classifier's batch): no trip through the pool.
-            cross_entropy_rows(x, &targets, losses, lse);
+            cross_entropy_rows(x, &targets, &mut losses, &mut lse);
         } else {
             x.par_chunks(rows * c)
                 .zip(targets.par_chunks(rows))
                 .zip(losses.par_chunks_mut(rows).zip(lse.par_chunks_mut(rows)))
                 .for_each(|((xs, ts), (ls, es))| cross_entropy_rows(xs, ts, ls, es));
         }
-        let lse = lse.to_vec();
-        out.truncate(n);
-        (tensor(&[n], out), tensor(&[n], lse))
+        (tensor(&[n], losses), tensor(&[n], lse))
     }
 
     fn kiln_cross_entropy_backward(

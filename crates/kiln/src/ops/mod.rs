@@ -375,13 +375,11 @@ pub trait KilnBackend: Backend {
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let x = t::<Self, 2>(logits);
         let [n, _] = x.dims();
-        let targets = Tensor::<Self, 1, Int>::from_primitive(targets);
-        let keep = targets.clone().not_equal_elem(ignore);
-        let safe = targets.mask_fill(keep.clone().bool_not(), 0);
+        let (keep, safe) = kept_targets(Tensor::from_primitive(targets), ignore);
         let max = x.clone().max_dim(1);
         let lse = (x.clone() - max.clone()).exp().sum_dim(1).log() + max;
         let picked = x.gather(1, safe.reshape([n, 1]));
-        let losses = (lse.clone() - picked).reshape([n]) * keep.float();
+        let losses = (lse.clone() - picked).reshape([n]) * keep;
         (p(losses), p(lse.reshape([n])))
     }
 
@@ -395,10 +393,8 @@ pub trait KilnBackend: Backend {
     ) -> FloatTensor<Self> {
         let x = t::<Self, 2>(logits);
         let [n, c] = x.dims();
-        let targets = Tensor::<Self, 1, Int>::from_primitive(targets);
-        let keep = targets.clone().not_equal_elem(ignore);
-        let safe = targets.mask_fill(keep.clone().bool_not(), 0);
-        let g = (t::<Self, 1>(dloss) * keep.float()).reshape([n, 1]);
+        let (keep, safe) = kept_targets(Tensor::from_primitive(targets), ignore);
+        let g = (t::<Self, 1>(dloss) * keep).reshape([n, 1]);
         let probs = (x - t::<Self, 1>(lse).reshape([n, 1])).exp();
         p((probs - safe.one_hot::<2>(c).float()) * g)
     }
@@ -790,6 +786,17 @@ pub fn rope<B: KilnBackend>(
     sin: &Tensor<B, 2>,
 ) -> Tensor<B, 4> {
     t(B::kiln_rope(p(x), p(cos.clone()), p(sin.clone()), false))
+}
+
+/// 1.0 where a target counts (is not `ignore`), else 0.0; and the targets with ignored ones set to
+/// class 0, so that gathering by them stays in range.
+pub(crate) fn kept_targets<B: Backend>(
+    targets: Tensor<B, 1, Int>,
+    ignore: i64,
+) -> (Tensor<B, 1>, Tensor<B, 1, Int>) {
+    let keep = targets.clone().not_equal_elem(ignore);
+    let safe = targets.mask_fill(keep.clone().bool_not(), 0);
+    (keep.float(), safe)
 }
 
 /// Per-row cross-entropy of `logits [N, C]` against `targets [N]` (0 where the target is `ignore`),
