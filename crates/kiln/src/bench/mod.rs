@@ -458,10 +458,44 @@ fn cpu_flags(cpuinfo: &str) -> String {
     cpuinfo_field(cpuinfo, "flags").unwrap_or_default()
 }
 
-/// `model (ISA: …)` from /proc/cpuinfo's text: the model name, and which of the instruction sets
-/// kiln's kernels choose between the CPU reports.
+/// The core design of an x86 CPU from its vendor, family and model numbers, where kiln knows it:
+/// cloud VMs often report only "AMD EPYC", and a Zen 4 and a Zen 5 behind that name differ 2× in
+/// peak arithmetic (the Zen 5 core has full-width AVX-512 units).
+fn microarchitecture(vendor: &str, family: u32, model: u32) -> Option<&'static str> {
+    Some(match (vendor, family) {
+        ("AuthenticAMD", 0x17) if model >= 0x30 => "Zen 2",
+        ("AuthenticAMD", 0x17) => "Zen/Zen+",
+        ("AuthenticAMD", 0x19) => match model {
+            0x10..=0x1F | 0x60..=0x7F | 0xA0..=0xAF => "Zen 4",
+            _ => "Zen 3",
+        },
+        ("AuthenticAMD", 0x1A) => "Zen 5",
+        ("GenuineIntel", 6) => match model {
+            0x55 => "Skylake/Cascade Lake",
+            0x6A | 0x6C => "Ice Lake",
+            0x8F => "Sapphire Rapids",
+            0xCF => "Emerald Rapids",
+            0xAD | 0xAE => "Granite Rapids",
+            _ => return None,
+        },
+        _ => return None,
+    })
+}
+
+/// `model (core design, family F model M; ISA: …)` from /proc/cpuinfo's text: the model name,
+/// the core design where known, and which of the instruction sets kiln's kernels choose between
+/// the CPU reports.
 pub fn cpu_description(cpuinfo: &str) -> String {
     let model = cpuinfo_field(cpuinfo, "model name").unwrap_or_else(|| "unknown CPU".into());
+    let number = |k| cpuinfo_field(cpuinfo, k).and_then(|v| v.parse::<u32>().ok());
+    let design = match (number("cpu family"), number("model")) {
+        (Some(f), Some(m)) => {
+            let vendor = cpuinfo_field(cpuinfo, "vendor_id").unwrap_or_default();
+            let name = microarchitecture(&vendor, f, m).unwrap_or("core design unknown to kiln");
+            format!("{name}, family {f} model {m}; ")
+        }
+        _ => String::new(),
+    };
     let flags = cpu_flags(cpuinfo);
     let flags: Vec<&str> = flags.split_whitespace().collect();
     let isa: Vec<&str> = [
@@ -476,7 +510,7 @@ pub fn cpu_description(cpuinfo: &str) -> String {
     .filter(|f| flags.contains(f))
     .collect();
     format!(
-        "{model} (ISA: {})",
+        "{model} ({design}ISA: {})",
         if isa.is_empty() {
             "none of avx2/avx512/amx".to_string()
         } else {
@@ -818,6 +852,26 @@ mod tests {
         assert_eq!(
             cpu_description(zen3),
             "AMD EPYC 7B13 64-Core Processor (ISA: avx2 fma)"
+        );
+        // Family and model name the core design behind a VM's generic "AMD EPYC".
+        let amd = |family: u32, model: u32| {
+            cpu_description(&format!(
+                "vendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: {model}\n\
+                 model name\t: AMD EPYC\nflags\t\t: avx2 fma avx512f\n"
+            ))
+        };
+        assert_eq!(
+            amd(26, 2),
+            "AMD EPYC (Zen 5, family 26 model 2; ISA: avx2 fma avx512f)"
+        );
+        assert!(amd(25, 17).contains("(Zen 4, family 25 model 17;"));
+        assert!(amd(25, 1).contains("(Zen 3, family 25 model 1;"));
+        assert!(amd(7, 1).contains("(core design unknown to kiln, family 7 model 1;"));
+        let emerald =
+            "vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\nmodel name\t: X\n";
+        assert_eq!(
+            cpu_description(emerald),
+            "X (Emerald Rapids, family 6 model 207; ISA: none of avx2/avx512/amx)"
         );
         assert_eq!(
             cpu_description(""),

@@ -299,37 +299,46 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
         scale: f64,
         dropout: f64,
         seed: u64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (out, probs) = B::kiln_attention(
-            q.primitive.clone(),
-            k.primitive.clone(),
-            v.primitive.clone(),
-            mask.primitive,
-            heads,
-            causal,
-            scale,
-            dropout,
-            seed,
-        );
-        let probs_out = Self::from_inner(probs.clone());
-        let out = match Attention
+        with_probs: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let inner = |with_probs| {
+            B::kiln_attention(
+                q.primitive.clone(),
+                k.primitive.clone(),
+                v.primitive.clone(),
+                mask.primitive.clone(),
+                heads,
+                causal,
+                scale,
+                dropout,
+                seed,
+                with_probs,
+            )
+        };
+        // Known before the kernel runs, so an untracked call (inference) skips the probabilities.
+        match Attention
             .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
             .compute_bound()
             .stateful()
         {
-            OpsKind::Tracked(prep) => prep.finish(
-                (
-                    q.primitive,
-                    k.primitive,
-                    v.primitive,
+            OpsKind::Tracked(prep) => {
+                let (out, probs) = inner(true);
+                let probs = probs.expect("asked for the probabilities");
+                let probs_out = with_probs.then(|| Self::from_inner(probs.clone()));
+                let state = (
+                    q.primitive.clone(),
+                    k.primitive.clone(),
+                    v.primitive.clone(),
                     probs,
                     (heads, scale, dropout, seed),
-                ),
-                out,
-            ),
-            OpsKind::UnTracked(prep) => prep.finish(out),
-        };
-        (out, probs_out)
+                );
+                (prep.finish(state, out), probs_out)
+            }
+            OpsKind::UnTracked(prep) => {
+                let (out, probs) = inner(with_probs);
+                (prep.finish(out), probs.map(Self::from_inner))
+            }
+        }
     }
 
     fn kiln_attention_qkv(
@@ -339,27 +348,36 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
         scale: f64,
         dropout: f64,
         seed: u64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (out, probs) = B::kiln_attention_qkv(
-            qkv.primitive.clone(),
-            mask.primitive,
-            heads,
-            scale,
-            dropout,
-            seed,
-        );
-        let probs_out = Self::from_inner(probs.clone());
-        let out = match AttentionQkv
+        with_probs: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let inner = |with_probs| {
+            B::kiln_attention_qkv(
+                qkv.primitive.clone(),
+                mask.primitive.clone(),
+                heads,
+                scale,
+                dropout,
+                seed,
+                with_probs,
+            )
+        };
+        match AttentionQkv
             .prepare::<C>([qkv.node.clone()])
             .compute_bound()
             .stateful()
         {
             OpsKind::Tracked(prep) => {
-                prep.finish((qkv.primitive, probs, (heads, scale, dropout, seed)), out)
+                let (out, probs) = inner(true);
+                let probs = probs.expect("asked for the probabilities");
+                let probs_out = with_probs.then(|| Self::from_inner(probs.clone()));
+                let state = (qkv.primitive.clone(), probs, (heads, scale, dropout, seed));
+                (prep.finish(state, out), probs_out)
             }
-            OpsKind::UnTracked(prep) => prep.finish(out),
-        };
-        (out, probs_out)
+            OpsKind::UnTracked(prep) => {
+                let (out, probs) = inner(with_probs);
+                (prep.finish(out), probs.map(Self::from_inner))
+            }
+        }
     }
 
     fn kiln_linear(

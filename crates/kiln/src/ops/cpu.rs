@@ -9,6 +9,9 @@ use rayon::prelude::*;
 
 use super::KilnBackend;
 
+mod attention;
+use attention::Attn;
+
 type Cpu = NdArray<f32>;
 
 /// The tensor as a contiguous row-major f32 array (a copy only if it is a strided view).
@@ -330,6 +333,14 @@ static HAS_AVX512: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
         && std::is_x86_feature_detected!("avx512vl")
 });
 
+/// Whether [`simd`] runs AVX-512 code: 32 vector registers of 16 lanes (else 16 of 8 at most).
+fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return *HAS_AVX512;
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// Lanes of the partial reductions below: one running f32 sum is a serial dependency the compiler
 /// may not reorder (float addition is not associative), so a plain `iter().sum()` stays scalar.
 const LANES: usize = 16;
@@ -635,250 +646,6 @@ unsafe fn small_gemm(
         false,
         gemm::Parallelism::None,
     );
-}
-
-/// One multi-head attention call on the CPU: `[B, T, H]` activations whose q, k and v rows lie `rs`
-/// floats apart — `H` when they are three tensors, `3H` when one Linear made them side by side.
-struct Attn {
-    b: usize,
-    t: usize,
-    h: usize,
-    heads: usize,
-    /// Row stride of q, k and v.
-    rs: usize,
-    causal: bool,
-    scale: f32,
-    keep: f32,
-    seed: u64,
-}
-
-impl Attn {
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        (b, t, h): (usize, usize, usize),
-        rs: usize,
-        heads: usize,
-        causal: bool,
-        scale: f64,
-        dropout: f64,
-        seed: u64,
-    ) -> Self {
-        let (scale, keep) = (scale as f32, (1.0 - dropout) as f32);
-        Self {
-            b,
-            t,
-            h,
-            heads,
-            rs,
-            causal,
-            scale,
-            keep,
-            seed,
-        }
-    }
-
-    /// `(row 0, column 0)` of head `bh`'s block in q/k/v (row stride `rs`) and in `[B, T, H]`.
-    fn offsets(&self, bh: usize) -> (usize, usize) {
-        let (bi, hi) = (bh / self.heads, bh % self.heads);
-        let d = self.h / self.heads;
-        (
-            bi * self.t * self.rs + hi * d,
-            bi * self.t * self.h + hi * d,
-        )
-    }
-
-    /// `(out [B, T, H], probs [B, heads, T, T])` for `[q, k, v]`, each slice starting at its
-    /// tensor's (row 0, column 0).
-    fn forward(&self, [qs, ks, vs]: [&[f32]; 3], mask: &[f32]) -> (Vec<f32>, Vec<f32>) {
-        let Self {
-            b,
-            t,
-            h,
-            heads,
-            rs,
-            causal,
-            scale,
-            keep,
-            seed,
-        } = *self;
-        let d = h / heads;
-        assert!(qs.len().min(ks.len()).min(vs.len()) >= (b * t - 1) * rs + h);
-        assert!(mask.len() >= b * t);
-        let mut out = vec![0f32; b * t * h];
-        let mut probs = vec![0f32; b * heads * t * t];
-        let out_ptr = SharedMut(out.as_mut_ptr());
-        probs.par_chunks_mut(t * t).enumerate().for_each_init(
-            || vec![0f32; t * t],
-            |scratch, (bh, p)| {
-                let (off, out_off) = self.offsets(bh);
-                let bi = bh / heads;
-                let m = &mask[bi * t..(bi + 1) * t];
-                // SAFETY: q/k/v reads stay inside row block `bi`, columns hi·d..(hi+1)·d (in bounds
-                // by the assert); `p` is this task's own chunk; the output block (rows of `bi`,
-                // columns of `hi`) belongs to this task alone.
-                unsafe {
-                    small_gemm(
-                        (t, t, d),
-                        p.as_mut_ptr(),
-                        (t, 1),
-                        qs[off..].as_ptr(),
-                        (rs, 1),
-                        ks[off..].as_ptr(),
-                        (1, rs),
-                        false,
-                    );
-                }
-                for (i, row) in p.chunks_mut(t).enumerate() {
-                    if causal {
-                        // Keys after the query get probability 0 (and so no gradient).
-                        softmax_row(&mut row[..=i], &m[..=i], scale);
-                        row[i + 1..].fill(0.0);
-                    } else {
-                        softmax_row(row, m, scale);
-                    }
-                }
-                let pd: &[f32] = if keep < 1.0 {
-                    scratch.copy_from_slice(p);
-                    dropout_block(scratch, bh, t, keep, seed);
-                    scratch
-                } else {
-                    p
-                };
-                unsafe {
-                    small_gemm(
-                        (t, d, t),
-                        out_ptr.at(out_off),
-                        (h, 1),
-                        pd.as_ptr(),
-                        (t, 1),
-                        vs[off..].as_ptr(),
-                        (rs, 1),
-                        false,
-                    );
-                }
-            },
-        );
-        (out, probs)
-    }
-
-    /// Writes dq, dk and dv through `grads` (each at its (row 0, column 0); row stride `gs`) for
-    /// the output gradient `dout [B, T, H]` and the forward's `probs`.
-    fn backward(
-        &self,
-        [qs, ks, vs]: [&[f32]; 3],
-        probs: &[f32],
-        dout: &[f32],
-        [dq, dk, dv]: [SharedMut; 3],
-        gs: usize,
-    ) {
-        let Self {
-            b,
-            t,
-            h,
-            heads,
-            rs,
-            scale,
-            keep,
-            seed,
-            ..
-        } = *self;
-        let d = h / heads;
-        assert!(qs.len().min(ks.len()).min(vs.len()) >= (b * t - 1) * rs + h);
-        assert!(probs.len() >= b * heads * t * t && dout.len() >= b * t * h);
-        (0..b * heads).into_par_iter().for_each_init(
-            || (vec![0f32; t * t], vec![0f32; t * t]),
-            |(pd, dp), bh| {
-                let (off, out_off) = self.offsets(bh);
-                let g_off = (bh / heads) * t * gs + (bh % heads) * d;
-                let p = &probs[bh * t * t..(bh + 1) * t * t];
-                // The dropped probabilities, regenerated from the seed.
-                pd.copy_from_slice(p);
-                dropout_block(pd, bh, t, keep, seed);
-                // SAFETY: as in the forward: this task reads and writes only head `hi` of batch
-                // `bi`; the callers' gradient buffers hold B·T rows of stride `gs`.
-                unsafe {
-                    // dV = P_dropᵀ · dO
-                    small_gemm(
-                        (t, d, t),
-                        dv.at(g_off),
-                        (gs, 1),
-                        pd.as_ptr(),
-                        (1, t),
-                        dout[out_off..].as_ptr(),
-                        (h, 1),
-                        false,
-                    );
-                    // dP_drop = dO · Vᵀ
-                    small_gemm(
-                        (t, t, d),
-                        dp.as_mut_ptr(),
-                        (t, 1),
-                        dout[out_off..].as_ptr(),
-                        (h, 1),
-                        vs[off..].as_ptr(),
-                        (1, rs),
-                        false,
-                    );
-                }
-                dropout_block(dp, bh, t, keep, seed);
-                for (dr, pr) in dp.chunks_mut(t).zip(p.chunks(t)) {
-                    softmax_backward_row(dr, pr, scale);
-                }
-                unsafe {
-                    // dQ = dS · K,  dK = dSᵀ · Q
-                    small_gemm(
-                        (t, d, t),
-                        dq.at(g_off),
-                        (gs, 1),
-                        dp.as_ptr(),
-                        (t, 1),
-                        ks[off..].as_ptr(),
-                        (rs, 1),
-                        false,
-                    );
-                    small_gemm(
-                        (t, d, t),
-                        dk.at(g_off),
-                        (gs, 1),
-                        dp.as_ptr(),
-                        (1, t),
-                        qs[off..].as_ptr(),
-                        (rs, 1),
-                        false,
-                    );
-                }
-            },
-        );
-    }
-}
-
-/// Scales a row of attention probabilities by the dropout mask of element indices `base..`.
-#[inline]
-fn dropout_row(row: &mut [f32], base: u64, keep: f32, seed: u64) {
-    let value = 1.0 / keep;
-    simd(
-        #[inline(always)]
-        || {
-            for (j, v) in row.iter_mut().enumerate() {
-                *v *= if uniform(seed, base + j as u64) < keep {
-                    value
-                } else {
-                    0.0
-                };
-            }
-        },
-    )
-}
-
-/// Applies the dropout mask of attention block `bh` (`t` rows of `t` probabilities) in place; the
-/// forward and both backward uses index the hash identically, so they agree on the mask.
-fn dropout_block(block: &mut [f32], bh: usize, t: usize, keep: f32, seed: u64) {
-    if keep >= 1.0 {
-        return;
-    }
-    for (i, row) in block.chunks_mut(t).enumerate() {
-        dropout_row(row, ((bh * t + i) * t) as u64, keep, seed);
-    }
 }
 
 impl KilnBackend for Cpu {
@@ -1469,13 +1236,17 @@ impl KilnBackend for Cpu {
         scale: f64,
         dropout: f64,
         seed: u64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        with_probs: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let _p = super::profile::scope("attention_fwd");
         let (q, k, v, mask) = (dense(q), dense(k), dense(v), dense(mask));
         let (b, t, h) = (q.shape()[0], q.shape()[1], q.shape()[2]);
         let a = Attn::new((b, t, h), h, heads, causal, scale, dropout, seed);
-        let (out, probs) = a.forward([slice(&q), slice(&k), slice(&v)], slice(&mask));
-        (tensor(&[b, t, h], out), tensor(&[b, heads, t, t], probs))
+        let (out, probs) = a.forward([slice(&q), slice(&k), slice(&v)], slice(&mask), with_probs);
+        (
+            tensor(&[b, t, h], out),
+            probs.map(|p| tensor(&[b, heads, t, t], p)),
+        )
     }
 
     fn kiln_attention_backward(
@@ -1517,14 +1288,18 @@ impl KilnBackend for Cpu {
         scale: f64,
         dropout: f64,
         seed: u64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        with_probs: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let _p = super::profile::scope("attention_fwd");
         let (qkv, mask) = (dense(qkv), dense(mask));
         let (b, t, h) = (qkv.shape()[0], qkv.shape()[1], qkv.shape()[2] / 3);
         let a = Attn::new((b, t, h), 3 * h, heads, false, scale, dropout, seed);
         let x = slice(&qkv);
-        let (out, probs) = a.forward([x, &x[h..], &x[2 * h..]], slice(&mask));
-        (tensor(&[b, t, h], out), tensor(&[b, heads, t, t], probs))
+        let (out, probs) = a.forward([x, &x[h..], &x[2 * h..]], slice(&mask), with_probs);
+        (
+            tensor(&[b, t, h], out),
+            probs.map(|p| tensor(&[b, heads, t, t], p)),
+        )
     }
 
     fn kiln_attention_qkv_backward(

@@ -444,9 +444,10 @@ pub trait KilnBackend: Backend {
     /// Multi-head attention core for `q, k, v [B, T, H]` (heads side by side in H) and an additive key
     /// mask `[B, T]`: `dropout(softmax(q kᵀ·scale + mask)) v`, back in `[B, T, H]`; with `causal`,
     /// query `i` also sees only keys `0..=i` (decoders). Also returns the softmax probabilities
-    /// `[B, heads, T, T]` (before dropout; exactly 0 where masked) for the backward, which therefore
-    /// needs no mask of its own. The dropout mask is a function of `seed`, so the backward
-    /// regenerates it instead of storing it.
+    /// `[B, heads, T, T]` (before dropout; exactly 0 where masked) when `with_probs`, for the
+    /// backward, which therefore needs no mask of its own; without it a kernel need not write them
+    /// (25 MB per MiniLM layer at 32×128). The dropout mask is a function of `seed`, so the
+    /// backward regenerates it instead of storing it.
     #[allow(clippy::too_many_arguments)]
     fn kiln_attention(
         q: FloatTensor<Self>,
@@ -458,7 +459,8 @@ pub trait KilnBackend: Backend {
         scale: f64,
         dropout: f64,
         seed: u64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        with_probs: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let (q, k, v) = (t::<Self, 3>(q), t::<Self, 3>(k), t::<Self, 3>(v));
         let [b, tq, h] = q.dims();
         let split = |x: Tensor<Self, 3>| x.reshape([b, tq, heads, h / heads]).swap_dims(1, 2);
@@ -471,7 +473,7 @@ pub trait KilnBackend: Backend {
         let probs = t::<Self, 4>(Self::kiln_masked_softmax(p(scores), mask, scale));
         let dropped = attention_dropout::<Self>(probs.clone(), dropout, seed);
         let out = dropped.matmul(split(v)).swap_dims(1, 2).reshape([b, tq, h]);
-        (p(out), p(probs))
+        (p(out), with_probs.then(|| p(probs)))
     }
 
     /// `(dq, dk, dv)` of [`Self::kiln_attention`] for the output gradient `dout [B, T, H]`.
@@ -517,9 +519,12 @@ pub trait KilnBackend: Backend {
         scale: f64,
         dropout: f64,
         seed: u64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        with_probs: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let [q, k, v] = split_qkv::<Self>(qkv);
-        Self::kiln_attention(q, k, v, mask, heads, false, scale, dropout, seed)
+        Self::kiln_attention(
+            q, k, v, mask, heads, false, scale, dropout, seed, with_probs,
+        )
     }
 
     /// The `[B, T, 3H]` gradient of [`Self::kiln_attention_qkv`]'s input.
@@ -911,7 +916,7 @@ pub fn attention_qkv<B: KilnBackend>(
 ) -> Tensor<B, 3> {
     let scale = 1.0 / ((qkv.dims()[2] / 3 / heads) as f64).sqrt();
     let (dropout, seed) = training_dropout::<B>(dropout);
-    let (out, _) = B::kiln_attention_qkv(p(qkv), p(mask), heads, scale, dropout, seed);
+    let (out, _) = B::kiln_attention_qkv(p(qkv), p(mask), heads, scale, dropout, seed, false);
     t(out)
 }
 
@@ -926,7 +931,7 @@ pub fn causal_attention<B: KilnBackend>(
     let [b, tq, h] = q.dims();
     let scale = 1.0 / ((h / heads) as f64).sqrt();
     let mask = Tensor::<B, 2>::zeros([b, tq], &q.device());
-    let (out, _) = B::kiln_attention(p(q), p(k), p(v), p(mask), heads, true, scale, 0.0, 0);
+    let (out, _) = B::kiln_attention(p(q), p(k), p(v), p(mask), heads, true, scale, 0.0, 0, false);
     t(out)
 }
 

@@ -280,12 +280,27 @@ fn dropout_masks_are_seeded_and_scaled() {
     assert!(a.iter().all(|&v| v == 0.0 || (v - 1.0 / 0.9).abs() < 1e-6));
 }
 
+/// Head dimension 4 runs on `gemm` per head; 32 and 64 on kiln's register tiles, with query rows
+/// that do not fill a tile (6, 37, 45; 6 rows' scores take less room than one tile's), tasks of
+/// whole heads (4 batches × 4 heads) and of 32-row blocks (fewer heads than threads × 8).
 #[test]
 fn attention_matches_composed_ops() {
-    let (b, t, h, heads) = (2, 6, 8, 2);
+    for (b, t, h, heads) in [
+        (2, 6, 8, 2),
+        (2, 6, 64, 2),
+        (2, 37, 64, 2),
+        (1, 45, 128, 2),
+        (4, 20, 128, 4),
+    ] {
+        attention_case(b, t, h, heads);
+    }
+}
+
+fn attention_case(b: usize, t: usize, h: usize, heads: usize) {
+    let scale = 1.0 / ((h / heads) as f64).sqrt();
     let mut m = vec![0f32; b * t];
-    m[t + 4] = f32::MIN;
-    m[t + 5] = f32::MIN;
+    m[(b - 1) * t + 4] = f32::MIN;
+    m[(b - 1) * t + 5] = f32::MIN;
     let mask = Tensor::<CpuTrain, 2>::from_data(TensorData::new(m, [b, t]), &Default::default());
     let inputs = [
         rand([b * t, h], 11),
@@ -300,7 +315,7 @@ fn attention_matches_composed_ops() {
         (0.3, 5, true),
     ] {
         check(
-            &format!("attention p={dropout} causal={causal}"),
+            &format!("attention {b}x{t}x{h}/{heads} p={dropout} causal={causal}"),
             inputs.clone(),
             |x| {
                 let r = |i: usize| x[i].clone().reshape([b, t, h]);
@@ -311,15 +326,16 @@ fn attention_matches_composed_ops() {
                     p(mask.clone()),
                     heads,
                     causal,
-                    0.5,
+                    scale,
                     dropout,
                     seed,
+                    false,
                 );
                 super::t::<CpuTrain, 3>(out)
             },
             |x| {
                 let scores = split(x[0].clone()).matmul(split(x[1].clone()).swap_dims(2, 3));
-                let mut scores = scores * 0.5 + mask.clone().reshape([b, 1, 1, t]);
+                let mut scores = scores * scale + mask.clone().reshape([b, 1, 1, t]);
                 if causal {
                     let future = Tensor::<CpuTrain, 2>::ones([t, t], &Default::default()).triu(1);
                     scores = scores.mask_fill(
@@ -350,6 +366,34 @@ fn attention_matches_composed_ops() {
     }
 }
 
+/// Inference (nothing tracked) skips the probabilities and gives the same output as training's
+/// forward, on the tiles and on `gemm`, causal or not.
+#[test]
+fn untracked_attention_matches_tracked() {
+    for (b, t, h, heads) in [(2, 6, 8, 2), (2, 6, 64, 2), (2, 37, 64, 2), (4, 20, 128, 4)] {
+        let mut m = vec![0f32; b * t];
+        m[t + 3] = f32::MIN;
+        let mask = Tensor::<Cpu, 2>::from_data(TensorData::new(m, [b, t]), &Default::default());
+        let qkv = rand([b, t, 3 * h], 41);
+        for causal in [false, true] {
+            let run = |x: Tensor<CpuTrain, 3>, with_probs| {
+                let [q, k, v] = [0, 1, 2].map(|i| p(x.clone().narrow(2, i * h, h)));
+                let m = p(Tensor::<CpuTrain, 2>::from_inner(mask.clone()));
+                CpuTrain::kiln_attention(q, k, v, m, heads, causal, 0.3, 0.0, 0, with_probs)
+            };
+            let (tracked, probs) = run(qkv.clone(), true);
+            let (untracked, none) = run(qkv.clone().detach(), false);
+            assert!(probs.is_some() && none.is_none());
+            assert_close(
+                &format!("untracked attention {b}x{t}x{h}/{heads} causal={causal}"),
+                host(super::t::<CpuTrain, 3>(untracked).inner()),
+                host(super::t::<CpuTrain, 3>(tracked).inner()),
+                1e-9,
+            );
+        }
+    }
+}
+
 /// One `[B, T, 3H]` input against the same q, k and v as three tensors (the kernel above): the
 /// packed layout reads and writes every head at the right columns, forward and backward.
 #[test]
@@ -370,6 +414,7 @@ fn packed_qkv_attention_matches_separate() {
                     0.5,
                     dropout,
                     seed,
+                    false,
                 );
                 super::t::<CpuTrain, 3>(out)
             },
@@ -385,6 +430,7 @@ fn packed_qkv_attention_matches_separate() {
                     0.5,
                     dropout,
                     seed,
+                    false,
                 );
                 super::t::<CpuTrain, 3>(out)
             },

@@ -1,0 +1,584 @@
+//! The attention core on the CPU: forward on kiln's register tiles (or `gemm` per head), backward
+//! on `gemm`, dropout regenerated from a seed.
+
+use rayon::prelude::*;
+
+use super::{has_avx512, simd, small_gemm, softmax_backward_row, softmax_row, uniform, SharedMut};
+
+/// One multi-head attention call on the CPU: `[B, T, H]` activations whose q, k and v rows lie `rs`
+/// floats apart — `H` when they are three tensors, `3H` when one Linear made them side by side.
+pub(super) struct Attn {
+    b: usize,
+    t: usize,
+    h: usize,
+    heads: usize,
+    /// Row stride of q, k and v.
+    rs: usize,
+    causal: bool,
+    scale: f32,
+    keep: f32,
+    seed: u64,
+}
+
+impl Attn {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        (b, t, h): (usize, usize, usize),
+        rs: usize,
+        heads: usize,
+        causal: bool,
+        scale: f64,
+        dropout: f64,
+        seed: u64,
+    ) -> Self {
+        let (scale, keep) = (scale as f32, (1.0 - dropout) as f32);
+        Self {
+            b,
+            t,
+            h,
+            heads,
+            rs,
+            causal,
+            scale,
+            keep,
+            seed,
+        }
+    }
+
+    /// `(row 0, column 0)` of head `bh`'s block in q/k/v (row stride `rs`) and in `[B, T, H]`.
+    fn offsets(&self, bh: usize) -> (usize, usize) {
+        let (bi, hi) = (bh / self.heads, bh % self.heads);
+        let d = self.h / self.heads;
+        (
+            bi * self.t * self.rs + hi * d,
+            bi * self.t * self.h + hi * d,
+        )
+    }
+
+    /// `(out [B, T, H], probs [B, heads, T, T])` for `[q, k, v]`, each slice starting at its
+    /// tensor's (row 0, column 0); the probabilities only `with_probs` (a backward will need them).
+    ///
+    /// Head dimensions that are multiples of [`NR`] (32, 64, 128: BERT, MiniLM, Llama) run on
+    /// kiln's own register tiles, a block of query rows at a time, so a block's scores stay in L1
+    /// between the two products and a causal block skips the keys after it. Others call `gemm`
+    /// twice per head.
+    pub(super) fn forward(
+        &self,
+        qkv: [&[f32]; 3],
+        mask: &[f32],
+        with_probs: bool,
+    ) -> (Vec<f32>, Option<Vec<f32>>) {
+        let Self {
+            b, t, h, heads, rs, ..
+        } = *self;
+        let d = h / heads;
+        assert!(qkv.iter().all(|x| x.len() >= (b * t - 1) * rs + h));
+        assert!(mask.len() >= b * t);
+        let mut out = vec![0f32; b * t * h];
+        let mut probs = with_probs.then(|| vec![0f32; b * heads * t * t]);
+        let out_ptr = SharedMut(out.as_mut_ptr());
+        let probs_ptr = probs.as_mut().map(|p| SharedMut(p.as_mut_ptr()));
+        let tiles = Tiles::detect().filter(|_| d.is_multiple_of(NR));
+        // Tasks are (head, block of query rows): whole heads when there are enough of them to
+        // share out, else 32-row blocks (SmolLM2's prefill has 9 heads for 2 threads).
+        let rows_per_task = if tiles.is_none() || b * heads >= 8 * rayon::current_num_threads() {
+            t
+        } else {
+            32
+        };
+        let blocks = t.div_ceil(rows_per_task);
+        let tp = t.div_ceil(NR) * NR;
+        (0..b * heads * blocks).into_par_iter().for_each_init(
+            // Scores of one tile of rows and Kᵀ for the tiles; one head's probabilities for `gemm`.
+            || match tiles {
+                Some(tiles) => (vec![0f32; tiles.rows() * tp], vec![0f32; d * tp]),
+                None => (vec![0f32; t * t], Vec::new()),
+            },
+            |(scratch, kt), task| {
+                let (bh, blk) = (task / blocks, task % blocks);
+                let rows = blk * rows_per_task..((blk + 1) * rows_per_task).min(t);
+                // SAFETY: task `bh` alone writes rows `rows` of head `bh`'s probabilities.
+                let p = probs_ptr
+                    .map(|pp| unsafe { std::slice::from_raw_parts_mut(pp.at(bh * t * t), t * t) });
+                if let Some(tiles) = tiles {
+                    let scratch = (&mut scratch[..], &mut kt[..]);
+                    self.head_tiled(tiles, bh, rows, qkv, mask, out_ptr, p, scratch);
+                } else {
+                    self.head_gemm(bh, qkv, mask, out_ptr, p, scratch);
+                }
+            },
+        );
+        (out, probs)
+    }
+
+    /// Query rows `rows` of head `bh` on kiln's register tiles: Kᵀ packed once (the keys these
+    /// rows see), then per tile of rows the scores, their softmax (stored to `probs` if given, and
+    /// dropped out), and those rows' output, written to `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn head_tiled(
+        &self,
+        tiles: Tiles,
+        bh: usize,
+        rows: std::ops::Range<usize>,
+        [qs, ks, vs]: [&[f32]; 3],
+        mask: &[f32],
+        out: SharedMut,
+        mut probs: Option<&mut [f32]>,
+        (s, kt): (&mut [f32], &mut [f32]),
+    ) {
+        let Self {
+            t,
+            h,
+            heads,
+            rs,
+            causal,
+            scale,
+            keep,
+            seed,
+            ..
+        } = *self;
+        let d = h / heads;
+        let tp = t.div_ceil(NR) * NR;
+        let (off, out_off) = self.offsets(bh);
+        let m = &mask[(bh / heads) * t..(bh / heads + 1) * t];
+        let keys = if causal { rows.end } else { t };
+        // Kᵀ as d rows of `tp` keys (the padding stays 0 from the allocation).
+        for j in 0..keys {
+            let k = &ks[off + j * rs..off + j * rs + d];
+            for (c, &v) in k.iter().enumerate() {
+                kt[c * tp + j] = v;
+            }
+        }
+        let mr = tiles.rows();
+        // The tiles below write through raw pointers: these bound every address they form.
+        assert!(s.len() >= mr * tp && kt.len() >= d * tp && rows.end <= t);
+        for i0 in rows.clone().step_by(mr) {
+            let n = mr.min(rows.end - i0);
+            let kend = if causal { i0 + n } else { t };
+            // SAFETY: q rows i0..i0+n and the head's d columns are inside `qs` (asserted in
+            // `forward`); Kᵀ holds d rows of `tp` ≥ kend.div_ceil(NR)·NR columns; `s` holds
+            // mr rows of `tp`.
+            unsafe {
+                for jb in (0..kend).step_by(NR) {
+                    tiles.run(
+                        d,
+                        (qs.as_ptr().add(off + i0 * rs), rs, n),
+                        (kt.as_ptr().add(jb), tp),
+                        (s.as_mut_ptr().add(jb), tp),
+                    );
+                }
+            }
+            for r in 0..n {
+                let i = i0 + r;
+                let row = &mut s[r * tp..r * tp + kend];
+                if causal {
+                    // Keys after the query get probability 0 (and so no gradient).
+                    softmax_row(&mut row[..=i], &m[..=i], scale);
+                    row[i + 1..].fill(0.0);
+                } else {
+                    softmax_row(row, m, scale);
+                }
+                if let Some(p) = probs.as_deref_mut() {
+                    p[i * t..i * t + kend].copy_from_slice(row);
+                    p[i * t + kend..(i + 1) * t].fill(0.0);
+                }
+                if keep < 1.0 {
+                    dropout_row(row, ((bh * t + i) * t) as u64, keep, seed);
+                }
+            }
+            // SAFETY: P rows live in `s` (stride tp, kend ≤ tp columns); V rows 0..kend of this
+            // head are inside `vs`; output rows i0..i0+n, columns of head `hi`, are this task's.
+            unsafe {
+                for cb in (0..d).step_by(NR) {
+                    tiles.run(
+                        kend,
+                        (s.as_ptr(), tp, n),
+                        (vs.as_ptr().add(off + cb), rs),
+                        (out.at(out_off + i0 * h + cb), h),
+                    );
+                }
+            }
+        }
+    }
+
+    /// All of head `bh` through two `gemm` calls (head dimensions the tiles do not cover).
+    fn head_gemm(
+        &self,
+        bh: usize,
+        [qs, ks, vs]: [&[f32]; 3],
+        mask: &[f32],
+        out: SharedMut,
+        probs: Option<&mut [f32]>,
+        scratch: &mut [f32],
+    ) {
+        let Self {
+            t,
+            h,
+            heads,
+            rs,
+            causal,
+            scale,
+            keep,
+            seed,
+            ..
+        } = *self;
+        let d = h / heads;
+        let (off, out_off) = self.offsets(bh);
+        let m = &mask[(bh / heads) * t..(bh / heads + 1) * t];
+        let p = match probs {
+            Some(p) => p,
+            None => &mut scratch[..t * t],
+        };
+        // SAFETY: q/k/v reads stay inside this head's rows and columns (asserted in `forward`);
+        // the output block (rows of batch `bi`, columns of head `hi`) belongs to this task alone.
+        unsafe {
+            small_gemm(
+                (t, t, d),
+                p.as_mut_ptr(),
+                (t, 1),
+                qs[off..].as_ptr(),
+                (rs, 1),
+                ks[off..].as_ptr(),
+                (1, rs),
+                false,
+            );
+        }
+        for (i, row) in p.chunks_mut(t).enumerate() {
+            if causal {
+                softmax_row(&mut row[..=i], &m[..=i], scale);
+                row[i + 1..].fill(0.0);
+            } else {
+                softmax_row(row, m, scale);
+            }
+        }
+        let dropped;
+        let pd: &[f32] = if keep < 1.0 {
+            dropped = {
+                let mut x = p.to_vec();
+                dropout_block(&mut x, bh, t, keep, seed);
+                x
+            };
+            &dropped
+        } else {
+            p
+        };
+        unsafe {
+            small_gemm(
+                (t, d, t),
+                out.at(out_off),
+                (h, 1),
+                pd.as_ptr(),
+                (t, 1),
+                vs[off..].as_ptr(),
+                (rs, 1),
+                false,
+            );
+        }
+    }
+
+    /// Writes dq, dk and dv through `grads` (each at its (row 0, column 0); row stride `gs`) for
+    /// the output gradient `dout [B, T, H]` and the forward's `probs`.
+    pub(super) fn backward(
+        &self,
+        [qs, ks, vs]: [&[f32]; 3],
+        probs: &[f32],
+        dout: &[f32],
+        [dq, dk, dv]: [SharedMut; 3],
+        gs: usize,
+    ) {
+        let Self {
+            b,
+            t,
+            h,
+            heads,
+            rs,
+            scale,
+            keep,
+            seed,
+            ..
+        } = *self;
+        let d = h / heads;
+        assert!(qs.len().min(ks.len()).min(vs.len()) >= (b * t - 1) * rs + h);
+        assert!(probs.len() >= b * heads * t * t && dout.len() >= b * t * h);
+        (0..b * heads).into_par_iter().for_each_init(
+            || (vec![0f32; t * t], vec![0f32; t * t]),
+            |(pd, dp), bh| {
+                let (off, out_off) = self.offsets(bh);
+                let g_off = (bh / heads) * t * gs + (bh % heads) * d;
+                let p = &probs[bh * t * t..(bh + 1) * t * t];
+                // The dropped probabilities, regenerated from the seed.
+                pd.copy_from_slice(p);
+                dropout_block(pd, bh, t, keep, seed);
+                // SAFETY: as in the forward: this task reads and writes only head `hi` of batch
+                // `bi`; the callers' gradient buffers hold B·T rows of stride `gs`.
+                unsafe {
+                    // dV = P_dropᵀ · dO
+                    small_gemm(
+                        (t, d, t),
+                        dv.at(g_off),
+                        (gs, 1),
+                        pd.as_ptr(),
+                        (1, t),
+                        dout[out_off..].as_ptr(),
+                        (h, 1),
+                        false,
+                    );
+                    // dP_drop = dO · Vᵀ
+                    small_gemm(
+                        (t, t, d),
+                        dp.as_mut_ptr(),
+                        (t, 1),
+                        dout[out_off..].as_ptr(),
+                        (h, 1),
+                        vs[off..].as_ptr(),
+                        (1, rs),
+                        false,
+                    );
+                }
+                dropout_block(dp, bh, t, keep, seed);
+                for (dr, pr) in dp.chunks_mut(t).zip(p.chunks(t)) {
+                    softmax_backward_row(dr, pr, scale);
+                }
+                unsafe {
+                    // dQ = dS · K,  dK = dSᵀ · Q
+                    small_gemm(
+                        (t, d, t),
+                        dq.at(g_off),
+                        (gs, 1),
+                        dp.as_ptr(),
+                        (t, 1),
+                        ks[off..].as_ptr(),
+                        (rs, 1),
+                        false,
+                    );
+                    small_gemm(
+                        (t, d, t),
+                        dk.at(g_off),
+                        (gs, 1),
+                        dp.as_ptr(),
+                        (1, t),
+                        qs[off..].as_ptr(),
+                        (rs, 1),
+                        false,
+                    );
+                }
+            },
+        );
+    }
+}
+
+/// Scales a row of attention probabilities by the dropout mask of element indices `base..`.
+#[inline]
+fn dropout_row(row: &mut [f32], base: u64, keep: f32, seed: u64) {
+    let value = 1.0 / keep;
+    simd(
+        #[inline(always)]
+        || {
+            for (j, v) in row.iter_mut().enumerate() {
+                *v *= if uniform(seed, base + j as u64) < keep {
+                    value
+                } else {
+                    0.0
+                };
+            }
+        },
+    )
+}
+
+/// Applies the dropout mask of attention block `bh` (`t` rows of `t` probabilities) in place; the
+/// forward and both backward uses index the hash identically, so they agree on the mask.
+fn dropout_block(block: &mut [f32], bh: usize, t: usize, keep: f32, seed: u64) {
+    if keep >= 1.0 {
+        return;
+    }
+    for (i, row) in block.chunks_mut(t).enumerate() {
+        dropout_row(row, ((bh * t + i) * t) as u64, keep, seed);
+    }
+}
+
+/// Columns of a register tile: two AVX-512 registers, four AVX2 ones.
+const NR: usize = 32;
+
+/// Which register tile this CPU runs, if any: 8 rows × 32 columns in 16 AVX-512 accumulators, or
+/// 4 rows × 16 columns (twice) in 8 AVX2 ones. Without either, heads go through `gemm`.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Tiles {
+    Avx512,
+    Avx2,
+}
+
+impl Tiles {
+    fn detect() -> Option<Self> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if has_avx512() {
+                return Some(Self::Avx512);
+            }
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                return Some(Self::Avx2);
+            }
+        }
+        None
+    }
+
+    /// Query rows per tile.
+    fn rows(self) -> usize {
+        match self {
+            Self::Avx512 => 8,
+            Self::Avx2 => 4,
+        }
+    }
+
+    /// `C[r][0..NR] = Σ_p A[r][p] · B[p][0..NR]` for rows `r < n ≤ self.rows()`: A given by
+    /// (pointer, row stride, rows n; its elements contiguous), B by (pointer, row stride; NR
+    /// contiguous columns), C by (pointer, row stride). The sums stay in registers through all `kk`
+    /// steps; rows past `n` repeat A's last row and are not stored.
+    ///
+    /// # Safety
+    /// A's rows `0..n` × columns `0..kk`, B's rows `0..kk` × columns `0..NR` and C's rows `0..n` ×
+    /// columns `0..NR` lie inside their buffers; nothing else writes those elements of C meanwhile;
+    /// `self` came from [`Tiles::detect`] on this CPU.
+    #[inline]
+    unsafe fn run(
+        self,
+        kk: usize,
+        a: (*const f32, usize, usize),
+        b: (*const f32, usize),
+        c: (*mut f32, usize),
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            match self {
+                Self::Avx512 => x86::tile_avx512(kk, a, b, c),
+                Self::Avx2 => x86::tile_avx2(kk, a, b, c),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("no register tiles off x86-64 ({self:?}, {kk}, {a:?}, {b:?}, {c:?})")
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// [`super::Tiles::run`] on AVX-512: 8 rows × 2 registers.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn tile_avx512(
+        kk: usize,
+        (a, ars, n): (*const f32, usize, usize),
+        (b, brs): (*const f32, usize),
+        (c, crs): (*mut f32, usize),
+    ) {
+        const R: usize = 8;
+        unsafe {
+            let rows: [*const f32; R] = std::array::from_fn(|r| a.add(r.min(n - 1) * ars));
+            let mut acc = [[_mm512_setzero_ps(); 2]; R];
+            for p in 0..kk {
+                let bp = b.add(p * brs);
+                let (b0, b1) = (_mm512_loadu_ps(bp), _mm512_loadu_ps(bp.add(16)));
+                for r in 0..R {
+                    let av = _mm512_set1_ps(*rows[r].add(p));
+                    acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
+                    acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
+                }
+            }
+            // A test per row rather than `take(n)`: the loop unrolls, the accumulators stay in
+            // registers.
+            for (r, [a0, a1]) in acc.into_iter().enumerate() {
+                if r < n {
+                    _mm512_storeu_ps(c.add(r * crs), a0);
+                    _mm512_storeu_ps(c.add(r * crs + 16), a1);
+                }
+            }
+        }
+    }
+
+    /// [`super::Tiles::run`] on AVX2: 4 rows × 2 registers, for each half of the 32 columns.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn tile_avx2(
+        kk: usize,
+        (a, ars, n): (*const f32, usize, usize),
+        (b, brs): (*const f32, usize),
+        (c, crs): (*mut f32, usize),
+    ) {
+        const R: usize = 4;
+        unsafe {
+            let rows: [*const f32; R] = std::array::from_fn(|r| a.add(r.min(n - 1) * ars));
+            for half in [0, 16] {
+                let mut acc = [[_mm256_setzero_ps(); 2]; R];
+                for p in 0..kk {
+                    let bp = b.add(p * brs + half);
+                    let (b0, b1) = (_mm256_loadu_ps(bp), _mm256_loadu_ps(bp.add(8)));
+                    for r in 0..R {
+                        let av = _mm256_set1_ps(*rows[r].add(p));
+                        acc[r][0] = _mm256_fmadd_ps(av, b0, acc[r][0]);
+                        acc[r][1] = _mm256_fmadd_ps(av, b1, acc[r][1]);
+                    }
+                }
+                for (r, [a0, a1]) in acc.into_iter().enumerate() {
+                    if r < n {
+                        _mm256_storeu_ps(c.add(r * crs + half), a0);
+                        _mm256_storeu_ps(c.add(r * crs + half + 8), a1);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every tile this CPU can run (AVX2 on AVX-512 machines too) against sums in f64: each row
+    /// count, strided A and B, and C's rows past `n` left untouched.
+    #[test]
+    fn register_tiles_match_f64_sums() {
+        let mut kinds = vec![];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if has_avx512() {
+                kinds.push(Tiles::Avx512);
+            }
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                kinds.push(Tiles::Avx2);
+            }
+        }
+        let (kk, ars, brs, crs) = (37, 41, 35, 33);
+        let val = |i: usize| ((i * 7919 % 1000) as f32 - 500.0) / 250.0;
+        let a: Vec<f32> = (0..8 * ars).map(val).collect();
+        let b: Vec<f32> = (0..kk * brs).map(|i| val(i + 17)).collect();
+        for tiles in kinds {
+            for n in 1..=tiles.rows() {
+                let mut c = vec![f32::NAN; 8 * crs];
+                // SAFETY: A holds 8 rows of `ars` ≥ kk, B kk rows of `brs` ≥ NR, C 8 rows of
+                // `crs` ≥ NR; `tiles` was detected on this CPU.
+                unsafe {
+                    tiles.run(
+                        kk,
+                        (a.as_ptr(), ars, n),
+                        (b.as_ptr(), brs),
+                        (c.as_mut_ptr(), crs),
+                    )
+                };
+                for r in 0..8 {
+                    for j in 0..NR {
+                        let got = c[r * crs + j];
+                        if r >= n {
+                            assert!(got.is_nan(), "{tiles:?} wrote row {r} of {n}");
+                            continue;
+                        }
+                        let want: f64 = (0..kk)
+                            .map(|p| a[r * ars + p] as f64 * b[p * brs + j] as f64)
+                            .sum();
+                        assert!(
+                            (got as f64 - want).abs() < 1e-4 * (1.0 + want.abs()),
+                            "{tiles:?} n={n} C[{r}][{j}] = {got}, want {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
