@@ -849,6 +849,7 @@ where
             // together on each); rank 0 prints them.
             let (model, config, _, _) =
                 causal_lm::load_model_parallel::<B>(&cmd.model, &device, cmd.tensor_parallel_size)?;
+            let model = model.into_inference_layout();
             let main = kiln::parallel::is_main_process()?;
             let tok = causal_lm::load_tokenizer(&cmd.model)?;
             let enc = tok

@@ -117,6 +117,7 @@ pub fn prefill(dir: &Path, corpus: &Path, warmup: usize, steps: usize) -> Result
     let seq = 128;
     let device = Default::default();
     let (model, config) = load_model::<Cpu>(dir, &device)?;
+    let model = model.into_inference_layout();
     let blocks = first_blocks(dir, corpus, seq, 1)?;
     let ids: Vec<i64> = blocks.blocks[0].iter().map(|&t| t as i64).collect();
     let work = StepWork {
@@ -151,6 +152,7 @@ pub fn prefill(dir: &Path, corpus: &Path, warmup: usize, steps: usize) -> Result
 pub fn generate(dir: &Path, warmup: usize, tokens: usize) -> Result<BenchResult> {
     let device = Default::default();
     let (model, config) = load_model::<Cpu>(dir, &device)?;
+    let model = model.into_inference_layout();
     let tok = load_tokenizer(dir)?;
     let prompt: Vec<i64> = tok
         .encode(GENERATE_PROMPT, true)

@@ -29,6 +29,7 @@ fn torch_linear<B: KilnBackend>(d_in: usize, d_out: usize, device: &B::Device) -
             u,
             device,
         )))),
+        weight_in_out: None,
     }
 }
 

@@ -265,6 +265,71 @@ fn gemv_rows(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], beta: f32, y: &
     }
 }
 
+/// `y = x w (+ bias)` for a few rows `x [m, k]` and a weight laid out `[k, n]` (decoding). Each
+/// task takes a contiguous band of weight rows, so the weight streams through memory in long
+/// sequential runs, four rows per pass over the task's `m × n` partial sums, added up at the end.
+/// Column blocks per task, tried first, read the weight in 1 KB pieces a row apart: 19 ms per
+/// SmolLM2 token against 14 for the `[out, in]` dot products; bands take 13.5 (Zen 5).
+fn gemv_rows_in_out(
+    (m, k, n): (usize, usize, usize),
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+) {
+    let band = k.div_ceil(4 * rayon::current_num_threads()).max(16);
+    let partials: Vec<Vec<f32>> = (0..k.div_ceil(band))
+        .into_par_iter()
+        .map(|b| {
+            let (k0, k1) = (b * band, ((b + 1) * band).min(k));
+            let mut acc = vec![0f32; m * n];
+            let row = |r: usize| &w[r * n..(r + 1) * n];
+            simd(
+                #[inline(always)]
+                || {
+                    let mut r = k0;
+                    while r + 4 <= k1 {
+                        let (w0, w1, w2, w3) = (row(r), row(r + 1), row(r + 2), row(r + 3));
+                        for (i, a) in acc.chunks_mut(n).enumerate() {
+                            let xs = &x[i * k + r..i * k + r + 4];
+                            let (x0, x1, x2, x3) = (xs[0], xs[1], xs[2], xs[3]);
+                            for ((((a, &v0), &v1), &v2), &v3) in
+                                a.iter_mut().zip(w0).zip(w1).zip(w2).zip(w3)
+                            {
+                                *a = x3.mul_add(
+                                    v3,
+                                    x2.mul_add(v2, x1.mul_add(v1, x0.mul_add(v0, *a))),
+                                );
+                            }
+                        }
+                        r += 4;
+                    }
+                    for r in r..k1 {
+                        for (i, a) in acc.chunks_mut(n).enumerate() {
+                            let xv = x[i * k + r];
+                            a.iter_mut()
+                                .zip(row(r))
+                                .for_each(|(a, &v)| *a = xv.mul_add(v, *a));
+                        }
+                    }
+                },
+            );
+            acc
+        })
+        .collect();
+    let out = &mut y[..m * n];
+    match bias {
+        Some(bias) => out.chunks_mut(n).for_each(|r| r.copy_from_slice(bias)),
+        None => out.fill(0.0),
+    }
+    out.par_chunks_mut(4096).enumerate().for_each(|(c, o)| {
+        let at = c * 4096;
+        for p in &partials {
+            add_into(o, &p[at..at + o.len()]);
+        }
+    });
+}
+
 /// Rows per parallel task: enough work per task to amortise scheduling.
 fn rows_per_task(row_len: usize) -> usize {
     (16_384 / row_len.max(1)).max(1)
@@ -693,6 +758,25 @@ impl KilnBackend for Cpu {
         }
         // wᵀ without a transpose: element (k, n) of wᵀ is w[n·K + k].
         matmul(m, k, n, slice(&x), (k, 1), slice(&w), (1, k), bias, &mut y);
+        tensor(&[m, n], y)
+    }
+
+    fn kiln_linear_in_out(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        let _p = super::profile::scope("linear_fwd");
+        let (x, w) = (dense(x), dense(w));
+        let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[1]);
+        let mut y = vec![0f32; m * n];
+        let b = b.map(dense);
+        let bias = b.as_ref().map(slice);
+        if m <= GEMV_MAX_ROWS && super::matmul_precision() == super::MatmulPrecision::F32 {
+            gemv_rows_in_out((m, k, n), slice(&x), slice(&w), bias, &mut y);
+        } else {
+            matmul(m, k, n, slice(&x), (k, 1), slice(&w), (n, 1), bias, &mut y);
+        }
         tensor(&[m, n], y)
     }
 

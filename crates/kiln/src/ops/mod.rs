@@ -171,6 +171,20 @@ pub trait KilnBackend: Backend {
         })
     }
 
+    /// `x w + b` for a weight already laid out `[in, out]` (`[K, N]`): inference's copy (see
+    /// `Linear::into_inference_layout`). Composed of Burn ops by default, so it also differentiates.
+    fn kiln_linear_in_out(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        let y = matmul_2d(t::<Self, 2>(x), t::<Self, 2>(w));
+        p(match b {
+            Some(b) => y + t::<Self, 1>(b).unsqueeze_dim(0),
+            None => y,
+        })
+    }
+
     /// `(dx, dw, db)` of [`Self::kiln_linear`] for output gradient `dy [M, N]`; `dx` only when
     /// `input_grad` (a model's first layer reads data, whose gradient nobody wants — for the MNIST
     /// MLP that product is a third of the backward's work), `db` only when `bias`.
@@ -691,6 +705,21 @@ pub fn linear<B: KilnBackend, const D: usize>(
     let n = w.dims()[0];
     let m: usize = dims[..D - 1].iter().product();
     let y = B::kiln_linear(p(reshape(x, [m, k])), p(w), b.map(p));
+    dims[D - 1] = n;
+    reshape(t::<B, 2>(y), dims)
+}
+
+/// `x w + b` over the last dimension for a weight laid out `[in, out]` (see
+/// [`KilnBackend::kiln_linear_in_out`]).
+pub fn linear_in_out<B: KilnBackend, const D: usize>(
+    x: Tensor<B, D>,
+    w: Tensor<B, 2>,
+    b: Option<Tensor<B, 1>>,
+) -> Tensor<B, D> {
+    let mut dims = x.dims();
+    let [k, n] = w.dims();
+    let m: usize = dims[..D - 1].iter().product();
+    let y = B::kiln_linear_in_out(p(reshape(x, [m, k])), p(w), b.map(p));
     dims[D - 1] = n;
     reshape(t::<B, 2>(y), dims)
 }

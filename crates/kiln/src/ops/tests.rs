@@ -57,6 +57,28 @@ fn check<const D: usize, const N: usize>(
     }
 }
 
+/// A weight laid out `[in, out]` gives the `[out, in]` Linear's output: few rows (decoding's
+/// bands of weight rows, with a remainder of 2 rows) and many (the GEMM), with and without bias.
+#[test]
+fn linear_in_out_matches_linear() {
+    let (k, n) = (50, 70);
+    let w = rand([n, k], 51).inner();
+    let wt = super::owned(w.clone().transpose());
+    let b = rand([n], 52).inner();
+    for m in [1, 3, 9, 40] {
+        let x = rand([m, k], 53 + m as u64).inner();
+        for bias in [None, Some(b.clone())] {
+            let has_bias = bias.is_some();
+            assert_close(
+                &format!("linear_in_out m={m} bias={has_bias}"),
+                host(super::linear_in_out(x.clone(), wt.clone(), bias.clone())),
+                host(super::linear(x.clone(), w.clone(), bias)),
+                1e-6,
+            );
+        }
+    }
+}
+
 /// A first layer reads data that needs no gradient: the fused backward skips that product and
 /// still gives the weight and bias theirs.
 #[test]

@@ -433,6 +433,38 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
         }
     }
 
+    /// The same model for inference only (prompt processing and decoding): every projection's
+    /// weight moved to `[in, out]`, see [`Linear::into_inference_layout`]. A tied head keeps
+    /// reading the embedding. A tensor-parallel shard stays as it is: its key/value path reads
+    /// the `[out, in]` weights.
+    pub fn into_inference_layout(mut self) -> Self {
+        if self.shard.0.is_some() {
+            return self;
+        }
+        self.model.layers = std::mem::take(&mut self.model.layers)
+            .into_iter()
+            .map(|mut l| {
+                let a = l.self_attn;
+                l.self_attn = LlamaAttention {
+                    q_proj: a.q_proj.into_inference_layout(),
+                    k_proj: a.k_proj.into_inference_layout(),
+                    v_proj: a.v_proj.into_inference_layout(),
+                    o_proj: a.o_proj.into_inference_layout(),
+                    ..a
+                };
+                let m = l.mlp;
+                l.mlp = LlamaMlp {
+                    gate_proj: m.gate_proj.into_inference_layout(),
+                    up_proj: m.up_proj.into_inference_layout(),
+                    down_proj: m.down_proj.into_inference_layout(),
+                };
+                l
+            })
+            .collect();
+        self.lm_head = self.lm_head.map(Linear::into_inference_layout);
+        self
+    }
+
     /// One decoding step for a single sequence: `ids` continue the cached positions (the whole
     /// prompt first, then one token at a time); returns the vocabulary logits of the last one.
     pub fn next_token_logits(&self, ids: &[i64], cache: &mut KvCache<B>) -> Vec<f32> {
@@ -615,5 +647,59 @@ mod tests {
         let v = c.vocab_size;
         assert_eq!(alt[..(n - 1) * v], full[..(n - 1) * v]);
         assert_ne!(alt[(n - 1) * v..], full[(n - 1) * v..]);
+    }
+
+    /// The inference layout (weights `[in, out]`) gives the logits of the trained layout: a
+    /// 7-token forward (the GEMM path), then decoding one token at a time (the few-rows path),
+    /// with biases and an untied head; its `[out, in]` parameters are left empty.
+    #[test]
+    fn inference_layout_gives_the_same_logits() {
+        let mut c = tiny();
+        c.tie_word_embeddings = false;
+        c.attention_bias = true;
+        c.mlp_bias = true;
+        c.intermediate_size = 50; // down_proj reads 50 rows: bands of 16 and a remainder of 2
+        let d = CpuDevice::default();
+        let m =
+            crate::ops::with_seeded_rng::<Cpu, _>(&d, 3, || LlamaForCausalLM::<Cpu>::new(&c, &d));
+        let fast = m.clone().into_inference_layout();
+        let down = &fast.model.layers[1].mlp.down_proj;
+        assert_eq!(down.weight.dims(), [0, 50]);
+        assert_eq!(
+            down.weight_in_out.as_ref().map(|w| w.dims()),
+            Some([50, 32])
+        );
+        assert!(fast.lm_head.as_ref().unwrap().weight_in_out.is_some());
+        let ids: Vec<i64> = vec![5, 9, 1, 44, 17, 8, 30];
+        let t = |v: &[i64]| {
+            Tensor::<Cpu, 2, Int>::from_data(TensorData::new(v.to_vec(), [1, v.len()]), &d)
+        };
+        let close = |a: Vec<f32>, b: Vec<f32>, what: &str| {
+            assert_eq!(a.len(), b.len());
+            let err = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(err < 1e-4, "{what}: max |Δ| {err}");
+        };
+        close(
+            host(fast.forward(t(&ids), None)),
+            host(m.forward(t(&ids), None)),
+            "forward",
+        );
+        let (mut ca, mut cb) = (KvCache::new(2), KvCache::new(2));
+        close(
+            fast.next_token_logits(&ids[..4], &mut ca),
+            m.next_token_logits(&ids[..4], &mut cb),
+            "prompt",
+        );
+        for i in 4..ids.len() {
+            close(
+                fast.next_token_logits(&ids[i..i + 1], &mut ca),
+                m.next_token_logits(&ids[i..i + 1], &mut cb),
+                "decoding",
+            );
+        }
     }
 }

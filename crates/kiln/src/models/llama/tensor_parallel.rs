@@ -221,6 +221,7 @@ fn column<B: KilnBackend>(l: Linear<B>, rows: Range<usize>) -> Linear<B> {
     Linear {
         weight: slice_rows(l.weight, rows.clone()),
         bias: l.bias.map(|b| slice_vec(b, rows)),
+        weight_in_out: None,
     }
 }
 
@@ -229,6 +230,7 @@ fn row<B: KilnBackend>(l: Linear<B>, cols: Range<usize>) -> Linear<B> {
     Linear {
         weight: slice_cols(l.weight, cols),
         bias: l.bias,
+        weight_in_out: None,
     }
 }
 
