@@ -713,6 +713,40 @@ unsafe fn small_gemm(
     );
 }
 
+/// `x wᵀ + b` for a PyTorch-layout weight `[out, in]`, or `x w + b` for one laid out `[in, out]`
+/// (`in_out`, inference's layout): the few-rows kernel of that layout (decoding), else the GEMM
+/// with the weight read through strides.
+fn linear_forward(
+    x: NdArrayTensor,
+    w: NdArrayTensor,
+    b: Option<NdArrayTensor>,
+    in_out: bool,
+) -> NdArrayTensor {
+    let _p = super::profile::scope("linear_fwd");
+    let (x, w) = (dense(x), dense(w));
+    let (m, k) = (x.shape()[0], x.shape()[1]);
+    let n = if in_out { w.shape()[1] } else { w.shape()[0] };
+    let (xs, ws) = (slice(&x), slice(&w));
+    let mut y = vec![0f32; m * n];
+    let b = b.map(dense);
+    let bias = b.as_ref().map(slice);
+    if m <= GEMV_MAX_ROWS && super::matmul_precision() == super::MatmulPrecision::F32 {
+        if in_out {
+            gemv_rows_in_out((m, k, n), xs, ws, bias, &mut y);
+        } else {
+            if let Some(bias) = bias {
+                y.chunks_mut(n).for_each(|row| row.copy_from_slice(bias));
+            }
+            gemv_rows(m, k, n, xs, ws, f32::from(bias.is_some()), &mut y);
+        }
+    } else {
+        // `[out, in]` read as wᵀ without a transpose: element (k, n) of wᵀ is w[n·K + k].
+        let w_strides = if in_out { (n, 1) } else { (1, k) };
+        matmul(m, k, n, xs, (k, 1), ws, w_strides, bias, &mut y);
+    }
+    tensor(&[m, n], y)
+}
+
 impl KilnBackend for Cpu {
     fn kiln_from_host(data: Vec<f32>, shape: Shape, _: &Self::Device) -> FloatTensor<Self> {
         tensor(&shape.dims, data)
@@ -735,30 +769,7 @@ impl KilnBackend for Cpu {
         w: FloatTensor<Self>,
         b: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
-        let _p = super::profile::scope("linear_fwd");
-        let (x, w) = (dense(x), dense(w));
-        let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
-        let mut y = vec![0f32; m * n];
-        let b = b.map(dense);
-        let bias = b.as_ref().map(slice);
-        if m <= GEMV_MAX_ROWS && super::matmul_precision() == super::MatmulPrecision::F32 {
-            if let Some(bias) = bias {
-                y.chunks_mut(n).for_each(|row| row.copy_from_slice(bias));
-            }
-            gemv_rows(
-                m,
-                k,
-                n,
-                slice(&x),
-                slice(&w),
-                f32::from(bias.is_some()),
-                &mut y,
-            );
-            return tensor(&[m, n], y);
-        }
-        // wᵀ without a transpose: element (k, n) of wᵀ is w[n·K + k].
-        matmul(m, k, n, slice(&x), (k, 1), slice(&w), (1, k), bias, &mut y);
-        tensor(&[m, n], y)
+        linear_forward(x, w, b, false)
     }
 
     fn kiln_linear_in_out(
@@ -766,18 +777,7 @@ impl KilnBackend for Cpu {
         w: FloatTensor<Self>,
         b: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
-        let _p = super::profile::scope("linear_fwd");
-        let (x, w) = (dense(x), dense(w));
-        let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[1]);
-        let mut y = vec![0f32; m * n];
-        let b = b.map(dense);
-        let bias = b.as_ref().map(slice);
-        if m <= GEMV_MAX_ROWS && super::matmul_precision() == super::MatmulPrecision::F32 {
-            gemv_rows_in_out((m, k, n), slice(&x), slice(&w), bias, &mut y);
-        } else {
-            matmul(m, k, n, slice(&x), (k, 1), slice(&w), (n, 1), bias, &mut y);
-        }
-        tensor(&[m, n], y)
+        linear_forward(x, w, b, true)
     }
 
     fn kiln_linear_backward(
