@@ -68,17 +68,31 @@ impl Attn {
         mask: &[f32],
         with_probs: bool,
     ) -> (Vec<f32>, Option<Vec<f32>>) {
+        let d = self.h / self.heads;
+        let tiles = Tiles::detect().filter(|_| d.is_multiple_of(NR));
+        self.forward_on(tiles, qkv, mask, with_probs)
+    }
+
+    /// [`Self::forward`] on the given tiles (`None`: `gemm` per head), so tests can run each kind
+    /// the CPU has.
+    fn forward_on(
+        &self,
+        tiles: Option<Tiles>,
+        qkv: [&[f32]; 3],
+        mask: &[f32],
+        with_probs: bool,
+    ) -> (Vec<f32>, Option<Vec<f32>>) {
         let Self {
             b, t, h, heads, rs, ..
         } = *self;
         let d = h / heads;
+        assert!(tiles.is_none() || d.is_multiple_of(NR));
         assert!(qkv.iter().all(|x| x.len() >= (b * t - 1) * rs + h));
         assert!(mask.len() >= b * t);
         let mut out = vec![0f32; b * t * h];
         let mut probs = with_probs.then(|| vec![0f32; b * heads * t * t]);
         let out_ptr = SharedMut(out.as_mut_ptr());
         let probs_ptr = probs.as_mut().map(|p| SharedMut(p.as_mut_ptr()));
-        let tiles = Tiles::detect().filter(|_| d.is_multiple_of(NR));
         // Tasks are (head, block of query rows): whole heads when there are enough of them to
         // share out, else 32-row blocks (SmolLM2's prefill has 9 heads for 2 threads).
         let rows_per_task = if tiles.is_none() || b * heads >= 8 * rayon::current_num_threads() {
@@ -97,9 +111,10 @@ impl Attn {
             |(scratch, kt), task| {
                 let (bh, blk) = (task / blocks, task % blocks);
                 let rows = blk * rows_per_task..((blk + 1) * rows_per_task).min(t);
-                // SAFETY: task `bh` alone writes rows `rows` of head `bh`'s probabilities.
-                let p = probs_ptr
-                    .map(|pp| unsafe { std::slice::from_raw_parts_mut(pp.at(bh * t * t), t * t) });
+                // SAFETY: rows `rows` of head `bh`'s probabilities belong to this task alone.
+                let p = probs_ptr.map(|pp| unsafe {
+                    std::slice::from_raw_parts_mut(pp.at((bh * t + rows.start) * t), rows.len() * t)
+                });
                 if let Some(tiles) = tiles {
                     let scratch = (&mut scratch[..], &mut kt[..]);
                     self.head_tiled(tiles, bh, rows, qkv, mask, out_ptr, p, scratch);
@@ -112,8 +127,8 @@ impl Attn {
     }
 
     /// Query rows `rows` of head `bh` on kiln's register tiles: Kᵀ packed once (the keys these
-    /// rows see), then per tile of rows the scores, their softmax (stored to `probs` if given, and
-    /// dropped out), and those rows' output, written to `out`.
+    /// rows see), then per tile of rows the scores, their softmax (stored to `probs` if given: these
+    /// rows' probabilities, T per row; and dropped out), and those rows' output, written to `out`.
     #[allow(clippy::too_many_arguments)]
     fn head_tiled(
         &self,
@@ -179,8 +194,9 @@ impl Attn {
                     softmax_row(row, m, scale);
                 }
                 if let Some(p) = probs.as_deref_mut() {
-                    p[i * t..i * t + kend].copy_from_slice(row);
-                    p[i * t + kend..(i + 1) * t].fill(0.0);
+                    let pr = &mut p[(i - rows.start) * t..(i - rows.start + 1) * t];
+                    pr[..kend].copy_from_slice(row);
+                    pr[kend..].fill(0.0);
                 }
                 if keep < 1.0 {
                     dropout_row(row, ((bh * t + i) * t) as u64, keep, seed);
@@ -530,6 +546,50 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The whole forward on each tile kind this CPU runs (AVX2 on AVX-512 machines too, so the
+    /// 4-row stepping of AVX2-only CPUs such as Zen 3 is exercised) against `gemm` per head:
+    /// outputs and probabilities, causal or not, with dropout, tasks of whole heads and of row
+    /// blocks, rows that do not fill a tile.
+    #[test]
+    fn every_tile_kind_matches_gemm_per_head() {
+        let mut kinds = vec![];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if has_avx512() {
+                kinds.push(Tiles::Avx512);
+            }
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                kinds.push(Tiles::Avx2);
+            }
+        }
+        let val = |i: usize| ((i * 7919 % 2000) as f32 - 1000.0) / 1000.0;
+        for (b, t, h, heads) in [(1, 45, 128, 2), (4, 19, 128, 4), (2, 6, 64, 1)] {
+            let qkv: Vec<f32> = (0..b * t * 3 * h).map(val).collect();
+            let mut mask = vec![0f32; b * t];
+            mask[b * t - 2] = f32::MIN;
+            let x = [&qkv[..], &qkv[h..], &qkv[2 * h..]];
+            for (causal, dropout) in [(false, 0.0), (true, 0.0), (false, 0.2), (true, 0.2)] {
+                let a = Attn::new((b, t, h), 3 * h, heads, causal, 0.2, dropout, 9);
+                let (want, want_p) = a.forward_on(None, x, &mask, true);
+                for &tiles in &kinds {
+                    let (got, got_p) = a.forward_on(Some(tiles), x, &mask, true);
+                    let what = format!("{tiles:?} {b}x{t}x{h}/{heads} causal={causal} p={dropout}");
+                    for (name, g, w) in [
+                        ("out", &got, &want),
+                        ("probs", got_p.as_ref().unwrap(), want_p.as_ref().unwrap()),
+                    ] {
+                        let err = g
+                            .iter()
+                            .zip(w)
+                            .map(|(x, y)| (x - y).abs())
+                            .fold(0f32, f32::max);
+                        assert!(err < 1e-5, "{what} {name}: max |Δ| {err}");
+                    }
+                }
+            }
+        }
+    }
 
     /// Every tile this CPU can run (AVX2 on AVX-512 machines too) against sums in f64: each row
     /// count, strided A and B, and C's rows past `n` left untouched.
