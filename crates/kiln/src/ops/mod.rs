@@ -164,11 +164,7 @@ pub trait KilnBackend: Backend {
         w: FloatTensor<Self>,
         b: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
-        let y = matmul_2d(t::<Self, 2>(x), t::<Self, 2>(w).transpose());
-        p(match b {
-            Some(b) => y + t::<Self, 1>(b).unsqueeze_dim(0),
-            None => y,
-        })
+        Self::kiln_linear_in_out(x, p(t::<Self, 2>(w).transpose()), b)
     }
 
     /// `x w + b` for a weight already laid out `[in, out]` (`[K, N]`): inference's copy (see
@@ -700,13 +696,8 @@ pub fn linear<B: KilnBackend, const D: usize>(
     w: Tensor<B, 2>,
     b: Option<Tensor<B, 1>>,
 ) -> Tensor<B, D> {
-    let mut dims = x.dims();
-    let k = dims[D - 1];
     let n = w.dims()[0];
-    let m: usize = dims[..D - 1].iter().product();
-    let y = B::kiln_linear(p(reshape(x, [m, k])), p(w), b.map(p));
-    dims[D - 1] = n;
-    reshape(t::<B, 2>(y), dims)
+    over_rows(x, n, |x| B::kiln_linear(x, p(w), b.map(p)))
 }
 
 /// `x w + b` over the last dimension for a weight laid out `[in, out]` (see
@@ -716,10 +707,21 @@ pub fn linear_in_out<B: KilnBackend, const D: usize>(
     w: Tensor<B, 2>,
     b: Option<Tensor<B, 1>>,
 ) -> Tensor<B, D> {
+    let n = w.dims()[1];
+    over_rows(x, n, |x| B::kiln_linear_in_out(x, p(w), b.map(p)))
+}
+
+/// `f` over `x`'s rows (all leading dimensions flattened to `[M, K]`), its `[M, n]` result put
+/// back under the leading dimensions.
+fn over_rows<B: KilnBackend, const D: usize>(
+    x: Tensor<B, D>,
+    n: usize,
+    f: impl FnOnce(FloatTensor<B>) -> FloatTensor<B>,
+) -> Tensor<B, D> {
     let mut dims = x.dims();
-    let [k, n] = w.dims();
+    let k = dims[D - 1];
     let m: usize = dims[..D - 1].iter().product();
-    let y = B::kiln_linear_in_out(p(reshape(x, [m, k])), p(w), b.map(p));
+    let y = f(p(reshape(x, [m, k])));
     dims[D - 1] = n;
     reshape(t::<B, 2>(y), dims)
 }

@@ -45,6 +45,23 @@ impl Attn {
         }
     }
 
+    /// The additive key mask of head `bh`'s batch row.
+    fn key_mask<'a>(&self, mask: &'a [f32], bh: usize) -> &'a [f32] {
+        let bi = bh / self.heads;
+        &mask[bi * self.t..(bi + 1) * self.t]
+    }
+
+    /// In place: row `i` of a head's scores becomes its probabilities (`row` holds at least the
+    /// keys query `i` sees). Causal: keys after the query get probability 0, and so no gradient.
+    fn softmax(&self, row: &mut [f32], i: usize, m: &[f32]) {
+        if self.causal {
+            softmax_row(&mut row[..=i], &m[..=i], self.scale);
+            row[i + 1..].fill(0.0);
+        } else {
+            softmax_row(row, m, self.scale);
+        }
+    }
+
     /// `(row 0, column 0)` of head `bh`'s block in q/k/v (row stride `rs`) and in `[B, T, H]`.
     fn offsets(&self, bh: usize) -> (usize, usize) {
         let (bi, hi) = (bh / self.heads, bh % self.heads);
@@ -83,7 +100,13 @@ impl Attn {
         with_probs: bool,
     ) -> (Vec<f32>, Option<Vec<f32>>) {
         let Self {
-            b, t, h, heads, rs, ..
+            b,
+            t,
+            h,
+            heads,
+            rs,
+            keep,
+            ..
         } = *self;
         let d = h / heads;
         assert!(tiles.is_none() || d.is_multiple_of(NR));
@@ -103,10 +126,14 @@ impl Attn {
         let blocks = t.div_ceil(rows_per_task);
         let tp = t.div_ceil(NR) * NR;
         (0..b * heads * blocks).into_par_iter().for_each_init(
-            // Scores of one tile of rows and Kᵀ for the tiles; one head's probabilities for `gemm`.
+            // Scores of one tile of rows and Kᵀ for the tiles; for `gemm`, one head's
+            // probabilities and, under dropout, their dropped copy.
             || match tiles {
                 Some(tiles) => (vec![0f32; tiles.rows() * tp], vec![0f32; d * tp]),
-                None => (vec![0f32; t * t], Vec::new()),
+                None => (
+                    vec![0f32; t * t],
+                    vec![0f32; if keep < 1.0 { t * t } else { 0 }],
+                ),
             },
             |(scratch, kt), task| {
                 let (bh, blk) = (task / blocks, task % blocks);
@@ -115,8 +142,8 @@ impl Attn {
                 let p = probs_ptr.map(|pp| unsafe {
                     std::slice::from_raw_parts_mut(pp.at((bh * t + rows.start) * t), rows.len() * t)
                 });
+                let scratch = (&mut scratch[..], &mut kt[..]);
                 if let Some(tiles) = tiles {
-                    let scratch = (&mut scratch[..], &mut kt[..]);
                     self.head_tiled(tiles, bh, rows, qkv, mask, out_ptr, p, scratch);
                 } else {
                     self.head_gemm(bh, qkv, mask, out_ptr, p, scratch);
@@ -147,7 +174,6 @@ impl Attn {
             heads,
             rs,
             causal,
-            scale,
             keep,
             seed,
             ..
@@ -155,7 +181,7 @@ impl Attn {
         let d = h / heads;
         let tp = t.div_ceil(NR) * NR;
         let (off, out_off) = self.offsets(bh);
-        let m = &mask[(bh / heads) * t..(bh / heads + 1) * t];
+        let m = self.key_mask(mask, bh);
         let keys = if causal { rows.end } else { t };
         // Kᵀ as d rows of `tp` keys (the padding stays 0 from the allocation).
         for j in 0..keys {
@@ -186,13 +212,7 @@ impl Attn {
             for r in 0..n {
                 let i = i0 + r;
                 let row = &mut s[r * tp..r * tp + kend];
-                if causal {
-                    // Keys after the query get probability 0 (and so no gradient).
-                    softmax_row(&mut row[..=i], &m[..=i], scale);
-                    row[i + 1..].fill(0.0);
-                } else {
-                    softmax_row(row, m, scale);
-                }
+                self.softmax(row, i, m);
                 if let Some(p) = probs.as_deref_mut() {
                     let pr = &mut p[(i - rows.start) * t..(i - rows.start + 1) * t];
                     pr[..kend].copy_from_slice(row);
@@ -225,22 +245,20 @@ impl Attn {
         mask: &[f32],
         out: SharedMut,
         probs: Option<&mut [f32]>,
-        scratch: &mut [f32],
+        (scratch, dropped): (&mut [f32], &mut [f32]),
     ) {
         let Self {
             t,
             h,
             heads,
             rs,
-            causal,
-            scale,
             keep,
             seed,
             ..
         } = *self;
         let d = h / heads;
         let (off, out_off) = self.offsets(bh);
-        let m = &mask[(bh / heads) * t..(bh / heads + 1) * t];
+        let m = self.key_mask(mask, bh);
         let p = match probs {
             Some(p) => p,
             None => &mut scratch[..t * t],
@@ -260,21 +278,13 @@ impl Attn {
             );
         }
         for (i, row) in p.chunks_mut(t).enumerate() {
-            if causal {
-                softmax_row(&mut row[..=i], &m[..=i], scale);
-                row[i + 1..].fill(0.0);
-            } else {
-                softmax_row(row, m, scale);
-            }
+            self.softmax(row, i, m);
         }
-        let dropped;
         let pd: &[f32] = if keep < 1.0 {
-            dropped = {
-                let mut x = p.to_vec();
-                dropout_block(&mut x, bh, t, keep, seed);
-                x
-            };
-            &dropped
+            let dropped = &mut dropped[..t * t];
+            dropped.copy_from_slice(p);
+            dropout_block(dropped, bh, t, keep, seed);
+            dropped
         } else {
             p
         };
