@@ -28,11 +28,14 @@ pub fn asset(rel: &str) -> Option<PathBuf> {
 }
 
 /// A base port whose next `n` ports are free as well (a launcher uses `master_port + 1 + rank` for
-/// its workers and the port itself for TCP and UDP), picked at random in 20000..60000 and checked by
-/// binding them all: concurrent test runs on one machine then do not collide on fixed ports.
+/// its workers and the port itself for TCP and UDP), picked at random in 20000..32000 and checked by
+/// binding them all: concurrent test runs on one machine then do not collide on fixed ports. The
+/// range stays below Linux's ephemeral ports (32768–60999): there, any outgoing connection of a
+/// test running alongside could take a checked port before the launcher binds it (a launch then
+/// failed with its port taken and its peer waited out the whole rendezvous timeout).
 pub fn free_ports(n: u16) -> u16 {
     for _ in 0..1000 {
-        let base: u16 = 20_000 + (rand::random::<u16>() % 40_000);
+        let base: u16 = 20_000 + (rand::random::<u16>() % 12_000);
         let free = (0..=n).all(|i| {
             std::net::TcpListener::bind(("127.0.0.1", base + i)).is_ok()
                 && std::net::UdpSocket::bind(("127.0.0.1", base + i)).is_ok()
