@@ -67,6 +67,7 @@ fn input<B: burn::tensor::backend::Backend>(fx: &Fixture) -> BertInput<B> {
         input_ids: t("input_ids"),
         attention_mask: t("attention_mask"),
         token_type_ids: t("token_type_ids"),
+        position_ids: None,
         // Right-padded fixtures run packed, as `kiln train` does: parity covers that path.
         unpadded: Some(
             Unpadded::from_mask(&mask, shape[0], shape[1], &device)

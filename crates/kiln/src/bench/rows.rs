@@ -12,7 +12,9 @@ use super::BenchResult;
 use crate::data::batch::{collate, TextBatch};
 use crate::data::{self, Columns, DataArgs, Padding, TextEncoding, TextTokenizer};
 use crate::hub::config::BertConfig;
+use crate::hub::encoder_config::EncoderConfig;
 use crate::models::bert::BertForSequenceClassification;
+use crate::models::classifier::SequenceClassifier;
 use crate::models::mlp::{self, MnistMlp, PixelBatch};
 use crate::ops::{KilnBackend, TrainBackend};
 use crate::task::{CrossEntropy, Loss, Model};
@@ -199,12 +201,18 @@ pub fn tweets_train<B: TrainBackend>(
     };
     let prepared = data::prepare(&args, &tok, None)?;
     let set = prepared.train.expect("a train file was given");
-    let (model, config, _) = crate::tasks::text_classification::load_classifier::<B>(
+    let loaded = crate::tasks::text_classification::load_classifier::<B>(
         &md,
         Some(&prepared.labels),
         42,
         device,
     )?;
+    let (SequenceClassifier::Bert(model), EncoderConfig::Bert(config), _) = loaded else {
+        return Err(crate::error::KilnError::Config(format!(
+            "{}: the tweets row measures a BERT model",
+            md.dir.display()
+        )));
+    };
     let batches: Vec<_> = (0..set.len() / batch)
         .map(|b| {
             let idx = b * batch..(b + 1) * batch;

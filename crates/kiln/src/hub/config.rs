@@ -52,6 +52,17 @@ pub struct BertConfig {
     pub classifier_dropout: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pad_token_id: Option<usize>,
+    #[serde(flatten)]
+    pub head: ClassifierFields,
+    /// Every other field (torch_dtype, transformers_version, ...), preserved verbatim.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// What every sequence-classification config holds beside its architecture (transformers'
+/// `PretrainedConfig`): the label names and what the model is.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ClassifierFields {
     /// `{"0": "negative", ...}` — JSON object keys are strings in HF configs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub id2label: Option<BTreeMap<String, String>>,
@@ -63,9 +74,36 @@ pub struct BertConfig {
     pub model_type: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub problem_type: Option<String>,
-    /// Every other field (torch_dtype, transformers_version, ...), preserved verbatim.
-    #[serde(flatten)]
-    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+impl ClassifierFields {
+    /// Label names in id order, if `id2label` is complete.
+    pub fn labels(&self) -> Option<Vec<String>> {
+        let map = self.id2label.as_ref()?;
+        (0..map.len())
+            .map(|i| map.get(&i.to_string()).cloned())
+            .collect()
+    }
+
+    /// Records the label set (id order) and the architecture the way transformers does.
+    pub fn set_labels(&mut self, labels: &[String], architecture: &str) {
+        self.id2label = Some(
+            labels
+                .iter()
+                .enumerate()
+                .map(|(i, l)| (i.to_string(), l.clone()))
+                .collect(),
+        );
+        self.label2id = Some(
+            labels
+                .iter()
+                .enumerate()
+                .map(|(i, l)| (l.clone(), i))
+                .collect(),
+        );
+        self.architectures = Some(vec![architecture.into()]);
+        self.problem_type = Some("single_label_classification".into());
+    }
 }
 
 impl BertConfig {
@@ -82,7 +120,10 @@ impl BertConfig {
     /// Ranges as transformers and torch enforce them (and what kiln's BERT supports).
     pub fn validate(&self) -> std::result::Result<(), String> {
         use super::limits::{model_type, non_negative, positive, probability};
-        model_type(self.model_type.as_deref(), "bert")?;
+        model_type(
+            self.head.model_type.as_deref(),
+            &["bert", "roberta", "xlm-roberta", "camembert"],
+        )?;
         for (name, v) in [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -143,33 +184,21 @@ impl BertConfig {
         embeddings + l * layer + (h * h + h) + (h * c + c)
     }
 
-    /// Label names in id order, if the config has a complete `id2label`.
-    pub fn labels(&self) -> Option<Vec<String>> {
-        let map = self.id2label.as_ref()?;
-        (0..map.len())
-            .map(|i| map.get(&i.to_string()).cloned())
-            .collect()
+    /// Whether this is a RoBERTa-architecture config (RoBERTa, XLM-RoBERTa, CamemBERT): BERT's
+    /// layers with positions counted from `pad_token_id + 1` and a two-layer classification head.
+    pub fn is_roberta(&self) -> bool {
+        self.head.model_type.as_deref().is_some_and(|t| t != "bert")
     }
 
-    /// Record the label set (id order) the way transformers does.
-    pub fn set_labels(&mut self, labels: &[String]) {
-        self.id2label = Some(
-            labels
-                .iter()
-                .enumerate()
-                .map(|(i, l)| (i.to_string(), l.clone()))
-                .collect(),
-        );
-        self.label2id = Some(
-            labels
-                .iter()
-                .enumerate()
-                .map(|(i, l)| (l.clone(), i))
-                .collect(),
-        );
-        self.architectures = Some(vec!["BertForSequenceClassification".into()]);
-        self.model_type = Some("bert".into());
-        self.problem_type = Some("single_label_classification".into());
+    /// The longest input the position table allows (RoBERTa's first `pad_token_id + 1` rows are
+    /// never used).
+    pub fn max_length(&self) -> usize {
+        if self.is_roberta() {
+            self.max_position_embeddings
+                .saturating_sub(self.pad_token_id.unwrap_or(1) + 1)
+        } else {
+            self.max_position_embeddings
+        }
     }
 
     pub fn classifier_dropout_prob(&self) -> f64 {

@@ -89,13 +89,14 @@ pub fn probability(name: &str, p: f64) -> std::result::Result<(), String> {
 }
 
 /// `model_type` must be one this model family reads (an absent one is taken as the family's).
-pub fn model_type(found: Option<&str>, family: &str) -> std::result::Result<(), String> {
+pub fn model_type(found: Option<&str>, family: &[&str]) -> std::result::Result<(), String> {
     match found {
         None => Ok(()),
-        Some(t) if t == family => Ok(()),
+        Some(t) if family.contains(&t) => Ok(()),
         Some(t) => Err(format!(
-            "model_type {t:?} is not supported here (kiln reads {family:?} models with this command); \
-             its weights would not load into a {family} model"
+            "model_type {t:?} is not supported here (this command reads {}); its weights would \
+             not load into such a model",
+            family.join(", ")
         )),
     }
 }

@@ -98,7 +98,7 @@ impl LlamaConfig {
     /// Ranges as transformers and torch enforce them (and what kiln's Llama supports).
     pub fn validate(&self) -> std::result::Result<(), String> {
         use super::limits::{model_type, non_negative, positive};
-        model_type(self.model_type.as_deref(), "llama")?;
+        model_type(self.model_type.as_deref(), &["llama", "mistral", "qwen2"])?;
         for (name, v) in [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),

@@ -2,10 +2,13 @@
 
 pub mod config;
 pub mod convert;
+pub mod distilbert_config;
+pub mod encoder_config;
 pub mod files;
 pub mod gguf;
 pub mod limits;
 pub mod llama_config;
+pub mod modernbert_config;
 pub mod sharded;
 pub mod weights;
 

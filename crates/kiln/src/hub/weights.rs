@@ -30,9 +30,15 @@ pub(crate) struct PathTracker {
 }
 
 impl PathTracker {
+    /// An enum's variant adds nothing to the path: a model that is one of several architectures
+    /// (`SequenceClassifier::Roberta(..)`) has that architecture's own parameter names.
     pub(crate) fn enter(&mut self, name: &str, container: &str) {
-        self.parts
-            .push(name.strip_suffix('_').unwrap_or(name).to_string());
+        let part = if container.starts_with("Enum:") {
+            ""
+        } else {
+            name.strip_suffix('_').unwrap_or(name)
+        };
+        self.parts.push(part.to_string());
         self.containers.push(container.to_string());
     }
     pub(crate) fn exit(&mut self) {
@@ -40,7 +46,13 @@ impl PathTracker {
         self.containers.pop();
     }
     pub(crate) fn path(&self) -> String {
-        self.parts.join(".")
+        let parts: Vec<&str> = self
+            .parts
+            .iter()
+            .map(String::as_str)
+            .filter(|p| !p.is_empty())
+            .collect();
+        parts.join(".")
     }
     /// The struct type that owns the current parameter, e.g. `LayerNorm`.
     pub(crate) fn owner(&self) -> &str {

@@ -19,6 +19,9 @@ pub struct BertInput<B: Backend> {
     pub input_ids: Tensor<B, 2, Int>,
     pub attention_mask: Tensor<B, 2, Int>,
     pub token_type_ids: Tensor<B, 2, Int>,
+    /// Each token's row in the position table; `None` counts `0..T` (BERT). RoBERTa counts from
+    /// `pad_token_id + 1`.
+    pub position_ids: Option<Tensor<B, 2, Int>>,
     /// Set when the batch is right-padded: the encoder then runs on the real tokens only.
     pub unpadded: Option<Unpadded<B>>,
 }
@@ -69,7 +72,7 @@ impl<B: Backend> Unpadded<B> {
 
 impl<B: KilnBackend> Unpadded<B> {
     /// `[B, T, H]` → the real tokens `[1, N, H]`.
-    fn pack(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    pub(crate) fn pack(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let h = x.dims()[2];
         let rows = reshape::<B, 3, 2>(x, [self.batch * self.seq, h]).select(0, self.tokens.clone());
         let n = rows.dims()[0];
@@ -77,7 +80,7 @@ impl<B: KilnBackend> Unpadded<B> {
     }
 
     /// `[1, N, H]` → `[B, T, H]` with zero rows at the padding.
-    fn unpack(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    pub(crate) fn unpack(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [_, n, h] = x.dims();
         let zeros = Tensor::zeros([self.batch * self.seq, h], &x.device());
         let rows = zeros.select_assign(
@@ -102,6 +105,7 @@ impl<B: Backend> BertInput<B> {
             input_ids: t(&b.input_ids),
             attention_mask: t(&b.attention_mask),
             token_type_ids: t(&b.token_type_ids),
+            position_ids: None,
             unpadded: Unpadded::from_mask(&b.attention_mask, b.batch, b.seq, device),
         }
     }
@@ -117,7 +121,7 @@ pub struct BertEmbeddings<B: Backend> {
 }
 
 impl<B: KilnBackend> BertEmbeddings<B> {
-    fn new(c: &BertConfig, device: &B::Device) -> Self {
+    pub(crate) fn new(c: &BertConfig, device: &B::Device) -> Self {
         let std = c.initializer_range;
         Self {
             word_embeddings: Embedding::new(c.vocab_size, c.hidden_size, std, device),
@@ -133,12 +137,14 @@ impl<B: KilnBackend> BertEmbeddings<B> {
         }
     }
 
-    fn forward(&self, input: &BertInput<B>) -> Tensor<B, 3> {
+    pub(crate) fn forward(&self, input: &BertInput<B>) -> Tensor<B, 3> {
         let [b, t] = input.input_ids.dims();
         let device = input.input_ids.device();
-        let positions = Tensor::<B, 1, Int>::arange(0..t as i64, &device)
-            .unsqueeze::<2>()
-            .expand([b, t]);
+        let positions = input.position_ids.clone().unwrap_or_else(|| {
+            Tensor::<B, 1, Int>::arange(0..t as i64, &device)
+                .unsqueeze::<2>()
+                .expand([b, t])
+        });
         let x = self.word_embeddings.forward(input.input_ids.clone())
             + self.position_embeddings.forward(positions)
             + self
@@ -223,32 +229,44 @@ impl<B: KilnBackend> BertSelfAttention<B> {
         mask_bias: Tensor<B, 2>,
         unpadded: Option<&Unpadded<B>>,
     ) -> Tensor<B, 3> {
-        // q, k and v from one Linear with the three weights stacked: x is read (and packed for
-        // the GEMM) once instead of three times, and its gradient comes back as one product
-        // instead of three summed. The parameters stay three, under Hugging Face's names.
-        let (q, k, v) = (&self.query, &self.key, &self.value);
-        let weight = Tensor::cat(vec![q.weight.val(), k.weight.val(), v.weight.val()], 0);
-        let bias = match (&q.bias, &k.bias, &v.bias) {
-            (Some(bq), Some(bk), Some(bv)) => {
-                Some(Tensor::cat(vec![bq.val(), bk.val(), bv.val()], 0))
-            }
-            _ => None,
-        };
-        let qkv = linear(x, weight, bias);
-        match unpadded {
-            None => attention_qkv(qkv, mask_bias, self.num_heads, self.dropout),
-            Some(u) => u.pack(attention_qkv(
-                u.unpack(qkv),
-                mask_bias,
-                self.num_heads,
-                self.dropout,
-            )),
-        }
+        self_attention(
+            [&self.query, &self.key, &self.value],
+            x,
+            mask_bias,
+            self.num_heads,
+            self.dropout,
+            unpadded,
+        )
+    }
+}
+
+/// Bidirectional multi-head self-attention of `x [B, T, H]` (or packed `[1, N, H]` with
+/// `unpadded`) through the `[q, k, v]` projections, before the output projection.
+pub(crate) fn self_attention<B: KilnBackend>(
+    [q, k, v]: [&Linear<B>; 3],
+    x: Tensor<B, 3>,
+    mask_bias: Tensor<B, 2>,
+    num_heads: usize,
+    dropout: f64,
+    unpadded: Option<&Unpadded<B>>,
+) -> Tensor<B, 3> {
+    // q, k and v from one Linear with the three weights stacked: x is read (and packed for the
+    // GEMM) once instead of three times, and its gradient comes back as one product instead of
+    // three summed. The parameters stay three, under Hugging Face's names.
+    let weight = Tensor::cat(vec![q.weight.val(), k.weight.val(), v.weight.val()], 0);
+    let bias = match (&q.bias, &k.bias, &v.bias) {
+        (Some(bq), Some(bk), Some(bv)) => Some(Tensor::cat(vec![bq.val(), bk.val(), bv.val()], 0)),
+        _ => None,
+    };
+    let qkv = linear(x, weight, bias);
+    match unpadded {
+        None => attention_qkv(qkv, mask_bias, num_heads, dropout),
+        Some(u) => u.pack(attention_qkv(u.unpack(qkv), mask_bias, num_heads, dropout)),
     }
 }
 
 impl<B: KilnBackend> BertLayer<B> {
-    fn new(c: &BertConfig, device: &B::Device) -> Self {
+    pub(crate) fn new(c: &BertConfig, device: &B::Device) -> Self {
         let (h, i, std) = (c.hidden_size, c.intermediate_size, c.initializer_range);
         Self {
             attention: BertAttention {
@@ -276,7 +294,7 @@ impl<B: KilnBackend> BertLayer<B> {
         }
     }
 
-    fn forward(
+    pub(crate) fn forward(
         &self,
         x: Tensor<B, 3>,
         mask_bias: Tensor<B, 2>,
@@ -342,12 +360,7 @@ impl<B: KilnBackend> BertForSequenceClassification<B> {
 
     /// The last layer's output → pooler → classifier.
     fn head_input(&self, x: Tensor<B, 3>, input: &BertInput<B>) -> Tensor<B, 2> {
-        let b = input.input_ids.dims()[0];
-        let h = x.dims()[2];
-        let cls = match &input.unpadded {
-            Some(u) => reshape::<B, 3, 2>(x, [u.tokens.dims()[0], h]).select(0, u.first.clone()),
-            None => x.slice([0..b, 0..1, 0..h]).reshape([b, h]),
-        };
+        let cls = first_tokens(x, input);
         let pooled = self.bert.pooler.dense.forward(cls).tanh();
         self.classifier
             .forward(dropout(pooled, self.classifier_dropout))
@@ -358,9 +371,20 @@ impl<B: KilnBackend> BertForSequenceClassification<B> {
     }
 }
 
+/// Each sequence's first token (`[CLS]`, `<s>`) `[B, H]` of the hidden states `[B, T, H]` (or the
+/// packed `[1, N, H]` of an unpadded batch).
+pub(crate) fn first_tokens<B: KilnBackend>(x: Tensor<B, 3>, input: &BertInput<B>) -> Tensor<B, 2> {
+    let b = input.input_ids.dims()[0];
+    let h = x.dims()[2];
+    match &input.unpadded {
+        Some(u) => reshape::<B, 3, 2>(x, [u.tokens.dims()[0], h]).select(0, u.first.clone()),
+        None => x.slice([0..b, 0..1, 0..h]).reshape([b, h]),
+    }
+}
+
 /// Additive attention mask `[B, T]`: 0 where attended, the most negative float where padded (as
 /// transformers).
-fn mask_bias<B: KilnBackend>(input: &BertInput<B>) -> Tensor<B, 2> {
+pub(crate) fn mask_bias<B: KilnBackend>(input: &BertInput<B>) -> Tensor<B, 2> {
     (input.attention_mask.clone().float().neg() + 1.0).mul_scalar(f32::MIN)
 }
 

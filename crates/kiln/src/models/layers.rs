@@ -58,25 +58,41 @@ impl<B: KilnBackend> Linear<B> {
     }
 }
 
-/// Layer normalisation over the last dimension (`weight`/`bias` as in PyTorch's `nn.LayerNorm`).
+/// Layer normalisation over the last dimension (`weight`/`bias` as in PyTorch's `nn.LayerNorm`;
+/// no bias for `bias=False`, as ModernBERT's).
 #[derive(Module, Debug)]
 pub struct LayerNorm<B: Backend> {
     pub weight: Param<Tensor<B, 1>>,
-    pub bias: Param<Tensor<B, 1>>,
+    pub bias: Option<Param<Tensor<B, 1>>>,
     pub eps: f64,
 }
 
 impl<B: KilnBackend> LayerNorm<B> {
     pub fn new(d: usize, eps: f64, device: &B::Device) -> Self {
         Self {
+            bias: Some(Param::from_tensor(ops::owned(Tensor::zeros([d], device)))),
+            ..Self::without_bias(d, eps, device)
+        }
+    }
+
+    pub fn without_bias(d: usize, eps: f64, device: &B::Device) -> Self {
+        Self {
             weight: Param::from_tensor(ops::owned(Tensor::ones([d], device))),
-            bias: Param::from_tensor(ops::owned(Tensor::zeros([d], device))),
+            bias: None,
             eps,
         }
     }
 
+    /// The bias, or zeros (a constant) where there is none.
+    fn bias(&self) -> Tensor<B, 1> {
+        match &self.bias {
+            Some(b) => b.val(),
+            None => Tensor::zeros(self.weight.dims(), &self.weight.device()),
+        }
+    }
+
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        ops::layer_norm(x, self.weight.val(), self.bias.val(), self.eps)
+        ops::layer_norm(x, self.weight.val(), self.bias(), self.eps)
     }
 
     /// `norm(dropout(x) + residual)`, fused (a transformer sub-layer's output).
@@ -90,7 +106,7 @@ impl<B: KilnBackend> LayerNorm<B> {
             x,
             residual,
             self.weight.val(),
-            self.bias.val(),
+            self.bias(),
             self.eps,
             dropout,
         )
@@ -140,4 +156,39 @@ impl<B: KilnBackend> RmsNorm<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         ops::rms_norm(x, self.weight.val(), self.eps)
     }
+}
+
+/// `cos`, `sin` tables `[T, head_dim]` for positions `start..start + T` (each frequency twice, as
+/// transformers concatenates `freqs` with itself).
+pub fn rope_tables<B: Backend>(
+    inv_freq: &[f32],
+    start: usize,
+    len: usize,
+    device: &B::Device,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let half = inv_freq.len();
+    let (mut cos, mut sin) = (
+        Vec::with_capacity(len * half * 2),
+        Vec::with_capacity(len * half * 2),
+    );
+    for pos in start..start + len {
+        for _ in 0..2 {
+            for &f in inv_freq {
+                // f32 like PyTorch: position · inv_freq, then cos/sin.
+                let angle = pos as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+    }
+    let t =
+        |v: Vec<f32>| Tensor::from_data(burn::tensor::TensorData::new(v, [len, half * 2]), device);
+    (t(cos), t(sin))
+}
+
+/// Rotary inverse frequencies `1 / θ^(2i/d)`, `i < d/2` (transformers' default RoPE).
+pub fn inv_freq(theta: f64, head_dim: usize) -> Vec<f32> {
+    (0..head_dim / 2)
+        .map(|i| (1.0 / theta.powf(2.0 * i as f64 / head_dim as f64)) as f32)
+        .collect()
 }

@@ -966,6 +966,105 @@ pub fn causal_attention<B: KilnBackend>(
     t(out)
 }
 
+/// Bidirectional multi-head self-attention for `q, k, v [B, T, H]` (`heads` heads side by side)
+/// and an additive key mask `[B, T]`, on the fused kernel. Dropout applies only in training.
+pub fn attention<B: KilnBackend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    mask: Tensor<B, 2>,
+    heads: usize,
+    dropout: f64,
+) -> Tensor<B, 3> {
+    let scale = 1.0 / ((q.dims()[2] / heads) as f64).sqrt();
+    let (dropout, seed) = training_dropout::<B>(dropout);
+    let (out, _) = B::kiln_attention(
+        p(q),
+        p(k),
+        p(v),
+        p(mask),
+        heads,
+        false,
+        scale,
+        dropout,
+        seed,
+        false,
+    );
+    t(out)
+}
+
+/// Which keys a query sees, beside the padding mask: a band around it, for the sliding-window
+/// layers of Mistral and ModernBERT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    /// Keys at most this many positions before the query.
+    pub before: usize,
+    /// Keys at most this many positions after it (0: causal).
+    pub after: usize,
+}
+
+impl Window {
+    /// Whether the band covers every key of a `t`-token sequence (a mask of its own is then
+    /// unnecessary: the fused kernels run).
+    pub fn covers(&self, t: usize, causal: bool) -> bool {
+        let t = t.saturating_sub(1);
+        self.before >= t && (causal || self.after >= t)
+    }
+}
+
+/// Multi-head self-attention of `q, k, v [B, T, H]` restricted to `window` (and, with `causal`, to
+/// earlier keys) under the additive key mask `[B, T]`. Composed of Burn ops with a `[T, T]` band
+/// mask, for sequences longer than the window; shorter ones take the fused kernels.
+#[allow(clippy::too_many_arguments)]
+pub fn windowed_attention<B: KilnBackend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    mask: Tensor<B, 2>,
+    heads: usize,
+    window: Window,
+    causal: bool,
+    dropout_prob: f64,
+) -> Tensor<B, 3> {
+    let [b, tq, h] = q.dims();
+    if window.covers(tq, causal) {
+        return if causal {
+            causal_attention(q, k, v, heads)
+        } else {
+            attention(q, k, v, mask, heads, dropout_prob)
+        };
+    }
+    let d = h / heads;
+    let split = |x: Tensor<B, 3>| x.reshape([b, tq, heads, d]).swap_dims(1, 2);
+    let band: Vec<f32> = (0..tq)
+        .flat_map(|i| {
+            (0..tq).map(move |j| {
+                let seen = if j <= i {
+                    i - j <= window.before
+                } else {
+                    !causal && j - i <= window.after
+                };
+                // Finite and far from f32::MIN, so that with the key mask added a row whose
+                // keys are all hidden (a padding query) stays finite instead of NaN.
+                if seen {
+                    0.0
+                } else {
+                    -1e30
+                }
+            })
+        })
+        .collect();
+    let band =
+        Tensor::<B, 2>::from_data(burn::tensor::TensorData::new(band, [tq, tq]), &q.device());
+    let scores = split(q)
+        .matmul(split(k).swap_dims(2, 3))
+        .mul_scalar(1.0 / (d as f64).sqrt())
+        + band.unsqueeze::<4>()
+        + mask.reshape([b, 1, 1, tq]);
+    let probs = dropout(burn::tensor::activation::softmax(scores, 3), dropout_prob);
+    probs.matmul(split(v)).swap_dims(1, 2).reshape([b, tq, h])
+}
+
 /// Inverted dropout, active only when the backend records gradients (training).
 pub fn dropout<B: KilnBackend, const D: usize>(x: Tensor<B, D>, prob: f64) -> Tensor<B, D> {
     if !B::ad_enabled() || prob <= 0.0 {

@@ -1,4 +1,5 @@
-//! Text classification with a BERT-family encoder: `kiln train`, `kiln eval`, `kiln predict`.
+//! Text classification with an encoder (BERT, RoBERTa, XLM-RoBERTa, DistilBERT, ModernBERT, chosen
+//! by the folder's `config.json`): `kiln train`, `kiln eval`, `kiln predict`.
 
 use std::path::{Path, PathBuf};
 
@@ -9,9 +10,9 @@ use tracing::{info, warn};
 use crate::data::batch::{collate, TextBatch};
 use crate::data::{self, DataArgs, LabelSet, Padding, TextClassificationSet, TextTokenizer};
 use crate::error::{KilnError, Result};
-use crate::hub::config::BertConfig;
+use crate::hub::encoder_config::EncoderConfig;
 use crate::hub::weights::{load_into, read_safetensors};
-use crate::models::bert::BertForSequenceClassification;
+use crate::models::classifier::SequenceClassifier;
 use crate::parallel::DataParallel;
 use crate::task::{BatchSource, CrossEntropy, Loss, Model};
 use crate::train::checkpoint::ModelFiles;
@@ -77,15 +78,15 @@ impl ModelDir {
             dir: dir.to_path_buf(),
         })
     }
-    pub fn config(&self) -> Result<BertConfig> {
-        BertConfig::from_file(&self.dir.join("config.json"))
+    pub fn config(&self) -> Result<EncoderConfig> {
+        EncoderConfig::from_file(&self.dir.join("config.json"))
     }
     /// The tokenizer, truncating to `max_length` — at most the model's `max_position_embeddings`
     /// (a longer request is clamped with a warning, as transformers' `run_glue.py` does) — after
     /// checking that every id it produces has a row in the model's embeddings.
-    pub fn tokenizer(&self, config: &BertConfig, max_length: usize) -> Result<TextTokenizer> {
+    pub fn tokenizer(&self, config: &EncoderConfig, max_length: usize) -> Result<TextTokenizer> {
         let path = self.dir.join("tokenizer.json");
-        let limit = config.max_position_embeddings;
+        let limit = config.max_length();
         let max_length = if max_length > limit {
             warn!(
                 "--max-length {max_length} is above the model's max_position_embeddings {limit}: \
@@ -96,12 +97,12 @@ impl ModelDir {
             max_length
         };
         let tok = TextTokenizer::from_file(&path, max_length)?;
-        crate::data::tokenize::check_ids_fit(tok.inner(), &path, config.vocab_size)?;
+        crate::data::tokenize::check_ids_fit(tok.inner(), &path, config.vocab_size())?;
         Ok(tok)
     }
 }
 
-/// Loads `BertForSequenceClassification` from a folder. With `labels`, the head has that many
+/// Loads the folder's sequence classifier (its family from `config.json`). With `labels`, the head has that many
 /// classes (a head of another size, or none, is freshly initialised and reported); without, the
 /// config's `id2label` decides.
 pub fn load_classifier<B: KilnBackend>(
@@ -109,7 +110,7 @@ pub fn load_classifier<B: KilnBackend>(
     labels: Option<&LabelSet>,
     seed: u64,
     device: &B::Device,
-) -> Result<(BertForSequenceClassification<B>, BertConfig, LabelSet)> {
+) -> Result<(SequenceClassifier<B>, EncoderConfig, LabelSet)> {
     let mut config = md.config()?;
     let saved = config.labels().map(LabelSet::new);
     crate::hub::limits::ensure_params_fit(
@@ -132,33 +133,38 @@ pub fn load_classifier<B: KilnBackend>(
     let path = md.dir.join("model.safetensors");
     let mut tensors = read_safetensors(&path)?;
     if !head_matches {
-        // A different label set: the saved head (if any) does not apply.
+        // A different label set: the saved head (if any) does not apply, as in transformers
+        // (a classifier's output layer is named `classifier` in every family).
         tensors.retain(|k, _| !k.starts_with("classifier."));
     }
     let model = crate::ops::with_seeded_rng::<B, _>(device, seed, || {
-        BertForSequenceClassification::new(&config, labels.len(), device)
+        SequenceClassifier::new(&config, labels.len(), device)
     });
-    let (model, report) = load_into(model, tensors, Some("bert"), device)?;
+    let (model, report) = load_into(model, tensors, Some(config.base_prefix()), device)?;
     let model =
         fresh_weights_from_cpu(model, &report.missing, &config, labels.len(), seed, device)?;
-    // A new classification head is expected (and a pooler, as transformers initialises one for
-    // encoders saved without it); any other missing weight means this is not the model it claims.
+    // A new classification head is expected (and BERT's pooler, as transformers initialises one
+    // for encoders saved without it); any other missing weight means this is not the model it
+    // claims.
+    let heads = config.head_prefixes();
     let (head, rest): (Vec<&String>, Vec<&String>) = report
         .missing
         .iter()
-        .partition(|m| m.starts_with("classifier.") || m.starts_with("bert.pooler."));
+        .partition(|m| heads.iter().any(|h| m.starts_with(h)));
     if !rest.is_empty() {
         return Err(KilnError::Weights(format!(
-            "{}: {} of the model's weights are not in the file (first: {}){}; is this a BERT model?",
+            "{}: {} of the model's weights are not in the file (first: {}){}; is this a {} model, as config.json says?",
             path.display(),
             rest.len(),
             rest.iter().take(3).map(|s| s.as_str()).collect::<Vec<_>>().join(", "),
-            crate::hub::weights::stored_as_other_dtype(&path, &rest)
+            crate::hub::weights::stored_as_other_dtype(&path, &rest),
+            config.model_type()
         )));
     }
     if !head.is_empty() {
         let msg = format!(
-            "BertForSequenceClassification: newly initialized (not in {}): {}",
+            "{}: newly initialized (not in {}): {}",
+            config.architecture(),
             path.display(),
             report.missing.join(", ")
         );
@@ -185,52 +191,53 @@ pub fn load_classifier<B: KilnBackend>(
 /// transformers initialises on the CPU before moving a model: the same seed starts the same run on
 /// a GPU as on the CPU (each backend's own generator draws different numbers).
 fn fresh_weights_from_cpu<B: KilnBackend>(
-    model: BertForSequenceClassification<B>,
+    model: SequenceClassifier<B>,
     missing: &[String],
-    config: &BertConfig,
+    config: &EncoderConfig,
     num_labels: usize,
     seed: u64,
     device: &B::Device,
-) -> Result<BertForSequenceClassification<B>> {
+) -> Result<SequenceClassifier<B>> {
     use crate::backend::{Cpu, CpuDevice};
     if missing.is_empty() || std::any::TypeId::of::<B>() == std::any::TypeId::of::<Cpu>() {
         return Ok(model);
     }
     let cpu = CpuDevice::default();
     let fresh = crate::ops::with_seeded_rng::<Cpu, _>(&cpu, seed, || {
-        BertForSequenceClassification::<Cpu>::new(config, num_labels, &cpu)
+        SequenceClassifier::<Cpu>::new(config, num_labels, &cpu)
     });
     let mut tensors = crate::hub::weights::module_tensors(&fresh);
     tensors.retain(|k, _| missing.contains(k));
     Ok(load_into(model, tensors, None, device)?.0)
 }
 
-/// Text pairs are told apart by token type 0 and 1: the model needs two token-type embeddings.
-fn check_pairs(config: &BertConfig, data: &DataArgs) -> Result<()> {
-    if data.columns.text_pair.is_some() && config.type_vocab_size < 2 {
-        return Err(KilnError::Config(format!(
-            "--text-pair-column needs a model with type_vocab_size ≥ 2 (config.json has {})",
-            config.type_vocab_size
-        )));
+/// BERT tells text pairs apart by token type 0 and 1: it needs two token-type embeddings (the
+/// other families have no token types and separate a pair by the separator token alone).
+fn check_pairs(config: &EncoderConfig, data: &DataArgs) -> Result<()> {
+    match config.token_types() {
+        Some(n) if n < 2 && data.columns.text_pair.is_some() => Err(KilnError::Config(format!(
+            "--text-pair-column needs a model with type_vocab_size ≥ 2 (config.json has {n})"
+        ))),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 /// Writes a model folder with freshly initialised encoder weights (transformers' init scheme) for
 /// `config`, with the given tokenizer — a starting point for training from scratch.
 pub fn init_model_dir(
     dir: &Path,
-    config: &BertConfig,
+    config: &EncoderConfig,
     tokenizer_json: &Path,
     seed: u64,
 ) -> Result<()> {
     use crate::backend::{Cpu, CpuDevice};
     let device = CpuDevice::default();
     let model = crate::ops::with_seeded_rng::<Cpu, _>(&device, seed, || {
-        BertForSequenceClassification::<Cpu>::new(config, 2, &device)
+        SequenceClassifier::<Cpu>::new(config, 2, &device)
     });
     let mut tensors = crate::hub::weights::module_tensors(&model);
-    tensors.retain(|k, _| k.starts_with("bert."));
+    let prefix = format!("{}.", config.base_prefix());
+    tensors.retain(|k, _| k.starts_with(&prefix));
     let files = ModelFiles {
         config_json: config.to_json(),
         tokenizer_json: Some(tokenizer_json.to_path_buf()),
@@ -282,7 +289,7 @@ pub fn train<B: TrainBackend, L: Loss>(
     args: TrainingArguments,
     device: &B::Device,
     loss: L,
-    customize: impl FnOnce(&mut Trainer<B, BertForSequenceClassification<B>, L>),
+    customize: impl FnOnce(&mut Trainer<B, SequenceClassifier<B>, L>),
 ) -> Result<(TrainOutput, Option<EvalOutput>)> {
     // Join the job first: workers meet before each spends time loading.
     let parallel = DataParallel::join(device)?;
@@ -311,6 +318,9 @@ pub fn train<B: TrainBackend, L: Loss>(
             "tokenizer_config.json",
             "special_tokens_map.json",
             "vocab.txt",
+            "vocab.json",
+            "merges.txt",
+            "sentencepiece.bpe.model",
         ]
         .iter()
         .map(|f| md.dir.join(f))

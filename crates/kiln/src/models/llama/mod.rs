@@ -12,7 +12,7 @@ use burn::module::{Ignored, Module};
 use burn::tensor::activation::softmax;
 use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 
-use super::layers::{Embedding, Linear, RmsNorm};
+use super::layers::{rope_tables, Embedding, Linear, RmsNorm};
 use crate::data::lm::TokenBatch;
 use crate::hub::llama_config::LlamaConfig;
 use crate::ops::{self, tp_enter, tp_sum, KilnBackend};
@@ -86,33 +86,6 @@ impl<B: Backend> KvCache<B> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-}
-
-/// `cos`, `sin` tables `[T, head_dim]` for positions `start..start + T` (each frequency twice, as
-/// transformers concatenates `freqs` with itself).
-fn rope_tables<B: Backend>(
-    inv_freq: &[f32],
-    start: usize,
-    len: usize,
-    device: &B::Device,
-) -> (Tensor<B, 2>, Tensor<B, 2>) {
-    let half = inv_freq.len();
-    let (mut cos, mut sin) = (
-        Vec::with_capacity(len * half * 2),
-        Vec::with_capacity(len * half * 2),
-    );
-    for pos in start..start + len {
-        for _ in 0..2 {
-            for &f in inv_freq {
-                // f32 like PyTorch: position · inv_freq, then cos/sin.
-                let angle = pos as f32 * f;
-                cos.push(angle.cos());
-                sin.push(angle.sin());
-            }
-        }
-    }
-    let t = |v: Vec<f32>| Tensor::from_data(TensorData::new(v, [len, half * 2]), device);
-    (t(cos), t(sin))
 }
 
 /// `[B, S, kv_heads, D]` → `[B, S, kv_heads·n, D]`, each key/value head serving `n` query heads

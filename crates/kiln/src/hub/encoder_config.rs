@@ -1,0 +1,194 @@
+//! Which encoder a sequence-classification folder holds, read from `config.json`'s `model_type`
+//! (else `architectures`) the way transformers' `AutoModelForSequenceClassification` decides, and
+//! that family's config.
+
+use std::path::Path;
+
+use super::config::{BertConfig, ClassifierFields};
+use super::distilbert_config::DistilBertConfig;
+use super::modernbert_config::ModernBertConfig;
+use crate::error::{KilnError, Result};
+
+/// The `model_type`s kiln classifies with, for error messages.
+pub const CLASSIFIER_TYPES: &str = "bert, roberta, xlm-roberta, camembert, distilbert, modernbert";
+/// The `model_type`s kiln trains as causal LMs (`--task causal-lm`).
+pub const CAUSAL_LM_TYPES: &str = "llama, mistral, qwen2";
+
+/// A sequence classifier's config, one variant per architecture.
+#[derive(Debug, Clone)]
+pub enum EncoderConfig {
+    /// BERT, and the RoBERTa architecture (RoBERTa, XLM-RoBERTa, CamemBERT), whose config has the
+    /// same fields.
+    Bert(BertConfig),
+    DistilBert(DistilBertConfig),
+    ModernBert(ModernBertConfig),
+}
+
+/// `model_type` from `config.json`, else guessed from `architectures[0]` (as transformers does for
+/// old configs), else `None`.
+pub fn declared_model_type(json: &serde_json::Value) -> Option<String> {
+    if let Some(t) = json.get("model_type").and_then(|t| t.as_str()) {
+        return Some(t.to_string());
+    }
+    let arch = json.get("architectures")?.get(0)?.as_str()?;
+    let known = [
+        ("XLMRoberta", "xlm-roberta"),
+        ("Camembert", "camembert"),
+        ("Roberta", "roberta"),
+        ("DistilBert", "distilbert"),
+        ("ModernBert", "modernbert"),
+        ("Bert", "bert"),
+        ("Llama", "llama"),
+        ("Mistral", "mistral"),
+        ("Qwen2", "qwen2"),
+    ];
+    known
+        .iter()
+        .find(|(prefix, _)| arch.starts_with(prefix))
+        .map(|(_, t)| t.to_string())
+}
+
+impl EncoderConfig {
+    /// Reads `config.json` as the family its `model_type` names (a config with neither
+    /// `model_type` nor `architectures` is read as BERT, as kiln always has).
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let json: serde_json::Value = super::read_json(path)?;
+        let t = declared_model_type(&json).unwrap_or_else(|| "bert".into());
+        match t.as_str() {
+            "bert" | "roberta" | "xlm-roberta" | "camembert" => {
+                let mut c = BertConfig::from_file(path)?;
+                c.head.model_type = Some(t);
+                Ok(Self::Bert(c))
+            }
+            "distilbert" => Ok(Self::DistilBert(DistilBertConfig::from_file(path)?)),
+            "modernbert" => Ok(Self::ModernBert(ModernBertConfig::from_file(path)?)),
+            "llama" | "mistral" | "qwen2" => Err(KilnError::Config(format!(
+                "{}: model_type {t:?} is a causal LM: train it with --task causal-lm \
+                 (sequence classification reads {CLASSIFIER_TYPES})",
+                path.display()
+            ))),
+            other => Err(KilnError::Config(format!(
+                "{}: model_type {other:?} is not supported; kiln reads {CLASSIFIER_TYPES} \
+                 (sequence classification) and {CAUSAL_LM_TYPES} (causal LM)",
+                path.display()
+            ))),
+        }
+    }
+
+    /// The `model_type` (`roberta`, `distilbert`, ...).
+    pub fn model_type(&self) -> &str {
+        match self {
+            Self::Bert(c) => c.head.model_type.as_deref().unwrap_or("bert"),
+            Self::DistilBert(_) => "distilbert",
+            Self::ModernBert(_) => "modernbert",
+        }
+    }
+
+    /// transformers' class for this family's sequence classifier.
+    pub fn architecture(&self) -> &'static str {
+        match self.model_type() {
+            "roberta" => "RobertaForSequenceClassification",
+            "xlm-roberta" => "XLMRobertaForSequenceClassification",
+            "camembert" => "CamembertForSequenceClassification",
+            "distilbert" => "DistilBertForSequenceClassification",
+            "modernbert" => "ModernBertForSequenceClassification",
+            _ => "BertForSequenceClassification",
+        }
+    }
+
+    /// The encoder's prefix in a classifier's parameter names (transformers' `base_model_prefix`),
+    /// which a checkpoint of the bare encoder lacks.
+    pub fn base_prefix(&self) -> &'static str {
+        match self {
+            Self::Bert(c) if c.is_roberta() => "roberta",
+            Self::Bert(_) => "bert",
+            Self::DistilBert(_) => "distilbert",
+            Self::ModernBert(_) => "model",
+        }
+    }
+
+    /// Parameter-name prefixes a pretrained encoder's checkpoint may lack: the classification
+    /// head, which is freshly initialised (and BERT's pooler, which transformers initialises too
+    /// for encoders saved without it).
+    pub fn head_prefixes(&self) -> &'static [&'static str] {
+        match self {
+            Self::Bert(c) if c.is_roberta() => &["classifier."],
+            Self::Bert(_) => &["classifier.", "bert.pooler."],
+            Self::DistilBert(_) => &["pre_classifier.", "classifier."],
+            Self::ModernBert(_) => &["head.", "classifier."],
+        }
+    }
+
+    pub fn fields(&self) -> &ClassifierFields {
+        match self {
+            Self::Bert(c) => &c.head,
+            Self::DistilBert(c) => &c.head,
+            Self::ModernBert(c) => &c.head,
+        }
+    }
+
+    fn fields_mut(&mut self) -> &mut ClassifierFields {
+        match self {
+            Self::Bert(c) => &mut c.head,
+            Self::DistilBert(c) => &mut c.head,
+            Self::ModernBert(c) => &mut c.head,
+        }
+    }
+
+    /// Label names in id order, if the config has a complete `id2label`.
+    pub fn labels(&self) -> Option<Vec<String>> {
+        self.fields().labels()
+    }
+
+    /// Records the label set (id order), the architecture and the model type as transformers does.
+    pub fn set_labels(&mut self, labels: &[String]) {
+        let (arch, t) = (self.architecture(), self.model_type().to_string());
+        let f = self.fields_mut();
+        f.set_labels(labels, arch);
+        f.model_type = Some(t);
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Self::Bert(c) => c.vocab_size,
+            Self::DistilBert(c) => c.vocab_size,
+            Self::ModernBert(c) => c.vocab_size,
+        }
+    }
+
+    /// The longest input the model's positions allow.
+    pub fn max_length(&self) -> usize {
+        match self {
+            Self::Bert(c) => c.max_length(),
+            Self::DistilBert(c) => c.max_position_embeddings,
+            Self::ModernBert(c) => c.max_position_embeddings,
+        }
+    }
+
+    /// Token types the model tells apart (a text pair needs 2, unless the model has no token
+    /// types at all and separates the pair by its separator token alone).
+    pub fn token_types(&self) -> Option<usize> {
+        match self {
+            Self::Bert(c) if !c.is_roberta() => Some(c.type_vocab_size),
+            _ => None,
+        }
+    }
+
+    /// Parameters of the classifier with `num_labels` classes.
+    pub fn param_count(&self, num_labels: usize) -> f64 {
+        match self {
+            Self::Bert(c) => c.param_count(num_labels),
+            Self::DistilBert(c) => c.param_count(num_labels),
+            Self::ModernBert(c) => c.param_count(num_labels),
+        }
+    }
+
+    pub fn to_json(&self) -> String {
+        match self {
+            Self::Bert(c) => serde_json::to_string_pretty(c),
+            Self::DistilBert(c) => serde_json::to_string_pretty(c),
+            Self::ModernBert(c) => serde_json::to_string_pretty(c),
+        }
+        .expect("config serialises")
+    }
+}

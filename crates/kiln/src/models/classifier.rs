@@ -1,0 +1,79 @@
+//! A sequence classifier of whichever encoder family a folder holds, like transformers'
+//! `AutoModelForSequenceClassification`: one type for the trainer, the family's own parameter
+//! names inside (an enum variant adds nothing to a parameter's path).
+
+use burn::module::Module;
+use burn::tensor::{backend::Backend, Tensor};
+
+use super::bert::BertForSequenceClassification;
+use super::distilbert::DistilBertForSequenceClassification;
+use super::modernbert::ModernBertForSequenceClassification;
+use super::roberta::RobertaForSequenceClassification;
+use crate::data::batch::TextBatch;
+use crate::hub::encoder_config::EncoderConfig;
+use crate::ops::KilnBackend;
+use crate::task::{Model, Segments};
+
+#[derive(Module, Debug)]
+pub enum SequenceClassifier<B: Backend> {
+    Bert(BertForSequenceClassification<B>),
+    Roberta(RobertaForSequenceClassification<B>),
+    DistilBert(DistilBertForSequenceClassification<B>),
+    ModernBert(ModernBertForSequenceClassification<B>),
+}
+
+/// `$body` with `$m` bound to the variant's model, whichever it is.
+macro_rules! each {
+    ($self:expr, $m:ident => $body:expr) => {
+        match $self {
+            SequenceClassifier::Bert($m) => $body,
+            SequenceClassifier::Roberta($m) => $body,
+            SequenceClassifier::DistilBert($m) => $body,
+            SequenceClassifier::ModernBert($m) => $body,
+        }
+    };
+}
+
+impl<B: KilnBackend> SequenceClassifier<B> {
+    /// A freshly initialised classifier of `config`'s family with `num_labels` classes.
+    pub fn new(config: &EncoderConfig, num_labels: usize, device: &B::Device) -> Self {
+        match config {
+            EncoderConfig::Bert(c) if c.is_roberta() => {
+                Self::Roberta(RobertaForSequenceClassification::new(c, num_labels, device))
+            }
+            EncoderConfig::Bert(c) => {
+                Self::Bert(BertForSequenceClassification::new(c, num_labels, device))
+            }
+            EncoderConfig::DistilBert(c) => Self::DistilBert(
+                DistilBertForSequenceClassification::new(c, num_labels, device),
+            ),
+            EncoderConfig::ModernBert(c) => Self::ModernBert(
+                ModernBertForSequenceClassification::new(c, num_labels, device),
+            ),
+        }
+    }
+
+    pub fn num_labels(&self) -> usize {
+        each!(self, m => m.num_labels())
+    }
+}
+
+impl<B: KilnBackend> Model<B> for SequenceClassifier<B> {
+    type Batch = TextBatch;
+
+    fn logits(&self, batch: &TextBatch) -> Tensor<B, 2> {
+        each!(self, m => m.logits(batch))
+    }
+
+    fn segments(&self) -> Option<&dyn Segments<B, TextBatch>> {
+        each!(self, m => m.segments())
+    }
+
+    fn input_ids_numel(&self, batch: &TextBatch) -> usize {
+        each!(self, m => m.input_ids_numel(batch))
+    }
+
+    fn embedding_parameters(&self) -> Vec<String> {
+        each!(self, m => m.embedding_parameters())
+    }
+}
