@@ -1,6 +1,7 @@
-//! Every encoder family kiln classifies with (RoBERTa, XLM-RoBERTa, DistilBERT, ModernBERT) against
-//! transformers: tokenization, logits and one step's gradients of small random-initialised models
-//! that transformers itself built and saved (tests/fixtures/gen_family_parity.py; no Python here).
+//! Every model family beside BERT and Llama against transformers: the encoders kiln classifies with
+//! (RoBERTa, XLM-RoBERTa, DistilBERT, ModernBERT) and the causal LMs (Mistral, Qwen2). Tokenization,
+//! logits and one step's gradients of small random-initialised models that transformers itself
+//! built and saved (tests/fixtures/gen_family_parity.py; no Python here).
 
 mod common;
 
@@ -11,11 +12,14 @@ use burn::tensor::{Int, Tensor, TensorData};
 use common::{read_i64, rel_err, repo_root};
 use kiln::backend::{Cpu, CpuTrain};
 use kiln::data::batch::{collate, TextBatch};
+use kiln::data::lm::TokenBatch;
 use kiln::data::{Padding, TextTokenizer};
 use kiln::hub::encoder_config::EncoderConfig;
 use kiln::hub::weights::{load_into, read_safetensors, HostTensor};
 use kiln::models::classifier::SequenceClassifier;
+use kiln::models::llama::KvCache;
 use kiln::task::Model;
+use kiln::tasks::causal_lm::load_model;
 use kiln::tasks::text_classification::{load_classifier, ModelDir};
 use kiln::train::optim::GradAccumulator;
 use kiln::train::{CrossEntropy, Loss};
@@ -173,6 +177,80 @@ fn loss_and_every_gradient_match_pytorch() {
             assert!(
                 err < 1e-3 || err * scale < 1e-6 * total,
                 "{family}: {name}: grad rel err {err:e} (norm {scale:e}, total {total:e})"
+            );
+        }
+    }
+}
+
+const CAUSAL_LMS: [&str; 2] = ["mistral", "qwen2"];
+
+/// The fixture's blocks and their targets as `kiln train --task causal-lm` makes them: each
+/// token's target is the next one, the last position left out (transformers' label shift).
+fn lm_batch(fx: &Fixture) -> (TokenBatch, Vec<i64>) {
+    let (shape, ids) = read_i64(&fx.path, "input_ids");
+    let targets = ids
+        .chunks(shape[1])
+        .flat_map(|row| row[1..].iter().copied().chain([kiln::task::IGNORE_INDEX]))
+        .collect();
+    let b = TokenBatch {
+        ids,
+        batch: shape[0],
+        seq: shape[1],
+    };
+    (b, targets)
+}
+
+/// Mistral (a sliding window shorter than the blocks) and Qwen2 (q/k/v biases, tied head), loaded
+/// by `load_model` as `kiln train --task causal-lm` does: logits, loss and every gradient.
+#[test]
+fn causal_lms_match_transformers() {
+    for family in CAUSAL_LMS {
+        let fx = fixture(family);
+        let (b, targets) = lm_batch(&fx);
+        let device = Default::default();
+
+        let (m, config) = load_model::<Cpu>(&fx.dir, &device).unwrap();
+        assert_eq!(config.model_type.as_deref(), Some(family));
+        let logits = host(m.logits(&b));
+        let err = rel_err(&logits, &fx.tensors["logits"].data);
+        assert!(err < 1e-4, "{family}: logits rel err {err:e}");
+
+        // Generation's cached path (one token at a time) sees the same window.
+        let mut cache = KvCache::new(m.num_layers());
+        let row: Vec<i64> = b.ids[..b.seq].to_vec();
+        let mut last = Vec::new();
+        for &id in &row {
+            let ids = Tensor::<Cpu, 2, Int>::from_data(TensorData::new(vec![id], [1, 1]), &device);
+            last = host(m.forward(ids, Some(&mut cache)));
+        }
+        let v = last.len();
+        let want = &fx.tensors["logits"].data[(b.seq - 1) * v..b.seq * v];
+        let err = rel_err(&last, want);
+        assert!(err < 1e-4, "{family}: cached decoding rel err {err:e}");
+
+        let (m, _) = load_model::<CpuTrain>(&fx.dir, &device).unwrap();
+        let n = targets.len();
+        let t = Tensor::<CpuTrain, 1, Int>::from_data(TensorData::new(targets, [n]), &device);
+        let loss = CrossEntropy.loss(m.logits(&b), t);
+        let (l, want) = (host(loss.clone())[0], fx.tensors["loss"].data[0]);
+        assert!(
+            (l - want).abs() < 1e-5 * want.abs(),
+            "{family}: loss {l} vs {want}"
+        );
+        let grads = loss.backward();
+        let mut acc = GradAccumulator::<Cpu>::default();
+        acc.accumulate::<CpuTrain, _>(&m, &grads);
+        let total = acc.global_norm();
+        let reference = fx.tensors.keys().filter(|k| k.starts_with("grad.")).count();
+        assert_eq!(acc.grads.len(), reference, "{family}: every parameter");
+        for (name, g) in &acc.grads {
+            let g = host(g.clone());
+            let r = &fx.tensors[&format!("grad.{name}")].data;
+            let err = rel_err(&g, r);
+            let scale = r.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+            assert!(
+                err < 1e-3 || err * scale < 1e-6 * total,
+                "{family}: {name}: grad rel err {err:e}"
             );
         }
     }

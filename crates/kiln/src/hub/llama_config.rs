@@ -1,5 +1,7 @@
-//! Hugging Face `config.json` for Llama-family causal LMs (`LlamaConfig`). Unknown fields are kept
-//! and written back.
+//! Hugging Face `config.json` for Llama-family causal LMs: Llama, Mistral (a sliding attention
+//! window) and Qwen2 (biases on q/k/v), which share one architecture in kiln. Both spellings of the
+//! rotary settings are read: `rope_theta` + `rope_scaling` and transformers 5's `rope_parameters`.
+//! Unknown fields are kept and written back.
 
 use std::path::Path;
 
@@ -41,11 +43,27 @@ pub struct LlamaConfig {
     pub max_position_embeddings: usize,
     #[serde(default = "d_eps")]
     pub rms_norm_eps: f64,
-    #[serde(default = "d_theta")]
-    pub rope_theta: f64,
+    /// The rotary base; see [`LlamaConfig::theta`] for where transformers 5 keeps it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
     /// `{"rope_type": "linear" | "llama3" | "default", "factor": …, …}` as transformers writes it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_scaling: Option<serde_json::Value>,
+    /// transformers 5: `{"rope_theta": …, "rope_type": …, "factor": …, …}` in one object.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_parameters: Option<serde_json::Value>,
+    /// Mistral (and Qwen2 with `use_sliding_window`): a token attends to this many positions,
+    /// itself included.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<usize>,
+    /// Qwen2: whether `sliding_window` applies (to the layers from `max_window_layers` on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub use_sliding_window: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_window_layers: Option<usize>,
+    /// `"full_attention"` or `"sliding_attention"` per layer (transformers 5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer_types: Option<Vec<String>>,
     #[serde(default)]
     pub tie_word_embeddings: bool,
     #[serde(default)]
@@ -150,7 +168,32 @@ impl LlamaConfig {
             }
         }
         non_negative("rms_norm_eps", self.rms_norm_eps, true)?;
-        non_negative("rope_theta", self.rope_theta, true)?;
+        non_negative("rope_theta", self.theta(), true)?;
+        if let Some(w) = self.sliding_window {
+            positive("sliding_window", w)?;
+        }
+        if let Some(types) = &self.layer_types {
+            if types.len() != self.num_hidden_layers {
+                return Err(format!(
+                    "layer_types has {} entries for {} layers",
+                    types.len(),
+                    self.num_hidden_layers
+                ));
+            }
+            if let Some(t) = types
+                .iter()
+                .find(|t| !["full_attention", "sliding_attention"].contains(&t.as_str()))
+            {
+                return Err(format!(
+                    "layer_types: {t:?} is not \"full_attention\" or \"sliding_attention\""
+                ));
+            }
+            if types.iter().any(|t| t == "sliding_attention") && self.sliding_window.is_none() {
+                return Err(
+                    "layer_types has sliding_attention layers but sliding_window is null".into(),
+                );
+            }
+        }
         non_negative("initializer_range", self.initializer_range, false)?;
         let eos: Vec<u64> = match &self.eos_token_id {
             None => Vec::new(),
@@ -217,11 +260,8 @@ impl LlamaConfig {
         );
         let q = (self.num_attention_heads as f64) * self.head_size() as f64;
         let kv = (self.kv_heads() as f64) * self.head_size() as f64;
-        let bias = if self.attention_bias {
-            q + 2.0 * kv + h
-        } else {
-            0.0
-        };
+        let bias = if self.qkv_bias() { q + 2.0 * kv } else { 0.0 }
+            + if self.attention_bias { h } else { 0.0 };
         let mlp_bias = if self.mlp_bias { 2.0 * i + h } else { 0.0 };
         let layer = h * q + 2.0 * h * kv + q * h + bias + 3.0 * h * i + mlp_bias + 2.0 * h;
         let head = if self.tie_word_embeddings { 0.0 } else { v * h };
@@ -255,8 +295,38 @@ impl LlamaConfig {
         }
     }
 
+    /// The rotary base: `rope_parameters.rope_theta`, else `rope_theta`, else 10000.
+    pub fn theta(&self) -> f64 {
+        self.rope_parameters
+            .as_ref()
+            .and_then(|p| p.get("rope_theta")?.as_f64())
+            .or(self.rope_theta)
+            .unwrap_or_else(d_theta)
+    }
+
+    /// Whether q, k and v have biases: `attention_bias`, or always in Qwen2.
+    pub fn qkv_bias(&self) -> bool {
+        self.attention_bias || self.model_type.as_deref() == Some("qwen2")
+    }
+
+    /// The attention window of layer `i` (positions seen, itself included), or `None` for the
+    /// whole past: `layer_types` where the config has it; else Mistral's `sliding_window` on
+    /// every layer, Qwen2's on the layers from `max_window_layers` on when `use_sliding_window`.
+    pub fn window(&self, i: usize) -> Option<usize> {
+        let w = self.sliding_window?;
+        let sliding = match (&self.layer_types, self.model_type.as_deref()) {
+            (Some(types), _) => types[i] == "sliding_attention",
+            (None, Some("qwen2")) => {
+                self.use_sliding_window == Some(true) && i >= self.max_window_layers.unwrap_or(0)
+            }
+            (None, Some("mistral")) => true,
+            _ => false,
+        };
+        sliding.then_some(w)
+    }
+
     pub fn rope(&self) -> std::result::Result<RopeScaling, String> {
-        let Some(s) = &self.rope_scaling else {
+        let Some(s) = self.rope_scaling.as_ref().or(self.rope_parameters.as_ref()) else {
             return Ok(RopeScaling::None);
         };
         let kind = s
@@ -288,7 +358,7 @@ impl LlamaConfig {
     pub fn inv_freq(&self) -> Vec<f32> {
         let d = self.head_size();
         let base: Vec<f64> = (0..d / 2)
-            .map(|i| 1.0 / self.rope_theta.powf(2.0 * i as f64 / d as f64))
+            .map(|i| 1.0 / self.theta().powf(2.0 * i as f64 / d as f64))
             .collect();
         let scaled: Vec<f64> = match self.rope().unwrap_or(RopeScaling::None) {
             RopeScaling::None => base,
@@ -344,11 +414,49 @@ mod tests {
         assert_eq!(c.inv_freq(), vec![1.0, 0.1]);
         let c = cfg(r#", "rope_theta": 100.0, "rope_scaling": {"type": "linear", "factor": 2.0}"#);
         assert_eq!(c.inv_freq(), vec![0.5, 0.05]);
+        // transformers 5 keeps the base and the scaling in one object.
+        let c = cfg(
+            r#", "rope_parameters": {"rope_theta": 100.0, "rope_type": "linear", "factor": 2.0}"#,
+        );
+        assert_eq!(c.inv_freq(), vec![0.5, 0.05]);
         let c = cfg(r#", "rope_scaling": {"rope_type": "yarn", "factor": 2.0}"#);
         assert!(c.validate().unwrap_err().contains("yarn"));
         let c = cfg(r#", "eos_token_id": [2, 5]"#);
         assert_eq!(c.eos_ids(), vec![2, 5]);
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn sliding_windows_per_family() {
+        let mistral = cfg(r#", "model_type": "mistral", "sliding_window": 6"#);
+        assert_eq!(mistral.window(0), Some(6));
+        let null = cfg(r#", "model_type": "mistral", "sliding_window": null"#);
+        assert_eq!(null.window(0), None);
+        let qwen = r#", "model_type": "qwen2", "sliding_window": 6, "num_hidden_layers": 2"#;
+        let c: LlamaConfig = serde_json::from_value({
+            let mut v: serde_json::Value = serde_json::to_value(cfg("")).unwrap();
+            v["num_hidden_layers"] = 2.into();
+            v
+        })
+        .unwrap();
+        assert_eq!(c.window(1), None, "llama has no window");
+        let q = |extra: &str| -> LlamaConfig {
+            serde_json::from_str(&format!(
+                r#"{{"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+                    "num_attention_heads": 2 {qwen} {extra}}}"#
+            ))
+            .unwrap()
+        };
+        assert_eq!(
+            q("").window(1),
+            None,
+            "use_sliding_window defaults to false"
+        );
+        let on = q(r#", "use_sliding_window": true, "max_window_layers": 1"#);
+        assert_eq!((on.window(0), on.window(1)), (None, Some(6)));
+        assert!(on.qkv_bias() && !on.attention_bias);
+        let typed = q(r#", "layer_types": ["sliding_attention", "full_attention"]"#);
+        assert_eq!((typed.window(0), typed.window(1)), (Some(6), None));
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! `LlamaForCausalLM`, following transformers' `modeling_llama.py` with the same parameter names
+//! `LlamaForCausalLM` (also Mistral and Qwen2, which differ only in a sliding attention window and
+//! q/k/v biases), following transformers' `modeling_llama.py` with the same parameter names
 //! (`model.embed_tokens`, `model.layers.N.self_attn.{q,k,v,o}_proj`, `model.layers.N.mlp.{gate,up,
 //! down}_proj`, `input_layernorm`, `post_attention_layernorm`, `model.norm`, `lm_head`):
 //! RMSNorm, rotary position embeddings (rotate-half form), grouped-query attention with a causal
@@ -28,6 +29,8 @@ pub struct LlamaAttention<B: Backend> {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// Positions a token attends to, itself included (Mistral's `sliding_window`); `None`: all.
+    pub window: Option<usize>,
 }
 
 #[derive(Module, Debug)]
@@ -100,27 +103,43 @@ fn repeat_kv<B: Backend>(x: Tensor<B, 4>, n: usize) -> Tensor<B, 4> {
         .reshape([b, s, h * n, d])
 }
 
-/// Additive causal mask `[T, S]` for queries at positions `past..past + T` over keys `0..S`.
-fn causal_mask<B: Backend>(t: usize, s: usize, device: &B::Device) -> Tensor<B, 2> {
+/// Additive causal mask `[T, S]` for queries at positions `past..past + T` over keys `0..S`, each
+/// seeing at most `window` positions (itself included).
+fn causal_mask<B: Backend>(
+    t: usize,
+    s: usize,
+    window: Option<usize>,
+    device: &B::Device,
+) -> Tensor<B, 2> {
     let past = s - t;
+    let w = window.unwrap_or(usize::MAX);
     let v: Vec<f32> = (0..t)
-        .flat_map(|i| (0..s).map(move |j| if j <= past + i { 0.0 } else { f32::MIN }))
+        .flat_map(|i| {
+            (0..s).map(move |j| {
+                if j <= past + i && past + i - j < w {
+                    0.0
+                } else {
+                    f32::MIN
+                }
+            })
+        })
         .collect();
     Tensor::from_data(TensorData::new(v, [t, s]), device)
 }
 
 impl<B: KilnBackend> LlamaAttention<B> {
-    fn new(c: &LlamaConfig, device: &B::Device) -> Self {
+    fn new(c: &LlamaConfig, layer: usize, device: &B::Device) -> Self {
         let (h, hd, std) = (c.hidden_size, c.head_size(), c.initializer_range);
-        let (nh, nkv) = (c.num_attention_heads, c.kv_heads());
+        let (nh, nkv, qkv_bias) = (c.num_attention_heads, c.kv_heads(), c.qkv_bias());
         Self {
-            q_proj: Linear::new(h, nh * hd, c.attention_bias, std, device),
-            k_proj: Linear::new(h, nkv * hd, c.attention_bias, std, device),
-            v_proj: Linear::new(h, nkv * hd, c.attention_bias, std, device),
+            q_proj: Linear::new(h, nh * hd, qkv_bias, std, device),
+            k_proj: Linear::new(h, nkv * hd, qkv_bias, std, device),
+            v_proj: Linear::new(h, nkv * hd, qkv_bias, std, device),
             o_proj: Linear::new(nh * hd, h, c.attention_bias, std, device),
             num_heads: nh,
             num_kv_heads: nkv,
             head_dim: hd,
+            window: c.window(layer),
         }
     }
 
@@ -181,12 +200,22 @@ impl<B: KilnBackend> LlamaAttention<B> {
             }
         };
         let flat = |y: Tensor<B, 4>| y.reshape([b, t, nh * hd]);
-        let out = ops::causal_attention(
+        let (q, k, v) = (
             flat(q),
             flat(self.expand_kv(k, shard)),
             flat(self.expand_kv(v, shard)),
-            nh,
         );
+        let out = match self.window {
+            None => ops::causal_attention(q, k, v, nh),
+            Some(w) => {
+                let mask = Tensor::zeros([b, t], &q.device());
+                let window = ops::Window {
+                    before: w - 1,
+                    after: 0,
+                };
+                ops::windowed_attention(q, k, v, mask, nh, window, true, 0.0)
+            }
+        };
         self.output(out, shard)
     }
 
@@ -240,7 +269,7 @@ impl<B: KilnBackend> LlamaAttention<B> {
         let scores = q
             .matmul(k.swap_dims(2, 3))
             .mul_scalar(1.0 / (hd as f64).sqrt());
-        let mask = causal_mask::<B>(t, s, &scores.device()).unsqueeze::<4>();
+        let mask = causal_mask::<B>(t, s, self.window, &scores.device()).unsqueeze::<4>();
         let probs = softmax(scores + mask, 3);
         probs.matmul(v).swap_dims(1, 2).reshape([b, t, nh * hd])
     }
@@ -323,9 +352,9 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
             embed.weight = burn::module::Param::from_tensor(w.detach());
         }
         let layers = (0..c.num_hidden_layers)
-            .map(|_| {
+            .map(|i| {
                 let layer = LlamaDecoderLayer {
-                    self_attn: LlamaAttention::new(c, device),
+                    self_attn: LlamaAttention::new(c, i, device),
                     mlp: LlamaMlp::new(c, device),
                     input_layernorm: RmsNorm::new(h, c.rms_norm_eps, device),
                     post_attention_layernorm: RmsNorm::new(h, c.rms_norm_eps, device),
