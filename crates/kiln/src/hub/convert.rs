@@ -188,7 +188,6 @@ pub fn llama_config(g: &GgufFile) -> Result<LlamaConfig> {
         rope_theta: Some(float("rope.freq_base", 10000.0)),
         rope_scaling,
         rope_parameters: None,
-        sliding_window: None,
         use_sliding_window: None,
         max_window_layers: None,
         layer_types: None,

@@ -33,9 +33,10 @@ pub struct LlamaConfig {
     pub num_hidden_layers: usize,
     pub num_attention_heads: usize,
     /// Grouped-query attention: fewer key/value heads than query heads (defaults to all).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_key_value_heads: Option<usize>,
-    #[serde(default)]
+    /// Written only when set: transformers 5 takes a `null` as the head size itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub head_dim: Option<usize>,
     #[serde(default = "d_act")]
     pub hidden_act: String,
@@ -52,10 +53,6 @@ pub struct LlamaConfig {
     /// transformers 5: `{"rope_theta": …, "rope_type": …, "factor": …, …}` in one object.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_parameters: Option<serde_json::Value>,
-    /// Mistral (and Qwen2 with `use_sliding_window`): a token attends to this many positions,
-    /// itself included.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sliding_window: Option<usize>,
     /// Qwen2: whether `sliding_window` applies (to the layers from `max_window_layers` on).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub use_sliding_window: Option<bool>,
@@ -169,8 +166,16 @@ impl LlamaConfig {
         }
         non_negative("rms_norm_eps", self.rms_norm_eps, true)?;
         non_negative("rope_theta", self.theta(), true)?;
-        if let Some(w) = self.sliding_window {
-            positive("sliding_window", w)?;
+        match self.extra.get("sliding_window") {
+            None | Some(serde_json::Value::Null) => {}
+            Some(v) => match v.as_u64() {
+                Some(w) if w >= 1 => {}
+                _ => {
+                    return Err(format!(
+                        "sliding_window must be a positive integer or null, got {v}"
+                    ))
+                }
+            },
         }
         if let Some(types) = &self.layer_types {
             if types.len() != self.num_hidden_layers {
@@ -188,7 +193,7 @@ impl LlamaConfig {
                     "layer_types: {t:?} is not \"full_attention\" or \"sliding_attention\""
                 ));
             }
-            if types.iter().any(|t| t == "sliding_attention") && self.sliding_window.is_none() {
+            if types.iter().any(|t| t == "sliding_attention") && self.sliding_window().is_none() {
                 return Err(
                     "layer_types has sliding_attention layers but sliding_window is null".into(),
                 );
@@ -304,6 +309,16 @@ impl LlamaConfig {
             .unwrap_or_else(d_theta)
     }
 
+    /// Mistral (and Qwen2 with `use_sliding_window`): how many positions a token attends to,
+    /// itself included. Kept among the unknown fields, so that an explicit `null` (Mistral v0.2
+    /// on) is written back as `null`, not dropped: transformers' default is 4096.
+    pub fn sliding_window(&self) -> Option<usize> {
+        self.extra
+            .get("sliding_window")?
+            .as_u64()
+            .and_then(|w| usize::try_from(w).ok())
+    }
+
     /// Whether q, k and v have biases: `attention_bias`, or always in Qwen2.
     pub fn qkv_bias(&self) -> bool {
         self.attention_bias || self.model_type.as_deref() == Some("qwen2")
@@ -313,7 +328,7 @@ impl LlamaConfig {
     /// whole past: `layer_types` where the config has it; else Mistral's `sliding_window` on
     /// every layer, Qwen2's on the layers from `max_window_layers` on when `use_sliding_window`.
     pub fn window(&self, i: usize) -> Option<usize> {
-        let w = self.sliding_window?;
+        let w = self.sliding_window()?;
         let sliding = match (&self.layer_types, self.model_type.as_deref()) {
             (Some(types), _) => types[i] == "sliding_attention",
             (None, Some("qwen2")) => {
@@ -432,6 +447,13 @@ mod tests {
         assert_eq!(mistral.window(0), Some(6));
         let null = cfg(r#", "model_type": "mistral", "sliding_window": null"#);
         assert_eq!(null.window(0), None);
+        // An explicit null is written back (transformers reads an absent one as 4096), and an
+        // unset head_dim is not written at all (transformers 5 would take a null as the size).
+        let saved = serde_json::to_value(&null).unwrap();
+        assert!(saved.as_object().unwrap()["sliding_window"].is_null());
+        assert!(saved.get("head_dim").is_none());
+        let bad = cfg(r#", "model_type": "mistral", "sliding_window": 0"#);
+        assert!(bad.validate().unwrap_err().contains("sliding_window"));
         let qwen = r#", "model_type": "qwen2", "sliding_window": 6, "num_hidden_layers": 2"#;
         let c: LlamaConfig = serde_json::from_value({
             let mut v: serde_json::Value = serde_json::to_value(cfg("")).unwrap();

