@@ -133,7 +133,7 @@ struct ConvertCmd {
 
 #[derive(Args)]
 struct GenerateCmd {
-    /// A Hugging Face Llama folder.
+    /// A Hugging Face causal LM (Llama, Mistral, Qwen2): a folder or a Hub id (`org/name[@rev]`).
     #[arg(long)]
     model: PathBuf,
     #[arg(long)]
@@ -343,7 +343,7 @@ struct LmOpts {
     /// Tokens per packed block.
     #[arg(long, default_value_t = 128)]
     block_size: usize,
-    /// tokenizer.json (or its folder), when it is not the model folder's.
+    /// tokenizer.json (or its folder, or a Hub id), when it is not the model folder's.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
 }
@@ -355,7 +355,8 @@ struct TrainCmd {
     /// `mnist-mlp` (the AWS Neuron MNIST MLP sample on IDX files in --data-dir).
     #[arg(long, default_value = "text-classification", help_heading = "Model")]
     task: Task,
-    /// A Hugging Face model folder (config.json, model.safetensors, tokenizer.json).
+    /// A Hugging Face model folder (config.json, model.safetensors, tokenizer.json), or a Hub id
+    /// (`bert-base-uncased`, `org/name@revision`) fetched into the Hugging Face cache.
     #[arg(
         long,
         alias = "model-name-or-path",
@@ -380,7 +381,7 @@ struct TrainCmd {
     args: TrainingArguments,
     #[command(flatten)]
     lm: LmOpts,
-    /// Start from random weights with this config.json (pretraining from scratch).
+    /// Start from random weights with this config.json (or a Hub id's; pretraining from scratch).
     #[arg(long, help_heading = "Causal LM")]
     from_config: Option<PathBuf>,
 }
@@ -390,7 +391,7 @@ struct EvalCmd {
     /// What the model is: text-classification, causal-lm or mnist-mlp (as in `train`).
     #[arg(long, default_value = "text-classification", help_heading = "Model")]
     task: Task,
-    /// The model folder to evaluate (a `kiln train` output or checkpoint, or any HF folder).
+    /// The model folder to evaluate (a `kiln train` output or checkpoint, any HF folder, a Hub id).
     #[arg(long, help_heading = "Model")]
     model: PathBuf,
     /// Folder with the MNIST IDX files (mnist-mlp; the t10k split is used).
@@ -413,7 +414,7 @@ struct EvalCmd {
 
 #[derive(Args)]
 struct PredictCmd {
-    /// A fine-tuned text-classification model folder.
+    /// A fine-tuned text-classification model folder, or a Hub id.
     #[arg(long)]
     model: PathBuf,
     /// One text to classify.
@@ -594,7 +595,39 @@ fn read_texts(cmd: &PredictCmd) -> Result<Vec<String>> {
     Ok(rows.into_iter().map(|r| r.text).collect())
 }
 
-fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
+/// Model, tokenizer and config arguments that name a Hub repo (`org/name[@revision]`) instead of
+/// an existing path become the cached files' paths, downloaded first when needed.
+fn resolve_hub_ids(command: &mut Command) -> Result<()> {
+    use kiln::hub::remote::{resolve, Need};
+    let tokenizer = |lm: &mut LmOpts| -> Result<()> {
+        if let Some(t) = &mut lm.tokenizer {
+            *t = resolve(t, Need::Tokenizer)?;
+        }
+        Ok(())
+    };
+    match command {
+        Command::Train(c) if c.task != Task::MnistMlp => {
+            if let Some(m) = &mut c.model {
+                *m = resolve(m, Need::Model)?;
+            }
+            if let Some(f) = &mut c.from_config {
+                *f = resolve(f, Need::Config)?;
+            }
+            tokenizer(&mut c.lm)?;
+        }
+        Command::Eval(c) if c.task != Task::MnistMlp => {
+            c.model = resolve(&c.model, Need::Model)?;
+            tokenizer(&mut c.lm)?;
+        }
+        Command::Predict(c) => c.model = resolve(&c.model, Need::Model)?,
+        Command::Generate(c) => c.model = resolve(&c.model, Need::Model)?,
+        _ => {}
+    }
+    Ok(())
+}
+
+fn run(mut cli: Cli, matches: &ArgMatches) -> Result<()> {
+    resolve_hub_ids(&mut cli.command)?;
     let spec: DeviceSpec = cli.device.parse()?;
     // Only these run a model in this process; the others pass --device on or ignore it.
     if !matches!(

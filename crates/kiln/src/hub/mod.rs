@@ -9,6 +9,7 @@ pub mod gguf;
 pub mod limits;
 pub mod llama_config;
 pub mod modernbert_config;
+pub mod remote;
 pub mod sharded;
 pub mod weights;
 

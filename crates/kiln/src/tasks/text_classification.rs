@@ -11,7 +11,7 @@ use crate::data::batch::{collate, TextBatch};
 use crate::data::{self, DataArgs, LabelSet, Padding, TextClassificationSet, TextTokenizer};
 use crate::error::{KilnError, Result};
 use crate::hub::encoder_config::EncoderConfig;
-use crate::hub::weights::{load_into, read_safetensors};
+use crate::hub::weights::{load_into, read_model_weights};
 use crate::models::classifier::SequenceClassifier;
 use crate::parallel::DataParallel;
 use crate::task::{BatchSource, CrossEntropy, Loss, Model};
@@ -63,7 +63,9 @@ impl ModelDir {
                 )));
             }
         }
-        if !dir.join("model.safetensors").exists() {
+        if !dir.join("model.safetensors").exists()
+            && !dir.join("model.safetensors.index.json").exists()
+        {
             let hint = if dir.join("pytorch_model.bin").exists() {
                 " (only pytorch_model.bin: convert it with `transformers` save_pretrained(safe_serialization=True))"
             } else {
@@ -129,9 +131,13 @@ pub fn load_classifier<B: KilnBackend>(
     };
     let head_matches = saved.as_ref() == Some(&labels);
     config.set_labels(labels.names());
-    // The weights first: a corrupt file fails before the model is allocated.
-    let path = md.dir.join("model.safetensors");
-    let mut tensors = read_safetensors(&path)?;
+    // The weights first: a corrupt file fails before the model is allocated. One file, or the
+    // shards an index lists (large models, as transformers saves them).
+    let path = match md.dir.join("model.safetensors") {
+        single if single.exists() => single,
+        _ => md.dir.join("model.safetensors.index.json"),
+    };
+    let mut tensors = read_model_weights(&md.dir)?;
     if !head_matches {
         // A different label set: the saved head (if any) does not apply, as in transformers
         // (a classifier's output layer is named `classifier` in every family).
