@@ -292,12 +292,12 @@ struct BenchCmd {
 #[derive(Args, Clone, Default)]
 #[command(next_help_heading = "Data")]
 struct TrainData {
-    /// Training data (.csv, .tsv, .json, .jsonl or .parquet).
+    /// Training data (.csv, .tsv, .json, .jsonl, .parquet, or a `datasets` save_to_disk folder).
     #[arg(long)]
     train_file: Option<PathBuf>,
-    /// Hold out this fraction of the training data for evaluation (seeded by --seed).
-    #[arg(long)]
-    eval_split: Option<f64>,
+    /// The split of --dataset-dir / --dataset-name to train on [default: train].
+    #[arg(long, value_name = "SPLIT")]
+    train_split: Option<String>,
     /// Train on the first N examples only (transformers' example scripts' name).
     #[arg(long, value_name = "N")]
     max_train_samples: Option<usize>,
@@ -307,9 +307,23 @@ struct TrainData {
 #[derive(Args, Clone)]
 #[command(next_help_heading = "Data")]
 struct DataOpts {
-    /// Evaluation data (.csv, .tsv, .json, .jsonl or .parquet).
+    /// Evaluation data (.csv, .tsv, .json, .jsonl, .parquet, or a `datasets` save_to_disk folder).
     #[arg(long, alias = "validation-file")]
     eval_file: Option<PathBuf>,
+    /// The split of --dataset-dir / --dataset-name to evaluate on [default: validation, else
+    /// test]; or a fraction (0.1) of the training data held out for evaluation (seeded by --seed).
+    #[arg(long, value_name = "SPLIT|FRACTION")]
+    eval_split: Option<String>,
+    /// A `datasets` DatasetDict folder (`save_to_disk`): its splits are the train and eval data.
+    #[arg(long, conflicts_with_all = ["eval_file", "dataset_name"])]
+    dataset_dir: Option<PathBuf>,
+    /// A dataset on the Hugging Face Hub (`name` or `org/name`), read from the Parquet files the
+    /// Hub converts every public dataset to (downloaded into the Hugging Face cache).
+    #[arg(long, conflicts_with = "eval_file")]
+    dataset_name: Option<String>,
+    /// The Hub dataset's config (subset), when it has several.
+    #[arg(long, requires = "dataset_name")]
+    dataset_config: Option<String>,
     /// The column holding the text.
     #[arg(long, default_value = "text")]
     text_column: String,
@@ -441,11 +455,77 @@ struct PredictCmd {
 }
 
 impl DataOpts {
-    fn to_data_args(&self, train: &TrainData, seed: u64, labelled: bool) -> Result<DataArgs> {
+    /// The train and eval data (files, or the splits of --dataset-dir / --dataset-name) and the
+    /// fraction of the training data to hold out, if one was asked for.
+    fn sources(
+        &self,
+        train: &TrainData,
+        want_train: bool,
+    ) -> Result<(Option<PathBuf>, Option<PathBuf>, Option<f64>)> {
+        let (fraction, split) = match self.eval_split.as_deref() {
+            None => (None, None),
+            Some(s) => match s.parse::<f64>() {
+                Ok(f) if want_train => (Some(f), None),
+                Ok(_) => bail!(
+                    "--eval-split {s}: a fraction holds out part of the training data; here give \
+                     a split name of --dataset-dir or --dataset-name"
+                ),
+                Err(_) => (None, Some(s)),
+            },
+        };
+        let train_split = train.train_split.as_deref();
+        if train.train_file.is_some() && (self.dataset_dir.is_some() || self.dataset_name.is_some())
+        {
+            bail!("--train-file and --dataset-dir / --dataset-name are two sources: give one");
+        }
+        let dataset = if let Some(dir) = &self.dataset_dir {
+            Some(kiln::data::saved_dataset::dict_splits(
+                dir,
+                train_split,
+                split,
+                want_train,
+            )?)
+        } else if let Some(name) = &self.dataset_name {
+            Some(kiln::hub::remote::dataset_splits(
+                name,
+                self.dataset_config.as_deref(),
+                train_split,
+                split,
+                want_train,
+            )?)
+        } else {
+            None
+        };
+        match dataset {
+            // An explicit fraction holds out training data instead of the default eval split.
+            Some((t, _)) if fraction.is_some() => Ok((t, None, fraction)),
+            Some((t, e)) => Ok((t, e, None)),
+            None => {
+                if let Some(name) = split.or(train_split) {
+                    bail!(
+                        "split {name:?} given without --dataset-dir or --dataset-name (to hold \
+                         out part of --train-file, give --eval-split a fraction such as 0.1)"
+                    );
+                }
+                Ok((train.train_file.clone(), self.eval_file.clone(), fraction))
+            }
+        }
+    }
+
+    /// `train`: `None` for `kiln eval` (evaluation data only).
+    fn to_data_args(
+        &self,
+        train: Option<&TrainData>,
+        seed: u64,
+        labelled: bool,
+    ) -> Result<DataArgs> {
+        let none = TrainData::default();
+        let (train_file, eval_file, eval_split) =
+            self.sources(train.unwrap_or(&none), train.is_some())?;
         Ok(DataArgs {
-            train_file: train.train_file.clone(),
-            eval_file: self.eval_file.clone(),
-            eval_split: train.eval_split,
+            train_file,
+            eval_file,
+            eval_split,
             columns: Columns {
                 text: self.text_column.clone(),
                 text_pair: self.text_pair_column.clone(),
@@ -453,35 +533,42 @@ impl DataOpts {
             },
             encoding: self.encoding.parse::<TextEncoding>()?,
             strict: self.strict,
-            max_train_samples: train.max_train_samples,
+            max_train_samples: train.and_then(|t| t.max_train_samples),
             max_eval_samples: self.max_eval_samples,
             seed,
         })
     }
+    /// `train`: `None` for `kiln eval` (evaluation data only).
     fn lm_options(
         &self,
-        train: &TrainData,
+        train: Option<&TrainData>,
         lm: &LmOpts,
         model: Option<PathBuf>,
         from_config: Option<PathBuf>,
     ) -> Result<CausalLmOptions> {
+        let none = TrainData::default();
+        let (train_file, eval_file, fraction) =
+            self.sources(train.unwrap_or(&none), train.is_some())?;
+        if fraction.is_some() {
+            bail!("--eval-split: a causal LM evaluates on --eval-file or a dataset split, not a held-out fraction");
+        }
         Ok(CausalLmOptions {
             model_dir: model,
             from_config,
             tokenizer: lm.tokenizer.clone(),
-            train_file: train.train_file.clone(),
-            eval_file: self.eval_file.clone(),
+            train_file,
+            eval_file,
             text_column: self.text_column.clone(),
             encoding: self.encoding.parse::<TextEncoding>()?,
             strict: self.strict,
             block_size: lm.block_size,
-            max_train_samples: train.max_train_samples,
+            max_train_samples: train.and_then(|t| t.max_train_samples),
             max_eval_samples: self.max_eval_samples,
         })
     }
     fn options(
         &self,
-        train: &TrainData,
+        train: Option<&TrainData>,
         model: &std::path::Path,
         seed: u64,
     ) -> Result<ClassificationOptions> {
@@ -686,7 +773,7 @@ where
             }
             if cmd.task == Task::CausalLm {
                 let opts = cmd.data.lm_options(
-                    &cmd.train_data,
+                    Some(&cmd.train_data),
                     &cmd.lm,
                     cmd.model.clone(),
                     cmd.from_config.clone(),
@@ -701,7 +788,7 @@ where
                 return Ok(());
             }
             let model = cmd.model.clone().context("--model is required")?;
-            let opts = cmd.data.options(&cmd.train_data, &model, args.seed)?;
+            let opts = cmd.data.options(Some(&cmd.train_data), &model, args.seed)?;
             let loss = kiln::train::LabelSmoothedCrossEntropy {
                 epsilon: args.label_smoothing_factor,
             };
@@ -724,12 +811,9 @@ where
                 return Ok(());
             }
             if cmd.task == Task::CausalLm {
-                let opts = cmd.data.lm_options(
-                    &TrainData::default(),
-                    &cmd.lm,
-                    Some(cmd.model.clone()),
-                    None,
-                )?;
+                let opts = cmd
+                    .data
+                    .lm_options(None, &cmd.lm, Some(cmd.model.clone()), None)?;
                 let out = causal_lm::eval::<B>(
                     &opts,
                     cmd.per_device_eval_batch_size,
@@ -751,7 +835,7 @@ where
                     "--tensor-parallel-size: only --task causal-lm (Llama) is cut over processes"
                 );
             }
-            let opts = cmd.data.options(&TrainData::default(), &cmd.model, 42)?;
+            let opts = cmd.data.options(None, &cmd.model, 42)?;
             let out = tc::eval::<B>(&opts, cmd.per_device_eval_batch_size, &device)?;
             let json = serde_json::json!({"metrics": out.metrics, "report": out.report});
             if let Some(path) = &cmd.output {

@@ -80,7 +80,98 @@ fn hub() -> FakeHub {
         "org/tiny-qwen2".to_string(),
         FakeRepo::from_dir(&family("qwen2"), "qwen2"),
     );
-    FakeHub::start(models, BTreeMap::new())
+    // A dataset as the Hub serves its Parquet conversion (datasets wrote the files).
+    let mut tweets = FakeRepo::from_dir(
+        &repo_root().join("tests/fixtures/datasets/hub_parquet"),
+        "tweets",
+    );
+    tweets.revisions.push("refs/convert/parquet".into());
+    let datasets = BTreeMap::from([("org/tweets".to_string(), tweets)]);
+    FakeHub::start(models, datasets)
+}
+
+/// The evaluation metrics `kiln train` prints last, without timings.
+fn eval_metrics(o: &Output) -> serde_json::Value {
+    let mut m = serde_json::Deserializer::from_slice(&o.stdout)
+        .into_iter::<serde_json::Value>()
+        .map_while(Result::ok)
+        .last()
+        .unwrap();
+    m.as_object_mut()
+        .unwrap()
+        .retain(|k, _| !k.contains("runtime") && !k.contains("per_second"));
+    m
+}
+
+/// Done-means 1 of issue 17: a Hub model and a Hub dataset from a clean cache; the run equals
+/// the same model and rows from local folders.
+#[test]
+fn a_hub_model_trains_on_a_hub_dataset_from_a_clean_cache() {
+    let hub = hub();
+    let home = tempfile::tempdir().unwrap();
+    let run = |model: &str, data: &[&str], out: &str| {
+        let o = kiln(&hub, home.path())
+            .args(["train", "--model", model])
+            .args(data)
+            .args(["--max-steps", "6", "--per-device-train-batch-size", "16"])
+            .args([
+                "--learning-rate",
+                "3e-3",
+                "--max-length",
+                "40",
+                "--seed",
+                "5",
+            ])
+            .args(["--save-strategy", "no", "--output-dir"])
+            .arg(home.path().join(out))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        eval_metrics(&o)
+    };
+    let from_hub = run("org/tiny-roberta", &["--dataset-name", "org/tweets"], "hub");
+    let dict = repo_root().join("tests/fixtures/datasets/tweets_dict");
+    let local = family("roberta");
+    let from_disk = run(
+        local.to_str().unwrap(),
+        &["--dataset-dir", dict.to_str().unwrap()],
+        "disk",
+    );
+    assert!(from_hub["eval_f1"].is_number(), "{from_hub}");
+    assert_eq!(from_hub, from_disk);
+    assert!(home
+        .path()
+        .join("hub/datasets--org--tweets/snapshots")
+        .exists());
+    let saved: Vec<_> = ["hub", "disk"]
+        .iter()
+        .map(|d| std::fs::read_to_string(home.path().join(d).join("config.json")).unwrap())
+        .collect();
+    assert_eq!(saved[0], saved[1], "the same config.json");
+
+    let fail = |args: &[&str]| {
+        let o = kiln(&hub, home.path())
+            .args(["train", "--model", "org/tiny-roberta"])
+            .args(args)
+            .args(["--output-dir"])
+            .arg(home.path().join("never"))
+            .output()
+            .unwrap();
+        assert!(!o.status.success());
+        stderr(&o)
+    };
+    let e = fail(&["--dataset-name", "org/nothing"]);
+    assert!(
+        e.contains("Hub repo org/nothing") && e.contains("does not exist"),
+        "{e}"
+    );
+    let e = fail(&["--dataset-name", "org/tweets", "--dataset-config", "fr"]);
+    assert!(e.contains("no config \"fr\" (configs: default)"), "{e}");
+    let e = fail(&["--dataset-name", "org/tweets", "--train-split", "all"]);
+    assert!(
+        e.contains("no split \"all\" (splits: train, validation)"),
+        "{e}"
+    );
 }
 
 #[test]

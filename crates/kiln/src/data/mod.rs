@@ -7,6 +7,7 @@ pub mod idx;
 pub mod labels;
 pub mod lm;
 pub mod reader;
+pub mod saved_dataset;
 pub mod tokenize;
 
 use std::path::PathBuf;
@@ -154,7 +155,18 @@ pub fn prepare(
 
     let labels = match (known_labels, &train_rows) {
         (Some(l), _) => l,
-        (None, Some((_, rows))) => LabelSet::infer(rows.iter().filter_map(|r| r.label.as_deref())),
+        // A `datasets` ClassLabel fixes the label ids, in its own order.
+        (None, Some((path, rows))) => match args
+            .columns
+            .label
+            .as_deref()
+            .map(|col| saved_dataset::class_names(path, col))
+            .transpose()?
+            .flatten()
+        {
+            Some(names) => LabelSet::new(names),
+            None => LabelSet::infer(rows.iter().filter_map(|r| r.label.as_deref())),
+        },
         (None, None) => {
             return Err(KilnError::Config(
                 "no label set: give a training file or a model whose config.json has id2label"

@@ -101,7 +101,7 @@ impl ReadReport {
 
 /// One cell as the file holds it, before it is checked against what its column must hold.
 #[derive(Debug, Clone, PartialEq)]
-enum Cell {
+pub(super) enum Cell {
     /// Absent, or null.
     Missing,
     Str(String),
@@ -139,9 +139,9 @@ impl Cell {
     }
 }
 
-struct Collector<'a> {
-    path: &'a Path,
-    cols: &'a Columns,
+pub(super) struct Collector<'a> {
+    pub(super) path: &'a Path,
+    pub(super) cols: &'a Columns,
     strict: bool,
     examples: Vec<RawExample>,
     report: ReadReport,
@@ -149,7 +149,7 @@ struct Collector<'a> {
 
 impl Collector<'_> {
     /// Counts one unusable row (the caller has not counted it yet), or fails under `strict`.
-    fn skip(&mut self, line: usize, reason: String) -> Result<()> {
+    pub(super) fn skip(&mut self, line: usize, reason: String) -> Result<()> {
         self.report.rows += 1;
         let s = Skipped {
             path: self.path.to_path_buf(),
@@ -164,7 +164,7 @@ impl Collector<'_> {
     }
 
     /// Validates and stores one row given its cells.
-    fn row(&mut self, line: usize, text: Cell, pair: Cell, label: Cell) -> Result<()> {
+    pub(super) fn row(&mut self, line: usize, text: Cell, pair: Cell, label: Cell) -> Result<()> {
         match check_row(self.cols, text, pair, label) {
             Ok((text, text_pair, label)) => {
                 self.report.rows += 1;
@@ -200,13 +200,29 @@ fn check_row(
     Ok((text, pair, label))
 }
 
-/// Reads a data file; the format follows the extension (`.csv`, `.tsv`, `.jsonl`/`.json`, `.parquet`).
+/// Reads a data file; the format follows the extension (`.csv`, `.tsv`, `.jsonl`, `.json` (lines or
+/// one array), `.parquet`), or a folder: a `datasets` save_to_disk Dataset, or one split's
+/// `.parquet` files.
 pub fn read_examples(
     path: &Path,
     cols: &Columns,
     encoding: TextEncoding,
     strict: bool,
 ) -> Result<(Vec<RawExample>, ReadReport)> {
+    let (rows, report) = read_rows(path, cols, encoding, strict)?;
+    // Integer labels of a `datasets` ClassLabel column become its names.
+    super::saved_dataset::apply_class_names(path, cols, rows, report, strict)
+}
+
+fn read_rows(
+    path: &Path,
+    cols: &Columns,
+    encoding: TextEncoding,
+    strict: bool,
+) -> Result<(Vec<RawExample>, ReadReport)> {
+    if path.is_dir() {
+        return read_folder(path, cols, strict);
+    }
     check_regular_file(path)?;
     let ext = path
         .extension()
@@ -227,11 +243,17 @@ pub fn read_examples(
         "parquet" | "pq" => read_parquet(path, &mut c)?,
         _ => {
             return Err(KilnError::Data(format!(
-                "{}: unknown data format {ext:?} (expected .csv, .tsv, .jsonl or .parquet)",
+                "{}: unknown data format {ext:?} (expected .csv, .tsv, .json, .jsonl, .parquet \
+                 or a `datasets` save_to_disk folder)",
                 path.display()
             )))
         }
     }
+    finish(path, c)
+}
+
+/// The rows read, or an error when none is usable.
+fn finish(path: &Path, c: Collector) -> Result<(Vec<RawExample>, ReadReport)> {
     if c.examples.is_empty() {
         return Err(KilnError::Data(format!(
             "{}: no usable rows ({})",
@@ -240,6 +262,61 @@ pub fn read_examples(
         )));
     }
     Ok((c.examples, c.report))
+}
+
+/// A folder of data: a `datasets` save_to_disk Dataset (Arrow files), or the Parquet files of one
+/// split (as the Hub's Parquet conversion lays them out), read in name order.
+fn read_folder(path: &Path, cols: &Columns, strict: bool) -> Result<(Vec<RawExample>, ReadReport)> {
+    let mut c = Collector {
+        path,
+        cols,
+        strict,
+        examples: Vec::new(),
+        report: ReadReport::default(),
+    };
+    if path.join("dataset_dict.json").exists() {
+        let splits = super::saved_dataset::dict_split_names(path)?;
+        return Err(KilnError::Data(format!(
+            "{}: a DatasetDict (splits {}): give it as --dataset-dir, or one split's folder",
+            path.display(),
+            splits.join(", ")
+        )));
+    }
+    if super::saved_dataset::is_saved_dataset(path) {
+        super::saved_dataset::read(path, &mut c)?;
+        return finish(path, c);
+    }
+    let mut shards: Vec<PathBuf> = std::fs::read_dir(path)
+        .map_err(|e| KilnError::io(path, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "parquet"))
+        .collect();
+    shards.sort();
+    if shards.is_empty() {
+        return Err(KilnError::Data(format!(
+            "{}: a folder without a `datasets` save_to_disk Dataset (state.json, .arrow files) or \
+             .parquet files",
+            path.display()
+        )));
+    }
+    let (mut rows, mut report) = (Vec::new(), ReadReport::default());
+    for shard in &shards {
+        check_regular_file(shard)?;
+        let mut one = Collector {
+            path: shard,
+            cols,
+            strict,
+            examples: Vec::new(),
+            report: ReadReport::default(),
+        };
+        read_parquet(shard, &mut one)?;
+        rows.append(&mut one.examples);
+        report.rows += one.report.rows;
+        report.skipped.append(&mut one.report.skipped);
+    }
+    c.examples = rows;
+    c.report = report;
+    finish(path, c)
 }
 
 /// Data is read only from regular files (see [`crate::hub::files::ensure_regular`]), checked
@@ -271,7 +348,7 @@ fn decode(path: &Path, bytes: Vec<u8>, encoding: TextEncoding) -> Result<String>
     }
 }
 
-fn missing_column(path: &Path, col: &str, have: &[String]) -> KilnError {
+pub(super) fn missing_column(path: &Path, col: &str, have: &[String]) -> KilnError {
     KilnError::Data(format!(
         "{}: no column '{col}' (columns: {})",
         path.display(),
@@ -376,7 +453,23 @@ fn json_cell(v: Option<&serde_json::Value>) -> Cell {
     }
 }
 
+/// JSON Lines, or one JSON array of objects (what `datasets`' `to_json(lines=False)` and pandas'
+/// `to_json(orient="records")` write); an array's rows are numbered by element.
 fn read_jsonl(path: &Path, c: &mut Collector) -> Result<()> {
+    let mut f = File::open(path).map_err(|e| KilnError::io(path, e))?;
+    let mut first = [0u8; 1];
+    loop {
+        use std::io::Read;
+        match f.read(&mut first) {
+            Ok(0) => break,
+            Ok(_) if first[0].is_ascii_whitespace() => continue,
+            Ok(_) => break,
+            Err(e) => return Err(KilnError::io(path, e)),
+        }
+    }
+    if first[0] == b'[' {
+        return read_json_array(path, c);
+    }
     let f = File::open(path).map_err(|e| KilnError::io(path, e))?;
     let cols = c.cols.clone();
     let mut seen_columns: Option<Vec<String>> = None;
@@ -431,6 +524,51 @@ fn read_jsonl(path: &Path, c: &mut Collector) -> Result<()> {
     Ok(())
 }
 
+fn read_json_array(path: &Path, c: &mut Collector) -> Result<()> {
+    let bytes = std::fs::read(path).map_err(|e| KilnError::io(path, e))?;
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_slice(&bytes).map_err(|e| KilnError::Parse {
+            path: path.to_path_buf(),
+            line: e.line(),
+            msg: format!("not a JSON array of objects: {e}"),
+        })?;
+    let cols = c.cols.clone();
+    let mut have: Vec<String> = Vec::new();
+    let mut found = [false; 3];
+    for (i, row) in rows.iter().enumerate() {
+        let n = i + 1;
+        let serde_json::Value::Object(obj) = row else {
+            c.skip(n, "not a JSON object".into())?;
+            continue;
+        };
+        if have.is_empty() {
+            have = obj.keys().cloned().collect();
+        }
+        let mut get = |k: Option<&String>, slot: usize| {
+            let v = k.and_then(|k| obj.get(k));
+            found[slot] |= v.is_some();
+            json_cell(v)
+        };
+        let text = get(Some(&cols.text), 0);
+        let pair = get(cols.text_pair.as_ref(), 1);
+        let label = get(cols.label.as_ref(), 2);
+        c.row(n, text, pair, label)?;
+    }
+    let wanted = [
+        Some(&cols.text),
+        cols.text_pair.as_ref(),
+        cols.label.as_ref(),
+    ];
+    for (w, f) in wanted.iter().zip(found) {
+        if let (Some(w), false) = (w, f) {
+            if c.report.rows > 0 {
+                return Err(missing_column(path, w, &have));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn parquet_cell(field: &parquet::record::Field) -> Cell {
     use parquet::record::Field;
     match field {
@@ -460,8 +598,8 @@ fn parquet_cell(field: &parquet::record::Field) -> Cell {
 }
 
 thread_local! {
-    /// Set while this thread reads a Parquet file, so the panic hook stays quiet for a panic that
-    /// [`read_parquet`] turns into an error.
+    /// Set while this thread reads a Parquet or Arrow file, so the panic hook stays quiet for a
+    /// panic that [`catch_reader_panics`] turns into an error.
     static IN_PARQUET_READ: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
@@ -471,6 +609,18 @@ thread_local! {
 /// to the previous one) keeps the default panic message and backtrace off stderr for exactly these
 /// panics: they are reported as the error instead. An allocation failure aborts and cannot be caught.
 fn read_parquet(path: &Path, c: &mut Collector) -> Result<()> {
+    catch_reader_panics(path, "Parquet file (the parquet crate", || {
+        parquet_rows(path, c)
+    })
+}
+
+/// Runs a third-party reader on `path`, turning a panic of it into an error that names the file
+/// (`what` says what the file should have been, and which crate failed).
+pub(super) fn catch_reader_panics<T>(
+    path: &Path,
+    what: &str,
+    read: impl FnOnce() -> Result<T>,
+) -> Result<T> {
     static QUIET_HOOK: std::sync::Once = std::sync::Once::new();
     QUIET_HOOK.call_once(|| {
         let previous = std::panic::take_hook();
@@ -481,7 +631,7 @@ fn read_parquet(path: &Path, c: &mut Collector) -> Result<()> {
         }));
     });
     IN_PARQUET_READ.with(|q| q.set(true));
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| parquet_rows(path, c)));
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(read));
     IN_PARQUET_READ.with(|q| q.set(false));
     outcome.unwrap_or_else(|payload| {
         let msg = payload
@@ -490,7 +640,7 @@ fn read_parquet(path: &Path, c: &mut Collector) -> Result<()> {
             .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
             .unwrap_or("no message");
         Err(KilnError::Data(format!(
-            "{}: not a readable Parquet file (the parquet crate failed on it: {msg})",
+            "{}: not a readable {what} failed on it: {msg})",
             path.display()
         )))
     })

@@ -354,6 +354,112 @@ impl Hub {
     }
 }
 
+/// The revision under which the Hub serves every public dataset converted to Parquet.
+pub const PARQUET_REVISION: &str = "refs/convert/parquet";
+
+/// Local folders of a Hub dataset's splits, from its Parquet conversion (`CONFIG/SPLIT/*.parquet`
+/// under [`PARQUET_REVISION`]): `train_split` (default `train`) when `want_train`, and
+/// `eval_split`, else `validation`, else `test` (none if neither exists). Each folder holds the
+/// split's Parquet files, downloaded into the cache.
+pub fn dataset_splits(
+    name: &str,
+    config: Option<&str>,
+    train_split: Option<&str>,
+    eval_split: Option<&str>,
+    want_train: bool,
+) -> Result<(Option<PathBuf>, Option<PathBuf>)> {
+    let repo = HubId::parse(name)
+        .filter(|id| id.revision == "main")
+        .ok_or_else(|| {
+            KilnError::Config(format!(
+                "--dataset-name {name:?} is not a Hub dataset id (`name` or `org/name`; its \
+                 Parquet conversion is always read)"
+            ))
+        })?
+        .repo;
+    let id = HubId {
+        repo,
+        revision: PARQUET_REVISION.into(),
+    };
+    let hub = Hub::from_env()?;
+    let files: Vec<String> = hub
+        .dataset_files(&id)?
+        .into_iter()
+        .filter(|f| f.ends_with(".parquet") && f.split('/').count() == 3)
+        .collect();
+    let mut configs: Vec<&str> = files.iter().filter_map(|f| f.split('/').next()).collect();
+    configs.sort_unstable();
+    configs.dedup();
+    let config = match (config, configs.as_slice()) {
+        (Some(c), _) if configs.contains(&c) => c,
+        (Some(c), _) => {
+            return Err(KilnError::Config(format!(
+                "Hub dataset {}: no config {c:?} (configs: {})",
+                id.repo,
+                configs.join(", ")
+            )))
+        }
+        (None, [only]) => only,
+        (None, []) => {
+            return Err(KilnError::Config(format!(
+                "Hub dataset {} has no Parquet conversion (no CONFIG/SPLIT/*.parquet files at \
+                 {PARQUET_REVISION})",
+                id.repo
+            )))
+        }
+        (None, many) => {
+            return Err(KilnError::Config(format!(
+                "Hub dataset {} has several configs ({}): pick one with --dataset-config",
+                id.repo,
+                many.join(", ")
+            )))
+        }
+    };
+    let split_files = |split: &str| -> Vec<&String> {
+        let prefix = format!("{config}/{split}/");
+        files.iter().filter(|f| f.starts_with(&prefix)).collect()
+    };
+    let mut splits: Vec<&str> = files
+        .iter()
+        .filter(|f| f.starts_with(&format!("{config}/")))
+        .filter_map(|f| f.split('/').nth(1))
+        .collect();
+    splits.sort_unstable();
+    splits.dedup();
+    let fetch = |split: &str| -> Result<PathBuf> {
+        let wanted = split_files(split);
+        if wanted.is_empty() {
+            return Err(KilnError::Config(format!(
+                "Hub dataset {} ({config}): no split {split:?} (splits: {})",
+                id.repo,
+                splits.join(", ")
+            )));
+        }
+        let mut dir = None;
+        for f in wanted {
+            let local = hub.dataset_file(&id, f)?;
+            dir = local.parent().map(Path::to_path_buf);
+        }
+        Ok(dir.expect("at least one file"))
+    };
+    let train = if want_train {
+        Some(fetch(train_split.unwrap_or("train"))?)
+    } else {
+        None
+    };
+    let eval = match eval_split {
+        Some(s) => Some(fetch(s)?),
+        None => match ["validation", "test"]
+            .into_iter()
+            .find(|s| splits.contains(s))
+        {
+            Some(s) => Some(fetch(s)?),
+            None => None,
+        },
+    };
+    Ok((train, eval))
+}
+
 #[cfg(test)]
 mod tests {
     use super::HubId;

@@ -305,10 +305,9 @@ pub fn train<B: TrainBackend, L: Loss>(
     check_pairs(&config, &opts.data)?;
     let data = data::prepare(&opts.data, &tok, None)?;
     log_reports(&data.reports);
-    let train_set = data
-        .train
-        .as_ref()
-        .ok_or_else(|| KilnError::Config("kiln train needs --train-file".into()))?;
+    let train_set = data.train.as_ref().ok_or_else(|| {
+        KilnError::Config("kiln train needs --train-file, --dataset-dir or --dataset-name".into())
+    })?;
     let (model, config, labels) = load_classifier::<B>(&md, Some(&data.labels), args.seed, device)?;
     info!(
         "labels {:?}; {} train / {} eval examples",
@@ -360,10 +359,12 @@ pub fn eval<B: KilnBackend>(
     let (model, _, labels) = load_classifier::<B>(&md, None, 0, device)?;
     let data = data::prepare(&opts.data, &tok, Some(labels.clone()))?;
     log_reports(&data.reports);
-    let set = data
-        .eval
-        .as_ref()
-        .ok_or_else(|| KilnError::Config("kiln eval needs --eval-file".into()))?;
+    let set = data.eval.as_ref().ok_or_else(|| {
+        KilnError::Config(
+            "kiln eval needs --eval-file, or a --dataset-dir / --dataset-name with an eval split"
+                .into(),
+        )
+    })?;
     let src = ClassificationBatches {
         set,
         padding: opts.padding(),
