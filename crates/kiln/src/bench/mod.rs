@@ -153,6 +153,21 @@ pub const ROWS: &[RowSpec] = &[
         pytorch_rows: &["bertbase_train_fp32"],
     },
     RowSpec {
+        key: "roberta_train",
+        reference: Reference::Extra,
+        pytorch_rows: &["roberta_train_fp32"],
+    },
+    RowSpec {
+        key: "distilbert_train",
+        reference: Reference::Extra,
+        pytorch_rows: &["distilbert_train_fp32"],
+    },
+    RowSpec {
+        key: "modernbert_train",
+        reference: Reference::Extra,
+        pytorch_rows: &["modernbert_train_fp32"],
+    },
+    RowSpec {
         key: "mnist_train",
         reference: Reference::Extra,
         pytorch_rows: &["mnist_train_fp32"],
@@ -326,6 +341,9 @@ where
                 w,
                 steps,
             ))
+        }
+        "roberta_train" | "distilbert_train" | "modernbert_train" => {
+            rows::family_train::<Autodiff<B>>(key, (8, 128), w, opts.base_steps, &device)
         }
         "mnist_train" => Ok(rows::mnist_train::<Autodiff<B>>(
             32,

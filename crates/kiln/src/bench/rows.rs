@@ -172,6 +172,86 @@ pub fn bert_train<B: TrainBackend>(
     train_steps(name, model, adamw(), 5e-5, &batches, warmup, steps, &device)
 }
 
+/// The encoder configs of the family rows: each family's base model as published on the Hub
+/// (weights random: a step's time does not depend on their values).
+pub fn family_config(key: &str) -> Option<serde_json::Value> {
+    Some(match key {
+        "roberta_train" => serde_json::json!({
+            "model_type": "roberta", "vocab_size": 50265, "hidden_size": 768,
+            "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
+            "max_position_embeddings": 514, "type_vocab_size": 1, "pad_token_id": 1,
+            "layer_norm_eps": 1e-5}),
+        "distilbert_train" => serde_json::json!({
+            "model_type": "distilbert", "vocab_size": 30522, "dim": 768, "n_layers": 6,
+            "n_heads": 12, "hidden_dim": 3072, "pad_token_id": 0}),
+        "modernbert_train" => serde_json::json!({
+            "model_type": "modernbert", "vocab_size": 50368, "hidden_size": 768,
+            "intermediate_size": 1152, "num_hidden_layers": 22, "num_attention_heads": 12,
+            "global_attn_every_n_layers": 3, "local_attention": 128, "pad_token_id": 50283,
+            "max_position_embeddings": 8192}),
+        _ => return None,
+    })
+}
+
+/// Training steps of one encoder family's classifier (`roberta_train`, `distilbert_train`,
+/// `modernbert_train`) on one fixed random batch, as bench_reference.py's family rows. FLOPs:
+/// 6 per non-embedding weight per token, plus the attention products (12·layers·hidden·T² per
+/// sequence, forward and backward).
+pub fn family_train<B: TrainBackend>(
+    key: &str,
+    (batch, seq): (usize, usize),
+    warmup: usize,
+    steps: usize,
+    device: &B::Device,
+) -> crate::Result<BenchResult> {
+    let json = family_config(key).expect("a family row");
+    let dir = write_temp_config(&json)?;
+    let config = crate::hub::encoder_config::EncoderConfig::from_file(&dir)?;
+    let _ = std::fs::remove_file(&dir);
+    let model = crate::ops::with_seeded_rng::<B, _>(device, 0, || {
+        SequenceClassifier::<B>::new(&config, 6, device)
+    });
+    let (input, labels) = random_text_batch(batch, seq, 1234);
+    let embeddings = model.embedding_parameters();
+    let weights: f64 = crate::hub::weights::module_shapes(&model)
+        .iter()
+        .filter(|(name, _)| !embeddings.contains(name))
+        .map(|(_, shape)| shape.iter().product::<usize>() as f64)
+        .sum();
+    let (layers, hidden) = match &config {
+        EncoderConfig::Bert(c) => (c.num_hidden_layers, c.hidden_size),
+        EncoderConfig::DistilBert(c) => (c.n_layers, c.dim),
+        EncoderConfig::ModernBert(c) => (c.num_hidden_layers, c.hidden_size),
+    };
+    let tokens = (batch * seq) as f64;
+    let attention = 12.0 * (layers * hidden) as f64 * (seq * seq) as f64 * batch as f64;
+    let work = StepWork {
+        samples: batch,
+        padded_seq: seq,
+        tokens: batch * seq,
+        flops: 6.0 * weights * tokens + attention,
+    };
+    let batches = [(input, labels, work)];
+    Ok(train_steps(
+        &format!("{key}_fp32"),
+        model,
+        adamw(),
+        5e-5,
+        &batches,
+        warmup,
+        steps,
+        device,
+    ))
+}
+
+/// `json` written to a config.json in the temp folder (configs are read, and validated, from
+/// files only).
+fn write_temp_config(json: &serde_json::Value) -> crate::Result<std::path::PathBuf> {
+    let path = std::env::temp_dir().join(format!("kiln-bench-config-{}.json", std::process::id()));
+    std::fs::write(&path, json.to_string()).map_err(|e| crate::error::KilnError::io(&path, e))?;
+    Ok(path)
+}
+
 /// The real-data row: MiniLM fine-tuning steps on the tweet set's first `(warmup + steps) × batch`
 /// rows (the file is already shuffled), each batch padded to its longest tweet.
 pub fn tweets_train<B: TrainBackend>(

@@ -192,3 +192,51 @@ impl EncoderConfig {
         .expect("config serialises")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(json: serde_json::Value) -> Result<EncoderConfig> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.json");
+        std::fs::write(&path, json.to_string()).unwrap();
+        EncoderConfig::from_file(&path)
+    }
+
+    fn small() -> serde_json::Value {
+        serde_json::json!({"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "intermediate_size": 16})
+    }
+
+    #[test]
+    fn the_family_comes_from_model_type_else_architectures() {
+        let mut j = small();
+        j["architectures"] = serde_json::json!(["XLMRobertaForMaskedLM"]);
+        let c = read(j).unwrap();
+        assert_eq!(c.model_type(), "xlm-roberta");
+        assert_eq!(c.base_prefix(), "roberta");
+        assert_eq!(c.architecture(), "XLMRobertaForSequenceClassification");
+        // Neither: BERT, as kiln always read such folders.
+        assert_eq!(read(small()).unwrap().model_type(), "bert");
+    }
+
+    #[test]
+    fn other_model_types_are_one_sentence_naming_the_supported_ones() {
+        let mut j = small();
+        j["model_type"] = "gpt2".into();
+        let e = read(j).unwrap_err().to_string();
+        assert!(
+            e.contains("model_type \"gpt2\" is not supported; kiln reads bert, roberta")
+                && e.contains("llama, mistral, qwen2 (causal LM)"),
+            "{e}"
+        );
+        let mut j = small();
+        j["model_type"] = "mistral".into();
+        let e = read(j).unwrap_err().to_string();
+        assert!(
+            e.contains("is a causal LM: train it with --task causal-lm"),
+            "{e}"
+        );
+    }
+}

@@ -225,7 +225,7 @@ impl ModernBertConfig {
     pub fn is_sliding(&self, i: usize) -> bool {
         match &self.layer_types {
             Some(types) => types[i] == "sliding_attention",
-            None => i % self.global_attn_every_n_layers.unwrap_or(GLOBAL_EVERY) != 0,
+            None => !i.is_multiple_of(self.global_attn_every_n_layers.unwrap_or(GLOBAL_EVERY)),
         }
     }
 
