@@ -115,7 +115,6 @@ impl<B: KilnBackend> ModernBertAttention<B> {
                     before: w,
                     after: w,
                 },
-                false,
                 self.dropout,
             ),
         };

@@ -1309,7 +1309,7 @@ impl KilnBackend for Cpu {
         v: FloatTensor<Self>,
         mask: FloatTensor<Self>,
         heads: usize,
-        causal: bool,
+        window: super::Window,
         scale: f64,
         dropout: f64,
         seed: u64,
@@ -1318,7 +1318,7 @@ impl KilnBackend for Cpu {
         let _p = super::profile::scope("attention_fwd");
         let (q, k, v, mask) = (dense(q), dense(k), dense(v), dense(mask));
         let (b, t, h) = (q.shape()[0], q.shape()[1], q.shape()[2]);
-        let a = Attn::new((b, t, h), h, heads, causal, scale, dropout, seed);
+        let a = Attn::new((b, t, h), h, heads, window, scale, dropout, seed);
         let (out, probs) = a.forward([slice(&q), slice(&k), slice(&v)], slice(&mask), with_probs);
         (
             tensor(&[b, t, h], out),
@@ -1340,7 +1340,15 @@ impl KilnBackend for Cpu {
         let _p = super::profile::scope("attention_bwd");
         let (q, k, v, probs, dout) = (dense(q), dense(k), dense(v), dense(probs), dense(dout));
         let (b, t, h) = (q.shape()[0], q.shape()[1], q.shape()[2]);
-        let a = Attn::new((b, t, h), h, heads, false, scale, dropout, seed);
+        let a = Attn::new(
+            (b, t, h),
+            h,
+            heads,
+            super::Window::FULL,
+            scale,
+            dropout,
+            seed,
+        );
         let mut grads = [
             vec![0f32; b * t * h],
             vec![0f32; b * t * h],
@@ -1370,7 +1378,15 @@ impl KilnBackend for Cpu {
         let _p = super::profile::scope("attention_fwd");
         let (qkv, mask) = (dense(qkv), dense(mask));
         let (b, t, h) = (qkv.shape()[0], qkv.shape()[1], qkv.shape()[2] / 3);
-        let a = Attn::new((b, t, h), 3 * h, heads, false, scale, dropout, seed);
+        let a = Attn::new(
+            (b, t, h),
+            3 * h,
+            heads,
+            super::Window::FULL,
+            scale,
+            dropout,
+            seed,
+        );
         let x = slice(&qkv);
         let (out, probs) = a.forward([x, &x[h..], &x[2 * h..]], slice(&mask), with_probs);
         (
@@ -1391,7 +1407,15 @@ impl KilnBackend for Cpu {
         let _p = super::profile::scope("attention_bwd");
         let (qkv, probs, dout) = (dense(qkv), dense(probs), dense(dout));
         let (b, t, h) = (qkv.shape()[0], qkv.shape()[1], qkv.shape()[2] / 3);
-        let a = Attn::new((b, t, h), 3 * h, heads, false, scale, dropout, seed);
+        let a = Attn::new(
+            (b, t, h),
+            3 * h,
+            heads,
+            super::Window::FULL,
+            scale,
+            dropout,
+            seed,
+        );
         let x = slice(&qkv);
         let mut grad = vec![0f32; b * t * 3 * h];
         let g = SharedMut(grad.as_mut_ptr());

@@ -452,8 +452,9 @@ pub trait KilnBackend: Backend {
     }
 
     /// Multi-head attention core for `q, k, v [B, T, H]` (heads side by side in H) and an additive key
-    /// mask `[B, T]`: `dropout(softmax(q kᵀ·scale + mask)) v`, back in `[B, T, H]`; with `causal`,
-    /// query `i` also sees only keys `0..=i` (decoders). Also returns the softmax probabilities
+    /// mask `[B, T]`: `dropout(softmax(q kᵀ·scale + mask)) v`, back in `[B, T, H]`; query `i` sees
+    /// only the keys of its `window` ([`Window::CAUSAL`]: `0..=i`, decoders; a sliding window:
+    /// Mistral, ModernBERT's local layers). Also returns the softmax probabilities
     /// `[B, heads, T, T]` (before dropout; exactly 0 where masked) when `with_probs`, for the
     /// backward, which therefore needs no mask of its own; without it a kernel need not write them
     /// (25 MB per MiniLM layer at 32×128). The dropout mask is a function of `seed`, so the
@@ -465,7 +466,7 @@ pub trait KilnBackend: Backend {
         v: FloatTensor<Self>,
         mask: FloatTensor<Self>,
         heads: usize,
-        causal: bool,
+        window: Window,
         scale: f64,
         dropout: f64,
         seed: u64,
@@ -475,10 +476,9 @@ pub trait KilnBackend: Backend {
         let [b, tq, h] = q.dims();
         let split = |x: Tensor<Self, 3>| x.reshape([b, tq, heads, h / heads]).swap_dims(1, 2);
         let mut scores = split(q).matmul(split(k).swap_dims(2, 3));
-        if causal {
-            // A large finite negative (not -inf): it is multiplied by `scale` before the softmax.
-            let future = Tensor::<Self, 2>::ones([tq, tq], &scores.device()).triu(1) * -1e30;
-            scores = scores + future.unsqueeze::<4>();
+        if !window.covers(tq) {
+            let band = window.band::<Self>(tq, &scores.device());
+            scores = scores + band.unsqueeze::<4>();
         }
         let probs = t::<Self, 4>(Self::kiln_masked_softmax(p(scores), mask, scale));
         let dropped = attention_dropout::<Self>(probs.clone(), dropout, seed);
@@ -533,7 +533,16 @@ pub trait KilnBackend: Backend {
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let [q, k, v] = split_qkv::<Self>(qkv);
         Self::kiln_attention(
-            q, k, v, mask, heads, false, scale, dropout, seed, with_probs,
+            q,
+            k,
+            v,
+            mask,
+            heads,
+            Window::FULL,
+            scale,
+            dropout,
+            seed,
+            with_probs,
         )
     }
 
@@ -962,7 +971,18 @@ pub fn causal_attention<B: KilnBackend>(
     let [b, tq, h] = q.dims();
     let scale = 1.0 / ((h / heads) as f64).sqrt();
     let mask = Tensor::<B, 2>::zeros([b, tq], &q.device());
-    let (out, _) = B::kiln_attention(p(q), p(k), p(v), p(mask), heads, true, scale, 0.0, 0, false);
+    let (out, _) = B::kiln_attention(
+        p(q),
+        p(k),
+        p(v),
+        p(mask),
+        heads,
+        Window::CAUSAL,
+        scale,
+        0.0,
+        0,
+        false,
+    );
     t(out)
 }
 
@@ -976,6 +996,64 @@ pub fn attention<B: KilnBackend>(
     heads: usize,
     dropout: f64,
 ) -> Tensor<B, 3> {
+    windowed_attention(q, k, v, mask, heads, Window::FULL, dropout)
+}
+
+/// Which keys a query sees, beside the padding mask: those at most `before` positions earlier
+/// and `after` later (a sliding window: Mistral, ModernBERT's local layers). [`Window::FULL`]
+/// sees every key, [`Window::CAUSAL`] the query and the ones before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    pub before: usize,
+    pub after: usize,
+}
+
+impl Window {
+    pub const FULL: Self = Self {
+        before: usize::MAX,
+        after: usize::MAX,
+    };
+    pub const CAUSAL: Self = Self {
+        before: usize::MAX,
+        after: 0,
+    };
+
+    /// The keys query `i` of a `t`-token sequence sees.
+    pub fn keys(&self, i: usize, t: usize) -> std::ops::Range<usize> {
+        i.saturating_sub(self.before)..i.saturating_add(self.after).saturating_add(1).min(t)
+    }
+
+    /// Whether every query of a `t`-token sequence sees every key.
+    pub fn covers(&self, t: usize) -> bool {
+        let last = t.saturating_sub(1);
+        self.before >= last && self.after >= last
+    }
+
+    /// The additive `[T, T]` mask of the window: 0 inside, a large finite negative outside (not
+    /// -inf: it is scaled before the softmax, and a padding query whose keys are all hidden must
+    /// stay finite).
+    pub fn band<B: Backend>(&self, t: usize, device: &B::Device) -> Tensor<B, 2> {
+        let band: Vec<f32> = (0..t)
+            .flat_map(|i| {
+                let seen = self.keys(i, t);
+                (0..t).map(move |j| if seen.contains(&j) { 0.0 } else { -1e30 })
+            })
+            .collect();
+        Tensor::from_data(burn::tensor::TensorData::new(band, [t, t]), device)
+    }
+}
+
+/// Multi-head self-attention of `q, k, v [B, T, H]` within `window` under the additive key mask
+/// `[B, T]`, on the fused kernel (dropout in training only).
+pub fn windowed_attention<B: KilnBackend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    mask: Tensor<B, 2>,
+    heads: usize,
+    window: Window,
+    dropout: f64,
+) -> Tensor<B, 3> {
     let scale = 1.0 / ((q.dims()[2] / heads) as f64).sqrt();
     let (dropout, seed) = training_dropout::<B>(dropout);
     let (out, _) = B::kiln_attention(
@@ -984,85 +1062,13 @@ pub fn attention<B: KilnBackend>(
         p(v),
         p(mask),
         heads,
-        false,
+        window,
         scale,
         dropout,
         seed,
         false,
     );
     t(out)
-}
-
-/// Which keys a query sees, beside the padding mask: a band around it, for the sliding-window
-/// layers of Mistral and ModernBERT.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Window {
-    /// Keys at most this many positions before the query.
-    pub before: usize,
-    /// Keys at most this many positions after it (0: causal).
-    pub after: usize,
-}
-
-impl Window {
-    /// Whether the band covers every key of a `t`-token sequence (a mask of its own is then
-    /// unnecessary: the fused kernels run).
-    pub fn covers(&self, t: usize, causal: bool) -> bool {
-        let t = t.saturating_sub(1);
-        self.before >= t && (causal || self.after >= t)
-    }
-}
-
-/// Multi-head self-attention of `q, k, v [B, T, H]` restricted to `window` (and, with `causal`, to
-/// earlier keys) under the additive key mask `[B, T]`. Composed of Burn ops with a `[T, T]` band
-/// mask, for sequences longer than the window; shorter ones take the fused kernels.
-#[allow(clippy::too_many_arguments)]
-pub fn windowed_attention<B: KilnBackend>(
-    q: Tensor<B, 3>,
-    k: Tensor<B, 3>,
-    v: Tensor<B, 3>,
-    mask: Tensor<B, 2>,
-    heads: usize,
-    window: Window,
-    causal: bool,
-    dropout_prob: f64,
-) -> Tensor<B, 3> {
-    let [b, tq, h] = q.dims();
-    if window.covers(tq, causal) {
-        return if causal {
-            causal_attention(q, k, v, heads)
-        } else {
-            attention(q, k, v, mask, heads, dropout_prob)
-        };
-    }
-    let d = h / heads;
-    let split = |x: Tensor<B, 3>| x.reshape([b, tq, heads, d]).swap_dims(1, 2);
-    let band: Vec<f32> = (0..tq)
-        .flat_map(|i| {
-            (0..tq).map(move |j| {
-                let seen = if j <= i {
-                    i - j <= window.before
-                } else {
-                    !causal && j - i <= window.after
-                };
-                // Finite and far from f32::MIN, so that with the key mask added a row whose
-                // keys are all hidden (a padding query) stays finite instead of NaN.
-                if seen {
-                    0.0
-                } else {
-                    -1e30
-                }
-            })
-        })
-        .collect();
-    let band =
-        Tensor::<B, 2>::from_data(burn::tensor::TensorData::new(band, [tq, tq]), &q.device());
-    let scores = split(q)
-        .matmul(split(k).swap_dims(2, 3))
-        .mul_scalar(1.0 / (d as f64).sqrt())
-        + band.unsqueeze::<4>()
-        + mask.reshape([b, 1, 1, tq]);
-    let probs = dropout(burn::tensor::activation::softmax(scores, 3), dropout_prob);
-    probs.matmul(split(v)).swap_dims(1, 2).reshape([b, tq, h])
 }
 
 /// Inverted dropout, active only when the backend records gradients (training).

@@ -330,14 +330,20 @@ fn attention_case(b: usize, t: usize, h: usize, heads: usize) {
         rand([b * t, h], 13),
     ];
     let split = |x: Tensor<CpuTrain, 2>| x.reshape([b, t, heads, h / heads]).swap_dims(1, 2);
-    for (dropout, seed, causal) in [
-        (0.0, 0, false),
-        (0.3, 77, false),
-        (0.0, 0, true),
-        (0.3, 5, true),
+    let band = super::Window {
+        before: 2,
+        after: 1,
+    };
+    for (dropout, seed, window) in [
+        (0.0, 0, super::Window::FULL),
+        (0.3, 77, super::Window::FULL),
+        (0.0, 0, super::Window::CAUSAL),
+        (0.3, 5, super::Window::CAUSAL),
+        (0.0, 0, band),
+        (0.3, 8, band),
     ] {
         check(
-            &format!("attention {b}x{t}x{h}/{heads} p={dropout} causal={causal}"),
+            &format!("attention {b}x{t}x{h}/{heads} p={dropout} {window:?}"),
             inputs.clone(),
             |x| {
                 let r = |i: usize| x[i].clone().reshape([b, t, h]);
@@ -347,7 +353,7 @@ fn attention_case(b: usize, t: usize, h: usize, heads: usize) {
                     p(r(2)),
                     p(mask.clone()),
                     heads,
-                    causal,
+                    window,
                     scale,
                     dropout,
                     seed,
@@ -357,14 +363,31 @@ fn attention_case(b: usize, t: usize, h: usize, heads: usize) {
             },
             |x| {
                 let scores = split(x[0].clone()).matmul(split(x[1].clone()).swap_dims(2, 3));
-                let mut scores = scores * scale + mask.clone().reshape([b, 1, 1, t]);
-                if causal {
-                    let future = Tensor::<CpuTrain, 2>::ones([t, t], &Default::default()).triu(1);
-                    scores = scores.mask_fill(
-                        future.bool().unsqueeze::<4>().expand([b, heads, t, t]),
-                        f32::MIN,
-                    );
-                }
+                let scores = scores * scale + mask.clone().reshape([b, 1, 1, t]);
+                // The window as its own additive mask, built here from positions.
+                let hidden: Vec<f32> = (0..t * t)
+                    .map(|ij| {
+                        let (i, j) = (ij / t, ij % t);
+                        let seen = if j <= i {
+                            i - j <= window.before
+                        } else {
+                            j - i <= window.after
+                        };
+                        if seen {
+                            0.0
+                        } else {
+                            1.0
+                        }
+                    })
+                    .collect();
+                let hidden = Tensor::<CpuTrain, 2>::from_data(
+                    TensorData::new(hidden, [t, t]),
+                    &Default::default(),
+                );
+                let scores = scores.mask_fill(
+                    hidden.bool().unsqueeze::<4>().expand([b, heads, t, t]),
+                    f32::MIN,
+                );
                 let probs = softmax(scores, 3);
                 let probs = if dropout > 0.0 {
                     let m = Cpu::kiln_dropout_mask(
@@ -389,7 +412,7 @@ fn attention_case(b: usize, t: usize, h: usize, heads: usize) {
 }
 
 /// Inference (nothing tracked) skips the probabilities and gives the same output as training's
-/// forward, on the tiles and on `gemm`, causal or not.
+/// forward, on the tiles and on `gemm`, causal, within a window or not.
 #[test]
 fn untracked_attention_matches_tracked() {
     for (b, t, h, heads) in [(2, 6, 8, 2), (2, 6, 64, 2), (2, 37, 64, 2), (4, 20, 128, 4)] {
@@ -397,17 +420,21 @@ fn untracked_attention_matches_tracked() {
         m[t + 3] = f32::MIN;
         let mask = Tensor::<Cpu, 2>::from_data(TensorData::new(m, [b, t]), &Default::default());
         let qkv = rand([b, t, 3 * h], 41);
-        for causal in [false, true] {
+        let band = super::Window {
+            before: 3,
+            after: 1,
+        };
+        for window in [super::Window::FULL, super::Window::CAUSAL, band] {
             let run = |x: Tensor<CpuTrain, 3>, with_probs| {
                 let [q, k, v] = [0, 1, 2].map(|i| p(x.clone().narrow(2, i * h, h)));
                 let m = p(Tensor::<CpuTrain, 2>::from_inner(mask.clone()));
-                CpuTrain::kiln_attention(q, k, v, m, heads, causal, 0.3, 0.0, 0, with_probs)
+                CpuTrain::kiln_attention(q, k, v, m, heads, window, 0.3, 0.0, 0, with_probs)
             };
             let (tracked, probs) = run(qkv.clone(), true);
             let (untracked, none) = run(qkv.clone().detach(), false);
             assert!(probs.is_some() && none.is_none());
             assert_close(
-                &format!("untracked attention {b}x{t}x{h}/{heads} causal={causal}"),
+                &format!("untracked attention {b}x{t}x{h}/{heads} {window:?}"),
                 host(super::t::<CpuTrain, 3>(untracked).inner()),
                 host(super::t::<CpuTrain, 3>(tracked).inner()),
                 1e-9,
@@ -448,7 +475,7 @@ fn packed_qkv_attention_matches_separate() {
                     part(2),
                     p(mask.clone()),
                     heads,
-                    false,
+                    super::Window::FULL,
                     0.5,
                     dropout,
                     seed,

@@ -213,7 +213,7 @@ impl<B: KilnBackend> LlamaAttention<B> {
                     before: w - 1,
                     after: 0,
                 };
-                ops::windowed_attention(q, k, v, mask, nh, window, true, 0.0)
+                ops::windowed_attention(q, k, v, mask, nh, window, 0.0)
             }
         };
         self.output(out, shard)

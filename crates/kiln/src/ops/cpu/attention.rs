@@ -4,6 +4,7 @@
 use rayon::prelude::*;
 
 use super::{has_avx512, simd, small_gemm, softmax_backward_row, softmax_row, uniform, SharedMut};
+use crate::ops::Window;
 
 /// One multi-head attention call on the CPU: `[B, T, H]` activations whose q, k and v rows lie `rs`
 /// floats apart — `H` when they are three tensors, `3H` when one Linear made them side by side.
@@ -14,7 +15,7 @@ pub(super) struct Attn {
     heads: usize,
     /// Row stride of q, k and v.
     rs: usize,
-    causal: bool,
+    window: Window,
     scale: f32,
     keep: f32,
     seed: u64,
@@ -26,7 +27,7 @@ impl Attn {
         (b, t, h): (usize, usize, usize),
         rs: usize,
         heads: usize,
-        causal: bool,
+        window: Window,
         scale: f64,
         dropout: f64,
         seed: u64,
@@ -38,7 +39,7 @@ impl Attn {
             h,
             heads,
             rs,
-            causal,
+            window,
             scale,
             keep,
             seed,
@@ -52,14 +53,18 @@ impl Attn {
     }
 
     /// In place: row `i` of a head's scores becomes its probabilities (`row` holds at least the
-    /// keys query `i` sees). Causal: keys after the query get probability 0, and so no gradient.
+    /// keys query `i` sees). Keys outside the window get probability 0, and so no gradient: the
+    /// backward needs no mask of its own.
     fn softmax(&self, row: &mut [f32], i: usize, m: &[f32]) {
-        if self.causal {
-            softmax_row(&mut row[..=i], &m[..=i], self.scale);
-            row[i + 1..].fill(0.0);
-        } else {
-            softmax_row(row, m, self.scale);
-        }
+        let seen = self.window.keys(i, self.t);
+        softmax_row(&mut row[seen.clone()], &m[seen.clone()], self.scale);
+        row[..seen.start].fill(0.0);
+        row[seen.end..].fill(0.0);
+    }
+
+    /// Keys `0..end` hold every key a query of `rows` sees (the tiles compute scores from 0).
+    fn keys_end(&self, rows: std::ops::Range<usize>) -> usize {
+        self.window.keys(rows.end - 1, self.t).end
     }
 
     /// `(row 0, column 0)` of head `bh`'s block in q/k/v (row stride `rs`) and in `[B, T, H]`.
@@ -77,7 +82,8 @@ impl Attn {
     ///
     /// Head dimensions that are multiples of [`NR`] (32, 64, 128: BERT, MiniLM, Llama) run on
     /// kiln's own register tiles, a block of query rows at a time, so a block's scores stay in L1
-    /// between the two products and a causal block skips the keys after it. Others call `gemm`
+    /// between the two products and a block skips the keys after its window (causal: after its
+    /// last row). Others call `gemm`
     /// twice per head.
     pub(super) fn forward(
         &self,
@@ -173,7 +179,6 @@ impl Attn {
             h,
             heads,
             rs,
-            causal,
             keep,
             seed,
             ..
@@ -182,7 +187,7 @@ impl Attn {
         let tp = t.div_ceil(NR) * NR;
         let (off, out_off) = self.offsets(bh);
         let m = self.key_mask(mask, bh);
-        let keys = if causal { rows.end } else { t };
+        let keys = self.keys_end(rows.clone());
         // Kᵀ as d rows of `tp` keys (the padding stays 0 from the allocation).
         for j in 0..keys {
             let k = &ks[off + j * rs..off + j * rs + d];
@@ -195,7 +200,7 @@ impl Attn {
         assert!(s.len() >= mr * tp && kt.len() >= d * tp && rows.end <= t);
         for i0 in rows.clone().step_by(mr) {
             let n = mr.min(rows.end - i0);
-            let kend = if causal { i0 + n } else { t };
+            let kend = self.keys_end(i0..i0 + n);
             // SAFETY: q rows i0..i0+n and the head's d columns are inside `qs` (asserted in
             // `forward`); Kᵀ holds d rows of `tp` ≥ kend.div_ceil(NR)·NR columns; `s` holds
             // mr rows of `tp`.
@@ -559,8 +564,8 @@ mod tests {
 
     /// The whole forward on each tile kind this CPU runs (AVX2 on AVX-512 machines too, so the
     /// 4-row stepping of AVX2-only CPUs such as Zen 3 is exercised) against `gemm` per head:
-    /// outputs and probabilities, causal or not, with dropout, tasks of whole heads and of row
-    /// blocks, rows that do not fill a tile.
+    /// outputs and probabilities, whole, causal or within a sliding window, with dropout, tasks of
+    /// whole heads and of row blocks, rows that do not fill a tile.
     #[test]
     fn every_tile_kind_matches_gemm_per_head() {
         let mut kinds = vec![];
@@ -579,12 +584,27 @@ mod tests {
             let mut mask = vec![0f32; b * t];
             mask[b * t - 2] = f32::MIN;
             let x = [&qkv[..], &qkv[h..], &qkv[2 * h..]];
-            for (causal, dropout) in [(false, 0.0), (true, 0.0), (false, 0.2), (true, 0.2)] {
-                let a = Attn::new((b, t, h), 3 * h, heads, causal, 0.2, dropout, 9);
+            let band = Window {
+                before: 3,
+                after: 2,
+            };
+            let sliding = Window {
+                before: 4,
+                after: 0,
+            };
+            for (window, dropout) in [
+                (Window::FULL, 0.0),
+                (Window::CAUSAL, 0.0),
+                (Window::FULL, 0.2),
+                (Window::CAUSAL, 0.2),
+                (band, 0.0),
+                (sliding, 0.2),
+            ] {
+                let a = Attn::new((b, t, h), 3 * h, heads, window, 0.2, dropout, 9);
                 let (want, want_p) = a.forward_on(None, x, &mask, true);
                 for &tiles in &kinds {
                     let (got, got_p) = a.forward_on(Some(tiles), x, &mask, true);
-                    let what = format!("{tiles:?} {b}x{t}x{h}/{heads} causal={causal} p={dropout}");
+                    let what = format!("{tiles:?} {b}x{t}x{h}/{heads} {window:?} p={dropout}");
                     for (name, g, w) in [
                         ("out", &got, &want),
                         ("probs", got_p.as_ref().unwrap(), want_p.as_ref().unwrap()),
