@@ -13,6 +13,12 @@
                 with random weights by AutoModelForSequenceClassification.from_config (6 labels,
                 transformers' default attention), on one random batch as bench_hf.py makes it.
 
+  qwen2_train, mistral_train
+                AdamW (lr 1e-4, no weight decay) steps of AutoModelForCausalLM.from_config with
+                random weights on 4 random 128-token blocks (labels = inputs): Qwen2-0.5B's
+                config, and Mistral's architecture at SmolLM2's 135M scale with a 64-token
+                sliding window (kiln's crates/kiln/src/bench/llama.rs has the same configs).
+
   smollm2_train     SmolLM2-135M (the folder `kiln convert --from-gguf` wrote; $SMOLLM2_DIR)
                     continued pretraining: AdamW lr 1e-4, batches of 4 blocks of 128 tokens, the
                     first blocks of the corpus packed as kiln does (documents + EOS, concatenated).
@@ -197,6 +203,44 @@ def family_train(key, warmup, steps, batch=8, seq=128):
             "attn_implementation": model.config._attn_implementation})
 
 
+CAUSAL_CONFIGS = {
+    "qwen2_train": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                        tie_word_embeddings=True, use_sliding_window=False),
+    "mistral_train": dict(model_type="mistral", vocab_size=32768, hidden_size=576, intermediate_size=1536,
+                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                          max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+                          sliding_window=64, tie_word_embeddings=False),
+}
+
+
+def causal_family_train(key, warmup, steps, batch=4, seq=128):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    kw = dict(CAUSAL_CONFIGS[key])
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(1234)
+    ids = torch.randint(1000, 30000, (batch, seq), generator=gen, dtype=torch.long)
+    times, losses = [], []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dt = time.perf_counter() - t0
+        losses.append(float(out.loss.detach()))
+        if i >= warmup:
+            times.append(dt)
+    report(f"{key}_fp32", times, batch, seq, [batch * seq] * len(times),
+           {"loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
+            "attn_implementation": model.config._attn_implementation})
+
+
 def smollm2_blocks(model_dir, corpus, block, needed):
     tok = AutoTokenizer.from_pretrained(model_dir)
     eos = json.load(open(os.path.join(model_dir, "config.json")))["eos_token_id"]
@@ -361,6 +405,9 @@ def main():
     for key in FAMILY_CONFIGS:
         if key in which:
             family_train(key, args.warmup, args.base_steps)
+    for key in CAUSAL_CONFIGS:
+        if key in which:
+            causal_family_train(key, args.warmup, args.base_steps)
     smollm2 = os.environ.get("SMOLLM2_DIR", "assets/smollm2/hf")
     if "smollm2_train" in which:
         smollm2_train(smollm2, args.lm_corpus, args.warmup, args.base_steps)

@@ -112,6 +112,76 @@ pub fn train(dir: &Path, corpus: &Path, warmup: usize, steps: usize) -> Result<B
     ))
 }
 
+/// The configs of the causal family rows: Qwen2-0.5B as published (q/k/v biases, a tied
+/// 151,936-token head), and Mistral's architecture at SmolLM2's 135M scale with a 64-token
+/// sliding window, shorter than the 128-token blocks (Mistral-7B does not train on 2 cores).
+pub fn family_config(key: &str) -> Option<serde_json::Value> {
+    Some(match key {
+        "qwen2_train" => serde_json::json!({
+            "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
+            "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+            "num_key_value_heads": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "tie_word_embeddings": true, "use_sliding_window": false}),
+        "mistral_train" => serde_json::json!({
+            "model_type": "mistral", "vocab_size": 32768, "hidden_size": 576,
+            "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+            "num_key_value_heads": 3, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "sliding_window": 64, "tie_word_embeddings": false}),
+        _ => return None,
+    })
+}
+
+/// AdamW (lr 1e-4, no weight decay) steps of a causal family row's model (random weights) on
+/// one batch of 4 random 128-token blocks, as bench_reference.py's rows.
+pub fn family_train(key: &str, warmup: usize, steps: usize) -> Result<BenchResult> {
+    use rand::{Rng, SeedableRng};
+    let (batch, seq) = (4, 128);
+    let json = family_config(key).expect("a causal family row");
+    let path = std::env::temp_dir().join(format!("kiln-bench-{key}-{}.json", std::process::id()));
+    std::fs::write(&path, json.to_string()).map_err(|e| crate::error::KilnError::io(&path, e))?;
+    let config = LlamaConfig::from_file(&path);
+    let _ = std::fs::remove_file(&path);
+    let config = config?;
+    let device = Default::default();
+    let model = crate::ops::with_seeded_rng::<CpuTrain, _>(&device, 0, || {
+        crate::models::llama::LlamaForCausalLM::<CpuTrain>::new(&config, &device)
+    });
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1234);
+    let ids: Vec<i64> = (0..batch * seq)
+        .map(|_| rng.random_range(1000..30000))
+        .collect();
+    let targets = ids
+        .chunks(seq)
+        .flat_map(|row| row[1..].iter().copied().chain([crate::task::IGNORE_INDEX]))
+        .collect();
+    let work = StepWork {
+        samples: batch,
+        padded_seq: seq,
+        tokens: batch * seq,
+        flops: 3.0 * llama_forward_flops(&config, batch, seq),
+    };
+    let tb = crate::data::lm::TokenBatch { ids, batch, seq };
+    let opt = Optimizer::new(
+        OptimizerType::AdamwTorch,
+        AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        },
+    );
+    Ok(train_steps(
+        &format!("{key}_fp32"),
+        model,
+        opt,
+        1e-4,
+        &[(tb, targets, work)],
+        warmup,
+        steps,
+        &device,
+    ))
+}
+
 /// Forward passes over one 128-token block of the corpus (prompt processing).
 pub fn prefill(dir: &Path, corpus: &Path, warmup: usize, steps: usize) -> Result<BenchResult> {
     let seq = 128;

@@ -180,6 +180,16 @@ pub const ROWS: &[RowSpec] = &[
         pytorch_rows: &["tweets_train_fixed128", "tweets_train_dynamic"],
     },
     RowSpec {
+        key: "qwen2_train",
+        reference: Reference::Extra,
+        pytorch_rows: &["qwen2_train_fp32"],
+    },
+    RowSpec {
+        key: "mistral_train",
+        reference: Reference::Extra,
+        pytorch_rows: &["mistral_train_fp32"],
+    },
+    RowSpec {
         key: "smollm2_train",
         reference: Reference::Extra,
         pytorch_rows: &["smollm2_train_fp32"],
@@ -359,6 +369,7 @@ where
             s,
             &device,
         ),
+        "qwen2_train" | "mistral_train" => llama::family_train(key, w, opts.base_steps),
         "smollm2_train" => {
             let dir = llama::converted_folder(&opts.smollm2_gguf)?;
             llama::train(&dir, &opts.lm_corpus, w, opts.base_steps)
