@@ -220,7 +220,12 @@ fn read_rows(
     encoding: TextEncoding,
     strict: bool,
 ) -> Result<(Vec<RawExample>, ReadReport)> {
-    if path.is_dir() {
+    // A folder is a dataset; one named like a data file (`x.csv/`) is a mistake, said as such.
+    let file_like = path.extension().and_then(|e| e.to_str()).is_some_and(|e| {
+        ["csv", "tsv", "json", "jsonl", "ndjson", "parquet", "pq"]
+            .contains(&e.to_ascii_lowercase().as_str())
+    });
+    if path.is_dir() && !file_like {
         return read_folder(path, cols, strict);
     }
     check_regular_file(path)?;

@@ -7,11 +7,11 @@
 use burn::module::Module;
 use burn::tensor::{backend::Backend, IndexingUpdateOp, Int, Tensor};
 
+use super::classifier::EncoderClassifier;
 use super::layers::{Embedding, LayerNorm, Linear};
 use crate::data::batch::TextBatch;
 use crate::hub::config::BertConfig;
 use crate::ops::{attention_qkv, dropout, gelu, linear, reshape, KilnBackend};
-use crate::task::{Model, Segments};
 
 /// One tokenized, padded batch. Masks are 1 for real tokens and 0 for padding.
 #[derive(Debug, Clone)]
@@ -334,23 +334,19 @@ impl<B: KilnBackend> BertForSequenceClassification<B> {
             classifier_dropout: c.classifier_dropout_prob(),
         }
     }
+}
 
-    pub fn num_labels(&self) -> usize {
+impl<B: KilnBackend> EncoderClassifier<B> for BertForSequenceClassification<B> {
+    fn num_labels(&self) -> usize {
         self.classifier.weight.dims()[0]
     }
 
-    /// Logits `[B, num_labels]`: the segments one after the other.
-    pub fn forward(&self, input: &BertInput<B>) -> Tensor<B, 2> {
-        let mask_bias = mask_bias(input);
-        let mut x = self.embed_input(input);
-        for layer in &self.bert.encoder.layer {
-            x = layer.forward(x, mask_bias.clone(), input.unpadded.as_ref());
-        }
-        self.head_input(x, input)
+    fn input(&self, batch: &TextBatch) -> BertInput<B> {
+        BertInput::from_batch(batch, &self.classifier.weight.device())
     }
 
     /// The embeddings' output, packed to the real tokens when the batch is right-padded.
-    fn embed_input(&self, input: &BertInput<B>) -> Tensor<B, 3> {
+    fn embed(&self, input: &BertInput<B>) -> Tensor<B, 3> {
         let x = self.bert.embeddings.forward(input);
         match &input.unpadded {
             Some(u) => u.pack(x),
@@ -358,16 +354,26 @@ impl<B: KilnBackend> BertForSequenceClassification<B> {
         }
     }
 
+    fn num_layers(&self) -> usize {
+        self.bert.encoder.layer.len()
+    }
+
+    fn layer(&self, i: usize, x: Tensor<B, 3>, input: &BertInput<B>) -> Tensor<B, 3> {
+        self.bert.encoder.layer[i].forward(x, mask_bias(input), input.unpadded.as_ref())
+    }
+
     /// The last layer's output → pooler → classifier.
-    fn head_input(&self, x: Tensor<B, 3>, input: &BertInput<B>) -> Tensor<B, 2> {
+    fn head(&self, x: Tensor<B, 3>, input: &BertInput<B>) -> Tensor<B, 2> {
         let cls = first_tokens(x, input);
         let pooled = self.bert.pooler.dense.forward(cls).tanh();
         self.classifier
             .forward(dropout(pooled, self.classifier_dropout))
     }
 
-    fn input(&self, batch: &TextBatch) -> BertInput<B> {
-        BertInput::from_batch(batch, &self.classifier.weight.device())
+    fn embedding_parameters(&self) -> Vec<String> {
+        ["word", "position", "token_type"]
+            .map(|e| format!("bert.embeddings.{e}_embeddings.weight"))
+            .into()
     }
 }
 
@@ -388,46 +394,4 @@ pub(crate) fn mask_bias<B: KilnBackend>(input: &BertInput<B>) -> Tensor<B, 2> {
     (input.attention_mask.clone().float().neg() + 1.0).mul_scalar(f32::MIN)
 }
 
-/// Embeddings, encoder layers, pooler + classifier: the segments activation checkpointing
-/// (`--gradient-checkpointing`) recomputes one at a time. Each call rebuilds the batch's small
-/// index tensors, which keeps the segments stateless.
-impl<B: KilnBackend> Segments<B, TextBatch> for BertForSequenceClassification<B> {
-    fn num_layers(&self) -> usize {
-        self.bert.encoder.layer.len()
-    }
-
-    fn embed(&self, batch: &TextBatch) -> Tensor<B, 3> {
-        self.embed_input(&self.input(batch))
-    }
-
-    fn layer(&self, i: usize, x: Tensor<B, 3>, batch: &TextBatch) -> Tensor<B, 3> {
-        let input = self.input(batch);
-        self.bert.encoder.layer[i].forward(x, mask_bias(&input), input.unpadded.as_ref())
-    }
-
-    fn head(&self, h: Tensor<B, 3>, batch: &TextBatch) -> Tensor<B, 2> {
-        self.head_input(h, &self.input(batch))
-    }
-}
-
-impl<B: KilnBackend> Model<B> for BertForSequenceClassification<B> {
-    type Batch = TextBatch;
-
-    fn logits(&self, batch: &TextBatch) -> Tensor<B, 2> {
-        self.forward(&self.input(batch))
-    }
-
-    fn segments(&self) -> Option<&dyn Segments<B, TextBatch>> {
-        Some(self)
-    }
-
-    fn input_ids_numel(&self, batch: &TextBatch) -> usize {
-        batch.batch * batch.seq
-    }
-
-    fn embedding_parameters(&self) -> Vec<String> {
-        ["word", "position", "token_type"]
-            .map(|e| format!("bert.embeddings.{e}_embeddings.weight"))
-            .into()
-    }
-}
+crate::models::classifier::encoder_model!(BertForSequenceClassification);

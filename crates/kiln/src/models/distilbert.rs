@@ -10,11 +10,11 @@ use burn::tensor::activation::relu;
 use burn::tensor::{backend::Backend, Int, Tensor};
 
 use super::bert::{first_tokens, mask_bias, self_attention, BertInput, Unpadded};
+use super::classifier::EncoderClassifier;
 use super::layers::{Embedding, LayerNorm, Linear};
 use crate::data::batch::TextBatch;
 use crate::hub::distilbert_config::DistilBertConfig;
 use crate::ops::{dropout, gelu, KilnBackend};
-use crate::task::{Model, Segments};
 
 /// DistilBERT's LayerNorm epsilon (fixed in transformers, not in the config).
 const LN_EPS: f64 = 1e-12;
@@ -149,8 +149,10 @@ impl<B: KilnBackend> DistilBertForSequenceClassification<B> {
             seq_classif_dropout: c.seq_classif_dropout,
         }
     }
+}
 
-    pub fn num_labels(&self) -> usize {
+impl<B: KilnBackend> EncoderClassifier<B> for DistilBertForSequenceClassification<B> {
+    fn num_labels(&self) -> usize {
         self.classifier.weight.dims()[0]
     }
 
@@ -158,7 +160,7 @@ impl<B: KilnBackend> DistilBertForSequenceClassification<B> {
         BertInput::from_batch(batch, &self.classifier.weight.device())
     }
 
-    fn embed_input(&self, input: &BertInput<B>) -> Tensor<B, 3> {
+    fn embed(&self, input: &BertInput<B>) -> Tensor<B, 3> {
         let e = &self.distilbert.embeddings;
         let [b, t] = input.input_ids.dims();
         let positions = Tensor::<B, 1, Int>::arange(0..t as i64, &input.input_ids.device())
@@ -173,54 +175,18 @@ impl<B: KilnBackend> DistilBertForSequenceClassification<B> {
         }
     }
 
-    fn head_input(&self, x: Tensor<B, 3>, input: &BertInput<B>) -> Tensor<B, 2> {
-        let pooled = relu(self.pre_classifier.forward(first_tokens(x, input)));
-        self.classifier
-            .forward(dropout(pooled, self.seq_classif_dropout))
-    }
-
-    pub fn forward(&self, input: &BertInput<B>) -> Tensor<B, 2> {
-        let mask = mask_bias(input);
-        let mut x = self.embed_input(input);
-        for layer in &self.distilbert.transformer.layer {
-            x = layer.forward(x, mask.clone(), input.unpadded.as_ref());
-        }
-        self.head_input(x, input)
-    }
-}
-
-impl<B: KilnBackend> Segments<B, TextBatch> for DistilBertForSequenceClassification<B> {
     fn num_layers(&self) -> usize {
         self.distilbert.transformer.layer.len()
     }
 
-    fn embed(&self, batch: &TextBatch) -> Tensor<B, 3> {
-        self.embed_input(&self.input(batch))
+    fn layer(&self, i: usize, x: Tensor<B, 3>, input: &BertInput<B>) -> Tensor<B, 3> {
+        self.distilbert.transformer.layer[i].forward(x, mask_bias(input), input.unpadded.as_ref())
     }
 
-    fn layer(&self, i: usize, x: Tensor<B, 3>, batch: &TextBatch) -> Tensor<B, 3> {
-        let input = self.input(batch);
-        self.distilbert.transformer.layer[i].forward(x, mask_bias(&input), input.unpadded.as_ref())
-    }
-
-    fn head(&self, h: Tensor<B, 3>, batch: &TextBatch) -> Tensor<B, 2> {
-        self.head_input(h, &self.input(batch))
-    }
-}
-
-impl<B: KilnBackend> Model<B> for DistilBertForSequenceClassification<B> {
-    type Batch = TextBatch;
-
-    fn logits(&self, batch: &TextBatch) -> Tensor<B, 2> {
-        self.forward(&self.input(batch))
-    }
-
-    fn segments(&self) -> Option<&dyn Segments<B, TextBatch>> {
-        Some(self)
-    }
-
-    fn input_ids_numel(&self, batch: &TextBatch) -> usize {
-        batch.batch * batch.seq
+    fn head(&self, x: Tensor<B, 3>, input: &BertInput<B>) -> Tensor<B, 2> {
+        let pooled = relu(self.pre_classifier.forward(first_tokens(x, input)));
+        self.classifier
+            .forward(dropout(pooled, self.seq_classif_dropout))
     }
 
     fn embedding_parameters(&self) -> Vec<String> {
@@ -229,3 +195,5 @@ impl<B: KilnBackend> Model<B> for DistilBertForSequenceClassification<B> {
             .into()
     }
 }
+
+super::classifier::encoder_model!(DistilBertForSequenceClassification);

@@ -10,11 +10,11 @@ use burn::module::{Ignored, Module};
 use burn::tensor::{backend::Backend, Tensor};
 
 use super::bert::{first_tokens, mask_bias, BertInput, Unpadded};
+use super::classifier::EncoderClassifier;
 use super::layers::{inv_freq, rope_tables, Embedding, LayerNorm, Linear};
 use crate::data::batch::TextBatch;
 use crate::hub::modernbert_config::ModernBertConfig;
 use crate::ops::{self, dropout, gelu, KilnBackend, Window};
-use crate::task::{Model, Segments};
 
 #[derive(Module, Debug)]
 pub struct ModernBertEmbeddings<B: Backend> {
@@ -198,8 +198,10 @@ impl<B: KilnBackend> ModernBertForSequenceClassification<B> {
             mean_pooling: c.classifier_pooling == "mean",
         }
     }
+}
 
-    pub fn num_labels(&self) -> usize {
+impl<B: KilnBackend> EncoderClassifier<B> for ModernBertForSequenceClassification<B> {
+    fn num_labels(&self) -> usize {
         self.classifier.weight.dims()[0]
     }
 
@@ -207,7 +209,7 @@ impl<B: KilnBackend> ModernBertForSequenceClassification<B> {
         BertInput::from_batch(batch, &self.classifier.weight.device())
     }
 
-    fn embed_input(&self, input: &BertInput<B>) -> Tensor<B, 3> {
+    fn embed(&self, input: &BertInput<B>) -> Tensor<B, 3> {
         let e = &self.model.embeddings;
         let x = dropout(
             e.norm
@@ -220,8 +222,16 @@ impl<B: KilnBackend> ModernBertForSequenceClassification<B> {
         }
     }
 
+    fn num_layers(&self) -> usize {
+        self.model.layers.len()
+    }
+
+    fn layer(&self, i: usize, x: Tensor<B, 3>, input: &BertInput<B>) -> Tensor<B, 3> {
+        self.model.layers[i].forward(x, mask_bias(input), input.unpadded.as_ref())
+    }
+
     /// The last layer's output → final norm → pooling → head → classifier.
-    fn head_input(&self, x: Tensor<B, 3>, input: &BertInput<B>) -> Tensor<B, 2> {
+    fn head(&self, x: Tensor<B, 3>, input: &BertInput<B>) -> Tensor<B, 2> {
         let x = self.model.final_norm.forward(x);
         let pooled = if self.mean_pooling {
             let x = match &input.unpadded {
@@ -244,51 +254,9 @@ impl<B: KilnBackend> ModernBertForSequenceClassification<B> {
             .forward(dropout(pooled, self.classifier_dropout))
     }
 
-    pub fn forward(&self, input: &BertInput<B>) -> Tensor<B, 2> {
-        let mask = mask_bias(input);
-        let mut x = self.embed_input(input);
-        for layer in &self.model.layers {
-            x = layer.forward(x, mask.clone(), input.unpadded.as_ref());
-        }
-        self.head_input(x, input)
-    }
-}
-
-impl<B: KilnBackend> Segments<B, TextBatch> for ModernBertForSequenceClassification<B> {
-    fn num_layers(&self) -> usize {
-        self.model.layers.len()
-    }
-
-    fn embed(&self, batch: &TextBatch) -> Tensor<B, 3> {
-        self.embed_input(&self.input(batch))
-    }
-
-    fn layer(&self, i: usize, x: Tensor<B, 3>, batch: &TextBatch) -> Tensor<B, 3> {
-        let input = self.input(batch);
-        self.model.layers[i].forward(x, mask_bias(&input), input.unpadded.as_ref())
-    }
-
-    fn head(&self, h: Tensor<B, 3>, batch: &TextBatch) -> Tensor<B, 2> {
-        self.head_input(h, &self.input(batch))
-    }
-}
-
-impl<B: KilnBackend> Model<B> for ModernBertForSequenceClassification<B> {
-    type Batch = TextBatch;
-
-    fn logits(&self, batch: &TextBatch) -> Tensor<B, 2> {
-        self.forward(&self.input(batch))
-    }
-
-    fn segments(&self) -> Option<&dyn Segments<B, TextBatch>> {
-        Some(self)
-    }
-
-    fn input_ids_numel(&self, batch: &TextBatch) -> usize {
-        batch.batch * batch.seq
-    }
-
     fn embedding_parameters(&self) -> Vec<String> {
         vec!["model.embeddings.tok_embeddings.weight".into()]
     }
 }
+
+super::classifier::encoder_model!(ModernBertForSequenceClassification);

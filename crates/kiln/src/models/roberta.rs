@@ -7,11 +7,11 @@ use burn::module::Module;
 use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 
 use super::bert::{first_tokens, mask_bias, BertEmbeddings, BertEncoder, BertInput, BertLayer};
+use super::classifier::EncoderClassifier;
 use super::layers::Linear;
 use crate::data::batch::TextBatch;
 use crate::hub::config::BertConfig;
 use crate::ops::{dropout, KilnBackend};
-use crate::task::{Model, Segments};
 
 #[derive(Module, Debug)]
 pub struct RobertaModel<B: Backend> {
@@ -74,14 +74,16 @@ impl<B: KilnBackend> RobertaForSequenceClassification<B> {
             padding_idx: c.pad_token_id.unwrap_or(1),
         }
     }
+}
 
-    pub fn num_labels(&self) -> usize {
+impl<B: KilnBackend> EncoderClassifier<B> for RobertaForSequenceClassification<B> {
+    fn num_labels(&self) -> usize {
         self.classifier.out_proj.weight.dims()[0]
     }
 
     /// The batch with RoBERTa's positions; token types are all 0 (RoBERTa tokenizers give none,
     /// and the table has one row).
-    pub fn input(&self, batch: &TextBatch) -> BertInput<B> {
+    fn input(&self, batch: &TextBatch) -> BertInput<B> {
         let device = self.classifier.dense.weight.device();
         let mut input = BertInput::from_batch(batch, &device);
         let ints = |v: Vec<i64>| {
@@ -96,7 +98,7 @@ impl<B: KilnBackend> RobertaForSequenceClassification<B> {
         input
     }
 
-    fn embed_input(&self, input: &BertInput<B>) -> Tensor<B, 3> {
+    fn embed(&self, input: &BertInput<B>) -> Tensor<B, 3> {
         let x = self.roberta.embeddings.forward(input);
         match &input.unpadded {
             Some(u) => u.pack(x),
@@ -104,55 +106,19 @@ impl<B: KilnBackend> RobertaForSequenceClassification<B> {
         }
     }
 
-    fn head_input(&self, x: Tensor<B, 3>, input: &BertInput<B>) -> Tensor<B, 2> {
-        let c = &self.classifier;
-        let x = dropout(first_tokens(x, input), c.dropout);
-        let x = dropout(c.dense.forward(x).tanh(), c.dropout);
-        c.out_proj.forward(x)
-    }
-
-    pub fn forward(&self, input: &BertInput<B>) -> Tensor<B, 2> {
-        let mask = mask_bias(input);
-        let mut x = self.embed_input(input);
-        for layer in &self.roberta.encoder.layer {
-            x = layer.forward(x, mask.clone(), input.unpadded.as_ref());
-        }
-        self.head_input(x, input)
-    }
-}
-
-impl<B: KilnBackend> Segments<B, TextBatch> for RobertaForSequenceClassification<B> {
     fn num_layers(&self) -> usize {
         self.roberta.encoder.layer.len()
     }
 
-    fn embed(&self, batch: &TextBatch) -> Tensor<B, 3> {
-        self.embed_input(&self.input(batch))
+    fn layer(&self, i: usize, x: Tensor<B, 3>, input: &BertInput<B>) -> Tensor<B, 3> {
+        self.roberta.encoder.layer[i].forward(x, mask_bias(input), input.unpadded.as_ref())
     }
 
-    fn layer(&self, i: usize, x: Tensor<B, 3>, batch: &TextBatch) -> Tensor<B, 3> {
-        let input = self.input(batch);
-        self.roberta.encoder.layer[i].forward(x, mask_bias(&input), input.unpadded.as_ref())
-    }
-
-    fn head(&self, h: Tensor<B, 3>, batch: &TextBatch) -> Tensor<B, 2> {
-        self.head_input(h, &self.input(batch))
-    }
-}
-
-impl<B: KilnBackend> Model<B> for RobertaForSequenceClassification<B> {
-    type Batch = TextBatch;
-
-    fn logits(&self, batch: &TextBatch) -> Tensor<B, 2> {
-        self.forward(&self.input(batch))
-    }
-
-    fn segments(&self) -> Option<&dyn Segments<B, TextBatch>> {
-        Some(self)
-    }
-
-    fn input_ids_numel(&self, batch: &TextBatch) -> usize {
-        batch.batch * batch.seq
+    fn head(&self, x: Tensor<B, 3>, input: &BertInput<B>) -> Tensor<B, 2> {
+        let c = &self.classifier;
+        let x = dropout(first_tokens(x, input), c.dropout);
+        let x = dropout(c.dense.forward(x).tanh(), c.dropout);
+        c.out_proj.forward(x)
     }
 
     fn embedding_parameters(&self) -> Vec<String> {
@@ -161,6 +127,8 @@ impl<B: KilnBackend> Model<B> for RobertaForSequenceClassification<B> {
             .into()
     }
 }
+
+super::classifier::encoder_model!(RobertaForSequenceClassification);
 
 #[cfg(test)]
 mod tests {
