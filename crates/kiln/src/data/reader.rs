@@ -476,9 +476,7 @@ fn read_jsonl(path: &Path, c: &mut Collector) -> Result<()> {
         return read_json_array(path, c);
     }
     let f = File::open(path).map_err(|e| KilnError::io(path, e))?;
-    let cols = c.cols.clone();
-    let mut seen_columns: Option<Vec<String>> = None;
-    let mut found = [false; 3];
+    let mut objects = JsonObjects::default();
     for (i, line) in BufReader::new(f).split(b'\n').enumerate() {
         let n = i + 1;
         let line = line.map_err(|e| KilnError::io(path, e))?;
@@ -501,32 +499,59 @@ fn read_jsonl(path: &Path, c: &mut Collector) -> Result<()> {
                 continue;
             }
         };
-        seen_columns.get_or_insert_with(|| obj.keys().cloned().collect());
+        objects.row(c, n, &obj)?;
+    }
+    objects.finish(path, c)
+}
+
+/// The rows of a JSON file, one object each (JSON Lines or one array): each object's cells and,
+/// at the end, a wanted column that no row has — a configuration error, not a thousand
+/// malformed rows.
+#[derive(Default)]
+struct JsonObjects {
+    /// The first object's keys, for the error.
+    have: Option<Vec<String>>,
+    /// Whether any row has the text, text-pair and label columns.
+    found: [bool; 3],
+}
+
+impl JsonObjects {
+    fn row(
+        &mut self,
+        c: &mut Collector,
+        n: usize,
+        obj: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<()> {
+        self.have
+            .get_or_insert_with(|| obj.keys().cloned().collect());
+        let cols: &Columns = c.cols;
         let mut get = |k: Option<&String>, slot: usize| {
             let v = k.and_then(|k| obj.get(k));
-            found[slot] |= v.is_some();
+            self.found[slot] |= v.is_some();
             json_cell(v)
         };
         let text = get(Some(&cols.text), 0);
         let pair = get(cols.text_pair.as_ref(), 1);
         let label = get(cols.label.as_ref(), 2);
-        c.row(n, text, pair, label)?;
+        c.row(n, text, pair, label)
     }
-    // A column that no row has is a configuration error, not a thousand malformed rows.
-    let have = seen_columns.unwrap_or_default();
-    let wanted = [
-        Some(&cols.text),
-        cols.text_pair.as_ref(),
-        cols.label.as_ref(),
-    ];
-    for (w, f) in wanted.iter().zip(found) {
-        if let (Some(w), false) = (w, f) {
-            if c.report.rows > 0 {
-                return Err(missing_column(path, w, &have));
+
+    fn finish(self, path: &Path, c: &Collector) -> Result<()> {
+        let cols = c.cols;
+        let wanted = [
+            Some(&cols.text),
+            cols.text_pair.as_ref(),
+            cols.label.as_ref(),
+        ];
+        for (w, f) in wanted.iter().zip(self.found) {
+            if let (Some(w), false) = (w, f) {
+                if c.report.rows > 0 {
+                    return Err(missing_column(path, w, &self.have.unwrap_or_default()));
+                }
             }
         }
+        Ok(())
     }
-    Ok(())
 }
 
 fn read_json_array(path: &Path, c: &mut Collector) -> Result<()> {
@@ -537,41 +562,15 @@ fn read_json_array(path: &Path, c: &mut Collector) -> Result<()> {
             line: e.line(),
             msg: format!("not a JSON array of objects: {e}"),
         })?;
-    let cols = c.cols.clone();
-    let mut have: Vec<String> = Vec::new();
-    let mut found = [false; 3];
+    let mut objects = JsonObjects::default();
     for (i, row) in rows.iter().enumerate() {
-        let n = i + 1;
         let serde_json::Value::Object(obj) = row else {
-            c.skip(n, "not a JSON object".into())?;
+            c.skip(i + 1, "not a JSON object".into())?;
             continue;
         };
-        if have.is_empty() {
-            have = obj.keys().cloned().collect();
-        }
-        let mut get = |k: Option<&String>, slot: usize| {
-            let v = k.and_then(|k| obj.get(k));
-            found[slot] |= v.is_some();
-            json_cell(v)
-        };
-        let text = get(Some(&cols.text), 0);
-        let pair = get(cols.text_pair.as_ref(), 1);
-        let label = get(cols.label.as_ref(), 2);
-        c.row(n, text, pair, label)?;
+        objects.row(c, i + 1, obj)?;
     }
-    let wanted = [
-        Some(&cols.text),
-        cols.text_pair.as_ref(),
-        cols.label.as_ref(),
-    ];
-    for (w, f) in wanted.iter().zip(found) {
-        if let (Some(w), false) = (w, f) {
-            if c.report.rows > 0 {
-                return Err(missing_column(path, w, &have));
-            }
-        }
-    }
-    Ok(())
+    objects.finish(path, c)
 }
 
 fn parquet_cell(field: &parquet::record::Field) -> Cell {

@@ -88,6 +88,27 @@ pub fn probability(name: &str, p: f64) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// `layer_types` (transformers 5), when given: one `full_attention` or `sliding_attention` per
+/// layer.
+pub fn layer_types(types: Option<&[String]>, layers: usize) -> std::result::Result<(), String> {
+    let Some(types) = types else { return Ok(()) };
+    if types.len() != layers {
+        return Err(format!(
+            "layer_types has {} entries for {layers} layers",
+            types.len()
+        ));
+    }
+    match types
+        .iter()
+        .find(|t| !["full_attention", "sliding_attention"].contains(&t.as_str()))
+    {
+        Some(t) => Err(format!(
+            "layer_types: {t:?} is not \"full_attention\" or \"sliding_attention\""
+        )),
+        None => Ok(()),
+    }
+}
+
 /// `model_type` must be one this model family reads (an absent one is taken as the family's).
 pub fn model_type(found: Option<&str>, family: &[&str]) -> std::result::Result<(), String> {
     match found {

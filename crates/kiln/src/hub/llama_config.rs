@@ -177,27 +177,16 @@ impl LlamaConfig {
                 }
             },
         }
-        if let Some(types) = &self.layer_types {
-            if types.len() != self.num_hidden_layers {
-                return Err(format!(
-                    "layer_types has {} entries for {} layers",
-                    types.len(),
-                    self.num_hidden_layers
-                ));
-            }
-            if let Some(t) = types
-                .iter()
-                .find(|t| !["full_attention", "sliding_attention"].contains(&t.as_str()))
-            {
-                return Err(format!(
-                    "layer_types: {t:?} is not \"full_attention\" or \"sliding_attention\""
-                ));
-            }
-            if types.iter().any(|t| t == "sliding_attention") && self.sliding_window().is_none() {
-                return Err(
-                    "layer_types has sliding_attention layers but sliding_window is null".into(),
-                );
-            }
+        super::limits::layer_types(self.layer_types.as_deref(), self.num_hidden_layers)?;
+        let sliding_layers = self
+            .layer_types
+            .iter()
+            .flatten()
+            .any(|t| t == "sliding_attention");
+        if sliding_layers && self.sliding_window().is_none() {
+            return Err(
+                "layer_types has sliding_attention layers but sliding_window is null".into(),
+            );
         }
         non_negative("initializer_range", self.initializer_range, false)?;
         let eos: Vec<u64> = match &self.eos_token_id {

@@ -161,23 +161,7 @@ impl ModernBertConfig {
                 self.classifier_pooling
             ));
         }
-        if let Some(types) = &self.layer_types {
-            if types.len() != self.num_hidden_layers {
-                return Err(format!(
-                    "layer_types has {} entries for {} layers",
-                    types.len(),
-                    self.num_hidden_layers
-                ));
-            }
-            if let Some(t) = types
-                .iter()
-                .find(|t| !["full_attention", "sliding_attention"].contains(&t.as_str()))
-            {
-                return Err(format!(
-                    "layer_types: {t:?} is not \"full_attention\" or \"sliding_attention\""
-                ));
-            }
-        }
+        super::limits::layer_types(self.layer_types.as_deref(), self.num_hidden_layers)?;
         if let Some(n) = self.global_attn_every_n_layers {
             positive("global_attn_every_n_layers", n)?;
         }
