@@ -5,7 +5,6 @@
 //! labels become the ClassLabel's names, in its order.
 
 use std::fs::File;
-use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
 
 use arrow_array::cast::AsArray;
@@ -262,36 +261,69 @@ pub(super) fn read(dir: &Path, c: &mut Collector) -> Result<()> {
     Ok(())
 }
 
-type Batches = Box<dyn Iterator<Item = Result<RecordBatch>>>;
-
-/// The record batches of an Arrow IPC file, stream format (what `datasets` writes) or file format.
-fn batches(path: &Path) -> Result<Batches> {
-    let bad = |e: arrow_schema::ArrowError| {
+/// The record batches of an Arrow IPC file: stream format (what `datasets` writes), or file
+/// format, whose body after the 8-byte magic is the same stream.
+fn batches(path: &Path) -> Result<impl Iterator<Item = Result<RecordBatch>>> {
+    let bad = |e: String| {
         KilnError::Data(format!(
             "{}: not a readable Arrow file: {e}",
             path.display()
         ))
     };
-    let mut f = File::open(path).map_err(|e| KilnError::io(path, e))?;
-    let mut magic = [0u8; 6];
-    let file_format = f.read_exact(&mut magic).is_ok() && &magic == b"ARROW1";
-    let f = File::open(path).map_err(|e| KilnError::io(path, e))?;
+    let bytes = std::fs::read(path).map_err(|e| KilnError::io(path, e))?;
+    let start = if bytes.starts_with(b"ARROW1") { 8 } else { 0 };
+    check_framing(&bytes, start).map_err(bad)?;
+    let mut stream = std::io::Cursor::new(bytes);
+    stream.set_position(start as u64);
+    let reader =
+        arrow_ipc::reader::StreamReader::try_new(stream, None).map_err(|e| bad(e.to_string()))?;
     let owned = path.to_path_buf();
-    let wrap = move |r: std::result::Result<RecordBatch, arrow_schema::ArrowError>| {
+    Ok(reader.map(move |r| {
         r.map_err(|e| {
             KilnError::Data(format!(
                 "{}: not a readable Arrow file: {e}",
                 owned.display()
             ))
         })
+    }))
+}
+
+/// Every message of the IPC stream in `bytes[start..]` declares sizes that fit in the file.
+/// arrow-ipc allocates a message's declared body before reading it, so a corrupt length would be
+/// an allocation without bound (an abort, not an error).
+fn check_framing(bytes: &[u8], start: usize) -> std::result::Result<(), String> {
+    let word = |at: usize| {
+        bytes
+            .get(at..at + 4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     };
-    Ok(if file_format {
-        let r = arrow_ipc::reader::FileReader::try_new(f, None).map_err(bad)?;
-        Box::new(r.map(wrap))
-    } else {
-        let r = arrow_ipc::reader::StreamReader::try_new(BufReader::new(f), None).map_err(bad)?;
-        Box::new(r.map(wrap))
-    })
+    let mut pos = start;
+    while pos < bytes.len() {
+        let mut len = word(pos).ok_or("the file ends inside a message header")?;
+        pos += 4;
+        if len == -1 {
+            // The continuation marker, then the metadata length.
+            len = word(pos).ok_or("the file ends inside a message header")?;
+            pos += 4;
+        }
+        if len == 0 {
+            return Ok(()); // end of stream
+        }
+        let meta = usize::try_from(len)
+            .ok()
+            .and_then(|l| bytes.get(pos..pos.checked_add(l)?))
+            .ok_or_else(|| format!("a message at byte {pos} declares {len} bytes of metadata, past the end of the file"))?;
+        let message = arrow_ipc::root_as_message(meta)
+            .map_err(|e| format!("the message at byte {pos}: {e}"))?;
+        pos += meta.len();
+        let body = message.bodyLength();
+        pos = usize::try_from(body)
+            .ok()
+            .and_then(|b| pos.checked_add(b))
+            .filter(|&end| end <= bytes.len())
+            .ok_or_else(|| format!("a message at byte {pos} declares a body of {body} bytes, past the end of the file"))?;
+    }
+    Ok(())
 }
 
 fn read_batch(dir: &Path, batch: &RecordBatch, c: &mut Collector, n: &mut usize) -> Result<()> {
