@@ -157,10 +157,14 @@ impl BertConfig {
         }
         non_negative("layer_norm_eps", self.layer_norm_eps, true)?;
         non_negative("initializer_range", self.initializer_range, false)?;
-        if let Some(pad) = self.pad_token_id.filter(|&p| p >= self.vocab_size) {
+        super::limits::token_in_vocab("pad_token_id", self.pad_token_id, self.vocab_size)?;
+        // RoBERTa's positions start after the padding id's row: the table needs rows beyond it.
+        if self.is_roberta() && self.max_length() == 0 {
             return Err(format!(
-                "pad_token_id {pad} is outside the vocabulary (vocab_size {})",
-                self.vocab_size
+                "max_position_embeddings {} leaves no positions after pad_token_id {} (RoBERTa \
+                 counts positions from pad_token_id + 1)",
+                self.max_position_embeddings,
+                self.pad_token_id.unwrap_or(1)
             ));
         }
         Ok(())

@@ -57,7 +57,10 @@ impl EncoderConfig {
         match t.as_str() {
             "bert" | "roberta" | "xlm-roberta" | "camembert" => {
                 let mut c = BertConfig::from_file(path)?;
+                // A type known from `architectures` only: checked again as that type.
                 c.head.model_type = Some(t);
+                c.validate()
+                    .map_err(|m| KilnError::Config(format!("{}: {m}", path.display())))?;
                 Ok(Self::Bert(c))
             }
             "distilbert" => Ok(Self::DistilBert(DistilBertConfig::from_file(path)?)),
@@ -219,6 +222,18 @@ mod tests {
         assert_eq!(c.architecture(), "XLMRobertaForSequenceClassification");
         // Neither: BERT, as kiln always read such folders.
         assert_eq!(read(small()).unwrap().model_type(), "bert");
+    }
+
+    #[test]
+    fn roberta_positions_need_rows_after_the_padding_id() {
+        let mut j = small();
+        j["architectures"] = serde_json::json!(["RobertaForSequenceClassification"]);
+        j["max_position_embeddings"] = 2.into();
+        let e = read(j).unwrap_err().to_string();
+        assert!(
+            e.contains("leaves no positions after pad_token_id 1"),
+            "{e}"
+        );
     }
 
     #[test]

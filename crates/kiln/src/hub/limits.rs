@@ -88,6 +88,20 @@ pub fn probability(name: &str, p: f64) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// `Err` naming `name` unless token id `id` (when set) has a row among `vocab_size` embeddings.
+pub fn token_in_vocab(
+    name: &str,
+    id: Option<usize>,
+    vocab_size: usize,
+) -> std::result::Result<(), String> {
+    match id {
+        Some(id) if id >= vocab_size => Err(format!(
+            "{name} {id} is outside the vocabulary (vocab_size {vocab_size})"
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// `layer_types` (transformers 5), when given: one `full_attention` or `sliding_attention` per
 /// layer.
 pub fn layer_types(types: Option<&[String]>, layers: usize) -> std::result::Result<(), String> {

@@ -192,12 +192,7 @@ impl ModernBertConfig {
         }
         non_negative("norm_eps", self.norm_eps, true)?;
         non_negative("initializer_range", self.initializer_range, false)?;
-        if let Some(pad) = self.pad_token_id.filter(|&p| p >= self.vocab_size) {
-            return Err(format!(
-                "pad_token_id {pad} is outside the vocabulary (vocab_size {})",
-                self.vocab_size
-            ));
-        }
+        super::limits::token_in_vocab("pad_token_id", self.pad_token_id, self.vocab_size)?;
         Ok(())
     }
 

@@ -385,7 +385,16 @@ pub fn dataset_splits(
     let files: Vec<String> = hub
         .dataset_files(&id)?
         .into_iter()
-        .filter(|f| f.ends_with(".parquet") && f.split('/').count() == 3)
+        // CONFIG/SPLIT/FILE.parquet; names come from the server and become cache paths: no
+        // empty, `.` or `..` parts.
+        .filter(|f| {
+            let parts: Vec<&str> = f.split('/').collect();
+            f.ends_with(".parquet")
+                && parts.len() == 3
+                && parts
+                    .iter()
+                    .all(|p| !p.is_empty() && *p != "." && *p != "..")
+        })
         .collect();
     let mut configs: Vec<&str> = files.iter().filter_map(|f| f.split('/').next()).collect();
     configs.sort_unstable();
