@@ -187,10 +187,16 @@ def family_train(key, warmup, steps, batch=8, seq=128):
     ids = torch.randint(1000, 30000, (batch, seq), generator=gen, dtype=torch.long)
     mask = torch.ones(batch, seq, dtype=torch.long)
     labels = torch.randint(0, 6, (batch,), generator=gen, dtype=torch.long)
+    timed_steps(key, model, opt, dict(input_ids=ids, attention_mask=mask, labels=labels), batch, seq,
+                warmup, steps)
+
+
+def timed_steps(key, model, opt, inputs, batch, seq, warmup, steps):
+    """Optimizer steps on one fixed batch, the first `warmup` untimed; reports `{key}_fp32`."""
     times, losses = [], []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
-        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out = model(**inputs)
         out.loss.backward()
         opt.step()
         opt.zero_grad()
@@ -225,20 +231,7 @@ def causal_family_train(key, warmup, steps, batch=4, seq=128):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     gen = torch.Generator().manual_seed(1234)
     ids = torch.randint(1000, 30000, (batch, seq), generator=gen, dtype=torch.long)
-    times, losses = [], []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad()
-        dt = time.perf_counter() - t0
-        losses.append(float(out.loss.detach()))
-        if i >= warmup:
-            times.append(dt)
-    report(f"{key}_fp32", times, batch, seq, [batch * seq] * len(times),
-           {"loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
-            "attn_implementation": model.config._attn_implementation})
+    timed_steps(key, model, opt, dict(input_ids=ids, labels=ids), batch, seq, warmup, steps)
 
 
 def smollm2_blocks(model_dir, corpus, block, needed):

@@ -91,6 +91,39 @@ fn without_dropout(mut c: EncoderConfig) -> EncoderConfig {
     c
 }
 
+/// `loss` equals the fixture's, and its backward gives every parameter of `m` the fixture's
+/// gradient (rel. err < 1e-3).
+fn loss_and_gradients_match<M: burn::module::AutodiffModule<CpuTrain>>(
+    family: &str,
+    fx: &Fixture,
+    m: &M,
+    loss: Tensor<CpuTrain, 1>,
+) {
+    let (l, want) = (host(loss.clone())[0], fx.tensors["loss"].data[0]);
+    assert!(
+        (l - want).abs() < 1e-5 * want.abs(),
+        "{family}: loss {l} vs {want}"
+    );
+    let grads = loss.backward();
+    let mut acc = GradAccumulator::<Cpu>::default();
+    acc.accumulate::<CpuTrain, _>(m, &grads);
+    let total = acc.global_norm();
+    let reference = fx.tensors.keys().filter(|k| k.starts_with("grad.")).count();
+    assert_eq!(acc.grads.len(), reference, "{family}: every parameter");
+    for (name, g) in &acc.grads {
+        let g = host(g.clone());
+        let r = &fx.tensors[&format!("grad.{name}")].data;
+        let err = rel_err(&g, r);
+        let scale = r.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+        // A gradient that is zero in exact arithmetic (the key bias: softmax ignores a shift per
+        // row) is round-off on both sides: bounded by the total norm instead.
+        assert!(
+            err < 1e-3 || err * scale < 1e-6 * total,
+            "{family}: {name}: grad rel err {err:e} (norm {scale:e}, total {total:e})"
+        );
+    }
+}
+
 #[test]
 fn tokenizers_match_transformers() {
     for family in CLASSIFIERS {
@@ -147,38 +180,7 @@ fn loss_and_every_gradient_match_pytorch() {
             "{family}: {report:?}"
         );
         let loss = CrossEntropy.loss(m.logits(&batch(&fx)), labels(&fx));
-        let (l, want) = (host(loss.clone())[0], fx.tensors["loss"].data[0]);
-        assert!(
-            (l - want).abs() < 1e-5 * want.abs(),
-            "{family}: loss {l} vs {want}"
-        );
-
-        let grads = loss.backward();
-        let mut acc = GradAccumulator::<Cpu>::default();
-        acc.accumulate::<CpuTrain, _>(&m, &grads);
-        let total = acc.global_norm();
-        let reference: Vec<&String> = fx
-            .tensors
-            .keys()
-            .filter(|k| k.starts_with("grad."))
-            .collect();
-        assert_eq!(
-            acc.grads.len(),
-            reference.len(),
-            "{family}: every parameter"
-        );
-        for (name, g) in &acc.grads {
-            let g = host(g.clone());
-            let r = &fx.tensors[&format!("grad.{name}")].data;
-            let err = rel_err(&g, r);
-            let scale = r.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-            // A gradient that is zero in exact arithmetic (the key bias: softmax ignores a shift
-            // per row) is round-off on both sides: bounded by the total norm instead.
-            assert!(
-                err < 1e-3 || err * scale < 1e-6 * total,
-                "{family}: {name}: grad rel err {err:e} (norm {scale:e}, total {total:e})"
-            );
-        }
+        loss_and_gradients_match(family, &fx, &m, loss);
     }
 }
 
@@ -232,26 +234,6 @@ fn causal_lms_match_transformers() {
         let n = targets.len();
         let t = Tensor::<CpuTrain, 1, Int>::from_data(TensorData::new(targets, [n]), &device);
         let loss = CrossEntropy.loss(m.logits(&b), t);
-        let (l, want) = (host(loss.clone())[0], fx.tensors["loss"].data[0]);
-        assert!(
-            (l - want).abs() < 1e-5 * want.abs(),
-            "{family}: loss {l} vs {want}"
-        );
-        let grads = loss.backward();
-        let mut acc = GradAccumulator::<Cpu>::default();
-        acc.accumulate::<CpuTrain, _>(&m, &grads);
-        let total = acc.global_norm();
-        let reference = fx.tensors.keys().filter(|k| k.starts_with("grad.")).count();
-        assert_eq!(acc.grads.len(), reference, "{family}: every parameter");
-        for (name, g) in &acc.grads {
-            let g = host(g.clone());
-            let r = &fx.tensors[&format!("grad.{name}")].data;
-            let err = rel_err(&g, r);
-            let scale = r.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-            assert!(
-                err < 1e-3 || err * scale < 1e-6 * total,
-                "{family}: {name}: grad rel err {err:e}"
-            );
-        }
+        loss_and_gradients_match(family, &fx, &m, loss);
     }
 }

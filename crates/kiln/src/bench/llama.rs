@@ -115,8 +115,8 @@ pub fn train(dir: &Path, corpus: &Path, warmup: usize, steps: usize) -> Result<B
 /// The configs of the causal family rows: Qwen2-0.5B as published (q/k/v biases, a tied
 /// 151,936-token head), and Mistral's architecture at SmolLM2's 135M scale with a 64-token
 /// sliding window, shorter than the 128-token blocks (Mistral-7B does not train on 2 cores).
-pub fn family_config(key: &str) -> Option<serde_json::Value> {
-    Some(match key {
+pub fn family_config(key: &str) -> Option<LlamaConfig> {
+    let json = match key {
         "qwen2_train" => serde_json::json!({
             "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
             "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
@@ -128,7 +128,8 @@ pub fn family_config(key: &str) -> Option<serde_json::Value> {
             "num_key_value_heads": 3, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
             "rope_theta": 10000.0, "sliding_window": 64, "tie_word_embeddings": false}),
         _ => return None,
-    })
+    };
+    Some(serde_json::from_value(json).expect("a valid config"))
 }
 
 /// AdamW (lr 1e-4, no weight decay) steps of a causal family row's model (random weights) on
@@ -136,12 +137,7 @@ pub fn family_config(key: &str) -> Option<serde_json::Value> {
 pub fn family_train(key: &str, warmup: usize, steps: usize) -> Result<BenchResult> {
     use rand::{Rng, SeedableRng};
     let (batch, seq) = (4, 128);
-    let json = family_config(key).expect("a causal family row");
-    let path = std::env::temp_dir().join(format!("kiln-bench-{key}-{}.json", std::process::id()));
-    std::fs::write(&path, json.to_string()).map_err(|e| crate::error::KilnError::io(&path, e))?;
-    let config = LlamaConfig::from_file(&path);
-    let _ = std::fs::remove_file(&path);
-    let config = config?;
+    let config = family_config(key).expect("a causal family row");
     let device = Default::default();
     let model = crate::ops::with_seeded_rng::<CpuTrain, _>(&device, 0, || {
         crate::models::llama::LlamaForCausalLM::<CpuTrain>::new(&config, &device)

@@ -174,8 +174,8 @@ pub fn bert_train<B: TrainBackend>(
 
 /// The encoder configs of the family rows: each family's base model as published on the Hub
 /// (weights random: a step's time does not depend on their values).
-pub fn family_config(key: &str) -> Option<serde_json::Value> {
-    Some(match key {
+pub fn family_config(key: &str) -> Option<EncoderConfig> {
+    let json = match key {
         "roberta_train" => serde_json::json!({
             "model_type": "roberta", "vocab_size": 50265, "hidden_size": 768,
             "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
@@ -190,7 +190,15 @@ pub fn family_config(key: &str) -> Option<serde_json::Value> {
             "global_attn_every_n_layers": 3, "local_attention": 128, "pad_token_id": 50283,
             "max_position_embeddings": 8192}),
         _ => return None,
-    })
+    };
+    let config = if key == "distilbert_train" {
+        EncoderConfig::DistilBert(serde_json::from_value(json).expect("a valid config"))
+    } else if key == "modernbert_train" {
+        EncoderConfig::ModernBert(serde_json::from_value(json).expect("a valid config"))
+    } else {
+        EncoderConfig::Bert(serde_json::from_value(json).expect("a valid config"))
+    };
+    Some(config)
 }
 
 /// Training steps of one encoder family's classifier (`roberta_train`, `distilbert_train`,
@@ -204,10 +212,7 @@ pub fn family_train<B: TrainBackend>(
     steps: usize,
     device: &B::Device,
 ) -> crate::Result<BenchResult> {
-    let json = family_config(key).expect("a family row");
-    let dir = write_temp_config(&json)?;
-    let config = crate::hub::encoder_config::EncoderConfig::from_file(&dir)?;
-    let _ = std::fs::remove_file(&dir);
+    let config = family_config(key).expect("a family row");
     let model = crate::ops::with_seeded_rng::<B, _>(device, 0, || {
         SequenceClassifier::<B>::new(&config, 6, device)
     });
@@ -242,14 +247,6 @@ pub fn family_train<B: TrainBackend>(
         steps,
         device,
     ))
-}
-
-/// `json` written to a config.json in the temp folder (configs are read, and validated, from
-/// files only).
-fn write_temp_config(json: &serde_json::Value) -> crate::Result<std::path::PathBuf> {
-    let path = std::env::temp_dir().join(format!("kiln-bench-config-{}.json", std::process::id()));
-    std::fs::write(&path, json.to_string()).map_err(|e| crate::error::KilnError::io(&path, e))?;
-    Ok(path)
 }
 
 /// The real-data row: MiniLM fine-tuning steps on the tweet set's first `(warmup + steps) × batch`
@@ -412,6 +409,26 @@ pub fn gemm_gflops<B: KilnBackend>(device: &B::Device) -> f64 {
 mod tests {
     use super::*;
     use crate::backend::Cpu;
+
+    /// The family rows' configs (written in the code, not read from files) pass the checks a
+    /// config.json would.
+    #[test]
+    fn family_configs_are_valid() {
+        for key in ["roberta_train", "distilbert_train", "modernbert_train"] {
+            match family_config(key).unwrap() {
+                EncoderConfig::Bert(c) => c.validate(),
+                EncoderConfig::DistilBert(c) => c.validate(),
+                EncoderConfig::ModernBert(c) => c.validate(),
+            }
+            .unwrap();
+        }
+        for key in ["qwen2_train", "mistral_train"] {
+            crate::bench::llama::family_config(key)
+                .unwrap()
+                .validate()
+                .unwrap();
+        }
+    }
 
     #[test]
     fn flop_count_is_twice_the_encoder_weights_per_token_plus_attention() {
