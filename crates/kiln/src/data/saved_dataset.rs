@@ -39,7 +39,19 @@ pub fn dict_split_names(dir: &Path) -> Result<Vec<String>> {
     struct Dict {
         splits: Vec<String>,
     }
-    let d: Dict = crate::hub::read_json(&dir.join("dataset_dict.json"))?;
+    let path = dir.join("dataset_dict.json");
+    let d: Dict = crate::hub::read_json(&path)?;
+    // Split names become folder paths: only plain names are splits.
+    if let Some(bad) = d
+        .splits
+        .iter()
+        .find(|s| s.is_empty() || s.contains(['/', '\\']) || *s == "." || *s == "..")
+    {
+        return Err(KilnError::Data(format!(
+            "{}: split {bad:?} is not a folder name in the DatasetDict",
+            path.display()
+        )));
+    }
     Ok(d.splits)
 }
 
