@@ -13,6 +13,7 @@ pub mod hub;
 pub mod models;
 pub mod ops;
 pub mod parallel;
+pub mod report;
 pub mod task;
 pub mod tasks;
 pub mod train;
