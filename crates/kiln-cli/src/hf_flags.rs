@@ -1,5 +1,5 @@
 //! transformers' TrainingArguments flags that kiln takes on `train`'s command line without a clap
-//! option of its own: recorded fields (`--report_to none`, `--dataloader_num_workers 4`), older
+//! option of its own: recorded fields (`--hub_model_id none`, `--dataloader_num_workers 4`), older
 //! names (`--evaluation_strategy steps`), and the unknown flags `--ignore-unknown-args` lets pass.
 //! They are taken out of the arguments before clap parses the rest, so `--help` stays readable.
 
@@ -107,14 +107,14 @@ mod tests {
             "ignore-unknown-args".into(),
         ];
         let (kept, hf) = take_hf_flags(
-            args("kiln train --model m --report-to none --dataloader-num-workers=4 --do-train --evaluation-strategy steps --bf16"),
+            args("kiln train --model m --hub-model-id none --dataloader-num-workers=4 --do-train --evaluation-strategy steps --bf16"),
             &known,
         );
         assert_eq!(
             kept,
             args("kiln train --model m --eval-strategy steps --bf16")
         );
-        assert_eq!(hf.entries["report_to"], Value::Null);
+        assert_eq!(hf.entries["hub_model_id"], Value::Null);
         assert_eq!(hf.entries["dataloader_num_workers"], Value::from(4));
         assert_eq!(hf.entries["do_train"], Value::Bool(true));
         // Unknown flags stay for clap to refuse, unless --ignore-unknown-args.

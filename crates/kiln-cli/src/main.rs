@@ -1,6 +1,7 @@
 //! `kiln`: the command-line front end. Argument parsing only; the work is in the `kiln` library.
 
 mod hf_flags;
+mod top;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -70,6 +71,11 @@ enum Command {
     Convert(ConvertCmd),
     /// Continue a prompt with a causal LM (KV cache), streaming tokens to standard output.
     Generate(GenerateCmd),
+    /// Watch running training jobs: every rank's step, loss, rates, CPU, memory and time in
+    /// collectives, live (`kiln top OUTPUT_DIR`, or every job on this machine).
+    Top(top::TopCmd),
+    /// Draw runs' training curves (loss, learning rate, evaluation metrics) into a PNG or SVG.
+    Plot(PlotCmd),
     /// The on-disk cache of compiled GPU kernels and autotune results.
     Cache {
         #[command(subcommand)]
@@ -85,6 +91,16 @@ struct PrecompileCmd {
     /// The training command, as given to `kiln`: `train --model ... --train-file ...`.
     #[arg(last = true, required = true)]
     command: Vec<String>,
+}
+
+#[derive(Args)]
+struct PlotCmd {
+    /// Output folders of runs: kiln's (log.jsonl) or Hugging Face Trainer's (trainer_state.json).
+    #[arg(required = true)]
+    run_dirs: Vec<PathBuf>,
+    /// The picture to write: .png or .svg.
+    #[arg(long, default_value = "curves.png")]
+    out: PathBuf,
 }
 
 #[derive(Subcommand)]
@@ -738,6 +754,7 @@ fn run(mut cli: Cli, matches: &ArgMatches) -> Result<()> {
                 _ => index,
             };
             kiln::backend::init_kernel_cache();
+            kiln::report::live::set_gpu_index(index as u32);
             let device = kiln::backend::CudaDevice::new(index);
             run_on::<kiln::backend::Cuda>(cli, matches, &device)
         }
@@ -1011,6 +1028,16 @@ where
                     g.decode_tokens_per_sec()
                 );
             }
+        }
+        Command::Top(cmd) => top::run(cmd)?,
+        Command::Plot(cmd) => {
+            let runs = cmd
+                .run_dirs
+                .iter()
+                .map(|d| kiln::report::history::RunHistory::read(d))
+                .collect::<kiln::error::Result<Vec<_>>>()?;
+            kiln::report::plot::plot_runs(&runs, &cmd.out)?;
+            println!("wrote {}", cmd.out.display());
         }
         Command::Cache { action } => {
             let dir = kiln::backend::kernel_cache_dir();

@@ -3,6 +3,7 @@
 //! in the same invocation. Every row runs in its own process so its peak memory can be read.
 
 pub mod dp;
+pub mod live_state;
 pub mod llama;
 pub mod measure;
 pub mod peak;
@@ -41,6 +42,10 @@ pub struct BenchResult {
     /// With `--profile`: time per step in each fused kernel, and in everything else.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub profile: Vec<ProfileRow>,
+    /// For a row that times what a feature costs ([`Reference::KilnBaseline`]): the same work
+    /// with the feature off, measured in the same process; it stands where PyTorch's row would.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baseline: Option<Box<BenchResult>>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -75,6 +80,7 @@ impl BenchResult {
             loss_last: None,
             peak_rss_mib: None,
             profile: Vec::new(),
+            baseline: None,
         }
     }
 }
@@ -129,6 +135,9 @@ pub enum Reference {
     BenchHf,
     /// scripts/bench_reference.py (rows bench_hf.py does not have)
     Extra,
+    /// kiln itself with a feature off (the row's [`BenchResult::baseline`]): the row measures
+    /// what the feature costs, not kiln beside PyTorch.
+    KilnBaseline,
 }
 
 pub const ROWS: &[RowSpec] = &[
@@ -178,6 +187,12 @@ pub const ROWS: &[RowSpec] = &[
         // The target compares against PyTorch padding to 128 (what the tokenizer forces);
         // PyTorch with the same dynamic padding is shown as well.
         pytorch_rows: &["tweets_train_fixed128", "tweets_train_dynamic"],
+    },
+    RowSpec {
+        // The Trainer's step with and without publishing live state for `kiln top` (goal: ≤ 1 %).
+        key: "live_state",
+        reference: Reference::KilnBaseline,
+        pytorch_rows: &["live_state_off"],
     },
     RowSpec {
         key: "qwen2_train",
@@ -367,6 +382,12 @@ where
             16,
             w,
             s,
+            &device,
+        ),
+        "live_state" => live_state::live_state_overhead::<Autodiff<B>>(
+            &opts.minilm_dir,
+            &opts.tweets_file,
+            (16, s.max(10), 8),
             &device,
         ),
         "qwen2_train" | "mistral_train" => llama::family_train(key, w, opts.base_steps),
@@ -598,6 +619,7 @@ fn pytorch_row(
         (Some(_), _) => &opts.cuda_reference,
         (None, Reference::BenchHf) => &opts.reference,
         (None, Reference::Extra) => &opts.extra_reference,
+        (None, Reference::KilnBaseline) => unreachable!("measured by kiln"),
     };
     let mut cmd = Command::new(py);
     cmd.arg(script)
@@ -618,7 +640,7 @@ fn pytorch_row(
             cmd.args(["--base-steps", &opts.base_steps.to_string()])
                 .args(["--bf16-steps", &opts.steps.to_string()]);
         }
-        (None, Reference::Extra) => {
+        (None, Reference::Extra | Reference::KilnBaseline) => {
             cmd.args(["--mnist-steps", &opts.mnist_steps.to_string()])
                 .args(["--base-steps", &opts.base_steps.to_string()])
                 .args(["--generate-tokens", &opts.generate_tokens.to_string()])
@@ -691,9 +713,15 @@ where
         tracing::info!("kiln: {}", spec.key);
         let kiln = kiln_row::<B>(spec.key, opts, device)?;
         tracing::info!("{kiln:?}");
-        let pytorch = match &opts.python {
-            Some(py) => pytorch_row(py, spec, opts, &mut header),
-            None => Vec::new(),
+        let pytorch = match (&opts.python, spec.reference, &kiln.baseline) {
+            (_, Reference::KilnBaseline, Some(b)) => vec![PytorchRow {
+                result: serde_json::to_value(b).expect("plain data"),
+                // Measured in the same process as the row.
+                peak_rss_mib: kiln.peak_rss_mib.unwrap_or(f64::NAN),
+            }],
+            (_, Reference::KilnBaseline, None) => Vec::new(),
+            (Some(py), _, _) => pytorch_row(py, spec, opts, &mut header),
+            (None, _, _) => Vec::new(),
         };
         out.push(SuiteRow {
             key: spec.key.into(),

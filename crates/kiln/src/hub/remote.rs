@@ -469,6 +469,19 @@ pub fn dataset_splits(
     Ok((train, eval))
 }
 
+/// The Hub id of a path inside the Hugging Face cache, as [`resolve`] leaves it
+/// (`…/models--org--name/snapshots/<commit>/…` → `org/name`; datasets likewise), for the model
+/// card to name where a run started from.
+pub fn cached_repo_id(path: &Path) -> Option<String> {
+    path.components().find_map(|c| {
+        let name = c.as_os_str().to_str()?;
+        let rest = name
+            .strip_prefix("models--")
+            .or_else(|| name.strip_prefix("datasets--"))?;
+        Some(rest.replace("--", "/"))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::HubId;
@@ -493,5 +506,14 @@ mod tests {
         ] {
             assert_eq!(HubId::parse(bad), None, "{bad}");
         }
+    }
+
+    #[test]
+    fn cache_paths_name_their_repo() {
+        let p = Path::new("/h/hub/models--org--tiny-bert/snapshots/abc/config.json");
+        assert_eq!(cached_repo_id(p).as_deref(), Some("org/tiny-bert"));
+        let d = Path::new("/h/hub/datasets--tweets/snapshots/1/default/train/0000.parquet");
+        assert_eq!(cached_repo_id(d).as_deref(), Some("tweets"));
+        assert_eq!(cached_repo_id(Path::new("assets/minilm")), None);
     }
 }

@@ -334,6 +334,12 @@ pub fn train<B: TrainBackend>(
     };
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files);
     trainer.parallel = parallel;
+    trainer.origin = crate::train::RunOrigin::from_paths(
+        opts.model_dir.as_deref(),
+        opts.train_file.as_deref(),
+        opts.eval_file.as_deref(),
+        true,
+    );
     trainer.train_and_evaluate(&train_set, eval_set.as_ref())
 }
 

@@ -335,6 +335,12 @@ pub fn train<B: TrainBackend, L: Loss>(
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files);
     trainer.label_names = Some(labels.names().to_vec());
     trainer.parallel = parallel;
+    trainer.origin = crate::train::RunOrigin::from_paths(
+        Some(&opts.model_dir),
+        opts.data.train_file.as_deref(),
+        opts.data.eval_file.as_deref(),
+        false,
+    );
     customize(&mut trainer);
     let batches = |set| ClassificationBatches {
         set,

@@ -106,6 +106,17 @@ pub struct TrainingArguments {
     /// Log the first step too.
     #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set, help_heading = "Evaluation & saving")]
     pub logging_first_step: bool,
+    /// Where logs go: `jsonl` (log.jsonl in output_dir), `tensorboard` (event files in
+    /// logging_dir, with Hugging Face's tag names), `all` (both) or `none`; a comma-separated list.
+    #[arg(long, default_value = "all", value_parser = ReportTo::parse, help_heading = "Evaluation & saving")]
+    pub report_to: ReportTo,
+    /// TensorBoard's folder (default: $TENSORBOARD_LOGGING_DIR, else
+    /// output_dir/runs/<run_name, or the start time and host name as transformers names it>).
+    #[arg(long, help_heading = "Evaluation & saving")]
+    pub logging_dir: Option<PathBuf>,
+    /// A name for the run: its TensorBoard folder and its label in `kiln plot`.
+    #[arg(long, help_heading = "Evaluation & saving")]
+    pub run_name: Option<String>,
     /// When to evaluate: `no`, `steps` (every eval_steps) or `epoch`.
     #[arg(long, value_enum, default_value_t = IntervalStrategy::No, help_heading = "Evaluation & saving")]
     pub eval_strategy: IntervalStrategy,
@@ -183,6 +194,86 @@ pub struct TrainingArguments {
     #[arg(skip)]
     #[serde(skip)]
     pub recorded: std::collections::BTreeMap<String, serde_json::Value>,
+}
+
+/// `report_to`: which of kiln's loggers run. Written as a list of names; read from one name, a
+/// comma-separated list or a list (transformers' `"all"`, `"none"`, `["tensorboard"]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReportTo {
+    /// `log.jsonl` in output_dir.
+    pub jsonl: bool,
+    /// TensorBoard event files in logging_dir.
+    pub tensorboard: bool,
+}
+
+impl ReportTo {
+    /// One value as given on the command line or in a file: names separated by commas.
+    pub fn parse(s: &str) -> std::result::Result<Self, String> {
+        Self::from_names(s.split(',').map(str::trim).filter(|n| !n.is_empty()))
+    }
+
+    fn from_names<'a>(names: impl Iterator<Item = &'a str>) -> std::result::Result<Self, String> {
+        let mut r = Self {
+            jsonl: false,
+            tensorboard: false,
+        };
+        for name in names {
+            match name.to_ascii_lowercase().as_str() {
+                "all" => (r.jsonl, r.tensorboard) = (true, true),
+                "none" => {}
+                "jsonl" => r.jsonl = true,
+                "tensorboard" => r.tensorboard = true,
+                "azure_ml" | "clearml" | "codecarbon" | "comet_ml" | "dagshub" | "dvclive"
+                | "flyte" | "mlflow" | "neptune" | "swanlab" | "trackio" | "wandb" => {
+                    return Err(format!(
+                        "{name} is not built into kiln, which reports to tensorboard and jsonl \
+                         (log.jsonl): most trackers import TensorBoard logs (e.g. `wandb sync \
+                         --sync-tensorboard <logging_dir>`)"
+                    ))
+                }
+                other => {
+                    return Err(format!(
+                        "unknown report_to {other:?}: use tensorboard, jsonl, all or none"
+                    ))
+                }
+            }
+        }
+        Ok(r)
+    }
+
+    fn names(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        if self.jsonl {
+            v.push("jsonl");
+        }
+        if self.tensorboard {
+            v.push("tensorboard");
+        }
+        v
+    }
+}
+
+impl Serialize for ReportTo {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.names().serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for ReportTo {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Given {
+            One(Option<String>),
+            Many(Vec<String>),
+        }
+        let parsed = match Given::deserialize(d)? {
+            Given::One(None) => Self::parse("none"),
+            Given::One(Some(s)) => Self::parse(&s),
+            Given::Many(v) => Self::from_names(v.iter().map(String::as_str)),
+        };
+        parsed.map_err(serde::de::Error::custom)
+    }
 }
 
 /// `save_strategy`: [`IntervalStrategy`] plus transformers' `best`.
@@ -300,9 +391,19 @@ impl TrainingArguments {
             "global_batch_size",
             "zero_1",
             "overwrite_output_dir",
+            // transformers 5 reads TENSORBOARD_LOGGING_DIR instead.
+            "logging_dir",
         ] {
             m.remove(kiln_only);
         }
+        // transformers knows tensorboard, not kiln's log.jsonl.
+        let hf: Vec<&str> = self
+            .report_to
+            .names()
+            .into_iter()
+            .filter(|n| *n == "tensorboard")
+            .collect();
+        m.insert("report_to".into(), serde_json::json!(hf));
         if let Some(ratio) = m.remove("warmup_ratio").and_then(|r| r.as_f64()) {
             if self.warmup_steps == 0.0 && ratio > 0.0 {
                 m.insert(

@@ -52,13 +52,10 @@ pub const HF_FIELDS: &[(&str, Disposition)] = &[
     ("log_level", Recorded("set KILN_LOG (error, warn, info, debug)")),
     ("log_level_replica", Recorded("set KILN_LOG")),
     ("disable_tqdm", Recorded("the progress bar hides itself when standard error is not a terminal")),
-    ("report_to", Recorded("kiln writes log.jsonl in output_dir; no tracker is called")),
-    ("run_name", Recorded("no tracker is called")),
     ("project", Recorded("no tracker is called")),
     ("trackio_space_id", Recorded("no tracker is called")),
     ("trackio_bucket_id", Recorded("no tracker is called")),
     ("trackio_static_space_id", Recorded("no tracker is called")),
-    ("logging_dir", Recorded("log.jsonl goes to output_dir")),
     // Evaluation.
     ("eval_delay", OnlyNeutral("evaluation starts at the first eval_steps (or epoch)")),
     ("prediction_loss_only", Recorded("kiln's evaluation always reports loss and metrics")),
@@ -165,7 +162,6 @@ pub const NEUTRAL: &[(&str, &str)] = &[
     ("skip_memory_metrics", "true"),
     ("local_rank", "-1"),
     ("save_safetensors", "true"),
-    ("report_to", "\"all\""),
     (
         "accelerator_config",
         r#"{"split_batches": false, "dispatch_batches": null, "even_batches": true, "use_seedable_sampler": true, "non_blocking": false, "gradient_accumulation_kwargs": null}"#,
@@ -356,9 +352,15 @@ mod tests {
     #[test]
     fn neutral_values() {
         assert!(is_neutral("fsdp", &Value::Array(vec![])));
-        assert!(is_neutral("report_to", &serde_json::json!(["none"])));
+        assert!(is_neutral(
+            "include_for_metrics",
+            &serde_json::json!(["none"])
+        ));
         assert!(is_neutral("ddp_timeout", &serde_json::json!(1800)));
         assert!(!is_neutral("push_to_hub", &Value::Bool(true)));
-        assert!(!is_neutral("report_to", &serde_json::json!(["wandb"])));
+        assert!(!is_neutral(
+            "include_for_metrics",
+            &serde_json::json!(["inputs"])
+        ));
     }
 }

@@ -9,6 +9,7 @@ pub mod metrics;
 pub mod optim;
 pub mod optimizers;
 pub mod output_dir;
+pub mod reporters;
 pub mod reshard;
 pub mod schedule;
 pub mod sharded_checkpoint;
@@ -16,6 +17,7 @@ pub mod trainer;
 
 pub use args::{IntervalStrategy, SaveStrategy, TrainingArguments};
 pub use optim::OptimizerType;
+pub use reporters::RunOrigin;
 // The task contract, re-exported where library users of the trainer look for it.
 pub use crate::task::{
     BatchSource, CrossEntropy, LabelSmoothedCrossEntropy, Loss, Model, IGNORE_INDEX,

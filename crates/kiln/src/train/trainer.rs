@@ -23,6 +23,7 @@ use super::grad_sync::{sync_and_clip, sync_and_clip_zero1, Synced, SyncedGrads};
 use super::metrics::{classification_report, ClassificationReport, Predictions};
 use super::optim::{AdamWConfig, GradAccumulator, Optimizer, OptimizerType};
 use super::output_dir::{claim, resolve_resume_for, Claim, RunDir};
+use super::reporters::{write_run_summary, Reporters, RunOrigin};
 use super::schedule::{Plateau, Schedule, SchedulerType};
 use super::sharded_checkpoint::{
     read_rank_state, write_layout, write_rank_files, Place, RankState,
@@ -35,6 +36,7 @@ use crate::hub::weights::{load_into, module_shapes, module_tensors};
 use crate::ops::{profile, TrainBackend};
 use crate::parallel::launch::Attempt;
 use crate::parallel::{DataParallel, Zero1};
+use crate::report::live::{Phase, StepReport};
 use crate::task::{BatchSource, CrossEntropy, Loss, Model, ParamSplit, TensorParallelLayout};
 
 /// A user metric: extra `(name, value)` pairs computed from an evaluation's predictions.
@@ -91,6 +93,15 @@ pub struct Trainer<B: TrainBackend, M, L = CrossEntropy> {
     /// floating-point operations since they were last added to `state.total_flos`.
     flos_params: f64,
     current_flos: f64,
+    /// log.jsonl, TensorBoard and the live state (opened when training starts).
+    reporters: Reporters,
+    /// Whether every rank publishes its live state for `kiln top` (on by default).
+    pub live_state: bool,
+    /// The index of the GPU this rank trains on, for the live state's GPU figures (default: the
+    /// one given to [`crate::report::live::set_gpu_index`]).
+    pub gpu_index: Option<u32>,
+    /// Where the model and data came from, for the model card.
+    pub origin: RunOrigin,
 }
 
 fn targets_tensor<B: Backend>(t: Vec<i64>, device: &B::Device) -> Tensor<B, 1, Int> {
@@ -146,6 +157,10 @@ where
             plateau: None,
             flos_params: 0.0,
             current_flos: 0.0,
+            reporters: Reporters::default(),
+            live_state: true,
+            gpu_index: None,
+            origin: RunOrigin::default(),
         }
     }
 
@@ -166,19 +181,8 @@ where
     fn log(&mut self, mut entry: Map<String, Value>) -> Result<()> {
         entry.insert("step".into(), json!(self.state.global_step));
         entry.insert("epoch".into(), json!(round4(self.state.epoch)));
-        if !self.is_main() {
-            self.state.log_history.push(entry);
-            return Ok(());
-        }
-        let line = serde_json::to_string(&entry).expect("json");
-        let path = self.args.output_dir.join("log.jsonl");
-        use std::io::Write;
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .map_err(|e| KilnError::io(&path, e))?;
-        writeln!(f, "{line}").map_err(|e| KilnError::io(&path, e))?;
+        // Only rank 0's loggers write files.
+        self.reporters.log(&entry)?;
         self.state.log_history.push(entry);
         Ok(())
     }
@@ -283,6 +287,20 @@ where
         S: BatchSource<Batch = M::Batch>,
         E: BatchSource<Batch = M::Batch>,
     {
+        let out = self.train_steps(train, eval);
+        if let Err(e) = &out {
+            // `kiln top` shows why this rank stopped.
+            self.reporters.fail(&e.to_string());
+        }
+        self.reporters.close();
+        out
+    }
+
+    fn train_steps<S, E>(&mut self, train: &S, eval: Option<&E>) -> Result<TrainOutput>
+    where
+        S: BatchSource<Batch = M::Batch>,
+        E: BatchSource<Batch = M::Batch>,
+    {
         let plan = self.start(train, eval.is_some())?;
         let a = self.args.clone();
         let mut run = RunProgress::new(self.state.global_step, self.progress_bar(&plan));
@@ -291,7 +309,7 @@ where
         let skip_groups = (run.start_step % plan.updates_per_epoch) as usize;
         if let (Some(ev), true, 0) = (eval, a.eval_on_start, run.start_step) {
             // A baseline before the first step (eval_on_start); it never counts as a best model.
-            let out = run.bar.suspend(|| self.evaluate(ev))?;
+            let out = run.bar.suspend(|| self.evaluate_phase(ev))?;
             self.log_eval(&out)?;
         }
         'epochs: for epoch in first_epoch.. {
@@ -317,13 +335,25 @@ where
                 }
                 let step = self.optimizer_step(train, group, &plan)?;
                 run.record(&step);
+                self.reporters.step(&StepReport {
+                    step: self.state.global_step,
+                    total_steps: plan.total,
+                    epoch: self.state.epoch,
+                    loss: step.loss,
+                    learning_rate: step.lr,
+                    grad_norm: step.grad_norm,
+                    samples: step.rank_samples,
+                    tokens: step.tokens,
+                    seconds: step.seconds,
+                    collective_seconds: step.collective_seconds,
+                });
                 let epoch_end = g + 1 == groups;
                 self.maybe_log(&plan, &step, &mut run, epoch_end)?;
                 let mut improved = false;
                 if let Some(ev) = eval {
                     let every = a.eval_interval(plan.total);
                     if self.due(a.eval_strategy, every, epoch_end) {
-                        let out = run.bar.suspend(|| self.evaluate(ev))?;
+                        let out = run.bar.suspend(|| self.evaluate_phase(ev))?;
                         self.log_eval(&out)?;
                         self.step_plateau(&out.metrics, &plan)?;
                         improved = self.improves_best(&out.metrics);
@@ -344,7 +374,9 @@ where
                 if save || (last && a.load_best_model_at_end) {
                     let sched = self.scheduler_state(&plan);
                     let pending = run.pending_eval.take();
+                    self.reporters.phase(Phase::Saving);
                     run.bar.suspend(|| self.save_checkpoint(&sched, pending))?;
+                    self.reporters.phase(Phase::Training);
                 }
                 if last {
                     break 'epochs;
@@ -473,8 +505,20 @@ where
             }
             self.state.max_steps = plan.total;
         }
+        let (rank, world) = self
+            .parallel
+            .env()
+            .map_or((0, 1), |e| (e.rank, e.world_size));
+        self.reporters = Reporters::open(
+            &a,
+            self.is_main(),
+            (rank, world),
+            self.live_state,
+            self.gpu_index.or_else(crate::report::live::gpu_index),
+        )?;
         let model = self.take_model();
         self.model = Some(self.parallel.broadcast_model(model)?);
+        self.reporters.started(plan.total, self.state.global_step);
         if self.is_main() {
             let world = self.parallel.size();
             info!("***** Running training *****");
@@ -563,6 +607,7 @@ where
     where
         S: BatchSource<Batch = M::Batch>,
     {
+        let started = Instant::now();
         let a = &self.args;
         // Dropout masks come from a stream re-seeded per step: resuming is exact.
         let step_seed = a
@@ -574,13 +619,15 @@ where
         let mut acc = GradAccumulator::default();
         let mut loss_sum = 0.0;
         let mut samples = 0;
+        let mut tokens = 0;
         for idx in group {
             let fwd = profile::scope("step: data + forward");
             let (batch, targets) = train.batch(idx);
             let scale = 1.0 / group.len() as f64;
             samples += idx.len();
-            self.current_flos +=
-                6.0 * self.model().input_ids_numel(&batch) as f64 * self.flos_params;
+            let numel = self.model().input_ids_numel(&batch);
+            tokens += numel;
+            self.current_flos += 6.0 * numel as f64 * self.flos_params;
             let by_segment = if checkpointing {
                 loss_and_grads_by_segment(self.model(), &batch, &targets, &self.loss, scale)
             } else {
@@ -611,6 +658,7 @@ where
         // Average gradients (and the logged loss) over ranks before clipping.
         let tp = self.tp_layout.as_ref();
         let max_norm = self.args.max_grad_norm;
+        let sync_start = Instant::now();
         let Synced {
             loss,
             grad_norm,
@@ -618,6 +666,13 @@ where
         } = match &self.zero {
             Some(zero) => sync_and_clip_zero1(acc, loss_sum, zero, tp, max_norm)?,
             None => sync_and_clip(acc, loss_sum, &self.device, &self.parallel, tp, max_norm)?,
+        };
+        // Alone, the sync only adds up the norm: no waiting on peers.
+        let alone = self.parallel.size() == 1 && tp.is_none();
+        let collective_seconds = if alone {
+            0.0
+        } else {
+            sync_start.elapsed().as_secs_f64()
         };
         let _opt = profile::scope("step: clip + optimizer");
         let lr = self.lr(plan);
@@ -656,6 +711,10 @@ where
             finite,
             // Every rank trains on as many examples.
             samples: samples * self.parallel.size(),
+            rank_samples: samples,
+            tokens,
+            seconds: started.elapsed().as_secs_f64(),
+            collective_seconds,
         })
     }
 
@@ -852,9 +911,17 @@ where
                 let dir = self.args.output_dir.clone();
                 self.write_model(&dir, tensors)?;
                 write_json(&dir.join("train_results.json"), &metrics)?;
+                write_run_summary(
+                    &dir,
+                    &self.args,
+                    &self.origin,
+                    self.parallel.size(),
+                    &self.state.log_history,
+                );
             }
         }
         self.parallel.barrier()?;
+        self.reporters.phase(Phase::Finished);
         Ok(TrainOutput {
             global_step: self.state.global_step,
             metrics,
@@ -1096,6 +1163,14 @@ where
 
     /// Under data parallelism each rank evaluates its share and the results are gathered, so every
     /// rank computes the metrics over the whole eval set.
+    /// [`Self::evaluate`] during training, shown as such in the live state.
+    fn evaluate_phase<E: BatchSource<Batch = M::Batch>>(&self, eval: &E) -> Result<EvalOutput> {
+        self.reporters.phase(Phase::Evaluating);
+        let out = self.evaluate(eval);
+        self.reporters.phase(Phase::Training);
+        out
+    }
+
     pub fn evaluate<E: BatchSource<Batch = M::Batch>>(&self, eval: &E) -> Result<EvalOutput> {
         evaluate(
             &self.model().valid(),
@@ -1333,6 +1408,12 @@ struct StepOutcome {
     finite: bool,
     /// Examples trained on, over all ranks.
     samples: usize,
+    /// This rank's examples and (padded) input tokens.
+    rank_samples: usize,
+    tokens: usize,
+    /// The step's wall time, and the part spent in collectives (gradient sync).
+    seconds: f64,
+    collective_seconds: f64,
 }
 
 /// The running sums of one `train` call.

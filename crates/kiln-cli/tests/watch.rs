@@ -1,0 +1,232 @@
+//! What a finished run leaves for people to look at, from the binary as a user runs it: TensorBoard
+//! events that TensorBoard's own reader takes (against the run's log.jsonl), the curves, the model
+//! card, `kiln plot` over two runs, `--report-to` choices, and plain log lines off a terminal.
+
+#[path = "../../kiln/tests/common.rs"]
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::{repo_root, tiny_bert_and_tweets, train_args};
+use serde_json::Value;
+
+fn kiln() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    c.env("RAYON_NUM_THREADS", "1");
+    c
+}
+
+fn train(model: &Path, tweets: &Path, out: &Path, extra: &[&str]) -> Output {
+    // The common arguments without their `--eval-strategy no`.
+    let mut args = train_args(model, tweets, 8, out, 12);
+    let at = args.iter().position(|a| a == "--eval-strategy").unwrap();
+    args.drain(at..at + 2);
+    let o = kiln()
+        .env("KILN_LOG", "info")
+        .args(args)
+        .args([
+            "--eval-split",
+            "0.2",
+            "--eval-strategy",
+            "steps",
+            "--eval-steps",
+            "4",
+        ])
+        .args(["--logging-steps", "2"])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    o
+}
+
+fn log_lines(out: &Path) -> Vec<Value> {
+    std::fs::read_to_string(out.join("log.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// The reference venv's Python with tensorboard, if there is one.
+fn tensorboard_python() -> Option<PathBuf> {
+    let py = std::env::var_os("KILN_PYTHON")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kiln-venv/bin/python"))
+        })?;
+    let ok = Command::new(&py)
+        .args(["-c", "import tensorboard"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    ok.then_some(py)
+}
+
+fn is_png(path: &Path) -> bool {
+    std::fs::read(path).is_ok_and(|b| b.starts_with(b"\x89PNG\r\n\x1a\n") && b.len() > 10_000)
+}
+
+#[test]
+fn a_run_leaves_tensorboard_events_curves_and_a_model_card() {
+    let Some((tmp, model, tweets)) = tiny_bert_and_tweets(true) else {
+        return;
+    };
+    let a = tmp.path().join("run-a");
+    let o = train(&model, &tweets, &a, &["--run-name", "lr-1e-3"]);
+    // Standard error is a pipe here: no colour codes in the log lines.
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(stderr.contains("eval at step 4"), "{stderr}");
+    assert!(
+        !stderr.contains('\x1b'),
+        "escape codes off a terminal: {stderr:?}"
+    );
+
+    // log.jsonl: train entries every 2 steps, evaluations every 4, the summary.
+    let log = log_lines(&a);
+    let train_loss: Vec<(u64, f64)> = log
+        .iter()
+        .filter_map(|e| Some((e["step"].as_u64()?, e.get("loss")?.as_f64()?)))
+        .collect();
+    assert_eq!(
+        train_loss.iter().map(|p| p.0).collect::<Vec<_>>(),
+        [2, 4, 6, 8, 10, 12]
+    );
+
+    // TensorBoard's folder: runs/<run name>, and its events as TensorBoard reads them.
+    let tb = a.join("runs/lr-1e-3");
+    let events: Vec<_> = std::fs::read_dir(&tb).unwrap().flatten().collect();
+    assert_eq!(events.len(), 1, "one event file");
+    assert!(events[0]
+        .file_name()
+        .to_string_lossy()
+        .starts_with("events.out.tfevents."));
+    match tensorboard_python() {
+        None => {
+            eprintln!("skipped: reading the events back needs the reference venv's tensorboard")
+        }
+        Some(py) => {
+            let r = Command::new(py)
+                .arg(repo_root().join("tests/interop/read_tensorboard.py"))
+                .arg(&tb)
+                .output()
+                .unwrap();
+            assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+            let read: Value = serde_json::from_slice(&r.stdout).unwrap();
+            let scalars = &read["scalars"];
+            // Every logged train loss and eval accuracy, at its step (f32 in the file).
+            let tb_loss: Vec<(u64, f64)> = scalars["train/loss"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| (p[0].as_u64().unwrap(), p[1].as_f64().unwrap()))
+                .collect();
+            assert_eq!(tb_loss.len(), train_loss.len());
+            for ((s1, v1), (s2, v2)) in tb_loss.iter().zip(&train_loss) {
+                assert_eq!(s1, s2);
+                assert!((v1 - v2).abs() <= 1e-6 * v2.abs().max(1.0), "{v1} vs {v2}");
+            }
+            let evals: Vec<&Value> = log
+                .iter()
+                .filter(|e| e.get("eval_accuracy").is_some())
+                .collect();
+            let tb_acc = scalars["eval/accuracy"].as_array().unwrap();
+            assert_eq!(tb_acc.len(), evals.len());
+            for (p, e) in tb_acc.iter().zip(&evals) {
+                assert_eq!(p[0], e["step"]);
+                let (v, want) = (p[1].as_f64().unwrap(), e["eval_accuracy"].as_f64().unwrap());
+                assert!((v - want).abs() < 1e-6, "{v} vs {want}");
+            }
+            for tag in [
+                "train/learning_rate",
+                "train/grad_norm",
+                "eval/loss",
+                "eval/f1",
+            ] {
+                assert!(scalars.get(tag).is_some(), "{tag} in {:?}", scalars);
+            }
+            let args = read["texts"]["args/text_summary"][0][1].as_str().unwrap();
+            assert!(args.contains("\"run_name\": \"lr-1e-3\""), "{args}");
+        }
+    }
+
+    // The end of the run: curves and the model card.
+    assert!(is_png(&a.join("training_curves.png")));
+    let card = std::fs::read_to_string(a.join("README.md")).unwrap();
+    let final_eval: Value =
+        serde_json::from_str(&std::fs::read_to_string(a.join("eval_results.json")).unwrap())
+            .unwrap();
+    let last_logged = evals_last(&log);
+    assert!(card.starts_with("---\n"), "{card}");
+    assert!(card.contains("model-index"), "{card}");
+    assert!(card.contains("- learning_rate: 0.001"), "{card}");
+    // Rounded to 4 places, as transformers' card does.
+    let acc = (last_logged["eval_accuracy"].as_f64().unwrap() * 1e4).round() / 1e4;
+    let acc = format!("- Accuracy: {acc}\n");
+    assert!(
+        card.contains(&acc),
+        "the last evaluation's {acc} in the card:\n{card}"
+    );
+    assert!(
+        card.contains("value: "),
+        "model-index results with values:\n{card}"
+    );
+    assert!(final_eval["eval_accuracy"].is_number());
+
+    // A second run at another learning rate, then both overlaid.
+    let b = tmp.path().join("run-b");
+    train(
+        &model,
+        &tweets,
+        &b,
+        &["--learning-rate", "3e-4", "--report-to", "jsonl"],
+    );
+    assert!(
+        !b.join("runs").exists(),
+        "--report-to jsonl writes no TensorBoard files"
+    );
+    let png = tmp.path().join("both.png");
+    let p = kiln()
+        .arg("plot")
+        .args([&a, &b])
+        .arg("--out")
+        .arg(&png)
+        .output()
+        .unwrap();
+    assert!(p.status.success(), "{}", String::from_utf8_lossy(&p.stderr));
+    assert!(is_png(&png));
+    let svg = tmp.path().join("both.svg");
+    let p = kiln()
+        .arg("plot")
+        .args([&a, &b])
+        .arg("--out")
+        .arg(&svg)
+        .output()
+        .unwrap();
+    assert!(p.status.success());
+    let svg = std::fs::read_to_string(svg).unwrap();
+    assert!(
+        svg.contains("lr-1e-3") && svg.contains("run-b"),
+        "both runs in the legend"
+    );
+
+    // --report-to none: neither file; an integration kiln lacks is one sentence.
+    let c = tmp.path().join("run-c");
+    train(&model, &tweets, &c, &["--report-to", "none"]);
+    assert!(!c.join("log.jsonl").exists() && !c.join("runs").exists());
+    let bad = kiln()
+        .args(train_args(&model, &tweets, 8, &tmp.path().join("run-d"), 2))
+        .args(["--report-to", "wandb"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success());
+    assert!(err.contains("wandb is not built into kiln"), "{err}");
+}
+
+fn evals_last(log: &[Value]) -> &Value {
+    log.iter()
+        .rev()
+        .find(|e| e.get("eval_accuracy").is_some())
+        .unwrap()
+}
