@@ -18,10 +18,17 @@ fn kiln() -> Command {
 }
 
 fn train(model: &Path, tweets: &Path, out: &Path, extra: &[&str]) -> Output {
-    // The common arguments without their `--eval-strategy no`.
+    // The common arguments without their `--eval-strategy no`, nor any flag `extra` sets.
     let mut args = train_args(model, tweets, 8, out, 12);
-    let at = args.iter().position(|a| a == "--eval-strategy").unwrap();
-    args.drain(at..at + 2);
+    for flag in extra
+        .iter()
+        .filter(|a| a.starts_with("--"))
+        .chain(&["--eval-strategy"])
+    {
+        if let Some(at) = args.iter().position(|a| a == flag) {
+            args.drain(at..at + 2);
+        }
+    }
     let o = kiln()
         .env("KILN_LOG", "info")
         .args(args)

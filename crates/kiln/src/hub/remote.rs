@@ -484,7 +484,7 @@ pub fn cached_repo_id(path: &Path) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::HubId;
+    use super::*;
 
     #[test]
     fn hub_ids_parse_as_the_hub_allows_them() {

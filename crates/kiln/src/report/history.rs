@@ -34,10 +34,10 @@ impl RunHistory {
     /// A `log.jsonl` being written may end in a line cut short: an unparsable last line is skipped
     /// when the file does not end with a newline. Any other bad line is an error naming the line.
     pub fn read(dir: &Path) -> Result<Self> {
-        let name = match dir.file_name() {
+        let name = run_name(dir).unwrap_or_else(|| match dir.file_name() {
             Some(n) if !n.is_empty() => n.to_string_lossy().into_owned(),
             _ => dir.display().to_string(),
-        };
+        });
         let log = dir.join("log.jsonl");
         let state = dir.join("trainer_state.json");
         let entries = if log.is_file() {
@@ -117,6 +117,16 @@ fn step_of(entry: &Map<String, Value>) -> Option<u64> {
 
 fn finite(v: &Value) -> Option<f64> {
     v.as_f64().filter(|f| f.is_finite())
+}
+
+/// The run's `run_name` from its `training_args.json`, when one was chosen (transformers'
+/// older default, the output folder itself, is not a name).
+fn run_name(dir: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(dir.join("training_args.json")).ok()?;
+    let args: Value = serde_json::from_str(&text).ok()?;
+    let name = args.get("run_name")?.as_str()?;
+    let output_dir = args.get("output_dir").and_then(Value::as_str);
+    (!name.is_empty() && Some(name) != output_dir).then(|| name.to_string())
 }
 
 fn read_jsonl(path: &Path) -> Result<Vec<Map<String, Value>>> {

@@ -133,17 +133,18 @@ pub fn model_card(input: &CardInput) -> String {
     card
 }
 
-/// Whether a dataset name is a Hub dataset id (`name` or `org/name`) rather than a description
-/// of local data (a file name, a path): only Hub datasets go into `datasets` and `model-index`,
-/// as transformers leaves out its csv/json/parquet/text builders.
+/// Whether a dataset name is a Hub dataset id (`org/name`) rather than a description of local
+/// data (a file or folder name such as `train.csv` or `tweets_dict`, a path): only Hub datasets
+/// go into `datasets` and `model-index`, as transformers leaves out its csv/json/parquet/text
+/// builders. A bare `name` (the Hub's legacy canonical ids, `imdb`) cannot be told from a local
+/// folder's name, so it is named in the text only; an existing path is local.
 fn is_hub_dataset(name: &str) -> bool {
     const DATA_EXTENSIONS: [&str; 8] = [
         ".csv", ".tsv", ".json", ".jsonl", ".parquet", ".arrow", ".txt", ".gz",
     ];
     let lower = name.to_ascii_lowercase();
     let parts: Vec<&str> = name.split('/').collect();
-    !name.is_empty()
-        && parts.len() <= 2
+    parts.len() == 2
         && parts.iter().all(|p| {
             !p.is_empty()
                 && !p.starts_with(['.', '-'])
@@ -151,6 +152,27 @@ fn is_hub_dataset(name: &str) -> bool {
                     .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
         })
         && !DATA_EXTENSIONS.iter().any(|e| lower.ends_with(e))
+        && !std::path::Path::new(name).exists()
+}
+
+/// The `datasets` builder that reads a local data file, from its extension (`train.csv` → `csv`):
+/// the dataset type of a model-index result over local data. transformers drops such results;
+/// kiln keeps them so the card's metadata carries the metrics whatever the data was.
+fn local_builder(name: &str) -> Option<&'static str> {
+    let lower = name.to_ascii_lowercase();
+    let ext = lower
+        .strip_suffix(".gz")
+        .unwrap_or(&lower)
+        .rsplit('.')
+        .next()?;
+    Some(match ext {
+        "csv" | "tsv" => "csv",
+        "json" | "jsonl" => "json",
+        "parquet" => "parquet",
+        "arrow" => "arrow",
+        "txt" => "text",
+        _ => return None,
+    })
 }
 
 /// The YAML front matter (`create_metadata`): library, base model, tags, datasets, metrics and
@@ -193,19 +215,30 @@ fn front_matter(input: &CardInput, model_name: &str, history: &History) -> Strin
     }
 
     // `create_model_index`: one result (task × dataset), kept only with a task, a dataset and
-    // metrics, as the Hub rejects partial ones.
+    // metrics, as the Hub rejects partial ones. Local data files count as a dataset of their
+    // builder's type (see `local_builder`).
+    let result_dataset = match (hub_dataset, input.dataset.as_deref()) {
+        (Some(d), _) => Some((d, d)),
+        (None, Some(d)) => local_builder(d).map(|b| (d, b)),
+        (None, None) => None,
+    };
     let mut index = Mapping::new();
     index.insert(s("name"), s(model_name));
     let mut results = Vec::new();
-    if let (Some(d), false) = (hub_dataset, metric_mapping.is_empty()) {
+    if let (Some((d, kind)), false) = (result_dataset, metric_mapping.is_empty()) {
         let (task_tag, task_name) = input.task.tag_and_name();
         let mut task = Mapping::new();
         task.insert(s("name"), s(task_name));
         task.insert(s("type"), s(task_tag));
         let mut dataset = Mapping::new();
         dataset.insert(s("name"), s(d));
-        dataset.insert(s("type"), s(d));
-        if let Some(split) = input.dataset_split.as_deref().filter(|x| !x.is_empty()) {
+        dataset.insert(s("type"), s(kind));
+        // (A caller that knows only the evaluation data's name may pass the dataset again.)
+        if let Some(split) = input
+            .dataset_split
+            .as_deref()
+            .filter(|x| !x.is_empty() && *x != d)
+        {
             dataset.insert(s("split"), s(split));
         }
         let results_by_name: &[(String, Value)] = history.eval_results.as_deref().unwrap_or(&[]);
@@ -659,7 +692,7 @@ mod tests {
             model_name: "minilm-tweets".into(),
             base_model: Some("sentence-transformers/all-MiniLM-L6-v2".into()),
             base_model_on_hub: true,
-            dataset: Some("tweet_eval".into()),
+            dataset: Some("cardiffnlp/tweet_eval".into()),
             dataset_split: Some("validation".into()),
             task: CardTask::TextClassification,
             args,
@@ -717,7 +750,7 @@ mod tests {
         );
         assert_eq!(
             meta["datasets"],
-            serde_yaml_ng::to_value(["tweet_eval"]).unwrap()
+            serde_yaml_ng::to_value(["cardiffnlp/tweet_eval"]).unwrap()
         );
         // F1 Macro is not one of the Hub's metric tags; loss is not a metric.
         assert_eq!(
@@ -729,8 +762,8 @@ mod tests {
         let result = &index["results"][0];
         assert_eq!(result["task"]["type"], "text-classification");
         assert_eq!(result["task"]["name"], "Text Classification");
-        assert_eq!(result["dataset"]["name"], "tweet_eval");
-        assert_eq!(result["dataset"]["type"], "tweet_eval");
+        assert_eq!(result["dataset"]["name"], "cardiffnlp/tweet_eval");
+        assert_eq!(result["dataset"]["type"], "cardiffnlp/tweet_eval");
         assert_eq!(result["dataset"]["split"], "validation");
         let last_eval = &log[log.len() - 2];
         let metrics = result["metrics"].as_sequence().unwrap();
@@ -746,7 +779,7 @@ mod tests {
         assert!(
             card.contains(
                 "This model is a fine-tuned version of [sentence-transformers/all-MiniLM-L6-v2]\
-             (https://huggingface.co/sentence-transformers/all-MiniLM-L6-v2) on the tweet_eval \
+             (https://huggingface.co/sentence-transformers/all-MiniLM-L6-v2) on the cardiffnlp/tweet_eval \
              dataset.\nIt achieves the following results on the evaluation set:\n\
              - Loss: 0.6\n- Accuracy: 0.8\n- F1: 0.3704\n- F1 Macro: 0.25\n\n## Model description"
             ),
@@ -778,14 +811,17 @@ mod tests {
         let meta = front(&card);
         assert!(meta.get("base_model").is_none());
         assert!(meta.get("datasets").is_none());
-        // No Hub dataset: the result is dropped, as transformers drops partial ones.
-        assert_eq!(
-            meta["model-index"][0]["results"]
-                .as_sequence()
-                .unwrap()
-                .len(),
-            0
-        );
+        // Local data: the result names the file, of the builder that reads it.
+        let result = &meta["model-index"][0]["results"][0];
+        assert_eq!(result["dataset"]["name"], "train_2k.csv");
+        assert_eq!(result["dataset"]["type"], "csv");
+        assert_eq!(result["dataset"]["split"], "eval_500.csv");
+        assert!(result["metrics"]
+            .as_sequence()
+            .is_some_and(|m| !m.is_empty()));
+        // A folder of unknown kind has no builder: no result, as in transformers.
+        assert_eq!(local_builder("tweets_dict"), None);
+        assert_eq!(local_builder("a.JSONL"), Some("json"));
         assert!(card.contains(
             "This model is a fine-tuned version of `assets/minilm` on the train_2k.csv dataset."
         ));
@@ -805,9 +841,15 @@ mod tests {
         front(&scratch);
         assert!(scratch.contains("This model was trained from scratch on an unknown dataset.\n\n"));
         assert!(!scratch.contains("It achieves"));
-        assert!(is_hub_dataset("imdb") && is_hub_dataset("stanfordnlp/sst2"));
+        assert!(is_hub_dataset("stanfordnlp/sst2") && is_hub_dataset("org/a.b-c_d"));
         assert!(!is_hub_dataset("data/train.csv") && !is_hub_dataset("/abs/x"));
-        assert!(!is_hub_dataset("a/b/c") && !is_hub_dataset("my data"));
+        assert!(!is_hub_dataset("a/b/c") && !is_hub_dataset("my data/x"));
+        // A bare name may be a local folder's (a `datasets` split folder, `train`).
+        assert!(!is_hub_dataset("imdb") && !is_hub_dataset("tweets_dict"));
+        // An existing path is local.
+        // An existing path is local (unit tests run in the package's folder).
+        assert!(std::path::Path::new("src/report").is_dir());
+        assert!(!is_hub_dataset("src/report"));
     }
 
     #[test]
