@@ -34,22 +34,6 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-/// The reference venv's Python (`$KILN_PYTHON`, else ~/.cache/kiln-venv), if it has
-/// huggingface_hub.
-fn reference_python() -> Option<std::path::PathBuf> {
-    let py = std::env::var_os("KILN_PYTHON")
-        .map(std::path::PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME")
-                .map(|h| std::path::PathBuf::from(h).join(".cache/kiln-venv/bin/python"))
-        })?;
-    let ok = Command::new(&py)
-        .args(["-c", "import huggingface_hub"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    ok.then_some(py)
-}
-
 /// The tiny RoBERTa split into two shards with an index, as transformers saves large models.
 fn sharded_repo() -> FakeRepo {
     let mut repo = FakeRepo::from_dir(&family("roberta"), "sharded");
@@ -246,7 +230,7 @@ fn a_hub_id_trains_from_a_clean_cache_and_the_cache_is_reused() {
 
     // Python's huggingface_hub finds the files kiln downloaded (the cache is shared), when the
     // reference venv is there: the same snapshot folder, offline.
-    if let Some(py) = reference_python() {
+    if let Ok(py) = common::python_with("huggingface_hub") {
         let o = Command::new(py)
             .env("HF_HOME", home.path())
             .env("HF_HUB_OFFLINE", "1")

@@ -5,7 +5,7 @@
 #[path = "../../kiln/tests/common.rs"]
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 use common::{repo_root, tiny_bert_and_tweets, train_args};
@@ -56,20 +56,6 @@ fn log_lines(out: &Path) -> Vec<Value> {
         .collect()
 }
 
-/// The reference venv's Python with tensorboard, if there is one.
-fn tensorboard_python() -> Option<PathBuf> {
-    let py = std::env::var_os("KILN_PYTHON")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kiln-venv/bin/python"))
-        })?;
-    let ok = Command::new(&py)
-        .args(["-c", "import tensorboard"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    ok.then_some(py)
-}
-
 fn is_png(path: &Path) -> bool {
     std::fs::read(path).is_ok_and(|b| b.starts_with(b"\x89PNG\r\n\x1a\n") && b.len() > 10_000)
 }
@@ -108,11 +94,9 @@ fn a_run_leaves_tensorboard_events_curves_and_a_model_card() {
         .file_name()
         .to_string_lossy()
         .starts_with("events.out.tfevents."));
-    match tensorboard_python() {
-        None => {
-            eprintln!("skipped: reading the events back needs the reference venv's tensorboard")
-        }
-        Some(py) => {
+    match common::python_with("tensorboard") {
+        Err(why) => eprintln!("skipped: reading the events back: {why}"),
+        Ok(py) => {
             let r = Command::new(py)
                 .arg(repo_root().join("tests/interop/read_tensorboard.py"))
                 .arg(&tb)

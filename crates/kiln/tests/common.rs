@@ -196,3 +196,34 @@ pub fn tiny_bert_and_tweets(dropout: bool) -> Option<(tempfile::TempDir, PathBuf
     tiny_model_with(&model, &minilm, config);
     Some((tmp, model, tweets))
 }
+
+/// The reference venv's Python (`$KILN_PYTHON`, else ~/.cache/kiln-venv/bin/python) when it can
+/// import `module`; otherwise why not, for the test to say as it skips.
+pub fn python_with(module: &str) -> Result<PathBuf, String> {
+    let py = std::env::var_os("KILN_PYTHON")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kiln-venv/bin/python"))
+        })
+        .ok_or("no $KILN_PYTHON and no $HOME")?;
+    match std::process::Command::new(&py)
+        .args(["-c", &format!("import {module}")])
+        .output()
+    {
+        Ok(o) if o.status.success() => Ok(py),
+        Ok(o) => Err(format!(
+            "{}: `import {module}` failed: {}",
+            py.display(),
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Err(e) => Err(format!("{}: {e}", py.display())),
+    }
+}
+
+/// A JSON object's map (panics on anything else).
+pub fn json_object(v: serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
+    match v {
+        serde_json::Value::Object(m) => m,
+        other => panic!("not an object: {other}"),
+    }
+}

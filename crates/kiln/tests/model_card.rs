@@ -2,42 +2,15 @@
 //! loaded with `huggingface_hub.ModelCard.load` (in the reference venv), and its metadata and
 //! evaluation results must be the run's.
 
-use std::path::PathBuf;
+mod common;
+
 use std::process::Command;
+
+use common::{json_object, python_with};
 
 use kiln::report::model_card::{model_card, CardInput, CardTask};
 use kiln::train::TrainingArguments;
 use serde_json::{json, Map, Value};
-
-/// The reference venv's Python (`$KILN_PYTHON`, else ~/.cache/kiln-venv), if it has
-/// huggingface_hub; otherwise why not.
-fn hub_python() -> Result<PathBuf, String> {
-    let py = std::env::var_os("KILN_PYTHON")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kiln-venv/bin/python"))
-        })
-        .ok_or("no $KILN_PYTHON and no $HOME")?;
-    match Command::new(&py)
-        .args(["-c", "import huggingface_hub"])
-        .output()
-    {
-        Ok(o) if o.status.success() => Ok(py),
-        Ok(o) => Err(format!(
-            "{}: `import huggingface_hub` failed: {}",
-            py.display(),
-            String::from_utf8_lossy(&o.stderr).trim()
-        )),
-        Err(e) => Err(format!("{}: {e}", py.display())),
-    }
-}
-
-fn entry(v: Value) -> Map<String, Value> {
-    match v {
-        Value::Object(m) => m,
-        other => panic!("not an object: {other}"),
-    }
-}
 
 /// Loads README.md with huggingface_hub and prints its metadata and evaluation results as JSON.
 const READ_CARD: &str = r#"
@@ -56,7 +29,7 @@ print(json.dumps({"data": card.data.to_dict(), "eval_results": results,
 
 #[test]
 fn huggingface_hub_reads_the_card_and_its_results() {
-    let py = match hub_python() {
+    let py = match python_with("huggingface_hub") {
         Ok(py) => py,
         Err(why) => {
             eprintln!("skipped: model card interop test: {why} (set KILN_PYTHON)");
@@ -64,23 +37,23 @@ fn huggingface_hub_reads_the_card_and_its_results() {
         }
     };
     let log: Vec<Map<String, Value>> = vec![
-        entry(
+        json_object(
             json!({"loss": 1.1, "grad_norm": 3.0, "learning_rate": 4e-5, "epoch": 0.5, "step": 50}),
         ),
-        entry(
+        json_object(
             json!({"eval_loss": 0.9, "eval_accuracy": 0.61, "eval_f1": 0.55, "eval_runtime": 2.0,
                      "eval_samples_per_second": 250.0, "eval_steps_per_second": 4.0,
                      "epoch": 0.5, "step": 50}),
         ),
-        entry(
+        json_object(
             json!({"loss": 0.7, "grad_norm": 2.0, "learning_rate": 2e-5, "epoch": 1.0, "step": 100}),
         ),
-        entry(
+        json_object(
             json!({"eval_loss": 0.65, "eval_accuracy": 0.7421875, "eval_f1": 0.7012345678,
                      "eval_runtime": 2.0, "eval_samples_per_second": 250.0,
                      "eval_steps_per_second": 4.0, "epoch": 1.0, "step": 100}),
         ),
-        entry(
+        json_object(
             json!({"train_runtime": 60.5, "train_samples_per_second": 26.4,
                      "train_steps_per_second": 1.65, "total_flos": 1.2e13, "train_loss": 0.9,
                      "epoch": 1.0, "step": 100}),

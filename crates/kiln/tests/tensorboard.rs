@@ -5,46 +5,15 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::process::Command;
 
-use common::repo_root;
+use common::{json_object, python_with, repo_root};
 use kiln::report::tensorboard::{hf_scalars, EventWriter};
 use serde_json::{json, Map, Value};
 
-/// The reference venv's Python (`$KILN_PYTHON`, else ~/.cache/kiln-venv), if it has tensorboard;
-/// otherwise why not.
-fn tensorboard_python() -> Result<PathBuf, String> {
-    let py = std::env::var_os("KILN_PYTHON")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kiln-venv/bin/python"))
-        })
-        .ok_or("no $KILN_PYTHON and no $HOME")?;
-    match Command::new(&py)
-        .args(["-c", "import tensorboard"])
-        .output()
-    {
-        Ok(o) if o.status.success() => Ok(py),
-        Ok(o) => Err(format!(
-            "{}: `import tensorboard` failed: {}",
-            py.display(),
-            String::from_utf8_lossy(&o.stderr).trim()
-        )),
-        Err(e) => Err(format!("{}: {e}", py.display())),
-    }
-}
-
-fn entry(v: Value) -> Map<String, Value> {
-    match v {
-        Value::Object(m) => m,
-        other => panic!("not an object: {other}"),
-    }
-}
-
 #[test]
 fn tensorboard_reads_back_every_scalar_and_the_args_text() {
-    let py = match tensorboard_python() {
+    let py = match python_with("tensorboard") {
         Ok(py) => py,
         Err(why) => {
             eprintln!("skipped: tensorboard interop test: {why} (set KILN_PYTHON)");
@@ -66,7 +35,7 @@ fn tensorboard_reads_back_every_scalar_and_the_args_text() {
     let mut log: Vec<Map<String, Value>> = Vec::new();
     for step in (5..=40u64).step_by(5) {
         let s = step as f64;
-        log.push(entry(json!({
+        log.push(json_object(json!({
             "loss": 2.0 / s + 0.123_456_789,
             "grad_norm": 1.0 + s.sin(),
             "learning_rate": 5e-5 * (1.0 - s / 40.0),
@@ -74,7 +43,7 @@ fn tensorboard_reads_back_every_scalar_and_the_args_text() {
             "step": step,
         })));
         if step % 10 == 0 {
-            log.push(entry(json!({
+            log.push(json_object(json!({
                 "eval_loss": 1.0 / s,
                 "eval_accuracy": 0.5 + s / 100.0,
                 "epoch": s / 20.0,
@@ -82,7 +51,7 @@ fn tensorboard_reads_back_every_scalar_and_the_args_text() {
             })));
         }
     }
-    log.push(entry(json!({
+    log.push(json_object(json!({
         "train_runtime": 12.3456, "train_loss": 0.321, "total_flos": 1.234e15, "epoch": 2.0,
         "step": 40,
     })));

@@ -7,7 +7,6 @@ use std::path::Path;
 
 use super::rows::StepWork;
 use super::BenchResult;
-use crate::data::{Columns, DataArgs, TextEncoding};
 use crate::error::{KilnError, Result};
 use crate::ops::TrainBackend;
 use crate::tasks::text_classification::{self as tc, ClassificationOptions};
@@ -23,21 +22,7 @@ pub fn live_state_overhead<B: TrainBackend>(
 ) -> Result<BenchResult> {
     let opts = ClassificationOptions {
         model_dir: model_dir.to_path_buf(),
-        data: DataArgs {
-            train_file: Some(tweets.to_path_buf()),
-            eval_file: None,
-            eval_split: None,
-            columns: Columns {
-                text: "text".into(),
-                text_pair: None,
-                label: Some("sentiment".into()),
-            },
-            encoding: TextEncoding::Latin1,
-            strict: false,
-            max_train_samples: Some(steps * batch),
-            max_eval_samples: None,
-            seed: 42,
-        },
+        data: super::rows::tweets_data(tweets, steps * batch),
         max_length: 128,
         pad_to_max_length: false,
     };

@@ -261,21 +261,7 @@ pub fn tweets_train<B: TrainBackend>(
 ) -> crate::Result<BenchResult> {
     let md = crate::tasks::text_classification::ModelDir::new(model_dir)?;
     let tok = TextTokenizer::from_file(&model_dir.join("tokenizer.json"), 128)?;
-    let args = DataArgs {
-        train_file: Some(train_file.to_path_buf()),
-        eval_file: None,
-        eval_split: None,
-        columns: Columns {
-            text: "text".into(),
-            text_pair: None,
-            label: Some("sentiment".into()),
-        },
-        encoding: TextEncoding::Latin1,
-        strict: false,
-        max_train_samples: Some((warmup + steps) * batch),
-        max_eval_samples: None,
-        seed: 42,
-    };
+    let args = tweets_data(train_file, (warmup + steps) * batch);
     let prepared = data::prepare(&args, &tok, None)?;
     let set = prepared.train.expect("a train file was given");
     let loaded = crate::tasks::text_classification::load_classifier::<B>(
@@ -310,6 +296,25 @@ pub fn tweets_train<B: TrainBackend>(
         steps,
         device,
     ))
+}
+
+/// The tweets file's first `rows` rows (sentiment labels, latin-1), as the tweet rows read it.
+pub fn tweets_data(train_file: &Path, rows: usize) -> DataArgs {
+    DataArgs {
+        train_file: Some(train_file.to_path_buf()),
+        eval_file: None,
+        eval_split: None,
+        columns: Columns {
+            text: "text".into(),
+            text_pair: None,
+            label: Some("sentiment".into()),
+        },
+        encoding: TextEncoding::Latin1,
+        strict: false,
+        max_train_samples: Some(rows),
+        max_eval_samples: None,
+        seed: 42,
+    }
 }
 
 /// MNIST MLP steps (SGD lr 0.01, batch 32, as the `mnist_mlp` sample) on one fixed batch of pixels.
