@@ -467,11 +467,17 @@ pub fn phase_name(p: Phase) -> &'static str {
 /// The ranks published in `output_dir/live/`, by rank. Files left by an earlier, larger run in
 /// the same folder are skipped: only ranks below the newest run's world size count.
 pub fn read_ranks(output_dir: &Path) -> Result<Vec<RankState>> {
+    if !output_dir.is_dir() {
+        return Err(KilnError::Config(format!(
+            "{} is not a folder (give a training job's output folder)",
+            output_dir.display()
+        )));
+    }
     let dir = output_dir.join("live");
-    let entries = std::fs::read_dir(&dir).map_err(|e| {
+    let entries = std::fs::read_dir(&dir).map_err(|_| {
         KilnError::Config(format!(
-            "{} has no live state ({e}): is a kiln training job writing to this output folder?",
-            dir.display()
+            "{} has no live/ folder: no kiln training job (of this version) has written to it",
+            output_dir.display()
         ))
     })?;
     let mut by_rank = BTreeMap::new();
