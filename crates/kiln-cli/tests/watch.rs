@@ -18,13 +18,24 @@ fn kiln() -> Command {
 }
 
 fn train(model: &Path, tweets: &Path, out: &Path, extra: &[&str]) -> Output {
-    // The common arguments without their `--eval-strategy no`, nor any flag `extra` sets.
+    // The common arguments, evaluating every 4 steps and logging every 2, less any flag `extra`
+    // sets.
     let mut args = train_args(model, tweets, 8, out, 12);
-    for flag in extra
-        .iter()
-        .filter(|a| a.starts_with("--"))
-        .chain(&["--eval-strategy"])
-    {
+    let at = args.iter().position(|a| a == "--eval-strategy").unwrap();
+    args.drain(at..at + 2);
+    for a in [
+        "--eval-split",
+        "0.2",
+        "--eval-strategy",
+        "steps",
+        "--eval-steps",
+        "4",
+        "--logging-steps",
+        "2",
+    ] {
+        args.push(a.to_string());
+    }
+    for flag in extra.iter().filter(|a| a.starts_with("--")) {
         if let Some(at) = args.iter().position(|a| a == flag) {
             args.drain(at..at + 2);
         }
@@ -32,15 +43,6 @@ fn train(model: &Path, tweets: &Path, out: &Path, extra: &[&str]) -> Output {
     let o = kiln()
         .env("KILN_LOG", "info")
         .args(args)
-        .args([
-            "--eval-split",
-            "0.2",
-            "--eval-strategy",
-            "steps",
-            "--eval-steps",
-            "4",
-        ])
-        .args(["--logging-steps", "2"])
         .args(extra)
         .output()
         .unwrap();
@@ -147,7 +149,9 @@ fn a_run_leaves_tensorboard_events_curves_and_a_model_card() {
     let final_eval: Value =
         serde_json::from_str(&std::fs::read_to_string(a.join("eval_results.json")).unwrap())
             .unwrap();
-    let last_logged = evals_last(&log);
+    // The final evaluation (eval_results.json) is the card's result, as in transformers'
+    // scripts, which evaluate before writing the card.
+    let last_logged = &final_eval;
     assert!(card.starts_with("---\n"), "{card}");
     assert!(card.contains("model-index"), "{card}");
     assert!(card.contains("- learning_rate: 0.001"), "{card}");
@@ -202,9 +206,21 @@ fn a_run_leaves_tensorboard_events_curves_and_a_model_card() {
     );
 
     // --report-to none: neither file; an integration kiln lacks is one sentence.
+    // (Without evaluations during training, the card's result is the final evaluation's.)
     let c = tmp.path().join("run-c");
-    train(&model, &tweets, &c, &["--report-to", "none"]);
+    train(
+        &model,
+        &tweets,
+        &c,
+        &["--report-to", "none", "--eval-strategy", "no"],
+    );
     assert!(!c.join("log.jsonl").exists() && !c.join("runs").exists());
+    let card = std::fs::read_to_string(c.join("README.md")).unwrap();
+    let final_eval: Value =
+        serde_json::from_str(&std::fs::read_to_string(c.join("eval_results.json")).unwrap())
+            .unwrap();
+    let loss = (final_eval["eval_loss"].as_f64().unwrap() * 1e4).round() / 1e4;
+    assert!(card.contains(&format!("- Loss: {loss}\n")), "{card}");
     let bad = kiln()
         .args(train_args(&model, &tweets, 8, &tmp.path().join("run-d"), 2))
         .args(["--report-to", "wandb"])
@@ -213,11 +229,4 @@ fn a_run_leaves_tensorboard_events_curves_and_a_model_card() {
     let err = String::from_utf8_lossy(&bad.stderr);
     assert!(!bad.status.success());
     assert!(err.contains("wandb is not built into kiln"), "{err}");
-}
-
-fn evals_last(log: &[Value]) -> &Value {
-    log.iter()
-        .rev()
-        .find(|e| e.get("eval_accuracy").is_some())
-        .unwrap()
 }

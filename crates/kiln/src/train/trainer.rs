@@ -1157,6 +1157,24 @@ where
             let mut all = out.metrics.clone();
             all.extend(ev.metrics.clone());
             write_json(&dir.join("all_results.json"), &all)?;
+            // The card and curves again, with this evaluation as the run's result (transformers'
+            // example scripts call `evaluate()`, which logs it, before `create_model_card()`).
+            let mut entry: Map<String, Value> = ev
+                .metrics
+                .iter()
+                .map(|(k, v)| (k.clone(), json!(v)))
+                .collect();
+            entry.insert("step".into(), json!(self.state.global_step));
+            entry.insert("epoch".into(), json!(round4(self.state.epoch)));
+            let mut history = self.state.log_history.clone();
+            history.push(entry);
+            write_run_summary(
+                dir,
+                &self.args,
+                &self.origin,
+                self.parallel.size(),
+                &history,
+            );
         }
         Ok((out, Some(ev)))
     }
