@@ -94,23 +94,12 @@ pub fn tweet_options(
     max_train: usize,
     eval_split: Option<f64>,
 ) -> kiln::tasks::text_classification::ClassificationOptions {
-    use kiln::data::{Columns, DataArgs, TextEncoding};
     kiln::tasks::text_classification::ClassificationOptions {
         model_dir: model.to_path_buf(),
-        data: DataArgs {
-            train_file: Some(tweets),
-            eval_file: None,
+        data: kiln::data::DataArgs {
             eval_split,
-            columns: Columns {
-                text: "text".into(),
-                text_pair: None,
-                label: Some("sentiment".into()),
-            },
-            encoding: TextEncoding::Latin1,
-            strict: false,
-            max_train_samples: Some(max_train),
-            max_eval_samples: None,
             seed: 3,
+            ..kiln::bench::rows::tweets_data(&tweets, max_train)
         },
         max_length: 48,
         pad_to_max_length: false,

@@ -17,7 +17,6 @@ use crate::hub::llama_config::LlamaConfig;
 use crate::models::llama::KvCache;
 use crate::tasks::causal_lm::{load_model, load_tokenizer};
 use crate::train::metrics::argmax;
-use crate::train::optim::{AdamWConfig, Optimizer, OptimizerType};
 use crate::train::BatchSource;
 
 /// The prompt of the decoding row (and of the parity fixtures).
@@ -91,15 +90,7 @@ pub fn train(dir: &Path, corpus: &Path, warmup: usize, steps: usize) -> Result<B
             (tb, targets, work)
         })
         .collect();
-    let opt = Optimizer::new(
-        OptimizerType::AdamwTorch,
-        AdamWConfig {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        },
-    );
+    let opt = super::rows::adamw();
     Ok(train_steps(
         "smollm2_train_fp32",
         model,
@@ -157,15 +148,7 @@ pub fn family_train(key: &str, warmup: usize, steps: usize) -> Result<BenchResul
         flops: 3.0 * llama_forward_flops(&config, batch, seq),
     };
     let tb = crate::data::lm::TokenBatch { ids, batch, seq };
-    let opt = Optimizer::new(
-        OptimizerType::AdamwTorch,
-        AdamWConfig {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        },
-    );
+    let opt = super::rows::adamw();
     Ok(train_steps(
         &format!("{key}_fp32"),
         model,

@@ -152,7 +152,7 @@ const ADAMW: AdamWConfig = AdamWConfig {
     weight_decay: 0.0,
 };
 
-fn adamw<B: KilnBackend>() -> Optimizer<B> {
+pub(crate) fn adamw<B: KilnBackend>() -> Optimizer<B> {
     Optimizer::new(OptimizerType::AdamwTorch, ADAMW)
 }
 

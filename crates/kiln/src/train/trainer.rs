@@ -287,6 +287,17 @@ where
         S: BatchSource<Batch = M::Batch>,
         E: BatchSource<Batch = M::Batch>,
     {
+        let out = self.train_reporting(train, eval)?;
+        self.write_summary(None);
+        Ok(out)
+    }
+
+    /// [`Self::train_steps`] with the loggers closed at the end, and a failure published.
+    fn train_reporting<S, E>(&mut self, train: &S, eval: Option<&E>) -> Result<TrainOutput>
+    where
+        S: BatchSource<Batch = M::Batch>,
+        E: BatchSource<Batch = M::Batch>,
+    {
         let out = self.train_steps(train, eval);
         if let Err(e) = &out {
             // `kiln top` shows why this rank stopped.
@@ -911,13 +922,6 @@ where
                 let dir = self.args.output_dir.clone();
                 self.write_model(&dir, tensors)?;
                 write_json(&dir.join("train_results.json"), &metrics)?;
-                write_run_summary(
-                    &dir,
-                    &self.args,
-                    &self.origin,
-                    self.parallel.size(),
-                    &self.state.log_history,
-                );
             }
         }
         self.parallel.barrier()?;
@@ -1125,7 +1129,6 @@ where
         )))
     }
 
-    /// Evaluates the current model (no dropout, no gradients) on `eval`.
     /// [`train`](Self::train), then a final evaluation on `eval`. Rank 0 logs both and, as
     /// transformers' example scripts do, writes `eval_results.json`, `eval_report.json` (with
     /// classification metrics) and `all_results.json` into `output_dir`.
@@ -1138,15 +1141,19 @@ where
         S: BatchSource<Batch = M::Batch>,
         E: BatchSource<Batch = M::Batch>,
     {
-        let out = self.train(train, eval)?;
+        let out = self.train_reporting(train, eval)?;
         info!(
             "***** train metrics *****  {}",
             format_metrics(&out.metrics)
         );
         let Some(eval) = eval else {
+            self.write_summary(None);
             return Ok((out, None));
         };
         let ev = self.evaluate(eval)?;
+        // As transformers' example scripts evaluate before `create_model_card()`, this
+        // evaluation is the card's result.
+        self.write_summary(Some(&ev));
         if self.is_main() {
             let dir = &self.args.output_dir;
             info!("***** eval metrics *****  {}", format_metrics(&ev.metrics));
@@ -1157,8 +1164,18 @@ where
             let mut all = out.metrics.clone();
             all.extend(ev.metrics.clone());
             write_json(&dir.join("all_results.json"), &all)?;
-            // The card and curves again, with this evaluation as the run's result (transformers'
-            // example scripts call `evaluate()`, which logs it, before `create_model_card()`).
+        }
+        Ok((out, Some(ev)))
+    }
+
+    /// The end of a run on rank 0: the curves and the model card, from the log history and, when
+    /// given, a final evaluation after training.
+    fn write_summary(&self, final_eval: Option<&EvalOutput>) {
+        if !self.is_main() {
+            return;
+        }
+        let mut history = self.state.log_history.clone();
+        if let Some(ev) = final_eval {
             let mut entry: Map<String, Value> = ev
                 .metrics
                 .iter()
@@ -1166,21 +1183,17 @@ where
                 .collect();
             entry.insert("step".into(), json!(self.state.global_step));
             entry.insert("epoch".into(), json!(round4(self.state.epoch)));
-            let mut history = self.state.log_history.clone();
             history.push(entry);
-            write_run_summary(
-                dir,
-                &self.args,
-                &self.origin,
-                self.parallel.size(),
-                &history,
-            );
         }
-        Ok((out, Some(ev)))
+        write_run_summary(
+            &self.args.output_dir,
+            &self.args,
+            &self.origin,
+            self.parallel.size(),
+            &history,
+        );
     }
 
-    /// Under data parallelism each rank evaluates its share and the results are gathered, so every
-    /// rank computes the metrics over the whole eval set.
     /// [`Self::evaluate`] during training, shown as such in the live state.
     fn evaluate_phase<E: BatchSource<Batch = M::Batch>>(&self, eval: &E) -> Result<EvalOutput> {
         self.reporters.phase(Phase::Evaluating);
@@ -1189,6 +1202,9 @@ where
         out
     }
 
+    /// Evaluates the current model (no dropout, no gradients) on `eval`. Under data parallelism
+    /// each rank evaluates its share and the results are gathered, so every rank computes the
+    /// metrics over the whole eval set.
     pub fn evaluate<E: BatchSource<Batch = M::Batch>>(&self, eval: &E) -> Result<EvalOutput> {
         evaluate(
             &self.model().valid(),
