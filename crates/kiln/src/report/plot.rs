@@ -331,7 +331,12 @@ fn draw_panel<DB: DrawingBackend>(
     for s in &panel.series {
         let color = s.color;
         let line = color.stroke_width(2);
-        let points: Vec<(u64, f64)> = s.points.clone();
+        // Off-scale values are drawn at the axis' edge (plotters' pixel maths overflows on them).
+        let points: Vec<(u64, f64)> = s
+            .points
+            .iter()
+            .map(|&(x, y)| (x, y.clamp(-VALUE_LIMIT, VALUE_LIMIT)))
+            .collect();
         // Markers on evaluation points (smaller where they crowd) and on curves too short
         // to show as lines.
         let radius = match (points.len(), s.eval) {
@@ -395,6 +400,10 @@ fn draw_panel<DB: DrawingBackend>(
     Ok(())
 }
 
+/// The largest value magnitude the y axis spans. Absurd values (a loss of 1e308) made the span
+/// overflow to infinity, where plotters' ticks never end: such points sit at the axis' edge.
+const VALUE_LIMIT: f64 = 1e15;
+
 /// The y axis: the values' range with a little room, not below 0 for values that are not.
 fn y_range(panel: &Panel) -> (f64, f64) {
     let values = panel
@@ -404,6 +413,10 @@ fn y_range(panel: &Panel) -> (f64, f64) {
     let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
         (lo.min(v), hi.max(v))
     });
+    let (lo, hi) = (
+        lo.clamp(-VALUE_LIMIT, VALUE_LIMIT),
+        hi.clamp(-VALUE_LIMIT, VALUE_LIMIT),
+    );
     let pad = if hi > lo {
         (hi - lo) * 0.06
     } else if lo == 0.0 {
@@ -817,6 +830,23 @@ mod tests {
             .to_string();
         assert!(e.contains("no file extension"), "{e}");
         assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn absurd_values_still_draw() {
+        // A span past f64's range once made the tick loop run forever.
+        let run = history(
+            "huge",
+            vec![
+                json!({"step": 1, "loss": 1e308}),
+                json!({"step": 2, "loss": -1e308}),
+            ],
+        );
+        let tmp = tempfile::tempdir().unwrap();
+        plot_runs(&[run], &tmp.path().join("huge.svg")).unwrap();
+        let (lo, hi) =
+            y_range(&panels(&[history("h", vec![json!({"step": 1, "loss": 1e308})])])[0]);
+        assert!(lo.is_finite() && hi.is_finite() && hi - lo < f64::INFINITY);
     }
 
     #[test]
