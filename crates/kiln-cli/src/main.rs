@@ -744,6 +744,9 @@ fn run(mut cli: Cli, matches: &ArgMatches) -> Result<()> {
         return run_on::<Cpu>(cli, matches, &CpuDevice::default());
     }
     spec.check_available()?;
+    // A bad KILN_CPU_ISA is one sentence here, before any kernel runs.
+    let isa = kiln::ops::isa::init()?;
+    tracing::debug!("{}", isa.describe());
     match spec {
         DeviceSpec::Cpu => run_on::<Cpu>(cli, matches, &CpuDevice::default()),
         #[cfg(feature = "cuda")]

@@ -741,7 +741,11 @@ where
         pytorch_header: header,
         threads: opts.threads,
         date: today(),
-        cpu: cpu_description(&cpuinfo),
+        cpu: format!(
+            "{}; {}",
+            cpu_description(&cpuinfo),
+            crate::ops::isa::cpu_isa().describe()
+        ),
         machine_peak,
     })
 }

@@ -25,27 +25,27 @@ const CHAINS: usize = 12;
 pub fn measure(cpu_flags: &str) -> Option<MachinePeak> {
     #[cfg(target_arch = "x86_64")]
     {
-        let (fp32_per_iter, fp32_isa, fp32): (f64, &str, fn(u64) -> f32) =
-            if std::is_x86_feature_detected!("avx512f") {
-                (CHAINS as f64 * 32.0, "AVX-512 FMA", |n| unsafe {
-                    x86::fma512(n)
-                })
-            } else if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
-            {
-                (CHAINS as f64 * 16.0, "AVX2 FMA", |n| unsafe {
-                    x86::fma256(n)
-                })
-            } else {
-                return None;
-            };
+        use crate::ops::isa::{cpu_isa, IsaCap, IsaLevel};
+        // The peak of the instructions kiln may use (`KILN_CPU_ISA` lowers it with the kernels).
+        let isa = cpu_isa();
+        let (fp32_per_iter, fp32_isa, fp32): (f64, &str, fn(u64) -> f32) = match isa.level {
+            IsaLevel::Avx512 => (CHAINS as f64 * 32.0, "AVX-512 FMA", |n| unsafe {
+                x86::fma512(n)
+            }),
+            IsaLevel::Avx2 => (CHAINS as f64 * 16.0, "AVX2 FMA", |n| unsafe {
+                x86::fma256(n)
+            }),
+            IsaLevel::Portable => return None,
+        };
         let fp32_gflops = rate(fp32_per_iter, fp32);
         let has = |f: &str| cpu_flags.split_whitespace().any(|x| x == f);
-        let (bf16_gflops, bf16_how) = if has("amx_bf16") && has("amx_tile") {
+        let amx = isa.cap == IsaCap::Native && has("amx_bf16") && has("amx_tile");
+        let (bf16_gflops, bf16_how) = if amx {
             // One AMX tile multiply-add does 1024 bf16 FLOP per cycle per core where AVX-512's two
             // FMA ports do 64 fp32 FLOP: a 16× ceiling, derived rather than run (kiln has no AMX
             // kernel to measure yet).
             (16.0 * fp32_gflops, "AMX: 16× the fp32 FMA loop".to_string())
-        } else if std::is_x86_feature_detected!("avx512bf16") {
+        } else if isa.bf16_dot {
             (
                 rate(CHAINS as f64 * 64.0, |n| unsafe { x86::dpbf16(n) }),
                 "a register-only vdpbf16ps loop".to_string(),

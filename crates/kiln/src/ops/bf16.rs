@@ -27,20 +27,10 @@ pub fn round_bf16(x: f32) -> f32 {
     f32::from_bits(u32::from(bf16_bits(x)) << 16)
 }
 
-/// Whether this CPU has the bf16 dot-product instruction the packed kernel needs.
+/// Whether the bf16 dot-product instruction the packed kernel needs may be used: the CPU has
+/// AVX512-BF16 and `KILN_CPU_ISA` does not cap it away ([`super::isa`]).
 pub fn has_bf16_dot() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *HAS.get_or_init(|| {
-            std::env::var_os("KILN_NO_AVX512BF16").is_none()
-                && is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512bf16")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    super::isa::cpu_isa().bf16_dot
 }
 
 /// Rows of C per micro-kernel call.

@@ -269,9 +269,11 @@ fn gemv_rows(m: usize, k: usize, n: usize, x: &[f32], w: &[f32], beta: f32, y: &
 /// task takes a contiguous band of weight rows, so the weight streams through memory in long
 /// sequential runs, four rows per pass over the task's `m × n` partial sums, added up at the end.
 /// Column blocks per task, tried first, read the weight in 1 KB pieces a row apart: 19 ms per
-/// SmolLM2 token against 14 for the `[out, in]` dot products; bands take 13.5 (Zen 5).
+/// SmolLM2 token against 14 for the `[out, in]` dot products; bands take 13.5 (Zen 5). The bands
+/// follow `k` only — [`GEMV_BANDS`] of them, not a multiple of the thread count — so the partial
+/// sums, and the bits, are the same on any number of threads.
 fn gemv_rows_in_out((m, k, n): (usize, usize, usize), x: &[f32], w: &[f32], y: &mut [f32]) {
-    let band = k.div_ceil(4 * rayon::current_num_threads()).max(16);
+    let band = k.div_ceil(GEMV_BANDS).max(16);
     let partials: Vec<Vec<f32>> = (0..k.div_ceil(band))
         .into_par_iter()
         .map(|b| {
@@ -322,6 +324,10 @@ fn gemv_rows_in_out((m, k, n): (usize, usize, usize), x: &[f32], w: &[f32], y: &
         });
 }
 
+/// Weight bands of [`gemv_rows_in_out`]: the 4 per thread on 2 threads that the timings above
+/// measured (more bands add more partial sums; 8 still keep up to 8 threads busy).
+const GEMV_BANDS: usize = 8;
+
 /// Rows per parallel task: enough work per task to amortise scheduling.
 fn rows_per_task(row_len: usize) -> usize {
     (16_384 / row_len.max(1)).max(1)
@@ -355,9 +361,10 @@ fn exp_fast(x: f32) -> f32 {
     }
 }
 
-/// Runs `f` compiled for the widest vector unit the CPU has: AVX-512 (16 lanes, and 64-bit integer
-/// multiplies for the dropout hash), else AVX2+FMA (8 lanes), else the portable build. `f` and the
-/// `#[inline(always)]` helpers it calls are compiled inside the feature-enabled function.
+/// Runs `f` compiled for the widest vector unit kiln may use ([`super::isa`]): AVX-512 (16 lanes,
+/// and 64-bit integer multiplies for the dropout hash), else AVX2+FMA (8 lanes), else the portable
+/// build. `f` and the `#[inline(always)]` helpers it calls are compiled inside the feature-enabled
+/// function.
 #[inline(always)]
 fn simd<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
@@ -370,32 +377,20 @@ fn simd<R>(f: impl FnOnce() -> R) -> R {
         unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
             f()
         }
-        if *HAS_AVX512 {
-            // SAFETY: the features were detected on this CPU.
-            return unsafe { avx512(f) };
-        }
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: the features were just detected on this CPU.
-            return unsafe { avx2(f) };
+        match super::isa::cpu_isa().level {
+            // SAFETY: `isa` detected these features on this CPU (the cap only lowers the level).
+            super::isa::IsaLevel::Avx512 => return unsafe { avx512(f) },
+            // SAFETY: as above.
+            super::isa::IsaLevel::Avx2 => return unsafe { avx2(f) },
+            super::isa::IsaLevel::Portable => {}
         }
     }
     f()
 }
 
-#[cfg(target_arch = "x86_64")]
-static HAS_AVX512: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
-    std::is_x86_feature_detected!("avx512f")
-        && std::is_x86_feature_detected!("avx512dq")
-        && std::is_x86_feature_detected!("avx512bw")
-        && std::is_x86_feature_detected!("avx512vl")
-});
-
 /// Whether [`simd`] runs AVX-512 code: 32 vector registers of 16 lanes (else 16 of 8 at most).
 fn has_avx512() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return *HAS_AVX512;
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    super::isa::cpu_isa().level == super::isa::IsaLevel::Avx512
 }
 
 /// Lanes of the partial reductions below: one running f32 sum is a serial dependency the compiler
@@ -682,6 +677,8 @@ unsafe fn small_gemm(
     (rrs, rcs): (usize, usize),
     accumulate: bool,
 ) {
+    // `gemm` picks its kernels on its first product: `KILN_CPU_ISA` must have capped them by then.
+    super::isa::cpu_isa();
     gemm::gemm(
         m,
         n,
@@ -795,8 +792,11 @@ impl KilnBackend for Cpu {
         let mut dw = vec![0f32; n * k];
         matmul(n, m, k, dys, (1, n), xs, (k, 1), None, &mut dw); // dyᵀ · x
         let db = bias.then(|| {
+            // Per-chunk partial sums added in chunk order: the chunks follow the shape only, so
+            // the bits do not depend on the thread count or on which thread stole what (rayon's
+            // `reduce` pairs partial sums in whatever tree the stealing made).
             let chunk = rows_per_task(n) * n;
-            let sum = dys
+            let partials: Vec<Vec<f32>> = dys
                 .par_chunks(chunk)
                 .map(|rows| {
                     let mut acc = vec![0f32; n];
@@ -805,13 +805,11 @@ impl KilnBackend for Cpu {
                     }
                     acc
                 })
-                .reduce(
-                    || vec![0f32; n],
-                    |mut a, b| {
-                        a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-                        a
-                    },
-                );
+                .collect();
+            let mut sum = vec![0f32; n];
+            for part in &partials {
+                sum.iter_mut().zip(part).for_each(|(x, y)| *x += y);
+            }
             tensor(&[n], sum)
         });
         (dx, tensor(&[n, k], dw), db)
@@ -1537,10 +1535,13 @@ impl KilnBackend for Cpu {
 
     fn kiln_sum_squares(x: FloatTensor<Self>) -> f64 {
         let x = dense(x);
-        slice(&x)
+        // Chunk sums added in chunk order (not rayon's `sum`, whose pairing follows the stealing):
+        // the gradient norm, and with it clipping, is the same bits on any thread count.
+        let parts: Vec<f64> = slice(&x)
             .par_chunks(32_768)
             .map(|c| c.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>())
-            .sum()
+            .collect();
+        parts.iter().sum()
     }
 
     fn kiln_dropout_mask(

@@ -9,6 +9,7 @@
 mod autodiff;
 pub mod bf16;
 mod cpu;
+pub mod isa;
 pub mod profile;
 
 use burn::tensor::backend::Backend;
@@ -65,6 +66,15 @@ pub trait TpReduce: Send + Sync + std::fmt::Debug {
 
 /// A tensor-parallel group's communicator, as the ops and the models hold it.
 pub type TpComm = std::sync::Arc<dyn TpReduce>;
+
+/// `1/x`, element-wise, as a true division. Not Burn's `recip`: burn-ndarray computes that with the
+/// CPU's approximate reciprocal instruction (12 bits on AVX2, 14 on AVX-512) on the vector-aligned
+/// middle of the buffer and exactly on its ends, so its result depended on the CPU kind and on the
+/// address the allocator gave the buffer — it made Adafactor differ from run to run.
+/// (`clippy.toml` disallows `recip`.)
+pub fn recip_exact<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    Tensor::ones_like(&x) / x
+}
 
 /// The part of `0..n` that chunk `i` of `parts` near-equal chunks covers (the first `n % parts`
 /// chunks hold one more), as Megatron and NxD split uneven dimensions: how every tensor-parallel
@@ -233,13 +243,7 @@ pub trait KilnBackend: Backend {
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let x = t::<Self, 2>(x);
         let r = x.dims()[0];
-        let rinv = x
-            .clone()
-            .powi_scalar(2)
-            .mean_dim(1)
-            .add_scalar(eps)
-            .sqrt()
-            .recip();
+        let rinv = recip_exact(x.clone().powi_scalar(2).mean_dim(1).add_scalar(eps).sqrt());
         let y = x * rinv.clone() * t::<Self, 1>(w).unsqueeze_dim(0);
         (p(y), p(rinv.reshape([r])))
     }
@@ -291,7 +295,7 @@ pub trait KilnBackend: Backend {
         let x = t::<Self, 2>(x);
         let r = x.dims()[0];
         let (var, mean) = x.clone().var_mean_bias(1);
-        let rstd = (var + eps).sqrt().recip();
+        let rstd = recip_exact((var + eps).sqrt());
         let y = (x - mean.clone()) * rstd.clone() * t::<Self, 1>(w).unsqueeze_dim(0)
             + t::<Self, 1>(b).unsqueeze_dim(0);
         (p(y), p(mean.reshape([r])), p(rstd.reshape([r])))

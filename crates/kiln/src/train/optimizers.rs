@@ -15,7 +15,7 @@ use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
 use crate::error::{KilnError, Result};
 use crate::hub::weights::HostTensor;
-use crate::ops::{KilnBackend, SgdStep};
+use crate::ops::{recip_exact, KilnBackend, SgdStep};
 
 /// An update rule besides AdamW, with its hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -226,8 +226,9 @@ impl<B: KilnBackend> RuleOptimizer<B> {
                         let col = self.take(path, "exp_avg_sq_col", l * c, &g) * beta2t
                             + sq.mean_dim(1).reshape([l * c]) * (1.0 - beta2t);
                         let row3 = row.clone().reshape([l, r, 1]);
-                        let r_factor = (row3.clone() / row3.mean_dim(1)).sqrt().recip();
-                        let c_factor = col.clone().reshape([l, 1, c]).sqrt().recip();
+                        // 1/√x as torch's rsqrt rounds it (a root, then a true division).
+                        let r_factor = recip_exact((row3.clone() / row3.mean_dim(1)).sqrt());
+                        let c_factor = recip_exact(col.clone().reshape([l, 1, c]).sqrt());
                         self.put(path, "exp_avg_sq_row", row);
                         self.put(path, "exp_avg_sq_col", col);
                         (r_factor * c_factor * g.reshape([l, r, c])).reshape([n])
@@ -235,7 +236,7 @@ impl<B: KilnBackend> RuleOptimizer<B> {
                     None => {
                         let v = self.take(path, "exp_avg_sq", n, &g) * beta2t + sq * (1.0 - beta2t);
                         self.put(path, "exp_avg_sq", v.clone());
-                        v.sqrt().recip() * g
+                        recip_exact(v.sqrt()) * g
                     }
                 };
                 // Clip the update's RMS to clip_threshold, on the device (no host round trip).

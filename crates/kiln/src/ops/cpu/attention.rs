@@ -445,7 +445,7 @@ impl Tiles {
             if has_avx512() {
                 return Some(Self::Avx512);
             }
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            if crate::ops::isa::cpu_isa().level >= crate::ops::isa::IsaLevel::Avx2 {
                 return Some(Self::Avx2);
             }
         }

@@ -1,0 +1,187 @@
+//! Which x86 vector instructions kiln's CPU kernels may use: the widest this CPU has, or fewer when
+//! `KILN_CPU_ISA` caps them. One decision for every kernel — kiln's own loops ([`super::cpu`]'s
+//! `simd`), the attention register tiles, the bf16 dot-product GEMM and the `gemm` crate's f32
+//! kernels (through the patched `gemm-common`, third_party/gemm-common/PATCHES.md) — so a run capped
+//! to `avx2` on an AVX-512 machine takes the code paths, and so the summation orders, of an AVX2-only
+//! CPU such as AMD Zen 3. The cap is read once per process.
+
+use std::sync::OnceLock;
+
+use crate::error::{KilnError, Result};
+
+/// The environment variable that caps kiln's run-time dispatch.
+pub const ENV: &str = "KILN_CPU_ISA";
+
+/// A vector instruction level kiln has kernels for, from narrowest to widest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum IsaLevel {
+    /// No AVX2/FMA: the portable build of each loop.
+    Portable,
+    /// AVX2 + FMA: 16 registers of 8 f32 lanes.
+    Avx2,
+    /// AVX-512 F/DQ/BW/VL: 32 registers of 16 lanes.
+    Avx512,
+}
+
+/// What `KILN_CPU_ISA` asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IsaCap {
+    /// Everything the CPU has (the default).
+    Native,
+    /// At most AVX-512 F/DQ/BW/VL: no bf16 dot products (oneDNN's `AVX512_CORE`).
+    Avx512,
+    /// At most AVX2 + FMA (oneDNN's `AVX2`, ATen's `avx2`).
+    Avx2,
+}
+
+impl IsaCap {
+    /// The value as `KILN_CPU_ISA` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Native => "native",
+            Self::Avx512 => "avx512",
+            Self::Avx2 => "avx2",
+        }
+    }
+}
+
+impl std::str::FromStr for IsaCap {
+    type Err = KilnError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "native" => Ok(Self::Native),
+            "avx512" => Ok(Self::Avx512),
+            "avx2" => Ok(Self::Avx2),
+            _ => Err(KilnError::Config(format!(
+                "{ENV}={s:?} is not an instruction level kiln dispatches to: use avx2, avx512 or native"
+            ))),
+        }
+    }
+}
+
+/// The instructions kiln's kernels use in this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuIsa {
+    /// What `KILN_CPU_ISA` asked for.
+    pub cap: IsaCap,
+    /// The vector level every kernel dispatches to: the CPU's, lowered to the cap.
+    pub level: IsaLevel,
+    /// Whether the bf16 GEMM may use AVX512-BF16's `vdpbf16ps` (else it rounds operands to bf16
+    /// and multiplies them in f32).
+    pub bf16_dot: bool,
+}
+
+impl CpuIsa {
+    /// What this CPU has, lowered to `cap`.
+    pub fn capped(cap: IsaCap) -> Self {
+        let (level, bf16_dot) = detected();
+        let (level, bf16_dot) = match cap {
+            IsaCap::Native => (level, bf16_dot),
+            IsaCap::Avx512 => (level, false),
+            IsaCap::Avx2 => (level.min(IsaLevel::Avx2), false),
+        };
+        Self {
+            cap,
+            level,
+            bf16_dot,
+        }
+    }
+
+    /// One line for logs and the bench footer: `avx512 (KILN_CPU_ISA=avx2 caps it to avx2)`.
+    pub fn describe(&self) -> String {
+        let level = match self.level {
+            IsaLevel::Portable => "portable",
+            IsaLevel::Avx2 => "avx2",
+            IsaLevel::Avx512 if self.bf16_dot => "avx512 + avx512_bf16",
+            IsaLevel::Avx512 => "avx512",
+        };
+        match self.cap {
+            IsaCap::Native => format!("kiln dispatch {level}"),
+            cap => format!("kiln dispatch {level} ({ENV}={})", cap.name()),
+        }
+    }
+}
+
+/// The CPU's own level and whether it has AVX512-BF16.
+fn detected() -> (IsaLevel, bool) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx512 = std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512dq")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512vl");
+        let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
+        let level = match (avx512 && avx2, avx2) {
+            (true, _) => IsaLevel::Avx512,
+            (false, true) => IsaLevel::Avx2,
+            _ => IsaLevel::Portable,
+        };
+        (
+            level,
+            level == IsaLevel::Avx512 && std::is_x86_feature_detected!("avx512bf16"),
+        )
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    (IsaLevel::Portable, false)
+}
+
+/// `KILN_CPU_ISA` from the environment.
+pub fn cap_from_env() -> Result<IsaCap> {
+    match std::env::var(ENV) {
+        Ok(v) => v.parse(),
+        Err(std::env::VarError::NotPresent) => Ok(IsaCap::Native),
+        Err(std::env::VarError::NotUnicode(v)) => Err(KilnError::Config(format!(
+            "{ENV}={v:?} is not an instruction level kiln dispatches to: use avx2, avx512 or native"
+        ))),
+    }
+}
+
+static ISA: OnceLock<CpuIsa> = OnceLock::new();
+
+/// The instructions kiln's kernels use, decided on first use from `KILN_CPU_ISA` and the CPU. A bad
+/// `KILN_CPU_ISA` is an error here; the CLI calls this before any work, so kernels never see one.
+pub fn init() -> Result<CpuIsa> {
+    if let Some(isa) = ISA.get() {
+        return Ok(*isa);
+    }
+    let isa = CpuIsa::capped(cap_from_env()?);
+    Ok(*ISA.get_or_init(|| {
+        if isa.level < IsaLevel::Avx512 {
+            // The `gemm` crate picks its kernels once, on its first product: capped before any.
+            gemm_common::cap_x86_to_avx2();
+        }
+        isa
+    }))
+}
+
+/// [`init`]'s result, for the kernels. Panics on a bad `KILN_CPU_ISA` (a library user that skipped
+/// [`init`]): running wider or narrower code than asked for would be silent.
+pub fn cpu_isa() -> CpuIsa {
+    match ISA.get() {
+        Some(isa) => *isa,
+        None => init().unwrap_or_else(|e| panic!("{e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn caps_parse_and_lower_the_detected_level() {
+        assert_eq!("AVX2".parse::<IsaCap>().unwrap(), IsaCap::Avx2);
+        assert_eq!(" avx512 ".parse::<IsaCap>().unwrap(), IsaCap::Avx512);
+        assert_eq!("".parse::<IsaCap>().unwrap(), IsaCap::Native);
+        let e = "sse4".parse::<IsaCap>().unwrap_err().to_string();
+        assert!(
+            e.contains("KILN_CPU_ISA=\"sse4\"") && e.contains("avx2, avx512 or native"),
+            "{e}"
+        );
+        let (native, bf16) = detected();
+        let avx2 = CpuIsa::capped(IsaCap::Avx2);
+        assert_eq!(avx2.level, native.min(IsaLevel::Avx2));
+        assert!(!avx2.bf16_dot && !CpuIsa::capped(IsaCap::Avx512).bf16_dot);
+        assert_eq!(CpuIsa::capped(IsaCap::Native).bf16_dot, bf16);
+        assert!(avx2.describe().ends_with("(KILN_CPU_ISA=avx2)"));
+    }
+}
