@@ -376,6 +376,12 @@ fn every_bad_input_ends_in_one_clear_sentence() {
             .env("KILN_LOG", "info")
             .env("RAYON_NUM_THREADS", "1")
             .env("RUST_BACKTRACE", "1");
+        // A case may set environment variables (a bad KILN_CPU_ISA).
+        if let Some(env) = case.get("env").and_then(Value::as_object) {
+            for (k, v) in env {
+                cmd.env(k, fill(v.as_str().unwrap()));
+            }
+        }
         let o = run_measured(cmd);
         t.cases += 1;
         let said = |what: &str| format!("{name}: {what}\n{}", o.stderr);

@@ -183,5 +183,7 @@ mod tests {
         assert!(!avx2.bf16_dot && !CpuIsa::capped(IsaCap::Avx512).bf16_dot);
         assert_eq!(CpuIsa::capped(IsaCap::Native).bf16_dot, bf16);
         assert!(avx2.describe().ends_with("(KILN_CPU_ISA=avx2)"));
+        // The kernels follow this process's KILN_CPU_ISA (scripts/test runs the suite capped).
+        assert_eq!(cpu_isa(), CpuIsa::capped(cap_from_env().unwrap()));
     }
 }
