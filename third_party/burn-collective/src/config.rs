@@ -309,7 +309,7 @@ pub enum BroadcastStrategy {
 /// They must be unique, even in multi-node contexts.
 ///
 /// This is like the rank in NCCL
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
 pub struct PeerId(u32);
 
 impl Display for PeerId {

@@ -5,8 +5,6 @@ use burn_communication::data_service::TensorDataService;
 use burn_communication::{Address, Protocol};
 use burn_tensor::TensorMetadata;
 use burn_tensor::backend::Backend;
-use futures::StreamExt;
-use futures::stream::FuturesUnordered;
 
 /// Global all-reduce, using a centralized strategy.
 ///
@@ -22,15 +20,17 @@ where
     B: Backend,
     P: Protocol,
 {
-    let ids = nodes.keys().cloned().collect::<Vec<_>>();
+    // kiln patch (PATCHES.md, 4): in node order, so the sum's rounding does not follow arrival.
+    let mut ids = nodes.keys().cloned().collect::<Vec<_>>();
+    ids.sort();
     let central = get_central_node(ids.clone());
 
     let shape = tensor.shape();
     let device = &B::float_device(&tensor);
 
     let res = if central == node {
-        // Transfer 1: download tensors from other nodes
-        let mut futures = ids
+        // Transfer 1: download tensors from other nodes (concurrently; `join_all` keeps their order)
+        let downloads = ids
             .iter()
             .filter(|id| **id != central) // Only non-central nodes
             .map(|id| {
@@ -44,12 +44,14 @@ where
                         .expect("Couldn't find the tensor for transfer id 0");
                     B::float_from_data(data, &device)
                 }
-            })
-            .collect::<FuturesUnordered<_>>();
+            });
+        let mut others = futures::future::join_all(downloads).await.into_iter();
 
-        // Sum all downloads async
+        // Sum in node order (the central node is the first): f32 addition is not associative, and
+        // adding in arrival order made a sum of 3 or more nodes differ from run to run.
         let mut sum = tensor;
-        while let Some(res) = futures.next().await {
+        for _ in 1..ids.len() {
+            let res = others.next().expect("one download per other node");
             if shape != res.shape() {
                 return Err(GlobalCollectiveError::PeerSentIncoherentTensor);
             }

@@ -197,6 +197,7 @@ impl GlobalCollectiveState {
             .push((session_id, request_id, node_id));
 
         if self.registered_nodes.len() == num_nodes as usize {
+            self.number_nodes_by_peers();
             let mut callbacks = vec![];
             core::mem::swap(&mut callbacks, &mut self.register_requests);
 
@@ -215,5 +216,35 @@ impl GlobalCollectiveState {
         }
 
         Ok(())
+    }
+
+    /// kiln patch (PATCHES.md, 5): once every node has registered, numbers the nodes by their
+    /// lowest peer id (the rank) instead of by the order they registered in, so that the
+    /// centralized all-reduce's node-ordered sum is the same from one run to the next.
+    fn number_nodes_by_peers(&mut self) {
+        let mut order: Vec<NodeId> = self.node_peers.keys().copied().collect();
+        order.sort_by_key(|n| (self.node_peers[n].iter().min().copied(), *n));
+        let new_id: HashMap<NodeId, NodeId> = order
+            .iter()
+            .enumerate()
+            .map(|(i, old)| (*old, i.into()))
+            .collect();
+        let renumber = |n: &NodeId| new_id.get(n).copied().unwrap_or(*n);
+        self.registered_nodes
+            .values_mut()
+            .for_each(|n| *n = renumber(n));
+        self.node_addresses = self
+            .node_addresses
+            .drain()
+            .map(|(n, a)| (renumber(&n), a))
+            .collect();
+        self.node_peers = self
+            .node_peers
+            .drain()
+            .map(|(n, p)| (renumber(&n), p))
+            .collect();
+        self.register_requests
+            .iter_mut()
+            .for_each(|(_, _, n)| *n = renumber(n));
     }
 }
