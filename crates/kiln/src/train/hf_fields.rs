@@ -228,6 +228,15 @@ pub fn sort_entries(
     use crate::error::KilnError;
     let mut out = Sorted::default();
     for (key, value) in entries {
+        // A secret is never kept: transformers' `to_dict` writes `<HUB_TOKEN>` for every `*_token`
+        // field, and kiln (which uploads nothing) never needs the value. Masked before anything
+        // logs or records it.
+        let value = match value {
+            Value::String(s) if key.ends_with("_token") && !s.is_empty() => {
+                Value::String(mask_token(&key))
+            }
+            other => other,
+        };
         if key == "train_sampling_strategy" && value == "group_by_length" {
             // transformers 5.x's spelling of 4.x's group_by_length, which kiln implements.
             out.known
@@ -297,6 +306,11 @@ pub fn sort_entries(
         }
     }
     Ok(out)
+}
+
+/// What transformers writes in place of a `*_token` field's value: `<HUB_TOKEN>`.
+pub fn mask_token(key: &str) -> String {
+    format!("<{}>", key.to_ascii_uppercase())
 }
 
 /// transformers' spellings of values kiln's fields take: `resume_from_checkpoint: true`
