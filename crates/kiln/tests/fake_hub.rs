@@ -1,4 +1,4 @@
-//! A stand-in for the Hugging Face Hub on 127.0.0.1, serving what `hf-hub` and kiln ask of it:
+//! A stand-in for the Hugging Face Hub on 127.0.0.1, serving what kiln's Hub client asks of it:
 //! `/{repo}/resolve/{revision}/{file}` (and `/datasets/…`) with the headers the real Hub sends
 //! (`ETag`, `X-Repo-Commit`, `Content-Range` for ranged reads), `/api/{models,datasets}/{repo}/
 //! revision/{revision}` file lists, and the real Hub's refusals: 401 `RepositoryNotFound` for an
@@ -56,7 +56,7 @@ impl FakeRepo {
 
 pub struct FakeHub {
     pub url: String,
-    /// Paths of the file downloads served (ranged reads of content, not the metadata probes).
+    /// Paths of the file downloads served (GETs of content, not the HEAD metadata probes).
     pub downloads: Arc<Mutex<Vec<String>>>,
     server: Arc<tiny_http::Server>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -199,12 +199,16 @@ impl FakeHub {
             }
             None => (0, total),
         };
-        if !(start == 0 && end == 1 && total > 1) {
+        let head = *req.method() == tiny_http::Method::Head;
+        if !head && !(start == 0 && end == 1 && total > 1) {
             log.lock().unwrap().push(format!("{repo_id}/{file}"));
         }
         let etag = format!("\"{:016x}{:08x}\"", fxhash(data), total);
+        // The size as the Hub announces it: tiny_http sends large bodies chunked, without a
+        // Content-Length, so the header the Hub sets for LFS files carries it.
         let mut resp = tiny_http::Response::from_data(data[start..end].to_vec())
             .with_header(header("ETag", &etag))
+            .with_header(header("X-Linked-Size", &total.to_string()))
             .with_header(header("X-Repo-Commit", &repo.commit));
         if range.is_some() {
             resp = resp.with_status_code(206).with_header(header(

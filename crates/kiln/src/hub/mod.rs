@@ -1,5 +1,6 @@
 //! Hugging Face model folders (`config.json`, `model.safetensors`, `tokenizer.json`) and GGUF files.
 
+pub mod client;
 pub mod config;
 pub mod convert;
 pub mod distilbert_config;

@@ -1,17 +1,15 @@
 //! Hugging Face Hub ids (`bert-base-uncased`, `org/name`, `org/name@revision`) wherever a model
-//! folder, a tokenizer or a config is asked for, through the `hf-hub` crate: files land in the
-//! cache layout Python's `huggingface_hub` uses (`models--org--name/snapshots/<commit>/…`), so a
-//! model either side downloaded is not fetched again. The environment is read as Python reads it:
-//! `HF_HOME`, `HF_HUB_CACHE`, `HF_ENDPOINT`, `HF_TOKEN` (else the token file `huggingface-cli
-//! login` writes), `HF_HUB_OFFLINE`.
+//! folder, a tokenizer or a config is asked for, through kiln's client ([`super::client`]): files
+//! land in the cache layout Python's `huggingface_hub` uses (`models--org--name/snapshots/<commit>/…`),
+//! so a model either side downloaded is not fetched again. The environment is read as Python reads
+//! it: `HF_HOME`, `HF_HUB_CACHE`, `HF_ENDPOINT`, `HF_TOKEN` (else the token file `huggingface-cli
+//! login` writes), `HF_HUB_OFFLINE`, `HF_HUB_ETAG_TIMEOUT`, `HF_HUB_DOWNLOAD_TIMEOUT`.
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use hf_hub::api::sync::{Api, ApiBuilder, ApiError, ApiRepo};
-use hf_hub::{Cache, Repo, RepoType};
-
+use super::client::{Client, ClientConfig, Endpoint, Failure, RepoKind};
 use crate::error::{KilnError, Result};
 
 /// A repository on the Hub and the revision (branch, tag or commit) asked for.
@@ -43,14 +41,14 @@ impl HubId {
         if parts.len() > 2 || repo.len() > 96 || !parts.iter().all(valid_part) {
             return None;
         }
+        // The revision becomes part of a URL and of a `refs/` path in the cache.
+        if !super::client::valid_revision(revision) {
+            return None;
+        }
         Some(Self {
             repo: repo.to_string(),
             revision: revision.to_string(),
         })
-    }
-
-    fn repo(&self, kind: RepoType) -> Repo {
-        Repo::with_revision(self.repo.clone(), kind, self.revision.clone())
     }
 }
 
@@ -101,9 +99,7 @@ pub fn resolve(arg: &Path, need: Need) -> Result<PathBuf> {
 
 /// The Hub as the environment configures it.
 pub struct Hub {
-    api: Api,
-    cache: Cache,
-    endpoint: String,
+    client: Client,
     offline: bool,
 }
 
@@ -120,52 +116,70 @@ fn env(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
+/// A timeout in seconds from `name` (huggingface_hub's default: 10 s).
+fn timeout(name: &str) -> Result<Duration> {
+    match env(name) {
+        None => Ok(Duration::from_secs(10)),
+        Some(v) => v
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|s| s.is_finite() && *s > 0.0 && *s <= 86_400.0)
+            .map(Duration::from_secs_f64)
+            .ok_or_else(|| {
+                KilnError::Config(format!(
+                    "{name}={v:?} is not a number of seconds between 0 and 86400"
+                ))
+            }),
+    }
+}
+
 impl Hub {
     pub fn from_env() -> Result<Self> {
         let home = env("HF_HOME")
             .map(PathBuf::from)
             .or_else(|| env("HOME").map(|h| PathBuf::from(h).join(".cache").join("huggingface")));
         let cache = match (env("HF_HUB_CACHE"), &home) {
-            (Some(c), _) => Cache::new(c.into()),
-            (None, Some(h)) => Cache::new(h.join("hub")),
-            (None, None) => Cache::from_env(),
+            (Some(c), _) => PathBuf::from(c),
+            (None, Some(h)) => h.join("hub"),
+            (None, None) => {
+                return Err(KilnError::Config(
+                    "no Hugging Face cache folder: set HF_HUB_CACHE, HF_HOME or HOME".into(),
+                ))
+            }
         };
         let token = env("HF_TOKEN").or_else(|| {
             let file = home.as_ref()?.join("token");
             let t = std::fs::read_to_string(file).ok()?;
             Some(t.trim().to_string()).filter(|t| !t.is_empty())
         });
-        let endpoint = env("HF_ENDPOINT")
-            .unwrap_or_else(|| "https://huggingface.co".into())
-            .trim_end_matches('/')
-            .to_string();
+        let endpoint =
+            Endpoint::parse(&env("HF_ENDPOINT").unwrap_or_else(|| "https://huggingface.co".into()))
+                .map_err(KilnError::Config)?;
         let offline = env("HF_HUB_OFFLINE")
             .is_some_and(|v| ["1", "ON", "YES", "TRUE"].contains(&v.to_uppercase().as_str()));
-        let api = ApiBuilder::from_cache(cache.clone())
-            .with_endpoint(endpoint.clone())
-            .with_token(token)
-            .with_progress(std::io::stderr().is_terminal())
-            .build()
-            .map_err(|e| KilnError::Config(format!("the Hugging Face Hub client: {e}")))?;
-        Ok(Self {
-            api,
-            cache,
+        let client = Client::new(ClientConfig {
             endpoint,
-            offline,
-        })
+            token,
+            cache,
+            etag_timeout: timeout("HF_HUB_ETAG_TIMEOUT")?,
+            download_timeout: timeout("HF_HUB_DOWNLOAD_TIMEOUT")?,
+            progress: std::io::stderr().is_terminal(),
+        });
+        Ok(Self { client, offline })
     }
 
     /// The cached files of model repo `id` that `need` asks for (downloaded unless cached).
     pub fn model_files(&self, id: &HubId, need: Need) -> Result<PathBuf> {
-        let repo = id.repo(RepoType::Model);
+        let kind = RepoKind::Model;
         match need {
-            Need::Config => self.required(id, &repo, "config.json"),
-            Need::Tokenizer => self.required(id, &repo, "tokenizer.json"),
+            Need::Config => self.required(id, kind, "config.json"),
+            Need::Tokenizer => self.required(id, kind, "tokenizer.json"),
             Need::Model => {
-                let config = self.required(id, &repo, "config.json")?;
-                self.weights(id, &repo)?;
+                let config = self.required(id, kind, "config.json")?;
+                self.weights(id)?;
                 for f in MODEL_EXTRAS {
-                    self.optional(id, &repo, f)?;
+                    self.optional(id, kind, f)?;
                 }
                 Ok(config
                     .parent()
@@ -176,15 +190,16 @@ impl Hub {
     }
 
     /// `model.safetensors`, else the shards `model.safetensors.index.json` lists.
-    fn weights(&self, id: &HubId, repo: &Repo) -> Result<()> {
-        if self.optional(id, repo, "model.safetensors")?.is_some() {
+    fn weights(&self, id: &HubId) -> Result<()> {
+        let kind = RepoKind::Model;
+        if self.optional(id, kind, "model.safetensors")?.is_some() {
             return Ok(());
         }
-        let Some(index) = self.optional(id, repo, "model.safetensors.index.json")? else {
+        let Some(index) = self.optional(id, kind, "model.safetensors.index.json")? else {
             if self.offline {
                 return Err(self.not_cached(id, "model.safetensors"));
             }
-            let pickle = if !self.offline && self.exists(repo, "pytorch_model.bin") {
+            let pickle = if self.exists(id, "pytorch_model.bin") {
                 " (it has only pytorch_model.bin, a pickle kiln does not read: convert it with \
                  transformers' save_pretrained(..., safe_serialization=True))"
             } else {
@@ -210,19 +225,20 @@ impl Hub {
         shards.dedup();
         for shard in shards {
             // Shard names come from the repo: only plain file names are fetched.
-            if shard.contains('/') || shard.contains("..") {
+            if shard.contains('/') || !super::client::valid_file_name(shard) {
                 return Err(KilnError::Config(format!(
-                    "{} (Hub model {id}): shard {shard:?} is not a file name",
-                    index.display()
+                    "{} (Hub model {id}): shard {:?} is not a file name",
+                    index.display(),
+                    crate::report::escape_for_terminal(shard)
                 )));
             }
-            self.required(id, repo, shard)?;
+            self.required(id, kind, shard)?;
         }
         Ok(())
     }
 
-    fn required(&self, id: &HubId, repo: &Repo, file: &str) -> Result<PathBuf> {
-        match self.fetch(id, repo, file) {
+    fn required(&self, id: &HubId, kind: RepoKind, file: &str) -> Result<PathBuf> {
+        match self.fetch(id, kind, file) {
             Ok(p) => Ok(p),
             Err(Missing::File) => Err(KilnError::Config(format!("Hub repo {id} has no {file}"))),
             Err(Missing::NotCached) => Err(self.not_cached(id, file)),
@@ -231,8 +247,8 @@ impl Hub {
     }
 
     /// A file the repo may lack: `None` when it does (or, offline, when the cache lacks it).
-    fn optional(&self, id: &HubId, repo: &Repo, file: &str) -> Result<Option<PathBuf>> {
-        match self.fetch(id, repo, file) {
+    fn optional(&self, id: &HubId, kind: RepoKind, file: &str) -> Result<Option<PathBuf>> {
+        match self.fetch(id, kind, file) {
             Ok(p) => Ok(Some(p)),
             Err(Missing::File | Missing::NotCached) => Ok(None),
             Err(Missing::Fatal(e)) => Err(e),
@@ -242,82 +258,68 @@ impl Hub {
     fn not_cached(&self, id: &HubId, file: &str) -> KilnError {
         KilnError::Config(format!(
             "{file} of Hub repo {id} is not in the cache ({}) and HF_HUB_OFFLINE is set",
-            self.cache.path().display()
+            self.client.cache().display()
         ))
     }
 
     /// Whether the repo lists `file` (asked without downloading it).
-    fn exists(&self, repo: &Repo, file: &str) -> bool {
-        self.api
-            .repo(repo.clone())
-            .info()
-            .is_ok_and(|info| info.siblings.iter().any(|s| s.rfilename == file))
+    fn exists(&self, id: &HubId, file: &str) -> bool {
+        self.client
+            .list_files(RepoKind::Model, &id.repo, &id.revision)
+            .is_ok_and(|files| files.iter().any(|f| f == file))
     }
 
     /// One file from the cache, else from the Hub (unless offline).
-    fn fetch(&self, id: &HubId, repo: &Repo, file: &str) -> std::result::Result<PathBuf, Missing> {
-        if self.offline {
-            return self
-                .cache
-                .repo(repo.clone())
-                .get(file)
-                .ok_or(Missing::NotCached);
-        }
-        let api: ApiRepo = self.api.repo(repo.clone());
-        // Another process (a `kiln launch` rank) downloading the same file holds its lock:
-        // wait for it, then the file comes from the cache.
-        let started = Instant::now();
-        loop {
-            match api.get(file) {
-                Ok(p) => return Ok(p),
-                Err(ApiError::LockAcquisition(_))
-                    if started.elapsed() < Duration::from_secs(3600) =>
-                {
-                    std::thread::sleep(Duration::from_secs(2));
-                }
-                Err(e) => return Err(self.explain(id, file, e)),
-            }
-        }
+    fn fetch(
+        &self,
+        id: &HubId,
+        kind: RepoKind,
+        file: &str,
+    ) -> std::result::Result<PathBuf, Missing> {
+        self.client
+            .file(kind, &id.repo, &id.revision, file, self.offline)
+            .map_err(|e| self.explain(id, file, e))
     }
 
-    /// One sentence for a failed request: a missing repo, a gated one, a network failure.
-    fn explain(&self, id: &HubId, file: &str, e: ApiError) -> Missing {
+    /// One sentence for a failed request: a missing repo, a gated one, a network failure, an
+    /// answer kiln refuses.
+    fn explain(&self, id: &HubId, file: &str, e: Failure) -> Missing {
         let fatal = |m: String| Missing::Fatal(KilnError::Config(m));
-        let ApiError::RequestError(err) = &e else {
-            return fatal(format!("Hub repo {id}, {file}: {e}"));
-        };
-        match err.as_ref() {
-            ureq::Error::Status(code, resp) => {
-                let reason = resp.header("x-error-code").unwrap_or("");
-                match (code, reason) {
-                    (_, "GatedRepo") => fatal(format!(
-                        "Hub repo {id} is gated: accept its conditions on {}/{} and set HF_TOKEN \
-                         to a token of that account",
-                        self.endpoint, id.repo
-                    )),
-                    (_, "RepositoryNotFound") | (401, "") => fatal(format!(
-                        "Hub repo {id} does not exist (or it is private: set HF_TOKEN), and no \
-                         local folder has that name"
-                    )),
-                    (_, "RevisionNotFound") => fatal(format!(
-                        "Hub repo {} has no revision {:?}",
-                        id.repo, id.revision
-                    )),
-                    (404, _) => Missing::File,
-                    (403, _) => fatal(format!(
-                        "Hub repo {id}: access refused (HTTP 403) — the token set in HF_TOKEN \
-                         has no access to it"
-                    )),
-                    (c, _) => fatal(format!(
-                        "Hub repo {id}, {file}: HTTP {c} from {}",
-                        self.endpoint
-                    )),
-                }
-            }
-            ureq::Error::Transport(t) => fatal(format!(
-                "cannot reach the Hugging Face Hub at {} for {id} ({t}); files downloaded \
-                 before are used with HF_HUB_OFFLINE=1",
-                self.endpoint
+        let endpoint = self.client.endpoint().shown();
+        match e {
+            Failure::NotCached => Missing::NotCached,
+            Failure::Status { code, error_code } => match (code, error_code.as_str()) {
+                (_, "GatedRepo") => fatal(format!(
+                    "Hub repo {id} is gated: accept its conditions on {endpoint}/{} and set \
+                     HF_TOKEN to a token of that account",
+                    id.repo
+                )),
+                (_, "RepositoryNotFound") | (401, "") => fatal(format!(
+                    "Hub repo {id} does not exist (or it is private: set HF_TOKEN), and no \
+                     local folder has that name"
+                )),
+                (_, "RevisionNotFound") => fatal(format!(
+                    "Hub repo {} has no revision {:?}",
+                    id.repo, id.revision
+                )),
+                (404, _) => Missing::File,
+                (403, _) => fatal(format!(
+                    "Hub repo {id}: access refused (HTTP 403) — the token set in HF_TOKEN has \
+                     no access to it"
+                )),
+                (c, _) => fatal(format!("Hub repo {id}, {file}: HTTP {c} from {endpoint}")),
+            },
+            Failure::Transport(t) => fatal(format!(
+                "cannot reach the Hugging Face Hub at {endpoint} for {id} ({t}); files \
+                 downloaded before are used with HF_HUB_OFFLINE=1"
+            )),
+            Failure::Refused(why) => fatal(format!(
+                "Hub repo {id}, {file}: the answer from {endpoint} was refused: {}; nothing was \
+                 cached",
+                crate::report::escape_for_terminal(&why)
+            )),
+            Failure::Io(why) => fatal(format!(
+                "Hub repo {id}, {file}: cannot write the cache: {why}"
             )),
         }
     }
@@ -329,9 +331,11 @@ impl Hub {
                 "Hub dataset {id}: listing its files needs the network, and HF_HUB_OFFLINE is set"
             )));
         }
-        let repo = id.repo(RepoType::Dataset);
-        match self.api.repo(repo).info() {
-            Ok(info) => Ok(info.siblings.into_iter().map(|s| s.rfilename).collect()),
+        match self
+            .client
+            .list_files(RepoKind::Dataset, &id.repo, &id.revision)
+        {
+            Ok(files) => Ok(files),
             Err(e) => Err(match self.explain(id, "the file list", e) {
                 Missing::File | Missing::NotCached => KilnError::Config(format!(
                     "Hub dataset {} does not exist (or it is private: set HF_TOKEN)",
@@ -344,8 +348,7 @@ impl Hub {
 
     /// One file of a dataset repo, from the cache or downloaded.
     pub fn dataset_file(&self, id: &HubId, file: &str) -> Result<PathBuf> {
-        let repo = id.repo(RepoType::Dataset);
-        match self.fetch(id, &repo, file) {
+        match self.fetch(id, RepoKind::Dataset, file) {
             Ok(p) => Ok(p),
             Err(Missing::File) => Err(KilnError::Config(format!("Hub dataset {id} has no {file}"))),
             Err(Missing::NotCached) => Err(self.not_cached(id, file)),
