@@ -864,16 +864,7 @@ where
             }
             println!("{}", serde_json::to_string_pretty(&out.metrics)?);
             if let Some(r) = out.report {
-                for c in r.per_class {
-                    println!(
-                        "{:>16}  precision {:.4}  recall {:.4}  f1 {:.4}  support {}",
-                        c.label, c.precision, c.recall, c.f1, c.support
-                    );
-                }
-                println!(
-                    "confusion (rows: true, columns: predicted): {:?}",
-                    r.confusion
-                );
+                print_class_report(&r);
             }
         }
         Command::Bench(cmd) => {
@@ -1319,6 +1310,45 @@ fn separate_worker_command(mut argv: Vec<String>) -> Vec<String> {
     argv
 }
 
+/// `kiln eval`'s per-class lines and confusion matrix. Label names come from data files: their
+/// control characters are escaped before they reach the terminal. Above
+/// `MAX_CONFUSION_CLASSES` classes the lines would be a flood: the file (--output) has them all,
+/// the terminal gets the largest confusions.
+fn print_class_report(r: &kiln::train::metrics::ClassificationReport) {
+    use kiln::report::escape_for_terminal as esc;
+    use kiln::train::metrics::{MAX_CONFUSION_CLASSES, TOP_CONFUSIONS};
+    match &r.confusion {
+        Some(m) => {
+            for c in &r.per_class {
+                println!(
+                    "{:>16}  precision {:.4}  recall {:.4}  f1 {:.4}  support {}",
+                    esc(&c.label),
+                    c.precision,
+                    c.recall,
+                    c.f1,
+                    c.support
+                );
+            }
+            println!("confusion (rows: true, columns: predicted): {m:?}");
+        }
+        None => {
+            println!(
+                "{} classes: more than {MAX_CONFUSION_CLASSES}, so per-class metrics are only in \
+                 --output and the confusion matrix keeps its {TOP_CONFUSIONS} largest cells:",
+                r.per_class.len()
+            );
+            for c in &r.top_confusions {
+                println!(
+                    "{:>16} taken for {}: {}",
+                    esc(&r.per_class[c.truth].label),
+                    esc(&r.per_class[c.predicted].label),
+                    c.count
+                );
+            }
+        }
+    }
+}
+
 /// `kiln convert --to-tp N` (Llama splits, as training at `--tensor-parallel-size N` holds them)
 /// or `--to-full` (`to_tp` = `None`).
 fn reshard(
@@ -1335,7 +1365,9 @@ fn reshard(
             "--to-tp 0: the tensor-parallel size must be at least 1".into(),
         )),
         Some(n) => {
-            let config: kiln::hub::llama_config::LlamaConfig = kiln::hub::read_json(&config_path)?;
+            // Validated as training validates it (more key/value heads than heads is a sentence);
+            // the tensors' shapes are then checked against it cut by cut.
+            let config = kiln::hub::llama_config::LlamaConfig::from_file(&config_path)?;
             Ok(Target::TensorParallel {
                 splits: kiln::models::llama::tensor_parallel::splits_for(
                     &config,

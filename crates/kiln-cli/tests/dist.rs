@@ -521,3 +521,55 @@ fn a_restarted_job_ends_where_an_undisturbed_one_does() {
         }
     }
 }
+
+/// A worker that always fails is restarted after 0.5 s, then 1 s, ... (it used to be restarted 23
+/// times a second), and a job id that would leave `--log-dir` is refused before anything starts.
+#[test]
+fn restarts_back_off_and_job_ids_stay_inside_the_log_dir() {
+    let tmp = tempfile::tempdir().unwrap();
+    let logs = tmp.path().join("logs");
+    let t0 = Instant::now();
+    let out = kiln()
+        .env("KILN_LOG", "warn")
+        .args(["launch", "--nproc-per-node", "1", "--max-restarts", "2"])
+        .args(["--master-port", &free_ports(1).to_string(), "--log-dir"])
+        .arg(&logs)
+        .args(["--", "train", "--no-such-option"])
+        .output()
+        .unwrap();
+    let elapsed = t0.elapsed();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("restarting every worker in 0.5 s (restart 1 of 2)")
+            && err.contains("restarting every worker in 1.0 s (restart 2 of 2)")
+            && err.contains("(after 2 restart(s) of 2)"),
+        "{err}"
+    );
+    assert!(elapsed >= Duration::from_millis(1500), "{elapsed:?}");
+
+    for id in ["../..", "/tmp", "a/b", ".."] {
+        let out = kiln()
+            .args([
+                "launch",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-id",
+                id,
+                "--log-dir",
+            ])
+            .arg(&logs)
+            .args(["--", "train", "--no-such-option"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{id}: {err}");
+        assert!(
+            err.contains(&format!("--rdzv-id {id:?}: a job id names its folder")),
+            "{id}: {err}"
+        );
+    }
+    // Only the first job's folder is under --log-dir, and nothing beside it.
+    let made: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().flatten().collect();
+    assert_eq!(made.len(), 1, "{made:?}");
+}

@@ -434,6 +434,7 @@ fn sharded_checkpoints_resume_at_any_layout() {
         assert!(st.success());
     }
     assert!(converted_full.join("optimizer.safetensors").exists());
+    tampered_layouts_are_refused(&ck, tmp.path());
     for (name, layout, extra, from) in [
         ("same", (4, 2), [&b2[..], &["--zero-1"]].concat(), &ck),
         ("tp3", (3, 3), b4.to_vec(), &ck),
@@ -475,6 +476,199 @@ fn sharded_checkpoints_resume_at_any_layout() {
             "resumed at {name}: differs from the unbroken run by {d}"
         );
     }
+}
+
+/// Copies folder `from` to `to` (files and sub-folders).
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &to.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+/// `shards.json` of the TP = 2 × DP = 2 ZeRO-1 checkpoint `ck`, changed as a hostile or broken
+/// writer would: `convert --to-full` and a resume refuse each in one sentence and write nothing,
+/// where they used to fill half a weight (or half the moments) with zeros, drop a parameter,
+/// abort on a 422 TB allocation or overflow.
+fn tampered_layouts_are_refused(ck: &Path, tmp: &Path) {
+    type Edit = fn(&mut serde_json::Value);
+    let cases: [(&str, Edit, &str); 7] = [
+        (
+            "overlapping-cuts",
+            |l| {
+                let r = &mut l["params"]["model.layers.0.self_attn.q_proj.weight"]["ranks"];
+                r[1]["range"] = r[0]["range"].clone();
+            },
+            "do not cover 0..",
+        ),
+        (
+            "false-tp-size",
+            |l| {
+                l["tensor_parallel_size"] = 1.into();
+                for p in l["params"].as_object_mut().unwrap().values_mut() {
+                    p["ranks"].as_array_mut().unwrap().truncate(1);
+                }
+                l["optimizer"].as_array_mut().unwrap().truncate(1);
+            },
+            "do not cover 0..",
+        ),
+        (
+            "overlapping-zero-ranges",
+            |l| {
+                // Data-parallel rank 1's file claims values rank 0's file already covers.
+                let files = l["optimizer"][0].as_array_mut().unwrap();
+                let (name, range) = {
+                    let (k, v) = files[0].as_object().unwrap().iter().next().unwrap();
+                    (k.clone(), v.clone())
+                };
+                files[1][name.as_str()] = range;
+            },
+            "the optimizer files of tensor-parallel rank 0 cover values",
+        ),
+        (
+            "missing-param",
+            |l| {
+                let params = l["params"].as_object_mut().unwrap();
+                params.remove("model.norm.weight");
+                for files in l["optimizer"].as_array_mut().unwrap() {
+                    for f in files.as_array_mut().unwrap() {
+                        f.as_object_mut().unwrap().remove("model.norm.weight");
+                    }
+                }
+            },
+            "holds model.norm.weight, which shards.json does not list",
+        ),
+        (
+            "huge-shape",
+            |l| {
+                let p = &mut l["params"]["model.norm.weight"];
+                p["shape"] = serde_json::json!([1u64 << 40, 96]);
+            },
+            // Caught by the moments' coverage, or by rank 0's piece: never allocated.
+            "model.norm.weight: ",
+        ),
+        (
+            "overflowing-shape",
+            |l| {
+                let p = &mut l["params"]["model.norm.weight"];
+                p["shape"] = serde_json::json!([1u64 << 62, 96]);
+            },
+            "holds more values than memory can",
+        ),
+        (
+            "extra-rank-file",
+            |l| {
+                // Rank 1's file stays, the layout claims one rank of whole tensors.
+                l["tensor_parallel_size"] = 1.into();
+                for p in l["params"].as_object_mut().unwrap().values_mut() {
+                    let shape = p["shape"].clone();
+                    p["ranks"] = serde_json::json!([null]);
+                    p["shape"] = shape;
+                }
+                l["optimizer"] = serde_json::json!([]);
+            },
+            "shards.json says tensor_parallel_size 1, but",
+        ),
+    ];
+    for (name, edit, expect) in cases {
+        let dir = tmp.join(format!("tampered-{name}"));
+        copy_dir(ck, &dir);
+        let path = dir.join("shards.json");
+        let mut layout: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        edit(&mut layout);
+        std::fs::write(&path, serde_json::to_vec(&layout).unwrap()).unwrap();
+        let out_dir = tmp.join(format!("tampered-{name}-full"));
+        let out = kiln()
+            .args(["convert", "--to-full", "--model"])
+            .arg(&dir)
+            .arg("--out")
+            .arg(&out_dir)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: {err}");
+        assert!(err.contains(expect), "{name}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{name}: one sentence: {err}");
+        assert!(!out_dir.exists(), "{name}: nothing is written");
+    }
+}
+
+/// `kiln launch --max-restarts 1` of a pure tensor-parallel job (TP = 2, data-parallel size 1): rank
+/// 1 killed after step 4 (and its checkpoint), every worker restarted, and the job ends with the
+/// very bits of an unbroken run, its logged losses too. The restart choice used to travel over the
+/// data-parallel group only (rank 0 alone here): rank 1 started over from random weights beside a
+/// resumed rank 0, logged wrong losses and died.
+#[test]
+fn a_restarted_tensor_parallel_job_equals_an_unbroken_one() {
+    let Some((tmp, hf, corpus)) = setup() else {
+        return;
+    };
+    let cfg = config(tmp.path(), "e.json", 4, 2, false, true);
+    let run = Run {
+        cfg: &cfg,
+        tokenizer: &hf,
+        corpus: &corpus,
+        out: tmp.path(),
+    };
+    let args = [
+        "--max-steps",
+        "6",
+        "--per-device-train-batch-size",
+        "2",
+        "--save-steps",
+        "2",
+        "--seed",
+        "5",
+    ];
+    let job = |name: &str, restarts: &str| {
+        let mut c = kiln();
+        c.args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            restarts,
+        ])
+        .args(["--master-port", &common::free_ports(2).to_string()])
+        .args(["--timeout", "60", "--"])
+        .args(train_args(&run, &tmp.path().join(name), 2, &args));
+        c
+    };
+    let st = job("unbroken", "0").status().unwrap();
+    assert!(st.success(), "the unbroken job failed");
+    let out = job("restarted", "1")
+        .env("KILN_LOG", "info")
+        .env("KILN_TEST_CRASH_AT", "train:step:4")
+        .env("KILN_TEST_CRASH_RANK", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the restarted job failed: {err}");
+    assert!(
+        err.contains("worker rank 1 was killed by signal 9")
+            && err.contains("restart 1: resuming from")
+            && err.contains("checkpoint-4"),
+        "no restart from checkpoint-4 reported: {err}"
+    );
+    let weights =
+        |n: &str| read_safetensors(&tmp.path().join(n).join("model.safetensors")).unwrap();
+    let d = max_diff(&weights("restarted"), &weights("unbroken"));
+    assert_eq!(
+        d, 0.0,
+        "the restarted job differs from the unbroken one by {d}"
+    );
+    let (a, b) = (
+        losses(&tmp.path().join("restarted")),
+        losses(&tmp.path().join("unbroken")),
+    );
+    assert_eq!(a, b, "logged losses");
+    assert_eq!(a.len(), 6);
 }
 
 /// `kiln convert`: HF → TP 2 → full, HF → TP 2 → TP 3 → full and through NxD's fused q/k/v
@@ -569,6 +763,32 @@ fn convert_round_trips_are_byte_identical() {
         !ok && err.contains("the folder exists and is not empty"),
         "{err}"
     );
+    // config.json smaller than the tensors: the tensors decide, a disagreement is one sentence
+    // (it used to keep the first 2-50 % of those weights); more key/value heads than heads too
+    // (it used to panic).
+    for (key, value, expect) in [
+        (
+            "vocab_size",
+            1000,
+            "model.embed_tokens.weight: config.json makes dimension 0 1000 long",
+        ),
+        ("intermediate_size", 64, "64 long"),
+        ("head_dim", 32, "config.json makes dimension 0"),
+        ("num_key_value_heads", 18, "num_key_value_heads"),
+    ] {
+        let bad = dir(&format!("hf-{key}"));
+        copy_dir(&dir("hf"), &bad);
+        let path = bad.join("config.json");
+        let mut cfg: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        cfg[key] = value.into();
+        std::fs::write(&path, serde_json::to_vec(&cfg).unwrap()).unwrap();
+        let to = dir(&format!("hf-{key}-tp2"));
+        let (ok, err) = convert(&["--to-tp", "2"], &bad, &to);
+        assert!(!ok && err.contains(expect), "{key} {value}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{key}: one sentence: {err}");
+        assert!(!to.exists(), "{key}: nothing is written");
+    }
 }
 
 /// Two "machines" on loopback (two launchers, `--nnodes 2`, two workers each): TP = 2 inside

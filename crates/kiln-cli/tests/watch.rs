@@ -88,8 +88,15 @@ fn a_run_leaves_tensorboard_events_curves_and_a_model_card() {
         [2, 4, 6, 8, 10, 12]
     );
 
-    // TensorBoard's folder: runs/<run name>, and its events as TensorBoard reads them.
-    let tb = a.join("runs/lr-1e-3");
+    // TensorBoard's folder: runs/<start time>_<host> as transformers names it (the run name is
+    // a label, never a path), and its events as TensorBoard reads them.
+    let runs: Vec<_> = std::fs::read_dir(a.join("runs"))
+        .unwrap()
+        .flatten()
+        .collect();
+    assert_eq!(runs.len(), 1, "one TensorBoard folder");
+    let tb = runs[0].path();
+    assert_ne!(runs[0].file_name(), "lr-1e-3");
     let events: Vec<_> = std::fs::read_dir(&tb).unwrap().flatten().collect();
     assert_eq!(events.len(), 1, "one event file");
     assert!(events[0]

@@ -189,6 +189,8 @@ pub fn ensure_regular(path: &Path, what: &str) -> Result<()> {
 /// Test hook for crash-consistency tests: with `KILN_TEST_CRASH_AT=NAME:N` in the environment, the
 /// process kills itself with SIGKILL the N-th time it passes the point `NAME` (1-based), as a
 /// power cut or the OOM killer would stop it there. Without the variable this is one relaxed load.
+/// Under a launcher only the first attempt dies (`TORCHELASTIC_RESTART_COUNT` 0: a restarted
+/// worker goes on), and with `KILN_TEST_CRASH_RANK=R` only the worker of global rank R.
 pub fn crash_point(name: &str) {
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::OnceLock;
@@ -196,6 +198,15 @@ pub fn crash_point(name: &str) {
     static HITS: AtomicU64 = AtomicU64::new(0);
     let target = TARGET.get_or_init(|| {
         let v = std::env::var("KILN_TEST_CRASH_AT").ok()?;
+        let var = |k: &str| std::env::var(k).ok();
+        if var("TORCHELASTIC_RESTART_COUNT").is_some_and(|r| r != "0") {
+            return None;
+        }
+        if let Some(rank) = var("KILN_TEST_CRASH_RANK") {
+            if var("RANK").as_deref() != Some(rank.as_str()) {
+                return None;
+            }
+        }
         let (point, n) = v.rsplit_once(':')?;
         Some((point.to_string(), n.parse().ok()?))
     });

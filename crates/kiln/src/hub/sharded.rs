@@ -101,16 +101,27 @@ pub struct ShardLayout {
 
 impl ShardLayout {
     /// The layout of `tp` ranks whose cuts `splits[r]` (every rank's [`ParamSplit`] by name) of
-    /// whole shapes `shapes` describe.
+    /// whole shapes `shapes` describe, stored with q/k/v fused when `coalesced_qkv`.
     pub fn from_splits(
         shapes: &BTreeMap<String, Vec<usize>>,
         splits: &[BTreeMap<String, ParamSplit>],
+        coalesced_qkv: bool,
     ) -> Result<Self> {
         let mut params = BTreeMap::new();
         for (name, shape) in shapes {
             let ranks = splits
                 .iter()
                 .map(|s| match s.get(name) {
+                    Some(ParamSplit::Sharded { axis, full, .. })
+                        if shape.get(*axis) != Some(full) =>
+                    {
+                        Err(KilnError::Weights(format!(
+                            "{name}: config.json makes dimension {axis} {full} long, the tensor \
+                             has shape {shape:?}; the tensors decide, so correct config.json \
+                             (vocab_size, intermediate_size, num_attention_heads, \
+                             num_key_value_heads, head_dim)"
+                        )))
+                    }
                     Some(ParamSplit::Sharded { axis, range, .. }) => Ok(Some(Cut {
                         axis: *axis,
                         range: range.clone(),
@@ -129,14 +140,16 @@ impl ShardLayout {
                 },
             );
         }
-        Ok(Self {
+        let layout = Self {
             tensor_parallel_size: splits.len(),
             data_parallel_size: 1,
             zero_1: false,
             params,
             optimizer: Vec::new(),
-            coalesced_qkv: false,
-        })
+            coalesced_qkv,
+        };
+        layout.check().map_err(KilnError::Weights)?;
+        Ok(layout)
     }
 
     /// Whether tensor-parallel rank `tp` of a `size`-rank split cutting parameters as `split`
@@ -175,19 +188,30 @@ impl ShardLayout {
     /// equal on every rank: replicas that drifted apart are an error naming the parameter.
     pub fn join(&self, name: &str, pieces: &[&HostTensor]) -> Result<HostTensor> {
         let p = self.param(name)?;
+        if pieces.len() != p.ranks.len() {
+            return Err(KilnError::Weights(format!(
+                "{name}: {} pieces for {} tensor-parallel ranks",
+                pieces.len(),
+                p.ranks.len()
+            )));
+        }
+        // Every piece is checked before the whole is allocated: its size then comes from data
+        // that was read, never from the layout alone.
+        for (tp, piece) in pieces.iter().enumerate() {
+            let expect = p.local_shape(tp);
+            if piece.shape != expect || piece.data.len() != expect.iter().product::<usize>() {
+                return Err(KilnError::Weights(format!(
+                    "{name}: tensor-parallel rank {tp} holds shape {:?}, the layout says {expect:?}",
+                    piece.shape
+                )));
+            }
+        }
         let mut out = HostTensor {
             shape: p.shape.clone(),
             data: vec![0.0; p.shape.iter().product()],
         };
         let mut copy: Option<&HostTensor> = None;
         for (tp, piece) in pieces.iter().enumerate() {
-            let expect = p.local_shape(tp);
-            if piece.shape != expect {
-                return Err(KilnError::Weights(format!(
-                    "{name}: tensor-parallel rank {tp} holds shape {:?}, the layout says {expect:?}",
-                    piece.shape
-                )));
-            }
             match &p.ranks[tp] {
                 Some(c) => place_axis(&mut out.data, piece, c.axis, &c.range, p.shape[c.axis]),
                 None => match copy {
@@ -203,6 +227,17 @@ impl ShardLayout {
                         out.data.clone_from(&piece.data);
                     }
                 },
+            }
+        }
+        // Rows held by several ranks (repeated key/value heads) must be the same on each.
+        for (tp, piece) in pieces.iter().enumerate() {
+            if let Some(c) = p.ranks[tp].as_ref().filter(|_| repeats_heads(self, name)) {
+                if cut_axis(&out, c.axis, &c.range).data != piece.data {
+                    return Err(KilnError::Weights(format!(
+                        "{name}: the rows tensor-parallel rank {tp} shares with another rank \
+                         differ; repeated key/value heads must be equal on every rank"
+                    )));
+                }
             }
         }
         Ok(out)
@@ -317,40 +352,136 @@ pub fn place_axis(
     }
 }
 
-/// Reads `shards.json` of a sharded folder, or `None` when `dir` is not sharded.
+/// The most bytes one tensor may describe: shapes from a file are multiplied with checked
+/// arithmetic and must stay below what one allocation can hold.
+const MAX_TENSOR_BYTES: usize = isize::MAX as usize;
+
+/// The number of values of `shape`, or `None` when it overflows or exceeds [`MAX_TENSOR_BYTES`]
+/// as f32.
+pub fn checked_numel(shape: &[usize]) -> Option<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .filter(|n| n.checked_mul(4).is_some_and(|b| b <= MAX_TENSOR_BYTES))
+}
+
+/// Whether `ranges` cover `0..n` exactly once (any order; empty ranges allowed), or, with
+/// `overlap`, at least once.
+fn tiles(ranges: &[&Range<usize>], n: usize, overlap: bool) -> bool {
+    let mut sorted: Vec<&Range<usize>> = ranges.iter().copied().filter(|r| !r.is_empty()).collect();
+    sorted.sort_by_key(|r| r.start);
+    let mut at = 0;
+    for r in sorted {
+        let joins = if overlap {
+            r.start <= at
+        } else {
+            r.start == at
+        };
+        if !joins || r.end > n {
+            return false;
+        }
+        at = at.max(r.end);
+    }
+    at == n
+}
+
+/// Whether `name` is a key/value projection NxD's fused layout holds per rank as the heads its
+/// queries read: with fewer key/value heads than ranks, those rows repeat on several ranks.
+fn repeats_heads(layout: &ShardLayout, name: &str) -> bool {
+    layout.coalesced_qkv && (name.contains(".k_proj.") || name.contains(".v_proj."))
+}
+
+impl ShardLayout {
+    /// What `shards.json` must hold to put a model and its moments back without a gap or an
+    /// overlap: every shape countable, every sharded tensor's cuts (one axis) tiling that axis
+    /// exactly once, replicated tensors whole on every rank, and each rank's optimizer files
+    /// covering every parameter's local values exactly once (or not at all: no gradient yet).
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let tp = self.tensor_parallel_size;
+        if tp == 0 {
+            return Err("tensor_parallel_size must be at least 1".into());
+        }
+        if self.data_parallel_size == 0 {
+            return Err("data_parallel_size must be at least 1".into());
+        }
+        for (name, p) in &self.params {
+            if checked_numel(&p.shape).is_none() {
+                return Err(format!(
+                    "{name}: shape {:?} holds more values than memory can",
+                    p.shape
+                ));
+            }
+            if p.ranks.len() != tp {
+                return Err(format!(
+                    "{name}: {} ranks listed for tensor_parallel_size {tp}",
+                    p.ranks.len()
+                ));
+            }
+            let cuts: Vec<&Cut> = p.ranks.iter().flatten().collect();
+            if cuts.is_empty() {
+                continue;
+            }
+            let axis = cuts[0].axis;
+            if cuts.len() != tp || cuts.iter().any(|c| c.axis != axis) || axis >= p.shape.len() {
+                return Err(format!(
+                    "{name}: a sharded tensor needs one cut per rank along one axis of shape \
+                     {:?}, the layout lists {:?}",
+                    p.shape, p.ranks
+                ));
+            }
+            let ranges: Vec<&Range<usize>> = cuts.iter().map(|c| &c.range).collect();
+            if !tiles(&ranges, p.shape[axis], repeats_heads(self, name)) {
+                return Err(format!(
+                    "{name}: the cuts {ranges:?} of dimension {axis} do not cover 0..{} exactly \
+                     once",
+                    p.shape[axis]
+                ));
+            }
+        }
+        if self.optimizer.is_empty() {
+            return Ok(());
+        }
+        if self.optimizer.len() != tp {
+            return Err(format!(
+                "optimizer lists {} tensor-parallel ranks for tensor_parallel_size {tp}",
+                self.optimizer.len()
+            ));
+        }
+        for (rank, files) in self.optimizer.iter().enumerate() {
+            for name in files.iter().flat_map(|f| f.keys()) {
+                if !self.params.contains_key(name) {
+                    return Err(format!(
+                        "optimizer of tensor-parallel rank {rank}: {name} is not a parameter of \
+                         the layout"
+                    ));
+                }
+            }
+            for (name, p) in &self.params {
+                let n = checked_numel(&p.local_shape(rank)).unwrap_or(usize::MAX);
+                let ranges: Vec<&Range<usize>> = files.iter().filter_map(|f| f.get(name)).collect();
+                if !ranges.is_empty() && !tiles(&ranges, n, false) {
+                    return Err(format!(
+                        "{name}: the optimizer files of tensor-parallel rank {rank} cover values \
+                         {ranges:?}, not 0..{n} exactly once"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Reads `shards.json` of a sharded folder, or `None` when `dir` is not sharded. Its coverage is
+/// checked ([`ShardLayout::check`]) before anything trusts it.
 pub fn read_layout(dir: &Path) -> Result<Option<ShardLayout>> {
     let path = dir.join(LAYOUT_FILE);
     if !path.exists() {
         return Ok(None);
     }
     let layout: ShardLayout = super::read_json(&path)?;
-    let bad = |m: String| {
-        Err(KilnError::Parse {
-            path: path.clone(),
-            line: 0,
-            msg: m,
-        })
-    };
-    if layout.tensor_parallel_size == 0 {
-        return bad("tensor_parallel_size must be at least 1".into());
-    }
-    for (name, p) in &layout.params {
-        if p.ranks.len() != layout.tensor_parallel_size {
-            return bad(format!(
-                "{name}: {} ranks listed for tensor_parallel_size {}",
-                p.ranks.len(),
-                layout.tensor_parallel_size
-            ));
-        }
-        for c in p.ranks.iter().flatten() {
-            if c.axis >= p.shape.len() || c.range.end > p.shape[c.axis] {
-                return bad(format!(
-                    "{name}: cut {c:?} lies outside shape {:?}",
-                    p.shape
-                ));
-            }
-        }
-    }
+    layout
+        .check()
+        .map_err(|msg| KilnError::Config(format!("{}: {msg}", path.display())))?;
     Ok(Some(layout))
 }
 
@@ -366,6 +497,25 @@ pub fn read_whole_model(dir: &Path, layout: &ShardLayout) -> Result<BTreeMap<Str
             }
         })
         .collect::<Result<Vec<_>>>()?;
+    // A tensor the layout does not list would be dropped from the whole model unseen.
+    for (tp, r) in ranks.iter().enumerate() {
+        if let Some(extra) = r.keys().find(|k| !layout.params.contains_key(*k)) {
+            return Err(KilnError::Weights(format!(
+                "{}: holds {extra}, which {LAYOUT_FILE} does not list",
+                dir.join(model_file(tp)).display()
+            )));
+        }
+    }
+    // Shards of more ranks than the layout names: its tensor_parallel_size is not the folder's.
+    let next = dir.join(model_file(layout.tensor_parallel_size));
+    if next.exists() {
+        return Err(KilnError::Weights(format!(
+            "{}: {LAYOUT_FILE} says tensor_parallel_size {}, but {} exists",
+            dir.display(),
+            layout.tensor_parallel_size,
+            next.display()
+        )));
+    }
     let mut out = BTreeMap::new();
     for name in layout.params.keys() {
         let pieces = ranks
@@ -404,33 +554,37 @@ pub fn read_rank_optimizer(
     let mut out = BTreeMap::new();
     for (name, p) in &layout.params {
         let shape = p.local_shape(tp);
-        let n: usize = shape.iter().product();
         for moment in ["exp_avg", "exp_avg_sq"] {
             let key = format!("{name}.{moment}");
-            let mut data = vec![0.0; n];
-            let mut covered = 0;
+            // Each file's piece is checked against its range before anything is allocated; the
+            // ranges tile the local values exactly once (`ShardLayout::check`).
+            let mut pieces = Vec::new();
             for (dp, (ranges, tensors)) in files.iter().zip(&parts).enumerate() {
                 let Some(r) = ranges.get(name) else { continue };
-                let t = tensors.get(&key).filter(|t| t.data.len() == r.len());
-                let Some(t) = t.filter(|_| r.end <= n) else {
+                let Some(t) = tensors.get(&key).filter(|t| t.data.len() == r.len()) else {
                     return Err(KilnError::Checkpoint(format!(
                         "{}: lacks {key} over values {r:?}",
                         dir.join(optimizer_file(tp, dp)).display()
                     )));
                 };
-                data[r.clone()].copy_from_slice(&t.data);
-                covered += r.len();
+                pieces.push((r.clone(), t));
             }
-            if covered == 0 {
+            if pieces.is_empty() {
                 // A parameter that never had a gradient has no moments.
                 continue;
             }
-            if covered != n {
+            let n: usize = pieces.iter().map(|(r, _)| r.len()).sum();
+            if n != shape.iter().product::<usize>() {
                 return Err(KilnError::Checkpoint(format!(
-                    "{}: the optimizer files of tensor-parallel rank {tp} cover {covered} of \
-                     {key}'s {n} values",
-                    dir.display()
+                    "{}: the optimizer files of tensor-parallel rank {tp} cover {n} of {key}'s \
+                     {} values",
+                    dir.display(),
+                    shape.iter().product::<usize>()
                 )));
+            }
+            let mut data = vec![0.0; n];
+            for (r, t) in pieces {
+                data[r].copy_from_slice(&t.data);
             }
             out.insert(
                 key,
@@ -549,5 +703,77 @@ mod tests {
             err.contains("norm: its copies on tensor-parallel ranks 0 and 1 differ"),
             "{err}"
         );
+    }
+
+    fn two_ranks(ranges: [Range<usize>; 2]) -> ShardLayout {
+        ShardLayout {
+            tensor_parallel_size: 2,
+            data_parallel_size: 1,
+            zero_1: false,
+            params: [(
+                "w".to_string(),
+                ParamLayout {
+                    shape: vec![6, 2],
+                    ranks: ranges
+                        .into_iter()
+                        .map(|range| Some(Cut { axis: 0, range }))
+                        .collect(),
+                },
+            )]
+            .into(),
+            optimizer: vec![],
+            coalesced_qkv: false,
+        }
+    }
+
+    #[test]
+    fn cuts_must_tile_the_axis_exactly_once() {
+        assert!(two_ranks([0..3, 3..6]).check().is_ok());
+        assert!(two_ranks([3..6, 0..3]).check().is_ok());
+        for bad in [[0..3, 0..3], [0..3, 4..6], [0..4, 3..6], [0..3, 3..7]] {
+            let err = two_ranks(bad.clone()).check().unwrap_err();
+            assert!(
+                err.contains("do not cover 0..6 exactly once"),
+                "{bad:?}: {err}"
+            );
+        }
+        // Repeated key/value heads of NxD's fused layout may overlap, never leave a gap.
+        let mut l = two_ranks([0..4, 2..6]);
+        l.coalesced_qkv = true;
+        l.params = [("a.k_proj.weight".to_string(), l.params["w"].clone())].into();
+        assert!(l.check().is_ok());
+        l.params.get_mut("a.k_proj.weight").unwrap().ranks[1] = Some(Cut {
+            axis: 0,
+            range: 5..6,
+        });
+        assert!(l.check().is_err());
+    }
+
+    #[test]
+    fn optimizer_ranges_must_tile_each_shard_exactly_once() {
+        let mut l = two_ranks([0..3, 3..6]);
+        let files = |a: Range<usize>, b: Range<usize>| {
+            vec![[("w".to_string(), a)].into(), [("w".to_string(), b)].into()]
+        };
+        l.optimizer = vec![files(0..4, 4..6), files(0..2, 2..6)];
+        assert!(l.check().is_ok());
+        l.optimizer[1] = files(0..3, 0..3);
+        let err = l.check().unwrap_err();
+        assert!(err.contains("rank 1 cover values"), "{err}");
+        l.optimizer[1] = files(0..2, 3..6);
+        assert!(l.check().is_err());
+    }
+
+    #[test]
+    fn shapes_are_counted_with_checked_arithmetic() {
+        assert_eq!(checked_numel(&[3, 4]), Some(12));
+        assert_eq!(checked_numel(&[1 << 62, 96]), None);
+        assert_eq!(checked_numel(&[usize::MAX, 2]), None);
+        let mut l = two_ranks([0..3, 3..6]);
+        l.params.get_mut("w").unwrap().shape = vec![6, 1 << 62];
+        assert!(l
+            .check()
+            .unwrap_err()
+            .contains("more values than memory can"));
     }
 }

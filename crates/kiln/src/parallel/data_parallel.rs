@@ -154,6 +154,20 @@ impl<B: Backend> DataParallel<B> {
         }
     }
 
+    /// Sums `values` over the whole job, every layout's ranks (tensor-parallel peers included):
+    /// for choices every rank must share, such as where a restarted job resumes.
+    pub fn sum_host_world(&self, values: Vec<f32>) -> Result<Vec<f32>> {
+        match &self.world {
+            Some(w) => w.sum_host(values),
+            None => Ok(values),
+        }
+    }
+
+    /// The number of processes of the whole job (1 alone).
+    pub fn world_size(&self) -> usize {
+        self.world.as_ref().map_or(1, |w| w.size())
+    }
+
     /// Waits for every rank of the job (after rank 0 wrote files the others read).
     pub fn barrier(&self) -> Result<()> {
         match &self.world {

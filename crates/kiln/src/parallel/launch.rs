@@ -411,6 +411,14 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
             "--nproc-per-node and --nnodes must be at least 1".into(),
         ));
     }
+    // The id names the job's folder under --log-dir: it must be one plain folder name.
+    if !is_plain_name(&o.run_id) {
+        return Err(KilnError::Config(format!(
+            "--rdzv-id {:?}: a job id names its folder under --log-dir, so it must be one folder \
+             name (letters, digits, '.', '-', '_', not '.' or '..')",
+            o.run_id
+        )));
+    }
     if o.node_rank >= o.nnodes {
         return Err(KilnError::Config(format!(
             "--node-rank {} is outside --nnodes {}",
@@ -452,13 +460,55 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
             };
             return Err(KilnError::Distributed(format!("{message}{tried}")));
         }
+        let wait = restart_backoff(restart);
         tracing::warn!(
-            "{message}; restarting every worker (restart {} of {}): they resume from the run's latest checkpoint",
+            "{message}; restarting every worker in {:.1} s (restart {} of {}): they resume from the run's latest checkpoint",
+            wait.as_secs_f64(),
             restart + 1,
             o.max_restarts
         );
+        if !sleep_unless(wait, &interrupted) {
+            return Err(KilnError::Distributed(format!(
+                "{message}; interrupted before restart {}",
+                restart + 1
+            )));
+        }
     }
     unreachable!("the attempts loop returns")
+}
+
+/// Whether `s` is one folder name that stays inside its parent: ASCII letters, digits, `.`, `-`,
+/// `_`, `:` and `@`, not `.` or `..`, at most 255 bytes.
+pub fn is_plain_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 255
+        && s != "."
+        && s != ".."
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-:@".contains(&b))
+}
+
+/// How long to wait before restart `restart + 1`: half a second, doubling per restart up to
+/// [`MAX_BACKOFF`], so a worker that always fails costs a restart every half minute, not dozens a
+/// second (each restart respawns every worker and rereads the model).
+pub fn restart_backoff(restart: usize) -> Duration {
+    let half_seconds = 1u64 << restart.min(16);
+    Duration::from_millis(500 * half_seconds).min(MAX_BACKOFF)
+}
+
+/// The longest wait between restarts.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// Sleeps `d`, waking early (and returning false) when `interrupted` is set.
+fn sleep_unless(d: Duration, interrupted: &AtomicBool) -> bool {
+    let end = Instant::now() + d;
+    while Instant::now() < end {
+        if interrupted.load(Ordering::Relaxed) {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50).min(end - Instant::now()));
+    }
+    !interrupted.load(Ordering::Relaxed)
 }
 
 /// Starts every worker of this node for attempt `restart` and waits for them: `None` when all
@@ -599,6 +649,26 @@ fn run_attempt(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn job_ids_are_plain_folder_names() {
+        for ok in ["job7", "none", "3f2a-b1_c.d", "run:1"] {
+            assert!(super::is_plain_name(ok), "{ok}");
+        }
+        for bad in ["", ".", "..", "../..", "/tmp/x", "a/b", "a\0b", "a\x1b[2J"] {
+            assert!(!super::is_plain_name(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn restarts_back_off_to_half_a_minute() {
+        let waits: Vec<f64> = (0..10)
+            .map(|r| super::restart_backoff(r).as_secs_f64())
+            .collect();
+        assert_eq!(&waits[..4], &[0.5, 1.0, 2.0, 4.0]);
+        assert_eq!(waits[9], 30.0);
+        assert_eq!(super::restart_backoff(usize::MAX).as_secs_f64(), 30.0);
+    }
+
     use super::*;
 
     #[test]

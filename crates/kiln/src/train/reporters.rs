@@ -140,7 +140,9 @@ impl Reporters {
 }
 
 /// TensorBoard's folder: `logging_dir`, else `$TENSORBOARD_LOGGING_DIR` (transformers 5), else
-/// `output_dir/runs/<run_name>`, the run name defaulting to transformers' start time and host.
+/// `output_dir/runs/<start time>_<host>` as transformers names it. Never from `run_name`, as in
+/// transformers: a run name is a label, and `../../x` or an absolute one would put the events
+/// outside the output folder.
 pub fn logging_dir(args: &TrainingArguments) -> PathBuf {
     if let Some(d) = &args.logging_dir {
         return d.clone();
@@ -148,11 +150,10 @@ pub fn logging_dir(args: &TrainingArguments) -> PathBuf {
     if let Some(d) = std::env::var_os("TENSORBOARD_LOGGING_DIR").filter(|d| !d.is_empty()) {
         return PathBuf::from(d);
     }
-    let name = args
-        .run_name
-        .clone()
-        .unwrap_or_else(|| format!("{}_{}", local_time_label(), crate::report::live::hostname()));
-    args.output_dir.join("runs").join(name)
+    let host = crate::report::live::hostname().replace(['/', '\\', '\0'], "_");
+    args.output_dir
+        .join("runs")
+        .join(format!("{}_{host}", local_time_label()))
 }
 
 /// The local time as transformers' `default_logdir` writes it: `Nov24_01-05-44`.
@@ -232,8 +233,15 @@ mod tests {
             output_dir: "out".into(),
             ..TrainingArguments::default()
         };
-        a.run_name = Some("lr3e-5".into());
-        assert_eq!(logging_dir(&a), PathBuf::from("out/runs/lr3e-5"));
+        // A run name is a label, not a folder: `../../x` stays inside the output folder.
+        a.run_name = Some("../../x".into());
+        let dir = logging_dir(&a);
+        assert_eq!(
+            dir.parent(),
+            Some(Path::new("out/runs")),
+            "{}",
+            dir.display()
+        );
         a.logging_dir = Some("tb".into());
         assert_eq!(logging_dir(&a), PathBuf::from("tb"));
         let label = local_time_label();

@@ -196,8 +196,7 @@ fn write_folder(tmp: &Path, whole: &WholeFolder, target: &Target) -> Result<()> 
                 .iter()
                 .map(|(k, t)| (k.clone(), t.shape.clone()))
                 .collect();
-            let mut layout = ShardLayout::from_splits(&shapes, splits)?;
-            layout.coalesced_qkv = *coalesce_qkv;
+            let mut layout = ShardLayout::from_splits(&shapes, splits, *coalesce_qkv)?;
             for tp in 0..splits.len() {
                 let cut = |t: &BTreeMap<String, HostTensor>, param: fn(&str) -> &str| {
                     t.iter()

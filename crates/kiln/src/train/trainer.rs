@@ -389,6 +389,7 @@ where
                     run.bar.suspend(|| self.save_checkpoint(&sched, pending))?;
                     self.reporters.phase(Phase::Training);
                 }
+                crate::hub::files::crash_point("train:step");
                 if last {
                     break 'epochs;
                 }
@@ -432,8 +433,11 @@ where
             self.run = Some(run);
         }
         // A restarted job's ranks take rank 0's choice: only it reads the folder before
-        // rewriting the run's record. (Steps travel as f32: exact below 2^24.)
-        if attempt.is_some_and(|a| a.restart > 0) && self.parallel.size() > 1 {
+        // rewriting the run's record. Agreed over the whole job, not the data-parallel group:
+        // under tensor parallelism rank 0's group may be itself alone, and a peer that started
+        // over from random weights would train a different model beside it. (Steps travel as
+        // f32: exact below 2^24.)
+        if attempt.is_some_and(|a| a.restart > 0) && self.parallel.world_size() > 1 {
             let step = resume_dir
                 .as_deref()
                 .and_then(|p| {
@@ -449,7 +453,7 @@ where
             } else {
                 vec![0.0, 0.0]
             };
-            let chosen = self.parallel.sum_host(mine)?;
+            let chosen = self.parallel.sum_host_world(mine)?;
             restarted = chosen[0] > 0.0;
             if restarted && !self.is_main() {
                 resume_dir = (chosen[1] > 0.0).then(|| {

@@ -1,0 +1,52 @@
+//! What `kiln` prints from data files reaches a terminal: label names with escape sequences
+//! (a title change, a screen clear) are printed escaped, never raw.
+
+#[path = "../../kiln/tests/common.rs"]
+mod common;
+
+use std::process::Command;
+
+#[test]
+fn eval_escapes_label_names_from_files() {
+    let Some(minilm) = common::asset("minilm") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    common::tiny_model_with(
+        &model,
+        &minilm,
+        serde_json::json!({
+            "id2label": {"0": "pos\u{1b}]0;pwned\u{7}", "1": "neg\u{1b}[2J"},
+            "label2id": {"pos\u{1b}]0;pwned\u{7}": 0, "neg\u{1b}[2J": 1},
+        }),
+    );
+    let data = tmp.path().join("eval.csv");
+    let (pos, neg) = ("pos\u{1b}]0;pwned\u{7}", "neg\u{1b}[2J");
+    std::fs::write(
+        &data,
+        format!("text,label\ngood day,{pos}\nbad day,{neg}\nfine,{pos}\nawful,{neg}\n"),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .env("KILN_LOG", "warn")
+        .args(["eval", "--model"])
+        .arg(&model)
+        .arg("--eval-file")
+        .arg(&data)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    // The per-class lines are there, with the names escaped.
+    assert!(stdout.contains("pos\\u{1b}]0;pwned\\u{7}"), "{stdout}");
+    for (what, bytes) in [("stdout", &out.stdout), ("stderr", &out.stderr)] {
+        assert!(
+            !bytes.iter().any(|&b| b == 0x1b || b == 0x07),
+            "a control character reached the terminal on {what}: {stdout}{stderr}"
+        );
+    }
+}
