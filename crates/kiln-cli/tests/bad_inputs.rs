@@ -222,9 +222,21 @@ fn recast(path: &Path, name: &str, dtype: &str) {
     std::fs::write(path, safetensors::serialize(views, None).unwrap()).unwrap();
 }
 
-/// Files too large to commit, made at run time: a 150 MB GGUF that is one u8 array, and a GGUF
-/// whose metadata array nests 200,000 deep.
+/// Files too large to commit, made at run time: a 150 MB GGUF that is one u8 array, a GGUF
+/// whose metadata array nests 200,000 deep, and a YAML config whose lists nest 200,000 deep.
 fn generate(name: &str, dir: &Path) -> PathBuf {
+    if name == "deep_yaml" {
+        // The YAML scanner's time grows with the square of the depth: minutes at this one.
+        let path = dir.join("deep.yaml");
+        let depth = 200_000;
+        let text = format!(
+            "learning_rate: 1.0e-4\nlr_scheduler_kwargs: {}{}\n",
+            "[".repeat(depth),
+            "]".repeat(depth)
+        );
+        std::fs::write(&path, text).unwrap();
+        return path;
+    }
     let mut b = b"GGUF".to_vec();
     b.extend(3u32.to_le_bytes());
     b.extend(0u64.to_le_bytes()); // tensors

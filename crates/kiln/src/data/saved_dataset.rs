@@ -101,16 +101,17 @@ pub fn dict_splits(
     Ok((train, eval))
 }
 
-/// The `datasets` features JSON of a data path: `dataset_info.json` of a saved Dataset, or the
-/// `huggingface` key of a Parquet file's metadata (the first file of a folder of them).
-fn features(path: &Path) -> Result<Option<serde_json::Value>> {
+/// The `datasets` features JSON of a data path and the file that holds it: `dataset_info.json`
+/// of a saved Dataset, or the `huggingface` key of a Parquet file's metadata (the first file of
+/// a folder of them).
+fn features(path: &Path) -> Result<Option<(PathBuf, serde_json::Value)>> {
     if path.is_dir() && is_saved_dataset(path) {
         let info = path.join("dataset_info.json");
         if !info.exists() {
             return Ok(None);
         }
         let v: serde_json::Value = crate::hub::read_json(&info)?;
-        return Ok(v.get("features").cloned());
+        return Ok(v.get("features").cloned().map(|f| (info, f)));
     }
     let file = if path.is_dir() {
         let mut shards: Vec<PathBuf> = std::fs::read_dir(path)
@@ -142,13 +143,14 @@ fn features(path: &Path) -> Result<Option<serde_json::Value>> {
             .and_then(|kv| kv.value.clone());
         Ok(hf
             .and_then(|v| serde_json::from_str::<serde_json::Value>(&v).ok())
-            .and_then(|v| v.get("info")?.get("features").cloned()))
+            .and_then(|v| v.get("info")?.get("features").cloned())
+            .map(|f| (file.clone(), f)))
     })
 }
 
 /// The names of `column`'s ClassLabel, when the data's `datasets` features declare one.
 pub fn class_names(path: &Path, column: &str) -> Result<Option<Vec<String>>> {
-    let Some(features) = features(path)? else {
+    let Some((source, features)) = features(path)? else {
         return Ok(None);
     };
     let Some(f) = features.get(column) else {
@@ -167,11 +169,27 @@ pub fn class_names(path: &Path, column: &str) -> Result<Option<Vec<String>>> {
         })
         .unwrap_or(None);
     match names {
-        Some(n) if !n.is_empty() => Ok(Some(n)),
+        Some(n) if !n.is_empty() => {
+            refuse_duplicate_names(&source, column, &n)?;
+            Ok(Some(n))
+        }
         _ => Err(KilnError::Data(format!(
             "{}: the ClassLabel of column '{column}' has no list of names",
             path.display()
         ))),
+    }
+}
+
+/// Two ids with one name would be one class: the rows of both train on the same target, and
+/// the metrics count them as the same. `datasets`' ClassLabel refuses such names; so does kiln.
+fn refuse_duplicate_names(source: &Path, column: &str, names: &[String]) -> Result<()> {
+    let mut seen = std::collections::HashSet::new();
+    match names.iter().find(|n| !seen.insert(n.as_str())) {
+        Some(dup) => Err(KilnError::Data(format!(
+            "{}: the ClassLabel of column '{column}' names {dup:?} twice; label names must be distinct",
+            source.display()
+        ))),
+        None => Ok(()),
     }
 }
 

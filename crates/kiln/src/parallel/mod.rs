@@ -208,10 +208,23 @@ impl DistEnv {
                 }),
             }
         };
-        let world_size: usize = world.trim().parse().map_err(|_| {
-            KilnError::Distributed(format!("WORLD_SIZE={world:?} is not a positive integer"))
-        })?;
-        if world_size <= 1 {
+        // A job has at least one process: WORLD_SIZE=0 is a launcher's mistake, not a lone run.
+        let world_size: usize = world
+            .trim()
+            .parse()
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| {
+                KilnError::Distributed(format!("WORLD_SIZE={world:?} is not a positive integer"))
+            })?;
+        if world_size == 1 {
+            // A lone run, but a RANK set beside it must still be its only rank.
+            let rank = num("RANK", Some(0))?;
+            if rank != 0 {
+                return Err(KilnError::Distributed(format!(
+                    "RANK={rank} is outside WORLD_SIZE=1 (ranks are 0..WORLD_SIZE)"
+                )));
+            }
             return Ok(None);
         }
         let rank = num("RANK", None)?;
@@ -219,7 +232,12 @@ impl DistEnv {
         let local_world_size = num("LOCAL_WORLD_SIZE", Some(world_size))?;
         if rank >= world_size {
             return Err(KilnError::Distributed(format!(
-                "RANK={rank} is outside WORLD_SIZE={world_size}"
+                "RANK={rank} is outside WORLD_SIZE={world_size} (ranks are 0..WORLD_SIZE)"
+            )));
+        }
+        if local_rank >= local_world_size {
+            return Err(KilnError::Distributed(format!(
+                "LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world_size} (local ranks are 0..LOCAL_WORLD_SIZE)"
             )));
         }
         let master_addr = get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
@@ -327,6 +345,21 @@ mod tests {
         assert!(err(&[("WORLD_SIZE", "2")]).contains("RANK"));
         assert!(err(&[("WORLD_SIZE", "2"), ("RANK", "2")]).contains("outside"));
         assert!(err(&[("WORLD_SIZE", "two"), ("RANK", "0")]).contains("WORLD_SIZE"));
+        // WORLD_SIZE 0 is no job at all, not a lone run; a lone run's RANK is 0.
+        assert!(err(&[("WORLD_SIZE", "0")]).contains("WORLD_SIZE=\"0\" is not a positive integer"));
+        assert!(err(&[("WORLD_SIZE", "-1")]).contains("WORLD_SIZE"));
+        assert!(
+            err(&[("WORLD_SIZE", "1"), ("RANK", "1")]).contains("RANK=1 is outside WORLD_SIZE=1")
+        );
+        assert!(err(&[("WORLD_SIZE", "1"), ("RANK", "x")]).contains("RANK=\"x\""));
+        assert!(err(&[("WORLD_SIZE", "2"), ("RANK", "-1")]).contains("RANK"));
+        assert!(err(&[
+            ("WORLD_SIZE", "2"),
+            ("RANK", "1"),
+            ("LOCAL_RANK", "2"),
+            ("LOCAL_WORLD_SIZE", "2")
+        ])
+        .contains("LOCAL_RANK=2 is outside LOCAL_WORLD_SIZE=2"));
         assert!(
             err(&[("WORLD_SIZE", "2"), ("RANK", "0"), ("MASTER_PORT", "65535")])
                 .contains("MASTER_PORT")

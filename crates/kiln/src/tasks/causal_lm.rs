@@ -418,6 +418,28 @@ impl Default for GenerateOptions {
     }
 }
 
+impl GenerateOptions {
+    /// The ranges transformers' sampling takes: a temperature of 0 decodes greedily (its
+    /// `do_sample=False`), above 0 it divides the logits and must be a finite number (NaN would
+    /// make every probability NaN, and sampling pick garbage); top_p is a probability mass in
+    /// [0, 1], as `TopPLogitsWarper` requires (0 keeps the single most likely token).
+    pub fn check(&self) -> Result<()> {
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return Err(KilnError::Config(format!(
+                "--temperature must be a finite number ≥ 0 (0 decodes greedily), got {}",
+                self.temperature
+            )));
+        }
+        if !(0.0..=1.0).contains(&self.top_p) {
+            return Err(KilnError::Config(format!(
+                "--top-p must be a probability mass in [0, 1], got {}",
+                self.top_p
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// What [`generate`] produced, with timings.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Generation {
@@ -483,6 +505,7 @@ pub fn generate<B: KilnBackend>(
     o: &GenerateOptions,
     mut on_text: impl FnMut(&str),
 ) -> Result<Generation> {
+    o.check()?;
     if prompt_ids.is_empty() {
         return Err(KilnError::Config("the prompt encodes to no tokens".into()));
     }

@@ -300,6 +300,94 @@ pub(crate) fn line_of_key(text: &str, key: &str) -> usize {
         .map_or(0, |i| i + 1)
 }
 
+/// The deepest nesting of YAML flow collections (`[ ]`, `{ }`) a config file may have. The
+/// parser refuses depths past 128 anyway, but its scanner first spends time quadratic in the
+/// depth (minutes at 200,000), so deeper text is refused before it is parsed.
+const MAX_YAML_FLOW_DEPTH: usize = 128;
+
+/// The 1-based line where YAML flow collections first nest deeper than `max`, in one pass over
+/// the text. Brackets inside quoted scalars and comments do not count, nor, outside a flow
+/// collection, one that does not start a value (`a: b[c` is a plain scalar). Block scalars are
+/// not followed: a valid file would need over 128 bracket-led lines in one to be refused.
+fn flow_too_deep(text: &str, max: usize) -> Option<usize> {
+    let mut depth = 0usize;
+    // A quoted scalar may run over several lines.
+    let mut quote: Option<char> = None;
+    for (i, line) in text.lines().enumerate() {
+        let mut s = ScanState::default();
+        let mut chars = line.chars().peekable();
+        while let Some(c) = chars.next() {
+            if let Some(q) = quote {
+                // `\x` in double quotes and `''` in single quotes are a character, not the end.
+                let escaped = (q == '"' && c == '\\')
+                    || (q == '\'' && c == '\'' && chars.peek() == Some(&'\''));
+                if escaped {
+                    chars.next();
+                } else if c == q {
+                    quote = None;
+                }
+                s.saw(c);
+                continue;
+            }
+            let starts_value = s.starts_value(depth);
+            match c {
+                '#' if s.last.is_none_or(char::is_whitespace) => break,
+                '\'' | '"' if starts_value => quote = Some(c),
+                '[' | '{' if depth > 0 || starts_value => {
+                    depth += 1;
+                    if depth > max {
+                        return Some(i + 1);
+                    }
+                }
+                ']' | '}' if depth > 0 => depth -= 1,
+                _ => {}
+            }
+            s.saw(c);
+        }
+    }
+    None
+}
+
+/// What [`flow_too_deep`] remembers of a line so far.
+#[derive(Default)]
+struct ScanState {
+    /// The previous non-blank character.
+    prev: Option<char>,
+    /// The previous character (a `#` after a blank starts a comment).
+    last: Option<char>,
+    /// The first character of the word being read.
+    word: Option<char>,
+    /// The last word was an anchor (`&a`) or a tag (`!t`), which a value may follow.
+    after_property: bool,
+}
+
+impl ScanState {
+    fn saw(&mut self, c: char) {
+        if c.is_whitespace() {
+            if let Some(w) = self.word.take() {
+                self.after_property = matches!(w, '&' | '!');
+            }
+        } else {
+            self.word.get_or_insert(c);
+            self.after_property = false;
+            self.prev = Some(c);
+        }
+        self.last = Some(c);
+    }
+
+    /// Whether the next character starts a value (so a bracket there opens a collection): at
+    /// the start of the line, after `key:`, `- ` or `? ` (and `[`, `{`, `,` inside a flow
+    /// collection), or after an anchor or tag.
+    fn starts_value(&self, depth: usize) -> bool {
+        self.after_property
+            || match self.prev {
+                None | Some(':' | '-' | '?') => true,
+                Some('[' | '{' | ',') => depth > 0,
+                Some(_) => false,
+            }
+    }
+}
+
 /// A `*_steps` value: a count, or a ratio of the total steps below 1 (transformers 5.x).
 fn steps_value(s: &str) -> std::result::Result<f64, String> {
     let v = finite_f64(s)?;
@@ -312,6 +400,18 @@ fn steps_value(s: &str) -> std::result::Result<f64, String> {
         ));
     }
     Ok(v)
+}
+
+/// What a JSON value is, for messages: `a list`, `a string`, ...
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "a list",
+        serde_json::Value::Object(_) => "a mapping",
+    }
 }
 
 /// A JSON object given on the command line (`--lr-scheduler-kwargs '{"num_cycles": 2}'`).
@@ -463,6 +563,15 @@ impl TrainingArguments {
                 msg: e.to_string(),
             })?
         } else {
+            if let Some(line) = flow_too_deep(&text, MAX_YAML_FLOW_DEPTH) {
+                return Err(KilnError::Parse {
+                    path: path.to_path_buf(),
+                    line,
+                    msg: format!(
+                        "YAML lists/mappings ([ ], {{ }}) nest deeper than {MAX_YAML_FLOW_DEPTH} levels here, far more than training arguments need"
+                    ),
+                });
+            }
             let yaml: serde_yaml_ng::Value =
                 serde_yaml_ng::from_str(&text).map_err(|e| KilnError::Parse {
                     path: path.to_path_buf(),
@@ -513,8 +622,11 @@ impl TrainingArguments {
             line: line_of_key(&text, &key),
             msg: format!("key `{key}`: {msg}"),
         })?;
-        args.check_finite()
-            .map_err(|m| KilnError::Config(format!("{}: {m}", path.display())))?;
+        args.check_values().map_err(|(key, msg)| KilnError::Parse {
+            path: path.to_path_buf(),
+            line: line_of_key(&text, key),
+            msg,
+        })?;
         Ok(sorted)
     }
 
@@ -563,8 +675,37 @@ impl TrainingArguments {
         self.data_seed.unwrap_or(self.seed)
     }
 
+    /// The checks of one value on its own (a bad one is wrong whatever else is given, so a file
+    /// holding it is named at its line): the error is the key and the sentence.
+    fn check_values(&self) -> std::result::Result<(), (&'static str, String)> {
+        self.check_finite()?;
+        // numpy's seeding, which transformers' set_seed calls, takes 0 ≤ seed < 2^32.
+        if self.seed > u64::from(u32::MAX) {
+            return Err((
+                "seed",
+                format!(
+                    "seed must be below 2^32 = 4294967296 (transformers seeds numpy with it), got {}",
+                    self.seed
+                ),
+            ));
+        }
+        // transformers passes it as `**lr_scheduler_kwargs`: only a mapping can be one (serde
+        // would otherwise read a list into the options by position).
+        match &self.lr_scheduler_kwargs {
+            None | Some(serde_json::Value::Null | serde_json::Value::Object(_)) => Ok(()),
+            Some(other) => Err((
+                "lr_scheduler_kwargs",
+                format!(
+                    "lr_scheduler_kwargs must be a mapping of option names to values, like \
+                     {{\"num_cycles\": 2}}, not {}",
+                    json_kind(other)
+                ),
+            )),
+        }
+    }
+
     /// Every float argument finite (NaN in a YAML file would otherwise surface later, nameless).
-    fn check_finite(&self) -> std::result::Result<(), String> {
+    fn check_finite(&self) -> std::result::Result<(), (&'static str, String)> {
         let floats = [
             ("num_train_epochs", self.num_train_epochs),
             ("learning_rate", self.learning_rate),
@@ -581,7 +722,7 @@ impl TrainingArguments {
             ("label_smoothing_factor", self.label_smoothing_factor),
         ];
         match floats.iter().find(|(_, v)| !v.is_finite()) {
-            Some((name, v)) => Err(format!("{name} must be a finite number, got {v}")),
+            Some((name, v)) => Err((name, format!("{name} must be a finite number, got {v}"))),
             None => Ok(()),
         }
     }
@@ -617,7 +758,8 @@ impl TrainingArguments {
 
     /// Ranges as transformers and torch enforce them, checked before anything runs.
     pub fn validate(&self) -> Result<()> {
-        self.check_finite().map_err(KilnError::Config)?;
+        self.check_values()
+            .map_err(|(_, msg)| KilnError::Config(msg))?;
         let bad = |m: String| Err(KilnError::Config(m));
         if self.tensor_parallel_size == 0 {
             return bad("tensor_parallel_size must be at least 1".into());
@@ -712,6 +854,7 @@ impl TrainingArguments {
         if self.eval_steps == Some(0.0) {
             return bad("eval_steps must be above 0".into());
         }
+        self.check_intervals().map_err(KilnError::Config)?;
         if !(0.0..1.0).contains(&self.label_smoothing_factor) {
             return bad(format!(
                 "label_smoothing_factor must be in [0, 1), got {}",
@@ -740,6 +883,115 @@ impl TrainingArguments {
             return bad(
                 "load_best_model_at_end needs eval_strategy equal to save_strategy (and not \"no\"), or save_strategy \"best\"".into(),
             );
+        }
+        self.check_saves_follow_evals().map_err(KilnError::Config)
+    }
+
+    /// A `steps` schedule needs a step count: transformers refuses logging_steps 0 with
+    /// logging_strategy `steps`, and evaluates every logging_steps when eval_steps is unset.
+    fn check_intervals(&self) -> std::result::Result<(), String> {
+        if self.logging_strategy == IntervalStrategy::Steps && self.logging_steps == 0.0 {
+            return Err(
+                "logging_steps must be above 0 with logging_strategy \"steps\" (logging_strategy \"no\" logs nothing)"
+                    .into(),
+            );
+        }
+        if self.eval_strategy == IntervalStrategy::Steps
+            && self.eval_steps.is_none()
+            && self.logging_steps == 0.0
+        {
+            return Err(
+                "eval_strategy \"steps\" needs eval_steps, or a logging_steps above 0 to take it from"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// With load_best_model_at_end and `steps`, each checkpoint must be saved at a step that was
+    /// evaluated, or the best metric is attached to a checkpoint of another step: save_steps a
+    /// multiple of eval_steps, with transformers' own test (a count and a ratio mix only where
+    /// the remainder is 0; two ratios compare in millionths, so 0.3 is a multiple of 0.1).
+    fn check_saves_follow_evals(&self) -> std::result::Result<(), String> {
+        if !self.saves_pick_the_best_by_steps() {
+            return Ok(());
+        }
+        let (eval, save) = (
+            self.eval_steps.unwrap_or(self.logging_steps),
+            self.save_steps,
+        );
+        let not_multiple = || {
+            format!(
+                "load_best_model_at_end needs save_steps ({save}) to be a multiple of eval_steps \
+                 ({eval}), so that every checkpoint is saved at an evaluated step"
+            )
+        };
+        if eval <= 0.0 {
+            return Err(not_multiple());
+        }
+        if save % eval == 0.0 {
+            return Ok(());
+        }
+        match (eval < 1.0, save < 1.0) {
+            (false, false) => Err(not_multiple()),
+            (true, true) => {
+                let millionths = |v: f64| (v * 1e6).round() as u64;
+                if millionths(save).is_multiple_of(millionths(eval).max(1)) {
+                    Ok(())
+                } else {
+                    Err(not_multiple())
+                }
+            }
+            _ => Err(format!(
+                "load_best_model_at_end needs save_steps ({save}) to be a multiple of eval_steps \
+                 ({eval}), which a ratio of the total steps and a count of steps cannot guarantee: \
+                 give both as counts or both as ratios"
+            )),
+        }
+    }
+
+    /// load_best_model_at_end with eval_strategy and save_strategy both `steps`.
+    fn saves_pick_the_best_by_steps(&self) -> bool {
+        self.load_best_model_at_end
+            && self.eval_strategy == IntervalStrategy::Steps
+            && self.save_strategy == SaveStrategy::Steps
+    }
+
+    /// [`Self::check_saves_follow_evals`] on the step counts of a run of `total` steps: ratios
+    /// that pass transformers' test can still resolve to intervals that do not divide (0.1 and
+    /// 0.3 of 25 steps are 3 and 8), which only the total shows.
+    pub fn check_best_checkpoints(&self, total: u64) -> Result<()> {
+        if !self.saves_pick_the_best_by_steps() {
+            return Ok(());
+        }
+        let (eval, save) = (self.eval_interval(total), self.save_interval(total));
+        if save.is_multiple_of(eval) {
+            return Ok(());
+        }
+        Err(KilnError::Config(format!(
+            "load_best_model_at_end: over {total} steps, eval_steps {} is every {eval} steps and \
+             save_steps {} every {save}, which is not a multiple, so some checkpoints would be \
+             saved at steps that were not evaluated",
+            self.eval_steps.unwrap_or(self.logging_steps),
+            self.save_steps
+        )))
+    }
+
+    /// Evaluation data is needed by eval_strategy `steps`/`epoch` and by eval_on_start, which
+    /// transformers' Trainer refuses to run without an eval_dataset.
+    pub fn check_eval_data(&self, has_eval: bool) -> Result<()> {
+        if has_eval {
+            return Ok(());
+        }
+        if self.eval_strategy != IntervalStrategy::No {
+            return Err(KilnError::Config(
+                "eval_strategy needs evaluation data (--eval-file or --eval-split)".into(),
+            ));
+        }
+        if self.eval_on_start {
+            return Err(KilnError::Config(
+                "eval_on_start needs evaluation data (--eval-file or --eval-split)".into(),
+            ));
         }
         Ok(())
     }
@@ -777,5 +1029,153 @@ mod tests {
         let mut c = TrainingArguments::default();
         c.resolve_global_batch(8).unwrap();
         assert_eq!(c.gradient_accumulation_steps, 1);
+    }
+
+    /// The error of `validate` for the defaults with `f` applied, or "" when they pass.
+    fn refusal(f: impl FnOnce(&mut TrainingArguments)) -> String {
+        let mut a = TrainingArguments::default();
+        f(&mut a);
+        a.validate()
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn checkpoints_of_load_best_fall_on_evaluated_steps() {
+        let best = |eval: Option<f64>, save: f64| {
+            refusal(|a| {
+                a.load_best_model_at_end = true;
+                a.eval_strategy = IntervalStrategy::Steps;
+                a.eval_steps = eval;
+                a.save_steps = save;
+            })
+        };
+        assert!(best(Some(3.0), 4.0).contains("save_steps (4) to be a multiple of eval_steps (3)"));
+        assert_eq!(best(Some(2.0), 4.0), "");
+        assert_eq!(best(Some(4.0), 4.0), "");
+        // eval_steps unset: every logging_steps (500).
+        assert!(best(None, 750.0).contains("multiple of eval_steps (500)"));
+        assert_eq!(best(None, 1000.0), "");
+        assert_eq!(best(Some(0.1), 0.3), "");
+        assert!(best(Some(0.2), 0.3).contains("multiple"));
+        assert!(best(Some(0.3), 10.0).contains("both as counts or both as ratios"));
+        assert!(best(Some(2.0), 0.5).contains("both as counts or both as ratios"));
+        // transformers lets a count pass that its remainder divides exactly.
+        assert_eq!(best(Some(0.5), 10.0), "");
+        // Ratios are checked again on the run's step counts: 0.1 and 0.3 of 25 are 3 and 8.
+        let a = TrainingArguments {
+            load_best_model_at_end: true,
+            eval_strategy: IntervalStrategy::Steps,
+            eval_steps: Some(0.1),
+            save_steps: 0.3,
+            ..TrainingArguments::default()
+        };
+        let e = a.check_best_checkpoints(25).unwrap_err().to_string();
+        assert!(
+            e.contains("every 3 steps and save_steps 0.3 every 8"),
+            "{e}"
+        );
+        a.check_best_checkpoints(30).unwrap();
+        TrainingArguments::default()
+            .check_best_checkpoints(25)
+            .unwrap();
+    }
+
+    #[test]
+    fn steps_strategies_need_a_step_count() {
+        assert!(refusal(|a| a.logging_steps = 0.0).contains("logging_steps must be above 0"));
+        assert_eq!(
+            refusal(|a| {
+                a.logging_steps = 0.0;
+                a.logging_strategy = IntervalStrategy::No;
+            }),
+            ""
+        );
+        assert!(refusal(|a| {
+            a.logging_steps = 0.0;
+            a.logging_strategy = IntervalStrategy::Epoch;
+            a.eval_strategy = IntervalStrategy::Steps;
+        })
+        .contains("eval_strategy \"steps\" needs eval_steps"));
+    }
+
+    #[test]
+    fn seeds_and_scheduler_options_in_range() {
+        assert!(refusal(|a| a.seed = 1 << 40).contains("seed must be below 2^32"));
+        assert_eq!(refusal(|a| a.seed = u64::from(u32::MAX)), "");
+        assert!(
+            refusal(|a| a.lr_scheduler_kwargs = Some(serde_json::json!([1, 2])))
+                .contains("lr_scheduler_kwargs must be a mapping")
+        );
+        assert!(
+            refusal(|a| a.lr_scheduler_kwargs = Some(serde_json::json!("x")))
+                .contains("not a string")
+        );
+    }
+
+    #[test]
+    fn eval_on_start_needs_eval_data() {
+        let a = TrainingArguments {
+            eval_on_start: true,
+            ..TrainingArguments::default()
+        };
+        let e = a.check_eval_data(false).unwrap_err().to_string();
+        assert!(e.contains("eval_on_start needs evaluation data"), "{e}");
+        a.check_eval_data(true).unwrap();
+        TrainingArguments::default().check_eval_data(false).unwrap();
+    }
+
+    #[test]
+    fn deep_yaml_is_found_before_parsing() {
+        let deep = format!("a: {}{}\n", "[".repeat(200_000), "]".repeat(200_000));
+        let t = std::time::Instant::now();
+        assert_eq!(flow_too_deep(&deep, 128), Some(1));
+        assert!(t.elapsed().as_secs() < 5);
+        let deep_maps = format!("x: 1\nb:\n  {}\n", "{a: ".repeat(200));
+        assert_eq!(flow_too_deep(&deep_maps, 128), Some(3));
+        // After an anchor or a tag, a bracket still opens a collection.
+        let anchored = format!("a: &x !!seq {}\n", "[".repeat(200));
+        assert_eq!(flow_too_deep(&anchored, 128), Some(1));
+        // Brackets in quotes, comments and plain scalars are not nesting.
+        let many = "[".repeat(300);
+        for fine in [
+            format!("a: '{many}'\n"),
+            format!("a: \"{many}\\\"\"\n"),
+            format!("a: 1 # {many}\n"),
+            format!("a: x{many}\n"),
+            format!("a: 'it''s {many}\n  still quoted'\nb: [[1], {{c: [2]}}]\n"),
+        ] {
+            assert_eq!(flow_too_deep(&fine, 128), None, "{fine}");
+        }
+        // Exactly the limit passes.
+        let limit = format!("a: {}{}\n", "[".repeat(128), "]".repeat(128));
+        assert_eq!(flow_too_deep(&limit, 128), None);
+    }
+
+    #[test]
+    fn a_config_value_out_of_range_names_its_file_and_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("args.yaml");
+        std::fs::write(&path, "learning_rate: 1e-4\nlr_scheduler_kwargs: [1, 2]\n").unwrap();
+        let e = TrainingArguments::from_file(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("args.yaml:2: lr_scheduler_kwargs must be a mapping"),
+            "{e}"
+        );
+        std::fs::write(&path, "seed: 1099511627776\n").unwrap();
+        let e = TrainingArguments::from_file(&path).unwrap_err().to_string();
+        assert!(e.contains("args.yaml:1: seed must be below 2^32"), "{e}");
+        // transformers reads a JSON string that starts with `{` as the mapping.
+        std::fs::write(
+            &path,
+            "lr_scheduler_type: cosine\nlr_scheduler_kwargs: '{\"num_cycles\": 2}'\n",
+        )
+        .unwrap();
+        let a = TrainingArguments::from_file(&path).unwrap();
+        assert_eq!(
+            a.lr_scheduler_kwargs,
+            Some(serde_json::json!({"num_cycles": 2}))
+        );
     }
 }

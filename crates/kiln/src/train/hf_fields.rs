@@ -314,9 +314,17 @@ pub fn mask_token(key: &str) -> String {
 }
 
 /// transformers' spellings of values kiln's fields take: `resume_from_checkpoint: true`
-/// ("True" in scripts) is the newest checkpoint, `false` none.
+/// ("True" in scripts) is the newest checkpoint, `false` none; `lr_scheduler_kwargs` given as a
+/// JSON string that starts with `{` is that object, as transformers' `__post_init__` reads it.
 fn normalize_known(key: &str, value: Value) -> Value {
     match (key, &value) {
+        ("lr_scheduler_kwargs", Value::String(s)) if s.trim_start().starts_with('{') => {
+            match serde_json::from_str::<Value>(s) {
+                Ok(object @ Value::Object(_)) => object,
+                // Left a string: the value check names the field.
+                _ => value,
+            }
+        }
         ("resume_from_checkpoint", Value::Bool(true)) => Value::String("latest".into()),
         ("resume_from_checkpoint", Value::Bool(false)) => Value::Null,
         ("resume_from_checkpoint", Value::String(s)) if s.eq_ignore_ascii_case("true") => {
