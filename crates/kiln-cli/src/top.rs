@@ -15,6 +15,7 @@ use ratatui::widgets::{Block, Borders, Cell, Gauge, Paragraph, Row, Sparkline, T
 use ratatui::Frame;
 use serde::Serialize;
 
+use kiln::report::escape_for_terminal;
 use kiln::report::live::{self, RankView};
 
 #[derive(Args)]
@@ -45,14 +46,18 @@ fn positive_seconds(s: &str) -> std::result::Result<f64, String> {
 pub struct JobView {
     pub output_dir: PathBuf,
     pub ranks: Vec<RankView>,
+    /// Files in its live/ folder that were not read as a rank, one line each (escaped).
+    #[serde(skip)]
+    pub skipped: Vec<String>,
 }
 
-/// What to watch: the folders given, or the jobs registered on this machine.
-fn job_dirs(given: &[PathBuf]) -> Vec<PathBuf> {
+/// What to watch: the folders given, or the jobs registered on this machine (an error when the
+/// runtime folder is not this user's own: nothing in it is read or deleted then).
+fn job_dirs(given: &[PathBuf]) -> Result<Vec<PathBuf>> {
     if given.is_empty() {
-        live::running_jobs(&live::runtime_dir())
+        Ok(live::running_jobs(&live::runtime_dir())?)
     } else {
-        given.to_vec()
+        Ok(given.to_vec())
     }
 }
 
@@ -61,19 +66,21 @@ fn snapshot(given: &[PathBuf]) -> Result<Vec<JobView>> {
     let now = live::unix_now();
     let host = live::hostname();
     let mut jobs = Vec::new();
-    for dir in job_dirs(given) {
-        let ranks = match live::read_ranks(&dir) {
+    for dir in job_dirs(given)? {
+        let found = match live::read_live(&dir) {
             Ok(r) => r,
             Err(e) if !given.is_empty() => return Err(e.into()),
             Err(_) => continue,
         };
-        let ranks = ranks
+        let ranks = found
+            .ranks
             .into_iter()
             .map(|s| RankView::new(s, now, &host))
             .collect();
         jobs.push(JobView {
             output_dir: dir,
             ranks,
+            skipped: found.skipped,
         });
     }
     Ok(jobs)
@@ -88,9 +95,16 @@ pub fn run(cmd: TopCmd) -> Result<()> {
                  top OUTPUT_DIR)"
             );
         }
+        // A FIFO, a device or a torn file among the rank files: one line each, then the rest.
+        for line in jobs.iter().flat_map(|j| &j.skipped) {
+            eprintln!("kiln top: {line}");
+        }
         if cmd.json {
             let ranks: Vec<&RankView> = jobs.iter().flat_map(|j| &j.ranks).collect();
-            println!("{}", serde_json::json!({ "ranks": ranks }));
+            println!(
+                "{}",
+                json_for_terminal(&serde_json::json!({ "ranks": ranks }))
+            );
         } else {
             print!("{}", plain_table(&jobs));
         }
@@ -217,7 +231,8 @@ fn cells(r: &RankView) -> [String; 15] {
     };
     [
         s.rank.to_string(),
-        s.host.clone(),
+        // From a file anyone may have written: its control characters must not reach the screen.
+        escape_for_terminal(&s.host),
         status,
         format!("{}/{}", s.step, s.total_steps),
         opt(s.loss, &|v| format!("{v:.4}")),
@@ -245,6 +260,36 @@ fn cells(r: &RankView) -> [String; 15] {
     ]
 }
 
+/// A folder's path for the screen: it comes from a job entry or a folder name, which may hold
+/// escape sequences.
+fn shown_path(p: &std::path::Path) -> String {
+    escape_for_terminal(&p.display().to_string())
+}
+
+/// `value` as JSON whose text cannot drive a terminal either: serde_json escapes the ASCII control
+/// characters, and this the others (C1 controls such as U+009B, a CSI on some terminals) and the
+/// bidirectional overrides, as `\uXXXX` escapes that decode to the same strings.
+fn json_for_terminal(value: &serde_json::Value) -> String {
+    let text = value.to_string();
+    let unsafe_char = |c: char| {
+        let one = c.to_string();
+        escape_for_terminal(&one) != one
+    };
+    if !text.chars().any(|c| !c.is_ascii() && unsafe_char(c)) {
+        return text;
+    }
+    text.chars()
+        .map(|c| {
+            if !c.is_ascii() && unsafe_char(c) {
+                // Every such character is in the Basic Multilingual Plane: one \u escape.
+                format!("\\u{:04x}", c as u32)
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 /// `1h02m`, `3m05s`, `42s`.
 fn duration(secs: f64) -> String {
     let s = secs.max(0.0).round() as u64;
@@ -268,7 +313,7 @@ fn bytes(b: u64) -> String {
 fn plain_table(jobs: &[JobView]) -> String {
     let mut out = String::new();
     for j in jobs {
-        out.push_str(&format!("{}\n", j.output_dir.display()));
+        out.push_str(&format!("{}\n", shown_path(&j.output_dir)));
         let rows: Vec<[String; 15]> = j.ranks.iter().map(cells).collect();
         let width = |c: usize| {
             rows.iter()
@@ -316,9 +361,10 @@ pub fn render(f: &mut Frame, app: &App) {
         ])),
         title,
     );
-    if let Some(e) = &app.error {
+    let skipped = app.jobs.get(app.job).and_then(|j| j.skipped.first());
+    if let Some(e) = app.error.as_ref().or(skipped) {
         f.render_widget(
-            Paragraph::new(e.as_str()).style(Style::new().fg(Color::Red)),
+            Paragraph::new(escape_for_terminal(e)).style(Style::new().fg(Color::Red)),
             foot,
         );
     }
@@ -359,7 +405,7 @@ fn render_header(f: &mut Frame, area: ratatui::layout::Rect, job: &JobView) {
     };
     f.render_widget(
         Gauge::default()
-            .block(Block::bordered().title(format!(" {} ", job.output_dir.display())))
+            .block(Block::bordered().title(format!(" {} ", shown_path(&job.output_dir))))
             .gauge_style(Style::new().fg(Color::Green))
             .ratio(ratio)
             .label(label),
@@ -485,6 +531,7 @@ mod tests {
             jobs: vec![JobView {
                 output_dir: "/runs/minilm".into(),
                 ranks: vec![rank(0, 120, 0.3), rank(1, 118, 42.0)],
+                skipped: Vec::new(),
             }],
             ..App::default()
         };
@@ -530,6 +577,7 @@ mod tests {
         let jobs = vec![JobView {
             output_dir: "/runs/x".into(),
             ranks: vec![rank(0, 5, 0.1)],
+            skipped: Vec::new(),
         }];
         let t = plain_table(&jobs);
         let lines: Vec<&str> = t.lines().collect();
@@ -537,6 +585,34 @@ mod tests {
         assert!(lines[1].starts_with("rank  host"), "{t}");
         assert!(lines[2].starts_with("0     node-a  training"), "{t}");
         assert!(!t.contains('\x1b'), "plain text");
+    }
+
+    #[test]
+    fn text_from_files_is_escaped_on_the_screen_and_in_the_table() {
+        let mut r = rank(0, 5, 0.1);
+        r.state.host = "evil\x1b]0;pwned\x07\x1b[2J".into();
+        let app = App {
+            jobs: vec![JobView {
+                output_dir: "/runs/\x1b[31mred".into(),
+                ranks: vec![r],
+                skipped: vec!["skipped /runs/x/live/rank-1.json: a FIFO".into()],
+            }],
+            ..App::default()
+        };
+        let text = plain_table(&app.jobs) + &screen(&app);
+        assert!(!text.contains(['\x1b', '\x07']), "{text:?}");
+        assert!(text.contains("evil\\u{1b}]0;pwned"), "{text}");
+        assert!(text.contains("a FIFO"), "the skipped file is said: {text}");
+    }
+
+    #[test]
+    fn json_output_escapes_what_serde_json_leaves_raw() {
+        let v = serde_json::json!({"host": "a\u{202e}b\u{9b}2Jc\x1bé"});
+        let text = json_for_terminal(&v);
+        assert!(!text.contains(['\u{202e}', '\u{9b}', '\x1b']), "{text}");
+        assert!(text.contains('é'), "other text is kept: {text}");
+        let back: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, v, "the same strings");
     }
 
     #[test]

@@ -137,6 +137,10 @@ pub fn rank_file(output_dir: &Path, rank: usize) -> PathBuf {
 /// The per-user folder where running ranks leave their output folder's path, so `kiln top`
 /// without arguments finds every job on this machine: `$KILN_RUNTIME_DIR`, else
 /// `$XDG_RUNTIME_DIR/kiln`, else `<temp>/kiln-<uid>`.
+///
+/// The last one sits in a folder every user can write to, so another user can create it first
+/// (or as a symbolic link to your files): [`ensure_runtime_dir`] and [`running_jobs`] use it only
+/// when it is a real folder owned by this user.
 pub fn runtime_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("KILN_RUNTIME_DIR") {
         return PathBuf::from(d);
@@ -144,9 +148,57 @@ pub fn runtime_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR") {
         return PathBuf::from(d).join("kiln");
     }
+    std::env::temp_dir().join(format!("kiln-{}", current_uid()))
+}
+
+fn current_uid() -> u32 {
     // SAFETY: getuid has no preconditions and cannot fail.
-    let uid = unsafe { libc::getuid() };
-    std::env::temp_dir().join(format!("kiln-{uid}"))
+    unsafe { libc::getuid() }
+}
+
+/// Creates `runtime` and its `jobs/` folder (mode 0700) where missing, and returns `jobs/` once
+/// both are real folders owned by this user; otherwise an error naming the folder.
+pub fn ensure_runtime_dir(runtime: &Path) -> Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    let jobs = runtime.join("jobs");
+    for dir in [runtime, jobs.as_path()] {
+        match std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+        {
+            Ok(()) => {}
+            // A symbolic link (even to a folder) or a file: said by the check below.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(KilnError::io(dir, e)),
+        }
+        check_own_folder(dir)?;
+    }
+    Ok(jobs)
+}
+
+/// `dir` must be a folder itself (not a symbolic link to one) owned by this user: kiln deletes
+/// stale entries in it, and must never do that in a folder someone else controls.
+fn check_own_folder(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let refuse = |why: String| {
+        Err(KilnError::Config(format!(
+            "the kiln runtime folder {} {why}: refusing to use it (set KILN_RUNTIME_DIR to a \
+             folder of your own)",
+            dir.display()
+        )))
+    };
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| KilnError::io(dir, e))?;
+    let (uid, me) = (meta.uid(), current_uid());
+    if meta.file_type().is_symlink() {
+        refuse("is a symbolic link".into())
+    } else if !meta.is_dir() {
+        refuse("is not a folder".into())
+    } else if uid != me {
+        refuse(format!("is owned by uid {uid}, not by you (uid {me})"))
+    } else {
+        Ok(())
+    }
 }
 
 /// The GPU this process trains on, set once by whoever picks the device (the CLI), so the live
@@ -347,45 +399,148 @@ fn write_state(path: &Path, state: &RankState) -> std::io::Result<()> {
 }
 
 /// Leaves `runtime_dir()/jobs/<pid>.json` pointing at the output folder (best effort: a job
-/// that cannot register is still found by `kiln top OUTPUT_DIR`).
+/// that cannot register is still found by `kiln top OUTPUT_DIR`, and says why once).
 fn register_job(runtime: &Path, output_dir: &Path, rank: usize) -> Option<PathBuf> {
-    let dir = runtime.join("jobs");
-    std::fs::create_dir_all(&dir).ok()?;
-    let path = dir.join(format!("{}.json", std::process::id()));
-    let entry = serde_json::json!({
-        "output_dir": output_dir.display().to_string(),
-        "rank": rank,
-        "pid": std::process::id(),
-    });
-    std::fs::write(&path, entry.to_string()).ok()?;
+    let dir = match ensure_runtime_dir(runtime) {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::warn!("kiln top will not list this job without its folder: {e}");
+            return None;
+        }
+    };
+    let pid = std::process::id();
+    let path = dir.join(job_entry_name(pid));
+    let entry = JobEntry {
+        output_dir: output_dir.display().to_string(),
+        rank,
+        pid,
+    };
+    std::fs::write(&path, serde_json::to_vec(&entry).expect("plain data")).ok()?;
     Some(path)
 }
 
+/// A running rank's entry in the runtime folder's `jobs/`, named [`job_entry_name`].
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JobEntry {
+    output_dir: String,
+    rank: usize,
+    pid: u32,
+}
+
+/// Job entries are small: anything larger is not one.
+const JOB_ENTRY_MAX_BYTES: u64 = 64 << 10;
+/// A rank file holds a few hundred numbers (its loss history included).
+pub const RANK_FILE_MAX_BYTES: u64 = 1 << 20;
+
+fn job_entry_name(pid: u32) -> String {
+    format!("{pid}.json")
+}
+
+/// The pid in a job entry's file name (`<pid>.json`, digits only), or None for any other name.
+fn job_entry_pid(name: &std::ffi::OsStr) -> Option<u32> {
+    let digits = name.to_str()?.strip_suffix(".json")?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
 /// The output folders of the kiln jobs registered in `runtime` (normally [`runtime_dir`]) whose
-/// ranks are alive, sorted; entries of processes that are gone are removed.
-pub fn running_jobs(runtime: &Path) -> Vec<PathBuf> {
+/// ranks are alive, sorted. No folder means no job; a folder that is not this user's own (see
+/// [`ensure_runtime_dir`]) is an error, and nothing in it is read or deleted.
+///
+/// The entries of processes that are gone are removed, and only those: a regular file (never a
+/// symbolic link) named `<pid>.json` whose content is a kiln job entry for that pid. Anything
+/// else in the folder is left alone.
+pub fn running_jobs(runtime: &Path) -> Result<Vec<PathBuf>> {
     let dir = runtime.join("jobs");
-    let Ok(entries) = std::fs::read_dir(&dir) else {
-        return Vec::new();
-    };
-    let mut found = std::collections::BTreeSet::new();
-    for e in entries.flatten() {
-        let path = e.path();
-        let Ok(text) = std::fs::read_to_string(&path) else {
-            continue;
-        };
-        let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-        let pid = v["pid"].as_u64().unwrap_or(0) as u32;
-        match v["output_dir"].as_str() {
-            Some(out) if pid_alive(pid) => {
-                found.insert(PathBuf::from(out));
-            }
-            _ => {
-                let _ = std::fs::remove_file(&path);
-            }
+    for d in [runtime, dir.as_path()] {
+        match std::fs::symlink_metadata(d) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            _ => check_own_folder(d)?,
         }
     }
-    found.into_iter().collect()
+    let entries = std::fs::read_dir(&dir).map_err(|e| KilnError::io(&dir, e))?;
+    let mut found = std::collections::BTreeSet::new();
+    for e in entries.flatten() {
+        let Some(pid) = job_entry_pid(&e.file_name()) else {
+            continue;
+        };
+        let path = e.path();
+        // Not following a link, not blocking on a FIFO, reading a bounded amount.
+        let Ok(bytes) = read_regular(&path, JOB_ENTRY_MAX_BYTES, false) else {
+            continue;
+        };
+        let Ok(entry) = serde_json::from_slice::<JobEntry>(&bytes) else {
+            continue;
+        };
+        if entry.pid != pid {
+            continue;
+        }
+        if pid_alive(pid) {
+            found.insert(PathBuf::from(entry.output_dir));
+        } else {
+            // unlink never follows a symbolic link; the folder is this user's own.
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+    Ok(found.into_iter().collect())
+}
+
+/// Opens `path` for reading when it is a regular file, and only then: never blocks on a FIFO or
+/// a device (O_NONBLOCK), and with `follow` false does not follow a symbolic link (O_NOFOLLOW).
+/// A file kiln only inspects (a rank's state, a job entry, a log) may have been put there by
+/// someone else; a FIFO used to hang `kiln top` and `/dev/zero` to fill its memory.
+pub fn open_regular(path: &Path, follow: bool) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let flags = libc::O_NONBLOCK | if follow { 0 } else { libc::O_NOFOLLOW };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(flags)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) if !follow => not_regular("a symbolic link"),
+            _ => e,
+        })?;
+    let t = file.metadata()?.file_type();
+    if t.is_file() {
+        return Ok(file);
+    }
+    Err(not_regular(if t.is_dir() {
+        "a folder"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_char_device() || t.is_block_device() {
+        "a device"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "not a plain file"
+    }))
+}
+
+fn not_regular(what: &str) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::InvalidInput,
+        format!("{what}, not a regular file"),
+    )
+}
+
+/// The content of the regular file `path` ([`open_regular`]), refused above `max_bytes`.
+pub fn read_regular(path: &Path, max_bytes: u64, follow: bool) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    open_regular(path, follow)?
+        .take(max_bytes + 1)
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max_bytes {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("larger than {max_bytes} bytes"),
+        ));
+    }
+    Ok(bytes)
 }
 
 /// Whether process `pid` runs on this machine (a zombie, dead but not yet reaped, does not).
@@ -464,9 +619,25 @@ pub fn phase_name(p: Phase) -> &'static str {
     }
 }
 
-/// The ranks published in `output_dir/live/`, by rank. Files left by an earlier, larger run in
-/// the same folder are skipped: only ranks below the newest run's world size count.
+/// The ranks published in `output_dir/live/`, by rank ([`read_live`] without what was skipped).
 pub fn read_ranks(output_dir: &Path) -> Result<Vec<RankState>> {
+    read_live(output_dir).map(|l| l.ranks)
+}
+
+/// What `output_dir/live/` holds: the ranks, and the files named like rank files that were not
+/// read as one.
+#[derive(Debug, Default)]
+pub struct LiveRanks {
+    pub ranks: Vec<RankState>,
+    /// One line per file skipped: its path and why (escaped for a terminal).
+    pub skipped: Vec<String>,
+}
+
+/// The ranks published in `output_dir/live/`, by rank. Files left by an earlier, larger run in
+/// the same folder are left out: only ranks below the newest run's world size count. A file that
+/// is not a regular one (a FIFO, a device, a symbolic link), is larger than
+/// [`RANK_FILE_MAX_BYTES`] or is not a rank's state is skipped and said in `skipped`.
+pub fn read_live(output_dir: &Path) -> Result<LiveRanks> {
     if !output_dir.is_dir() {
         return Err(KilnError::Config(format!(
             "{} is not a folder (give a training job's output folder)",
@@ -481,32 +652,45 @@ pub fn read_ranks(output_dir: &Path) -> Result<Vec<RankState>> {
         ))
     })?;
     let mut by_rank = BTreeMap::new();
+    let mut skipped = Vec::new();
     for e in entries.flatten() {
         let name = e.file_name();
         let name = name.to_string_lossy();
         if !(name.starts_with("rank-") && name.ends_with(".json")) {
             continue;
         }
-        // A file replaced while it is read is read again at the next refresh.
-        let Ok(text) = std::fs::read_to_string(e.path()) else {
-            continue;
-        };
-        if let Ok(s) = serde_json::from_str::<RankState>(&text) {
-            by_rank.insert(s.rank, s);
+        let path = e.path();
+        let state = read_regular(&path, RANK_FILE_MAX_BYTES, false)
+            .map_err(|e| e.to_string())
+            .and_then(|bytes| {
+                serde_json::from_slice::<RankState>(&bytes)
+                    .map_err(|e| format!("not a kiln rank state: {e}"))
+            });
+        match state {
+            Ok(s) => {
+                by_rank.insert(s.rank, s);
+            }
+            // Ranks write by rename, so a file is never seen half written.
+            Err(why) => skipped.push(super::escape_for_terminal(&format!(
+                "skipped {}: {why}",
+                path.display()
+            ))),
         }
     }
+    skipped.sort();
     let newest = by_rank
         .values()
         .max_by(|a, b| a.started_unix.total_cmp(&b.started_unix))
         .map(|s| (s.world_size, s.started_unix));
-    Ok(match newest {
+    let ranks = match newest {
         // Ranks of one job start within seconds of each other; an older run's are far older.
         Some((world, started)) => by_rank
             .into_values()
             .filter(|s| s.rank < world.max(1) && started - s.started_unix < 600.0)
             .collect(),
         None => Vec::new(),
-    })
+    };
+    Ok(LiveRanks { ranks, skipped })
 }
 
 /// This process's CPU time, turned into a percentage of one core between calls.
@@ -615,10 +799,13 @@ mod tests {
             p.step(&step(n, 0.5, 0.1));
         }
         // The job is registered while it runs.
-        assert_eq!(running_jobs(&rt), vec![std::path::absolute(&out).unwrap()]);
+        assert_eq!(
+            running_jobs(&rt).unwrap(),
+            vec![std::path::absolute(&out).unwrap()]
+        );
         drop(p);
         assert!(
-            running_jobs(&rt).is_empty(),
+            running_jobs(&rt).unwrap().is_empty(),
             "the entry goes with the publisher"
         );
         let ranks = read_ranks(&out).unwrap();
@@ -716,6 +903,81 @@ mod tests {
             2,
             "a torn file is skipped"
         );
+        let skipped = read_live(tmp.path()).unwrap().skipped;
+        assert_eq!(skipped.len(), 1, "and said: {skipped:?}");
+        assert!(skipped[0].contains("rank-7.json: not a kiln rank state"));
         assert!(read_ranks(&tmp.path().join("nothing")).is_err());
+    }
+
+    #[test]
+    fn the_runtime_folder_is_created_private_and_must_be_ours() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let rt = tmp.path().join("a/kiln");
+        let jobs = ensure_runtime_dir(&rt).unwrap();
+        for d in [&rt, &jobs] {
+            let mode = std::fs::metadata(d).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o700, "{}", d.display());
+        }
+        // A symbolic link to a folder of ours is still refused: it can be someone else's link.
+        let link = tmp.path().join("link");
+        std::os::unix::fs::symlink(&rt, &link).unwrap();
+        let e = ensure_runtime_dir(&link).unwrap_err().to_string();
+        assert!(
+            e.contains("is a symbolic link") && e.contains("link"),
+            "{e}"
+        );
+        let e = running_jobs(&link).unwrap_err().to_string();
+        assert!(e.contains("is a symbolic link"), "{e}");
+        // A jobs/ that is a link is refused the same way.
+        let rt2 = tmp.path().join("rt2");
+        std::fs::create_dir(&rt2).unwrap();
+        std::os::unix::fs::symlink(&jobs, rt2.join("jobs")).unwrap();
+        assert!(running_jobs(&rt2).is_err());
+        assert!(ensure_runtime_dir(&rt2).is_err());
+        // No folder at all is no job, and reading creates nothing.
+        assert!(running_jobs(&tmp.path().join("none")).unwrap().is_empty());
+        assert!(!tmp.path().join("none").exists());
+    }
+
+    #[test]
+    fn only_regular_files_are_read_and_only_so_much() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fifo = tmp.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = read_regular(&fifo, 100, true).unwrap_err().to_string();
+        assert!(e.contains("a FIFO, not a regular file"), "{e}");
+        let e = read_regular(Path::new("/dev/zero"), 100, true)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("a device"), "{e}");
+        let file = tmp.path().join("f");
+        std::fs::write(&file, "12345").unwrap();
+        let link = tmp.path().join("link");
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        let e = read_regular(&link, 100, false).unwrap_err().to_string();
+        assert!(e.contains("a symbolic link"), "{e}");
+        assert_eq!(read_regular(&link, 100, true).unwrap(), b"12345");
+        assert_eq!(read_regular(&file, 5, false).unwrap(), b"12345");
+        let e = read_regular(&file, 4, false).unwrap_err().to_string();
+        assert!(e.contains("larger than 4 bytes"), "{e}");
+    }
+
+    #[test]
+    fn job_entry_names_are_digits_dot_json() {
+        let pid = |n: &str| job_entry_pid(std::ffi::OsStr::new(n));
+        assert_eq!(pid("1234.json"), Some(1234));
+        for bad in [
+            "x.json",
+            ".json",
+            "12.json.tmp",
+            "+12.json",
+            "1 2.json",
+            "12",
+        ] {
+            assert_eq!(pid(bad), None, "{bad}");
+        }
     }
 }

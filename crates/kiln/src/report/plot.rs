@@ -17,6 +17,9 @@ use crate::error::{KilnError, Result};
 const PANEL: (u32, u32) = (600, 400);
 /// Panels a row.
 const COLUMNS: usize = 2;
+/// Panels a picture holds at most: 32 rows of 400 pixels is already 12,800 pixels tall. 20,000
+/// metrics made a picture 4 million pixels tall, and plotters panicked on it after 90 s.
+pub const MAX_PANELS: usize = 64;
 /// Run colours, in the order the runs are given (Tableau 10).
 const PALETTE: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
@@ -39,9 +42,20 @@ const LEGEND_PER_SERIES_MAX_RUNS: usize = 3;
 /// (with eval loss dashed and marked on the same panel, when present), learning rate, and each
 /// eval metric (union over the runs) — every run in its own colour, with a legend naming the runs
 /// (and train vs eval where both are drawn). The file is replaced atomically.
+///
+/// At most [`MAX_PANELS`] panels are drawn, in this order: loss, learning rate, then the eval
+/// metrics by name. A warning says in one line how many metrics were left out, from which.
 pub fn plot_runs(runs: &[RunHistory], out: &Path) -> Result<()> {
     let format = Format::of(out)?;
-    let panels = panels(runs);
+    let (panels, left_out) = panels(runs);
+    if let Some((count, first)) = left_out {
+        tracing::warn!(
+            "{}: drew the first {MAX_PANELS} panels; {count} more evaluation metrics, from {} on \
+             in name order, were left out",
+            super::escape_for_terminal(&out.display().to_string()),
+            super::escape_for_terminal(&first)
+        );
+    }
     if panels.is_empty() {
         let names: Vec<String> = runs.iter().map(|r| r.dir.display().to_string()).collect();
         return Err(KilnError::Data(if runs.is_empty() {
@@ -62,11 +76,10 @@ pub fn plot_runs(runs: &[RunHistory], out: &Path) -> Result<()> {
         .max()
         .unwrap_or(0)
         .max(1);
-    let columns = panels.len().min(COLUMNS);
-    let rows = panels.len().div_ceil(columns);
-    let size = (PANEL.0 * columns as u32, PANEL.1 * rows as u32);
     let drawing_error =
         |e: String| KilnError::Data(format!("{}: drawing the plot: {e}", out.display()));
+    let (size, rows, columns) = canvas(panels.len())
+        .ok_or_else(|| drawing_error(format!("{} panels do not fit a picture", panels.len())))?;
     match format {
         Format::Svg => {
             let mut svg = String::new();
@@ -103,6 +116,16 @@ pub fn plot_runs(runs: &[RunHistory], out: &Path) -> Result<()> {
             result
         }
     }
+}
+
+/// The picture's size in pixels, rows and columns for `n` panels; None where a side would not fit
+/// a u32 (it cannot, below [`MAX_PANELS`], but the arithmetic is checked all the same).
+fn canvas(n: usize) -> Option<((u32, u32), usize, usize)> {
+    let columns = n.clamp(1, COLUMNS);
+    let rows = n.div_ceil(columns).max(1);
+    let width = PANEL.0.checked_mul(u32::try_from(columns).ok()?)?;
+    let height = PANEL.1.checked_mul(u32::try_from(rows).ok()?)?;
+    Some(((width, height), rows, columns))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -174,8 +197,9 @@ struct Panel {
 }
 
 /// The panels that have something to draw: loss (train and eval), learning rate, then each eval
-/// metric in the runs' union.
-fn panels(runs: &[RunHistory]) -> Vec<Panel> {
+/// metric in the runs' union, by name, up to [`MAX_PANELS`]; and how many metrics were left out,
+/// with the first of them.
+fn panels(runs: &[RunHistory]) -> (Vec<Panel>, Option<(usize, String)>) {
     let names = legend_names(runs);
     let color = |i: usize| PALETTE[i % PALETTE.len()];
     let mut panels = Vec::new();
@@ -254,7 +278,11 @@ fn panels(runs: &[RunHistory]) -> Vec<Panel> {
     let mut metrics: Vec<String> = runs.iter().flat_map(|r| r.eval_metrics()).collect();
     metrics.sort();
     metrics.dedup();
-    for key in metrics.iter().filter(|k| *k != "eval_loss") {
+    metrics.retain(|k| k != "eval_loss");
+    for (i, key) in metrics.iter().enumerate() {
+        if panels.len() == MAX_PANELS {
+            return (panels, Some((metrics.len() - i, key.clone())));
+        }
         let series = single(key, true);
         if !series.is_empty() {
             let name = key.strip_prefix("eval_").unwrap_or(key);
@@ -266,7 +294,7 @@ fn panels(runs: &[RunHistory]) -> Vec<Panel> {
             });
         }
     }
-    panels
+    (panels, None)
 }
 
 /// The runs' names, made unique: runs whose folder names clash are named by their paths.
@@ -845,8 +873,32 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         plot_runs(&[run], &tmp.path().join("huge.svg")).unwrap();
         let (lo, hi) =
-            y_range(&panels(&[history("h", vec![json!({"step": 1, "loss": 1e308})])])[0]);
+            y_range(&panels(&[history("h", vec![json!({"step": 1, "loss": 1e308})])]).0[0]);
         assert!(lo.is_finite() && hi.is_finite() && hi - lo < f64::INFINITY);
+    }
+
+    #[test]
+    fn twenty_thousand_metrics_draw_the_first_panels_and_say_what_was_left_out() {
+        let mut eval = serde_json::Map::new();
+        for i in 0..20_000 {
+            eval.insert(format!("eval_m{i:05}"), json!(i));
+        }
+        eval.insert("step".into(), json!(2));
+        let run = history(
+            "wide",
+            vec![
+                json!({"loss": 1.0, "learning_rate": 1e-4, "step": 1}),
+                Value::Object(eval),
+            ],
+        );
+        let (drawn, left_out) = panels(&[run]);
+        assert_eq!(drawn.len(), MAX_PANELS);
+        assert_eq!(drawn.last().unwrap().y_desc, "eval_m00061");
+        assert_eq!(left_out, Some((19_938, "eval_m00062".to_string())));
+        // The picture's size is checked arithmetic, and the cap keeps it drawable.
+        assert_eq!(canvas(MAX_PANELS), Some(((1200, 12_800), 32, 2)));
+        assert_eq!(canvas(1), Some(((600, 400), 1, 1)));
+        assert_eq!(canvas(usize::MAX), None);
     }
 
     #[test]
