@@ -973,6 +973,15 @@ where
             );
         }
         Command::Generate(cmd) => {
+            let opts = causal_lm::GenerateOptions {
+                max_new_tokens: cmd.max_new_tokens,
+                temperature: cmd.temperature,
+                top_p: cmd.top_p,
+                seed: cmd.seed,
+                stop_at_eos: !cmd.ignore_eos,
+            };
+            // A bad sampling option is said before minutes of loading.
+            opts.check()?;
             // Under tensor parallelism every rank decodes the same tokens (the logits are put
             // together on each); rank 0 prints them.
             let (model, config, _, _) =
@@ -983,13 +992,6 @@ where
             let enc = tok
                 .encode(cmd.prompt.as_str(), true)
                 .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
-            let opts = causal_lm::GenerateOptions {
-                max_new_tokens: cmd.max_new_tokens,
-                temperature: cmd.temperature,
-                top_p: cmd.top_p,
-                seed: cmd.seed,
-                stop_at_eos: !cmd.ignore_eos,
-            };
             let stream = main && !cmd.json;
             let mut stdout = std::io::stdout();
             if stream {

@@ -111,10 +111,11 @@ pub struct TrainingArguments {
     #[arg(long, default_value = "all", value_parser = ReportTo::parse, help_heading = "Evaluation & saving")]
     pub report_to: ReportTo,
     /// TensorBoard's folder (default: $TENSORBOARD_LOGGING_DIR, else
-    /// output_dir/runs/<run_name, or the start time and host name as transformers names it>).
+    /// output_dir/runs/<start time>_<host name>, as transformers names it).
     #[arg(long, help_heading = "Evaluation & saving")]
     pub logging_dir: Option<PathBuf>,
-    /// A name for the run: its TensorBoard folder and its label in `kiln plot`.
+    /// A name for the run: its label in `kiln plot`, the model card and the recorded arguments
+    /// (never a folder name, as in transformers).
     #[arg(long, help_heading = "Evaluation & saving")]
     pub run_name: Option<String>,
     /// When to evaluate: `no`, `steps` (every eval_steps) or `epoch`.

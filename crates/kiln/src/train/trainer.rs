@@ -411,11 +411,7 @@ where
         } else {
             crate::ops::MatmulPrecision::F32
         });
-        if a.eval_strategy != IntervalStrategy::No && !has_eval {
-            return Err(KilnError::Config(
-                "eval_strategy needs evaluation data (--eval-file or --eval-split)".into(),
-            ));
-        }
+        a.check_eval_data(has_eval)?;
         // Rank 0 claims the output folder (lock, leftovers, another run's files); every rank
         // resumes from the same checkpoint.
         let attempt = Attempt::from_env()?;
@@ -1413,6 +1409,8 @@ impl Plan {
         } else {
             (a.num_train_epochs * updates_per_epoch as f64).ceil() as u64
         };
+        // Ratios of eval_steps / save_steps become step counts only now.
+        a.check_best_checkpoints(total)?;
         let warmup = a.warmup_of(total);
         let schedule = Schedule::new(
             a.lr_scheduler_type,
