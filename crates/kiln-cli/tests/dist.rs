@@ -489,7 +489,7 @@ fn a_restarted_job_ends_where_an_undisturbed_one_does() {
     assert!(status.success(), "the restarted job failed: {err}");
     assert!(
         err.contains("worker rank 1 was killed by signal 9")
-            && err.contains("restarting every worker (restart 1 of 1)"),
+            && err.contains("restarting every worker in 0.5 s (restart 1 of 1)"),
         "no restart reported: {err}"
     );
     let from: u64 = err
