@@ -763,6 +763,14 @@ fn run(mut cli: Cli, matches: &ArgMatches) -> Result<()> {
         }
         #[cfg(not(feature = "cuda"))]
         DeviceSpec::Cuda(_) => unreachable!("check_available rejects CUDA in this build"),
+        #[cfg(feature = "wgpu")]
+        DeviceSpec::Wgpu => {
+            kiln::backend::init_kernel_cache();
+            let device = kiln::backend::WgpuDevice::default();
+            run_on::<kiln::backend::Wgpu>(cli, matches, &device)
+        }
+        #[cfg(not(feature = "wgpu"))]
+        DeviceSpec::Wgpu => unreachable!("check_available rejects wgpu in this build"),
     }
 }
 
@@ -1204,7 +1212,13 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // Errors quote names from files, data and the network (columns, config keys, Hub
+            // file names): their control characters and bidi overrides are escaped here, once,
+            // for every error.
+            eprintln!(
+                "error: {}",
+                kiln::report::escape_for_terminal(&format!("{e:#}"))
+            );
             ExitCode::FAILURE
         }
     }

@@ -600,8 +600,9 @@ fn tampered_layouts_are_refused(ck: &Path, tmp: &Path) {
 }
 
 /// `kiln launch --max-restarts 1` of a pure tensor-parallel job (TP = 2, data-parallel size 1): rank
-/// 1 killed after step 4 (and its checkpoint), every worker restarted, and the job ends with the
-/// very bits of an unbroken run, its logged losses too. The restart choice used to travel over the
+/// 1 killed after step 3 (its last checkpoint is step 2's), every worker restarted, and the job
+/// ends with the very bits of an unbroken run: weights, logged losses (step 3, taken twice, listed
+/// once) and `train_loss`. The restart choice used to travel over the
 /// data-parallel group only (rank 0 alone here): rank 1 started over from random weights beside a
 /// resumed rank 0, logged wrong losses and died.
 #[test]
@@ -644,7 +645,7 @@ fn a_restarted_tensor_parallel_job_equals_an_unbroken_one() {
     assert!(st.success(), "the unbroken job failed");
     let out = job("restarted", "1")
         .env("KILN_LOG", "info")
-        .env("KILN_TEST_CRASH_AT", "train:step:4")
+        .env("KILN_TEST_CRASH_AT", "train:step:3")
         .env("KILN_TEST_CRASH_RANK", "1")
         .output()
         .unwrap();
@@ -653,8 +654,8 @@ fn a_restarted_tensor_parallel_job_equals_an_unbroken_one() {
     assert!(
         err.contains("worker rank 1 was killed by signal 9")
             && err.contains("restart 1: resuming from")
-            && err.contains("checkpoint-4"),
-        "no restart from checkpoint-4 reported: {err}"
+            && err.contains("checkpoint-2"),
+        "no restart from checkpoint-2 reported: {err}"
     );
     let weights =
         |n: &str| read_safetensors(&tmp.path().join(n).join("model.safetensors")).unwrap();
@@ -669,6 +670,18 @@ fn a_restarted_tensor_parallel_job_equals_an_unbroken_one() {
     );
     assert_eq!(a, b, "logged losses");
     assert_eq!(a.len(), 6);
+    let train_loss = |n: &str| {
+        let v: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(tmp.path().join(n).join("train_results.json")).unwrap(),
+        )
+        .unwrap();
+        v["train_loss"].as_f64().unwrap()
+    };
+    assert_eq!(
+        train_loss("restarted"),
+        train_loss("unbroken"),
+        "train_loss"
+    );
 }
 
 /// `kiln convert`: HF → TP 2 → full, HF → TP 2 → TP 3 → full and through NxD's fused q/k/v

@@ -50,3 +50,46 @@ fn eval_escapes_label_names_from_files() {
         );
     }
 }
+
+/// Errors quote names from files (a CSV column, a config key): escaped, never raw.
+#[test]
+fn errors_escape_names_from_files() {
+    let Some((tmp, model, _)) = common::tiny_bert_and_tweets(false) else {
+        return;
+    };
+    let csv = tmp.path().join("hdr.csv");
+    std::fs::write(&csv, "te\u{1b}]0;pwned\u{7}xt,label\nhello,negative\n").unwrap();
+    let yaml = tmp.path().join("key.yaml");
+    // YAML's own escapes: the key holds ESC [2J and a right-to-left override.
+    std::fs::write(&yaml, "max_steps: 1\n\"\\e[2J\\u202e\": 1\n").unwrap();
+    for (extra, expect) in [
+        (vec![], "te\\u{1b}]0;pwned\\u{7}xt"),
+        (
+            vec!["--config".to_string(), yaml.display().to_string()],
+            "\\u{1b}[2J\\u{202e}",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .env("KILN_LOG", "warn")
+            .args(["train", "--model"])
+            .arg(&model)
+            .arg("--train-file")
+            .arg(&csv)
+            .args(["--max-steps", "1", "--output-dir"])
+            .arg(tmp.path().join("out"))
+            .args(&extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains(expect), "{expect}: {err}");
+        assert!(
+            !out.stderr.iter().any(|&b| b == 0x1b || b == 0x07),
+            "a control character reached the terminal: {err}"
+        );
+        assert!(
+            !err.contains('\u{202e}'),
+            "a bidi override reached the terminal"
+        );
+    }
+}

@@ -21,26 +21,42 @@ pub type CudaTrain = burn::backend::Autodiff<Cuda>;
 #[cfg(feature = "cuda")]
 pub type CudaDevice = burn::backend::cuda::CudaDevice;
 
+/// Any Vulkan / Metal / DX12 GPU through wgpu, CubeCL's kernels compiled to its shaders; Mesa's
+/// software Vulkan (lavapipe) when the machine has no GPU.
+#[cfg(feature = "wgpu")]
+pub type Wgpu = burn::backend::Wgpu<f32, i32, u32>;
+#[cfg(feature = "wgpu")]
+pub type WgpuTrain = burn::backend::Autodiff<Wgpu>;
+#[cfg(feature = "wgpu")]
+pub type WgpuDevice = burn::backend::wgpu::WgpuDevice;
+
 /// Seeds the backend's random generator (initialisation, dropout).
 pub fn seed<B: Backend>(device: &B::Device, seed: u64) {
     B::seed(device, seed);
 }
 
-/// Where a run executes: `cpu`, `cuda` or `cuda:N`.
+/// Where a run executes: `cpu`, `cuda`, `cuda:N` or `wgpu`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DeviceSpec {
     #[default]
     Cpu,
     /// The N-th CUDA device.
     Cuda(usize),
+    /// wgpu's default adapter (a GPU, else a software Vulkan).
+    Wgpu,
 }
 
 impl std::str::FromStr for DeviceSpec {
     type Err = KilnError;
     fn from_str(s: &str) -> Result<Self> {
-        let bad = || KilnError::Config(format!("unknown device {s:?} (use cpu, cuda or cuda:N)"));
+        let bad = || {
+            KilnError::Config(format!(
+                "unknown device {s:?} (use cpu, cuda, cuda:N or wgpu)"
+            ))
+        };
         match s.to_ascii_lowercase().as_str() {
             "cpu" => Ok(Self::Cpu),
+            "wgpu" => Ok(Self::Wgpu),
             "cuda" | "gpu" => Ok(Self::Cuda(0)),
             other => match other.strip_prefix("cuda:") {
                 Some(n) => n.parse().map(Self::Cuda).map_err(|_| bad()),
@@ -58,6 +74,10 @@ impl DeviceSpec {
             Self::Cuda(_) if cfg!(feature = "cuda") => Ok(()),
             Self::Cuda(_) => Err(KilnError::Config(
                 "this kiln was built without CUDA support: rebuild with `cargo build --release -p kiln-cli --features cuda`".into(),
+            )),
+            Self::Wgpu if cfg!(feature = "wgpu") => Ok(()),
+            Self::Wgpu => Err(KilnError::Config(
+                "this kiln was built without wgpu support: rebuild with `cargo build --release -p kiln-cli --features wgpu`".into(),
             )),
         }
     }
@@ -79,7 +99,7 @@ pub fn kernel_cache_dir() -> PathBuf {
 
 /// Points CubeCL's compiled-kernel (PTX) cache and autotune cache at [`kernel_cache_dir`]. Must run
 /// before the first GPU kernel; later calls do nothing.
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
 pub fn init_kernel_cache() {
     use burn_cubecl::cubecl::config::{cache::CacheConfig, GlobalConfig};
     static ONCE: std::sync::Once = std::sync::Once::new();
@@ -136,7 +156,8 @@ mod tests {
         assert_eq!("cuda".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cuda(0));
         assert_eq!("CUDA:3".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cuda(3));
         let e = "tpu".parse::<DeviceSpec>().unwrap_err().to_string();
-        assert!(e.contains("cpu, cuda or cuda:N"), "{e}");
+        assert!(e.contains("cpu, cuda, cuda:N or wgpu"), "{e}");
+        assert_eq!("wgpu".parse::<DeviceSpec>().unwrap(), DeviceSpec::Wgpu);
         assert!("cuda:x".parse::<DeviceSpec>().is_err());
     }
 }

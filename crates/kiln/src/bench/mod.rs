@@ -614,6 +614,7 @@ fn pytorch_row(
     let on_gpu = match opts.device {
         crate::backend::DeviceSpec::Cpu => None,
         crate::backend::DeviceSpec::Cuda(i) => Some(format!("cuda:{i}")),
+        crate::backend::DeviceSpec::Wgpu => None,
     };
     let script = match (&on_gpu, spec.reference) {
         (Some(_), _) => &opts.cuda_reference,

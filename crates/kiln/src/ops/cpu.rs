@@ -637,12 +637,27 @@ const INV_SQRT_2PI: f32 = 0.398_942_3;
 
 /// A counter-based hash (SplitMix64 finaliser) → uniform in [0, 1).
 #[inline(always)]
-fn uniform(seed: u64, i: u64) -> f32 {
+pub(crate) fn uniform(seed: u64, i: u64) -> f32 {
     let mut z = seed.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^= z >> 31;
     (z >> 40) as f32 * (1.0 / (1u64 << 24) as f32)
+}
+
+/// The values of a flat dropout mask of `n` elements: `1/keep` where the counter hash of the
+/// element's index is below `keep`, else 0. Every backend's mask is these values, so a run drops
+/// the same units on the CPU and on a GPU.
+pub(crate) fn dropout_mask_values(n: usize, keep: f64, seed: u64) -> Vec<f32> {
+    let (keep, value) = (keep as f32, (1.0 / keep) as f32);
+    let mut m = vec![0f32; n];
+    m.par_chunks_mut(16_384).enumerate().for_each(|(c, chunk)| {
+        for (i, v) in chunk.iter_mut().enumerate() {
+            let u = uniform(seed, (c * 16_384 + i) as u64);
+            *v = if u < keep { value } else { 0.0 };
+        }
+    });
+    m
 }
 
 /// A pointer that rayon tasks may share because each writes a disjoint region (see call sites).
@@ -1552,15 +1567,7 @@ impl KilnBackend for Cpu {
     ) -> FloatTensor<Self> {
         let _p = super::profile::scope("dropout_mask");
         let n = shape.num_elements();
-        let (keep, value) = (keep as f32, (1.0 / keep) as f32);
-        let mut m = vec![0f32; n];
-        m.par_chunks_mut(16_384).enumerate().for_each(|(c, chunk)| {
-            for (i, v) in chunk.iter_mut().enumerate() {
-                let u = uniform(seed, (c * 16_384 + i) as u64);
-                *v = if u < keep { value } else { 0.0 };
-            }
-        });
-        tensor(&[n], m)
+        tensor(&[n], dropout_mask_values(n, keep, seed))
     }
 }
 

@@ -675,9 +675,8 @@ pub trait KilnBackend: Backend {
     }
 }
 
-/// CUDA runs the composed default ops (Burn's CubeCL kernels, fused at run time by Burn's fusion).
-#[cfg(feature = "cuda")]
-impl KilnBackend for crate::backend::Cuda {}
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+mod gpu;
 
 /// `x · dropout_mask(seed)` with the mask of [`KilnBackend::kiln_dropout_mask`] (identity at p = 0).
 fn attention_dropout<B: KilnBackend>(x: Tensor<B, 4>, prob: f64, seed: u64) -> Tensor<B, 4> {

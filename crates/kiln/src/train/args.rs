@@ -555,7 +555,7 @@ impl TrainingArguments {
     /// warns with `ignore_unknown`), their values checked: a bad one names its file, line and key.
     pub fn file_entries(path: &Path, ignore_unknown: bool) -> Result<super::hf_fields::Sorted> {
         use super::hf_fields::{sort_entries, Source};
-        let text = std::fs::read_to_string(path).map_err(|e| KilnError::io(path, e))?;
+        let text = read_config_text(path)?;
         let is_json = path.extension().and_then(|e| e.to_str()) == Some("json");
         let value: serde_json::Value = if is_json {
             serde_json::from_str(&text).map_err(|e| KilnError::Parse {
@@ -998,8 +998,120 @@ impl TrainingArguments {
     }
 }
 
+/// The most a `--config` file may hold: real configs are a few KB.
+const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
+/// How long a `--config` pipe (`--config <(...)`) may stay silent before it is an error.
+const CONFIG_PIPE_WAIT_MS: i32 = 30_000;
+
+/// A `--config` file's text, read with bounds: at most [`MAX_CONFIG_BYTES`] (`/dev/zero` is an
+/// error, not an out-of-memory kill), and a pipe with no writer is an error after 30 s rather
+/// than a hang. Pipes stay allowed, so `--config <(generate-config)` works.
+fn read_config_text(path: &Path) -> Result<String> {
+    read_config_text_within(path, CONFIG_PIPE_WAIT_MS)
+}
+
+/// [`read_config_text`], waiting at most `wait_ms` for a pipe's first byte.
+fn read_config_text_within(path: &Path, wait_ms: i32) -> Result<String> {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let io = |e: std::io::Error| KilnError::io(path, e);
+    // O_NONBLOCK: opening a FIFO without a writer returns at once instead of blocking.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(io)?;
+    let kind = file.metadata().map_err(io)?.file_type();
+    if kind.is_dir() {
+        return Err(KilnError::Config(format!(
+            "--config {}: a folder, not a YAML or JSON file",
+            path.display()
+        )));
+    }
+    if !kind.is_file() && !kind.is_fifo() && !kind.is_char_device() {
+        return Err(KilnError::Config(format!(
+            "--config {}: not a file or a pipe",
+            path.display()
+        )));
+    }
+    let fd = file.as_raw_fd();
+    if kind.is_fifo() {
+        let mut poll = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the open descriptor `fd`.
+        let ready = unsafe { libc::poll(&mut poll, 1, wait_ms) };
+        if ready == 0 {
+            return Err(KilnError::Config(format!(
+                "--config {}: a pipe that nothing wrote to in {:.1} s",
+                path.display(),
+                wait_ms as f64 / 1000.0
+            )));
+        }
+    }
+    // Back to blocking reads: a pipe's writer may still be writing.
+    // SAFETY: fcntl on the open descriptor `fd`, clearing one status flag.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_CONFIG_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(io)?;
+    if bytes.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(KilnError::Config(format!(
+            "--config {}: larger than {} MiB; a training config is a few KB",
+            path.display(),
+            MAX_CONFIG_BYTES >> 20
+        )));
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        KilnError::Config(format!(
+            "--config {}: not UTF-8 text (byte {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        ))
+    })
+}
+
 #[cfg(test)]
 mod tests {
+    /// `--config` reads are bounded: a device that never ends is an error at 16 MiB, a pipe
+    /// nobody writes to is an error after the wait, and a pipe that is written works.
+    #[test]
+    fn config_reads_are_bounded() {
+        let err = super::read_config_text_within(Path::new("/dev/zero"), 100)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("larger than 16 MiB"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("c.yaml");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo with a valid C path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let t0 = std::time::Instant::now();
+        let err = super::read_config_text_within(&fifo, 200)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("a pipe that nothing wrote to in 0.2 s"),
+            "{err}"
+        );
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10));
+        let writer = std::thread::spawn({
+            let fifo = fifo.clone();
+            move || std::fs::write(fifo, "max_steps: 3\n").unwrap()
+        });
+        let text = super::read_config_text_within(&fifo, 10_000).unwrap();
+        writer.join().unwrap();
+        assert_eq!(text, "max_steps: 3\n");
+    }
+
     use super::*;
 
     #[test]

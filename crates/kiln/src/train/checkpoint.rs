@@ -163,6 +163,10 @@ pub struct SchedulerState {
     /// reduce_lr_on_plateau's rate, best metric and counters.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plateau: Option<super::schedule::Plateau>,
+    /// The finite step losses summed from step 1 (in order, in f64), so a resumed or restarted
+    /// run reports the very `train_loss` of an unbroken one. Absent in older checkpoints.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_loss_sum: Option<f64>,
 }
 
 /// Everything one checkpoint holds.
@@ -469,6 +473,7 @@ mod tests {
             seed: 1,
             skipped_nonfinite: 0,
             plateau: None,
+            train_loss_sum: None,
         };
         let ck = Checkpoint {
             model: &model,

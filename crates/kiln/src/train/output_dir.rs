@@ -173,6 +173,30 @@ fn remove_log(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// A run resumed at `step` in its own folder: `log.jsonl` keeps only the entries up to that step,
+/// so the steps the interrupted attempt took after its checkpoint (taken again now) are not
+/// listed twice, as `trainer_state.json`'s history is cut at the checkpoint too.
+pub fn trim_log(dir: &Path, step: u64) -> Result<()> {
+    let log = dir.join("log.jsonl");
+    let Ok(text) = std::fs::read_to_string(&log) else {
+        return Ok(());
+    };
+    let kept: String = text
+        .lines()
+        .filter(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .and_then(|v| v["step"].as_u64())
+                .is_none_or(|s| s <= step)
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
+    if kept.len() != text.len() {
+        crate::hub::files::replace_files(dir, &[("log.jsonl", kept.as_bytes())])?;
+    }
+    Ok(())
+}
+
 /// Records the run that now owns `dir`.
 fn finish_claim(
     dir: &Path,

@@ -83,6 +83,9 @@ pub struct Trainer<B: TrainBackend, M, L = CrossEntropy> {
     run_id: String,
     /// Steps skipped so far for a non-finite loss or gradient norm (`--skip-nonfinite-steps`).
     skipped_nonfinite: u64,
+    /// The resumed checkpoint's sum of step losses since step 1 (`None`: a checkpoint that did
+    /// not record it, or no resume — then 0 at step 0).
+    resumed_loss_sum: Option<f64>,
     /// A tensor-parallel model's splits and group (set at the start of training).
     tp_layout: Option<TensorParallelLayout>,
     /// ZeRO-1 over the data-parallel group (`--zero-1` with more than one data-parallel rank).
@@ -152,6 +155,7 @@ where
             run: None,
             run_id: String::new(),
             skipped_nonfinite: 0,
+            resumed_loss_sum: None,
             tp_layout: None,
             zero: None,
             plateau: None,
@@ -270,6 +274,7 @@ where
         self.optimizer
             .load_state(sched.step, &rank.moments, Some(&rank.covers), &self.device);
         self.skipped_nonfinite = sched.skipped_nonfinite;
+        self.resumed_loss_sum = sched.train_loss_sum;
         info!(
             "resumed from {} at step {} (epoch {:.2})",
             dir.display(),
@@ -315,6 +320,15 @@ where
         let plan = self.start(train, eval.is_some())?;
         let a = self.args.clone();
         let mut run = RunProgress::new(self.state.global_step, self.progress_bar(&plan));
+        // The loss sum goes on from step 1 when the resumed checkpoint recorded it.
+        let from_step_1 = match (run.start_step, self.resumed_loss_sum) {
+            (0, _) => Some(0.0),
+            (_, sum) => sum,
+        };
+        if let Some(sum) = from_step_1 {
+            run.loss_sum = sum;
+            run.counts_from_step_1 = true;
+        }
         let lengths = train.lengths();
         let first_epoch = run.start_step / plan.updates_per_epoch;
         let skip_groups = (run.start_step % plan.updates_per_epoch) as usize;
@@ -383,7 +397,8 @@ where
                     SaveStrategy::Best => improved,
                 };
                 if save || (last && a.load_best_model_at_end) {
-                    let sched = self.scheduler_state(&plan);
+                    let mut sched = self.scheduler_state(&plan);
+                    sched.train_loss_sum = run.counts_from_step_1.then_some(run.loss_sum);
                     let pending = run.pending_eval.take();
                     self.reporters.phase(Phase::Saving);
                     run.bar.suspend(|| self.save_checkpoint(&sched, pending))?;
@@ -499,6 +514,9 @@ where
         }
         if let Some(dir) = &resume_dir {
             let sched = self.resume(dir)?;
+            if self.is_main() {
+                super::output_dir::trim_log(&a.output_dir, self.state.global_step)?;
+            }
             if plateau {
                 match sched.plateau {
                     Some(p) => self.plateau = Some(p),
@@ -809,6 +827,7 @@ where
             seed: self.args.seed,
             skipped_nonfinite: self.skipped_nonfinite,
             plateau: self.plateau.clone(),
+            train_loss_sum: None,
         }
     }
 
@@ -894,7 +913,14 @@ where
             "train_steps_per_second".into(),
             round3(steps_run as f64 / runtime),
         );
-        let finite_steps = steps_run.saturating_sub(self.skipped_nonfinite).max(1);
+        // From step 1 when the sum is (so a resumed run reports an unbroken run's value), else
+        // over this call's steps.
+        let counted = if run.counts_from_step_1 {
+            self.state.global_step
+        } else {
+            steps_run
+        };
+        let finite_steps = counted.saturating_sub(self.skipped_nonfinite).max(1);
         metrics.insert("train_loss".into(), run.loss_sum / finite_steps as f64);
         metrics.insert("epoch".into(), round4(self.state.epoch));
         self.store_flos()?;
@@ -1457,8 +1483,10 @@ struct RunProgress {
     start: Instant,
     start_step: u64,
     samples: usize,
-    /// Sum of the finite step losses of the whole call, and of the current logging window.
+    /// Sum of the finite step losses of the whole call (from step 1 when `counts_from_step_1`),
+    /// and of the current logging window.
     loss_sum: f64,
+    counts_from_step_1: bool,
     log_loss_sum: f64,
     log_steps: u64,
     /// The last evaluation's metrics, for the next checkpoint's best-model tracking.
@@ -1473,6 +1501,7 @@ impl RunProgress {
             start_step,
             samples: 0,
             loss_sum: 0.0,
+            counts_from_step_1: false,
             log_loss_sum: 0.0,
             log_steps: 0,
             pending_eval: None,

@@ -1,0 +1,124 @@
+//! Whole training runs on `--device wgpu` (Mesa's software Vulkan, lavapipe, on a machine without
+//! a GPU) equal the CPU run: the GPU path's integration test, in CI. Built with `--features wgpu`.
+//!
+//! Bound: 1e-5 on every weight after the steps below (issue 32). Both devices drop the same units
+//! (the counter-hash mask is shared), so dropout is on.
+#![cfg(feature = "wgpu")]
+
+#[path = "../../kiln/tests/common.rs"]
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::{max_abs_diff, model_weights, tiny_bert_and_tweets, train_args};
+
+const SAME: f32 = 1e-5;
+
+fn kiln(device: &str) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    c.env("KILN_LOG", "warn").args(["--device", device]);
+    c
+}
+
+fn trained(device: &str, args: &[String], out: &Path) -> Vec<(String, Vec<f32>)> {
+    let o = kiln(device).args(args).output().unwrap();
+    assert!(
+        o.status.success(),
+        "{device}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    model_weights(out)
+}
+
+#[test]
+fn tiny_bert_with_dropout_trains_the_same_on_wgpu_as_on_the_cpu() {
+    let Some((tmp, model, tweets)) = tiny_bert_and_tweets(true) else {
+        return;
+    };
+    let run = |device: &str| {
+        let out = tmp.path().join(device);
+        trained(device, &train_args(&model, &tweets, 8, &out, 3), &out)
+    };
+    let (cpu, gpu) = (run("cpu"), run("wgpu"));
+    let d = max_abs_diff(&gpu, &cpu);
+    eprintln!("tiny BERT, 3 steps with dropout: max |Δw| wgpu vs cpu = {d:e}");
+    assert!(d <= SAME, "wgpu differs from the CPU by {d}");
+}
+
+#[test]
+fn tiny_llama_trains_the_same_on_wgpu_as_on_the_cpu() {
+    let (Some(gguf), Some(brown)) = (
+        common::asset("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        common::asset("brown/eval.jsonl"),
+    ) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    // SmolLM2's tokenizer serves a tiny Llama made from a config: 4 query / 2 key-value heads.
+    let hf = tmp.path().join("hf");
+    let st = kiln("cpu")
+        .args(["convert", "--from-gguf"])
+        .arg(&gguf)
+        .arg("--out")
+        .arg(&hf)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let cfg = tmp.path().join("c.json");
+    std::fs::write(
+        &cfg,
+        serde_json::json!({
+            "vocab_size": 49152, "hidden_size": 32, "intermediate_size": 40,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rope_theta": 10000.0, "tie_word_embeddings": true, "eos_token_id": 2,
+            "pad_token_id": 2, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+        .to_string(),
+    )
+    .unwrap();
+    let text = std::fs::read_to_string(&brown).unwrap();
+    let doc: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    let corpus = tmp.path().join("c.jsonl");
+    let body: String = doc["text"].as_str().unwrap().chars().take(3000).collect();
+    std::fs::write(
+        &corpus,
+        serde_json::json!({ "text": body }).to_string() + "\n",
+    )
+    .unwrap();
+    let run = |device: &str| {
+        let out = tmp.path().join(device);
+        let args: Vec<String> = [
+            "train",
+            "--task",
+            "causal-lm",
+            "--from-config",
+            cfg.to_str().unwrap(),
+            "--tokenizer",
+            hf.to_str().unwrap(),
+            "--train-file",
+            corpus.to_str().unwrap(),
+            "--block-size",
+            "32",
+            "--per-device-train-batch-size",
+            "2",
+            "--max-steps",
+            "3",
+            "--learning-rate",
+            "1e-3",
+            "--save-strategy",
+            "no",
+            "--seed",
+            "3",
+            "--output-dir",
+            out.to_str().unwrap(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        trained(device, &args, &out)
+    };
+    let (cpu, gpu) = (run("cpu"), run("wgpu"));
+    let d = max_abs_diff(&gpu, &cpu);
+    eprintln!("tiny Llama, 3 steps: max |Δw| wgpu vs cpu = {d:e}");
+    assert!(d <= SAME, "wgpu differs from the CPU by {d}");
+}

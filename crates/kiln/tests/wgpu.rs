@@ -1,0 +1,249 @@
+//! kiln's ops on a GPU (wgpu; Mesa's software Vulkan, lavapipe, when the machine has none) against
+//! the CPU path's fused ops: values and gradients, on the shapes the CPU kernel tests use (padded
+//! keys, causal and sliding windows, `ignore_index`, dropout). Every GPU kernel kiln adds is
+//! checked here, in CI, without a GPU; ops without one yet check Burn's composed kernels.
+//!
+//! Measured error, relative to the largest magnitude of the CPU result: values ≤ 1e-6, gradients
+//! ≤ 1e-5 on lavapipe (see each case's print); the bounds below leave 10× for other drivers.
+#![cfg(feature = "wgpu")]
+
+use burn::tensor::{Int, Tensor, TensorData};
+use kiln::backend::{CpuTrain, WgpuTrain};
+use kiln::ops::{TrainBackend, Window};
+
+const VALUE_TOL: f64 = 1e-5;
+const GRAD_TOL: f64 = 1e-4;
+
+/// Seeded values in [-2, 2) (a 64-bit LCG): the same inputs on both devices.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        })
+        .collect()
+}
+
+/// One op written once for any training backend: its inputs are 2-D, reshaped inside.
+trait Case {
+    const NAME: &'static str;
+    fn shapes() -> Vec<[usize; 2]>;
+    fn run<B: TrainBackend>(x: &[Tensor<B, 2>]) -> Tensor<B, 2>;
+}
+
+fn inputs<B: TrainBackend>(shapes: &[[usize; 2]], device: &B::Device) -> Vec<Tensor<B, 2>> {
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let data = TensorData::new(values(s[0] * s[1], 11 + i as u64), *s);
+            Tensor::<B, 2>::from_data(data, device).require_grad()
+        })
+        .collect()
+}
+
+fn host<B: TrainBackend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().into_vec::<f32>().unwrap()
+}
+
+/// The op's output and every input's gradient under a fixed upstream gradient.
+fn output_and_grads<B: TrainBackend, C: Case>(device: &B::Device) -> (Vec<f32>, Vec<Vec<f32>>) {
+    kiln::ops::reseed_dropout(5);
+    let x = inputs::<B>(&C::shapes(), device);
+    let y = C::run::<B>(&x);
+    let dims = y.dims();
+    let upstream =
+        Tensor::<B, 2>::from_data(TensorData::new(values(dims[0] * dims[1], 99), dims), device);
+    let grads = (y.clone() * upstream).sum().backward();
+    let g = x
+        .iter()
+        .map(|t| t.grad(&grads).map(|g| host(g)).unwrap_or_default())
+        .collect();
+    (host(y), g)
+}
+
+fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(1e-6f64, |m, v| m.max(v.abs() as f64));
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).abs())
+        .fold(0.0, f64::max)
+        / scale
+}
+
+fn same_on_gpu<C: Case>() {
+    let (gpu, gpu_grads) = output_and_grads::<WgpuTrain, C>(&Default::default());
+    let (cpu, cpu_grads) = output_and_grads::<CpuTrain, C>(&Default::default());
+    let d = rel_diff(&gpu, &cpu);
+    eprintln!("{}: value {d:.1e}", C::NAME);
+    assert!(d <= VALUE_TOL, "{}: GPU value differs by {d:e}", C::NAME);
+    for (i, (g, c)) in gpu_grads.iter().zip(&cpu_grads).enumerate() {
+        assert_eq!(g.is_empty(), c.is_empty(), "{} grad {i}", C::NAME);
+        if !c.is_empty() {
+            let d = rel_diff(g, c);
+            eprintln!("{} grad {i}: {d:.1e}", C::NAME);
+            assert!(d <= GRAD_TOL, "{} grad {i}: GPU differs by {d:e}", C::NAME);
+        }
+    }
+}
+
+/// A [B, T] additive key mask: batch row 1 pads its last 3 keys (f32::MIN, as the models build it).
+fn key_mask<B: TrainBackend>(batch: usize, t: usize, device: &B::Device) -> Tensor<B, 2> {
+    let mut m = vec![0f32; batch * t];
+    for j in t - 3..t {
+        m[t + j] = f32::MIN;
+    }
+    Tensor::from_data(TensorData::new(m, [batch, t]), device)
+}
+
+macro_rules! case {
+    ($test:ident, $name:literal, [$($shape:expr),*], |$x:ident| $body:expr) => {
+        #[test]
+        fn $test() {
+            struct C;
+            impl Case for C {
+                const NAME: &'static str = $name;
+                fn shapes() -> Vec<[usize; 2]> {
+                    vec![$($shape),*]
+                }
+                fn run<B: TrainBackend>($x: &[Tensor<B, 2>]) -> Tensor<B, 2> {
+                    $body
+                }
+            }
+            same_on_gpu::<C>();
+        }
+    };
+}
+
+fn row<B: TrainBackend>(x: &Tensor<B, 2>) -> Tensor<B, 1> {
+    let n = x.dims()[1];
+    x.clone().reshape([n])
+}
+
+case!(linear, "linear", [[12, 40], [24, 40], [1, 24]], |x| {
+    kiln::ops::linear(x[0].clone(), x[1].clone(), Some(row(&x[2])))
+});
+case!(gelu, "gelu", [[16, 40]], |x| kiln::ops::gelu(x[0].clone()));
+case!(
+    layer_norm,
+    "layer_norm",
+    [[16, 40], [1, 40], [1, 40]],
+    |x| { kiln::ops::layer_norm(x[0].clone(), row(&x[1]), row(&x[2]), 1e-12) }
+);
+case!(rms_norm, "rms_norm", [[16, 40], [1, 40]], |x| {
+    kiln::ops::rms_norm(x[0].clone(), row(&x[1]), 1e-6)
+});
+case!(swiglu, "swiglu", [[16, 40], [16, 40]], |x| {
+    kiln::ops::swiglu(x[0].clone(), x[1].clone())
+});
+case!(
+    residual_layer_norm,
+    "residual_layer_norm (dropout 0.1)",
+    [[16, 40], [16, 40], [1, 40], [1, 40]],
+    |x| kiln::ops::residual_layer_norm(
+        x[0].clone(),
+        x[1].clone(),
+        row(&x[2]),
+        row(&x[3]),
+        1e-12,
+        0.1
+    )
+);
+case!(dropout, "dropout 0.3", [[16, 40]], |x| kiln::ops::dropout(
+    x[0].clone(),
+    0.3
+));
+case!(
+    cross_entropy,
+    "cross_entropy (ignore_index)",
+    [[6, 50]],
+    |x| {
+        let device = x[0].device();
+        let targets = Tensor::<B, 1, Int>::from_data(
+            TensorData::new(vec![3i64, -100, 49, 0, 7, -100], [6]),
+            &device,
+        );
+        kiln::ops::cross_entropy(x[0].clone(), targets, -100).reshape([1, 6])
+    }
+);
+case!(
+    masked_softmax,
+    "masked_softmax (padded keys)",
+    [[2 * 3 * 7, 7]],
+    |x| {
+        let device = x[0].device();
+        let scores = x[0].clone().reshape([2, 3, 7, 7]);
+        kiln::ops::masked_softmax(scores, key_mask::<B>(2, 7, &device), 0.25).reshape([42, 7])
+    }
+);
+case!(rope, "rope", [[2 * 2 * 5, 8]], |x| {
+    let device = x[0].device();
+    let (t, d) = (5usize, 8usize);
+    let mut cos = vec![0f32; t * d];
+    let mut sin = vec![0f32; t * d];
+    for p in 0..t {
+        for i in 0..d {
+            let f = 1.0 / 10000f32.powf((2 * (i % (d / 2))) as f32 / d as f32);
+            cos[p * d + i] = (p as f32 * f).cos();
+            sin[p * d + i] = (p as f32 * f).sin();
+        }
+    }
+    let cos = Tensor::<B, 2>::from_data(TensorData::new(cos, [t, d]), &device);
+    let sin = Tensor::<B, 2>::from_data(TensorData::new(sin, [t, d]), &device);
+    kiln::ops::rope(x[0].clone().reshape([2, 2, t, d]), &cos, &sin).reshape([20, 8])
+});
+case!(
+    attention,
+    "attention (padded keys, dropout 0.1)",
+    [[2 * 9, 16], [2 * 9, 16], [2 * 9, 16]],
+    |x| {
+        let device = x[0].device();
+        let r = |t: &Tensor<B, 2>| t.clone().reshape([2, 9, 16]);
+        kiln::ops::attention(
+            r(&x[0]),
+            r(&x[1]),
+            r(&x[2]),
+            key_mask::<B>(2, 9, &device),
+            4,
+            0.1,
+        )
+        .reshape([18, 16])
+    }
+);
+case!(
+    causal_attention,
+    "causal_attention",
+    [[2 * 9, 16], [2 * 9, 16], [2 * 9, 16]],
+    |x| {
+        let r = |t: &Tensor<B, 2>| t.clone().reshape([2, 9, 16]);
+        kiln::ops::causal_attention(r(&x[0]), r(&x[1]), r(&x[2]), 4).reshape([18, 16])
+    }
+);
+case!(
+    windowed_attention,
+    "sliding-window attention (window 3, padded keys)",
+    [[2 * 9, 16], [2 * 9, 16], [2 * 9, 16]],
+    |x| {
+        let device = x[0].device();
+        let r = |t: &Tensor<B, 2>| t.clone().reshape([2, 9, 16]);
+        kiln::ops::windowed_attention(
+            r(&x[0]),
+            r(&x[1]),
+            r(&x[2]),
+            key_mask::<B>(2, 9, &device),
+            4,
+            Window {
+                before: 3,
+                after: 3,
+            },
+            0.0,
+        )
+        .reshape([18, 16])
+    }
+);
