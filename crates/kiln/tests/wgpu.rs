@@ -47,7 +47,7 @@ fn inputs<B: TrainBackend>(shapes: &[[usize; 2]], device: &B::Device) -> Vec<Ten
         .collect()
 }
 
-fn host<B: TrainBackend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+fn host<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.into_data().convert::<f32>().into_vec::<f32>().unwrap()
 }
 
@@ -62,7 +62,7 @@ fn output_and_grads<B: TrainBackend, C: Case>(device: &B::Device) -> (Vec<f32>, 
     let grads = (y.clone() * upstream).sum().backward();
     let g = x
         .iter()
-        .map(|t| t.grad(&grads).map(|g| host(g)).unwrap_or_default())
+        .map(|t| t.grad(&grads).map(host).unwrap_or_default())
         .collect();
     (host(y), g)
 }
@@ -112,6 +112,7 @@ macro_rules! case {
                 fn shapes() -> Vec<[usize; 2]> {
                     vec![$($shape),*]
                 }
+                #[allow(unused_braces)]
                 fn run<B: TrainBackend>($x: &[Tensor<B, 2>]) -> Tensor<B, 2> {
                     $body
                 }
@@ -196,7 +197,7 @@ case!(rope, "rope", [[2 * 2 * 5, 8]], |x| {
     }
     let cos = Tensor::<B, 2>::from_data(TensorData::new(cos, [t, d]), &device);
     let sin = Tensor::<B, 2>::from_data(TensorData::new(sin, [t, d]), &device);
-    kiln::ops::rope(x[0].clone().reshape([2, 2, t, d]), &cos, &sin).reshape([20, 8])
+    kiln::ops::rope(x[0].clone().reshape([2, t, 2, d]), &cos, &sin).reshape([20, 8])
 });
 case!(
     attention,

@@ -103,6 +103,32 @@ pub fn load_model_shard<B: KilnBackend>(
     Ok((model, config))
 }
 
+/// A randomly initialised Llama (this rank's shard of it), drawn on the CPU whatever the device,
+/// as transformers draws weights before `.to(device)`: each backend has its own generator, so one
+/// seed would otherwise start a different run on a GPU than on the CPU.
+fn fresh_llama<B: KilnBackend>(
+    config: &LlamaConfig,
+    device: &B::Device,
+    shard: Option<LlamaShard>,
+    seed: u64,
+) -> Result<LlamaForCausalLM<B>> {
+    use crate::backend::{Cpu, CpuDevice, CpuTrain};
+    use std::any::TypeId;
+    let on_cpu = [TypeId::of::<Cpu>(), TypeId::of::<CpuTrain>()].contains(&TypeId::of::<B>());
+    let model = crate::ops::with_seeded_rng::<B, _>(device, seed, || {
+        LlamaForCausalLM::new_sharded(config, device, shard.clone())
+    });
+    if on_cpu {
+        return Ok(model);
+    }
+    let cpu = CpuDevice::default();
+    let fresh = crate::ops::with_seeded_rng::<Cpu, _>(&cpu, seed, || {
+        LlamaForCausalLM::<Cpu>::new_sharded(config, &cpu, shard)
+    });
+    let tensors = crate::hub::weights::module_tensors(&fresh);
+    Ok(crate::hub::weights::load_into(model, tensors, None, device)?.0)
+}
+
 /// Tensor-parallel rank `s`'s weights of the model folder `dir`.
 fn read_shard_weights(dir: &Path, s: &LlamaShard) -> Result<BTreeMap<String, HostTensor>> {
     if let Some(layout) = read_layout(dir)? {
@@ -284,9 +310,7 @@ pub fn train<B: TrainBackend>(
     let (model, config) = match (&opts.from_config, &opts.model_dir) {
         (Some(cfg), _) => {
             let config = LlamaConfig::from_file(cfg)?;
-            let model = crate::ops::with_seeded_rng::<B, _>(device, args.seed, || {
-                LlamaForCausalLM::new_sharded(&config, device, shard)
-            });
+            let model = fresh_llama::<B>(&config, device, shard, args.seed)?;
             info!(
                 "{}: random initialisation (seed {})",
                 cfg.display(),
