@@ -573,3 +573,54 @@ fn restarts_back_off_and_job_ids_stay_inside_the_log_dir() {
     let made: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().flatten().collect();
     assert_eq!(made.len(), 1, "{made:?}");
 }
+
+/// A launcher killed outright (SIGKILL: nothing of it runs after) takes its workers with it,
+/// rather than leaving them training as orphans.
+#[test]
+fn workers_of_a_killed_launcher_stop() {
+    let Some((tmp, model, tweets)) = setup(false) else {
+        return;
+    };
+    let out = tmp.path().join("orphans");
+    let mut launcher = kiln()
+        .args(["launch", "--nproc-per-node", "2", "--master-port"])
+        .arg(free_ports(2).to_string())
+        .arg("--")
+        .args(train_args(&model, &tweets, 8, &out, 100_000))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let workers = loop {
+        let w: Vec<u32> = (0..2)
+            .filter_map(|r| worker_of_rank(launcher.id(), r))
+            .collect();
+        if w.len() == 2 {
+            break w;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "no workers");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+    let t1 = Instant::now();
+    while workers
+        .iter()
+        .any(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists() && !zombie(*pid))
+    {
+        assert!(
+            t1.elapsed() < Duration::from_secs(30),
+            "workers {workers:?} still run after their launcher was killed"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Whether process `pid` has exited but was not reaped yet.
+fn zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rfind(')').map(|i| s[i + 2..].starts_with('Z')))
+        .unwrap_or(true)
+}

@@ -542,6 +542,20 @@ fn run_attempt(
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        // A launcher killed outright (SIGKILL, the OOM killer) takes its workers with it: the
+        // kernel sends each SIGKILL when the launcher's thread that started it dies, so no orphan
+        // trains on, holding the GPU and the output folder's lock. SIGKILL, not SIGTERM: the
+        // rendezvous server's runtime catches SIGTERM for a graceful shutdown and the worker then
+        // waits for peers that are gone. Checkpoints are atomic, so nothing is left half-written.
+        // SAFETY: prctl is async-signal-safe and touches only the child about to exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
         // Like torchrun's OMP_NUM_THREADS=1 default: workers of one machine share its cores.
         if std::env::var_os("RAYON_NUM_THREADS").is_none() {
             cmd.env("RAYON_NUM_THREADS", &per_worker);

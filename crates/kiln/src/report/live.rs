@@ -173,8 +173,25 @@ pub fn ensure_runtime_dir(runtime: &Path) -> Result<PathBuf> {
             Err(e) => return Err(KilnError::io(dir, e)),
         }
         check_own_folder(dir)?;
+        make_private(dir)?;
     }
     Ok(jobs)
+}
+
+/// Takes group and other access away from our own folder `dir` (one made before kiln created
+/// these folders 0700, e.g. an old `/tmp/kiln-<uid>` at 0755): other users need not read the job
+/// list.
+fn make_private(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::symlink_metadata(dir)
+        .map_err(|e| KilnError::io(dir, e))?
+        .permissions()
+        .mode();
+    if mode & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode & 0o700))
+            .map_err(|e| KilnError::io(dir, e))?;
+    }
+    Ok(())
 }
 
 /// `dir` must be a folder itself (not a symbolic link to one) owned by this user: kiln deletes
@@ -916,6 +933,15 @@ mod tests {
         let rt = tmp.path().join("a/kiln");
         let jobs = ensure_runtime_dir(&rt).unwrap();
         for d in [&rt, &jobs] {
+            let mode = std::fs::metadata(d).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o700, "{}", d.display());
+        }
+        // One of ours made open (0755, an older kiln's /tmp/kiln-<uid>) is made private.
+        let open = tmp.path().join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let open_jobs = ensure_runtime_dir(&open).unwrap();
+        for d in [&open, &open_jobs] {
             let mode = std::fs::metadata(d).unwrap().permissions().mode();
             assert_eq!(mode & 0o777, 0o700, "{}", d.display());
         }
