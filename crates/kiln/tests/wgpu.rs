@@ -140,6 +140,12 @@ case!(
 case!(rms_norm, "rms_norm", [[16, 40], [1, 40]], |x| {
     kiln::ops::rms_norm(x[0].clone(), row(&x[1]), 1e-6)
 });
+case!(
+    rms_norm_wide,
+    "rms_norm (H 200 > one cube's units)",
+    [[37, 200], [1, 200]],
+    |x| { kiln::ops::rms_norm(x[0].clone(), row(&x[1]), 1e-6) }
+);
 case!(swiglu, "swiglu", [[16, 40], [16, 40]], |x| {
     kiln::ops::swiglu(x[0].clone(), x[1].clone())
 });
@@ -248,3 +254,48 @@ case!(
         .reshape([18, 16])
     }
 );
+
+/// RMSNorm's weight gradient sums over every row: over 70,000 rows both devices are held to an
+/// f64 reference (each sums in its own order, so their f32 errors differ). Known failure, kept as
+/// its reproduction: on wgpu even Burn's composed ops (no kiln kernel) are 0.22 off over 70,000
+/// rows, while 16 and 37 rows match to 2e-7 (issue 32, cause not yet found).
+#[test]
+#[ignore = "Burn's composed sum over 70,000 rows is wrong on wgpu/lavapipe (issue 32)"]
+fn rms_norm_weight_gradient_over_many_rows_matches_f64() {
+    let (r, h) = (70_000usize, 4usize);
+    let (xs, ws, dys) = (values(r * h, 11), values(h, 12), values(r * h, 99));
+    let mut dw64 = vec![0f64; h];
+    for i in 0..r {
+        let row = &xs[i * h..(i + 1) * h];
+        let ms = row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / h as f64;
+        let inv = 1.0 / (ms + 1e-6).sqrt();
+        for j in 0..h {
+            dw64[j] += dys[i * h + j] as f64 * row[j] as f64 * inv;
+        }
+    }
+    fn dw<B: TrainBackend>(xs: &[f32], ws: &[f32], dys: &[f32], r: usize, h: usize) -> Vec<f32> {
+        let device = Default::default();
+        let x = Tensor::<B, 2>::from_data(TensorData::new(xs.to_vec(), [r, h]), &device);
+        let w =
+            Tensor::<B, 1>::from_data(TensorData::new(ws.to_vec(), [h]), &device).require_grad();
+        let dy = Tensor::<B, 2>::from_data(TensorData::new(dys.to_vec(), [r, h]), &device);
+        let g = (kiln::ops::rms_norm(x, w.clone(), 1e-6) * dy)
+            .sum()
+            .backward();
+        host(w.grad(&g).unwrap())
+    }
+    let scale = dw64.iter().fold(0f64, |m, v| m.max(v.abs()));
+    for (name, got) in [
+        ("cpu", dw::<CpuTrain>(&xs, &ws, &dys, r, h)),
+        ("wgpu", dw::<WgpuTrain>(&xs, &ws, &dys, r, h)),
+    ] {
+        let err = got
+            .iter()
+            .zip(&dw64)
+            .map(|(a, b)| (*a as f64 - b).abs())
+            .fold(0f64, f64::max)
+            / scale;
+        eprintln!("rms_norm dw over {r} rows, {name} vs f64: {err:.1e} (dw {got:?} vs {dw64:?})");
+        assert!(err < 1e-4, "{name}: {err:e}");
+    }
+}

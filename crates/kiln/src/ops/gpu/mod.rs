@@ -11,6 +11,8 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 
 use super::KilnBackend;
 
+mod norm;
+
 impl<R, F, I, BT> KilnBackend for CubeBackend<R, F, I, BT>
 where
     R: CubeRuntime,
@@ -18,6 +20,14 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    fn kiln_rms_norm(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        norm::rms_norm::<R, F>(x, w, eps)
+    }
+
     /// The CPU's counter-hash mask, made on the host and uploaded: the same units drop on every
     /// device, so a GPU run follows the CPU run step for step. (WGSL has no 64-bit integers for
     /// the hash; a kernel would emulate them.)
