@@ -126,3 +126,23 @@ fn tiny_llama_trains_the_same_on_wgpu_as_on_the_cpu() {
     eprintln!("tiny Llama, 3 steps: max |Δw| wgpu vs cpu = {d:e}");
     assert!(d <= SAME, "wgpu differs from the CPU by {d}");
 }
+
+/// WGSL has no bf16: `--bf16` on wgpu is refused before any work, in one sentence naming the fix.
+#[test]
+fn bf16_on_wgpu_is_refused() {
+    let Some((tmp, model, tweets)) = tiny_bert_and_tweets(false) else {
+        return;
+    };
+    let out = tmp.path().join("run");
+    let o = kiln("wgpu")
+        .args(train_args(&model, &tweets, 8, &out, 1))
+        .arg("--bf16")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "--bf16 ran on wgpu");
+    assert!(
+        err.contains("--bf16 needs bf16 arithmetic") && err.contains("drop --bf16"),
+        "{err}"
+    );
+}

@@ -267,6 +267,25 @@ impl<B: KilnBackend> Backward<B, 1> for AttentionQkv {
 }
 
 impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
+    fn kiln_has_tf32() -> bool {
+        B::kiln_has_tf32()
+    }
+
+    fn kiln_has_bf16() -> bool {
+        B::kiln_has_bf16()
+    }
+
+    /// Through [`KilnBackend::kiln_linear`] on the weight's transposed view, so the product and
+    /// its gradients are the backend's Linear GEMMs (cuBLAS on CUDA), not Burn's matmul.
+    fn kiln_linear_in_out(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        let w = <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_transpose(w);
+        Self::kiln_linear(x, w, b)
+    }
+
     fn kiln_from_host(data: Vec<f32>, shape: Shape, device: &Self::Device) -> FloatTensor<Self> {
         Self::from_inner(B::kiln_from_host(data, shape, device))
     }

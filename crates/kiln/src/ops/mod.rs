@@ -8,6 +8,7 @@
 
 mod autodiff;
 pub mod bf16;
+pub mod blas_layout;
 mod cpu;
 pub mod isa;
 pub mod profile;
@@ -100,6 +101,21 @@ pub fn set_matmul_precision(p: MatmulPrecision) {
 
 pub fn matmul_precision() -> MatmulPrecision {
     MATMUL_PRECISION.with(|c| c.get())
+}
+
+thread_local! {
+    static TF32: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Allows f32 GEMMs on TF32 tensor cores (HF's `--tf32`, PyTorch's
+/// `torch.backends.cuda.matmul.allow_tf32`): 10-bit mantissas in the products, f32 accumulation.
+/// Only CUDA has them ([`KilnBackend::kiln_has_tf32`]); thread-local like the precision.
+pub fn set_tf32(allowed: bool) {
+    TF32.with(|c| c.set(allowed));
+}
+
+pub fn tf32_allowed() -> bool {
+    TF32.with(|c| c.get())
 }
 
 /// `a · b` of 2-D tensors in the current [`MatmulPrecision`]: under bf16 both operands are cast
@@ -479,14 +495,14 @@ pub trait KilnBackend: Backend {
         let (q, k, v) = (t::<Self, 3>(q), t::<Self, 3>(k), t::<Self, 3>(v));
         let [b, tq, h] = q.dims();
         let split = |x: Tensor<Self, 3>| x.reshape([b, tq, heads, h / heads]).swap_dims(1, 2);
-        let mut scores = split(q).matmul(split(k).swap_dims(2, 3));
+        let mut scores = bmm(split(q), split(k).swap_dims(2, 3));
         if !window.covers(tq) {
             let band = window.band::<Self>(tq, &scores.device());
             scores = scores + band.unsqueeze::<4>();
         }
         let probs = t::<Self, 4>(Self::kiln_masked_softmax(p(scores), mask, scale));
         let dropped = attention_dropout::<Self>(probs.clone(), dropout, seed);
-        let out = dropped.matmul(split(v)).swap_dims(1, 2).reshape([b, tq, h]);
+        let out = bmm(dropped, split(v)).swap_dims(1, 2).reshape([b, tq, h]);
         (p(out), with_probs.then(|| p(probs)))
     }
 
@@ -510,16 +526,15 @@ pub trait KilnBackend: Backend {
         let probs = t::<Self, 4>(probs);
         let dout = split(t::<Self, 3>(dout));
         let dropped = attention_dropout::<Self>(probs.clone(), dropout, seed);
-        let dv = dropped.swap_dims(2, 3).matmul(dout.clone());
-        let dprobs =
-            attention_dropout::<Self>(dout.matmul(split(v).swap_dims(2, 3)), dropout, seed);
+        let dv = bmm(dropped.swap_dims(2, 3), dout.clone());
+        let dprobs = attention_dropout::<Self>(bmm(dout, split(v).swap_dims(2, 3)), dropout, seed);
         let ds = t::<Self, 4>(Self::kiln_masked_softmax_backward(
             p(probs),
             p(dprobs),
             scale,
         ));
-        let dq = ds.clone().matmul(split(k));
-        let dk = ds.swap_dims(2, 3).matmul(split(q));
+        let dq = bmm(ds.clone(), split(k));
+        let dk = bmm(ds.swap_dims(2, 3), split(q));
         (p(merge(dq)), p(merge(dk)), p(merge(dv)))
     }
 
@@ -657,6 +672,24 @@ pub trait KilnBackend: Backend {
             .elem::<f64>()
     }
 
+    /// `a · b` over the last two dimensions of tensors with the same leading (batch) dimensions:
+    /// attention's products. A library GEMM where the backend has one (cuBLAS on CUDA, in IEEE
+    /// f32: CubeCL's own matmul computes f32 in TF32 on tensor-core GPUs).
+    fn kiln_batched_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_matmul(a, b)
+    }
+
+    /// Whether Linear layers can multiply bf16 operands ([`MatmulPrecision::Bf16`]): not on wgpu
+    /// (WGSL has no bf16).
+    fn kiln_has_bf16() -> bool {
+        true
+    }
+
+    /// Whether f32 GEMMs can run on TF32 tensor cores ([`set_tf32`]): CUDA only.
+    fn kiln_has_tf32() -> bool {
+        false
+    }
+
     /// A flat dropout mask of `shape`'s size: each element `1/keep` with probability `keep`, else 0.
     /// Deterministic in `seed`.
     fn kiln_dropout_mask(
@@ -677,6 +710,11 @@ pub trait KilnBackend: Backend {
 
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 mod gpu;
+
+/// `a · b` over the last two dimensions ([`KilnBackend::kiln_batched_matmul`]).
+pub fn bmm<B: KilnBackend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> Tensor<B, D> {
+    t(B::kiln_batched_matmul(p(a), p(b)))
+}
 
 /// `x · dropout_mask(seed)` with the mask of [`KilnBackend::kiln_dropout_mask`] (identity at p = 0).
 fn attention_dropout<B: KilnBackend>(x: Tensor<B, 4>, prob: f64, seed: u64) -> Tensor<B, 4> {

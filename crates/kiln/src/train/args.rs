@@ -164,6 +164,11 @@ pub struct TrainingArguments {
     /// and backward); master weights, optimizer state, LayerNorm, softmax and the loss stay f32.
     #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
     pub bf16: bool,
+    /// TF32 tensor cores for f32 GEMMs (10-bit mantissa products, f32 accumulation), as
+    /// transformers sets `torch.backends.cuda.matmul.allow_tf32`: CUDA only, an error elsewhere.
+    /// Without it f32 GEMMs are IEEE f32.
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
+    pub tf32: bool,
     /// Activation checkpointing per layer: keep each layer's input only and recompute the layer
     /// during the backward pass (BERT and causal LMs; about one extra forward pass of compute; dropout
     /// masks are replayed, so training is unchanged).

@@ -32,7 +32,6 @@ pub const HF_FIELDS: &[(&str, Disposition)] = &[
     ("fp16", OnlyNeutral("kiln has no fp16 path; --bf16 gives bf16 matmuls with f32 accumulation on CPU and CUDA, what fp16 autocast is used for")),
     ("bf16_full_eval", OnlyNeutral("evaluation runs in f32 (bf16 matmuls only while training with --bf16)")),
     ("fp16_full_eval", OnlyNeutral("evaluation runs in f32")),
-    ("tf32", Recorded("kiln's f32 matmuls are full f32 on the CPU and on CUDA")),
     ("activation_checkpointing", Renamed("gradient_checkpointing")),
     ("activation_checkpointing_kwargs", Recorded("kiln recomputes whole layers; there are no options")),
     ("gradient_checkpointing_kwargs", Recorded("kiln recomputes whole layers; there are no options")),

@@ -426,6 +426,21 @@ where
         } else {
             crate::ops::MatmulPrecision::F32
         });
+        if a.bf16 && !B::kiln_has_bf16() {
+            return Err(KilnError::Config(
+                "--bf16 needs bf16 arithmetic, which this device has not (wgpu: WGSL has no bf16); \
+                 drop --bf16, or train on --device cpu or cuda"
+                    .into(),
+            ));
+        }
+        if a.tf32 && !B::kiln_has_tf32() {
+            return Err(KilnError::Config(
+                "--tf32 needs TF32 tensor cores, which only --device cuda has; drop --tf32 (f32 \
+                 GEMMs are IEEE f32 here)"
+                    .into(),
+            ));
+        }
+        crate::ops::set_tf32(a.tf32);
         a.check_eval_data(has_eval)?;
         // Rank 0 claims the output folder (lock, leftovers, another run's files); every rank
         // resumes from the same checkpoint.

@@ -266,12 +266,10 @@ impl<B: KilnBackend> LlamaAttention<B> {
             self.expand_kv(k, shard).swap_dims(1, 2),
             self.expand_kv(v, shard).swap_dims(1, 2),
         );
-        let scores = q
-            .matmul(k.swap_dims(2, 3))
-            .mul_scalar(1.0 / (hd as f64).sqrt());
+        let scores = ops::bmm(q, k.swap_dims(2, 3)).mul_scalar(1.0 / (hd as f64).sqrt());
         let mask = causal_mask::<B>(t, s, self.window, &scores.device()).unsqueeze::<4>();
         let probs = softmax(scores + mask, 3);
-        probs.matmul(v).swap_dims(1, 2).reshape([b, t, nh * hd])
+        ops::bmm(probs, v).swap_dims(1, 2).reshape([b, t, nh * hd])
     }
 }
 

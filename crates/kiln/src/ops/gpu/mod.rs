@@ -2,16 +2,65 @@
 //! Vulkan / Metal / DX12 and on Mesa's software Vulkan in CI), so a kernel checked on lavapipe
 //! against the CPU path is the kernel an H100 runs.
 //!
-//! Ops without a GPU kernel yet take the composed defaults of [`KilnBackend`] (Burn's CubeCL
-//! kernels, one launch per primitive).
+//! Linear layers' GEMMs go to cuBLAS on CUDA ([`cublas`]) and to CubeCL's matmul elsewhere. Ops
+//! without a GPU kernel yet take the composed defaults of [`KilnBackend`] (Burn's CubeCL kernels,
+//! one launch per primitive).
 
-use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Shape, TensorData};
+use burn::tensor::ops::{FloatTensor, FloatTensorOps};
+use burn::tensor::{FloatDType, Shape};
+use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
-use super::KilnBackend;
+use super::{KilnBackend, MatmulPrecision};
 
+#[cfg(feature = "cuda")]
+mod cublas;
+mod dropout;
 mod norm;
+
+/// `op(l) · op(r)` over the last two dimensions (`t*`: that operand used transposed, as a view) in
+/// the thread's [`MatmulPrecision`] for 2-D (Linear) products: bf16 operands with an f32 result
+/// under `--bf16`; attention's batched products stay f32, as on the CPU. cuBLAS on CUDA; CubeCL's
+/// matmul on other runtimes (or with cuBLAS off).
+fn product<R, F, I, BT>(l: CubeTensor<R>, tl: bool, r: CubeTensor<R>, tr: bool) -> CubeTensor<R>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    type B<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+    let l = if tl {
+        B::<R, F, I, BT>::float_transpose(l)
+    } else {
+        l
+    };
+    let r = if tr {
+        B::<R, F, I, BT>::float_transpose(r)
+    } else {
+        r
+    };
+    let bf16 = l.shape.num_dims() == 2 && super::matmul_precision() == MatmulPrecision::Bf16;
+    let (l, r) = if bf16 {
+        (
+            B::<R, F, I, BT>::float_cast(l, FloatDType::BF16),
+            B::<R, F, I, BT>::float_cast(r, FloatDType::BF16),
+        )
+    } else {
+        (l, r)
+    };
+    #[cfg(feature = "cuda")]
+    let (l, r) = match cublas::matmul(l, r, super::tf32_allowed()) {
+        Ok(y) => return y,
+        Err(operands) => operands,
+    };
+    let y = B::<R, F, I, BT>::float_matmul(l, r);
+    if bf16 {
+        B::<R, F, I, BT>::float_cast(y, F::dtype().into())
+    } else {
+        y
+    }
+}
 
 impl<R, F, I, BT> KilnBackend for CubeBackend<R, F, I, BT>
 where
@@ -20,6 +69,53 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    fn kiln_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        with_bias::<R, F, I, BT>(product::<R, F, I, BT>(x, false, w, true), b)
+    }
+
+    fn kiln_linear_in_out(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        with_bias::<R, F, I, BT>(product::<R, F, I, BT>(x, false, w, false), b)
+    }
+
+    fn kiln_linear_backward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        (input_grad, bias): (bool, bool),
+    ) -> (
+        Option<FloatTensor<Self>>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    ) {
+        let n = dy.shape.dims::<2>()[1];
+        // dx = dy · w, dw = dyᵀ · x (both [out, in] like PyTorch's), db = Σ_rows dy.
+        let dx = input_grad.then(|| product::<R, F, I, BT>(dy.clone(), false, w, false));
+        let db =
+            bias.then(|| Self::float_reshape(Self::float_sum_dim(dy.clone(), 0), Shape::new([n])));
+        let dw = product::<R, F, I, BT>(dy, true, x, false);
+        (dx, dw, db)
+    }
+
+    fn kiln_batched_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        product::<R, F, I, BT>(a, false, b, false)
+    }
+
+    fn kiln_has_bf16() -> bool {
+        is_cuda::<R>()
+    }
+
+    fn kiln_has_tf32() -> bool {
+        is_cuda::<R>()
+    }
+
     fn kiln_rms_norm(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
@@ -28,20 +124,46 @@ where
         norm::rms_norm::<R, F>(x, w, eps)
     }
 
-    /// The CPU's counter-hash mask, made on the host and uploaded: the same units drop on every
-    /// device, so a GPU run follows the CPU run step for step. (WGSL has no 64-bit integers for
-    /// the hash; a kernel would emulate them.)
+    /// The CPU's counter-hash mask, made by a kernel ([`dropout`]): the same units drop on every
+    /// device, so a GPU run follows the CPU run step for step.
     fn kiln_dropout_mask(
         shape: Shape,
         keep: f64,
         seed: u64,
         device: &Self::Device,
     ) -> FloatTensor<Self> {
-        let n = shape.num_elements();
-        let values = super::cpu::dropout_mask_values(n, keep, seed);
-        <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_from_data(
-            TensorData::new(values, [n]).convert::<F>(),
-            device,
-        )
+        dropout::dropout_mask::<R, F>(shape.num_elements(), keep, seed, device)
+    }
+}
+
+/// Whether `R` is CUDA's runtime.
+#[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
+fn is_cuda<R: CubeRuntime>() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        std::any::TypeId::of::<R>()
+            == std::any::TypeId::of::<burn_cubecl::cubecl::cuda::CudaRuntime>()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
+}
+
+/// `y + b` with `b [N]` broadcast over the rows of `y [M, N]`.
+fn with_bias<R, F, I, BT>(y: CubeTensor<R>, b: Option<CubeTensor<R>>) -> CubeTensor<R>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    match b {
+        Some(b) => {
+            let n = b.shape.num_elements();
+            let b = CubeBackend::<R, F, I, BT>::float_reshape(b, Shape::new([1, n]));
+            CubeBackend::<R, F, I, BT>::float_add(y, b)
+        }
+        None => y,
     }
 }

@@ -1,0 +1,196 @@
+//! How a row-major product is asked of a column-major BLAS (cuBLAS): the arguments of one
+//! `gemm` call. Kept apart from the CUDA code so that the mapping, which decides every GEMM of a
+//! CUDA run, is checked on every machine (the tests below run it against cuBLAS's documented
+//! column-major semantics, written out in plain loops).
+//!
+//! kiln's tensors are row-major. A row-major `[r, c]` buffer read column-major is its transpose
+//! `[c, r]` with leading dimension `c`, so the row-major `C = op(A) · op(B)` is asked as the
+//! column-major `Cᵀ = op(B)ᵀ · op(A)ᵀ`: the operands swap places and keep their own transpose flag.
+
+/// Whether BLAS reads an operand as stored (`N`) or transposed (`T`), in its column-major view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    N,
+    T,
+}
+
+/// The arguments of one column-major `gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc)`:
+/// `C[m×n] = op(A)[m×k] · op(B)[k×n]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmCall {
+    pub transa: Op,
+    pub transb: Op,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub lda: usize,
+    pub ldb: usize,
+    pub ldc: usize,
+}
+
+/// The call computing the row-major `C[m, n] = op(L) · op(R)`, where `L` is stored row-major as
+/// `[m, k]` (or `[k, m]` when `trans_l`) and `R` as `[k, n]` (or `[n, k]` when `trans_r`). BLAS's
+/// `A` is then `R`'s buffer and its `B` is `L`'s.
+pub fn row_major_gemm(m: usize, n: usize, k: usize, trans_l: bool, trans_r: bool) -> GemmCall {
+    // A packed row-major buffer's leading dimension (column-major view) is its row length.
+    let ld_l = if trans_l { m } else { k };
+    let ld_r = if trans_r { k } else { n };
+    row_major_gemm_strided(m, n, k, (trans_l, ld_l), (trans_r, ld_r))
+}
+
+/// [`row_major_gemm`] for operands whose stored rows lie `ld_*` elements apart (at least their
+/// row length): a matrix inside a larger buffer, such as one head of a `[B, T, heads, D]` tensor.
+pub fn row_major_gemm_strided(
+    m: usize,
+    n: usize,
+    k: usize,
+    (trans_l, ld_l): (bool, usize),
+    (trans_r, ld_r): (bool, usize),
+) -> GemmCall {
+    let op = |t: bool| if t { Op::T } else { Op::N };
+    GemmCall {
+        transa: op(trans_r),
+        transb: op(trans_l),
+        m: n,
+        n: m,
+        k,
+        lda: ld_r,
+        ldb: ld_l,
+        ldc: n,
+    }
+}
+
+impl GemmCall {
+    /// Whether every size fits BLAS's 32-bit `int` arguments.
+    pub fn fits_i32(&self) -> bool {
+        [self.m, self.n, self.k, self.lda, self.ldb, self.ldc]
+            .iter()
+            .all(|&v| i32::try_from(v).is_ok())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// cuBLAS's `gemm` as its documentation defines it (column-major, `α = 1`, `β = 0`), with
+    /// each operand indexed through its leading dimension.
+    fn blas_gemm(call: &GemmCall, a: &[f64], b: &[f64]) -> Vec<f64> {
+        let at = |i: usize, p: usize| match call.transa {
+            Op::N => a[i + p * call.lda],
+            Op::T => a[p + i * call.lda],
+        };
+        let bt = |p: usize, j: usize| match call.transb {
+            Op::N => b[p + j * call.ldb],
+            Op::T => b[j + p * call.ldb],
+        };
+        let mut c = vec![f64::NAN; call.ldc * call.n];
+        for j in 0..call.n {
+            for i in 0..call.m {
+                c[i + j * call.ldc] = (0..call.k).map(|p| at(i, p) * bt(p, j)).sum();
+            }
+        }
+        c
+    }
+
+    /// Row-major `op(L) · op(R)` with plain loops.
+    fn row_major(
+        l: &[f64],
+        r: &[f64],
+        (m, n, k): (usize, usize, usize),
+        tl: bool,
+        tr: bool,
+    ) -> Vec<f64> {
+        let lv = |i: usize, p: usize| if tl { l[p * m + i] } else { l[i * k + p] };
+        let rv = |p: usize, j: usize| if tr { r[j * k + p] } else { r[p * n + j] };
+        let mut c = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                c[i * n + j] = (0..k).map(|p| lv(i, p) * rv(p, j)).sum();
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn every_transpose_combination_gives_the_row_major_product() {
+        // Distinct, non-square sizes, so a swapped dimension or leading dimension reads out of
+        // place (or out of bounds) and the comparison fails.
+        let (m, n, k) = (3, 5, 7);
+        let l: Vec<f64> = (0..m * k).map(|i| (i as f64 * 0.37).sin()).collect();
+        let r: Vec<f64> = (0..k * n).map(|i| (i as f64 * 0.91).cos()).collect();
+        for tl in [false, true] {
+            for tr in [false, true] {
+                let call = row_major_gemm(m, n, k, tl, tr);
+                // BLAS's A is R's buffer, its B is L's.
+                let got = blas_gemm(&call, &r, &l);
+                let want = row_major(&l, &r, (m, n, k), tl, tr);
+                assert_eq!(got.len(), want.len());
+                for (g, w) in got.iter().zip(&want) {
+                    assert!((g - w).abs() < 1e-12, "tl={tl} tr={tr}: {g} vs {w}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn operands_inside_wider_buffers() {
+        // L is the left 3×4 block of a 3×6 buffer (rows 6 apart), R the top 4×5 block of a
+        // 4×9 buffer, each also tried stored transposed inside its wider buffer.
+        let (m, n, k) = (3, 5, 4);
+        let l: Vec<f64> = (0..m * k).map(|i| (i as f64 * 0.37).sin()).collect();
+        let r: Vec<f64> = (0..k * n).map(|i| (i as f64 * 0.91).cos()).collect();
+        let embed = |x: &[f64], rows: usize, cols: usize, ld: usize| {
+            let mut out = vec![f64::NAN; rows * ld];
+            for i in 0..rows {
+                out[i * ld..i * ld + cols].copy_from_slice(&x[i * cols..(i + 1) * cols]);
+            }
+            out
+        };
+        let transpose = |x: &[f64], rows: usize, cols: usize| -> Vec<f64> {
+            (0..cols * rows)
+                .map(|j| x[(j % rows) * cols + j / rows])
+                .collect()
+        };
+        let want = row_major(&l, &r, (m, n, k), false, false);
+        for tl in [false, true] {
+            for tr in [false, true] {
+                let (lb, ld_l) = if tl {
+                    (embed(&transpose(&l, m, k), k, m, m + 2), m + 2)
+                } else {
+                    (embed(&l, m, k, k + 2), k + 2)
+                };
+                let (rb, ld_r) = if tr {
+                    (embed(&transpose(&r, k, n), n, k, k + 5), k + 5)
+                } else {
+                    (embed(&r, k, n, n + 4), n + 4)
+                };
+                let call = row_major_gemm_strided(m, n, k, (tl, ld_l), (tr, ld_r));
+                let got = blas_gemm(&call, &rb, &lb);
+                for (g, w) in got.iter().zip(&want) {
+                    assert!((g - w).abs() < 1e-12, "tl={tl} tr={tr}: {g} vs {w}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn linear_forward_and_backward_calls() {
+        // y[M,N] = x[M,K] · w[N,K]ᵀ: cuBLAS reads w transposed, x as stored.
+        let c = row_major_gemm(16, 384, 1536, false, true);
+        assert_eq!(
+            (c.transa, c.transb, c.m, c.n, c.k),
+            (Op::T, Op::N, 384, 16, 1536)
+        );
+        assert_eq!((c.lda, c.ldb, c.ldc), (1536, 1536, 384));
+        // dw[N,K] = dy[M,N]ᵀ · x[M,K].
+        let c = row_major_gemm(384, 1536, 16, true, false);
+        assert_eq!(
+            (c.transa, c.transb, c.m, c.n, c.k),
+            (Op::N, Op::T, 1536, 384, 16)
+        );
+        assert_eq!((c.lda, c.ldb, c.ldc), (1536, 384, 1536));
+        assert!(c.fits_i32());
+        assert!(!row_major_gemm(1 << 31, 1, 1, false, false).fits_i32());
+    }
+}
