@@ -672,6 +672,12 @@ pub trait KilnBackend: Backend {
             .elem::<f64>()
     }
 
+    /// Σ x² over every tensor of `xs`, on the host. A GPU backend reads all the sums back at once
+    /// (one wait for the device per call, where one per tensor stalled every step's clipping).
+    fn kiln_sum_squares_all(xs: Vec<FloatTensor<Self>>) -> f64 {
+        xs.into_iter().map(Self::kiln_sum_squares).sum()
+    }
+
     /// `a · b` over the last two dimensions of tensors with the same leading (batch) dimensions:
     /// attention's products. A library GEMM where the backend has one (cuBLAS on CUDA, in IEEE
     /// f32: CubeCL's own matmul computes f32 in TF32 on tensor-core GPUs).

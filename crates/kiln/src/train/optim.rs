@@ -134,11 +134,13 @@ impl<B: KilnBackend> GradAccumulator<B> {
 
     /// The sum of the squares of the gradients whose names `pick` (before any pending scale).
     pub fn sum_squares(&self, pick: impl Fn(&str) -> bool) -> f64 {
-        self.grads
-            .iter()
-            .filter(|(name, _)| pick(name))
-            .map(|(_, g)| B::kiln_sum_squares(g.clone().into_primitive().tensor()))
-            .sum()
+        B::kiln_sum_squares_all(
+            self.grads
+                .iter()
+                .filter(|(name, _)| pick(name))
+                .map(|(_, g)| g.clone().into_primitive().tensor())
+                .collect(),
+        )
     }
 
     /// Multiplies every gradient by `factor` (lazily: the optimizer applies it).

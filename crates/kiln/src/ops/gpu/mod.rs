@@ -16,6 +16,7 @@ use super::{KilnBackend, MatmulPrecision};
 #[cfg(feature = "cuda")]
 mod cublas;
 mod dropout;
+mod elementwise;
 mod norm;
 
 /// `op(l) · op(r)` over the last two dimensions (`t*`: that operand used transposed, as a view) in
@@ -114,6 +115,77 @@ where
 
     fn kiln_has_tf32() -> bool {
         is_cuda::<R>()
+    }
+
+    fn kiln_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        elementwise::gelu::<R, F>(x)
+    }
+
+    fn kiln_gelu_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        elementwise::gelu_backward::<R, F>(x, dy)
+    }
+
+    fn kiln_adamw(
+        p: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        h: super::AdamWStep,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        elementwise::adamw::<R, F>(p, g, m, v, h)
+    }
+
+    /// Each tensor's Σ x² stays on the device; one read-back returns them all, summed in f64.
+    fn kiln_sum_squares_all(xs: Vec<FloatTensor<Self>>) -> f64 {
+        if xs.is_empty() {
+            return 0.0;
+        }
+        let sums = xs
+            .into_iter()
+            .map(|x| {
+                let n = x.shape.num_elements();
+                let x = Self::float_reshape(x, Shape::new([n]));
+                Self::float_sum(Self::float_mul(x.clone(), x))
+            })
+            .collect();
+        let all = burn::tensor::Tensor::<Self, 1>::from_primitive(
+            burn::tensor::TensorPrimitive::Float(Self::float_cat(sums, 0)),
+        );
+        all.into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .expect("f32 sums")
+            .iter()
+            .map(|&v| v as f64)
+            .sum()
+    }
+
+    fn kiln_layer_norm(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        norm::layer_norm::<R, F>(x, w, b, eps)
+    }
+
+    fn kiln_layer_norm_backward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        norm::layer_norm_backward::<R, F>(x, w, mean, rstd, dy)
+    }
+
+    fn kiln_rms_norm_backward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        rinv: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        norm::rms_norm_backward::<R, F>(x, w, rinv, dy)
     }
 
     fn kiln_rms_norm(

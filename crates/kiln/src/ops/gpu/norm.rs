@@ -1,9 +1,12 @@
-//! RMSNorm's forward on the GPU: one cube per row, its sum of squares a tree sum in shared memory in
-//! a fixed order (the same input gives the same bits). The same source runs on CUDA and on wgpu
-//! (lavapipe in CI); its values match the CPU to 1.8e-7 up to 70,000 rows (two grid dimensions). The
-//! backward stays composed for now: over 70,000 rows the weight gradient on wgpu is 0.22 off f64
-//! even with Burn's composed ops alone (`rms_norm_weight_gradient_over_many_rows_matches_f64`,
-//! ignored until found), so a fused backward could not yet be checked there.
+//! Normalisation on the GPU: RMSNorm and LayerNorm, forward and backward. Row kernels take one
+//! cube per row, their sums a tree sum in shared memory in a fixed order (the same input gives the
+//! same bits); the weight and bias gradients are column sums over chunks of rows, then over the
+//! chunks. The same source runs on CUDA and on wgpu (lavapipe in CI), checked against the CPU's
+//! fused ops and, over 70,000 rows, against f64.
+//!
+//! Every loop stays under 65,536 trips: lavapipe (llvmpipe) ends longer loops there without a
+//! word. That cap, not Burn, was why RMSNorm's weight gradient over 70,000 rows came out 0.22 off
+//! on wgpu (Burn's composed reductions loop over all rows in one unit too).
 
 use burn::tensor::Shape;
 use burn_cubecl::cubecl;
@@ -15,7 +18,7 @@ use cubecl::prelude::*;
 
 /// Units per row cube: a power of two (the tree sum halves it), small enough for every device.
 const ROW_UNITS: u32 = 64;
-/// Cubes along one grid dimension (wgpu's limit); more rows take a second dimension.
+/// Cubes along one grid dimension (wgpu's limit); past that each cube takes several rows.
 const MAX_GRID: usize = 65_535;
 
 /// The sum of every unit's `partial[UNIT_POS]`, read by every unit.
@@ -47,41 +50,40 @@ fn rms_norm_forward<F: Float>(
     eps: f32,
     #[comptime] units: usize,
 ) {
-    let row = CUBE_POS;
-    // The whole cube leaves together (no unit waits at a barrier for one that left).
-    if row >= rinv.len() {
-        terminate!();
-    }
-    let h = x.shape(1);
-    let base = row * h;
+    let rows = rinv.len();
     let mut partial = SharedMemory::<F>::new(units);
-    let mut acc = F::new(0.0);
-    let mut i = UNIT_POS as usize;
-    while i < h {
-        let v = x[base + i];
-        acc += v * v;
-        i += units;
-    }
-    partial[UNIT_POS as usize] = acc;
-    let total = tree_sum::<F>(&mut partial);
-    let inv = F::new(1.0) / F::sqrt(total / F::cast_from(h) + F::cast_from(eps));
-    if UNIT_POS == 0 {
-        rinv[row] = inv;
-    }
-    let mut j = UNIT_POS as usize;
-    while j < h {
-        y[base + j] = x[base + j] * inv * w[j];
-        j += units;
+    // At most 65,535 cubes (wgpu's limit for one grid dimension), each striding over the rows.
+    let mut row = CUBE_POS_X as usize;
+    while row < rows {
+        // Every unit is done with the last row's shared sums before they are overwritten.
+        sync_cube();
+        let h = x.shape(1);
+        let base = row * h;
+        let mut acc = F::new(0.0);
+        let mut i = UNIT_POS as usize;
+        while i < h {
+            let v = x[base + i];
+            acc += v * v;
+            i += units;
+        }
+        partial[UNIT_POS as usize] = acc;
+        let total = tree_sum::<F>(&mut partial);
+        let inv = F::new(1.0) / F::sqrt(total / F::cast_from(h) + F::cast_from(eps));
+        if UNIT_POS == 0 {
+            rinv[row] = inv;
+        }
+        let mut j = UNIT_POS as usize;
+        while j < h {
+            y[base + j] = x[base + j] * inv * w[j];
+            j += units;
+        }
+        row += CUBE_COUNT_X as usize;
     }
 }
 
-/// One cube per row, `rows` of them (over two grid dimensions past [`MAX_GRID`]).
+/// Row cubes: one per row up to [`MAX_GRID`], each striding over the rows past that.
 fn row_cubes(rows: usize) -> CubeCount {
-    CubeCount::Static(
-        rows.clamp(1, MAX_GRID) as u32,
-        rows.div_ceil(MAX_GRID).max(1) as u32,
-        1,
-    )
+    CubeCount::Static(rows.clamp(1, MAX_GRID) as u32, 1, 1)
 }
 
 /// `(y, 1/rms)` of the rows of `x [R, H]` scaled by `w [H]`.
@@ -108,4 +110,352 @@ pub fn rms_norm<R: CubeRuntime, F: FloatElement>(
     )
     .expect("rms_norm_forward launches");
     (y, rinv)
+}
+
+#[cube(launch)]
+fn layer_norm_forward<F: Float>(
+    x: &Tensor<F>,
+    w: &Tensor<F>,
+    b: &Tensor<F>,
+    y: &mut Tensor<F>,
+    mean: &mut Tensor<F>,
+    rstd: &mut Tensor<F>,
+    eps: f32,
+    #[comptime] units: usize,
+) {
+    let rows = rstd.len();
+    let mut partial = SharedMemory::<F>::new(units);
+    // At most 65,535 cubes (wgpu's limit for one grid dimension), each striding over the rows.
+    let mut row = CUBE_POS_X as usize;
+    while row < rows {
+        // Every unit is done with the last row's shared sums before they are overwritten.
+        sync_cube();
+        let h = x.shape(1);
+        let base = row * h;
+        let mut acc = F::new(0.0);
+        let mut i = UNIT_POS as usize;
+        while i < h {
+            acc += x[base + i];
+            i += units;
+        }
+        partial[UNIT_POS as usize] = acc;
+        let mu = tree_sum::<F>(&mut partial) / F::cast_from(h);
+        // Every unit has read the sum before the buffer is reused. The variance is the mean of the
+        // squared deviations (two passes), as the CPU kernel computes it.
+        sync_cube();
+        let mut acc2 = F::new(0.0);
+        let mut j = UNIT_POS as usize;
+        while j < h {
+            let d = x[base + j] - mu;
+            acc2 += d * d;
+            j += units;
+        }
+        partial[UNIT_POS as usize] = acc2;
+        let var = tree_sum::<F>(&mut partial) / F::cast_from(h);
+        let inv = F::new(1.0) / F::sqrt(var + F::cast_from(eps));
+        if UNIT_POS == 0 {
+            mean[row] = mu;
+            rstd[row] = inv;
+        }
+        let mut k = UNIT_POS as usize;
+        while k < h {
+            y[base + k] = (x[base + k] - mu) * inv * w[k] + b[k];
+            k += units;
+        }
+        row += CUBE_COUNT_X as usize;
+    }
+}
+
+/// `dx` of the layer norm, one cube per row: with `x̂ = (x − μ)·rstd` and `g = dy·w`,
+/// `dx = (g − mean(g) − x̂·mean(g·x̂))·rstd`.
+#[cube(launch)]
+fn layer_norm_backward_dx<F: Float>(
+    x: &Tensor<F>,
+    w: &Tensor<F>,
+    mean: &Tensor<F>,
+    rstd: &Tensor<F>,
+    dy: &Tensor<F>,
+    dx: &mut Tensor<F>,
+    #[comptime] units: usize,
+) {
+    let rows = rstd.len();
+    let mut sum_g = SharedMemory::<F>::new(units);
+    let mut sum_gx = SharedMemory::<F>::new(units);
+    // At most 65,535 cubes (wgpu's limit for one grid dimension), each striding over the rows.
+    let mut row = CUBE_POS_X as usize;
+    while row < rows {
+        // Every unit is done with the last row's shared sums before they are overwritten.
+        sync_cube();
+        let h = x.shape(1);
+        let base = row * h;
+        let (mu, inv) = (mean[row], rstd[row]);
+        let mut a = F::new(0.0);
+        let mut c = F::new(0.0);
+        let mut i = UNIT_POS as usize;
+        while i < h {
+            let g = dy[base + i] * w[i];
+            a += g;
+            c += g * (x[base + i] - mu) * inv;
+            i += units;
+        }
+        sum_g[UNIT_POS as usize] = a;
+        sum_gx[UNIT_POS as usize] = c;
+        let c1 = tree_sum::<F>(&mut sum_g) / F::cast_from(h);
+        let c2 = tree_sum::<F>(&mut sum_gx) / F::cast_from(h);
+        let mut j = UNIT_POS as usize;
+        while j < h {
+            let xhat = (x[base + j] - mu) * inv;
+            dx[base + j] = (dy[base + j] * w[j] - c1 - xhat * c2) * inv;
+            j += units;
+        }
+        row += CUBE_COUNT_X as usize;
+    }
+}
+
+/// Partial column sums of the layer norm's parameter gradients over one chunk of rows (grid y):
+/// `dw += dy·x̂`, `db += dy`, one unit per column, rows in order. The chunk partials are summed
+/// after ([`column_total`]). Chunks keep every loop under 65,536 trips: lavapipe (llvmpipe) stops
+/// longer loops there without a word, which had left the rows past 65,535 out of the sums.
+#[cube(launch)]
+fn layer_norm_params_partial<F: Float>(
+    x: &Tensor<F>,
+    mean: &Tensor<F>,
+    rstd: &Tensor<F>,
+    dy: &Tensor<F>,
+    pw: &mut Tensor<F>,
+    pb: &mut Tensor<F>,
+    chunk: u32,
+) {
+    let col = ABSOLUTE_POS_X as usize;
+    let h = x.shape(1);
+    if col < h {
+        let rows = rstd.len();
+        let c = CUBE_POS_Y as usize;
+        let start = c * chunk as usize;
+        let mut end = start + chunk as usize;
+        if end > rows {
+            end = rows;
+        }
+        let mut sw = F::new(0.0);
+        let mut sb = F::new(0.0);
+        for r in start..end {
+            let d = dy[r * h + col];
+            sw += d * (x[r * h + col] - mean[r]) * rstd[r];
+            sb += d;
+        }
+        pw[c * h + col] = sw;
+        pb[c * h + col] = sb;
+    }
+}
+
+/// Rows per chunk of a column sum, and the number of chunks: at least 256 rows, and few enough
+/// chunks for one grid dimension.
+fn chunks(rows: usize) -> (usize, usize) {
+    let chunk = rows.div_ceil(MAX_GRID).max(256);
+    (chunk, rows.div_ceil(chunk).max(1))
+}
+
+/// The grid of a chunked column sum over `h` columns.
+fn column_grid(h: usize, n_chunks: usize) -> CubeCount {
+    CubeCount::Static(
+        h.div_ceil(ROW_UNITS as usize).max(1) as u32,
+        n_chunks as u32,
+        1,
+    )
+}
+
+/// `Σ` over the chunks (rows) of `[chunks, h]` partials: `[h]`.
+fn column_total<R: CubeRuntime, F: FloatElement>(
+    partials: CubeTensor<R>,
+    h: usize,
+) -> CubeTensor<R> {
+    use burn::tensor::ops::FloatTensorOps;
+    type B<R, F> = burn_cubecl::CubeBackend<R, F, i32, u8>;
+    B::<R, F>::float_reshape(B::<R, F>::float_sum_dim(partials, 0), Shape::new([h]))
+}
+
+/// `(y, mean, rstd)` of the layer norm of the rows of `x [R, H]`.
+pub fn layer_norm<R: CubeRuntime, F: FloatElement>(
+    x: CubeTensor<R>,
+    w: CubeTensor<R>,
+    b: CubeTensor<R>,
+    eps: f64,
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+    let (x, w, b) = (into_contiguous(x), into_contiguous(w), into_contiguous(b));
+    let (rows, h) = (x.shape.dims[0], x.shape.dims[1]);
+    let (client, device) = (x.client.clone(), x.device.clone());
+    let y = empty_device::<R, F>(client.clone(), device.clone(), Shape::new([rows, h]));
+    let mean = empty_device::<R, F>(client.clone(), device.clone(), Shape::new([rows]));
+    let rstd = empty_device::<R, F>(client.clone(), device, Shape::new([rows]));
+    layer_norm_forward::launch::<F, R>(
+        &client,
+        row_cubes(rows),
+        CubeDim::new_1d(ROW_UNITS),
+        x.as_tensor_arg(1),
+        w.as_tensor_arg(1),
+        b.as_tensor_arg(1),
+        y.as_tensor_arg(1),
+        mean.as_tensor_arg(1),
+        rstd.as_tensor_arg(1),
+        ScalarArg::new(eps as f32),
+        ROW_UNITS as usize,
+    )
+    .expect("layer_norm_forward launches");
+    (y, mean, rstd)
+}
+
+/// `(dx, dw, db)` of [`layer_norm`] for the output gradient `dy [R, H]`.
+pub fn layer_norm_backward<R: CubeRuntime, F: FloatElement>(
+    x: CubeTensor<R>,
+    w: CubeTensor<R>,
+    mean: CubeTensor<R>,
+    rstd: CubeTensor<R>,
+    dy: CubeTensor<R>,
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+    let (x, w, dy) = (into_contiguous(x), into_contiguous(w), into_contiguous(dy));
+    let (mean, rstd) = (into_contiguous(mean), into_contiguous(rstd));
+    let (rows, h) = (x.shape.dims[0], x.shape.dims[1]);
+    let (client, device) = (x.client.clone(), x.device.clone());
+    let dx = empty_device::<R, F>(client.clone(), device.clone(), Shape::new([rows, h]));
+    let (chunk, n_chunks) = chunks(rows);
+    let pw = empty_device::<R, F>(client.clone(), device.clone(), Shape::new([n_chunks, h]));
+    let pb = empty_device::<R, F>(client.clone(), device, Shape::new([n_chunks, h]));
+    layer_norm_backward_dx::launch::<F, R>(
+        &client,
+        row_cubes(rows),
+        CubeDim::new_1d(ROW_UNITS),
+        x.as_tensor_arg(1),
+        w.as_tensor_arg(1),
+        mean.as_tensor_arg(1),
+        rstd.as_tensor_arg(1),
+        dy.as_tensor_arg(1),
+        dx.as_tensor_arg(1),
+        ROW_UNITS as usize,
+    )
+    .expect("layer_norm_backward_dx launches");
+    layer_norm_params_partial::launch::<F, R>(
+        &client,
+        column_grid(h, n_chunks),
+        CubeDim::new_1d(ROW_UNITS),
+        x.as_tensor_arg(1),
+        mean.as_tensor_arg(1),
+        rstd.as_tensor_arg(1),
+        dy.as_tensor_arg(1),
+        pw.as_tensor_arg(1),
+        pb.as_tensor_arg(1),
+        ScalarArg::new(chunk as u32),
+    )
+    .expect("layer_norm_params_partial launches");
+    (dx, column_total::<R, F>(pw, h), column_total::<R, F>(pb, h))
+}
+
+/// `dx` of RMSNorm, one cube per row: with `x̂ = x·rinv` and `g = dy·w`,
+/// `dx = (g − x̂·mean(g·x̂))·rinv`.
+#[cube(launch)]
+fn rms_norm_backward_dx<F: Float>(
+    x: &Tensor<F>,
+    w: &Tensor<F>,
+    rinv: &Tensor<F>,
+    dy: &Tensor<F>,
+    dx: &mut Tensor<F>,
+    #[comptime] units: usize,
+) {
+    let rows = rinv.len();
+    let mut partial = SharedMemory::<F>::new(units);
+    // At most 65,535 cubes (wgpu's limit for one grid dimension), each striding over the rows.
+    let mut row = CUBE_POS_X as usize;
+    while row < rows {
+        // Every unit is done with the last row's shared sums before they are overwritten.
+        sync_cube();
+        let h = x.shape(1);
+        let base = row * h;
+        let inv = rinv[row];
+        let mut acc = F::new(0.0);
+        let mut i = UNIT_POS as usize;
+        while i < h {
+            acc += dy[base + i] * w[i] * x[base + i] * inv;
+            i += units;
+        }
+        partial[UNIT_POS as usize] = acc;
+        let c = tree_sum::<F>(&mut partial) / F::cast_from(h);
+        let mut j = UNIT_POS as usize;
+        while j < h {
+            let xhat = x[base + j] * inv;
+            dx[base + j] = (dy[base + j] * w[j] - xhat * c) * inv;
+            j += units;
+        }
+        row += CUBE_COUNT_X as usize;
+    }
+}
+
+/// Partial column sums of RMSNorm's weight gradient over one chunk of rows (grid y), as
+/// [`layer_norm_params_partial`]: `dw += dy·x·rinv`.
+#[cube(launch)]
+fn rms_norm_params_partial<F: Float>(
+    x: &Tensor<F>,
+    rinv: &Tensor<F>,
+    dy: &Tensor<F>,
+    pw: &mut Tensor<F>,
+    chunk: u32,
+) {
+    let col = ABSOLUTE_POS_X as usize;
+    let h = x.shape(1);
+    if col < h {
+        let rows = rinv.len();
+        let c = CUBE_POS_Y as usize;
+        let start = c * chunk as usize;
+        let mut end = start + chunk as usize;
+        if end > rows {
+            end = rows;
+        }
+        let mut s = F::new(0.0);
+        for r in start..end {
+            s += dy[r * h + col] * x[r * h + col] * rinv[r];
+        }
+        pw[c * h + col] = s;
+    }
+}
+
+/// `(dx, dw)` of [`rms_norm`] for the output gradient `dy [R, H]`.
+pub fn rms_norm_backward<R: CubeRuntime, F: FloatElement>(
+    x: CubeTensor<R>,
+    w: CubeTensor<R>,
+    rinv: CubeTensor<R>,
+    dy: CubeTensor<R>,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let (x, w, dy, rinv) = (
+        into_contiguous(x),
+        into_contiguous(w),
+        into_contiguous(dy),
+        into_contiguous(rinv),
+    );
+    let (rows, h) = (x.shape.dims[0], x.shape.dims[1]);
+    let (client, device) = (x.client.clone(), x.device.clone());
+    let dx = empty_device::<R, F>(client.clone(), device.clone(), Shape::new([rows, h]));
+    let (chunk, n_chunks) = chunks(rows);
+    let pw = empty_device::<R, F>(client.clone(), device, Shape::new([n_chunks, h]));
+    rms_norm_backward_dx::launch::<F, R>(
+        &client,
+        row_cubes(rows),
+        CubeDim::new_1d(ROW_UNITS),
+        x.as_tensor_arg(1),
+        w.as_tensor_arg(1),
+        rinv.as_tensor_arg(1),
+        dy.as_tensor_arg(1),
+        dx.as_tensor_arg(1),
+        ROW_UNITS as usize,
+    )
+    .expect("rms_norm_backward_dx launches");
+    rms_norm_params_partial::launch::<F, R>(
+        &client,
+        column_grid(h, n_chunks),
+        CubeDim::new_1d(ROW_UNITS),
+        x.as_tensor_arg(1),
+        rinv.as_tensor_arg(1),
+        dy.as_tensor_arg(1),
+        pw.as_tensor_arg(1),
+        ScalarArg::new(chunk as u32),
+    )
+    .expect("rms_norm_params_partial launches");
+    (dx, column_total::<R, F>(pw, h))
 }

@@ -1,0 +1,196 @@
+//! Element-wise kernels, one launch each where Burn's composed ops take 5–14: exact GELU and its
+//! gradient, and the AdamW update (the CPU kernel's arithmetic, in its order). Every unit strides
+//! over the flat tensor (`flat_grid`), so any length fits wgpu's grid limit.
+
+use burn_cubecl::cubecl;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{CubeRuntime, FloatElement};
+use cubecl::prelude::*;
+
+use crate::ops::AdamWStep;
+
+const UNITS: u32 = 256;
+/// The most cubes along one grid dimension (wgpu's limit).
+const MAX_CUBES: usize = 65_535;
+
+/// A 1-D grid for `n` elements, each unit striding by the grid's size.
+pub(super) fn flat_grid(n: usize) -> (CubeCount, CubeDim) {
+    let cubes = n.div_ceil(UNITS as usize).clamp(1, MAX_CUBES);
+    (
+        CubeCount::Static(cubes as u32, 1, 1),
+        CubeDim::new_1d(UNITS),
+    )
+}
+
+const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
+/// 1/√(2π).
+const INV_SQRT_2PI: f32 = 0.398_942_3;
+
+#[cube(launch)]
+fn gelu_kernel<F: Float>(x: &Tensor<F>, y: &mut Tensor<F>) {
+    let n = y.len();
+    let stride = CUBE_COUNT * CUBE_DIM as usize;
+    let mut i = ABSOLUTE_POS;
+    while i < n {
+        let v = x[i];
+        y[i] = v * F::new(0.5) * (F::new(1.0) + F::erf(v * F::new(FRAC_1_SQRT_2)));
+        i += stride;
+    }
+}
+
+#[cube(launch)]
+fn gelu_backward_kernel<F: Float>(x: &Tensor<F>, dy: &Tensor<F>, dx: &mut Tensor<F>) {
+    let n = dx.len();
+    let stride = CUBE_COUNT * CUBE_DIM as usize;
+    let mut i = ABSOLUTE_POS;
+    while i < n {
+        let v = x[i];
+        let cdf = F::new(0.5) * (F::new(1.0) + F::erf(v * F::new(FRAC_1_SQRT_2)));
+        let pdf = F::exp(v * v * F::new(-0.5)) * F::new(INV_SQRT_2PI);
+        dx[i] = dy[i] * (cdf + v * pdf);
+        i += stride;
+    }
+}
+
+/// One AdamW step, as `ops::cpu`'s kernel writes it (`torch.optim.AdamW`: decoupled decay, then
+/// the bias-corrected step); the scalars come formed in f64 on the host and rounded once to f32,
+/// as the CPU's do (1 − 0.999 formed in f32 is 1.3e-5 off).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn adamw_kernel<F: Float>(
+    p: &Tensor<F>,
+    g: &Tensor<F>,
+    m: &Tensor<F>,
+    v: &Tensor<F>,
+    p_out: &mut Tensor<F>,
+    m_out: &mut Tensor<F>,
+    v_out: &mut Tensor<F>,
+    moments: &AdamScalars,
+    step: &StepScalars,
+) {
+    let (b1, b2) = (F::cast_from(moments.b1), F::cast_from(moments.b2));
+    let (one_b1, one_b2) = (F::cast_from(moments.one_b1), F::cast_from(moments.one_b2));
+    let (decay, eps) = (F::cast_from(step.decay), F::cast_from(step.eps));
+    let (lr, bc2, gs) = (
+        F::cast_from(step.lr),
+        F::cast_from(step.bc2),
+        F::cast_from(step.gs),
+    );
+    let n = p_out.len();
+    let stride = CUBE_COUNT * CUBE_DIM as usize;
+    let mut i = ABSOLUTE_POS;
+    while i < n {
+        let gi = g[i] * gs;
+        let mi = m[i] * b1 + gi * one_b1;
+        let vi = v[i] * b2 + gi * gi * one_b2;
+        let denom = F::sqrt(vi) / bc2 + eps;
+        p_out[i] = p[i] * decay - lr * (mi / denom);
+        m_out[i] = mi;
+        v_out[i] = vi;
+        i += stride;
+    }
+}
+
+/// β₁, β₂, 1 − β₁, 1 − β₂.
+#[derive(CubeLaunch, CubeType)]
+struct AdamScalars {
+    b1: f32,
+    b2: f32,
+    one_b1: f32,
+    one_b2: f32,
+}
+
+/// 1 − lr·decay, ε, lr / bias correction 1, √(bias correction 2), the gradient's scale.
+#[derive(CubeLaunch, CubeType)]
+struct StepScalars {
+    decay: f32,
+    eps: f32,
+    lr: f32,
+    bc2: f32,
+    gs: f32,
+}
+
+fn like<R: CubeRuntime, F: FloatElement>(x: &CubeTensor<R>) -> CubeTensor<R> {
+    empty_device::<R, F>(x.client.clone(), x.device.clone(), x.shape.clone())
+}
+
+pub fn gelu<R: CubeRuntime, F: FloatElement>(x: CubeTensor<R>) -> CubeTensor<R> {
+    let x = into_contiguous(x);
+    let y = like::<R, F>(&x);
+    let (count, dim) = flat_grid(x.shape.num_elements());
+    gelu_kernel::launch::<F, R>(
+        &x.client,
+        count,
+        dim,
+        x.as_tensor_arg(1),
+        y.as_tensor_arg(1),
+    )
+    .expect("gelu launches");
+    y
+}
+
+pub fn gelu_backward<R: CubeRuntime, F: FloatElement>(
+    x: CubeTensor<R>,
+    dy: CubeTensor<R>,
+) -> CubeTensor<R> {
+    let (x, dy) = (into_contiguous(x), into_contiguous(dy));
+    let dx = like::<R, F>(&x);
+    let (count, dim) = flat_grid(x.shape.num_elements());
+    gelu_backward_kernel::launch::<F, R>(
+        &x.client,
+        count,
+        dim,
+        x.as_tensor_arg(1),
+        dy.as_tensor_arg(1),
+        dx.as_tensor_arg(1),
+    )
+    .expect("gelu_backward launches");
+    dx
+}
+
+/// `(p, m, v)` after one AdamW step (new buffers; the old ones go back to the pool).
+pub fn adamw<R: CubeRuntime, F: FloatElement>(
+    p: CubeTensor<R>,
+    g: CubeTensor<R>,
+    m: CubeTensor<R>,
+    v: CubeTensor<R>,
+    h: AdamWStep,
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+    let (p, g, m, v) = (
+        into_contiguous(p),
+        into_contiguous(g),
+        into_contiguous(m),
+        into_contiguous(v),
+    );
+    let (po, mo, vo) = (like::<R, F>(&p), like::<R, F>(&m), like::<R, F>(&v));
+    let (count, dim) = flat_grid(p.shape.num_elements());
+    adamw_kernel::launch::<F, R>(
+        &p.client,
+        count,
+        dim,
+        p.as_tensor_arg(1),
+        g.as_tensor_arg(1),
+        m.as_tensor_arg(1),
+        v.as_tensor_arg(1),
+        po.as_tensor_arg(1),
+        mo.as_tensor_arg(1),
+        vo.as_tensor_arg(1),
+        AdamScalarsLaunch::new(
+            ScalarArg::new(h.beta1 as f32),
+            ScalarArg::new(h.beta2 as f32),
+            ScalarArg::new((1.0 - h.beta1) as f32),
+            ScalarArg::new((1.0 - h.beta2) as f32),
+        ),
+        StepScalarsLaunch::new(
+            ScalarArg::new((1.0 - h.lr * h.weight_decay) as f32),
+            ScalarArg::new(h.eps as f32),
+            ScalarArg::new((h.lr / h.bias_correction1) as f32),
+            ScalarArg::new(h.bias_correction2_sqrt as f32),
+            ScalarArg::new(h.grad_scale as f32),
+        ),
+    )
+    .expect("adamw launches");
+    (po, mo, vo)
+}
