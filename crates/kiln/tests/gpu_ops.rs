@@ -259,6 +259,16 @@ case!(
         kiln::ops::masked_softmax(scores, key_mask::<B>(2, 7, &device), 0.25).reshape([42, 7])
     }
 );
+case!(
+    masked_softmax_wide,
+    "masked_softmax (128 keys > one cube's units)",
+    [[2 * 3 * 128, 128]],
+    |x| {
+        let device = x[0].device();
+        let scores = x[0].clone().reshape([2, 3, 128, 128]);
+        kiln::ops::masked_softmax(scores, key_mask::<B>(2, 128, &device), 0.125).reshape([768, 128])
+    }
+);
 case!(rope, "rope", [[2 * 2 * 5, 8]], |x| {
     let device = x[0].device();
     let (t, d) = (5usize, 8usize);

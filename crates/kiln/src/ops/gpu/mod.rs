@@ -18,6 +18,7 @@ mod cublas;
 mod dropout;
 mod elementwise;
 mod norm;
+mod softmax;
 
 /// `op(l) · op(r)` over the last two dimensions (`t*`: that operand used transposed, as a view) in
 /// the thread's [`MatmulPrecision`] for 2-D (Linear) products: bf16 operands with an f32 result
@@ -186,6 +187,22 @@ where
         dy: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         norm::rms_norm_backward::<R, F>(x, w, rinv, dy)
+    }
+
+    fn kiln_masked_softmax(
+        x: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        softmax::masked_softmax::<R, F>(x, mask, scale)
+    }
+
+    fn kiln_masked_softmax_backward(
+        y: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        softmax::masked_softmax_backward::<R, F>(y, dy, scale)
     }
 
     fn kiln_rms_norm(
