@@ -467,3 +467,76 @@ fn sum_squares_over_many_tensors() {
         assert!(d < 1e-5, "{name}: {got} vs {want}");
     }
 }
+
+/// SGD steps (the optimizer's fused update) on both devices: without momentum, the first step
+/// with momentum (the buffer starts at the gradient), and later steps with and without Nesterov.
+#[test]
+fn sgd_steps() {
+    use kiln::ops::{KilnBackend, SgdStep};
+    let n = 70_001;
+    fn step<B: KilnBackend>(n: usize, h: SgdStep, with_buf: bool) -> Vec<Vec<f32>> {
+        let device = Default::default();
+        let t = |x: Vec<f32>| {
+            Tensor::<B, 1>::from_data(TensorData::new(x, [n]), &device)
+                .into_primitive()
+                .tensor()
+        };
+        let buf = with_buf.then(|| t(values(n, 7)));
+        let (p, b) = B::kiln_sgd(t(values(n, 5)), t(values(n, 6)), buf, h);
+        let back = |x| {
+            host(Tensor::<B, 1>::from_primitive(
+                burn::tensor::TensorPrimitive::Float(x),
+            ))
+        };
+        std::iter::once(back(p)).chain(b.map(back)).collect()
+    }
+    let base = SgdStep {
+        lr: 0.05,
+        weight_decay: 0.01,
+        momentum: 0.0,
+        dampening: 0.1,
+        nesterov: false,
+        grad_scale: 0.5,
+    };
+    let cases = [
+        ("plain", base, false),
+        (
+            "momentum, first step",
+            SgdStep {
+                momentum: 0.9,
+                ..base
+            },
+            false,
+        ),
+        (
+            "momentum",
+            SgdStep {
+                momentum: 0.9,
+                ..base
+            },
+            true,
+        ),
+        (
+            "nesterov",
+            SgdStep {
+                momentum: 0.9,
+                dampening: 0.0,
+                nesterov: true,
+                ..base
+            },
+            true,
+        ),
+    ];
+    for (name, h, with_buf) in cases {
+        let (gpu, cpu) = (
+            step::<GpuInner>(n, h, with_buf),
+            step::<kiln::backend::Cpu>(n, h, with_buf),
+        );
+        assert_eq!(gpu.len(), cpu.len(), "{name}: buffers");
+        for (g, c) in gpu.iter().zip(&cpu) {
+            let d = rel_diff(g, c);
+            eprintln!("sgd {name}: {d:.1e}");
+            assert!(d <= VALUE_TOL, "sgd {name}: GPU differs by {d:e}");
+        }
+    }
+}

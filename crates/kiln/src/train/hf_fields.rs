@@ -314,7 +314,8 @@ pub fn mask_token(key: &str) -> String {
 
 /// transformers' spellings of values kiln's fields take: `resume_from_checkpoint: true`
 /// ("True" in scripts) is the newest checkpoint, `false` none; `lr_scheduler_kwargs` given as a
-/// JSON string that starts with `{` is that object, as transformers' `__post_init__` reads it.
+/// JSON string that starts with `{` is that object, as transformers' `__post_init__` reads it;
+/// `tf32: null` (transformers' default, "leave PyTorch's setting", which is IEEE f32) is `false`.
 fn normalize_known(key: &str, value: Value) -> Value {
     match (key, &value) {
         ("lr_scheduler_kwargs", Value::String(s)) if s.trim_start().starts_with('{') => {
@@ -324,6 +325,7 @@ fn normalize_known(key: &str, value: Value) -> Value {
                 _ => value,
             }
         }
+        ("tf32", Value::Null) => Value::Bool(false),
         ("resume_from_checkpoint", Value::Bool(true)) => Value::String("latest".into()),
         ("resume_from_checkpoint", Value::Bool(false)) => Value::Null,
         ("resume_from_checkpoint", Value::String(s)) if s.eq_ignore_ascii_case("true") => {

@@ -1,5 +1,5 @@
-//! Element-wise kernels, one launch each where Burn's composed ops take 5–14: exact GELU and its
-//! gradient, and the AdamW update (the CPU kernel's arithmetic, in its order). Every unit strides
+//! Element-wise kernels, one launch each where Burn's composed ops take 3–14: exact GELU and its
+//! gradient, and the AdamW and SGD updates (the CPU kernels' arithmetic, in their order). Every unit strides
 //! over the flat tensor (`flat_grid`), so any length fits wgpu's grid limit.
 
 use burn_cubecl::cubecl;
@@ -9,7 +9,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeRuntime, FloatElement};
 use cubecl::prelude::*;
 
-use crate::ops::AdamWStep;
+use crate::ops::{AdamWStep, SgdStep};
 
 const UNITS: u32 = 256;
 /// The most cubes along one grid dimension (wgpu's limit).
@@ -112,6 +112,58 @@ struct StepScalars {
     gs: f32,
 }
 
+/// One SGD step as `ops::cpu`'s kernel writes it (`torch.optim.SGD`): `g' = g·scale + wd·p`; with
+/// momentum the buffer becomes `g'` on the first step, else `buf·μ + g'·(1 − dampening)`; the step is
+/// the buffer (or `g' + μ·buf` with Nesterov), or `g'` without momentum.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn sgd_kernel<F: Float>(
+    p: &Tensor<F>,
+    g: &Tensor<F>,
+    buf: &Tensor<F>,
+    p_out: &mut Tensor<F>,
+    buf_out: &mut Tensor<F>,
+    h: &SgdScalars,
+    #[comptime] momentum: bool,
+    #[comptime] first: bool,
+    #[comptime] nesterov: bool,
+) {
+    let (lr, wd, gs) = (F::cast_from(h.lr), F::cast_from(h.wd), F::cast_from(h.gs));
+    let (mu, damp) = (F::cast_from(h.mu), F::cast_from(h.damp));
+    let n = p_out.len();
+    let stride = CUBE_COUNT * CUBE_DIM as usize;
+    let mut i = ABSOLUTE_POS;
+    while i < n {
+        let pi = p[i];
+        let gi = g[i] * gs + wd * pi;
+        if momentum {
+            let mut b = gi;
+            if !first {
+                b = buf[i] * mu + gi * damp;
+            }
+            buf_out[i] = b;
+            if nesterov {
+                p_out[i] = pi - lr * (gi + mu * b);
+            } else {
+                p_out[i] = pi - lr * b;
+            }
+        } else {
+            p_out[i] = pi - lr * gi;
+        }
+        i += stride;
+    }
+}
+
+/// lr, weight decay, the gradient's scale, momentum μ, 1 − dampening.
+#[derive(CubeLaunch, CubeType)]
+struct SgdScalars {
+    lr: f32,
+    wd: f32,
+    gs: f32,
+    mu: f32,
+    damp: f32,
+}
+
 fn like<R: CubeRuntime, F: FloatElement>(x: &CubeTensor<R>) -> CubeTensor<R> {
     empty_device::<R, F>(x.client.clone(), x.device.clone(), x.shape.clone())
 }
@@ -193,4 +245,53 @@ pub fn adamw<R: CubeRuntime, F: FloatElement>(
     )
     .expect("adamw launches");
     (po, mo, vo)
+}
+
+/// `(p, buf)` after one SGD step (`buf` only with momentum; new buffers).
+pub fn sgd<R: CubeRuntime, F: FloatElement>(
+    p: CubeTensor<R>,
+    g: CubeTensor<R>,
+    buf: Option<CubeTensor<R>>,
+    h: SgdStep,
+) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
+    let (p, g) = (into_contiguous(p), into_contiguous(g));
+    let momentum = h.momentum != 0.0;
+    let first = buf.is_none();
+    // Without a buffer to read (no momentum, or the first step) the gradient stands in: the
+    // kernel never reads it then.
+    let buf_in = buf.map(into_contiguous).unwrap_or_else(|| g.clone());
+    let p_out = like::<R, F>(&p);
+    // Without momentum nothing is written to the buffer: a one-element stand-in.
+    let buf_out = if momentum {
+        like::<R, F>(&p)
+    } else {
+        empty_device::<R, F>(
+            p.client.clone(),
+            p.device.clone(),
+            burn::tensor::Shape::new([1]),
+        )
+    };
+    let (count, dim) = flat_grid(p.shape.num_elements());
+    sgd_kernel::launch::<F, R>(
+        &p.client,
+        count,
+        dim,
+        p.as_tensor_arg(1),
+        g.as_tensor_arg(1),
+        buf_in.as_tensor_arg(1),
+        p_out.as_tensor_arg(1),
+        buf_out.as_tensor_arg(1),
+        SgdScalarsLaunch::new(
+            ScalarArg::new(h.lr as f32),
+            ScalarArg::new(h.weight_decay as f32),
+            ScalarArg::new(h.grad_scale as f32),
+            ScalarArg::new(h.momentum as f32),
+            ScalarArg::new((1.0 - h.dampening) as f32),
+        ),
+        momentum,
+        first,
+        h.nesterov,
+    )
+    .expect("sgd launches");
+    (p_out, momentum.then_some(buf_out))
 }

@@ -126,6 +126,15 @@ where
         elementwise::gelu_backward::<R, F>(x, dy)
     }
 
+    fn kiln_sgd(
+        p: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        buf: Option<FloatTensor<Self>>,
+        h: super::SgdStep,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        elementwise::sgd::<R, F>(p, g, buf, h)
+    }
+
     fn kiln_adamw(
         p: FloatTensor<Self>,
         g: FloatTensor<Self>,
