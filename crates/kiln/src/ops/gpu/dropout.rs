@@ -13,10 +13,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeRuntime, FloatElement};
 use cubecl::prelude::*;
 
-/// Units per cube, and the most cubes along one grid dimension (wgpu's limit): each unit strides
-/// over the elements past that.
-const UNITS: u32 = 256;
-const MAX_CUBES: usize = 65_535;
+use super::grid::flat_grid;
 
 /// The high 32 bits of the 64-bit product `a·b`, from 16-bit pieces (no partial sum overflows).
 #[cube]
@@ -85,11 +82,11 @@ pub fn dropout_mask<R: CubeRuntime, F: FloatElement>(
     );
     let client = R::client(device);
     let out = empty_device::<R, F>(client.clone(), device.clone(), Shape::new([n]));
-    let cubes = n.div_ceil(UNITS as usize).clamp(1, MAX_CUBES);
+    let (count, dim) = flat_grid(n);
     dropout_mask_kernel::launch::<F, R>(
         &client,
-        CubeCount::Static(cubes as u32, 1, 1),
-        CubeDim::new_1d(UNITS),
+        count,
+        dim,
         out.as_tensor_arg(1),
         ScalarArg::new((seed >> 32) as u32),
         ScalarArg::new(seed as u32),

@@ -9,20 +9,8 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeRuntime, FloatElement};
 use cubecl::prelude::*;
 
+use super::grid::flat_grid;
 use crate::ops::{AdamWStep, SgdStep};
-
-const UNITS: u32 = 256;
-/// The most cubes along one grid dimension (wgpu's limit).
-const MAX_CUBES: usize = 65_535;
-
-/// A 1-D grid for `n` elements, each unit striding by the grid's size.
-pub(super) fn flat_grid(n: usize) -> (CubeCount, CubeDim) {
-    let cubes = n.div_ceil(UNITS as usize).clamp(1, MAX_CUBES);
-    (
-        CubeCount::Static(cubes as u32, 1, 1),
-        CubeDim::new_1d(UNITS),
-    )
-}
 
 const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
 /// 1/√(2π).

@@ -17,6 +17,7 @@ use super::{KilnBackend, MatmulPrecision};
 mod cublas;
 mod dropout;
 mod elementwise;
+mod grid;
 mod norm;
 mod softmax;
 

@@ -16,30 +16,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeRuntime, FloatElement};
 use cubecl::prelude::*;
 
-/// Units per row cube: a power of two (the tree sum halves it), small enough for every device.
-const ROW_UNITS: u32 = 64;
-/// Cubes along one grid dimension (wgpu's limit); past that each cube takes several rows.
-const MAX_GRID: usize = 65_535;
-
-/// The sum of every unit's `partial[UNIT_POS]`, read by every unit.
-#[cube]
-fn tree_sum<F: Float>(partial: &mut SharedMemory<F>) -> F {
-    sync_cube();
-    let mut active = CUBE_DIM;
-    let mut jump = 1;
-    while active > 1 {
-        active /= 2;
-        let dst = jump * 2 * UNIT_POS;
-        let src = jump * (2 * UNIT_POS + 1);
-        if UNIT_POS < active {
-            let v = partial[src as usize];
-            partial[dst as usize] += v;
-        }
-        jump *= 2;
-        sync_cube();
-    }
-    partial[0]
-}
+use super::grid::{row_grid, tree_reduce, MAX_GRID, ROW_UNITS};
 
 #[cube(launch)]
 fn rms_norm_forward<F: Float>(
@@ -67,7 +44,7 @@ fn rms_norm_forward<F: Float>(
             i += units;
         }
         partial[UNIT_POS as usize] = acc;
-        let total = tree_sum::<F>(&mut partial);
+        let total = tree_reduce::<F>(&mut partial, false);
         let inv = F::new(1.0) / F::sqrt(total / F::cast_from(h) + F::cast_from(eps));
         if UNIT_POS == 0 {
             rinv[row] = inv;
@@ -81,11 +58,6 @@ fn rms_norm_forward<F: Float>(
     }
 }
 
-/// Row cubes: one per row up to [`MAX_GRID`], each striding over the rows past that.
-fn row_cubes(rows: usize) -> CubeCount {
-    CubeCount::Static(rows.clamp(1, MAX_GRID) as u32, 1, 1)
-}
-
 /// `(y, 1/rms)` of the rows of `x [R, H]` scaled by `w [H]`.
 pub fn rms_norm<R: CubeRuntime, F: FloatElement>(
     x: CubeTensor<R>,
@@ -97,10 +69,11 @@ pub fn rms_norm<R: CubeRuntime, F: FloatElement>(
     let (client, device) = (x.client.clone(), x.device.clone());
     let y = empty_device::<R, F>(client.clone(), device.clone(), Shape::new([rows, h]));
     let rinv = empty_device::<R, F>(client.clone(), device, Shape::new([rows]));
+    let (row_count, row_dim) = row_grid(rows);
     rms_norm_forward::launch::<F, R>(
         &client,
-        row_cubes(rows),
-        CubeDim::new_1d(ROW_UNITS),
+        row_count,
+        row_dim,
         x.as_tensor_arg(1),
         w.as_tensor_arg(1),
         y.as_tensor_arg(1),
@@ -139,7 +112,7 @@ fn layer_norm_forward<F: Float>(
             i += units;
         }
         partial[UNIT_POS as usize] = acc;
-        let mu = tree_sum::<F>(&mut partial) / F::cast_from(h);
+        let mu = tree_reduce::<F>(&mut partial, false) / F::cast_from(h);
         // Every unit has read the sum before the buffer is reused. The variance is the mean of the
         // squared deviations (two passes), as the CPU kernel computes it.
         sync_cube();
@@ -151,7 +124,7 @@ fn layer_norm_forward<F: Float>(
             j += units;
         }
         partial[UNIT_POS as usize] = acc2;
-        let var = tree_sum::<F>(&mut partial) / F::cast_from(h);
+        let var = tree_reduce::<F>(&mut partial, false) / F::cast_from(h);
         let inv = F::new(1.0) / F::sqrt(var + F::cast_from(eps));
         if UNIT_POS == 0 {
             mean[row] = mu;
@@ -200,8 +173,8 @@ fn layer_norm_backward_dx<F: Float>(
         }
         sum_g[UNIT_POS as usize] = a;
         sum_gx[UNIT_POS as usize] = c;
-        let c1 = tree_sum::<F>(&mut sum_g) / F::cast_from(h);
-        let c2 = tree_sum::<F>(&mut sum_gx) / F::cast_from(h);
+        let c1 = tree_reduce::<F>(&mut sum_g, false) / F::cast_from(h);
+        let c2 = tree_reduce::<F>(&mut sum_gx, false) / F::cast_from(h);
         let mut j = UNIT_POS as usize;
         while j < h {
             let xhat = (x[base + j] - mu) * inv;
@@ -287,10 +260,11 @@ pub fn layer_norm<R: CubeRuntime, F: FloatElement>(
     let y = empty_device::<R, F>(client.clone(), device.clone(), Shape::new([rows, h]));
     let mean = empty_device::<R, F>(client.clone(), device.clone(), Shape::new([rows]));
     let rstd = empty_device::<R, F>(client.clone(), device, Shape::new([rows]));
+    let (row_count, row_dim) = row_grid(rows);
     layer_norm_forward::launch::<F, R>(
         &client,
-        row_cubes(rows),
-        CubeDim::new_1d(ROW_UNITS),
+        row_count,
+        row_dim,
         x.as_tensor_arg(1),
         w.as_tensor_arg(1),
         b.as_tensor_arg(1),
@@ -320,10 +294,11 @@ pub fn layer_norm_backward<R: CubeRuntime, F: FloatElement>(
     let (chunk, n_chunks) = chunks(rows);
     let pw = empty_device::<R, F>(client.clone(), device.clone(), Shape::new([n_chunks, h]));
     let pb = empty_device::<R, F>(client.clone(), device, Shape::new([n_chunks, h]));
+    let (row_count, row_dim) = row_grid(rows);
     layer_norm_backward_dx::launch::<F, R>(
         &client,
-        row_cubes(rows),
-        CubeDim::new_1d(ROW_UNITS),
+        row_count,
+        row_dim,
         x.as_tensor_arg(1),
         w.as_tensor_arg(1),
         mean.as_tensor_arg(1),
@@ -377,7 +352,7 @@ fn rms_norm_backward_dx<F: Float>(
             i += units;
         }
         partial[UNIT_POS as usize] = acc;
-        let c = tree_sum::<F>(&mut partial) / F::cast_from(h);
+        let c = tree_reduce::<F>(&mut partial, false) / F::cast_from(h);
         let mut j = UNIT_POS as usize;
         while j < h {
             let xhat = x[base + j] * inv;
@@ -434,10 +409,11 @@ pub fn rms_norm_backward<R: CubeRuntime, F: FloatElement>(
     let dx = empty_device::<R, F>(client.clone(), device.clone(), Shape::new([rows, h]));
     let (chunk, n_chunks) = chunks(rows);
     let pw = empty_device::<R, F>(client.clone(), device, Shape::new([n_chunks, h]));
+    let (row_count, row_dim) = row_grid(rows);
     rms_norm_backward_dx::launch::<F, R>(
         &client,
-        row_cubes(rows),
-        CubeDim::new_1d(ROW_UNITS),
+        row_count,
+        row_dim,
         x.as_tensor_arg(1),
         w.as_tensor_arg(1),
         rinv.as_tensor_arg(1),

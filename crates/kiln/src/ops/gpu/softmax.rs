@@ -10,34 +10,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeRuntime, FloatElement};
 use cubecl::prelude::*;
 
-/// Units per row cube (a power of two), and the most cubes along one grid dimension (wgpu's).
-const ROW_UNITS: u32 = 64;
-const MAX_GRID: usize = 65_535;
-
-/// The reduction of every unit's `partial[UNIT_POS]` (max when `max`, else sum), read by every
-/// unit, in a fixed order.
-#[cube]
-fn tree_reduce<F: Float>(partial: &mut SharedMemory<F>, #[comptime] max: bool) -> F {
-    sync_cube();
-    let mut active = CUBE_DIM;
-    let mut jump = 1;
-    while active > 1 {
-        active /= 2;
-        let dst = jump * 2 * UNIT_POS;
-        let src = jump * (2 * UNIT_POS + 1);
-        if UNIT_POS < active {
-            let v = partial[src as usize];
-            if max {
-                partial[dst as usize] = F::max(partial[dst as usize], v);
-            } else {
-                partial[dst as usize] += v;
-            }
-        }
-        jump *= 2;
-        sync_cube();
-    }
-    partial[0]
-}
+use super::grid::{row_grid, tree_reduce, ROW_UNITS};
 
 #[cube(launch)]
 fn masked_softmax_forward_kernel<F: Float>(
@@ -119,10 +92,6 @@ fn masked_softmax_backward_kernel<F: Float>(
     }
 }
 
-fn row_cubes(rows: usize) -> CubeCount {
-    CubeCount::Static(rows.clamp(1, MAX_GRID) as u32, 1, 1)
-}
-
 /// `softmax(x·scale + mask[b, s])` over the last dimension of `x [B, H, T, S]`, `mask [B, S]`.
 pub fn masked_softmax<R: CubeRuntime, F: FloatElement>(
     x: CubeTensor<R>,
@@ -133,10 +102,11 @@ pub fn masked_softmax<R: CubeRuntime, F: FloatElement>(
     let [_, h, t, s] = x.shape.dims::<4>();
     let y = empty_device::<R, F>(x.client.clone(), x.device.clone(), x.shape.clone());
     let rows = x.shape.num_elements() / s.max(1);
+    let (row_count, row_dim) = row_grid(rows);
     masked_softmax_forward_kernel::launch::<F, R>(
         &x.client,
-        row_cubes(rows),
-        CubeDim::new_1d(ROW_UNITS),
+        row_count,
+        row_dim,
         x.as_tensor_arg(1),
         mask.as_tensor_arg(1),
         y.as_tensor_arg(1),
@@ -158,10 +128,11 @@ pub fn masked_softmax_backward<R: CubeRuntime, F: FloatElement>(
     let s = *y.shape.dims.last().expect("a 4-D tensor");
     let dx = empty_device::<R, F>(y.client.clone(), y.device.clone(), y.shape.clone());
     let rows = y.shape.num_elements() / s.max(1);
+    let (row_count, row_dim) = row_grid(rows);
     masked_softmax_backward_kernel::launch::<F, R>(
         &y.client,
-        row_cubes(rows),
-        CubeDim::new_1d(ROW_UNITS),
+        row_count,
+        row_dim,
         y.as_tensor_arg(1),
         dy.as_tensor_arg(1),
         dx.as_tensor_arg(1),
