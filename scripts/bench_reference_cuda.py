@@ -9,12 +9,17 @@ GPU row's PyTorch twin on the device kiln used, with the same shapes, data, opti
   minilm_train_bf16  the same under torch.autocast("cuda", bfloat16)       -> minilm_train_bf16_autocast
   minilm_infer       forward only, batch 32 × 128, inference_mode          -> minilm_infer_fp32
   bertbase_train     BERT-base shape (random init), batch 8 × 128          -> bertbase_train_fp32
+  bertbase_train_bf16[_b32|_b128]  the same under autocast bf16, batch 8, 32 or 128 × 128
+                                                     -> bertbase_train_bf16[_b32|_b128]_autocast
   mnist_train        the mnist_mlp sample's MLP, SGD lr 0.01, batch 32     -> mnist_train_fp32
   tweets_train       MiniLM fine-tuning on the tweet file's first rows, padded to 128 and per batch
                                                   -> tweets_train_fixed128, tweets_train_dynamic
 
 Each step is timed from a synchronised start to a synchronised end (GPU work is asynchronous), so a
 step includes its kernel launches and the optimizer update, as kiln's rows do (they read the loss).
+Beside the times, each row reports what kiln's GPU rows report: kernel launches per step (device
+kernels in `torch.profiler` over two more steps, memcpy/memset not counted), the host's time per step
+until it waits for the device, and `torch.cuda.max_memory_reserved` over the timed steps.
 float32 matmuls keep PyTorch's default (full fp32, no TF32), which is what a user gets unless they ask.
 Prints `RESULT {json}` lines with the keys bench_hf.py uses.
 """
@@ -65,23 +70,56 @@ def report(name, times, batch, seq, tokens=None, extra=None):
     }
     if tokens is not None:
         res["tokens_per_sec"] = round(sum(tokens) / sum(times), 1)
+    res.update(COUNTERS)
     res.update(extra or {})
     print("RESULT " + json.dumps(res), flush=True)
 
 
+COUNTERS = {}
+
+
+def launches_per_step(step, first, device, steps=2):
+    """Device kernels per step, from torch.profiler over `steps` more steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(first, first + steps):
+            step(i)
+        torch.cuda.synchronize(device)
+    kernels = [e for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.lower().startswith(("memcpy", "memset"))]
+    return round(len(kernels) / steps, 1)
+
+
 def timed_steps(step, warmup, steps, device):
-    """Runs `step(i)` warmup + steps times; returns the timed steps' seconds and every loss."""
-    times, losses = [], []
+    """Runs `step(i)` warmup + steps times; returns the timed steps' seconds and every loss. Leaves
+    the row's GPU counters in COUNTERS for `report`."""
+    times, losses, host = [], [], []
     for i in range(warmup + steps):
+        if i == warmup:
+            torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         loss = step(i)
+        queued = time.perf_counter() - t0
         torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         if loss is not None:
             losses.append(float(loss))
         if i >= warmup:
             times.append(dt)
+            host.append(queued)
+    COUNTERS.clear()
+    COUNTERS.update({
+        "gpu_reserved_mib": round(torch.cuda.max_memory_reserved(device) / 2**20, 1),
+        "host_ms_per_step": round(statistics.mean(host) * 1e3, 3),
+    })
+    try:
+        COUNTERS["launches_per_step"] = launches_per_step(step, warmup + steps, device)
+    except Exception as e:  # a profiler that cannot start leaves the count out, not the row
+        print(f"launch count unavailable: {e}", flush=True)
     return times, losses
 
 
@@ -223,6 +261,14 @@ def main():
                          intermediate_size=3072, vocab_size=30522, num_labels=6)
         bert_train("bertbase_train_fp32", BertForSequenceClassification(cfg), 8, 128, w,
                    args.base_steps, device)
+    for key, batch in (("bertbase_train_bf16", 8), ("bertbase_train_bf16_b32", 32),
+                       ("bertbase_train_bf16_b128", 128)):
+        if key in which:
+            torch.manual_seed(0)
+            cfg = BertConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                             intermediate_size=3072, vocab_size=30522, num_labels=6)
+            bert_train(key + "_autocast", BertForSequenceClassification(cfg), batch, 128, w,
+                       args.base_steps, device, bf16=True)
     if "mnist_train" in which:
         mnist_train(max(w, 5), args.mnist_steps, device)
     if "tweets_train" in which:

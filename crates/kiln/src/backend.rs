@@ -105,7 +105,8 @@ pub fn init_kernel_cache() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         let dir = kernel_cache_dir();
-        let mut config = GlobalConfig::default();
+        // CubeCL's own variables (CUBECL_DEBUG_OPTION=profile, CUBECL_DEBUG_LOG, …) still apply.
+        let mut config = GlobalConfig::default().override_from_env();
         config.autotune.cache = CacheConfig::File(dir.join("autotune"));
         config.compilation.cache = Some(CacheConfig::File(dir.join("compiled")));
         GlobalConfig::set(config);

@@ -9,6 +9,11 @@ mod runtime;
 pub use device::*;
 pub use runtime::*;
 
+/// Kernels launched by this process so far (kiln's patch: its bench reports launches per step).
+pub fn kernel_launches() -> u64 {
+    compute::KERNEL_LAUNCHES.load(core::sync::atomic::Ordering::Relaxed)
+}
+
 #[cfg(feature = "ptx-wmma")]
 pub(crate) type WmmaCompiler = cubecl_cpp::cuda::mma::PtxWmmaCompiler;
 

@@ -2,6 +2,7 @@
 //! in PyTorch (../shared/reference/bench_hf.py, and scripts/bench_reference.py for the rows it lacks)
 //! in the same invocation. Every row runs in its own process so its peak memory can be read.
 
+mod device;
 pub mod dp;
 pub mod live_state;
 pub mod llama;
@@ -46,6 +47,15 @@ pub struct BenchResult {
     /// with the feature off, measured in the same process; it stands where PyTorch's row would.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub baseline: Option<Box<BenchResult>>,
+    /// On a GPU: kernels launched per timed step (a cuBLAS call counts one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub launches_per_step: Option<f64>,
+    /// On a GPU: the most memory the allocator held from the device (its pools), MiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_reserved_mib: Option<f64>,
+    /// On a GPU: ms per step the host spent queueing work before it waited for the loss.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_ms_per_step: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -81,6 +91,9 @@ impl BenchResult {
             peak_rss_mib: None,
             profile: Vec::new(),
             baseline: None,
+            launches_per_step: None,
+            gpu_reserved_mib: None,
+            host_ms_per_step: None,
         }
     }
 }
@@ -160,6 +173,24 @@ pub const ROWS: &[RowSpec] = &[
         key: "bertbase_train",
         reference: Reference::BenchHf,
         pytorch_rows: &["bertbase_train_fp32"],
+    },
+    // BERT-base under --bf16 at three batch sizes (issue 32's done-means): where launches and host
+    // overhead decide (8, 32 sequences of 128) and where the kernels do (128). GPU only: on a CPU
+    // the largest is minutes per step.
+    RowSpec {
+        key: "bertbase_train_bf16",
+        reference: Reference::BenchHf,
+        pytorch_rows: &["bertbase_train_bf16_autocast"],
+    },
+    RowSpec {
+        key: "bertbase_train_bf16_b32",
+        reference: Reference::BenchHf,
+        pytorch_rows: &["bertbase_train_bf16_b32_autocast"],
+    },
+    RowSpec {
+        key: "bertbase_train_bf16_b128",
+        reference: Reference::BenchHf,
+        pytorch_rows: &["bertbase_train_bf16_b128_autocast"],
     },
     RowSpec {
         key: "roberta_train",
@@ -299,8 +330,18 @@ pub const GPU_ROWS: &[&str] = &[
     "minilm_train_bf16",
     "minilm_infer",
     "bertbase_train",
+    "bertbase_train_bf16",
+    "bertbase_train_bf16_b32",
+    "bertbase_train_bf16_b128",
     "mnist_train",
     "tweets_train",
+];
+
+/// Rows that only a GPU runs (and only the GPU reference script has).
+const GPU_ONLY_ROWS: &[&str] = &[
+    "bertbase_train_bf16",
+    "bertbase_train_bf16_b32",
+    "bertbase_train_bf16_b128",
 ];
 
 /// Runs one row in this process on backend `B` (training rows on `Autodiff<B>`).
@@ -351,21 +392,28 @@ where
                 s,
             ))
         }
-        "bertbase_train" => {
+        "bertbase_train"
+        | "bertbase_train_bf16"
+        | "bertbase_train_bf16_b32"
+        | "bertbase_train_bf16_b128" => {
             let cfg: BertConfig = serde_json::from_value(serde_json::json!({
                 "vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12,
                 "num_attention_heads": 12, "intermediate_size": 3072}))
             .expect("valid config");
             let m = BertForSequenceClassification::<Autodiff<B>>::new(&cfg, 6, &device);
-            let steps = opts.base_steps;
-            Ok(rows::bert_train(
-                "bertbase_train_fp32",
-                m,
-                &cfg,
-                (8, 128),
-                w,
-                steps,
-            ))
+            let (name, batch) = match key {
+                "bertbase_train_bf16" => (key, 8),
+                "bertbase_train_bf16_b32" => (key, 32),
+                "bertbase_train_bf16_b128" => (key, 128),
+                _ => ("bertbase_train_fp32", 8),
+            };
+            let bf16 = key.contains("bf16");
+            if bf16 {
+                crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::Bf16);
+            }
+            let r = rows::bert_train(name, m, &cfg, (batch, 128), w, opts.base_steps);
+            crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::F32);
+            Ok(r)
         }
         "roberta_train" | "distilbert_train" | "modernbert_train" => {
             rows::family_train::<Autodiff<B>>(key, (8, 128), w, opts.base_steps, &device)
@@ -433,6 +481,11 @@ where
 
 /// An error for a CPU-only row asked for on a GPU.
 fn runs_on_device(key: &str, opts: &SuiteOptions) -> Result<()> {
+    if opts.device == crate::backend::DeviceSpec::Cpu && GPU_ONLY_ROWS.contains(&key) {
+        return Err(KilnError::Config(format!(
+            "benchmark {key} runs on a GPU only (use --device cuda or --device wgpu)"
+        )));
+    }
     if opts.device == crate::backend::DeviceSpec::Cpu || GPU_ROWS.contains(&key) {
         return Ok(());
     }
@@ -815,6 +868,7 @@ impl SuiteReport {
                 );
             }
         }
+        s += &self.gpu_counters_markdown();
         for r in self.rows.iter().filter(|r| !r.kiln.profile.is_empty()) {
             s += &format!(
                 "\nProfile of {} ({:.1} ms/step):\n\n| kernel | calls/step | ms/step | share |\n|---|---|---|---|\n",
@@ -842,6 +896,44 @@ impl SuiteReport {
                 .map_or("no machine peak measured", |p| p.how.as_str()),
             self.pytorch_header.join("; ")
         );
+        s
+    }
+
+    /// On a GPU: each row's launches per step, host time per step and largest device memory
+    /// reservation, kiln's beside PyTorch's (empty on the CPU).
+    fn gpu_counters_markdown(&self) -> String {
+        let rows: Vec<_> = self
+            .rows
+            .iter()
+            .filter(|r| r.kiln.gpu_reserved_mib.is_some())
+            .collect();
+        if rows.is_empty() {
+            return String::new();
+        }
+        let mut s = String::from(
+            "\nOn the GPU, per timed step: kernel launches (kiln: CubeCL kernels + cuBLAS calls; \
+             PyTorch: `torch.profiler`'s device kernels), the host's time until it waits for the \
+             loss, and the allocator's largest reservation (PyTorch: `max_memory_reserved`).\n\n\
+             | benchmark | kiln launches | PyTorch launches | kiln host ms | PyTorch host ms \
+             | kiln MiB reserved | PyTorch MiB reserved |\n\
+             |---|---|---|---|---|---|---|\n",
+        );
+        for r in rows {
+            let k = &r.kiln;
+            let t = r.pytorch.first().map(|t| &t.result);
+            let field = |name: &str| t.and_then(|v| v[name].as_f64());
+            s += &format!(
+                "| {} | {} | {} | {} | {} | {} | {} |
+",
+                k.name,
+                fmt_opt(k.launches_per_step, 0),
+                fmt_opt(field("launches_per_step"), 0),
+                fmt_opt(k.host_ms_per_step, 1),
+                fmt_opt(field("host_ms_per_step"), 1),
+                fmt_opt(k.gpu_reserved_mib, 0),
+                fmt_opt(field("gpu_reserved_mib"), 0),
+            );
+        }
         s
     }
 

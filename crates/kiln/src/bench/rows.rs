@@ -4,6 +4,8 @@
 use std::path::Path;
 use std::time::Instant;
 
+use super::device::DeviceSampler;
+
 use burn::module::AutodiffModule;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -108,9 +110,11 @@ where
     M: Model<B> + AutodiffModule<B>,
 {
     let (mut times, mut losses, mut work) = (Vec::new(), Vec::new(), Vec::new());
+    let mut gpu = DeviceSampler::<B::InnerBackend>::new(device);
     for i in 0..warmup + steps {
         if i == warmup {
             let _ = crate::ops::profile::take(); // the profile covers the timed steps only
+            gpu.start();
         }
         let (batch, labels, w) = &batches[i % batches.len()];
         let targets =
@@ -129,15 +133,18 @@ where
         acc.accumulate::<B, _>(&model, &grads);
         model = opt.step::<B, _>(model, lr, acc);
         drop(_p);
+        let queued = t0.elapsed().as_secs_f64();
         let l = loss.into_scalar().elem::<f64>();
         let dt = t0.elapsed().as_secs_f64();
         losses.push(l);
         if i >= warmup {
             times.push(dt);
             work.push(*w);
+            gpu.step_done(queued);
         }
     }
     let mut r = BenchResult::from_times(name, &times, &work);
+    gpu.finish(&mut r);
     r.warmup = warmup;
     r.loss_first = losses.first().copied();
     r.loss_last = losses.last().copied();
@@ -369,19 +376,25 @@ pub fn bert_infer<B: KilnBackend>(
         flops: bert_forward_flops(config, vec![seq; batch]),
     };
     let (mut times, mut works) = (Vec::new(), Vec::new());
+    let mut gpu = DeviceSampler::<B>::new(&model.classifier.weight.device());
     for i in 0..warmup + steps {
         if i == warmup {
             let _ = crate::ops::profile::take(); // the profile covers the timed steps only
+            gpu.start();
         }
         let t0 = Instant::now();
-        let s = model.logits(&input).sum().into_scalar().elem::<f64>();
+        let sum = model.logits(&input).sum();
+        let queued = t0.elapsed().as_secs_f64();
+        let s = sum.into_scalar().elem::<f64>();
         std::hint::black_box(s);
         if i >= warmup {
             times.push(t0.elapsed().as_secs_f64());
             works.push(work);
+            gpu.step_done(queued);
         }
     }
     let mut r = BenchResult::from_times(name, &times, &works);
+    gpu.finish(&mut r);
     r.warmup = warmup;
     r
 }

@@ -275,6 +275,10 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
         B::kiln_has_bf16()
     }
 
+    fn kiln_device_counters(device: &Self::Device) -> Option<super::DeviceCounters> {
+        B::kiln_device_counters(device)
+    }
+
     /// Through [`KilnBackend::kiln_linear`] on the weight's transposed view, so the product and
     /// its gradients are the backend's Linear GEMMs (cuBLAS on CUDA), not Burn's matmul.
     fn kiln_linear_in_out(

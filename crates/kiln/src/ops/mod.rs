@@ -163,6 +163,18 @@ pub struct AdamWStep {
 
 /// Backend operations kiln fuses. Shapes: `x [M, K]`, `w [N, K]` (PyTorch layout), `b [N]` for linear;
 /// `x [R, H]` for layer norm; `x [B, H, T, S]` with `mask [B, S]` (additive) for softmax.
+/// A GPU's running counts, read before and after timed steps by the bench.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DeviceCounters {
+    /// Kernels launched by this process so far, library calls (cuBLAS) counted once each; `None`
+    /// where the runtime keeps no count (wgpu).
+    pub launches: Option<u64>,
+    /// Bytes the allocator holds from the device (its pools), as `torch.cuda.memory_reserved`.
+    pub reserved_bytes: u64,
+    /// Bytes of live tensors, as `torch.cuda.memory_allocated`.
+    pub in_use_bytes: u64,
+}
+
 pub trait KilnBackend: Backend {
     /// `x` viewed with another shape of the same size. Burn's ndarray reshape always copies; the CPU
     /// kernel only relabels a contiguous buffer, which matters because every fused op below flattens
@@ -694,6 +706,12 @@ pub trait KilnBackend: Backend {
     /// Whether f32 GEMMs can run on TF32 tensor cores ([`set_tf32`]): CUDA only.
     fn kiln_has_tf32() -> bool {
         false
+    }
+
+    /// What a GPU has done so far in this process (launches, memory), for the bench; `None` on
+    /// the CPU.
+    fn kiln_device_counters(_device: &Self::Device) -> Option<DeviceCounters> {
+        None
     }
 
     /// A flat dropout mask of `shape`'s size: each element `1/keep` with probability `keep`, else 0.

@@ -287,6 +287,7 @@ impl CudaContext {
             )
             .map_err(|err| format!("{err:?}"))?;
         };
+        super::KERNEL_LAUNCHES.fetch_add(1, core::sync::atomic::Ordering::Relaxed);
 
         Ok(())
     }

@@ -9,6 +9,10 @@ mod server;
 
 pub use server::*;
 
+/// Counts `execute_task`'s kernel launches (kiln's patch; read by `crate::kernel_launches`).
+pub(crate) static KERNEL_LAUNCHES: core::sync::atomic::AtomicU64 =
+    core::sync::atomic::AtomicU64::new(0);
+
 #[allow(clippy::uninit_vec)]
 /// Initialize a vector without any values written in it.
 pub fn uninit_vec<I>(len: usize) -> Vec<I> {

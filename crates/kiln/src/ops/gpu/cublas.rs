@@ -45,6 +45,13 @@ thread_local! {
     static HANDLE: RefCell<Option<Option<Handle>>> = const { RefCell::new(None) };
 }
 
+/// cuBLAS calls made by this process (each counted as one launch in the bench's launches/step).
+static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+pub(super) fn calls() -> u64 {
+    CALLS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("KILN_CUBLAS").map_or(true, |v| v != "0"))
@@ -284,7 +291,10 @@ pub(super) fn matmul<R: CubeRuntime>(
         }
     });
     match done {
-        Some(Ok(())) => Ok(from_cuda(out)),
+        Some(Ok(())) => {
+            CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok(from_cuda(out))
+        }
         Some(Err(e)) => panic!("cuBLAS gemm of [{batch}× {m}, {k}] by [{k}, {n}] failed: {e:?}"),
         None => give_back(l, r),
     }

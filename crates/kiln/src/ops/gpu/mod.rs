@@ -119,6 +119,20 @@ where
         is_cuda::<R>()
     }
 
+    fn kiln_device_counters(device: &Self::Device) -> Option<super::DeviceCounters> {
+        let usage = R::client(device).memory_usage();
+        #[cfg(feature = "cuda")]
+        let launches =
+            is_cuda::<R>().then(|| burn_cubecl::cubecl::cuda::kernel_launches() + cublas::calls());
+        #[cfg(not(feature = "cuda"))]
+        let launches = None;
+        Some(super::DeviceCounters {
+            launches,
+            reserved_bytes: usage.bytes_reserved,
+            in_use_bytes: usage.bytes_in_use,
+        })
+    }
+
     fn kiln_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
         elementwise::gelu::<R, F>(x)
     }
