@@ -379,6 +379,52 @@ fn rms_norm_weight_gradient_over_many_rows_matches_f64() {
     }
 }
 
+/// Linear's bias gradient is a column sum over every row: over 70,000 rows (three passes of the
+/// GPU's chunked column sum) it matches f64 on both devices.
+#[test]
+fn linear_bias_gradient_over_many_rows_matches_f64() {
+    let (r, i, o) = (70_000usize, 3usize, 5usize);
+    let (xs, ws, bs, dys) = (
+        values(r * i, 21),
+        values(o * i, 22),
+        values(o, 23),
+        values(r * o, 24),
+    );
+    let mut db64 = vec![0f64; o];
+    for row in dys.chunks(o) {
+        for (acc, d) in db64.iter_mut().zip(row) {
+            *acc += *d as f64;
+        }
+    }
+    fn db<B: TrainBackend>(xs: &[f32], ws: &[f32], bs: &[f32], dys: &[f32], i: usize) -> Vec<f32> {
+        let device = Default::default();
+        let (r, o) = (xs.len() / i, bs.len());
+        let x = Tensor::<B, 2>::from_data(TensorData::new(xs.to_vec(), [r, i]), &device);
+        let w = Tensor::<B, 2>::from_data(TensorData::new(ws.to_vec(), [o, i]), &device);
+        let b =
+            Tensor::<B, 1>::from_data(TensorData::new(bs.to_vec(), [o]), &device).require_grad();
+        let dy = Tensor::<B, 2>::from_data(TensorData::new(dys.to_vec(), [r, o]), &device);
+        let g = (kiln::ops::linear(x, w, Some(b.clone())) * dy)
+            .sum()
+            .backward();
+        host(b.grad(&g).unwrap())
+    }
+    let scale = db64.iter().fold(0f64, |m, v| m.max(v.abs()));
+    for (name, got) in [
+        ("cpu", db::<CpuTrain>(&xs, &ws, &bs, &dys, i)),
+        ("gpu", db::<Gpu>(&xs, &ws, &bs, &dys, i)),
+    ] {
+        let err = got
+            .iter()
+            .zip(&db64)
+            .map(|(a, b)| (*a as f64 - b).abs())
+            .fold(0f64, f64::max)
+            / scale;
+        eprintln!("linear db over {r} rows, {name} vs f64: {err:.1e} (db {got:?} vs {db64:?})");
+        assert!(err < 1e-4, "{name}: {err:e}");
+    }
+}
+
 #[cfg(feature = "cuda")]
 type GpuInner = kiln::backend::Cuda;
 #[cfg(not(feature = "cuda"))]

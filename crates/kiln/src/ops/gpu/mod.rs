@@ -13,6 +13,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 
 use super::{KilnBackend, MatmulPrecision};
 
+mod columns;
 #[cfg(feature = "cuda")]
 mod cublas;
 mod dropout;
@@ -100,9 +101,15 @@ where
     ) {
         let n = dy.shape.dims::<2>()[1];
         // dx = dy · w, dw = dyᵀ · x (both [out, in] like PyTorch's), db = Σ_rows dy.
+        let db = bias
+            .then(|| Self::float_reshape(columns::sum_rows::<R, F>(dy.clone()), Shape::new([n])));
+        // Under --bf16 both products read dy in bf16: cast it once, not once per product.
+        let dy = if super::matmul_precision() == MatmulPrecision::Bf16 {
+            Self::float_cast(dy, FloatDType::BF16)
+        } else {
+            dy
+        };
         let dx = input_grad.then(|| product::<R, F, I, BT>(dy.clone(), false, w, false));
-        let db =
-            bias.then(|| Self::float_reshape(Self::float_sum_dim(dy.clone(), 0), Shape::new([n])));
         let dw = product::<R, F, I, BT>(dy, true, x, false);
         (dx, dw, db)
     }

@@ -16,7 +16,8 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeRuntime, FloatElement};
 use cubecl::prelude::*;
 
-use super::grid::{row_grid, tree_reduce, MAX_GRID, ROW_UNITS};
+use super::columns::{chunk_rows, chunks, column_grid};
+use super::grid::{row_grid, tree_reduce, ROW_UNITS};
 
 #[cube(launch)]
 fn rms_norm_forward<F: Float>(
@@ -187,8 +188,7 @@ fn layer_norm_backward_dx<F: Float>(
 
 /// Partial column sums of the layer norm's parameter gradients over one chunk of rows (grid y):
 /// `dw += dy·x̂`, `db += dy`, one unit per column, rows in order. The chunk partials are summed
-/// after ([`column_total`]). Chunks keep every loop under 65,536 trips: lavapipe (llvmpipe) stops
-/// longer loops there without a word, which had left the rows past 65,535 out of the sums.
+/// after ([`column_total`]), in chunks as [`super::columns`] does.
 #[cube(launch)]
 fn layer_norm_params_partial<F: Float>(
     x: &Tensor<F>,
@@ -204,11 +204,7 @@ fn layer_norm_params_partial<F: Float>(
     if col < h {
         let rows = rstd.len();
         let c = CUBE_POS_Y as usize;
-        let start = c * chunk as usize;
-        let mut end = start + chunk as usize;
-        if end > rows {
-            end = rows;
-        }
+        let (start, end) = chunk_rows(rows, chunk);
         let mut sw = F::new(0.0);
         let mut sb = F::new(0.0);
         for r in start..end {
@@ -221,30 +217,9 @@ fn layer_norm_params_partial<F: Float>(
     }
 }
 
-/// Rows per chunk of a column sum, and the number of chunks: at least 256 rows, and few enough
-/// chunks for one grid dimension.
-fn chunks(rows: usize) -> (usize, usize) {
-    let chunk = rows.div_ceil(MAX_GRID).max(256);
-    (chunk, rows.div_ceil(chunk).max(1))
-}
-
-/// The grid of a chunked column sum over `h` columns.
-fn column_grid(h: usize, n_chunks: usize) -> CubeCount {
-    CubeCount::Static(
-        h.div_ceil(ROW_UNITS as usize).max(1) as u32,
-        n_chunks as u32,
-        1,
-    )
-}
-
 /// `Σ` over the chunks (rows) of `[chunks, h]` partials: `[h]`.
-fn column_total<R: CubeRuntime, F: FloatElement>(
-    partials: CubeTensor<R>,
-    h: usize,
-) -> CubeTensor<R> {
-    use burn::tensor::ops::FloatTensorOps;
-    type B<R, F> = burn_cubecl::CubeBackend<R, F, i32, u8>;
-    B::<R, F>::float_reshape(B::<R, F>::float_sum_dim(partials, 0), Shape::new([h]))
+fn column_total<R: CubeRuntime, F: FloatElement>(partials: CubeTensor<R>) -> CubeTensor<R> {
+    super::columns::sum_rows::<R, F>(partials)
 }
 
 /// `(y, mean, rstd)` of the layer norm of the rows of `x [R, H]`.
@@ -308,10 +283,11 @@ pub fn layer_norm_backward<R: CubeRuntime, F: FloatElement>(
         ROW_UNITS as usize,
     )
     .expect("layer_norm_backward_dx launches");
+    let grid = column_grid(h, n_chunks);
     layer_norm_params_partial::launch::<F, R>(
         &client,
-        column_grid(h, n_chunks),
-        CubeDim::new_1d(ROW_UNITS),
+        grid.0,
+        grid.1,
         x.as_tensor_arg(1),
         mean.as_tensor_arg(1),
         rstd.as_tensor_arg(1),
@@ -321,7 +297,7 @@ pub fn layer_norm_backward<R: CubeRuntime, F: FloatElement>(
         ScalarArg::new(chunk as u32),
     )
     .expect("layer_norm_params_partial launches");
-    (dx, column_total::<R, F>(pw, h), column_total::<R, F>(pb, h))
+    (dx, column_total::<R, F>(pw), column_total::<R, F>(pb))
 }
 
 /// `dx` of RMSNorm, one cube per row: with `x̂ = x·rinv` and `g = dy·w`,
@@ -378,11 +354,7 @@ fn rms_norm_params_partial<F: Float>(
     if col < h {
         let rows = rinv.len();
         let c = CUBE_POS_Y as usize;
-        let start = c * chunk as usize;
-        let mut end = start + chunk as usize;
-        if end > rows {
-            end = rows;
-        }
+        let (start, end) = chunk_rows(rows, chunk);
         let mut s = F::new(0.0);
         for r in start..end {
             s += dy[r * h + col] * x[r * h + col] * rinv[r];
@@ -422,10 +394,11 @@ pub fn rms_norm_backward<R: CubeRuntime, F: FloatElement>(
         ROW_UNITS as usize,
     )
     .expect("rms_norm_backward_dx launches");
+    let grid = column_grid(h, n_chunks);
     rms_norm_params_partial::launch::<F, R>(
         &client,
-        column_grid(h, n_chunks),
-        CubeDim::new_1d(ROW_UNITS),
+        grid.0,
+        grid.1,
         x.as_tensor_arg(1),
         rinv.as_tensor_arg(1),
         dy.as_tensor_arg(1),
@@ -433,5 +406,5 @@ pub fn rms_norm_backward<R: CubeRuntime, F: FloatElement>(
         ScalarArg::new(chunk as u32),
     )
     .expect("rms_norm_params_partial launches");
-    (dx, column_total::<R, F>(pw, h))
+    (dx, column_total::<R, F>(pw))
 }
