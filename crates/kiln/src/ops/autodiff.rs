@@ -83,6 +83,20 @@ impl<B: KilnBackend> Backward<B, 1> for TpSum {
     }
 }
 
+/// `x · mask(seed)`: the gradient is the same op on `dy`; only the seed is kept.
+#[derive(Debug)]
+struct DropoutApply;
+impl<B: KilnBackend> Backward<B, 1> for DropoutApply {
+    /// keep probability, seed.
+    type State = (f64, u64);
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let [px] = ids!(ops);
+        let (keep, seed) = ops.state;
+        give::<B>(grads, px, Some(B::kiln_dropout_apply(dy, keep, seed)));
+    }
+}
+
 #[derive(Debug)]
 struct Gelu;
 impl<B: KilnBackend> Backward<B, 1> for Gelu {
@@ -636,5 +650,19 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
         device: &Self::Device,
     ) -> FloatTensor<Self> {
         Self::from_inner(B::kiln_dropout_mask(shape, keep, seed, device))
+    }
+
+    fn kiln_dropout_apply(x: FloatTensor<Self>, keep: f64, seed: u64) -> FloatTensor<Self> {
+        match DropoutApply
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let y = B::kiln_dropout_apply(x.primitive, keep, seed);
+                prep.finish((keep, seed), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::kiln_dropout_apply(x.primitive, keep, seed)),
+        }
     }
 }

@@ -460,10 +460,8 @@ pub trait KilnBackend: Backend {
         FloatTensor<Self>,
     ) {
         let x = t::<Self, 2>(x);
-        let dims = x.dims();
         let x = if dropout > 0.0 {
-            let mask = Self::kiln_dropout_mask(x.shape(), 1.0 - dropout, seed, &x.device());
-            x * t::<Self, 1>(mask).reshape(dims)
+            t(Self::kiln_dropout_apply(p(x), 1.0 - dropout, seed))
         } else {
             x
         };
@@ -477,10 +475,7 @@ pub trait KilnBackend: Backend {
         if dropout <= 0.0 {
             return dz;
         }
-        let dz = t::<Self, 2>(dz);
-        let dims = dz.dims();
-        let mask = Self::kiln_dropout_mask(dz.shape(), 1.0 - dropout, seed, &dz.device());
-        p(dz * t::<Self, 1>(mask).reshape(dims))
+        Self::kiln_dropout_apply(dz, 1.0 - dropout, seed)
     }
 
     /// Multi-head attention core for `q, k, v [B, T, H]` (heads side by side in H) and an additive key
@@ -730,6 +725,15 @@ pub trait KilnBackend: Backend {
         );
         p(m * (1.0 / keep))
     }
+
+    /// `x · mask` with the mask of [`Self::kiln_dropout_mask`] for `seed` (any shape). Its gradient
+    /// is the same op on `dy`, so training keeps a seed where it kept a mask. A GPU makes the mask
+    /// inside the multiply: one pass, no mask in memory.
+    fn kiln_dropout_apply(x: FloatTensor<Self>, keep: f64, seed: u64) -> FloatTensor<Self> {
+        let shape = burn::tensor::TensorMetadata::shape(&x);
+        let mask = Self::kiln_dropout_mask(shape.clone(), keep, seed, &Self::float_device(&x));
+        Self::float_mul(x, Self::float_reshape(mask, shape))
+    }
 }
 
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
@@ -740,14 +744,12 @@ pub fn bmm<B: KilnBackend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> 
     t(B::kiln_batched_matmul(p(a), p(b)))
 }
 
-/// `x · dropout_mask(seed)` with the mask of [`KilnBackend::kiln_dropout_mask`] (identity at p = 0).
+/// `x · dropout_mask(seed)` ([`KilnBackend::kiln_dropout_apply`]; identity at p = 0).
 fn attention_dropout<B: KilnBackend>(x: Tensor<B, 4>, prob: f64, seed: u64) -> Tensor<B, 4> {
     if prob <= 0.0 {
         return x;
     }
-    let dims = x.dims();
-    let mask = B::kiln_dropout_mask(x.shape(), 1.0 - prob, seed, &x.device());
-    x * reshape(t::<B, 1>(mask), dims)
+    t(B::kiln_dropout_apply(p(x), 1.0 - prob, seed))
 }
 
 /// [`Tensor::reshape`] through [`KilnBackend::kiln_reshape`]: free on the CPU backend when `x` is
@@ -1142,9 +1144,7 @@ pub fn dropout<B: KilnBackend, const D: usize>(x: Tensor<B, D>, prob: f64) -> Te
         return x;
     }
     let seed = next_dropout_seed();
-    let mask = B::kiln_dropout_mask(x.shape(), 1.0 - prob, seed, &x.device());
-    let dims = x.dims();
-    x * reshape(t::<B, 1>(mask), dims)
+    t(B::kiln_dropout_apply(p(x), 1.0 - prob, seed))
 }
 
 /// A training backend: autodiff over a backend that has kiln's fused ops, with the ops themselves.

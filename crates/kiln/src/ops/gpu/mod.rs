@@ -254,6 +254,11 @@ where
     ) -> FloatTensor<Self> {
         dropout::dropout_mask::<R, F>(shape.num_elements(), keep, seed, device)
     }
+
+    /// The mask made inside the multiply: one launch, and no mask kept for the backward.
+    fn kiln_dropout_apply(x: FloatTensor<Self>, keep: f64, seed: u64) -> FloatTensor<Self> {
+        dropout::dropout_apply::<R, F>(x, keep, seed)
+    }
 }
 
 /// Whether `R` is CUDA's runtime.
