@@ -364,7 +364,17 @@ struct DataOpts {
     /// Pad every batch to --max-length (fixed shapes) instead of the longest example in the batch.
     #[arg(long)]
     pad_to_max_length: bool,
+    /// Round each batch's padded length up to a multiple of N (transformers' `pad_to_multiple_of`),
+    /// at most --max-length: fewer distinct shapes. Default 8 on a GPU (tensor cores take
+    /// multiples of 8; kiln's kernels are not compiled per length, so larger buckets would only add
+    /// padding), 1 (no rounding) on the CPU, whose attention skips padding anyway.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pad_to_multiple_of: Option<u64>,
 }
+
+/// `--pad-to-multiple-of`'s default on a GPU: multiples of 8 suit tensor-core GEMMs (transformers'
+/// advice for `pad_to_multiple_of`), and bound the lengths a run meets to max_length / 8.
+const GPU_PAD_TO_MULTIPLE_OF: usize = 8;
 
 /// How a causal LM's text corpus becomes blocks of tokens.
 #[derive(Args, Clone)]
@@ -587,12 +597,15 @@ impl DataOpts {
         train: Option<&TrainData>,
         model: &std::path::Path,
         seed: u64,
+        device: DeviceSpec,
     ) -> Result<ClassificationOptions> {
+        let gpu_default = (device != DeviceSpec::Cpu).then_some(GPU_PAD_TO_MULTIPLE_OF);
         Ok(ClassificationOptions {
             model_dir: model.to_path_buf(),
             data: self.to_data_args(train, seed, true)?,
             max_length: self.max_length,
             pad_to_max_length: self.pad_to_max_length,
+            pad_to_multiple_of: self.pad_to_multiple_of.map(|n| n as usize).or(gpu_default),
         })
     }
 }
@@ -816,7 +829,12 @@ where
                 return Ok(());
             }
             let model = cmd.model.clone().context("--model is required")?;
-            let opts = cmd.data.options(Some(&cmd.train_data), &model, args.seed)?;
+            let opts = cmd.data.options(
+                Some(&cmd.train_data),
+                &model,
+                args.seed,
+                cli.device.parse()?,
+            )?;
             let loss = kiln::train::LabelSmoothedCrossEntropy {
                 epsilon: args.label_smoothing_factor,
             };
@@ -863,7 +881,9 @@ where
                     "--tensor-parallel-size: only --task causal-lm (Llama) is cut over processes"
                 );
             }
-            let opts = cmd.data.options(None, &cmd.model, 42)?;
+            let opts = cmd
+                .data
+                .options(None, &cmd.model, 42, cli.device.parse()?)?;
             let out = tc::eval::<B>(&opts, cmd.per_device_eval_batch_size, &device)?;
             let json = serde_json::json!({"metrics": out.metrics, "report": out.report});
             if let Some(path) = &cmd.output {

@@ -11,6 +11,9 @@ pub enum Padding {
     Longest,
     /// Always to this length (fixed shapes, as `padding="max_length"`).
     MaxLength(usize),
+    /// To the longest example rounded up to a multiple of `multiple` (transformers'
+    /// `pad_to_multiple_of`), never past `max` (the truncation length): a bounded set of shapes.
+    MultipleOf { multiple: usize, max: usize },
 }
 
 /// A padded batch of token ids on the host, row-major `[batch, seq]`.
@@ -34,6 +37,9 @@ pub fn collate(examples: &[&Encoded], padding: Padding, pad_id: u32) -> TextBatc
     let t = match padding {
         Padding::Longest => longest,
         Padding::MaxLength(n) => n.max(longest),
+        Padding::MultipleOf { multiple, max } => longest
+            .next_multiple_of(multiple.max(1))
+            .min(max.max(longest)),
     };
     let b = examples.len();
     let mut ids = vec![pad_id as i64; b * t];
@@ -148,6 +154,26 @@ mod tests {
         let f = collate(&[&a, &b], Padding::MaxLength(5), 0);
         assert_eq!(f.seq, 5);
         assert_eq!(f.attention_mask, vec![1, 1, 1, 0, 0, 1, 1, 0, 0, 0]);
+        // transformers' pad_to_multiple_of: 3 tokens round up to 8, a multiple already stays, and
+        // the truncation length caps the rounding (never past it, never below the longest).
+        let multiple = |multiple, max, rows: &[&Encoded]| {
+            collate(rows, Padding::MultipleOf { multiple, max }, 0).seq
+        };
+        assert_eq!(multiple(8, 128, &[&a, &b]), 8);
+        assert_eq!(multiple(3, 128, &[&a, &b]), 3);
+        assert_eq!(multiple(8, 6, &[&a, &b]), 6);
+        assert_eq!(multiple(8, 2, &[&a, &b]), 3);
+        assert_eq!(multiple(1, 128, &[&b]), 2);
+        let m = collate(
+            &[&a, &b],
+            Padding::MultipleOf {
+                multiple: 4,
+                max: 128,
+            },
+            0,
+        );
+        assert_eq!(m.attention_mask, vec![1, 1, 1, 0, 1, 1, 0, 0]);
+        assert_eq!(m.input_ids, vec![101, 7, 102, 0, 101, 102, 0, 0]);
     }
 
     #[test]

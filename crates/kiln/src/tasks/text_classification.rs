@@ -260,14 +260,20 @@ pub struct ClassificationOptions {
     pub data: DataArgs,
     pub max_length: usize,
     pub pad_to_max_length: bool,
+    /// Round each batch's padded length up to a multiple of this (transformers'
+    /// `pad_to_multiple_of`); `None` or 1: the longest example.
+    pub pad_to_multiple_of: Option<usize>,
 }
 
 impl ClassificationOptions {
     fn padding(&self) -> Padding {
-        if self.pad_to_max_length {
-            Padding::MaxLength(self.max_length)
-        } else {
-            Padding::Longest
+        match (self.pad_to_max_length, self.pad_to_multiple_of) {
+            (true, _) => Padding::MaxLength(self.max_length),
+            (false, Some(multiple)) if multiple > 1 => Padding::MultipleOf {
+                multiple,
+                max: self.max_length,
+            },
+            _ => Padding::Longest,
         }
     }
 }
