@@ -370,6 +370,52 @@ fn bench_rows_report_throughput_and_peak_memory() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown benchmark \"resnet\""));
 }
 
+/// `kiln cache clear-locks` removes the kernel cache's stale lock files (a killed run's, which
+/// make the next run wait) and keeps a fresh one, which a running job may hold.
+#[test]
+fn cache_clear_locks_removes_stale_locks_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    let dir = cache.join("compiled").join("cuda");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (stale, empty, fresh, data) = (
+        dir.join("kernels.json.lock"),
+        cache.join("tune.lock"),
+        dir.join("other.json.lock"),
+        dir.join("kernels.json"),
+    );
+    for f in [&stale, &empty, &fresh, &data] {
+        std::fs::write(f, "").unwrap();
+    }
+    let old = std::time::SystemTime::now() - std::time::Duration::from_secs(600);
+    for f in [&stale, &empty, &data] {
+        std::fs::File::options()
+            .write(true)
+            .open(f)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+    }
+    let out = kiln()
+        .env("KILN_CACHE_DIR", &cache)
+        .args(["cache", "clear-locks", "--older-than", "60"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("removed 2 lock files, kept 1"), "{stdout}");
+    assert!(!stale.exists() && !empty.exists());
+    assert!(
+        fresh.exists(),
+        "a lock younger than --older-than was removed"
+    );
+    assert!(data.exists(), "a cache file was removed");
+}
+
 /// `kiln precompile` runs the command's first steps only, with its schedule and outputs replaced.
 #[test]
 fn precompile_runs_the_first_steps_without_outputs() {

@@ -147,6 +147,57 @@ pub fn clean_kernel_cache() -> Result<(u64, usize)> {
     }
 }
 
+/// How long CubeCL itself lets a cache lock stand before it takes it over (`cubecl-common`'s
+/// default `lock_max_duration`).
+pub const KERNEL_CACHE_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Removes the kernel cache's lock files older than `min_age` (`*.lock` beside each cache file);
+/// returns how many were removed and how many were kept as possibly held.
+///
+/// CubeCL takes a cache file by creating `<file>.lock` holding a timestamp, and takes over a lock
+/// older than 30 s. A process killed between creating the lock and writing its timestamp leaves a
+/// lock it cannot read, and then every later run waits on it forever: this clears it.
+pub fn clear_kernel_cache_locks(min_age: std::time::Duration) -> Result<(usize, usize)> {
+    fn walk(
+        p: &std::path::Path,
+        min_age: std::time::Duration,
+        acc: &mut (usize, usize),
+    ) -> Result<()> {
+        let Ok(entries) = std::fs::read_dir(p) else {
+            return Ok(());
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            match e.file_type() {
+                Ok(t) if t.is_dir() => walk(&path, min_age, acc)?,
+                Ok(_) if path.extension().is_some_and(|x| x == "lock") => {
+                    let age = e
+                        .metadata()
+                        .and_then(|m| m.modified())
+                        .ok()
+                        .and_then(|t| t.elapsed().ok())
+                        .unwrap_or_default();
+                    if age < min_age {
+                        acc.1 += 1;
+                        continue;
+                    }
+                    match std::fs::remove_file(&path) {
+                        Ok(()) => acc.0 += 1,
+                        // Its holder finished meanwhile.
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(e) => return Err(KilnError::io(&path, e)),
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+    let mut acc = (0, 0);
+    walk(&kernel_cache_dir(), min_age, &mut acc)?;
+    Ok(acc)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -514,6 +514,39 @@ fn sum_squares_over_many_tensors() {
     }
 }
 
+/// The dropout mask, and dropout applied with the mask made inside the multiply, are the CPU's bit
+/// for bit (the counter hash in u32 halves), over more elements than one grid pass covers per unit.
+#[test]
+fn dropout_mask_and_apply_are_the_cpus_bits() {
+    use burn::tensor::{Shape, TensorPrimitive};
+    use kiln::ops::KilnBackend;
+    let (n, keep, seed) = (70_001usize, 0.9, 0x1234_5678_9abc_def0u64);
+    fn run<B: KilnBackend>(n: usize, keep: f64, seed: u64) -> (Vec<f32>, Vec<f32>) {
+        let device = Default::default();
+        let back = |x| host(Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(x)));
+        let mask = back(B::kiln_dropout_mask(Shape::new([n]), keep, seed, &device));
+        let x = Tensor::<B, 1>::from_data(TensorData::new(values(n, 31), [n]), &device);
+        let applied = back(B::kiln_dropout_apply(
+            x.into_primitive().tensor(),
+            keep,
+            seed,
+        ));
+        (mask, applied)
+    }
+    let (gpu, cpu) = (
+        run::<GpuInner>(n, keep, seed),
+        run::<kiln::backend::Cpu>(n, keep, seed),
+    );
+    let dropped = cpu.0.iter().filter(|&&m| m == 0.0).count();
+    eprintln!("dropout mask: {dropped} of {n} dropped (keep {keep})");
+    assert!((5_000..9_000).contains(&dropped), "{dropped} dropped");
+    assert!(gpu.0 == cpu.0, "the GPU's mask differs from the CPU's");
+    assert!(
+        gpu.1 == cpu.1,
+        "dropout applied on the GPU differs from the CPU"
+    );
+}
+
 /// SGD steps (the optimizer's fused update) on both devices: without momentum, the first step
 /// with momentum (the buffer starts at the gradient), and later steps with and without Nesterov.
 #[test]

@@ -60,24 +60,6 @@ fn uniform(i: usize, seed_hi: u32, seed_lo: u32) -> f32 {
     f32::cast_from(zh >> 8) * (1.0 / 16_777_216.0)
 }
 
-#[cube(launch)]
-fn dropout_mask_kernel<F: Float>(
-    out: &mut Tensor<F>,
-    seed_hi: u32,
-    seed_lo: u32,
-    keep: f32,
-    scale: f32,
-) {
-    let n = out.len();
-    let stride = CUBE_COUNT * CUBE_DIM as usize;
-    let mut i = ABSOLUTE_POS;
-    while i < n {
-        let u = uniform(i, seed_hi, seed_lo);
-        out[i] = select(u < keep, F::cast_from(scale), F::new(0.0));
-        i += stride;
-    }
-}
-
 /// `out = x · mask`, the mask made in place (the CPU's `x · mask`, the same bits).
 #[cube(launch)]
 fn dropout_apply_kernel<F: Float>(
@@ -99,35 +81,19 @@ fn dropout_apply_kernel<F: Float>(
 }
 
 /// A flat mask of `n` values: `1/keep` where the counter hash of the index under `seed` is below
-/// `keep`, else 0 (`ops::cpu::dropout_mask_values`).
+/// `keep`, else 0 (`ops::cpu::dropout_mask_values`): [`dropout_apply`] on ones. Training never
+/// makes a mask on its own (the multiply makes it); this is for callers that want the mask.
 pub fn dropout_mask<R: CubeRuntime, F: FloatElement>(
     n: usize,
     keep: f64,
     seed: u64,
     device: &R::Device,
 ) -> CubeTensor<R> {
-    assert!(
-        n <= u32::MAX as usize,
-        "a dropout mask of {n} elements (at most 2³²)"
-    );
-    let client = R::client(device);
-    let out = empty_device::<R, F>(client.clone(), device.clone(), Shape::new([n]));
-    let (count, dim) = flat_grid(n);
-    dropout_mask_kernel::launch::<F, R>(
-        &client,
-        count,
-        dim,
-        out.as_tensor_arg(1),
-        ScalarArg::new((seed >> 32) as u32),
-        ScalarArg::new(seed as u32),
-        ScalarArg::new(keep as f32),
-        ScalarArg::new((1.0 / keep) as f32),
-    )
-    .expect("dropout_mask launches");
-    out
+    let ones = burn_cubecl::ops::numeric::ones::<R>(device.clone(), Shape::new([n]), F::dtype());
+    dropout_apply::<R, F>(ones, keep, seed)
 }
 
-/// `x · mask` for the mask [`dropout_mask`] makes under `seed`, in one pass.
+/// `x · mask` for the counter-hash mask of `seed`, in one pass.
 pub fn dropout_apply<R: CubeRuntime, F: FloatElement>(
     x: CubeTensor<R>,
     keep: f64,
