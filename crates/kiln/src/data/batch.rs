@@ -37,9 +37,10 @@ pub fn collate(examples: &[&Encoded], padding: Padding, pad_id: u32) -> TextBatc
     let t = match padding {
         Padding::Longest => longest,
         Padding::MaxLength(n) => n.max(longest),
+        // A multiple past the cap rounds to the cap (and cannot overflow).
         Padding::MultipleOf { multiple, max } => longest
-            .next_multiple_of(multiple.max(1))
-            .min(max.max(longest)),
+            .checked_next_multiple_of(multiple.max(1))
+            .map_or(max.max(longest), |t| t.min(max.max(longest))),
     };
     let b = examples.len();
     let mut ids = vec![pad_id as i64; b * t];
@@ -164,6 +165,7 @@ mod tests {
         assert_eq!(multiple(8, 6, &[&a, &b]), 6);
         assert_eq!(multiple(8, 2, &[&a, &b]), 3);
         assert_eq!(multiple(1, 128, &[&b]), 2);
+        assert_eq!(multiple(usize::MAX, 128, &[&a, &b]), 128);
         let m = collate(
             &[&a, &b],
             Padding::MultipleOf {

@@ -90,7 +90,6 @@ pub fn sum_rows<R: CubeRuntime, F: FloatElement>(x: CubeTensor<R>) -> CubeTensor
             break;
         }
     }
-    let mut x = x;
     x.shape = Shape::new([h]);
     x.strides = vec![1];
     x

@@ -16,7 +16,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeRuntime, FloatElement};
 use cubecl::prelude::*;
 
-use super::columns::{chunk_rows, chunks, column_grid};
+use super::columns::{chunk_rows, chunks, column_grid, sum_rows};
 use super::grid::{row_grid, tree_reduce, ROW_UNITS};
 
 #[cube(launch)]
@@ -188,7 +188,7 @@ fn layer_norm_backward_dx<F: Float>(
 
 /// Partial column sums of the layer norm's parameter gradients over one chunk of rows (grid y):
 /// `dw += dy·x̂`, `db += dy`, one unit per column, rows in order. The chunk partials are summed
-/// after ([`column_total`]), in chunks as [`super::columns`] does.
+/// after ([`sum_rows`]), in chunks as [`super::columns`] does.
 #[cube(launch)]
 fn layer_norm_params_partial<F: Float>(
     x: &Tensor<F>,
@@ -215,11 +215,6 @@ fn layer_norm_params_partial<F: Float>(
         pw[c * h + col] = sw;
         pb[c * h + col] = sb;
     }
-}
-
-/// `Σ` over the chunks (rows) of `[chunks, h]` partials: `[h]`.
-fn column_total<R: CubeRuntime, F: FloatElement>(partials: CubeTensor<R>) -> CubeTensor<R> {
-    super::columns::sum_rows::<R, F>(partials)
 }
 
 /// `(y, mean, rstd)` of the layer norm of the rows of `x [R, H]`.
@@ -297,7 +292,7 @@ pub fn layer_norm_backward<R: CubeRuntime, F: FloatElement>(
         ScalarArg::new(chunk as u32),
     )
     .expect("layer_norm_params_partial launches");
-    (dx, column_total::<R, F>(pw), column_total::<R, F>(pb))
+    (dx, sum_rows::<R, F>(pw), sum_rows::<R, F>(pb))
 }
 
 /// `dx` of RMSNorm, one cube per row: with `x̂ = x·rinv` and `g = dy·w`,
@@ -406,5 +401,5 @@ pub fn rms_norm_backward<R: CubeRuntime, F: FloatElement>(
         ScalarArg::new(chunk as u32),
     )
     .expect("rms_norm_params_partial launches");
-    (dx, column_total::<R, F>(pw))
+    (dx, sum_rows::<R, F>(pw))
 }
