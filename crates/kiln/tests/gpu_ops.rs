@@ -334,6 +334,41 @@ case!(
         .reshape([18, 16])
     }
 );
+// The fused kernels take a cube's width of keys at a time: 130 keys cross two chunk boundaries of
+// a head dimension of 64 (BERT's), with the heads side by side in one [B, T, 3H] tensor.
+case!(
+    attention_qkv,
+    "attention_qkv (130 keys, head dim 64, padded keys, dropout 0.1)",
+    [[2 * 130, 3 * 128]],
+    |x| {
+        let device = x[0].device();
+        let qkv = x[0].clone().reshape([2, 130, 3 * 128]);
+        kiln::ops::attention_qkv(qkv, key_mask::<B>(2, 130, &device), 2, 0.1).reshape([260, 128])
+    }
+);
+// A head dimension (40) that is no power of two: idle units in every cube.
+case!(
+    windowed_attention_dropout,
+    "sliding-window attention (70 keys, head dim 40, window 5/2, dropout 0.2)",
+    [[2 * 70, 120], [2 * 70, 120], [2 * 70, 120]],
+    |x| {
+        let device = x[0].device();
+        let r = |t: &Tensor<B, 2>| t.clone().reshape([2, 70, 120]);
+        kiln::ops::windowed_attention(
+            r(&x[0]),
+            r(&x[1]),
+            r(&x[2]),
+            key_mask::<B>(2, 70, &device),
+            3,
+            Window {
+                before: 5,
+                after: 2,
+            },
+            0.2,
+        )
+        .reshape([140, 120])
+    }
+);
 
 /// RMSNorm's weight gradient sums over every row: over 70,000 rows both devices are held to an
 /// f64 reference (each sums in its own order, so their f32 errors differ). Regression test: on

@@ -499,18 +499,9 @@ pub trait KilnBackend: Backend {
         seed: u64,
         with_probs: bool,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
-        let (q, k, v) = (t::<Self, 3>(q), t::<Self, 3>(k), t::<Self, 3>(v));
-        let [b, tq, h] = q.dims();
-        let split = |x: Tensor<Self, 3>| x.reshape([b, tq, heads, h / heads]).swap_dims(1, 2);
-        let mut scores = bmm(split(q), split(k).swap_dims(2, 3));
-        if !window.covers(tq) {
-            let band = window.band::<Self>(tq, &scores.device());
-            scores = scores + band.unsqueeze::<4>();
-        }
-        let probs = t::<Self, 4>(Self::kiln_masked_softmax(p(scores), mask, scale));
-        let dropped = attention_dropout::<Self>(probs.clone(), dropout, seed);
-        let out = bmm(dropped, split(v)).swap_dims(1, 2).reshape([b, tq, h]);
-        (p(out), with_probs.then(|| p(probs)))
+        composed_attention::<Self>(
+            q, k, v, mask, heads, window, scale, dropout, seed, with_probs,
+        )
     }
 
     /// `(dq, dk, dv)` of [`Self::kiln_attention`] for the output gradient `dout [B, T, H]`.
@@ -526,23 +517,7 @@ pub trait KilnBackend: Backend {
         dropout: f64,
         seed: u64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let (q, k, v) = (t::<Self, 3>(q), t::<Self, 3>(k), t::<Self, 3>(v));
-        let [b, tq, h] = q.dims();
-        let split = |x: Tensor<Self, 3>| x.reshape([b, tq, heads, h / heads]).swap_dims(1, 2);
-        let merge = |x: Tensor<Self, 4>| x.swap_dims(1, 2).reshape([b, tq, h]);
-        let probs = t::<Self, 4>(probs);
-        let dout = split(t::<Self, 3>(dout));
-        let dropped = attention_dropout::<Self>(probs.clone(), dropout, seed);
-        let dv = bmm(dropped.swap_dims(2, 3), dout.clone());
-        let dprobs = attention_dropout::<Self>(bmm(dout, split(v).swap_dims(2, 3)), dropout, seed);
-        let ds = t::<Self, 4>(Self::kiln_masked_softmax_backward(
-            p(probs),
-            p(dprobs),
-            scale,
-        ));
-        let dq = bmm(ds.clone(), split(k));
-        let dk = bmm(ds.swap_dims(2, 3), split(q));
-        (p(merge(dq)), p(merge(dk)), p(merge(dv)))
+        composed_attention_backward::<Self>(q, k, v, probs, dout, heads, scale, dropout, seed)
     }
 
     /// [`Self::kiln_attention`] (not causal) with q, k and v side by side in one `[B, T, 3H]`
@@ -742,6 +717,67 @@ mod gpu;
 /// `a · b` over the last two dimensions ([`KilnBackend::kiln_batched_matmul`]).
 pub fn bmm<B: KilnBackend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> Tensor<B, D> {
     t(B::kiln_batched_matmul(p(a), p(b)))
+}
+
+/// [`KilnBackend::kiln_attention`] composed of Burn's ops and the backend's softmax and dropout
+/// (the default; a backend's own kernel may fall back to it for shapes it does not take).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn composed_attention<B: KilnBackend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    mask: FloatTensor<B>,
+    heads: usize,
+    window: Window,
+    scale: f64,
+    dropout: f64,
+    seed: u64,
+    with_probs: bool,
+) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
+    let (q, k, v) = (t::<B, 3>(q), t::<B, 3>(k), t::<B, 3>(v));
+    let [b, tq, h] = q.dims();
+    let split = |x: Tensor<B, 3>| x.reshape([b, tq, heads, h / heads]).swap_dims(1, 2);
+    let mut scores = bmm(split(q), split(k).swap_dims(2, 3));
+    if !window.covers(tq) {
+        let band = window.band::<B>(tq, &scores.device());
+        scores = scores + band.unsqueeze::<4>();
+    }
+    let probs = t::<B, 4>(B::kiln_masked_softmax(p(scores), mask, scale));
+    let dropped = attention_dropout::<B>(probs.clone(), dropout, seed);
+    let out = bmm(dropped, split(v)).swap_dims(1, 2).reshape([b, tq, h]);
+    (p(out), with_probs.then(|| p(probs)))
+}
+
+/// [`KilnBackend::kiln_attention_backward`] composed of Burn's ops (the default).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn composed_attention_backward<B: KilnBackend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    probs: FloatTensor<B>,
+    dout: FloatTensor<B>,
+    heads: usize,
+    scale: f64,
+    dropout: f64,
+    seed: u64,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let (q, k, v) = (t::<B, 3>(q), t::<B, 3>(k), t::<B, 3>(v));
+    let [b, tq, h] = q.dims();
+    let split = |x: Tensor<B, 3>| x.reshape([b, tq, heads, h / heads]).swap_dims(1, 2);
+    let merge = |x: Tensor<B, 4>| x.swap_dims(1, 2).reshape([b, tq, h]);
+    let probs = t::<B, 4>(probs);
+    let dout = split(t::<B, 3>(dout));
+    let dropped = attention_dropout::<B>(probs.clone(), dropout, seed);
+    let dv = bmm(dropped.swap_dims(2, 3), dout.clone());
+    let dprobs = attention_dropout::<B>(bmm(dout, split(v).swap_dims(2, 3)), dropout, seed);
+    let ds = t::<B, 4>(B::kiln_masked_softmax_backward(
+        p(probs),
+        p(dprobs),
+        scale,
+    ));
+    let dq = bmm(ds.clone(), split(k));
+    let dk = bmm(ds.swap_dims(2, 3), split(q));
+    (p(merge(dq)), p(merge(dk)), p(merge(dv)))
 }
 
 /// `x · dropout_mask(seed)` ([`KilnBackend::kiln_dropout_apply`]; identity at p = 0).
@@ -1006,7 +1042,7 @@ fn training_dropout<B: Backend>(prob: f64) -> (f64, u64) {
 }
 
 /// `[q, k, v]`, each `[B, T, H]`, of a `[B, T, 3H]` tensor.
-fn split_qkv<B: Backend>(qkv: FloatTensor<B>) -> [FloatTensor<B>; 3] {
+pub(crate) fn split_qkv<B: Backend>(qkv: FloatTensor<B>) -> [FloatTensor<B>; 3] {
     let qkv = t::<B, 3>(qkv);
     let h = qkv.dims()[2] / 3;
     [0, 1, 2].map(|i| p(qkv.clone().narrow(2, i * h, h)))

@@ -38,7 +38,7 @@ fn mul64_hi(ah: u32, al: u32, bh: u32, bl: u32) -> u32 {
 /// The element's uniform in [0, 1): the top 24 bits of SplitMix64's finaliser over
 /// `seed + i·0x9E3779B97F4A7C15` (`i < 2³²`, checked by the callers).
 #[cube]
-fn uniform(i: usize, seed_hi: u32, seed_lo: u32) -> f32 {
+pub(super) fn uniform(i: usize, seed_hi: u32, seed_lo: u32) -> f32 {
     let idx = i as u32;
     let pl = idx * 0x7F4A_7C15u32;
     let ph = mul_hi(idx, 0x7F4A_7C15u32) + idx * 0x9E37_79B9u32;

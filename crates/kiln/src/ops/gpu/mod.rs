@@ -13,6 +13,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 
 use super::{KilnBackend, MatmulPrecision};
 
+mod attention;
 mod columns;
 #[cfg(feature = "cuda")]
 mod cublas;
@@ -242,6 +243,115 @@ where
         eps: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         norm::rms_norm::<R, F>(x, w, eps)
+    }
+
+    /// One launch per call, reading q, k and v in place ([`attention`]); head dimensions the
+    /// kernel does not take fall back to the composed chain.
+    fn kiln_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        heads: usize,
+        window: super::Window,
+        scale: f64,
+        dropout: f64,
+        seed: u64,
+        with_probs: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        if !attention::takes(q.shape.dims::<3>(), heads) {
+            return super::composed_attention::<Self>(
+                q, k, v, mask, heads, window, scale, dropout, seed, with_probs,
+            );
+        }
+        let x = attention::Qkv::Separate([q, k, v]);
+        attention::forward::<R, F>(x, mask, heads, window, scale, dropout, seed, with_probs)
+    }
+
+    fn kiln_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        dropout: f64,
+        seed: u64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        if !attention::takes(q.shape.dims::<3>(), heads) {
+            return super::composed_attention_backward::<Self>(
+                q, k, v, probs, dout, heads, scale, dropout, seed,
+            );
+        }
+        let x = attention::Qkv::Separate([q, k, v]);
+        let [dq, dk, dv]: [_; 3] =
+            attention::backward::<R, F>(x, probs, dout, heads, scale, dropout, seed)
+                .try_into()
+                .expect("three gradients");
+        (dq, dk, dv)
+    }
+
+    fn kiln_attention_qkv(
+        qkv: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        dropout: f64,
+        seed: u64,
+        with_probs: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let [b, t, h3] = qkv.shape.dims::<3>();
+        if !attention::takes([b, t, h3 / 3], heads) {
+            let [q, k, v] = super::split_qkv::<Self>(qkv);
+            return super::composed_attention::<Self>(
+                q,
+                k,
+                v,
+                mask,
+                heads,
+                super::Window::FULL,
+                scale,
+                dropout,
+                seed,
+                with_probs,
+            );
+        }
+        let x = attention::Qkv::Fused(qkv);
+        attention::forward::<R, F>(
+            x,
+            mask,
+            heads,
+            super::Window::FULL,
+            scale,
+            dropout,
+            seed,
+            with_probs,
+        )
+    }
+
+    fn kiln_attention_qkv_backward(
+        qkv: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        dropout: f64,
+        seed: u64,
+    ) -> FloatTensor<Self> {
+        let [b, t, h3] = qkv.shape.dims::<3>();
+        if !attention::takes([b, t, h3 / 3], heads) {
+            let [q, k, v] = super::split_qkv::<Self>(qkv);
+            let (dq, dk, dv) = super::composed_attention_backward::<Self>(
+                q, k, v, probs, dout, heads, scale, dropout, seed,
+            );
+            return Self::float_cat(vec![dq, dk, dv], 2);
+        }
+        let x = attention::Qkv::Fused(qkv);
+        let [dqkv]: [_; 1] = attention::backward::<R, F>(x, probs, dout, heads, scale, dropout, seed)
+            .try_into()
+            .expect("one gradient");
+        dqkv
     }
 
     /// The CPU's counter-hash mask, made by a kernel ([`dropout`]): the same units drop on every
