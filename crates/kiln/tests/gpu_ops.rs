@@ -249,6 +249,20 @@ case!(
         kiln::ops::cross_entropy(x[0].clone(), targets, -100).reshape([1, 6])
     }
 );
+// A vocabulary wider than a cube (1,000 classes over 64 units), two ignored rows.
+case!(
+    cross_entropy_wide,
+    "cross_entropy (1000 classes, ignore_index)",
+    [[9, 1000]],
+    |x| {
+        let device = x[0].device();
+        let targets = Tensor::<B, 1, Int>::from_data(
+            TensorData::new(vec![999i64, -100, 0, 500, 63, 64, -100, 1, 998], [9]),
+            &device,
+        );
+        kiln::ops::cross_entropy(x[0].clone(), targets, -100).reshape([1, 9])
+    }
+);
 case!(
     masked_softmax,
     "masked_softmax (padded keys)",

@@ -1,5 +1,5 @@
-//! Element-wise kernels, one launch each where Burn's composed ops take 3–14: exact GELU and its
-//! gradient, and the AdamW and SGD updates (the CPU kernels' arithmetic, in their order). Every unit strides
+//! Element-wise kernels, one launch each where Burn's composed ops take 3–14: exact GELU, SwiGLU's
+//! gate and their gradients, and the AdamW and SGD updates (the CPU kernels' arithmetic, in their order). Every unit strides
 //! over the flat tensor (`flat_grid`), so any length fits wgpu's grid limit.
 
 use burn_cubecl::cubecl;
@@ -38,6 +38,41 @@ fn gelu_backward_kernel<F: Float>(x: &Tensor<F>, dy: &Tensor<F>, dx: &mut Tensor
         let cdf = F::new(0.5) * (F::new(1.0) + F::erf(v * F::new(FRAC_1_SQRT_2)));
         let pdf = F::exp(v * v * F::new(-0.5)) * F::new(INV_SQRT_2PI);
         dx[i] = dy[i] * (cdf + v * pdf);
+        i += stride;
+    }
+}
+
+/// `silu(g)·u` (SwiGLU's gate), the CPU's expression: `g / (1 + e^(−g)) · u`.
+#[cube(launch)]
+fn swiglu_kernel<F: Float>(g: &Tensor<F>, u: &Tensor<F>, y: &mut Tensor<F>) {
+    let n = y.len();
+    let stride = CUBE_COUNT * CUBE_DIM as usize;
+    let mut i = ABSOLUTE_POS;
+    while i < n {
+        let v = g[i];
+        y[i] = v / (F::new(1.0) + F::exp(-v)) * u[i];
+        i += stride;
+    }
+}
+
+/// `dg = dy·u·σ(g)(1 + g(1 − σ(g)))`, `du = dy·silu(g)`.
+#[cube(launch)]
+fn swiglu_backward_kernel<F: Float>(
+    g: &Tensor<F>,
+    u: &Tensor<F>,
+    dy: &Tensor<F>,
+    dg: &mut Tensor<F>,
+    du: &mut Tensor<F>,
+) {
+    let n = dg.len();
+    let stride = CUBE_COUNT * CUBE_DIM as usize;
+    let mut i = ABSOLUTE_POS;
+    while i < n {
+        let x = g[i];
+        let s = F::new(1.0) / (F::new(1.0) + F::exp(-x));
+        let d = dy[i];
+        dg[i] = d * u[i] * (s * (F::new(1.0) + x * (F::new(1.0) - s)));
+        du[i] = d * (x * s);
         i += stride;
     }
 }
@@ -188,6 +223,46 @@ pub fn gelu_backward<R: CubeRuntime, F: FloatElement>(
     )
     .expect("gelu_backward launches");
     dx
+}
+
+/// `silu(g)·u` over flat tensors.
+pub fn swiglu<R: CubeRuntime, F: FloatElement>(g: CubeTensor<R>, u: CubeTensor<R>) -> CubeTensor<R> {
+    let (g, u) = (into_contiguous(g), into_contiguous(u));
+    let y = like::<R, F>(&g);
+    let (count, dim) = flat_grid(g.shape.num_elements());
+    swiglu_kernel::launch::<F, R>(
+        &g.client,
+        count,
+        dim,
+        g.as_tensor_arg(1),
+        u.as_tensor_arg(1),
+        y.as_tensor_arg(1),
+    )
+    .expect("swiglu launches");
+    y
+}
+
+/// `(dg, du)` of [`swiglu`] for the output gradient `dy`.
+pub fn swiglu_backward<R: CubeRuntime, F: FloatElement>(
+    g: CubeTensor<R>,
+    u: CubeTensor<R>,
+    dy: CubeTensor<R>,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let (g, u, dy) = (into_contiguous(g), into_contiguous(u), into_contiguous(dy));
+    let (dg, du) = (like::<R, F>(&g), like::<R, F>(&u));
+    let (count, dim) = flat_grid(g.shape.num_elements());
+    swiglu_backward_kernel::launch::<F, R>(
+        &g.client,
+        count,
+        dim,
+        g.as_tensor_arg(1),
+        u.as_tensor_arg(1),
+        dy.as_tensor_arg(1),
+        dg.as_tensor_arg(1),
+        du.as_tensor_arg(1),
+    )
+    .expect("swiglu_backward launches");
+    (dg, du)
 }
 
 /// `(p, m, v)` after one AdamW step (new buffers; the old ones go back to the pool).

@@ -6,7 +6,7 @@
 //! without a GPU kernel yet take the composed defaults of [`KilnBackend`] (Burn's CubeCL kernels,
 //! one launch per primitive).
 
-use burn::tensor::ops::{FloatTensor, FloatTensorOps};
+use burn::tensor::ops::{FloatTensor, FloatTensorOps, IntTensor};
 use burn::tensor::{FloatDType, Shape};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
@@ -20,7 +20,9 @@ mod cublas;
 mod dropout;
 mod elementwise;
 mod grid;
+mod loss;
 mod norm;
+mod rope;
 mod softmax;
 
 /// `op(l) · op(r)` over the last two dimensions (`t*`: that operand used transposed, as a view) in
@@ -147,6 +149,45 @@ where
 
     fn kiln_gelu_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
         elementwise::gelu_backward::<R, F>(x, dy)
+    }
+
+    fn kiln_swiglu(g: FloatTensor<Self>, u: FloatTensor<Self>) -> FloatTensor<Self> {
+        elementwise::swiglu::<R, F>(g, u)
+    }
+
+    fn kiln_swiglu_backward(
+        g: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        elementwise::swiglu_backward::<R, F>(g, u, dy)
+    }
+
+    fn kiln_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        transpose: bool,
+    ) -> FloatTensor<Self> {
+        rope::rope::<R, F>(x, cos, sin, transpose)
+    }
+
+    fn kiln_cross_entropy(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        ignore: i64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        loss::cross_entropy::<R, F, I>(logits, targets, ignore)
+    }
+
+    fn kiln_cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        ignore: i64,
+        lse: FloatTensor<Self>,
+        dloss: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        loss::cross_entropy_backward::<R, F, I>(logits, targets, ignore, lse, dloss)
     }
 
     fn kiln_sgd(
