@@ -23,6 +23,7 @@ mod grid;
 mod loss;
 mod norm;
 mod rope;
+mod squares;
 mod softmax;
 
 /// `op(l) · op(r)` over the last two dimensions (`t*`: that operand used transposed, as a view) in
@@ -209,23 +210,17 @@ where
         elementwise::adamw::<R, F>(p, g, m, v, h)
     }
 
-    /// Each tensor's Σ x² stays on the device; one read-back returns them all, summed in f64.
+    /// Per-chunk partial sums of every tensor into one buffer on the device ([`squares`]); one
+    /// read-back returns them all, summed in f64.
     fn kiln_sum_squares_all(xs: Vec<FloatTensor<Self>>) -> f64 {
         if xs.is_empty() {
             return 0.0;
         }
-        let sums = xs
-            .into_iter()
-            .map(|x| {
-                let n = x.shape.num_elements();
-                let x = Self::float_reshape(x, Shape::new([n]));
-                Self::float_sum(Self::float_mul(x.clone(), x))
-            })
-            .collect();
-        let all = burn::tensor::Tensor::<Self, 1>::from_primitive(
-            burn::tensor::TensorPrimitive::Float(Self::float_cat(sums, 0)),
+        let partials = burn::tensor::Tensor::<Self, 1>::from_primitive(
+            burn::tensor::TensorPrimitive::Float(squares::sum_squares_partials::<R, F>(xs)),
         );
-        all.into_data()
+        partials
+            .into_data()
             .convert::<f32>()
             .to_vec::<f32>()
             .expect("f32 sums")
