@@ -1175,15 +1175,16 @@ fn precompile(device: &str, threads: Option<usize>, cmd: &PrecompileCmd) -> Resu
     for f in &summary.failed {
         println!("  failed: {f}");
     }
-    println!(
-        "kernel cache {}: {files} files, {:.1} MiB; this run compiled and stored {} (+{:.1} MiB), the rest were cache hits",
-        kiln::backend::kernel_cache_dir().display(),
-        after as f64 / (1 << 20) as f64,
-        files.saturating_sub(files_before),
-        after.saturating_sub(before) as f64 / (1 << 20) as f64
-    );
     if device == "cpu" {
         println!("(CPU kernels are compiled ahead of time: there is nothing to cache on the CPU)");
+    } else {
+        println!(
+            "kernel cache {}: {files} files, {:.1} MiB; this run compiled and stored {} (+{:.1} MiB), the rest were cache hits",
+            kiln::backend::kernel_cache_dir().display(),
+            after as f64 / (1 << 20) as f64,
+            files.saturating_sub(files_before),
+            after.saturating_sub(before) as f64 / (1 << 20) as f64
+        );
     }
     if !summary.failed.is_empty() {
         bail!("{} shapes failed to run", summary.failed.len());
