@@ -1175,6 +1175,12 @@ fn precompile(device: &str, threads: Option<usize>, cmd: &PrecompileCmd) -> Resu
     for f in &summary.failed {
         println!("  failed: {f}");
     }
+    if let (Some(compiled), Some(hits)) = (summary.kernels_compiled, summary.kernel_cache_hits) {
+        println!(
+            "kernels: {} ({compiled} compiled, {hits} cache hits)",
+            compiled + hits
+        );
+    }
     if device == "cpu" {
         println!("(CPU kernels are compiled ahead of time: there is nothing to cache on the CPU)");
     } else {

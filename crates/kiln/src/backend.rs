@@ -104,14 +104,47 @@ pub fn init_kernel_cache() {
     use burn_cubecl::cubecl::config::{cache::CacheConfig, GlobalConfig};
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        let dir = kernel_cache_dir();
+        let dir = kernel_cache_dir().join(build_key());
         // CubeCL's own variables (CUBECL_DEBUG_OPTION=profile, CUBECL_DEBUG_LOG, …) still apply.
         let mut config = GlobalConfig::default().override_from_env();
         config.autotune.cache = CacheConfig::File(dir.join("autotune"));
+        // CubeCL adds its version, and (kiln's cubecl-cuda patch) the GPU architecture and the
+        // driver's version, below this.
         config.compilation.cache = Some(CacheConfig::File(dir.join("compiled")));
         GlobalConfig::set(config);
         tracing::info!("GPU kernel cache: {}", dir.display());
     });
+}
+
+/// The cache folder of this build of kiln: CubeCL keys a compiled kernel by its name and
+/// compile-time arguments, not by its source, so a kernel whose source changed between two builds
+/// would be loaded stale from a shared cache. The key is kiln's version and a stamp of the running
+/// executable (its size and modification time): a rebuilt program starts a new cache.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+fn build_key() -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    if let Some(meta) = std::env::current_exe()
+        .ok()
+        .and_then(|e| std::fs::metadata(e).ok())
+    {
+        meta.len().hash(&mut h);
+        meta.modified().ok().hash(&mut h);
+    }
+    format!("kiln-{}-{:016x}", env!("CARGO_PKG_VERSION"), h.finish())
+}
+
+/// `(compiled, loaded from the cache)`: the GPU kernels this process has needed so far (CUDA;
+/// `None` elsewhere).
+pub fn kernel_compilations() -> Option<(u64, u64)> {
+    #[cfg(feature = "cuda")]
+    {
+        Some(burn_cubecl::cubecl::cuda::kernel_compilations())
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        None
+    }
 }
 
 /// Size in bytes and file count of the kernel cache.

@@ -668,3 +668,17 @@ fn sgd_steps() {
         }
     }
 }
+
+/// A target outside the classes (and not the ignored one) has no logit: the GPU cannot stop to
+/// name it, so its loss is NaN (the trainer stops on a non-finite loss); other rows are unharmed.
+#[test]
+fn cross_entropy_target_outside_the_classes_is_nan() {
+    let device = Default::default();
+    let logits = Tensor::<Gpu, 2>::from_data(TensorData::new(values(3 * 5, 7), [3, 5]), &device);
+    let targets =
+        Tensor::<Gpu, 1, Int>::from_data(TensorData::new(vec![1i64, 5, -100], [3]), &device);
+    let losses = host(kiln::ops::cross_entropy(logits, targets, -100));
+    assert!(losses[0].is_finite() && losses[0] > 0.0, "{losses:?}");
+    assert!(losses[1].is_nan(), "{losses:?}");
+    assert_eq!(losses[2], 0.0, "{losses:?}");
+}

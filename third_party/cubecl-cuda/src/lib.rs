@@ -14,6 +14,16 @@ pub fn kernel_launches() -> u64 {
     compute::KERNEL_LAUNCHES.load(core::sync::atomic::Ordering::Relaxed)
 }
 
+/// `(compiled, loaded from the PTX cache)`: the kernels this process needed so far (kiln's patch:
+/// `kiln precompile` reports them).
+pub fn kernel_compilations() -> (u64, u64) {
+    use core::sync::atomic::Ordering::Relaxed;
+    (
+        compute::KERNELS_COMPILED.load(Relaxed),
+        compute::PTX_CACHE_HITS.load(Relaxed),
+    )
+}
+
 #[cfg(feature = "ptx-wmma")]
 pub(crate) type WmmaCompiler = cubecl_cpp::cuda::mma::PtxWmmaCompiler;
 

@@ -770,11 +770,7 @@ pub(crate) fn composed_attention_backward<B: KilnBackend>(
     let dropped = attention_dropout::<B>(probs.clone(), dropout, seed);
     let dv = bmm(dropped.swap_dims(2, 3), dout.clone());
     let dprobs = attention_dropout::<B>(bmm(dout, split(v).swap_dims(2, 3)), dropout, seed);
-    let ds = t::<B, 4>(B::kiln_masked_softmax_backward(
-        p(probs),
-        p(dprobs),
-        scale,
-    ));
+    let ds = t::<B, 4>(B::kiln_masked_softmax_backward(p(probs), p(dprobs), scale));
     let dq = bmm(ds.clone(), split(k));
     let dk = bmm(ds.swap_dims(2, 3), split(q));
     (p(merge(dq)), p(merge(dk)), p(merge(dv)))

@@ -47,11 +47,7 @@ pub struct Probe {
 
 /// One batch of every shape `(b, P)` for `b` in `sizes` over examples of `lengths`, each padded
 /// length `P` given by `padded(longest)`. Sizes of 0 or past the examples are left out.
-pub fn probes(
-    lengths: &[usize],
-    padded: impl Fn(usize) -> usize,
-    sizes: &[usize],
-) -> Vec<Probe> {
+pub fn probes(lengths: &[usize], padded: impl Fn(usize) -> usize, sizes: &[usize]) -> Vec<Probe> {
     let mut by_length: Vec<usize> = (0..lengths.len()).collect();
     by_length.sort_by_key(|&i| (lengths[i], i));
     let mut sizes: Vec<usize> = sizes
@@ -123,6 +119,9 @@ pub struct PrecompileSummary {
     /// Shapes whose step failed, with the reason.
     pub failed: Vec<String>,
     pub seconds: f64,
+    /// GPU kernels compiled, and loaded from the cache instead (CUDA only).
+    pub kernels_compiled: Option<u64>,
+    pub kernel_cache_hits: Option<u64>,
 }
 
 impl<B, M, L> Trainer<B, M, L>
@@ -156,7 +155,10 @@ where
         }
         let mut summary = PrecompileSummary::default();
         for p in probes(&train.lengths(), |l| train.padded_length(l), &sizes) {
-            info!("precompile: training step on a {}×{} batch", p.shape.0, p.shape.1);
+            info!(
+                "precompile: training step on a {}×{} batch",
+                p.shape.0, p.shape.1
+            );
             let step = catch_unwind(AssertUnwindSafe(|| {
                 self.optimizer_step(train, &[&p.indices[..]], &plan)
             }));
@@ -167,7 +169,10 @@ where
             let bs = a.per_device_eval_batch_size.max(1);
             let sizes = [bs, eval.len() % bs];
             for p in probes(&eval.lengths(), |l| eval.padded_length(l), &sizes) {
-                info!("precompile: evaluation of a {}×{} batch", p.shape.0, p.shape.1);
+                info!(
+                    "precompile: evaluation of a {}×{} batch",
+                    p.shape.0, p.shape.1
+                );
                 let subset = Subset {
                     src: eval,
                     indices: p.indices,
@@ -188,6 +193,10 @@ where
             }
         }
         summary.seconds = started.elapsed().as_secs_f64();
+        if let Some((compiled, hits)) = crate::backend::kernel_compilations() {
+            summary.kernels_compiled = Some(compiled);
+            summary.kernel_cache_hits = Some(hits);
+        }
         write_json(&a.output_dir.join(SUMMARY_FILE), &summary)?;
         let out = TrainOutput {
             global_step: 0,

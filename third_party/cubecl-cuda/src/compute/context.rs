@@ -59,9 +59,20 @@ impl CudaContext {
                 let config = cubecl_runtime::config::GlobalConfig::get();
                 if let Some(cache) = &config.compilation.cache {
                     let root = cache.root();
+                    // kiln's patch: PTX is keyed by the GPU architecture and the driver too.
+                    let mut driver = 0;
+                    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
+                    let version = format!(
+                        "{}-sm{}-driver{driver}",
+                        env!("CARGO_PKG_VERSION"),
+                        arch.version
+                    );
                     Some(Cache::new(
                         "ptx",
-                        CacheOption::default().name("cuda").root(root),
+                        CacheOption::default()
+                            .name("cuda")
+                            .root(root)
+                            .version(version),
                     ))
                 } else {
                     None
@@ -85,6 +96,7 @@ impl CudaContext {
 
             if let Some(entry) = cache.get(&name) {
                 log::trace!("Using PTX cache");
+                super::PTX_CACHE_HITS.fetch_add(1, core::sync::atomic::Ordering::Relaxed);
 
                 return self.load_ptx(
                     entry.ptx.clone(),
@@ -104,6 +116,7 @@ impl CudaContext {
         };
 
         log::trace!("Compiling kernel");
+        super::KERNELS_COMPILED.fetch_add(1, core::sync::atomic::Ordering::Relaxed);
 
         let mut kernel_compiled = kernel.compile(
             &mut Default::default(),

@@ -134,8 +134,8 @@ fn attention_forward_kernel<F: Float>(
         let mut l = F::new(0.0);
         let mut j = lo + u;
         while j < hi {
-            let s = dot::<F>(&qs, k, q, (seq + j) * rs + k_off + col, d, fused) * scale
-                + mask[seq + j];
+            let s =
+                dot::<F>(&qs, k, q, (seq + j) * rs + k_off + col, d, fused) * scale + mask[seq + j];
             let mn = F::max(m, s);
             l = l * F::exp(m - mn) + F::exp(s - mn);
             m = mn;
@@ -387,6 +387,7 @@ fn attention_backward_keys_kernel<F: Float>(
 }
 
 /// q, k and v: three `[B, T, H]` tensors, or one `[B, T, 3H]` (q, k, v side by side).
+#[allow(clippy::large_enum_variant)] // made once per call and taken apart at once
 pub enum Qkv<R: CubeRuntime> {
     Separate([CubeTensor<R>; 3]),
     Fused(CubeTensor<R>),
@@ -430,10 +431,7 @@ pub fn takes([b, t, h]: [usize; 3], heads: usize) -> bool {
     heads > 0
         && h.is_multiple_of(heads)
         && (1..=MAX_HEAD_DIM).contains(&(h / heads))
-        && b.saturating_mul(heads)
-            .saturating_mul(t)
-            .saturating_mul(t)
-            <= u32::MAX as usize
+        && b.saturating_mul(heads).saturating_mul(t).saturating_mul(t) <= u32::MAX as usize
 }
 
 fn layout<R: CubeRuntime>(x: &Qkv<R>, heads: usize) -> Layout {
@@ -509,11 +507,7 @@ pub fn forward<R: CubeRuntime, F: FloatElement>(
     let (client, device) = (q.client.clone(), q.device.clone());
     let out = empty_device::<R, F>(client.clone(), device.clone(), Shape::new([l.b, l.t, l.h]));
     let probs = if with_probs {
-        empty_device::<R, F>(
-            client.clone(),
-            device,
-            Shape::new([l.b, heads, l.t, l.t]),
-        )
+        empty_device::<R, F>(client.clone(), device, Shape::new([l.b, heads, l.t, l.t]))
     } else {
         placeholder::<R, F>(&q)
     };

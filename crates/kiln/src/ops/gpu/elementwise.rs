@@ -226,7 +226,10 @@ pub fn gelu_backward<R: CubeRuntime, F: FloatElement>(
 }
 
 /// `silu(g)·u` over flat tensors.
-pub fn swiglu<R: CubeRuntime, F: FloatElement>(g: CubeTensor<R>, u: CubeTensor<R>) -> CubeTensor<R> {
+pub fn swiglu<R: CubeRuntime, F: FloatElement>(
+    g: CubeTensor<R>,
+    u: CubeTensor<R>,
+) -> CubeTensor<R> {
     let (g, u) = (into_contiguous(g), into_contiguous(u));
     let y = like::<R, F>(&g);
     let (count, dim) = flat_grid(g.shape.num_elements());

@@ -59,9 +59,8 @@ fn cross_entropy_kernel<F: Float, I: Int>(
                 if target >= 0 && (target as u32) < classes {
                     loss = e - x[base + target as usize];
                 } else {
-                    // NaN, made at run time: WGSL has no NaN literal.
-                    let zero = e - e;
-                    loss = zero / zero;
+                    // NaN, √−1 made at run time: WGSL has no NaN literal.
+                    loss = F::sqrt(F::min(e, F::new(0.0)) * F::new(0.0) - F::new(1.0));
                 }
             }
             losses[row] = loss;

@@ -23,8 +23,8 @@ mod grid;
 mod loss;
 mod norm;
 mod rope;
-mod squares;
 mod softmax;
+mod squares;
 
 /// `op(l) · op(r)` over the last two dimensions (`t*`: that operand used transposed, as a view) in
 /// the thread's [`MatmulPrecision`] for 2-D (Linear) products: bf16 operands with an f32 result
@@ -384,9 +384,10 @@ where
             return Self::float_cat(vec![dq, dk, dv], 2);
         }
         let x = attention::Qkv::Fused(qkv);
-        let [dqkv]: [_; 1] = attention::backward::<R, F>(x, probs, dout, heads, scale, dropout, seed)
-            .try_into()
-            .expect("one gradient");
+        let [dqkv]: [_; 1] =
+            attention::backward::<R, F>(x, probs, dout, heads, scale, dropout, seed)
+                .try_into()
+                .expect("one gradient");
         dqkv
     }
 

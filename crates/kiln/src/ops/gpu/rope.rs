@@ -55,7 +55,11 @@ pub fn rope<R: CubeRuntime, F: FloatElement>(
     sin: CubeTensor<R>,
     transpose: bool,
 ) -> CubeTensor<R> {
-    let (x, cos, sin) = (into_contiguous(x), into_contiguous(cos), into_contiguous(sin));
+    let (x, cos, sin) = (
+        into_contiguous(x),
+        into_contiguous(cos),
+        into_contiguous(sin),
+    );
     let [_, _, heads, d] = x.shape.dims::<4>();
     let y = empty_device::<R, F>(x.client.clone(), x.device.clone(), x.shape.clone());
     let (count, dim) = flat_grid(x.shape.num_elements());
