@@ -249,6 +249,23 @@ case!(
         kiln::ops::cross_entropy(x[0].clone(), targets, -100).reshape([1, 6])
     }
 );
+// A table of 70 rows (three cubes of 32) and 150 columns (two blocks of 128), ids repeated,
+// the first and the last row among them.
+case!(
+    embedding,
+    "embedding (70 rows, repeated ids)",
+    [[70, 150]],
+    |x| {
+        let device = x[0].device();
+        let ids: Vec<i64> = (0..45)
+            .map(|i| (i * 37 % 70) as i64 % 70)
+            .chain([0, 69, 69, 5])
+            .collect();
+        let n = ids.len();
+        let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [n]), &device);
+        kiln::ops::embedding(x[0].clone(), ids)
+    }
+);
 // A vocabulary wider than a cube (1,000 classes over 64 units), two ignored rows.
 case!(
     cross_entropy_wide,

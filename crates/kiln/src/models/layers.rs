@@ -133,7 +133,8 @@ impl<B: KilnBackend> Embedding<B> {
     pub fn forward(&self, ids: Tensor<B, 2, burn::tensor::Int>) -> Tensor<B, 3> {
         let [b, t] = ids.dims();
         let d = self.weight.dims()[1];
-        ops::reshape(self.weight.val().select(0, ids.reshape([b * t])), [b, t, d])
+        let rows = ops::embedding(self.weight.val(), ids.reshape([b * t]));
+        ops::reshape(rows, [b, t, d])
     }
 }
 

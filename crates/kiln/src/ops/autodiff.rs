@@ -232,6 +232,19 @@ impl<B: KilnBackend> Backward<B, 1> for CrossEntropyOp {
 }
 
 #[derive(Debug)]
+struct EmbeddingOp;
+impl<B: KilnBackend> Backward<B, 1> for EmbeddingOp {
+    /// The looked-up ids and the table's rows.
+    type State = (IntTensor<B>, usize);
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (ids, vocab) = ops.state;
+        let [pw] = ids!(ops);
+        give::<B>(grads, pw, Some(B::kiln_embedding_backward(dy, ids, vocab)));
+    }
+}
+
+#[derive(Debug)]
 struct Reshape;
 impl<B: KilnBackend> Backward<B, 1> for Reshape {
     /// The input's shape.
@@ -641,6 +654,20 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
             OpsKind::UnTracked(prep) => prep.finish(losses),
         };
         (out, lse_out)
+    }
+
+    fn kiln_embedding(w: FloatTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {
+        let vocab = w.primitive.shape().dims[0];
+        let out = B::kiln_embedding(w.primitive.clone(), ids.clone());
+        // The ids are integers: only the table is differentiated.
+        match EmbeddingOp
+            .prepare::<C>([w.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((ids, vocab), out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
     }
 
     fn kiln_dropout_mask(

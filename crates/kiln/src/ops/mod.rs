@@ -405,6 +405,24 @@ pub trait KilnBackend: Backend {
         }
     }
 
+    /// Rows `ids [N]` of the table `w [V, H]`: `[N, H]` (an embedding lookup).
+    fn kiln_embedding(w: FloatTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {
+        Self::float_select(w, 0, ids)
+    }
+
+    /// The table's gradient of [`Self::kiln_embedding`]: the rows of `dy [N, H]` summed into rows
+    /// `ids` of a `[vocab, H]` table of zeros.
+    fn kiln_embedding_backward(
+        dy: FloatTensor<Self>,
+        ids: IntTensor<Self>,
+        vocab: usize,
+    ) -> FloatTensor<Self> {
+        let dy = t::<Self, 2>(dy);
+        let h = dy.dims()[1];
+        let zeros = Tensor::<Self, 2>::zeros([vocab, h], &dy.device());
+        Self::float_select_add(p(zeros), 0, ids, p(dy))
+    }
+
     /// Cross-entropy of each row of `logits [N, C]` against its class in `targets [N]`:
     /// `lse − logits[target]` with `lse = log Σ exp(logits)`, and 0 for rows whose target is
     /// `ignore` (PyTorch's `ignore_index`). Returns `(losses [N], lse [N])`; `lse` is kept for the
@@ -941,6 +959,11 @@ pub(crate) fn kept_targets<B: Backend>(
     let keep = targets.clone().not_equal_elem(ignore);
     let safe = targets.mask_fill(keep.clone().bool_not(), 0);
     (keep.float(), safe)
+}
+
+/// Rows `ids [N]` of the table `w [V, H]` (see [`KilnBackend::kiln_embedding`]).
+pub fn embedding<B: KilnBackend>(w: Tensor<B, 2>, ids: Tensor<B, 1, Int>) -> Tensor<B, 2> {
+    t(B::kiln_embedding(p(w), ids.into_primitive()))
 }
 
 /// Per-row cross-entropy of `logits [N, C]` against `targets [N]` (0 where the target is `ignore`),

@@ -19,6 +19,7 @@ mod columns;
 mod cublas;
 mod dropout;
 mod elementwise;
+mod embedding;
 mod grid;
 mod loss;
 mod norm;
@@ -171,6 +172,14 @@ where
         transpose: bool,
     ) -> FloatTensor<Self> {
         rope::rope::<R, F>(x, cos, sin, transpose)
+    }
+
+    fn kiln_embedding_backward(
+        dy: FloatTensor<Self>,
+        ids: IntTensor<Self>,
+        vocab: usize,
+    ) -> FloatTensor<Self> {
+        embedding::embedding_backward::<R, F, I>(dy, ids, vocab)
     }
 
     fn kiln_cross_entropy(
