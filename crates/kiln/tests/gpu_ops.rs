@@ -401,6 +401,21 @@ case!(
     }
 );
 
+// Grouped-query attention: 6 query heads over 2 key/value heads (3 each), causal, read by the
+// kernel without repeating them (the CPU repeats them, as transformers does).
+case!(
+    grouped_query_attention,
+    "grouped-query causal attention (6 query heads, 2 key/value heads, head dim 16)",
+    [[2 * 40, 96], [2 * 40, 32], [2 * 40, 32]],
+    |x| {
+        let r = |t: &Tensor<B, 2>| {
+            let w = t.dims()[1];
+            t.clone().reshape([2, 40, w])
+        };
+        kiln::ops::causal_attention(r(&x[0]), r(&x[1]), r(&x[2]), 6).reshape([80, 96])
+    }
+);
+
 /// RMSNorm's weight gradient sums over every row: over 70,000 rows both devices are held to an
 /// f64 reference (each sums in its own order, so their f32 errors differ). Regression test: on
 /// lavapipe a loop stops after 65,535 trips, so a kernel summing all rows in one loop (Burn's

@@ -1329,6 +1329,9 @@ impl KilnBackend for Cpu {
         with_probs: bool,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let _p = super::profile::scope("attention_fwd");
+        // Grouped-query keys and values are repeated to the query heads (transformers' repeat_kv).
+        let k = super::repeat_kv_heads::<Self>(k, heads, &q);
+        let v = super::repeat_kv_heads::<Self>(v, heads, &q);
         let (q, k, v, mask) = (dense(q), dense(k), dense(v), dense(mask));
         let (b, t, h) = (q.shape()[0], q.shape()[1], q.shape()[2]);
         let a = Attn::new((b, t, h), h, heads, window, scale, dropout, seed);
@@ -1351,6 +1354,9 @@ impl KilnBackend for Cpu {
         seed: u64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let _p = super::profile::scope("attention_bwd");
+        let kv = burn::tensor::TensorMetadata::shape(&k).dims[2];
+        let k = super::repeat_kv_heads::<Self>(k, heads, &q);
+        let v = super::repeat_kv_heads::<Self>(v, heads, &q);
         let (q, k, v, probs, dout) = (dense(q), dense(k), dense(v), dense(probs), dense(dout));
         let (b, t, h) = (q.shape()[0], q.shape()[1], q.shape()[2]);
         let a = Attn::new(
@@ -1376,7 +1382,8 @@ impl KilnBackend for Cpu {
             h,
         );
         let [dq, dk, dv] = grads.map(|g| tensor(&[b, t, h], g));
-        (dq, dk, dv)
+        let group = |g| super::sum_kv_groups::<Self>(g, kv, heads);
+        (dq, group(dk), group(dv))
     }
 
     fn kiln_attention_qkv(

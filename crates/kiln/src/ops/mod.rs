@@ -497,7 +497,9 @@ pub trait KilnBackend: Backend {
     }
 
     /// Multi-head attention core for `q, k, v [B, T, H]` (heads side by side in H) and an additive key
-    /// mask `[B, T]`: `dropout(softmax(q kᵀ·scale + mask)) v`, back in `[B, T, H]`; query `i` sees
+    /// mask `[B, T]` (`k` and `v` may hold fewer heads, `[B, T, kv_heads·d]`: grouped-query
+    /// attention, query head `i` reading key/value head `i / (heads / kv_heads)`; their gradients
+    /// come back in that shape): `dropout(softmax(q kᵀ·scale + mask)) v`, back in `[B, T, H]`; query `i` sees
     /// only the keys of its `window` ([`Window::CAUSAL`]: `0..=i`, decoders; a sliding window:
     /// Mistral, ModernBERT's local layers). Also returns the softmax probabilities
     /// `[B, heads, T, T]` (before dropout; exactly 0 where masked) when `with_probs`, for the
@@ -752,6 +754,10 @@ pub(crate) fn composed_attention<B: KilnBackend>(
     seed: u64,
     with_probs: bool,
 ) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
+    let (k, v) = (
+        repeat_kv_heads::<B>(k, heads, &q),
+        repeat_kv_heads::<B>(v, heads, &q),
+    );
     let (q, k, v) = (t::<B, 3>(q), t::<B, 3>(k), t::<B, 3>(v));
     let [b, tq, h] = q.dims();
     let split = |x: Tensor<B, 3>| x.reshape([b, tq, heads, h / heads]).swap_dims(1, 2);
@@ -779,6 +785,11 @@ pub(crate) fn composed_attention_backward<B: KilnBackend>(
     dropout: f64,
     seed: u64,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let kv = burn::tensor::TensorMetadata::shape(&k).dims[2];
+    let (k, v) = (
+        repeat_kv_heads::<B>(k, heads, &q),
+        repeat_kv_heads::<B>(v, heads, &q),
+    );
     let (q, k, v) = (t::<B, 3>(q), t::<B, 3>(k), t::<B, 3>(v));
     let [b, tq, h] = q.dims();
     let split = |x: Tensor<B, 3>| x.reshape([b, tq, heads, h / heads]).swap_dims(1, 2);
@@ -791,7 +802,49 @@ pub(crate) fn composed_attention_backward<B: KilnBackend>(
     let ds = t::<B, 4>(B::kiln_masked_softmax_backward(p(probs), p(dprobs), scale));
     let dq = bmm(ds.clone(), split(k));
     let dk = bmm(ds.swap_dims(2, 3), split(q));
-    (p(merge(dq)), p(merge(dk)), p(merge(dv)))
+    (
+        p(merge(dq)),
+        sum_kv_groups::<B>(p(merge(dk)), kv, heads),
+        sum_kv_groups::<B>(p(merge(dv)), kv, heads),
+    )
+}
+
+/// Keys or values `[B, T, kv]` of fewer heads than the queries `q [B, T, H]` (grouped-query
+/// attention) repeated to `[B, T, H]`, query head `i` reading key/value head `i / (heads / kv
+/// heads)` (transformers' `repeat_kv`); as they are when as wide as `q`.
+pub(crate) fn repeat_kv_heads<B: Backend>(
+    x: FloatTensor<B>,
+    heads: usize,
+    q: &FloatTensor<B>,
+) -> FloatTensor<B> {
+    let h = burn::tensor::TensorMetadata::shape(q).dims[2];
+    let x = t::<B, 3>(x);
+    let [b, s, kv] = x.dims();
+    if kv == h {
+        return p(x);
+    }
+    let d = h / heads;
+    let (kvh, n) = (kv / d, heads / (kv / d));
+    p(x.reshape([b, s, kvh, 1, d])
+        .expand([b, s, kvh, n, d])
+        .reshape([b, s, h]))
+}
+
+/// The transpose of [`repeat_kv_heads`]: `[B, T, H]` gradients summed over each key/value head's
+/// group of query heads, to `[B, T, kv]`.
+pub(crate) fn sum_kv_groups<B: Backend>(
+    dx: FloatTensor<B>,
+    kv: usize,
+    heads: usize,
+) -> FloatTensor<B> {
+    let dx = t::<B, 3>(dx);
+    let [b, s, h] = dx.dims();
+    if kv == h {
+        return p(dx);
+    }
+    let d = h / heads;
+    let (kvh, n) = (kv / d, heads / (kv / d));
+    p(dx.reshape([b, s, kvh, n, d]).sum_dim(3).reshape([b, s, kv]))
 }
 
 /// `x · dropout_mask(seed)` ([`KilnBackend::kiln_dropout_apply`]; identity at p = 0).
@@ -1082,8 +1135,9 @@ pub fn attention_qkv<B: KilnBackend>(
     t(out)
 }
 
-/// Causal multi-head self-attention for `q, k, v [B, T, H]` (`heads` heads side by side; keys and
-/// values already repeated for grouped-query attention): query `i` attends to keys `0..=i`.
+/// Causal multi-head self-attention for `q [B, T, H]` (`heads` heads side by side) and `k, v`
+/// `[B, T, H]`, or of fewer heads for grouped-query attention (see [`KilnBackend::kiln_attention`]):
+/// query `i` attends to keys `0..=i`.
 pub fn causal_attention<B: KilnBackend>(
     q: Tensor<B, 3>,
     k: Tensor<B, 3>,

@@ -199,11 +199,17 @@ impl<B: KilnBackend> LlamaAttention<B> {
                 (k_all, v_all)
             }
         };
-        let flat = |y: Tensor<B, 4>| y.reshape([b, t, nh * hd]);
+        // Grouped key/value heads go to the kernel as they are (query head i reads key/value head
+        // i / (heads / kv heads)); a shard whose query heads start or end inside a group gets
+        // one key/value head per query head.
+        let flat = |y: Tensor<B, 4>| {
+            let n = y.dims()[2];
+            y.reshape([b, t, n * hd])
+        };
         let (q, k, v) = (
             flat(q),
-            flat(self.expand_kv(k, shard)),
-            flat(self.expand_kv(v, shard)),
+            flat(self.grouped_kv(k, shard)),
+            flat(self.grouped_kv(v, shard)),
         );
         let out = match self.window {
             None => ops::causal_attention(q, k, v, nh),
@@ -225,6 +231,25 @@ impl<B: KilnBackend> LlamaAttention<B> {
         match shard {
             None => self.o_proj.forward(out),
             Some(s) => row_parallel(&self.o_proj, out, s),
+        }
+    }
+
+    /// Key/value heads `[B, S, kv, D]` for the attention kernel: as they are when query head `i`
+    /// reads key/value head `i / (heads / kv)`, else [`Self::expand_kv`]'s one per query head.
+    fn grouped_kv(&self, x: Tensor<B, 4>, shard: Option<&LlamaShard>) -> Tensor<B, 4> {
+        let kv = x.dims()[2];
+        let regular = match shard {
+            None => true,
+            Some(s) => {
+                let n = self.num_heads / kv.max(1);
+                let map = s.kv_of_q();
+                n * kv == self.num_heads && map.iter().enumerate().all(|(i, &k)| k == i / n)
+            }
+        };
+        if regular {
+            x
+        } else {
+            self.expand_kv(x, shard)
         }
     }
 

@@ -90,6 +90,8 @@ fn attention_forward_kernel<F: Float>(
     t: u32,
     heads: u32,
     rs: u32,
+    krs: u32,
+    group: u32,
     k_off: u32,
     v_off: u32,
     before: u32,
@@ -105,7 +107,7 @@ fn attention_forward_kernel<F: Float>(
     #[comptime] with_probs: bool,
     #[comptime] dropout: bool,
 ) {
-    let (t, heads, rs) = (t as usize, heads as usize, rs as usize);
+    let (t, heads, rs, krs) = (t as usize, heads as usize, rs as usize, krs as usize);
     let (before, after) = (before as usize, after as usize);
     let (k_off, v_off) = (k_off as usize, v_off as usize);
     let h = heads * d;
@@ -122,6 +124,8 @@ fn attention_forward_kernel<F: Float>(
         let (bh, i) = (row / t, row % t);
         let seq = (bh / heads) * t;
         let col = (bh % heads) * d;
+        // The key/value head this query head reads (grouped-query attention).
+        let kcol = ((bh % heads) / group as usize) * d;
         if u < d {
             qs[u] = q[(seq + i) * rs + col + u];
         }
@@ -134,8 +138,8 @@ fn attention_forward_kernel<F: Float>(
         let mut l = F::new(0.0);
         let mut j = lo + u;
         while j < hi {
-            let s =
-                dot::<F>(&qs, k, q, (seq + j) * rs + k_off + col, d, fused) * scale + mask[seq + j];
+            let s = dot::<F>(&qs, k, q, (seq + j) * krs + k_off + kcol, d, fused) * scale
+                + mask[seq + j];
             let mn = F::max(m, s);
             l = l * F::exp(m - mn) + F::exp(s - mn);
             m = mn;
@@ -167,7 +171,7 @@ fn attention_forward_kernel<F: Float>(
             let jj = js + u;
             let mut pd = F::new(0.0);
             if jj < hi {
-                let s = dot::<F>(&qs, k, q, (seq + jj) * rs + k_off + col, d, fused) * scale
+                let s = dot::<F>(&qs, k, q, (seq + jj) * krs + k_off + kcol, d, fused) * scale
                     + mask[seq + jj];
                 let pr = F::exp(s - mx) * inv;
                 if with_probs {
@@ -182,10 +186,10 @@ fn attention_forward_kernel<F: Float>(
             sync_cube();
             if u < d {
                 let n = select(hi - js < units, hi - js, units);
-                let vb = (seq + js) * rs + v_off + col + u;
+                let vb = (seq + js) * krs + v_off + kcol + u;
                 let mut x = 0;
                 while x < n {
-                    acc += chunk[x] * read::<F>(v, q, vb + x * rs, fused);
+                    acc += chunk[x] * read::<F>(v, q, vb + x * krs, fused);
                     x += 1;
                 }
             }
@@ -214,7 +218,8 @@ fn attention_backward_rows_kernel<F: Float>(
     dq: &mut Tensor<F>,
     t: u32,
     heads: u32,
-    rs: u32,
+    krs: u32,
+    group: u32,
     k_off: u32,
     v_off: u32,
     dq_rs: u32,
@@ -228,7 +233,8 @@ fn attention_backward_rows_kernel<F: Float>(
     #[comptime] fused: bool,
     #[comptime] dropout: bool,
 ) {
-    let (t, heads, rs, dq_rs) = (t as usize, heads as usize, rs as usize, dq_rs as usize);
+    let (t, heads, dq_rs) = (t as usize, heads as usize, dq_rs as usize);
+    let krs = krs as usize;
     let (k_off, v_off) = (k_off as usize, v_off as usize);
     let h = heads * d;
     let rows = probs.len() / t;
@@ -243,6 +249,7 @@ fn attention_backward_rows_kernel<F: Float>(
         let (bh, i) = (row / t, row % t);
         let seq = (bh / heads) * t;
         let col = (bh % heads) * d;
+        let kcol = ((bh % heads) / group as usize) * d;
         if u < d {
             dos[u] = dout[(seq + i) * h + col + u];
         }
@@ -254,7 +261,7 @@ fn attention_backward_rows_kernel<F: Float>(
         while j < t {
             let p = probs[prow + j];
             if p != F::new(0.0) {
-                let mut dp = dot::<F>(&dos, v, q, (seq + j) * rs + v_off + col, d, fused);
+                let mut dp = dot::<F>(&dos, v, q, (seq + j) * krs + v_off + kcol, d, fused);
                 if dropout {
                     dp *= kept::<F>(prow + j, seed_hi, seed_lo, keep, inv_keep);
                 }
@@ -273,7 +280,7 @@ fn attention_backward_rows_kernel<F: Float>(
             if jj < t {
                 let p = probs[prow + jj];
                 if p != F::new(0.0) {
-                    let mut dp = dot::<F>(&dos, v, q, (seq + jj) * rs + v_off + col, d, fused);
+                    let mut dp = dot::<F>(&dos, v, q, (seq + jj) * krs + v_off + kcol, d, fused);
                     if dropout {
                         dp *= kept::<F>(prow + jj, seed_hi, seed_lo, keep, inv_keep);
                     }
@@ -285,10 +292,10 @@ fn attention_backward_rows_kernel<F: Float>(
             sync_cube();
             if u < d {
                 let n = select(t - js < units, t - js, units);
-                let kb = (seq + js) * rs + k_off + col + u;
+                let kb = (seq + js) * krs + k_off + kcol + u;
                 let mut x = 0;
                 while x < n {
-                    dqa += chunk[x] * read::<F>(k, q, kb + x * rs, fused);
+                    dqa += chunk[x] * read::<F>(k, q, kb + x * krs, fused);
                     x += 1;
                 }
             }
@@ -302,9 +309,9 @@ fn attention_backward_rows_kernel<F: Float>(
     }
 }
 
-/// One cube per key row `(b, head, j)`: `dk_j = Σ_i ds_ij q_i` and
-/// `dv_j = Σ_i dropout(p_ij) dout_i`. With q, k and v in one tensor both land in `dk`'s buffer
-/// (`dv` is then unused).
+/// One cube per key row `(b, kv head, j)`: `dk_j = Σ_h Σ_i ds_hij q_hi` and
+/// `dv_j = Σ_h Σ_i dropout(p_hij) dout_hi` over the query heads `h` of its group. With q, k and v
+/// in one tensor both land in `dk`'s buffer (`dv` is then unused).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn attention_backward_keys_kernel<F: Float>(
@@ -316,6 +323,7 @@ fn attention_backward_keys_kernel<F: Float>(
     dv: &mut Tensor<F>,
     t: u32,
     heads: u32,
+    group: u32,
     rs: u32,
     kv_rs: u32,
     dk_off: u32,
@@ -329,52 +337,62 @@ fn attention_backward_keys_kernel<F: Float>(
     #[comptime] fused: bool,
     #[comptime] dropout: bool,
 ) {
-    let (t, heads, rs, kv_rs) = (t as usize, heads as usize, rs as usize, kv_rs as usize);
+    let (t, heads, group) = (t as usize, heads as usize, group as usize);
+    let (rs, kv_rs) = (rs as usize, kv_rs as usize);
     let (dk_off, dv_off) = (dk_off as usize, dv_off as usize);
     let h = heads * d;
-    let rows = probs.len() / t;
+    let kv_heads = heads / group;
+    let rows = (probs.len() / t) / group;
     let u = UNIT_POS as usize;
     let mut pc = SharedMemory::<F>::new(units);
     let mut gc = SharedMemory::<F>::new(units);
     let mut row = CUBE_POS_X as usize;
     while row < rows {
-        sync_cube();
-        let (bh, j) = (row / t, row % t);
-        let seq = (bh / heads) * t;
-        let col = (bh % heads) * d;
+        let (bkv, j) = (row / t, row % t);
+        let b = bkv / kv_heads;
+        let seq = b * t;
+        let kvh = bkv % kv_heads;
         let mut dka = F::new(0.0);
         let mut dva = F::new(0.0);
-        let mut is = 0;
-        while is < t {
-            let ii = is + u;
-            let mut pd = F::new(0.0);
-            let mut g = F::new(0.0);
-            if ii < t {
-                let idx = (bh * t + ii) * t + j;
-                pd = probs[idx];
-                if dropout {
-                    pd *= kept::<F>(idx, seed_hi, seed_lo, keep, inv_keep);
+        let mut g = 0;
+        while g < group {
+            let head = kvh * group + g;
+            let bh = b * heads + head;
+            let col = head * d;
+            let mut is = 0;
+            while is < t {
+                // Every unit is done with the last chunk before it is overwritten.
+                sync_cube();
+                let ii = is + u;
+                let mut pd = F::new(0.0);
+                let mut gr = F::new(0.0);
+                if ii < t {
+                    let idx = (bh * t + ii) * t + j;
+                    pd = probs[idx];
+                    if dropout {
+                        pd *= kept::<F>(idx, seed_hi, seed_lo, keep, inv_keep);
+                    }
+                    gr = ds[idx];
                 }
-                g = ds[idx];
-            }
-            pc[u] = pd;
-            gc[u] = g;
-            sync_cube();
-            if u < d {
-                let n = select(t - is < units, t - is, units);
-                let mut x = 0;
-                while x < n {
-                    let tok = seq + is + x;
-                    dva += pc[x] * dout[tok * h + col + u];
-                    dka += gc[x] * q[tok * rs + col + u];
-                    x += 1;
+                pc[u] = pd;
+                gc[u] = gr;
+                sync_cube();
+                if u < d {
+                    let n = select(t - is < units, t - is, units);
+                    let mut x = 0;
+                    while x < n {
+                        let tok = seq + is + x;
+                        dva += pc[x] * dout[tok * h + col + u];
+                        dka += gc[x] * q[tok * rs + col + u];
+                        x += 1;
+                    }
                 }
+                is += units;
             }
-            sync_cube();
-            is += units;
+            g += 1;
         }
         if u < d {
-            let at = (seq + j) * kv_rs + col + u;
+            let at = (seq + j) * kv_rs + kvh * d + u;
             dk[at + dk_off] = dka;
             if fused {
                 dk[at + dv_off] = dva;
@@ -399,8 +417,11 @@ struct Layout {
     t: usize,
     h: usize,
     heads: usize,
-    /// Row stride of q, k and v: `H`, or `3H` fused.
+    /// Row stride of q (and of k and v when fused): `H`, or `3H` fused.
     rs: usize,
+    /// Key/value heads (grouped-query attention: fewer than `heads`), and their row stride.
+    kv_heads: usize,
+    krs: usize,
     fused: bool,
 }
 
@@ -409,15 +430,21 @@ impl Layout {
         self.h / self.heads
     }
 
+    /// Query heads per key/value head.
+    fn group(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+
     /// Units per cube: the head dimension rounded up to a power of two (the tree reductions
     /// halve it), at least 32.
     fn units(&self) -> usize {
         self.d().next_power_of_two().max(32)
     }
 
-    /// One cube per row of `B·heads·T` (queries or keys), each striding past wgpu's grid limit.
-    fn grid(&self) -> (CubeCount, CubeDim) {
-        let rows = self.b * self.heads * self.t;
+    /// One cube per row of `B·heads·T` queries (or `B·kv_heads·T` keys), each striding past
+    /// wgpu's grid limit.
+    fn grid(&self, heads: usize) -> (CubeCount, CubeDim) {
+        let rows = self.b * heads * self.t;
         (
             CubeCount::Static(rows.clamp(1, MAX_GRID) as u32, 1, 1),
             CubeDim::new_1d(self.units() as u32),
@@ -425,25 +452,34 @@ impl Layout {
     }
 }
 
-/// Whether the kernels take attention over `[B, T, H]` with `heads` heads: a head dimension up to
-/// [`MAX_HEAD_DIM`], and every probability's index within 32 bits (the dropout hash's counter).
-pub fn takes([b, t, h]: [usize; 3], heads: usize) -> bool {
-    heads > 0
-        && h.is_multiple_of(heads)
-        && (1..=MAX_HEAD_DIM).contains(&(h / heads))
+/// Whether the kernels take attention over `[B, T, H]` with `heads` heads and keys/values of
+/// width `kv` (`H`, or fewer heads that divide them): a head dimension up to [`MAX_HEAD_DIM`], and
+/// every probability's index within 32 bits (the dropout hash's counter).
+pub fn takes([b, t, h]: [usize; 3], kv: usize, heads: usize) -> bool {
+    if heads == 0 || !h.is_multiple_of(heads) {
+        return false;
+    }
+    let d = h / heads;
+    (1..=MAX_HEAD_DIM).contains(&d)
+        && kv > 0
+        && kv.is_multiple_of(d)
+        && heads.is_multiple_of(kv / d)
         && b.saturating_mul(heads).saturating_mul(t).saturating_mul(t) <= u32::MAX as usize
 }
 
 fn layout<R: CubeRuntime>(x: &Qkv<R>, heads: usize) -> Layout {
     match x {
-        Qkv::Separate([q, ..]) => {
+        Qkv::Separate([q, k, _]) => {
             let [b, t, h] = q.shape.dims::<3>();
+            let krs = k.shape.dims::<3>()[2];
             Layout {
                 b,
                 t,
                 h,
                 heads,
                 rs: h,
+                kv_heads: krs / (h / heads),
+                krs,
                 fused: false,
             }
         }
@@ -455,6 +491,8 @@ fn layout<R: CubeRuntime>(x: &Qkv<R>, heads: usize) -> Layout {
                 h: h3 / 3,
                 heads,
                 rs: h3,
+                kv_heads: heads,
+                krs: h3,
                 fused: true,
             }
         }
@@ -513,7 +551,7 @@ pub fn forward<R: CubeRuntime, F: FloatElement>(
     };
     let keep = 1.0 - dropout;
     let (seed_hi, seed_lo) = seed_args(seed);
-    let (count, dim) = l.grid();
+    let (count, dim) = l.grid(heads);
     let (k_off, v_off) = if l.fused { (l.h, 2 * l.h) } else { (0, 0) };
     attention_forward_kernel::launch::<F, R>(
         &client,
@@ -528,6 +566,8 @@ pub fn forward<R: CubeRuntime, F: FloatElement>(
         ScalarArg::new(l.t as u32),
         ScalarArg::new(heads as u32),
         ScalarArg::new(l.rs as u32),
+        ScalarArg::new(l.krs as u32),
+        ScalarArg::new(l.group() as u32),
         ScalarArg::new(k_off as u32),
         ScalarArg::new(v_off as u32),
         ScalarArg::new(window.before.min(l.t) as u32),
@@ -569,15 +609,19 @@ pub fn backward<R: CubeRuntime, F: FloatElement>(
     let grads: Vec<CubeTensor<R>> = if l.fused {
         vec![new(&[l.b, l.t, 3 * l.h])]
     } else {
-        (0..3).map(|_| new(&[l.b, l.t, l.h])).collect()
+        vec![
+            new(&[l.b, l.t, l.h]),
+            new(&[l.b, l.t, l.krs]),
+            new(&[l.b, l.t, l.krs]),
+        ]
     };
     let keep = 1.0 - dropout;
-    let (count, dim) = l.grid();
+    let (count, dim) = l.grid(heads);
     let (k_off, v_off) = if l.fused { (l.h, 2 * l.h) } else { (0, 0) };
     let (seed_hi, seed_lo) = seed_args(seed);
     attention_backward_rows_kernel::launch::<F, R>(
         &client,
-        count.clone(),
+        count,
         dim,
         q.as_tensor_arg(1),
         k.as_tensor_arg(1),
@@ -588,7 +632,8 @@ pub fn backward<R: CubeRuntime, F: FloatElement>(
         grads[0].as_tensor_arg(1),
         ScalarArg::new(l.t as u32),
         ScalarArg::new(heads as u32),
-        ScalarArg::new(l.rs as u32),
+        ScalarArg::new(l.krs as u32),
+        ScalarArg::new(l.group() as u32),
         ScalarArg::new(k_off as u32),
         ScalarArg::new(v_off as u32),
         ScalarArg::new(l.rs as u32),
@@ -604,6 +649,7 @@ pub fn backward<R: CubeRuntime, F: FloatElement>(
     )
     .expect("attention_backward_rows launches");
     let (seed_hi, seed_lo) = seed_args(seed);
+    let (count, dim) = l.grid(l.kv_heads);
     let (dk, dv) = if l.fused {
         (&grads[0], placeholder::<R, F>(&q))
     } else {
@@ -621,8 +667,9 @@ pub fn backward<R: CubeRuntime, F: FloatElement>(
         dv.as_tensor_arg(1),
         ScalarArg::new(l.t as u32),
         ScalarArg::new(heads as u32),
+        ScalarArg::new(l.group() as u32),
         ScalarArg::new(l.rs as u32),
-        ScalarArg::new(l.rs as u32),
+        ScalarArg::new(l.krs as u32),
         ScalarArg::new(k_off as u32),
         ScalarArg::new(v_off as u32),
         ScalarArg::new(keep as f32),

@@ -304,7 +304,7 @@ where
         seed: u64,
         with_probs: bool,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
-        if !attention::takes(q.shape.dims::<3>(), heads) {
+        if !attention::takes(q.shape.dims::<3>(), k.shape.dims::<3>()[2], heads) {
             return super::composed_attention::<Self>(
                 q, k, v, mask, heads, window, scale, dropout, seed, with_probs,
             );
@@ -324,7 +324,7 @@ where
         dropout: f64,
         seed: u64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        if !attention::takes(q.shape.dims::<3>(), heads) {
+        if !attention::takes(q.shape.dims::<3>(), k.shape.dims::<3>()[2], heads) {
             return super::composed_attention_backward::<Self>(
                 q, k, v, probs, dout, heads, scale, dropout, seed,
             );
@@ -347,7 +347,7 @@ where
         with_probs: bool,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let [b, t, h3] = qkv.shape.dims::<3>();
-        if !attention::takes([b, t, h3 / 3], heads) {
+        if !attention::takes([b, t, h3 / 3], h3 / 3, heads) {
             let [q, k, v] = super::split_qkv::<Self>(qkv);
             return super::composed_attention::<Self>(
                 q,
@@ -385,7 +385,7 @@ where
         seed: u64,
     ) -> FloatTensor<Self> {
         let [b, t, h3] = qkv.shape.dims::<3>();
-        if !attention::takes([b, t, h3 / 3], heads) {
+        if !attention::takes([b, t, h3 / 3], h3 / 3, heads) {
             let [q, k, v] = super::split_qkv::<Self>(qkv);
             let (dq, dk, dv) = super::composed_attention_backward::<Self>(
                 q, k, v, probs, dout, heads, scale, dropout, seed,
