@@ -442,9 +442,10 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
                 .stateful()
             {
                 OpsKind::Tracked(prep) => {
-                    let y =
-                        B::kiln_linear(x.primitive.clone(), w.primitive.clone(), Some(b.primitive));
-                    prep.finish((x.primitive, w.primitive), y)
+                    // The backward keeps the operands in the form the products read them.
+                    let (x, w) = B::kiln_linear_operands(x.primitive, w.primitive);
+                    let y = B::kiln_linear(x.clone(), w.clone(), Some(b.primitive));
+                    prep.finish((x, w), y)
                 }
                 OpsKind::UnTracked(prep) => {
                     prep.finish(B::kiln_linear(x.primitive, w.primitive, Some(b.primitive)))
@@ -456,8 +457,9 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
                 .stateful()
             {
                 OpsKind::Tracked(prep) => {
-                    let y = B::kiln_linear(x.primitive.clone(), w.primitive.clone(), None);
-                    prep.finish((x.primitive, w.primitive), y)
+                    let (x, w) = B::kiln_linear_operands(x.primitive, w.primitive);
+                    let y = B::kiln_linear(x.clone(), w.clone(), None);
+                    prep.finish((x, w), y)
                 }
                 OpsKind::UnTracked(prep) => {
                     prep.finish(B::kiln_linear(x.primitive, w.primitive, None))

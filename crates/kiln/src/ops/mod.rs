@@ -219,6 +219,17 @@ pub trait KilnBackend: Backend {
         })
     }
 
+    /// The operands `x [M, K]` and `w` of a Linear in the form its products read them, made once
+    /// for the forward product and kept for the backward's two: as they are by default; under
+    /// `--bf16` on a GPU, bf16 copies (as autocast keeps its cast operands: half the memory, and
+    /// no second cast per product).
+    fn kiln_linear_operands(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        (x, w)
+    }
+
     /// `(dx, dw, db)` of [`Self::kiln_linear`] for output gradient `dy [M, N]`; `dx` only when
     /// `input_grad` (a model's first layer reads data, whose gradient nobody wants — for the MNIST
     /// MLP that product is a third of the backward's work), `db` only when `bias`.

@@ -94,6 +94,22 @@ where
         with_bias::<R, F, I, BT>(product::<R, F, I, BT>(x, false, w, false), b)
     }
 
+    /// Under `--bf16`, bf16 copies of a Linear's operands, for its forward product and kept for
+    /// its backward: the products' own casts then find bf16 and do nothing.
+    fn kiln_linear_operands(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if super::matmul_precision() == MatmulPrecision::Bf16 {
+            (
+                Self::float_cast(x, FloatDType::BF16),
+                Self::float_cast(w, FloatDType::BF16),
+            )
+        } else {
+            (x, w)
+        }
+    }
+
     fn kiln_linear_backward(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
