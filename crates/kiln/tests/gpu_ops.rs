@@ -232,6 +232,19 @@ case!(
         0.1
     )
 );
+case!(
+    residual_layer_norm_wide,
+    "residual_layer_norm (300 rows of 768, dropout 0.1)",
+    [[300, 768], [300, 768], [1, 768], [1, 768]],
+    |x| kiln::ops::residual_layer_norm(
+        x[0].clone(),
+        x[1].clone(),
+        row(&x[2]),
+        row(&x[3]),
+        1e-12,
+        0.1
+    )
+);
 case!(dropout, "dropout 0.3", [[16, 40]], |x| kiln::ops::dropout(
     x[0].clone(),
     0.3

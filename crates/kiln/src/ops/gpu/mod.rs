@@ -263,6 +263,24 @@ where
         norm::layer_norm::<R, F>(x, w, b, eps)
     }
 
+    /// Dropout, residual add and layer norm in one launch ([`norm`]).
+    fn kiln_residual_layer_norm(
+        x: FloatTensor<Self>,
+        r: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        eps: f64,
+        dropout: f64,
+        seed: u64,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        norm::residual_layer_norm::<R, F>(x, r, w, b, eps, dropout, seed)
+    }
+
     fn kiln_layer_norm_backward(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,

@@ -17,6 +17,7 @@ use burn_cubecl::{CubeRuntime, FloatElement};
 use cubecl::prelude::*;
 
 use super::columns::{chunk_rows, chunks, column_grid, sum_rows};
+use super::dropout::uniform;
 use super::grid::{row_grid, tree_reduce, ROW_UNITS};
 
 #[cube(launch)]
@@ -138,6 +139,124 @@ fn layer_norm_forward<F: Float>(
         }
         row += CUBE_COUNT_X as usize;
     }
+}
+
+/// A transformer block's "dropout, residual add, norm" in one pass per row: `z = dropout(x) + r`
+/// (the CPU's counter-hash mask over the flat index), written for the backward, then the layer
+/// norm of `z`. Each unit reads back only the `z` it wrote itself.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn residual_layer_norm_forward<F: Float>(
+    x: &Tensor<F>,
+    r: &Tensor<F>,
+    w: &Tensor<F>,
+    b: &Tensor<F>,
+    y: &mut Tensor<F>,
+    z: &mut Tensor<F>,
+    mean: &mut Tensor<F>,
+    rstd: &mut Tensor<F>,
+    eps: f32,
+    keep: f32,
+    inv_keep: f32,
+    seed_hi: u32,
+    seed_lo: u32,
+    #[comptime] units: usize,
+    #[comptime] dropout: bool,
+) {
+    let rows = rstd.len();
+    let mut partial = SharedMemory::<F>::new(units);
+    let mut row = CUBE_POS_X as usize;
+    while row < rows {
+        sync_cube();
+        let h = x.shape(1);
+        let base = row * h;
+        let mut acc = F::new(0.0);
+        let mut i = UNIT_POS as usize;
+        while i < h {
+            let mut xi = x[base + i];
+            if dropout {
+                let u = uniform(base + i, seed_hi, seed_lo);
+                xi *= select(u < keep, F::cast_from(inv_keep), F::new(0.0));
+            }
+            let zi = xi + r[base + i];
+            z[base + i] = zi;
+            acc += zi;
+            i += units;
+        }
+        partial[UNIT_POS as usize] = acc;
+        let mu = tree_reduce::<F>(&mut partial, false) / F::cast_from(h);
+        sync_cube();
+        let mut acc2 = F::new(0.0);
+        let mut j = UNIT_POS as usize;
+        while j < h {
+            let d = z[base + j] - mu;
+            acc2 += d * d;
+            j += units;
+        }
+        partial[UNIT_POS as usize] = acc2;
+        let var = tree_reduce::<F>(&mut partial, false) / F::cast_from(h);
+        let inv = F::new(1.0) / F::sqrt(var + F::cast_from(eps));
+        if UNIT_POS == 0 {
+            mean[row] = mu;
+            rstd[row] = inv;
+        }
+        let mut k = UNIT_POS as usize;
+        while k < h {
+            y[base + k] = (z[base + k] - mu) * inv * w[k] + b[k];
+            k += units;
+        }
+        row += CUBE_COUNT_X as usize;
+    }
+}
+
+/// `(y, z, mean, rstd)` of `layer_norm(dropout(x) + r)` over the rows of `[R, H]` inputs
+/// (`ops::KilnBackend::kiln_residual_layer_norm`'s contract), in one launch.
+#[allow(clippy::too_many_arguments)]
+pub fn residual_layer_norm<R: CubeRuntime, F: FloatElement>(
+    x: CubeTensor<R>,
+    r: CubeTensor<R>,
+    w: CubeTensor<R>,
+    b: CubeTensor<R>,
+    eps: f64,
+    dropout: f64,
+    seed: u64,
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+    let (x, r) = (into_contiguous(x), into_contiguous(r));
+    let (w, b) = (into_contiguous(w), into_contiguous(b));
+    let (rows, h) = (x.shape.dims[0], x.shape.dims[1]);
+    assert!(
+        rows * h <= u32::MAX as usize,
+        "dropout over {} elements (at most 2³²)",
+        rows * h
+    );
+    let (client, device) = (x.client.clone(), x.device.clone());
+    let new = |dims: &[usize]| empty_device::<R, F>(client.clone(), device.clone(), dims.into());
+    let (y, z) = (new(&[rows, h]), new(&[rows, h]));
+    let (mean, rstd) = (new(&[rows]), new(&[rows]));
+    let keep = 1.0 - dropout;
+    let (row_count, row_dim) = row_grid(rows);
+    residual_layer_norm_forward::launch::<F, R>(
+        &client,
+        row_count,
+        row_dim,
+        x.as_tensor_arg(1),
+        r.as_tensor_arg(1),
+        w.as_tensor_arg(1),
+        b.as_tensor_arg(1),
+        y.as_tensor_arg(1),
+        z.as_tensor_arg(1),
+        mean.as_tensor_arg(1),
+        rstd.as_tensor_arg(1),
+        ScalarArg::new(eps as f32),
+        ScalarArg::new(keep as f32),
+        ScalarArg::new((1.0 / keep) as f32),
+        ScalarArg::new((seed >> 32) as u32),
+        ScalarArg::new(seed as u32),
+        ROW_UNITS as usize,
+        dropout > 0.0,
+    )
+    .expect("residual_layer_norm_forward launches");
+    (y, z, mean, rstd)
 }
 
 /// `dx` of the layer norm, one cube per row: with `x̂ = (x − μ)·rstd` and `g = dy·w`,
