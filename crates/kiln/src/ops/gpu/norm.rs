@@ -113,31 +113,53 @@ fn layer_norm_forward<F: Float>(
             acc += x[base + i];
             i += units;
         }
-        partial[UNIT_POS as usize] = acc;
-        let mu = tree_reduce::<F>(&mut partial, false) / F::cast_from(h);
-        // Every unit has read the sum before the buffer is reused. The variance is the mean of the
-        // squared deviations (two passes), as the CPU kernel computes it.
-        sync_cube();
-        let mut acc2 = F::new(0.0);
-        let mut j = UNIT_POS as usize;
-        while j < h {
-            let d = x[base + j] - mu;
-            acc2 += d * d;
-            j += units;
-        }
-        partial[UNIT_POS as usize] = acc2;
-        let var = tree_reduce::<F>(&mut partial, false) / F::cast_from(h);
-        let inv = F::new(1.0) / F::sqrt(var + F::cast_from(eps));
-        if UNIT_POS == 0 {
-            mean[row] = mu;
-            rstd[row] = inv;
-        }
-        let mut k = UNIT_POS as usize;
-        while k < h {
-            y[base + k] = (x[base + k] - mu) * inv * w[k] + b[k];
-            k += units;
-        }
+        normalize_row::<F>(x, w, b, y, mean, rstd, &mut partial, acc, row, eps, units);
         row += CUBE_COUNT_X as usize;
+    }
+}
+
+/// A layer norm's row `row` of `x` once each unit holds the sum `acc` of the values it read (every
+/// `units`-th from its position): the mean; the variance as the mean of the squared deviations (two
+/// passes, as the CPU kernel computes it); `mean`, `rstd` and `y`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn normalize_row<F: Float>(
+    x: &Tensor<F>,
+    w: &Tensor<F>,
+    b: &Tensor<F>,
+    y: &mut Tensor<F>,
+    mean: &mut Tensor<F>,
+    rstd: &mut Tensor<F>,
+    partial: &mut SharedMemory<F>,
+    acc: F,
+    row: usize,
+    eps: f32,
+    #[comptime] units: usize,
+) {
+    let h = x.shape(1);
+    let base = row * h;
+    partial[UNIT_POS as usize] = acc;
+    let mu = tree_reduce::<F>(partial, false) / F::cast_from(h);
+    // Every unit has read the sum before the buffer is reused.
+    sync_cube();
+    let mut acc2 = F::new(0.0);
+    let mut j = UNIT_POS as usize;
+    while j < h {
+        let d = x[base + j] - mu;
+        acc2 += d * d;
+        j += units;
+    }
+    partial[UNIT_POS as usize] = acc2;
+    let var = tree_reduce::<F>(partial, false) / F::cast_from(h);
+    let inv = F::new(1.0) / F::sqrt(var + F::cast_from(eps));
+    if UNIT_POS == 0 {
+        mean[row] = mu;
+        rstd[row] = inv;
+    }
+    let mut k = UNIT_POS as usize;
+    while k < h {
+        y[base + k] = (x[base + k] - mu) * inv * w[k] + b[k];
+        k += units;
     }
 }
 
@@ -183,28 +205,7 @@ fn residual_layer_norm_forward<F: Float>(
             acc += zi;
             i += units;
         }
-        partial[UNIT_POS as usize] = acc;
-        let mu = tree_reduce::<F>(&mut partial, false) / F::cast_from(h);
-        sync_cube();
-        let mut acc2 = F::new(0.0);
-        let mut j = UNIT_POS as usize;
-        while j < h {
-            let d = z[base + j] - mu;
-            acc2 += d * d;
-            j += units;
-        }
-        partial[UNIT_POS as usize] = acc2;
-        let var = tree_reduce::<F>(&mut partial, false) / F::cast_from(h);
-        let inv = F::new(1.0) / F::sqrt(var + F::cast_from(eps));
-        if UNIT_POS == 0 {
-            mean[row] = mu;
-            rstd[row] = inv;
-        }
-        let mut k = UNIT_POS as usize;
-        while k < h {
-            y[base + k] = (z[base + k] - mu) * inv * w[k] + b[k];
-            k += units;
-        }
+        normalize_row::<F>(z, w, b, y, mean, rstd, &mut partial, acc, row, eps, units);
         row += CUBE_COUNT_X as usize;
     }
 }
