@@ -25,7 +25,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeRuntime, FloatElement};
 use cubecl::prelude::*;
 
-use super::dropout::uniform;
+use super::dropout::kept;
 use super::grid::{tree_reduce, MAX_GRID};
 use crate::ops::Window;
 
@@ -56,24 +56,31 @@ fn dot<F: Float>(
     s
 }
 
-/// `own[i]`, or `qkv[i]` for q, k and v in one tensor.
+/// `acc + Σ_x chunk[x] · src[base + x·stride]` over the first `n` values of a chunk, in order:
+/// one output column over a chunk's rows of `own` (or, for q, k and v in one tensor, of `qkv`).
 #[cube]
-fn read<F: Float>(own: &Tensor<F>, qkv: &Tensor<F>, i: usize, #[comptime] fused: bool) -> F {
-    if fused {
-        qkv[i]
-    } else {
-        own[i]
+#[allow(clippy::too_many_arguments)]
+fn chunk_dot<F: Float>(
+    acc: F,
+    chunk: &SharedMemory<F>,
+    own: &Tensor<F>,
+    qkv: &Tensor<F>,
+    base: usize,
+    stride: usize,
+    n: usize,
+    #[comptime] fused: bool,
+) -> F {
+    let mut sum = acc;
+    let mut x = 0;
+    while x < n {
+        if fused {
+            sum += chunk[x] * qkv[base + x * stride];
+        } else {
+            sum += chunk[x] * own[base + x * stride];
+        }
+        x += 1;
     }
-}
-
-/// The dropout factor of probability `i`: `1/keep` if it is kept, else 0 (the CPU's mask).
-#[cube]
-fn kept<F: Float>(i: usize, seed_hi: u32, seed_lo: u32, keep: f32, inv_keep: f32) -> F {
-    select(
-        uniform(i, seed_hi, seed_lo) < keep,
-        F::cast_from(inv_keep),
-        F::new(0.0),
-    )
+    sum
 }
 
 /// One cube per query row `(b, head, i)`: its probabilities over the keys `lo..hi` of its window
@@ -187,11 +194,7 @@ fn attention_forward_kernel<F: Float>(
             if u < d {
                 let n = select(hi - js < units, hi - js, units);
                 let vb = (seq + js) * krs + v_off + kcol + u;
-                let mut x = 0;
-                while x < n {
-                    acc += chunk[x] * read::<F>(v, q, vb + x * krs, fused);
-                    x += 1;
-                }
+                acc = chunk_dot::<F>(acc, &chunk, v, q, vb, krs, n, fused);
             }
             sync_cube();
             js += units;
@@ -293,11 +296,7 @@ fn attention_backward_rows_kernel<F: Float>(
             if u < d {
                 let n = select(t - js < units, t - js, units);
                 let kb = (seq + js) * krs + k_off + kcol + u;
-                let mut x = 0;
-                while x < n {
-                    dqa += chunk[x] * read::<F>(k, q, kb + x * krs, fused);
-                    x += 1;
-                }
+                dqa = chunk_dot::<F>(dqa, &chunk, k, q, kb, krs, n, fused);
             }
             sync_cube();
             js += units;

@@ -38,7 +38,7 @@ fn mul64_hi(ah: u32, al: u32, bh: u32, bl: u32) -> u32 {
 /// The element's uniform in [0, 1): the top 24 bits of SplitMix64's finaliser over
 /// `seed + i·0x9E3779B97F4A7C15` (`i < 2³²`, checked by the callers).
 #[cube]
-pub(super) fn uniform(i: usize, seed_hi: u32, seed_lo: u32) -> f32 {
+fn uniform(i: usize, seed_hi: u32, seed_lo: u32) -> f32 {
     let idx = i as u32;
     let pl = idx * 0x7F4A_7C15u32;
     let ph = mul_hi(idx, 0x7F4A_7C15u32) + idx * 0x9E37_79B9u32;
@@ -60,6 +60,17 @@ pub(super) fn uniform(i: usize, seed_hi: u32, seed_lo: u32) -> f32 {
     f32::cast_from(zh >> 8) * (1.0 / 16_777_216.0)
 }
 
+/// The dropout factor of element `i`: `1/keep` (`inv_keep`) where its uniform is below `keep`,
+/// else 0 — the CPU mask's value. Every kernel that drops units makes its mask with this.
+#[cube]
+pub(super) fn kept<F: Float>(i: usize, seed_hi: u32, seed_lo: u32, keep: f32, inv_keep: f32) -> F {
+    select(
+        uniform(i, seed_hi, seed_lo) < keep,
+        F::cast_from(inv_keep),
+        F::new(0.0),
+    )
+}
+
 /// `out = x · mask`, the mask made in place (the CPU's `x · mask`, the same bits).
 #[cube(launch)]
 fn dropout_apply_kernel<F: Float>(
@@ -74,8 +85,7 @@ fn dropout_apply_kernel<F: Float>(
     let stride = CUBE_COUNT * CUBE_DIM as usize;
     let mut i = ABSOLUTE_POS;
     while i < n {
-        let u = uniform(i, seed_hi, seed_lo);
-        out[i] = x[i] * select(u < keep, F::cast_from(scale), F::new(0.0));
+        out[i] = x[i] * kept::<F>(i, seed_hi, seed_lo, keep, scale);
         i += stride;
     }
 }

@@ -17,7 +17,7 @@ use burn_cubecl::{CubeRuntime, FloatElement};
 use cubecl::prelude::*;
 
 use super::columns::{chunk_rows, chunks, column_grid, sum_rows};
-use super::dropout::uniform;
+use super::dropout::kept;
 use super::grid::{row_grid, tree_reduce, ROW_UNITS};
 
 #[cube(launch)]
@@ -197,8 +197,7 @@ fn residual_layer_norm_forward<F: Float>(
         while i < h {
             let mut xi = x[base + i];
             if dropout {
-                let u = uniform(base + i, seed_hi, seed_lo);
-                xi *= select(u < keep, F::cast_from(inv_keep), F::new(0.0));
+                xi *= kept::<F>(base + i, seed_hi, seed_lo, keep, inv_keep);
             }
             let zi = xi + r[base + i];
             z[base + i] = zi;
