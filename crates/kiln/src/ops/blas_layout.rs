@@ -60,7 +60,40 @@ pub fn row_major_gemm_strided(
     }
 }
 
+/// One matrix as cuBLASLt's `cublasLtMatrixLayoutCreate(type, rows, cols, ld)` describes it: as
+/// stored, column-major, before the call's transpose flag applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredLayout {
+    pub rows: usize,
+    pub cols: usize,
+    pub ld: usize,
+}
+
 impl GemmCall {
+    /// The stored layouts of `A`, `B` and `C`/`D` for cuBLASLt, which takes each matrix's stored
+    /// shape where `gemm` takes `m, n, k`: `A` is `m×k` read as stored, `k×m` when transposed.
+    /// A bias epilogue then adds `bias[i]` to every column of row `i` of the `m×n` result, which
+    /// is the row-major product's column `i`: a Linear's output feature.
+    pub fn lt_layouts(&self) -> [StoredLayout; 3] {
+        let stored = |op: Op, rows: usize, cols: usize, ld: usize| match op {
+            Op::N => StoredLayout { rows, cols, ld },
+            Op::T => StoredLayout {
+                rows: cols,
+                cols: rows,
+                ld,
+            },
+        };
+        [
+            stored(self.transa, self.m, self.k, self.lda),
+            stored(self.transb, self.k, self.n, self.ldb),
+            StoredLayout {
+                rows: self.m,
+                cols: self.n,
+                ld: self.ldc,
+            },
+        ]
+    }
+
     /// Whether every size fits BLAS's 32-bit `int` arguments.
     pub fn fits_i32(&self) -> bool {
         [self.m, self.n, self.k, self.lda, self.ldb, self.ldc]
@@ -170,6 +203,69 @@ mod tests {
                 for (g, w) in got.iter().zip(&want) {
                     assert!((g - w).abs() < 1e-12, "tl={tl} tr={tr}: {g} vs {w}");
                 }
+            }
+        }
+    }
+
+    /// cuBLASLt's matmul with the `BIAS` epilogue as its documentation defines it: each operand
+    /// read through its stored layout (column-major `rows×cols`, columns `ld` apart; an index
+    /// outside `rows×cols` panics, so a wrong layout fails here), then the call's transpose, then
+    /// `bias[i]` added to row `i` of `D`.
+    fn lt_gemm_bias(call: &GemmCall, a: &[f64], b: &[f64], bias: &[f64]) -> Vec<f64> {
+        let [la, lb, lc] = call.lt_layouts();
+        let read = |x: &[f64], l: StoredLayout, r: usize, c: usize| {
+            assert!(
+                r < l.rows && c < l.cols && l.ld >= l.rows,
+                "{l:?} at ({r}, {c})"
+            );
+            x[r + c * l.ld]
+        };
+        let at = |i: usize, p: usize| match call.transa {
+            Op::N => read(a, la, i, p),
+            Op::T => read(a, la, p, i),
+        };
+        let bt = |p: usize, j: usize| match call.transb {
+            Op::N => read(b, lb, p, j),
+            Op::T => read(b, lb, j, p),
+        };
+        assert_eq!((lc.rows, lc.cols, bias.len()), (call.m, call.n, call.m));
+        let mut d = vec![f64::NAN; lc.ld * lc.cols];
+        for j in 0..lc.cols {
+            for i in 0..lc.rows {
+                d[i + j * lc.ld] = (0..call.k).map(|p| at(i, p) * bt(p, j)).sum::<f64>() + bias[i];
+            }
+        }
+        d
+    }
+
+    #[test]
+    fn cublaslt_layouts_and_bias_give_the_linear_forward() {
+        // y[M,N] = x[M,K] · w[N,K]ᵀ + b[N], also with x read from inside a wider buffer.
+        let (m, n, k) = (3, 5, 7);
+        let w: Vec<f64> = (0..n * k).map(|i| (i as f64 * 0.91).cos()).collect();
+        let b: Vec<f64> = (0..n).map(|i| i as f64 - 1.5).collect();
+        for ld_x in [k, k + 3] {
+            let x: Vec<f64> = (0..m * ld_x).map(|i| (i as f64 * 0.37).sin()).collect();
+            let packed: Vec<f64> = (0..m * k).map(|i| x[(i / k) * ld_x + i % k]).collect();
+            let call = row_major_gemm_strided(m, n, k, (false, ld_x), (true, k));
+            let got = lt_gemm_bias(&call, &w, &x, &b);
+            let want = row_major(&packed, &w, (m, n, k), false, true);
+            for i in 0..m {
+                for j in 0..n {
+                    let (g, e) = (got[i * n + j], want[i * n + j] + b[j]);
+                    assert!((g - e).abs() < 1e-12, "ld_x={ld_x} y[{i},{j}]: {g} vs {e}");
+                }
+            }
+        }
+        // Every transpose combination reads inside its stored layout.
+        for tl in [false, true] {
+            for tr in [false, true] {
+                let call = row_major_gemm(m, n, k, tl, tr);
+                let l: Vec<f64> = (0..m * k).map(|i| i as f64).collect();
+                let r: Vec<f64> = (0..k * n).map(|i| i as f64).collect();
+                let want = row_major(&l, &r, (m, n, k), tl, tr);
+                let got = lt_gemm_bias(&call, &r, &l, &vec![0.0; n]);
+                assert_eq!(got, want, "tl={tl} tr={tr}");
             }
         }
     }

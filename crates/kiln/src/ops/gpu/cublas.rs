@@ -52,6 +52,11 @@ pub(super) fn calls() -> u64 {
     CALLS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// Counts one library call (a GEMM here or in [`super::cublaslt`]).
+pub(super) fn count_call() {
+    CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
 fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("KILN_CUBLAS").map_or(true, |v| v != "0"))
@@ -87,7 +92,9 @@ fn with_handle<T>(f: impl FnOnce(sys::cublasHandle_t) -> T) -> Option<T> {
 }
 
 /// The tensor as CUDA's, or `None` on another runtime.
-fn as_cuda<R: CubeRuntime>(t: CubeTensor<R>) -> Result<CubeTensor<CudaRuntime>, CubeTensor<R>> {
+pub(super) fn as_cuda<R: CubeRuntime>(
+    t: CubeTensor<R>,
+) -> Result<CubeTensor<CudaRuntime>, CubeTensor<R>> {
     let boxed: Box<dyn Any> = Box::new(t);
     match boxed.downcast::<CubeTensor<CudaRuntime>>() {
         Ok(t) => Ok(*t),
@@ -97,7 +104,7 @@ fn as_cuda<R: CubeRuntime>(t: CubeTensor<R>) -> Result<CubeTensor<CudaRuntime>, 
     }
 }
 
-fn from_cuda<R: CubeRuntime>(t: CubeTensor<CudaRuntime>) -> CubeTensor<R> {
+pub(super) fn from_cuda<R: CubeRuntime>(t: CubeTensor<CudaRuntime>) -> CubeTensor<R> {
     let boxed: Box<dyn Any> = Box::new(t);
     *boxed
         .downcast::<CubeTensor<R>>()
@@ -122,10 +129,10 @@ fn op(o: Op) -> sys::cublasOperation_t {
 /// How cuBLAS reads one operand: stored transposed or not, the distance between its stored rows,
 /// and between consecutive matrices of the batch.
 #[derive(Debug, Clone, Copy)]
-struct Operand {
-    trans: bool,
-    ld: usize,
-    batch_stride: usize,
+pub(super) struct Operand {
+    pub trans: bool,
+    pub ld: usize,
+    pub batch_stride: usize,
 }
 
 /// The operand view of `t` (`[..batch, rows, cols]`), or `None` when its strides are not one
@@ -162,7 +169,9 @@ fn operand(t: &CubeTensor<CudaRuntime>) -> Option<Operand> {
     })
 }
 
-fn operand_or_contiguous(t: CubeTensor<CudaRuntime>) -> (CubeTensor<CudaRuntime>, Operand) {
+pub(super) fn operand_or_contiguous(
+    t: CubeTensor<CudaRuntime>,
+) -> (CubeTensor<CudaRuntime>, Operand) {
     match operand(&t) {
         Some(o) => (t, o),
         None => {
@@ -292,7 +301,7 @@ pub(super) fn matmul<R: CubeRuntime>(
     });
     match done {
         Some(Ok(())) => {
-            CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            count_call();
             Ok(from_cuda(out))
         }
         Some(Err(e)) => panic!("cuBLAS gemm of [{batch}× {m}, {k}] by [{k}, {n}] failed: {e:?}"),

@@ -17,6 +17,8 @@ mod attention;
 mod columns;
 #[cfg(feature = "cuda")]
 mod cublas;
+#[cfg(feature = "cuda")]
+mod cublaslt;
 mod dropout;
 mod elementwise;
 mod embedding;
@@ -32,6 +34,24 @@ mod squares;
 /// under `--bf16`; attention's batched products stay f32, as on the CPU. cuBLAS on CUDA; CubeCL's
 /// matmul on other runtimes (or with cuBLAS off).
 fn product<R, F, I, BT>(l: CubeTensor<R>, tl: bool, r: CubeTensor<R>, tr: bool) -> CubeTensor<R>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    product_bias::<R, F, I, BT>(l, tl, r, tr, None)
+}
+
+/// [`product`] plus a bias `[N]` broadcast over its rows: one cuBLASLt call with the bias
+/// epilogue where it is on (`KILN_CUBLASLT=1`, [`cublaslt`]), else the product and an add.
+fn product_bias<R, F, I, BT>(
+    l: CubeTensor<R>,
+    tl: bool,
+    r: CubeTensor<R>,
+    tr: bool,
+    bias: Option<CubeTensor<R>>,
+) -> CubeTensor<R>
 where
     R: CubeRuntime,
     F: FloatElement,
@@ -59,16 +79,27 @@ where
         (l, r)
     };
     #[cfg(feature = "cuda")]
+    let (l, r, bias) = match bias {
+        Some(b) if cublaslt::enabled() => {
+            match cublaslt::matmul_bias(l, r, b, super::tf32_allowed()) {
+                Ok(y) => return y,
+                Err((l, r, b)) => (l, r, Some(b)),
+            }
+        }
+        other => (l, r, other),
+    };
+    #[cfg(feature = "cuda")]
     let (l, r) = match cublas::matmul(l, r, super::tf32_allowed()) {
-        Ok(y) => return y,
+        Ok(y) => return with_bias::<R, F, I, BT>(y, bias),
         Err(operands) => operands,
     };
     let y = B::<R, F, I, BT>::float_matmul(l, r);
-    if bf16 {
+    let y = if bf16 {
         B::<R, F, I, BT>::float_cast(y, F::dtype().into())
     } else {
         y
-    }
+    };
+    with_bias::<R, F, I, BT>(y, bias)
 }
 
 impl<R, F, I, BT> KilnBackend for CubeBackend<R, F, I, BT>
@@ -83,7 +114,7 @@ where
         w: FloatTensor<Self>,
         b: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
-        with_bias::<R, F, I, BT>(product::<R, F, I, BT>(x, false, w, true), b)
+        product_bias::<R, F, I, BT>(x, false, w, true, b)
     }
 
     fn kiln_linear_in_out(
@@ -91,7 +122,7 @@ where
         w: FloatTensor<Self>,
         b: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
-        with_bias::<R, F, I, BT>(product::<R, F, I, BT>(x, false, w, false), b)
+        product_bias::<R, F, I, BT>(x, false, w, false, b)
     }
 
     /// Under `--bf16`, bf16 copies of a Linear's operands, for its forward product and kept for
