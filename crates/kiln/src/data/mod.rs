@@ -7,6 +7,7 @@ pub mod idx;
 pub mod labels;
 pub mod lm;
 pub mod reader;
+pub mod rows;
 pub mod saved_dataset;
 pub mod tokenize;
 

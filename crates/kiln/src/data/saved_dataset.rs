@@ -14,7 +14,10 @@ use arrow_array::types::{
 use arrow_array::{Array, RecordBatch};
 use arrow_schema::DataType;
 
-use super::reader::{missing_column, Cell, Collector, Columns, RawExample, ReadReport, Skipped};
+use super::rows::{
+    catch_reader_panics, check_regular_file, missing_column, Cell, Collector, Columns, RawExample,
+    ReadReport, Skipped,
+};
 use crate::error::{KilnError, Result};
 
 /// Whether `dir` is one saved Dataset (not a DatasetDict).
@@ -129,7 +132,7 @@ fn features(path: &Path) -> Result<Option<(PathBuf, serde_json::Value)>> {
     } else {
         return Ok(None);
     };
-    super::reader::catch_reader_panics(&file, "Parquet file (the parquet crate", || {
+    catch_reader_panics(&file, "Parquet file (the parquet crate", || {
         use parquet::file::reader::{FileReader, SerializedFileReader};
         let f = File::open(&file).map_err(|e| KilnError::io(&file, e))?;
         let Ok(reader) = SerializedFileReader::new(f) else {
@@ -280,8 +283,8 @@ fn data_files(dir: &Path) -> Result<Vec<PathBuf>> {
 pub(super) fn read(dir: &Path, c: &mut Collector) -> Result<()> {
     let mut n = 0;
     for file in data_files(dir)? {
-        super::reader::check_regular_file(&file)?;
-        super::reader::catch_reader_panics(&file, "Arrow file (arrow-ipc", || {
+        check_regular_file(&file)?;
+        catch_reader_panics(&file, "Arrow file (arrow-ipc", || {
             for batch in batches(&file)? {
                 read_batch(dir, &batch?, c, &mut n)?;
             }

@@ -495,7 +495,7 @@ impl Client {
                 )
                 .expect("a valid template"),
             );
-            b.set_message(crate::report::escape_for_terminal(file));
+            b.set_message(crate::error::escape_for_terminal(file));
             b
         });
         let started = Instant::now();

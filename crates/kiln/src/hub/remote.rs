@@ -229,7 +229,7 @@ impl Hub {
                 return Err(KilnError::Config(format!(
                     "{} (Hub model {id}): shard {:?} is not a file name",
                     index.display(),
-                    crate::report::escape_for_terminal(shard)
+                    crate::error::escape_for_terminal(shard)
                 )));
             }
             self.required(id, kind, shard)?;
@@ -316,7 +316,7 @@ impl Hub {
             Failure::Refused(why) => fatal(format!(
                 "Hub repo {id}, {file}: the answer from {endpoint} was refused: {}; nothing was \
                  cached",
-                crate::report::escape_for_terminal(&why)
+                crate::error::escape_for_terminal(&why)
             )),
             Failure::Io(why) => fatal(format!(
                 "Hub repo {id}, {file}: cannot write the cache: {why}"

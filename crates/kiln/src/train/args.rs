@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::hf_values::{hf_bool, line_of_key};
 use super::optim::OptimizerType;
 use super::schedule::SchedulerType;
 use crate::error::{KilnError, Result};
@@ -294,18 +295,6 @@ pub enum SaveStrategy {
     Best,
 }
 
-/// The 1-based line where `key` (a path like `a.b` names its first part) is set in a YAML or
-/// JSON file's text, or 0.
-pub(crate) fn line_of_key(text: &str, key: &str) -> usize {
-    let key = key.split(['.', '[']).next().unwrap_or(key);
-    text.lines()
-        .position(|l| {
-            let l = l.trim_start().trim_start_matches("- ");
-            l.starts_with(&format!("\"{key}\"")) || l.starts_with(&format!("{key}:"))
-        })
-        .map_or(0, |i| i + 1)
-}
-
 /// The deepest nesting of YAML flow collections (`[ ]`, `{ }`) a config file may have. The
 /// parser refuses depths past 128 anyway, but its scanner first spends time quadratic in the
 /// depth (minutes at 200,000), so deeper text is refused before it is parsed.
@@ -436,16 +425,6 @@ pub fn resolve_steps(value: f64, total: u64) -> u64 {
         (value * total as f64).ceil() as u64
     } else {
         value as u64
-    }
-}
-
-/// A boolean flag's value as Hugging Face scripts write it: `True`/`False` (any case), `1`/`0`,
-/// `yes`/`no` (HfArgumentParser's `string_to_bool`); a bare flag means true.
-pub(crate) fn hf_bool(s: &str) -> std::result::Result<bool, String> {
-    match s.trim().to_ascii_lowercase().as_str() {
-        "true" | "1" | "yes" | "y" | "t" => Ok(true),
-        "false" | "0" | "no" | "n" | "f" => Ok(false),
-        other => Err(format!("{other:?} is not a boolean (True or False)")),
     }
 }
 

@@ -5,6 +5,7 @@ pub mod args;
 pub mod checkpoint;
 pub mod grad_sync;
 pub mod hf_fields;
+pub mod hf_values;
 pub mod metrics;
 pub mod optim;
 pub mod optimizers;

@@ -11,12 +11,12 @@
 
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
 use tracing::info;
 
+pub use super::trainer::set_shapes_only;
 use super::trainer::{evaluate, write_json, EvalOutput, TrainOutput, Trainer};
 use crate::error::Result;
 use crate::ops::TrainBackend;
@@ -24,18 +24,6 @@ use crate::task::{BatchSource, Loss, Model};
 
 /// The file the precompile run writes its [`PrecompileSummary`] to, in its output folder.
 pub const SUMMARY_FILE: &str = "precompile.json";
-
-static SHAPES_ONLY: AtomicBool = AtomicBool::new(false);
-
-/// Makes the next [`crate::train::trainer::Trainer::train_and_evaluate`] in this process
-/// precompile instead of training (`kiln precompile`'s child process).
-pub fn set_shapes_only(on: bool) {
-    SHAPES_ONLY.store(on, Ordering::Relaxed);
-}
-
-pub(crate) fn shapes_only() -> bool {
-    SHAPES_ONLY.load(Ordering::Relaxed)
-}
 
 /// One batch to run: its example indices, and the shape it has.
 #[derive(Debug, Clone, PartialEq, Eq)]

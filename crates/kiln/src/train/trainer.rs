@@ -39,6 +39,20 @@ use crate::parallel::{DataParallel, Zero1};
 use crate::report::live::{Phase, StepReport};
 use crate::task::{BatchSource, CrossEntropy, Loss, Model, ParamSplit, TensorParallelLayout};
 
+/// Set in `kiln precompile`'s child process: the next [`Trainer::train`] or
+/// [`Trainer::train_and_evaluate`] runs one step per batch shape instead of training
+/// ([`super::precompile`]).
+static SHAPES_ONLY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes the next training run in this process precompile instead of training.
+pub fn set_shapes_only(on: bool) {
+    SHAPES_ONLY.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn shapes_only() -> bool {
+    SHAPES_ONLY.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// A user metric: extra `(name, value)` pairs computed from an evaluation's predictions.
 pub type MetricFn = Box<dyn Fn(&Predictions) -> Vec<(String, f64)> + Send + Sync>;
 
@@ -292,7 +306,7 @@ where
         S: BatchSource<Batch = M::Batch>,
         E: BatchSource<Batch = M::Batch>,
     {
-        if super::precompile::shapes_only() {
+        if shapes_only() {
             return self.precompile_shapes(train, eval).map(|(out, _)| out);
         }
         let out = self.train_reporting(train, eval)?;
@@ -1185,7 +1199,7 @@ where
         S: BatchSource<Batch = M::Batch>,
         E: BatchSource<Batch = M::Batch>,
     {
-        if super::precompile::shapes_only() {
+        if shapes_only() {
             return self.precompile_shapes(train, eval);
         }
         let out = self.train_reporting(train, eval)?;
