@@ -9,6 +9,7 @@ pub mod files;
 pub mod gguf;
 pub mod limits;
 pub mod llama_config;
+pub mod model_weights;
 pub mod modernbert_config;
 pub mod remote;
 pub mod sharded;

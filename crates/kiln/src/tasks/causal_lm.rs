@@ -16,10 +16,9 @@ use crate::error::{KilnError, Result};
 use crate::hub::llama_config::LlamaConfig;
 use std::collections::BTreeMap;
 
+use crate::hub::model_weights::{read_model_weights, read_model_weights_with};
 use crate::hub::sharded::{cut_split, model_file, read_layout};
-use crate::hub::weights::{
-    load_into, read_model_weights, read_model_weights_with, read_safetensors, HostTensor,
-};
+use crate::hub::weights::{load_into, read_safetensors, HostTensor};
 use crate::models::llama::{KvCache, LlamaForCausalLM, LlamaShard};
 use crate::ops::{KilnBackend, TrainBackend};
 use crate::parallel::{DataParallel, SharedCollectives, TpGroup, VocabParallelCrossEntropy};

@@ -198,7 +198,10 @@ pub struct Source<'a> {
 impl Source<'_> {
     /// `file:line` of `key` (its first mention as a YAML or JSON key), or the source's name.
     fn at(&self, key: &str) -> String {
-        match self.text.map_or(0, |t| super::hf_values::line_of_key(t, key)) {
+        match self
+            .text
+            .map_or(0, |t| super::hf_values::line_of_key(t, key))
+        {
             0 => self.name.clone(),
             line => format!("{}:{line}", self.name),
         }

@@ -64,7 +64,9 @@ impl Rule {
             match key {
                 "momentum" => momentum = number()?,
                 "dampening" => dampening = number()?,
-                "nesterov" => nesterov = crate::train::hf_values::hf_bool(value).map_err(|e| bad(&e))?,
+                "nesterov" => {
+                    nesterov = crate::train::hf_values::hf_bool(value).map_err(|e| bad(&e))?
+                }
                 "weight_decay" => {
                     return Err(bad(
                         "the Trainer's parameter groups set the weight decay (use --weight-decay)",

@@ -11,13 +11,12 @@ use std::path::{Path, PathBuf};
 
 use super::checkpoint::{write_marker, Marker, MARKER};
 use crate::hub::files::{sync_dir, write_synced, TEMP_PREFIX};
+use crate::hub::model_weights::read_model_weights;
 use crate::hub::sharded::{
     model_file, optimizer_file, read_layout, read_whole_model, read_whole_optimizer, ShardLayout,
     LAYOUT_FILE,
 };
-use crate::hub::weights::{
-    read_model_weights, read_safetensors, safetensors_bytes, HostTensor, StoreDtype,
-};
+use crate::hub::weights::{read_safetensors, safetensors_bytes, HostTensor, StoreDtype};
 use crate::task::ParamSplit;
 use crate::{KilnError, Result};
 
