@@ -13,7 +13,7 @@ use kiln::data::TextTokenizer;
 use kiln::hub::config::BertConfig;
 use kiln::hub::weights::{load_into, module_tensors, read_safetensors, HostTensor};
 use kiln::models::bert::{BertForSequenceClassification, BertInput, Unpadded};
-use kiln::models::classifier::EncoderClassifier;
+use kiln::models::encoder::EncoderClassifier;
 use kiln::train::optim::{AdamW, AdamWConfig, GradAccumulator};
 use kiln::train::{CrossEntropy, Loss};
 

@@ -9,8 +9,9 @@ use burn::module::Module;
 use burn::tensor::activation::relu;
 use burn::tensor::{backend::Backend, Int, Tensor};
 
-use super::bert::{first_tokens, mask_bias, self_attention, BertInput, Unpadded};
-use super::classifier::EncoderClassifier;
+use super::bert::self_attention;
+use super::encoder::EncoderClassifier;
+use super::encoder::{first_tokens, mask_bias, BertInput, Unpadded};
 use super::layers::{Embedding, LayerNorm, Linear};
 use crate::data::batch::TextBatch;
 use crate::hub::distilbert_config::DistilBertConfig;
@@ -196,4 +197,4 @@ impl<B: KilnBackend> EncoderClassifier<B> for DistilBertForSequenceClassificatio
     }
 }
 
-super::classifier::encoder_model!(DistilBertForSequenceClassification);
+super::encoder::encoder_model!(DistilBertForSequenceClassification);

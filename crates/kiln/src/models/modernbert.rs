@@ -9,8 +9,8 @@
 use burn::module::{Ignored, Module};
 use burn::tensor::{backend::Backend, Tensor};
 
-use super::bert::{first_tokens, mask_bias, BertInput, Unpadded};
-use super::classifier::EncoderClassifier;
+use super::encoder::EncoderClassifier;
+use super::encoder::{first_tokens, mask_bias, BertInput, Unpadded};
 use super::layers::{inv_freq, rope_tables, Embedding, LayerNorm, Linear};
 use crate::data::batch::TextBatch;
 use crate::hub::modernbert_config::ModernBertConfig;
@@ -259,4 +259,4 @@ impl<B: KilnBackend> EncoderClassifier<B> for ModernBertForSequenceClassificatio
     }
 }
 
-super::classifier::encoder_model!(ModernBertForSequenceClassification);
+super::encoder::encoder_model!(ModernBertForSequenceClassification);

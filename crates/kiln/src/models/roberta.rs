@@ -6,8 +6,9 @@
 use burn::module::Module;
 use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 
-use super::bert::{first_tokens, mask_bias, BertEmbeddings, BertEncoder, BertInput, BertLayer};
-use super::classifier::EncoderClassifier;
+use super::bert::{BertEmbeddings, BertEncoder, BertLayer};
+use super::encoder::EncoderClassifier;
+use super::encoder::{first_tokens, mask_bias, BertInput};
 use super::layers::Linear;
 use crate::data::batch::TextBatch;
 use crate::hub::config::BertConfig;
@@ -128,7 +129,7 @@ impl<B: KilnBackend> EncoderClassifier<B> for RobertaForSequenceClassification<B
     }
 }
 
-super::classifier::encoder_model!(RobertaForSequenceClassification);
+super::encoder::encoder_model!(RobertaForSequenceClassification);
 
 #[cfg(test)]
 mod tests {
