@@ -72,8 +72,7 @@ fn huggingface_hub_reads_the_card_and_its_results() {
         dataset: Some("cardiffnlp/tweet_eval".into()),
         dataset_split: Some("validation".into()),
         task: CardTask::TextClassification,
-        args: &args,
-        world_size: 1,
+        hyperparameters: kiln::train::card_hyperparameters::card_hyperparameters(&args, 1),
         log_history: &log,
     });
     let tmp = tempfile::tempdir().unwrap();

@@ -1458,7 +1458,6 @@ impl KilnBackend for Cpu {
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let _p = super::profile::scope("adamw");
         let (mut p, g, mut m, mut v) = (dense(p), dense(g), dense(m), dense(v));
-        let shape = p.shape().to_vec();
         let decay = (1.0 - h.lr * h.weight_decay) as f32;
         // 1 − β in f64 first: in f32, 1 − 0.999 is off by 1.3e-5 relative (torch forms it in double).
         let (b1, b2, eps) = (h.beta1 as f32, h.beta2 as f32, h.eps as f32);
@@ -1495,7 +1494,6 @@ impl KilnBackend for Cpu {
                     },
                 )
             });
-        let _ = shape;
         (
             NdArrayTensor::from(p),
             NdArrayTensor::from(m),

@@ -1,7 +1,8 @@
 //! Data parallelism as one strategy the trainer calls: which examples this rank trains on, one
 //! gradient average per optimizer step, every rank starting from rank 0's weights, one writer,
 //! and evaluation shares gathered back. A single-process run is the same object with a world of
-//! one, so the trainer has no `if distributed` branches of its own.
+//! one, so the trainer asks it rather than testing whether the run is distributed (it still
+//! branches on rank 0's duties, ZeRO-1 and tensor parallelism).
 
 use std::sync::Arc;
 
@@ -69,7 +70,7 @@ impl<B: Backend> DataParallel<B> {
         }
         let Some(world) = joined.world.clone() else {
             return Err(crate::KilnError::Config(format!(
-                "--tensor-parallel-size {tp} needs {tp} processes: start them with                  `kiln launch --nproc-per-node {tp} -- train ...` (or torchrun / mpirun)"
+                "--tensor-parallel-size {tp} needs {tp} processes: start them with `kiln launch --nproc-per-node {tp} -- train ...` (or torchrun / mpirun)"
             )));
         };
         let mesh = super::Mesh::new(world.size(), tp, 1)?;

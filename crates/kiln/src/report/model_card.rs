@@ -46,8 +46,9 @@ pub struct CardInput<'a> {
     /// The evaluation split, e.g. "validation".
     pub dataset_split: Option<String>,
     pub task: CardTask,
-    pub args: &'a crate::train::TrainingArguments,
-    pub world_size: usize,
+    /// transformers' "training hyperparameters" list: (name, value as Python prints it), in
+    /// its order (the trainer makes it from its arguments).
+    pub hyperparameters: Vec<(String, String)>,
     /// trainer_state.json's log_history entries (log.jsonl's lines): training logs, evaluations
     /// and the end-of-training summary (`train_runtime`, `train_loss`, `total_flos`, …).
     pub log_history: &'a [Map<String, Value>],
@@ -115,8 +116,9 @@ pub fn model_card(input: &CardInput) -> String {
     card.push_str("\n## Training procedure\n");
     card.push_str("\n### Training hyperparameters\n");
     card.push_str("\nThe following hyperparameters were used during training:\n");
-    let hp: Vec<String> = hyperparameters(input.args, input.world_size)
-        .into_iter()
+    let hp: Vec<String> = input
+        .hyperparameters
+        .iter()
         .map(|(k, v)| format!("- {k}: {v}"))
         .collect();
     card.push_str(&hp.join("\n"));
@@ -519,123 +521,11 @@ fn markdown_table(lines: &[Row]) -> String {
     table
 }
 
-/// transformers' `extract_hyperparameters_from_trainer`, from kiln's arguments: (name, value as
-/// Python prints it), in transformers' order.
-fn hyperparameters(
-    args: &crate::train::TrainingArguments,
-    world_size: usize,
-) -> Vec<(String, String)> {
-    let world = world_size.max(1);
-    let tp = args.tensor_parallel_size.max(1);
-    // Each data-parallel rank takes its own batch; tensor-parallel ranks share one.
-    let data_parallel = (world / tp).max(1);
-    let mut hp: Vec<(String, String)> = Vec::new();
-    let mut put = |k: &str, v: String| hp.push((k.to_string(), v));
-    put("learning_rate", py_float(args.learning_rate));
-    put(
-        "train_batch_size",
-        args.per_device_train_batch_size.to_string(),
-    );
-    put(
-        "eval_batch_size",
-        args.per_device_eval_batch_size.to_string(),
-    );
-    put("seed", args.seed.to_string());
-    if world > 1 {
-        // transformers' name for any multi-process (DistributedDataParallel) run.
-        put("distributed_type", "multi-GPU".into());
-        put("num_devices", world.to_string());
-    }
-    if tp > 1 {
-        put("tensor_parallel_size", tp.to_string());
-    }
-    if args.gradient_accumulation_steps > 1 {
-        put(
-            "gradient_accumulation_steps",
-            args.gradient_accumulation_steps.to_string(),
-        );
-    }
-    let total_train =
-        args.per_device_train_batch_size * data_parallel * args.gradient_accumulation_steps;
-    if total_train != args.per_device_train_batch_size {
-        put("total_train_batch_size", total_train.to_string());
-    }
-    let total_eval = args.per_device_eval_batch_size * data_parallel;
-    if total_eval != args.per_device_eval_batch_size {
-        put("total_eval_batch_size", total_eval.to_string());
-    }
-
-    // transformers formats its OptimizerNames enum member: `OptimizerNames.ADAMW_TORCH`.
-    let optim = serde_json::to_value(args.optim)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_string))
-        .unwrap_or_default();
-    let member = match optim.as_str() {
-        "lion_32bit" => "LION".to_string(),
-        other => other.to_ascii_uppercase(),
-    };
-    let optimizer_name = format!("OptimizerNames.{member}");
-    let optimizer_args = args
-        .optim_args
-        .clone()
-        .filter(|a| !a.is_empty())
-        .unwrap_or_else(|| "No additional optimizer arguments".into());
-    if optimizer_name.to_lowercase().contains("adam") {
-        put(
-            "optimizer",
-            format!(
-                "Use {optimizer_name} with betas=({},{}) and epsilon={} and optimizer_args={optimizer_args}",
-                py_float(args.adam_beta1),
-                py_float(args.adam_beta2),
-                py_float(args.adam_epsilon)
-            ),
-        );
-    } else {
-        put(
-            "optimizer",
-            format!("Use {optimizer_name} and the args are:\n{optimizer_args}"),
-        );
-    }
-
-    let scheduler = serde_json::to_value(args.lr_scheduler_type)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_string))
-        .unwrap_or_default();
-    put("lr_scheduler_type", scheduler);
-    if args.warmup_steps != 0.0 {
-        // A count prints as one; below 1 it is a ratio of the total steps (transformers 5).
-        let v = if args.warmup_steps >= 1.0 && args.warmup_steps.fract() == 0.0 {
-            format!("{}", args.warmup_steps as u64)
-        } else {
-            py_float(args.warmup_steps)
-        };
-        put("lr_scheduler_warmup_steps", v);
-    }
-    if args.warmup_ratio != 0.0 {
-        // transformers 4.x's name for it.
-        put("lr_scheduler_warmup_ratio", py_float(args.warmup_ratio));
-    }
-    if args.max_steps > 0 {
-        put("training_steps", args.max_steps.to_string());
-    } else {
-        put("num_epochs", py_float(args.num_train_epochs));
-    }
-    if args.bf16 {
-        // transformers writes "Native AMP" for fp16; kiln's mixed precision is bf16.
-        put("mixed_precision_training", "bf16".into());
-    }
-    if args.label_smoothing_factor != 0.0 {
-        put(
-            "label_smoothing_factor",
-            py_float(args.label_smoothing_factor),
-        );
-    }
-    hp
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    // The card is checked as the trainer writes it, from its arguments.
+    use crate::train::card_hyperparameters::card_hyperparameters;
     use crate::train::TrainingArguments;
     use serde_json::json;
 
@@ -695,8 +585,7 @@ mod tests {
             dataset: Some("cardiffnlp/tweet_eval".into()),
             dataset_split: Some("validation".into()),
             task: CardTask::TextClassification,
-            args,
-            world_size: world,
+            hyperparameters: card_hyperparameters(args, world),
             log_history: log,
         })
     }
@@ -804,8 +693,7 @@ mod tests {
             dataset: Some("train_2k.csv".into()),
             dataset_split: Some("eval_500.csv".into()),
             task: CardTask::TextClassification,
-            args: &a,
-            world_size: 1,
+            hyperparameters: card_hyperparameters(&a, 1),
             log_history: &log,
         });
         let meta = front(&card);
@@ -834,8 +722,7 @@ mod tests {
             dataset: None,
             dataset_split: None,
             task: CardTask::TextGeneration,
-            args: &a,
-            world_size: 1,
+            hyperparameters: card_hyperparameters(&a, 1),
             log_history: &[],
         });
         front(&scratch);
@@ -883,8 +770,7 @@ mod tests {
             dataset: None,
             dataset_split: None,
             task: CardTask::TextClassification,
-            args: &args(),
-            world_size: 1,
+            hyperparameters: card_hyperparameters(&args(), 1),
             log_history: &log,
         });
         assert!(card2.contains("- Loss: 0.4\n- Accuracy: 0.9\n"), "{card2}");
@@ -924,7 +810,7 @@ mod tests {
         };
         a.optim = serde_json::from_value(json!("sgd")).unwrap();
         a.lr_scheduler_type = serde_json::from_value(json!("cosine")).unwrap();
-        let hp = hyperparameters(&a, 4);
+        let hp = card_hyperparameters(&a, 4);
         let want: Vec<(String, String)> = [
             ("learning_rate", "5e-05"),
             ("train_batch_size", "8"),
@@ -950,7 +836,7 @@ mod tests {
 
         // Tensor parallelism: the batch is per data-parallel rank.
         a.tensor_parallel_size = 2;
-        let hp = hyperparameters(&a, 4);
+        let hp = card_hyperparameters(&a, 4);
         let get = |k: &str| hp.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
         assert_eq!(get("tensor_parallel_size").as_deref(), Some("2"));
         assert_eq!(get("total_train_batch_size").as_deref(), Some("16"));

@@ -2,6 +2,7 @@
 
 pub mod activation_checkpointing;
 pub mod args;
+pub mod card_hyperparameters;
 pub mod checkpoint;
 pub mod grad_sync;
 pub mod hf_fields;

@@ -213,8 +213,7 @@ pub fn write_run_summary(
         } else {
             CardTask::TextClassification
         },
-        args,
-        world_size,
+        hyperparameters: super::card_hyperparameters::card_hyperparameters(args, world_size),
         log_history,
     });
     let path = dir.join("README.md");
