@@ -75,6 +75,16 @@ pub fn load_model_shard<B: KilnBackend>(
     shard: Option<LlamaShard>,
 ) -> Result<(LlamaForCausalLM<B>, LlamaConfig)> {
     let config = LlamaConfig::from_file(&dir.join("config.json"))?;
+    load_shard_of(dir, config, device, shard)
+}
+
+/// [`load_model_shard`] with the folder's config already read (and validated) by the caller.
+fn load_shard_of<B: KilnBackend>(
+    dir: &Path,
+    config: LlamaConfig,
+    device: &B::Device,
+    shard: Option<LlamaShard>,
+) -> Result<(LlamaForCausalLM<B>, LlamaConfig)> {
     // The weights first: a corrupt file fails before the model is allocated.
     let tensors = match &shard {
         None => read_model_weights(dir)?,
@@ -300,7 +310,9 @@ pub fn train<B: TrainBackend>(
             ))
         }
     };
-    let (shard, loss) = tensor_parallel_plan(&LlamaConfig::from_file(&config_path)?, tp_group)?;
+    // config.json is read and validated once, here.
+    let config = LlamaConfig::from_file(&config_path)?;
+    let (shard, loss) = tensor_parallel_plan(&config, tp_group)?;
     let tok_path = opts.tokenizer_path()?;
     let tok = load_tokenizer(&tok_path)?;
     // Each rank holds only its shard from the start: a whole model is built (from the seed)
@@ -308,7 +320,6 @@ pub fn train<B: TrainBackend>(
     // the weights of TP = 1.
     let (model, config) = match (&opts.from_config, &opts.model_dir) {
         (Some(cfg), _) => {
-            let config = LlamaConfig::from_file(cfg)?;
             let model = fresh_llama::<B>(&config, device, shard, args.seed)?;
             info!(
                 "{}: random initialisation (seed {})",
@@ -317,7 +328,7 @@ pub fn train<B: TrainBackend>(
             );
             (model, config)
         }
-        (None, Some(dir)) => load_model_shard::<B>(dir, device, shard)?,
+        (None, Some(dir)) => load_shard_of::<B>(dir, config, device, shard)?,
         (None, None) => unreachable!("checked above"),
     };
     crate::data::tokenize::check_ids_fit(&tok, &tok_path, config.vocab_size)?;

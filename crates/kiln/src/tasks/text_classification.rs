@@ -117,7 +117,17 @@ pub fn load_classifier<B: KilnBackend>(
     seed: u64,
     device: &B::Device,
 ) -> Result<(SequenceClassifier<B>, EncoderConfig, LabelSet)> {
-    let mut config = md.config()?;
+    load_classifier_of(md, md.config()?, labels, seed, device)
+}
+
+/// [`load_classifier`] with the folder's config already read (and validated) by the caller.
+fn load_classifier_of<B: KilnBackend>(
+    md: &ModelDir,
+    mut config: EncoderConfig,
+    labels: Option<&LabelSet>,
+    seed: u64,
+    device: &B::Device,
+) -> Result<(SequenceClassifier<B>, EncoderConfig, LabelSet)> {
     let saved = config.labels().map(LabelSet::new);
     crate::hub::limits::ensure_params_fit(
         &md.dir.join("config.json"),
@@ -318,7 +328,9 @@ pub fn train<B: TrainBackend, L: Loss>(
     let train_set = data.train.as_ref().ok_or_else(|| {
         KilnError::Config("kiln train needs --train-file, --dataset-dir or --dataset-name".into())
     })?;
-    let (model, config, labels) = load_classifier::<B>(&md, Some(&data.labels), args.seed, device)?;
+    // config.json was read and validated once, above.
+    let (model, config, labels) =
+        load_classifier_of::<B>(&md, config, Some(&data.labels), args.seed, device)?;
     info!(
         "labels {:?}; {} train / {} eval examples",
         labels.names(),
