@@ -5,6 +5,7 @@
 
 #[path = "../../kiln/tests/common.rs"]
 mod common;
+mod kiln_bin;
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -13,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use common::{asset, repo_root, tiny_model};
+use kiln_bin::{kiln, kiln_one_thread};
 use serde_json::{json, Value};
 
 /// The process's own fixed cost (binary, tokenizer, thread pools, allocator arenas) on top of
@@ -319,8 +321,8 @@ fn every_bad_input_ends_in_one_clear_sentence() {
         &json!({"config": {"id2label": {"0": "a", "1": "b"}, "label2id": {"a": 0, "b": 1}}}),
         &tmp.path().join("labelled"),
     );
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    cmd.args([
+    let mut cmd = kiln();
+    cmd.env_remove("KILN_LOG").args([
         "predict",
         "--model",
         labelled.to_str().unwrap(),
@@ -383,10 +385,9 @@ fn every_bad_input_ends_in_one_clear_sentence() {
             .unwrap_or("error");
         // The log level the expected line must carry (`WARN` for data left out), if the case says.
         let level = case.get("level").and_then(Value::as_str);
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kiln"));
+        let mut cmd = kiln_one_thread();
         cmd.args(&args)
             .env("KILN_LOG", "info")
-            .env("RAYON_NUM_THREADS", "1")
             .env("RUST_BACKTRACE", "1");
         // A case may set environment variables (a bad KILN_CPU_ISA).
         if let Some(env) = case.get("env").and_then(Value::as_object) {

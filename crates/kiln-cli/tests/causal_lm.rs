@@ -4,18 +4,14 @@
 
 #[path = "../../kiln/tests/common.rs"]
 mod common;
+mod kiln_bin;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
 use common::{asset, repo_root};
-
-fn kiln() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    c.env("KILN_LOG", "warn").env("RAYON_NUM_THREADS", "1");
-    c
-}
+use kiln_bin::kiln_one_thread;
 
 /// Runs `cmd`, fails the test with its stderr unless it succeeds, and returns its stdout.
 fn succeed(cmd: &mut Command) -> Vec<u8> {
@@ -36,7 +32,7 @@ fn converted() -> Option<&'static Path> {
         // Under target/tmp, overwritten by every run (not a cache: the conversion is under test).
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-smollm2");
         let stdout = succeed(
-            kiln()
+            kiln_one_thread()
                 .args(["convert", "--from-gguf"])
                 .arg(&gguf)
                 .arg("--out")
@@ -88,7 +84,7 @@ fn convert_generate_train_and_eval_smollm2() {
         .map(|v| v.as_u64().unwrap())
         .collect();
     let stdout = succeed(
-        kiln()
+        kiln_one_thread()
             .args(["generate", "--model"])
             .arg(model)
             .args(["--prompt", p0["text"].as_str().unwrap()])
@@ -108,7 +104,7 @@ fn convert_generate_train_and_eval_smollm2() {
     let train = small_corpus(tmp.path(), &brown, "train.jsonl", 1500);
     let eval = small_corpus(tmp.path(), &brown, "eval.jsonl", 800);
     let run = tmp.path().join("run");
-    let st = kiln()
+    let st = kiln_one_thread()
         .args(["train", "--task", "causal-lm", "--model"])
         .arg(model)
         .arg("--train-file")
@@ -154,7 +150,7 @@ fn convert_generate_train_and_eval_smollm2() {
 
     // `kiln eval` on the saved folder gives the trainer's final evaluation.
     let stdout = succeed(
-        kiln()
+        kiln_one_thread()
             .args(["eval", "--task", "causal-lm", "--model"])
             .arg(&run)
             .arg("--eval-file")
@@ -175,7 +171,7 @@ fn bad_causal_lm_inputs_are_clear_errors() {
     let tmp = tempfile::tempdir().unwrap();
     let not_gguf = tmp.path().join("model.gguf");
     std::fs::write(&not_gguf, b"PK\x03\x04 not a gguf").unwrap();
-    let out = kiln()
+    let out = kiln_one_thread()
         .args(["convert", "--from-gguf"])
         .arg(&not_gguf)
         .args(["--out", tmp.path().join("x").to_str().unwrap()])
@@ -189,7 +185,7 @@ fn bad_causal_lm_inputs_are_clear_errors() {
 
     let tiny = tmp.path().join("tiny.txt");
     std::fs::write(&tiny, "just a few words\n").unwrap();
-    let out = kiln()
+    let out = kiln_one_thread()
         .args(["train", "--task", "causal-lm", "--model"])
         .arg(model)
         .arg("--train-file")
@@ -231,7 +227,7 @@ fn from_config_two_workers_equal_one_process() {
     let corpus = small_corpus(tmp.path(), &brown, "c.jsonl", 4000);
     let run = |batch: usize, procs: usize, name: &str| {
         let out = tmp.path().join(name);
-        let mut c = kiln();
+        let mut c = kiln_one_thread();
         if procs > 1 {
             c.args(["launch", "--nproc-per-node", &procs.to_string()])
                 .args([

@@ -3,16 +3,10 @@
 
 #[path = "../../kiln/tests/common.rs"]
 mod common;
-
-use std::process::Command;
+mod kiln_bin;
 
 use common::{asset, tiny_model};
-
-fn kiln() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    c.env("KILN_LOG", "warn");
-    c
-}
+use kiln_bin::kiln;
 
 #[test]
 fn yaml_config_with_flag_overrides_then_predict() {

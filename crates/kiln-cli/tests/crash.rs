@@ -6,25 +6,18 @@
 
 #[path = "../../kiln/tests/common.rs"]
 mod common;
+mod kiln_bin;
 
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::{tiny_bert_and_tweets as setup, train_args};
+use kiln_bin::kiln_one_thread;
 use rand::{Rng, SeedableRng};
 
 const STEPS: usize = 8;
-
-fn kiln() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    c.env("KILN_LOG", "warn")
-        .env("RAYON_NUM_THREADS", "1")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    c
-}
 
 /// A short run that saves every step and keeps two checkpoints: every step writes a checkpoint
 /// and deletes one.
@@ -79,7 +72,8 @@ fn finish(model: &Path, tweets: &Path, out: &Path) {
     let resumable = kiln::train::checkpoint::list_checkpoints(out)
         .iter()
         .any(|c| c.is_complete_of(None));
-    let mut cmd = kiln();
+    let mut cmd = kiln_one_thread();
+    cmd.stdout(Stdio::null()).stderr(Stdio::piped());
     cmd.args(args(model, tweets, out));
     if resumable {
         cmd.args(["--resume-from-checkpoint", "latest"]);
@@ -118,7 +112,9 @@ fn sigkill_anywhere_leaves_whole_checkpoints_and_resume_is_bit_exact() {
     };
     let reference = tmp.path().join("reference");
     let t0 = Instant::now();
-    let o = kiln()
+    let o = kiln_one_thread()
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
         .args(args(&model, &tweets, &reference))
         .output()
         .unwrap();
@@ -149,7 +145,9 @@ fn sigkill_anywhere_leaves_whole_checkpoints_and_resume_is_bit_exact() {
     let mut cases = 0;
     for (i, (point, n)) in aimed.iter().enumerate() {
         let out = tmp.path().join(format!("aimed-{i}"));
-        let st = kiln()
+        let st = kiln_one_thread()
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
             .args(args(&model, &tweets, &out))
             .env("KILN_TEST_CRASH_AT", format!("{point}:{n}"))
             .status()
@@ -178,7 +176,8 @@ fn sigkill_anywhere_leaves_whole_checkpoints_and_resume_is_bit_exact() {
             let resumable = kiln::train::checkpoint::list_checkpoints(&out)
                 .iter()
                 .any(|c| c.is_complete_of(None));
-            let mut cmd = kiln();
+            let mut cmd = kiln_one_thread();
+            cmd.stdout(Stdio::null()).stderr(Stdio::piped());
             cmd.args(args(&model, &tweets, &out));
             if resumable {
                 cmd.args(["--resume-from-checkpoint", "latest"]);

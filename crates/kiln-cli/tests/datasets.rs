@@ -3,10 +3,10 @@
 
 #[path = "../../kiln/tests/common.rs"]
 mod common;
-
-use std::process::Command;
+mod kiln_bin;
 
 use common::repo_root;
+use kiln_bin::kiln;
 
 /// The JSON objects a command prints first: `kiln train`'s training summary, then the
 /// evaluation's metrics; `kiln eval`'s metrics (a text report follows them).
@@ -19,8 +19,7 @@ fn printed_metrics(stdout: &[u8]) -> Vec<serde_json::Value> {
 
 /// The evaluation's metrics without its timings.
 fn eval_metrics(args: &[&str], out: &std::path::Path) -> serde_json::Value {
-    let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .env("KILN_LOG", "warn")
+    let o = kiln()
         .args(["train", "--model"])
         .arg(repo_root().join("tests/fixtures/families/distilbert"))
         .args(args)
@@ -82,8 +81,7 @@ fn a_dataset_dict_trains_like_the_csv_of_its_rows() {
 
     // `kiln eval` picks the same split on its own (validation), or the one asked for.
     let eval_cmd = |split: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_kiln"))
-            .env("KILN_LOG", "warn")
+        kiln()
             .args(["eval", "--model"])
             .arg(tmp.path().join("a"))
             .args([

@@ -3,6 +3,7 @@
 
 #[path = "../../kiln/tests/common.rs"]
 mod common;
+mod kiln_bin;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -10,12 +11,7 @@ use std::time::{Duration, Instant};
 use common::{
     free_ports, max_abs_diff, model_weights as weights, tiny_bert_and_tweets as setup, train_args,
 };
-
-fn kiln() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    c.env("KILN_LOG", "warn").env("RAYON_NUM_THREADS", "1");
-    c
-}
+use kiln_bin::kiln_one_thread;
 
 /// The heart of data parallelism: 2 workers × batch 8 take the same optimizer steps as one process
 /// × batch 16 over the same samples (dropout off, fp32), and count the same total_flos.
@@ -26,7 +22,7 @@ fn two_workers_of_8_equal_one_process_of_16() {
     };
     let run = |batch: usize, procs: usize, name: &str| {
         let out = tmp.path().join(name);
-        let mut c = kiln();
+        let mut c = kiln_one_thread();
         if procs > 1 {
             let port = free_ports(procs as u16).to_string();
             c.args(["launch", "--nproc-per-node", &procs.to_string()])
@@ -55,7 +51,7 @@ fn two_workers_of_8_equal_one_process_of_16() {
     let two_nodes = tmp.path().join("two_nodes");
     let port = free_ports(2).to_string();
     let node = |rank: usize| {
-        kiln()
+        kiln_one_thread()
             .args(["launch", "--nnodes", "2", "--node-rank", &rank.to_string()])
             .args(["--nproc-per-node", "1", "--master-addr", "127.0.0.1"])
             .args(["--master-port", &port, "--timeout", "60", "--"])
@@ -108,7 +104,7 @@ fn torchrun_starts_kiln_workers() {
         return;
     };
     let launched = tmp.path().join("launched");
-    let st = kiln()
+    let st = kiln_one_thread()
         .args(["launch", "--standalone", "--nproc-per-node", "2", "--"])
         .args(train_args(&model, &tweets, 8, &launched, 4))
         .status()
@@ -153,7 +149,7 @@ fn a_killed_worker_stops_the_job_with_an_error() {
         return;
     };
     let port = free_ports(2);
-    let mut launcher = kiln()
+    let mut launcher = kiln_one_thread()
         .args(["launch", "--nproc-per-node", "2", "--master-port"])
         .arg(port.to_string())
         .args(["--timeout", "20", "--"])
@@ -262,7 +258,7 @@ fn listeners(ports: std::ops::RangeInclusive<u16>) -> Vec<(String, u16)> {
 /// Runs a launch that must fail: it exits non-zero within `within`, and stderr says `expected`.
 fn launch_fails(args: &[&str], worker: Vec<String>, expected: &str, within: Duration) {
     let t0 = Instant::now();
-    let out = kiln()
+    let out = kiln_one_thread()
         .arg("launch")
         .args(args)
         .arg("--")
@@ -336,7 +332,7 @@ fn launch_setup_errors_are_clear() {
     // Node 0 thinks the job has 2 workers, node 1 thinks 3: node 1 is told so by rank 0's
     // heartbeat as soon as both run, however loaded the machine is. The timeouts are long so that
     // only the mismatch itself can end the job (a rendezvous timeout would be a failure).
-    let node0 = kiln()
+    let node0 = kiln_one_thread()
         .args([
             "launch",
             "--nnodes",
@@ -391,9 +387,9 @@ fn a_single_process_checkpoint_resumes_on_two_workers() {
     let save = args.iter().position(|a| a == "--save-strategy").unwrap();
     args[save + 1] = "steps".into();
     args.extend(["--save-steps".into(), "2".into()]);
-    assert!(kiln().args(&args).status().unwrap().success());
+    assert!(kiln_one_thread().args(&args).status().unwrap().success());
     let resumed = tmp.path().join("resumed");
-    let st = kiln()
+    let st = kiln_one_thread()
         .args(["launch", "--nproc-per-node", "2", "--master-port"])
         .arg(free_ports(2).to_string())
         .args(["--timeout", "60", "--"])
@@ -441,7 +437,7 @@ fn a_restarted_job_ends_where_an_undisturbed_one_does() {
         a
     };
     let undisturbed = tmp.path().join("undisturbed");
-    let st = kiln()
+    let st = kiln_one_thread()
         .args(["launch", "--nproc-per-node", "2", "--master-port"])
         .arg(free_ports(2).to_string())
         .arg("--")
@@ -452,7 +448,7 @@ fn a_restarted_job_ends_where_an_undisturbed_one_does() {
 
     let restarted = tmp.path().join("restarted");
     let logs = tmp.path().join("logs");
-    let mut launcher = kiln()
+    let mut launcher = kiln_one_thread()
         .env("KILN_LOG", "info")
         .args(["launch", "--nproc-per-node", "2", "--max-restarts", "1"])
         .args(["--rdzv-id", "job7", "--log-dir"])
@@ -529,7 +525,7 @@ fn restarts_back_off_and_job_ids_stay_inside_the_log_dir() {
     let tmp = tempfile::tempdir().unwrap();
     let logs = tmp.path().join("logs");
     let t0 = Instant::now();
-    let out = kiln()
+    let out = kiln_one_thread()
         .env("KILN_LOG", "warn")
         .args(["launch", "--nproc-per-node", "1", "--max-restarts", "2"])
         .args(["--master-port", &free_ports(1).to_string(), "--log-dir"])
@@ -549,7 +545,7 @@ fn restarts_back_off_and_job_ids_stay_inside_the_log_dir() {
     assert!(elapsed >= Duration::from_millis(1500), "{elapsed:?}");
 
     for id in ["../..", "/tmp", "a/b", ".."] {
-        let out = kiln()
+        let out = kiln_one_thread()
             .args([
                 "launch",
                 "--nproc-per-node",
@@ -582,7 +578,7 @@ fn workers_of_a_killed_launcher_stop() {
         return;
     };
     let out = tmp.path().join("orphans");
-    let mut launcher = kiln()
+    let mut launcher = kiln_one_thread()
         .args(["launch", "--nproc-per-node", "2", "--master-port"])
         .arg(free_ports(2).to_string())
         .arg("--")

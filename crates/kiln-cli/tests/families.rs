@@ -5,18 +5,13 @@
 
 #[path = "../../kiln/tests/common.rs"]
 mod common;
+mod kiln_bin;
 
 use std::path::Path;
-use std::process::Command;
 
 use common::{asset, repo_root};
 use kiln::hub::weights::read_safetensors;
-
-fn kiln() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    c.env("KILN_LOG", "warn");
-    c
-}
+use kiln_bin::kiln;
 
 /// Every tensor name and shape of a folder's weights.
 fn shapes(dir: &Path) -> Vec<(String, Vec<usize>)> {

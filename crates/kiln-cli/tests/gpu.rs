@@ -5,11 +5,13 @@
 
 #[path = "../../kiln/tests/common.rs"]
 mod common;
+mod kiln_bin;
 
 use std::path::Path;
 use std::process::Command;
 
 use common::{max_abs_diff, model_weights, tiny_bert_and_tweets, train_args};
+use kiln_bin::kiln;
 
 /// CUDA devices on this machine (0 without a driver).
 fn cuda_devices() -> usize {
@@ -24,12 +26,6 @@ fn cuda_devices() -> usize {
                 .filter(|l| l.starts_with("GPU "))
                 .count()
         })
-}
-
-fn kiln() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    c.env("KILN_LOG", "warn");
-    c
 }
 
 fn train(

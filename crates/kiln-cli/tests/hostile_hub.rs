@@ -2,12 +2,16 @@
 //! outside the cache, leak the token or a password, hang, loop, panic or cache a wrong file is one
 //! sentence, and nothing lands in the cache or outside it.
 
+mod kiln_bin;
+
 use std::io::Read;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use kiln_bin::kiln;
 
 const COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";
 const TOKEN: &str = "hf_hostileTESTtoken0123456789";
@@ -91,14 +95,19 @@ fn file_headers(
 
 /// `kiln train --from-config MODEL` (it needs config.json alone) against `endpoint`, with the
 /// cache in `tmp/cache` and the other inputs in `tmp/keep`; the process is killed after 60 s.
-fn kiln(tmp: &Path, endpoint: &str, model: &str, env: &[(&str, &str)]) -> (Output, Duration) {
+fn train_from_config(
+    tmp: &Path,
+    endpoint: &str,
+    model: &str,
+    env: &[(&str, &str)],
+) -> (Output, Duration) {
     let started = Instant::now();
     // Local stand-ins for the other inputs (the run stops at them once the config is had).
     let keep = tmp.join("keep");
     std::fs::create_dir_all(&keep).unwrap();
     std::fs::write(keep.join("tokenizer.json"), "{}").unwrap();
     std::fs::write(keep.join("train.jsonl"), "{\"text\": \"a\"}\n").unwrap();
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    let mut c = kiln();
     c.args(["train", "--task", "causal-lm", "--from-config", model])
         .arg("--tokenizer")
         .arg(keep.join("tokenizer.json"))
@@ -110,7 +119,6 @@ fn kiln(tmp: &Path, endpoint: &str, model: &str, env: &[(&str, &str)]) -> (Outpu
         .env("HF_HUB_CACHE", tmp.join("cache"))
         .env("HF_TOKEN", TOKEN)
         .env_remove("HF_HUB_OFFLINE")
-        .env("KILN_LOG", "warn")
         .envs(env.iter().copied());
     let child = c
         .stdout(std::process::Stdio::piped())
@@ -207,7 +215,7 @@ fn paths_from_the_server_never_leave_the_cache() {
                 .with_header(header("ETag", &etag))
                 .with_header(header("X-Linked-Size", &CONFIG.len().to_string()))
         }));
-        let run = kiln(tmp.path(), &hub.url, "org/x", &[]);
+        let run = train_from_config(tmp.path(), &hub.url, "org/x", &[]);
         refused(tmp.path(), &run, expect);
         assert!(!Path::new("/tmp/kiln-hostile-escape").exists(), "{what}");
     }
@@ -226,7 +234,7 @@ fn a_revision_is_a_ref_name_not_a_path() {
         format!("org/x@{}", keep.display()),
         "org/x@../../keep".to_string(),
     ] {
-        let (out, _) = kiln(tmp.path(), &hub.url, &model, &[]);
+        let (out, _) = train_from_config(tmp.path(), &hub.url, &model, &[]);
         assert!(!out.status.success());
         assert_eq!(std::fs::read_to_string(&keep).unwrap(), "mine", "{model}");
     }
@@ -252,7 +260,7 @@ fn the_token_stays_with_the_endpoints_host() {
         )
         .with_header(header("Location", &cdn_url))
     }));
-    let (out, _) = kiln(tmp.path(), &hub.url, "org/x", &[]);
+    let (out, _) = train_from_config(tmp.path(), &hub.url, "org/x", &[]);
     let err = String::from_utf8_lossy(&out.stderr);
     // The file arrived (the run then stops for want of a tokenizer), and the CDN never saw the token.
     let config = tmp.path().join(format!(
@@ -279,7 +287,7 @@ fn a_password_in_hf_endpoint_is_never_printed() {
     let dead = format!("http://user:pw-s3cret@{}", closed.local_addr().unwrap());
     drop(closed);
     for (endpoint, expect) in [(with_password, "HTTP 500"), (dead, "cannot reach")] {
-        let (out, _) = kiln(tmp.path(), &endpoint, "org/x", &[]);
+        let (out, _) = train_from_config(tmp.path(), &endpoint, "org/x", &[]);
         let all = [out.stdout, out.stderr].concat();
         let all = String::from_utf8_lossy(&all);
         assert!(all.contains(expect), "{all}");
@@ -300,7 +308,7 @@ fn a_silent_server_times_out() {
         }
         std::thread::sleep(Duration::from_secs(30));
     });
-    let run = kiln(tmp.path(), &url, "org/x", &[("HF_HUB_ETAG_TIMEOUT", "1")]);
+    let run = train_from_config(tmp.path(), &url, "org/x", &[("HF_HUB_ETAG_TIMEOUT", "1")]);
     refused(tmp.path(), &run, "cannot reach the Hugging Face Hub");
     assert!(run.1 < Duration::from_secs(20), "took {:?}", run.1);
     drop(held);
@@ -320,7 +328,7 @@ fn redirects_are_bounded_and_need_a_location() {
                 .with_header(header("Location", "loop"))
         }
     }));
-    let run = kiln(tmp.path(), &hub.url, "org/x", &[]);
+    let run = train_from_config(tmp.path(), &hub.url, "org/x", &[]);
     refused(tmp.path(), &run, "more than 10 redirects");
     assert!(
         hub.requests().len() <= 11,
@@ -332,7 +340,7 @@ fn redirects_are_bounded_and_need_a_location() {
     let hub = Server::start(Box::new(|_| {
         tiny_http::Response::from_data(vec![]).with_status_code(302)
     }));
-    let run = kiln(tmp.path(), &hub.url, "org/x", &[]);
+    let run = train_from_config(tmp.path(), &hub.url, "org/x", &[]);
     refused(tmp.path(), &run, "HTTP 302 without a Location");
 }
 
@@ -373,7 +381,7 @@ fn a_body_that_is_not_the_announced_file_is_not_cached() {
             let r0 = if is_head(r) { ok(b"") } else { ok(&body) };
             file_headers(r0, etag, announced)
         }));
-        let run = kiln(tmp.path(), &hub.url, "org/x", &[]);
+        let run = train_from_config(tmp.path(), &hub.url, "org/x", &[]);
         refused(tmp.path(), &run, expect);
         let _ = what;
     }
@@ -413,7 +421,7 @@ fn an_lfs_file_whose_hash_is_right_is_cached() {
         };
         file_headers(r0, &etag, CONFIG.len())
     }));
-    let _ = kiln(tmp.path(), &hub.url, "org/x", &[]);
+    let _ = train_from_config(tmp.path(), &hub.url, "org/x", &[]);
     let blob = tmp.path().join(format!("cache/models--org--x/blobs/{sha}"));
     assert_eq!(std::fs::read_to_string(blob).unwrap(), CONFIG);
 }

@@ -6,6 +6,7 @@
 mod common;
 #[path = "../../kiln/tests/fake_hub.rs"]
 mod fake_hub;
+mod kiln_bin;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -13,16 +14,16 @@ use std::process::{Command, Output};
 
 use common::{asset, repo_root};
 use fake_hub::{FakeHub, FakeRepo};
+use kiln_bin::kiln;
 
 fn family(name: &str) -> std::path::PathBuf {
     repo_root().join("tests/fixtures/families").join(name)
 }
 
 /// `kiln` with the Hub at `hub`, the Hugging Face home in `home`, and no token from elsewhere.
-fn kiln(hub: &FakeHub, home: &Path) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    c.env("KILN_LOG", "warn")
-        .env("HF_ENDPOINT", &hub.url)
+fn hub_kiln(hub: &FakeHub, home: &Path) -> Command {
+    let mut c = kiln();
+    c.env("HF_ENDPOINT", &hub.url)
         .env("HF_HOME", home)
         .env_remove("HF_HUB_CACHE")
         .env_remove("HF_TOKEN")
@@ -110,7 +111,7 @@ fn a_hub_model_trains_on_a_hub_dataset_from_a_clean_cache() {
     let hub = hub();
     let home = tempfile::tempdir().unwrap();
     let run = |model: &str, data: &[&str], out: &str| {
-        let o = kiln(&hub, home.path())
+        let o = hub_kiln(&hub, home.path())
             .args(["train", "--model", model])
             .args(data)
             .args(["--max-steps", "6", "--per-device-train-batch-size", "16"])
@@ -150,7 +151,7 @@ fn a_hub_model_trains_on_a_hub_dataset_from_a_clean_cache() {
     assert_eq!(saved[0], saved[1], "the same config.json");
 
     let fail = |args: &[&str]| {
-        let o = kiln(&hub, home.path())
+        let o = hub_kiln(&hub, home.path())
             .args(["train", "--model", "org/tiny-roberta"])
             .args(args)
             .args(["--output-dir"])
@@ -182,7 +183,7 @@ fn a_hub_id_trains_from_a_clean_cache_and_the_cache_is_reused() {
     let hub = hub();
     let home = tempfile::tempdir().unwrap();
     let out = home.path().join("run");
-    let o = kiln(&hub, home.path())
+    let o = hub_kiln(&hub, home.path())
         .args(["train", "--model", "org/tiny-roberta", "--train-file"])
         .arg(&tweets)
         .args(["--encoding", "latin-1", "--label-column", "sentiment"])
@@ -213,7 +214,7 @@ fn a_hub_id_trains_from_a_clean_cache_and_the_cache_is_reused() {
 
     // A second command reads the cache: nothing is downloaded again; offline works too.
     for offline in ["0", "1"] {
-        let o = kiln(&hub, home.path())
+        let o = hub_kiln(&hub, home.path())
             .env("HF_HUB_OFFLINE", offline)
             .args([
                 "predict",
@@ -253,7 +254,7 @@ fn a_hub_id_trains_from_a_clean_cache_and_the_cache_is_reused() {
 
     // HF_HUB_CACHE moves the cache itself.
     let elsewhere = home.path().join("elsewhere");
-    let o = kiln(&hub, home.path())
+    let o = hub_kiln(&hub, home.path())
         .env("HF_HUB_CACHE", &elsewhere)
         .args(["predict", "--model", "org/tiny-roberta@v1", "--text", "ok"])
         .output()
@@ -266,13 +267,12 @@ fn a_hub_id_trains_from_a_clean_cache_and_the_cache_is_reused() {
 fn sharded_checkpoints_and_causal_lms_resolve_from_the_hub() {
     let hub = hub();
     let home = tempfile::tempdir().unwrap();
-    let o = kiln(&hub, home.path())
+    let o = hub_kiln(&hub, home.path())
         .args(["predict", "--model", "org/tiny-sharded", "--text", "fine"])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
-    let local = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .env("KILN_LOG", "warn")
+    let local = kiln()
         .args(["predict", "--model"])
         .arg(family("roberta"))
         .args(["--text", "fine"])
@@ -280,7 +280,7 @@ fn sharded_checkpoints_and_causal_lms_resolve_from_the_hub() {
         .unwrap();
     assert_eq!(o.stdout, local.stdout, "the shards hold the same model");
 
-    let o = kiln(&hub, home.path())
+    let o = hub_kiln(&hub, home.path())
         .args([
             "generate",
             "--model",
@@ -306,29 +306,29 @@ fn hub_failures_are_one_sentence_each() {
         assert!(!o.status.success(), "{id} should fail");
         stderr(&o)
     };
-    let e = predict("org/no-such-model", &mut kiln(&hub, home.path()));
+    let e = predict("org/no-such-model", &mut hub_kiln(&hub, home.path()));
     assert!(
         e.contains("Hub repo org/no-such-model does not exist"),
         "{e}"
     );
-    let e = predict("org/gated", &mut kiln(&hub, home.path()));
+    let e = predict("org/gated", &mut hub_kiln(&hub, home.path()));
     assert!(
         e.contains("Hub repo org/gated is gated") && e.contains("HF_TOKEN"),
         "{e}"
     );
-    let ok = kiln(&hub, home.path())
+    let ok = hub_kiln(&hub, home.path())
         .env("HF_TOKEN", "hf_secret")
         .args(["predict", "--model", "org/gated", "--text", "x"])
         .output()
         .unwrap();
     assert!(ok.status.success(), "with the token: {}", stderr(&ok));
-    let e = predict("org/pickle-only", &mut kiln(&hub, home.path()));
+    let e = predict("org/pickle-only", &mut hub_kiln(&hub, home.path()));
     assert!(e.contains("only pytorch_model.bin"), "{e}");
-    let e = predict("org/tiny-roberta@v9", &mut kiln(&hub, home.path()));
+    let e = predict("org/tiny-roberta@v9", &mut hub_kiln(&hub, home.path()));
     assert!(e.contains("has no revision \"v9\""), "{e}");
     let e = predict(
         "org/tiny-roberta",
-        kiln(&hub, home.path()).env("HF_HUB_OFFLINE", "1"),
+        hub_kiln(&hub, home.path()).env("HF_HUB_OFFLINE", "1"),
     );
     assert!(
         e.contains("not in the cache") && e.contains("HF_HUB_OFFLINE"),
@@ -338,10 +338,10 @@ fn hub_failures_are_one_sentence_each() {
     let port = common::free_ports(1);
     let e = predict(
         "org/tiny-roberta",
-        kiln(&hub, home.path()).env("HF_ENDPOINT", format!("http://127.0.0.1:{port}")),
+        hub_kiln(&hub, home.path()).env("HF_ENDPOINT", format!("http://127.0.0.1:{port}")),
     );
     assert!(e.contains("cannot reach the Hugging Face Hub"), "{e}");
     // A path that is not there and not a Hub id is still "not found".
-    let e = predict("./no/such/dir", &mut kiln(&hub, home.path()));
+    let e = predict("./no/such/dir", &mut hub_kiln(&hub, home.path()));
     assert!(e.contains("model folder not found"), "{e}");
 }

@@ -3,10 +3,10 @@
 
 #[path = "../../kiln/tests/common.rs"]
 mod common;
-
-use std::process::Command;
+mod kiln_bin;
 
 use common::asset;
+use kiln_bin::kiln;
 
 /// The number on the output line that starts with `prefix`.
 fn value_after(output: &str, prefix: &str) -> f64 {
@@ -27,8 +27,7 @@ fn mnist_mlp_trains_prints_the_sample_lines_and_evaluates() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("mlp");
     let run = |args: &[&str]| {
-        let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
-            .env("KILN_LOG", "warn")
+        let o = kiln()
             .args(args)
             .arg("--data-dir")
             .arg(&data)

@@ -5,11 +5,12 @@
 
 #[path = "../../kiln/tests/common.rs"]
 mod common;
+mod kiln_bin;
 
 use std::path::Path;
-use std::process::Command;
 
 use common::{tiny_bert_and_tweets, train_args};
+use kiln_bin::kiln_one_thread;
 
 /// Every regular file under `dir`, recursively.
 fn files(dir: &Path) -> Vec<std::path::PathBuf> {
@@ -74,9 +75,8 @@ fn a_token_given_by_flag_config_or_environment_is_in_no_file_or_line() {
         if flag {
             args.extend(["--hub-token".to_string(), secrets[0].to_string()]);
         }
-        let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        let o = kiln_one_thread()
             .env("KILN_LOG", "debug")
-            .env("RAYON_NUM_THREADS", "1")
             .env("HF_TOKEN", secrets[3])
             .args(&args)
             .output()

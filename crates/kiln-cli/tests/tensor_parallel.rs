@@ -13,6 +13,7 @@
 
 #[path = "../../kiln/tests/common.rs"]
 mod common;
+mod kiln_bin;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -20,12 +21,7 @@ use std::process::Command;
 
 use common::asset;
 use kiln::hub::weights::{read_safetensors, HostTensor};
-
-fn kiln() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    c.env("KILN_LOG", "warn").env("RAYON_NUM_THREADS", "1");
-    c
-}
+use kiln_bin::kiln_one_thread;
 
 /// Learning rate of every run here.
 const LR: f32 = 1e-3;
@@ -89,7 +85,7 @@ fn train_args(r: &Run, out: &Path, tp: usize, args: &[&str]) -> Vec<std::ffi::Os
 
 /// [`train_args`] under `kiln launch` with `procs` processes (alone when 1).
 fn command(r: &Run, out: &Path, (procs, tp): (usize, usize), args: &[&str]) -> Command {
-    let mut c = kiln();
+    let mut c = kiln_one_thread();
     if procs > 1 {
         c.args(["launch", "--nproc-per-node", &procs.to_string()])
             .args([
@@ -141,7 +137,7 @@ fn setup() -> Option<(tempfile::TempDir, std::path::PathBuf, std::path::PathBuf)
     let brown = asset("brown/eval.jsonl")?;
     let tmp = tempfile::tempdir().unwrap();
     let hf = tmp.path().join("smollm2");
-    let st = kiln()
+    let st = kiln_one_thread()
         .args(["convert", "--from-gguf"])
         .arg(&gguf)
         .arg("--out")
@@ -422,7 +418,7 @@ fn sharded_checkpoints_resume_at_any_layout() {
         (&["--to-full"][..], &converted_full),
         (&["--to-tp", "3"][..], &converted_tp3),
     ] {
-        let st = kiln()
+        let st = kiln_one_thread()
             .arg("convert")
             .args(flag)
             .arg("--model")
@@ -584,7 +580,7 @@ fn tampered_layouts_are_refused(ck: &Path, tmp: &Path) {
         edit(&mut layout);
         std::fs::write(&path, serde_json::to_vec(&layout).unwrap()).unwrap();
         let out_dir = tmp.join(format!("tampered-{name}-full"));
-        let out = kiln()
+        let out = kiln_one_thread()
             .args(["convert", "--to-full", "--model"])
             .arg(&dir)
             .arg("--out")
@@ -628,7 +624,7 @@ fn a_restarted_tensor_parallel_job_equals_an_unbroken_one() {
         "5",
     ];
     let job = |name: &str, restarts: &str| {
-        let mut c = kiln();
+        let mut c = kiln_one_thread();
         c.args([
             "launch",
             "--nproc-per-node",
@@ -694,7 +690,7 @@ fn convert_round_trips_are_byte_identical() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = |n: &str| tmp.path().join(n);
     let convert = |args: &[&str], from: &Path, to: &Path| {
-        let out = kiln()
+        let out = kiln_one_thread()
             .arg("convert")
             .args(args)
             .arg(if args.is_empty() {
@@ -822,7 +818,7 @@ fn two_nodes_tensor_parallel_inside_data_parallel_across() {
     let out = tmp.path().join("two-nodes");
     let port = common::free_ports(4).to_string();
     let node = |rank: usize| {
-        kiln()
+        kiln_one_thread()
             .args(["launch", "--nnodes", "2", "--node-rank", &rank.to_string()])
             .args(["--nproc-per-node", "2", "--master-addr", "127.0.0.1"])
             .args(["--master-port", &port, "--timeout", "60", "--"])
@@ -868,7 +864,7 @@ fn generate_and_eval_under_tensor_parallelism() {
         return;
     };
     let tp3 = tmp.path().join("tp3");
-    let st = kiln()
+    let st = kiln_one_thread()
         .args(["convert", "--to-tp", "3", "--model"])
         .arg(&hf)
         .arg("--out")
@@ -877,7 +873,7 @@ fn generate_and_eval_under_tensor_parallelism() {
         .unwrap();
     assert!(st.success());
     let launched = |procs: usize| {
-        let mut c = kiln();
+        let mut c = kiln_one_thread();
         if procs > 1 {
             c.args(["launch", "--nproc-per-node", &procs.to_string()])
                 .args([
@@ -954,7 +950,7 @@ fn bad_tensor_parallel_layouts_are_one_sentence() {
     let corpus = corpus(tmp.path(), &brown);
     // Each command must fail before anything is loaded (the tokenizer does not even exist).
     let fail = |extra: &[&str]| {
-        let out = kiln()
+        let out = kiln_one_thread()
             .args(["train", "--task", "causal-lm", "--from-config"])
             .arg(&cfg)
             .arg("--tokenizer")
@@ -981,7 +977,7 @@ fn bad_tensor_parallel_layouts_are_one_sentence() {
         "{err}"
     );
     // More ranks than attention heads, said before the tokenizer (missing) is looked for.
-    let out = kiln()
+    let out = kiln_one_thread()
         .args(["launch", "--nproc-per-node", "5"])
         .args(["--master-port", &common::free_ports(5).to_string()])
         .args([

@@ -3,8 +3,9 @@
 
 #[path = "../../kiln/tests/common.rs"]
 mod common;
+mod kiln_bin;
 
-use std::process::Command;
+use kiln_bin::kiln;
 
 #[test]
 fn eval_escapes_label_names_from_files() {
@@ -28,8 +29,7 @@ fn eval_escapes_label_names_from_files() {
         format!("text,label\ngood day,{pos}\nbad day,{neg}\nfine,{pos}\nawful,{neg}\n"),
     )
     .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .env("KILN_LOG", "warn")
+    let out = kiln()
         .args(["eval", "--model"])
         .arg(&model)
         .arg("--eval-file")
@@ -69,8 +69,7 @@ fn errors_escape_names_from_files() {
             "\\u{1b}[2J\\u{202e}",
         ),
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
-            .env("KILN_LOG", "warn")
+        let out = kiln()
             .args(["train", "--model"])
             .arg(&model)
             .arg("--train-file")

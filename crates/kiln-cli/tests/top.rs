@@ -4,26 +4,22 @@
 
 #[path = "../../kiln/tests/common.rs"]
 mod common;
+mod kiln_bin;
 
 use std::io::{Read, Write};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::{free_ports, tiny_bert_and_tweets, train_args};
+use kiln_bin::kiln_one_thread;
 use portable_pty::{native_pty_system, CommandBuilder, PtySize};
 use serde_json::Value;
 
-fn kiln() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    c.env("KILN_LOG", "warn").env("RAYON_NUM_THREADS", "1");
-    c
-}
-
 /// `kiln top --once --json` for `out`, parsed.
 fn snapshot(out: &Path) -> Value {
-    let o = kiln()
+    let o = kiln_one_thread()
         .args(["top", "--once", "--json"])
         .arg(out)
         .output()
@@ -96,7 +92,7 @@ fn top_shows_both_ranks_of_a_running_job_and_then_their_end() {
     let total = 100_000u64;
     let port = free_ports(2).to_string();
     let _job = Job {
-        launcher: kiln()
+        launcher: kiln_one_thread()
             .args(["launch", "--nproc-per-node", "2", "--master-port", &port])
             .args(["--timeout", "60", "--"])
             .args(train_args(&model, &tweets, 8, &out, total as usize))
@@ -125,7 +121,10 @@ fn top_shows_both_ranks_of_a_running_job_and_then_their_end() {
         assert!(r["last_seen_seconds"].as_f64().unwrap() < 5.0);
     }
     // Without a folder, `kiln top` finds the job through the per-user runtime folder.
-    let found = kiln().args(["top", "--once", "--json"]).output().unwrap();
+    let found = kiln_one_thread()
+        .args(["top", "--once", "--json"])
+        .output()
+        .unwrap();
     let found: Value = serde_json::from_slice(&found.stdout).unwrap_or_default();
     let here = std::path::absolute(&out).unwrap().display().to_string();
     assert!(

@@ -3,17 +3,15 @@
 //! files that are FIFOs or `/dev/zero`, text that carries terminal escape sequences, a 50 MB log
 //! and a log with 20,000 metric names. Each case failed before its fix (issue 31).
 
+mod kiln_bin;
+
 use std::io::{BufWriter, Write};
 use std::os::unix::fs::{symlink, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-fn kiln() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    c.env("KILN_LOG", "warn").env("RAYON_NUM_THREADS", "1");
-    c
-}
+use kiln_bin::kiln_one_thread;
 
 /// Runs `cmd` (its output into files, so a large output cannot block it) and fails the test if it
 /// has not finished within `limit`: the cases here used to hang or take minutes.
@@ -104,7 +102,7 @@ fn top_refuses_a_runtime_folder_that_is_a_symlink_and_deletes_nothing() {
     let runtime = tmp.path().join("kiln-rt");
     symlink(&victim, &runtime).unwrap();
     let o = output_within(
-        kiln()
+        kiln_one_thread()
             .env("KILN_RUNTIME_DIR", &runtime)
             .args(["top", "--once"]),
         Duration::from_secs(60),
@@ -142,7 +140,7 @@ fn top_refuses_a_runtime_folder_owned_by_someone_else() {
     // SAFETY: a valid NUL-terminated path.
     assert_eq!(unsafe { libc::chown(c.as_ptr(), 65534, 65534) }, 0);
     let o = output_within(
-        kiln()
+        kiln_one_thread()
             .env("KILN_RUNTIME_DIR", &runtime)
             .args(["top", "--once"]),
         Duration::from_secs(60),
@@ -188,7 +186,7 @@ fn stale_cleanup_removes_only_kiln_job_entries_and_follows_no_symlink() {
     mkfifo(&jobs.join("444444444.json"));
 
     let o = output_within(
-        kiln()
+        kiln_one_thread()
             .env("KILN_RUNTIME_DIR", &runtime)
             .args(["top", "--once"]),
         Duration::from_secs(60),
@@ -224,7 +222,7 @@ fn top_creates_no_runtime_folder() {
     let tmp = tempfile::tempdir().unwrap();
     let runtime = tmp.path().join("absent/kiln");
     let o = output_within(
-        kiln()
+        kiln_one_thread()
             .env("KILN_RUNTIME_DIR", &runtime)
             .args(["top", "--once"]),
         Duration::from_secs(60),
@@ -244,7 +242,7 @@ fn a_fifo_and_dev_zero_as_rank_files_are_skipped_promptly() {
     mkfifo(&run.join("live/rank-1.json"));
     symlink("/dev/zero", run.join("live/rank-2.json")).unwrap();
     for json in [false, true] {
-        let mut cmd = kiln();
+        let mut cmd = kiln_one_thread();
         cmd.args(["top", "--once"]);
         if json {
             cmd.arg("--json");
@@ -284,7 +282,9 @@ fn text_from_rank_files_and_folder_names_cannot_drive_the_terminal() {
         vec!["top", "--once", run.to_str().unwrap()],
     ] {
         let o = output_within(
-            kiln().env("KILN_RUNTIME_DIR", &runtime).args(&args),
+            kiln_one_thread()
+                .env("KILN_RUNTIME_DIR", &runtime)
+                .args(&args),
             Duration::from_secs(60),
             "kiln top --once",
         );
@@ -371,7 +371,13 @@ fn a_50_mb_log_is_plotted_with_bounded_memory() {
     let last_step = big_log(&log, 50 << 20);
     let size = std::fs::metadata(&log).unwrap().len();
     let png = tmp.path().join("curves.png");
-    let (status, err, peak) = peak_rss(kiln().arg("plot").arg(&run).arg("--out").arg(&png));
+    let (status, err, peak) = peak_rss(
+        kiln_one_thread()
+            .arg("plot")
+            .arg(&run)
+            .arg("--out")
+            .arg(&png),
+    );
     let err = String::from_utf8_lossy(&err);
     assert!(status.success(), "{err}");
     assert!(png.is_file());
@@ -412,7 +418,11 @@ fn twenty_thousand_metric_names_plot_the_first_panels_and_say_so() {
     std::fs::write(run.join("log.jsonl"), log).unwrap();
     let png = tmp.path().join("curves.png");
     let o = output_within(
-        kiln().arg("plot").arg(&run).arg("--out").arg(&png),
+        kiln_one_thread()
+            .arg("plot")
+            .arg(&run)
+            .arg("--out")
+            .arg(&png),
         Duration::from_secs(120),
         "kiln plot with 20,000 metric names",
     );

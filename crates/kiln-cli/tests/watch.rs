@@ -4,18 +4,14 @@
 
 #[path = "../../kiln/tests/common.rs"]
 mod common;
+mod kiln_bin;
 
 use std::path::Path;
 use std::process::{Command, Output};
 
 use common::{repo_root, tiny_bert_and_tweets, train_args};
+use kiln_bin::kiln_one_thread;
 use serde_json::Value;
-
-fn kiln() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    c.env("RAYON_NUM_THREADS", "1");
-    c
-}
 
 fn train(model: &Path, tweets: &Path, out: &Path, extra: &[&str]) -> Output {
     // The common arguments, evaluating every 4 steps and logging every 2, less any flag `extra`
@@ -40,7 +36,7 @@ fn train(model: &Path, tweets: &Path, out: &Path, extra: &[&str]) -> Output {
             args.drain(at..at + 2);
         }
     }
-    let o = kiln()
+    let o = kiln_one_thread()
         .env("KILN_LOG", "info")
         .args(args)
         .args(extra)
@@ -188,7 +184,8 @@ fn a_run_leaves_tensorboard_events_curves_and_a_model_card() {
         "--report-to jsonl writes no TensorBoard files"
     );
     let png = tmp.path().join("both.png");
-    let p = kiln()
+    let p = kiln_one_thread()
+        .env_remove("KILN_LOG")
         .arg("plot")
         .args([&a, &b])
         .arg("--out")
@@ -198,7 +195,8 @@ fn a_run_leaves_tensorboard_events_curves_and_a_model_card() {
     assert!(p.status.success(), "{}", String::from_utf8_lossy(&p.stderr));
     assert!(is_png(&png));
     let svg = tmp.path().join("both.svg");
-    let p = kiln()
+    let p = kiln_one_thread()
+        .env_remove("KILN_LOG")
         .arg("plot")
         .args([&a, &b])
         .arg("--out")
@@ -228,7 +226,8 @@ fn a_run_leaves_tensorboard_events_curves_and_a_model_card() {
             .unwrap();
     let loss = (final_eval["eval_loss"].as_f64().unwrap() * 1e4).round() / 1e4;
     assert!(card.contains(&format!("- Loss: {loss}\n")), "{card}");
-    let bad = kiln()
+    let bad = kiln_one_thread()
+        .env_remove("KILN_LOG")
         .args(train_args(&model, &tweets, 8, &tmp.path().join("run-d"), 2))
         .args(["--report-to", "wandb"])
         .output()

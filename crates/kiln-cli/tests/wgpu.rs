@@ -11,22 +11,21 @@
 
 #[path = "../../kiln/tests/common.rs"]
 mod common;
+mod kiln_bin;
 
 use std::path::Path;
-use std::process::Command;
 
 use common::{max_abs_diff, model_weights, tiny_bert_and_tweets, train_args};
+use kiln_bin::kiln;
 
 const SAME: f32 = 1e-5;
 
-fn kiln(device: &str) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    c.env("KILN_LOG", "warn").args(["--device", device]);
-    c
-}
-
 fn trained(device: &str, args: &[String], out: &Path) -> Vec<(String, Vec<f32>)> {
-    let o = kiln(device).args(args).output().unwrap();
+    let o = kiln()
+        .args(["--device", device])
+        .args(args)
+        .output()
+        .unwrap();
     assert!(
         o.status.success(),
         "{device}: {}",
@@ -83,7 +82,8 @@ fn tiny_llama_trains_the_same_on_wgpu_as_on_the_cpu() {
     let tmp = tempfile::tempdir().unwrap();
     // SmolLM2's tokenizer serves a tiny Llama made from a config: 4 query / 2 key-value heads.
     let hf = tmp.path().join("hf");
-    let st = kiln("cpu")
+    let st = kiln()
+        .args(["--device", "cpu"])
         .args(["convert", "--from-gguf"])
         .arg(&gguf)
         .arg("--out")
@@ -156,7 +156,8 @@ fn bf16_on_wgpu_is_refused() {
         return;
     };
     let out = tmp.path().join("run");
-    let o = kiln("wgpu")
+    let o = kiln()
+        .args(["--device", "wgpu"])
         .args(train_args(&model, &tweets, 8, &out, 1))
         .arg("--bf16")
         .output()

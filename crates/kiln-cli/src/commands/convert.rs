@@ -1,0 +1,112 @@
+//! `kiln convert`: a GGUF file to a Hugging Face Llama folder, and Llama checkpoints cut into
+//! tensor-parallel shards or put back together.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use kiln::hub::weights::StoreDtype;
+
+#[derive(Args)]
+#[command(group(clap::ArgGroup::new("mode").required(true).args(["from_gguf", "to_tp", "to_full"])))]
+pub struct ConvertCmd {
+    /// A llama.cpp GGUF file of a Llama-family model (F32/F16/BF16/Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors).
+    #[arg(long)]
+    from_gguf: Option<PathBuf>,
+    /// Cut --model (a Hugging Face Llama folder or a checkpoint, whole or sharded) into N
+    /// tensor-parallel shards, optimizer state included.
+    #[arg(long, value_name = "N", requires = "model")]
+    to_tp: Option<usize>,
+    /// Put --model's shards (a sharded checkpoint or --to-tp folder) back together as one
+    /// Hugging Face folder (a plain checkpoint when it holds optimizer state).
+    #[arg(long, requires = "model")]
+    to_full: bool,
+    /// With --to-tp: store each rank's attention q/k/v as NxD's one fused `qkv_proj` (rows: the
+    /// rank's query heads, then the key/value heads they read).
+    #[arg(long, requires = "to_tp")]
+    coalesce_qkv: bool,
+    /// The folder to convert (with --to-tp / --to-full).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The folder to write (a new one).
+    #[arg(long)]
+    out: PathBuf,
+    /// How to store the dequantised weights: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+}
+
+pub fn run(cmd: ConvertCmd) -> Result<()> {
+    let dtype = match cmd.dtype.as_str() {
+        "f32" | "float32" => StoreDtype::F32,
+        "bf16" | "bfloat16" => StoreDtype::BF16,
+        other => bail!("--dtype {other:?}: use f32 or bf16"),
+    };
+    let t0 = std::time::Instant::now();
+    if let Some(model) = &cmd.model {
+        reshard(model, &cmd.out, cmd.to_tp, cmd.coalesce_qkv)?;
+        println!(
+            "{} → {}: {} ({:.1} s)",
+            model.display(),
+            cmd.out.display(),
+            match cmd.to_tp {
+                Some(n) => format!("{n} tensor-parallel shards"),
+                None => "one consolidated folder".into(),
+            },
+            t0.elapsed().as_secs_f64()
+        );
+        return Ok(());
+    }
+    let Some(from_gguf) = &cmd.from_gguf else {
+        bail!("kiln convert: give --from-gguf FILE, or --model DIR with --to-tp N or --to-full");
+    };
+    let r = kiln::hub::convert::gguf_to_hf(from_gguf, &cmd.out, dtype)?;
+    println!(
+        "{} → {}: {} tensors ({:?}), {:.1} M parameters, {} layers, hidden {}, {} heads / {} kv heads, tied embeddings: {} ({:.1} s)",
+        from_gguf.display(),
+        cmd.out.display(),
+        r.tensors,
+        r.source_types,
+        r.parameters as f64 / 1e6,
+        r.config.num_hidden_layers,
+        r.config.hidden_size,
+        r.config.num_attention_heads,
+        r.config.kv_heads(),
+        r.config.tie_word_embeddings,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// `kiln convert --to-tp N` (Llama splits, as training at `--tensor-parallel-size N` holds them)
+/// or `--to-full` (`to_tp` = `None`).
+fn reshard(
+    model: &std::path::Path,
+    out: &std::path::Path,
+    to_tp: Option<usize>,
+    coalesce_qkv: bool,
+) -> Result<()> {
+    use kiln::train::reshard::Target;
+    let config_path = model.join("config.json");
+    kiln::train::reshard::reshard(model, out, |whole| match to_tp {
+        None => Ok(Target::Full),
+        Some(0) => Err(kiln::KilnError::Config(
+            "--to-tp 0: the tensor-parallel size must be at least 1".into(),
+        )),
+        Some(n) => {
+            // Validated as training validates it (more key/value heads than heads is a sentence);
+            // the tensors' shapes are then checked against it cut by cut.
+            let config = kiln::hub::llama_config::LlamaConfig::from_file(&config_path)?;
+            Ok(Target::TensorParallel {
+                splits: kiln::models::llama::tensor_parallel::splits_for(
+                    &config,
+                    whole.model.keys().map(String::as_str),
+                    n,
+                    coalesce_qkv,
+                )?,
+                coalesce_qkv,
+            })
+        }
+    })?;
+    Ok(())
+}

@@ -1,0 +1,182 @@
+//! `kiln train`: fine-tunes a text classifier, trains a causal LM, or runs the MNIST MLP sample.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{ArgMatches, Args};
+use kiln::backend::Autodiff;
+use kiln::tasks::causal_lm;
+use kiln::tasks::text_classification as tc;
+use kiln::train::TrainingArguments;
+
+use super::data_opts::{DataOpts, LmOpts, TrainData};
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Task {
+    TextClassification,
+    MnistMlp,
+    CausalLm,
+}
+
+#[derive(Args)]
+pub struct TrainCmd {
+    /// What to train: `text-classification` (a BERT-family model folder and labelled text),
+    /// `causal-lm` (a Llama-family model and a text corpus, packed into --block-size blocks) or
+    /// `mnist-mlp` (the AWS Neuron MNIST MLP sample on IDX files in --data-dir).
+    #[arg(long, default_value = "text-classification", help_heading = "Model")]
+    pub task: Task,
+    /// A Hugging Face model folder (config.json, model.safetensors, tokenizer.json), or a Hub id
+    /// (`bert-base-uncased`, `org/name@revision`) fetched into the Hugging Face cache.
+    #[arg(
+        long,
+        alias = "model-name-or-path",
+        required_if_eq("task", "text-classification"),
+        help_heading = "Model"
+    )]
+    pub model: Option<PathBuf>,
+    /// Folder with the MNIST IDX files (mnist-mlp).
+    #[arg(long, default_value = "assets/mnist", help_heading = "Data")]
+    data_dir: PathBuf,
+    /// A YAML or JSON file of TrainingArguments; flags given on the command line override it.
+    #[arg(long, help_heading = "Training")]
+    config: Option<PathBuf>,
+    /// `kiln precompile`'s own run: one step on a batch of every shape, then stop.
+    #[arg(long, hide = true)]
+    precompile_shapes: bool,
+    /// A config key or flag kiln does not know is a warning, not an error.
+    #[arg(long, help_heading = "Training")]
+    ignore_unknown_args: bool,
+    #[command(flatten)]
+    train_data: TrainData,
+    #[command(flatten)]
+    data: DataOpts,
+    #[command(flatten)]
+    args: TrainingArguments,
+    #[command(flatten)]
+    pub lm: LmOpts,
+    /// Start from random weights with this config.json (or a Hub id's; pretraining from scratch).
+    #[arg(long, help_heading = "Causal LM")]
+    pub from_config: Option<PathBuf>,
+}
+
+/// `matches`: the whole command line's; `device_arg`: the global --device.
+pub fn run<B>(
+    cmd: &TrainCmd,
+    matches: &ArgMatches,
+    device_arg: &str,
+    device: &B::Device,
+) -> Result<()>
+where
+    B: kiln::ops::KilnBackend,
+    Autodiff<B>: kiln::ops::TrainBackend<InnerBackend = B, Device = B::Device>,
+{
+    let sub = matches.subcommand_matches("train").expect("train matches");
+    kiln::train::precompile::set_shapes_only(cmd.precompile_shapes);
+    if cmd.task == Task::MnistMlp {
+        let world = kiln::parallel::world_size_from_env()?;
+        let defaults = kiln::tasks::mnist::sample_defaults(world);
+        let args = merged_training_args(cmd, sub, defaults)?;
+        if args.label_smoothing_factor != 0.0 {
+            bail!("label_smoothing_factor is implemented for text classification only");
+        }
+        kiln::tasks::mnist::train::<Autodiff<B>>(&cmd.data_dir, args, device)?;
+        return Ok(());
+    }
+    let args = merged_training_args(cmd, sub, serde_json::json!({}))?;
+    let is_main = kiln::parallel::is_main_process()?;
+    if cmd.task != Task::TextClassification && args.label_smoothing_factor != 0.0 {
+        bail!("label_smoothing_factor is implemented for text classification only");
+    }
+    if cmd.task == Task::CausalLm {
+        let opts = cmd.data.lm_options(
+            Some(&cmd.train_data),
+            &cmd.lm,
+            cmd.model.clone(),
+            cmd.from_config.clone(),
+        )?;
+        let (out, eval) = causal_lm::train::<Autodiff<B>>(&opts, args, device)?;
+        if is_main {
+            println!("{}", serde_json::to_string_pretty(&out.metrics)?);
+            if let Some(ev) = eval {
+                println!("{}", serde_json::to_string_pretty(&ev.metrics)?);
+            }
+        }
+        return Ok(());
+    }
+    let model = cmd.model.clone().context("--model is required")?;
+    let opts = cmd.data.options(
+        Some(&cmd.train_data),
+        &model,
+        args.seed,
+        device_arg.parse()?,
+    )?;
+    let loss = kiln::train::LabelSmoothedCrossEntropy {
+        epsilon: args.label_smoothing_factor,
+    };
+    let (out, eval) = tc::train::<Autodiff<B>, _>(&opts, args, device, loss, |_| {})?;
+    if kiln::parallel::is_main_process()? {
+        println!("{}", serde_json::to_string_pretty(&out.metrics)?);
+        if let Some(ev) = eval {
+            println!("{}", serde_json::to_string_pretty(&ev.metrics)?);
+        }
+    }
+    Ok(())
+}
+
+/// TrainingArguments from `--config` with every flag given on the command line laid over it.
+/// TrainingArguments from, lowest priority first: the task's defaults, the `--config` file, and the
+/// flags given on the command line.
+fn merged_training_args(
+    cmd: &TrainCmd,
+    matches: &ArgMatches,
+    task_defaults: serde_json::Value,
+) -> Result<TrainingArguments> {
+    let mut base = serde_json::to_value(TrainingArguments::default())?;
+    if let (Some(b), Some(d)) = (base.as_object_mut(), task_defaults.as_object()) {
+        b.extend(d.clone());
+    }
+    let mut recorded = std::collections::BTreeMap::new();
+    if let Some(path) = &cmd.config {
+        let given = TrainingArguments::file_entries(path, cmd.ignore_unknown_args)?;
+        if let Some(b) = base.as_object_mut() {
+            b.extend(given.known);
+        }
+        recorded.extend(given.recorded);
+    }
+    // transformers flags without a clap option of their own (hf_flags.rs).
+    if let Some(hf) = crate::argv::HF_FLAGS.get() {
+        for flag in &hf.ignored {
+            tracing::warn!("unknown flag {flag}: ignored (--ignore-unknown-args)");
+        }
+        let source = kiln::train::hf_fields::Source {
+            name: "the command line".into(),
+            text: None,
+        };
+        let given = kiln::train::hf_fields::sort_entries(
+            hf.entries.clone(),
+            &TrainingArguments::field_names(),
+            &source,
+            cmd.ignore_unknown_args,
+        )?;
+        if let Some(b) = base.as_object_mut() {
+            b.extend(given.known);
+        }
+        recorded.extend(given.recorded);
+    }
+    let flags = serde_json::to_value(&cmd.args)?;
+    let (Some(base_map), Some(flag_map)) = (base.as_object_mut(), flags.as_object()) else {
+        bail!("training arguments are not an object");
+    };
+    for (key, value) in flag_map {
+        if matches.value_source(key) == Some(clap::parser::ValueSource::CommandLine) {
+            base_map.insert(key.clone(), value.clone());
+        }
+    }
+    // The merged keys as TrainingArguments; a bad value names its key.
+    let mut args: TrainingArguments = serde_path_to_error::deserialize(base)
+        .map_err(|e| anyhow::anyhow!("training argument `{}`: {}", e.path(), e.inner()))?;
+    args.recorded = recorded;
+    // Checked before any model or data is loaded.
+    args.validate()?;
+    Ok(args)
+}
