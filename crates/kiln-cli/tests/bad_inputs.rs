@@ -79,7 +79,7 @@ fn tiny_llama(dir: &Path, minilm: &Path) {
     };
     kiln::train::checkpoint::write_model_dir(
         dir,
-        &kiln::hub::weights::module_tensors(&model),
+        &kiln::models::params::module_tensors(&model),
         &files,
     )
     .unwrap();

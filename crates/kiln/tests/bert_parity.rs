@@ -11,9 +11,10 @@ use common::{asset, read_i64, rel_err, repo_root};
 use kiln::backend::{Cpu, CpuDevice, CpuTrain};
 use kiln::data::TextTokenizer;
 use kiln::hub::config::BertConfig;
-use kiln::hub::weights::{load_into, module_tensors, read_safetensors, HostTensor};
+use kiln::hub::weights::{read_safetensors, HostTensor};
 use kiln::models::bert::{BertForSequenceClassification, BertInput, Unpadded};
 use kiln::models::encoder::EncoderClassifier;
+use kiln::models::params::{load_into, module_tensors};
 use kiln::train::optim::{AdamW, AdamWConfig, GradAccumulator};
 use kiln::train::{CrossEntropy, Loss};
 

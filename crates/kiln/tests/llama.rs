@@ -201,8 +201,9 @@ fn smollm2_loss_and_gradients_match_transformers() {
 #[test]
 fn sharded_folders_load() {
     use kiln::hub::llama_config::LlamaConfig;
-    use kiln::hub::weights::{module_tensors, write_safetensors};
+    use kiln::hub::weights::write_safetensors;
     use kiln::models::llama::LlamaForCausalLM;
+    use kiln::models::params::module_tensors;
     let cfg: LlamaConfig = serde_json::from_value(serde_json::json!({
         "vocab_size": 40, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2}))

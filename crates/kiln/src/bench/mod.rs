@@ -351,8 +351,9 @@ where
     Autodiff<B>: crate::ops::TrainBackend<InnerBackend = B, Device = B::Device>,
 {
     use crate::hub::config::BertConfig;
-    use crate::hub::weights::{load_into, read_safetensors};
+    use crate::hub::weights::read_safetensors;
     use crate::models::bert::BertForSequenceClassification;
+    use crate::models::params::load_into;
     runs_on_device(key, opts)?;
     let device = device.clone();
     let minilm = || -> Result<_> {

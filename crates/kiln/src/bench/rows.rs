@@ -225,7 +225,7 @@ pub fn family_train<B: TrainBackend>(
     });
     let (input, labels) = random_text_batch(batch, seq, 1234);
     let embeddings = model.embedding_parameters();
-    let weights: f64 = crate::hub::weights::module_shapes(&model)
+    let weights: f64 = crate::models::params::module_shapes(&model)
         .iter()
         .filter(|(name, _)| !embeddings.contains(name))
         .map(|(_, shape)| shape.iter().product::<usize>() as f64)
@@ -456,7 +456,7 @@ mod tests {
         .unwrap();
         let model = BertForSequenceClassification::<Cpu>::new(&cfg, 2, &Default::default());
         // Weights the encoder multiplies each token by, counted from the module itself.
-        let weights: usize = crate::hub::weights::module_tensors(&model)
+        let weights: usize = crate::models::params::module_tensors(&model)
             .iter()
             .filter(|(k, _)| {
                 k.contains(".encoder.") && k.ends_with("dense.weight")

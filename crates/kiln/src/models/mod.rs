@@ -9,4 +9,5 @@ pub mod layers;
 pub mod llama;
 pub mod mlp;
 pub mod modernbert;
+pub mod params;
 pub mod roberta;

@@ -188,7 +188,7 @@ impl<B: Backend> DataParallel<B> {
             return Ok(model);
         };
         let mut err = None;
-        let model = crate::hub::weights::map_params(model, |_, value: FloatTensor<AB>| {
+        let model = crate::models::params::map_params(model, |_, value: FloatTensor<AB>| {
             let shape = burn::tensor::TensorMetadata::shape(&value);
             let flat =
                 B::float_reshape(AB::inner(value.clone()), Shape::new([shape.num_elements()]));

@@ -117,6 +117,15 @@ pub struct Zero1<B: Backend> {
     group: std::sync::Arc<dyn Collectives<B>>,
 }
 
+// By hand: a derive would ask `B: Clone`; the group is shared.
+impl<B: Backend> Clone for Zero1<B> {
+    fn clone(&self) -> Self {
+        Self {
+            group: self.group.clone(),
+        }
+    }
+}
+
 impl<B: Backend> Zero1<B> {
     pub fn new(group: std::sync::Arc<dyn Collectives<B>>) -> Self {
         Self { group }

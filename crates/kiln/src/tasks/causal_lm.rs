@@ -18,13 +18,15 @@ use std::collections::BTreeMap;
 
 use crate::hub::model_weights::{read_model_weights, read_model_weights_with};
 use crate::hub::sharded::{cut_split, model_file, read_layout};
-use crate::hub::weights::{load_into, read_safetensors, HostTensor};
+use crate::hub::weights::{read_safetensors, HostTensor};
 use crate::models::llama::{KvCache, LlamaForCausalLM, LlamaShard};
+use crate::models::params::load_into;
 use crate::ops::{KilnBackend, TrainBackend};
 use crate::parallel::{DataParallel, SharedCollectives, TpGroup, VocabParallelCrossEntropy};
 use crate::task::{BatchSource, CrossEntropy, Loss, IGNORE_INDEX};
 use crate::train::checkpoint::ModelFiles;
 use crate::train::trainer::{evaluate, EvalOutput, TrainOutput};
+use crate::train::ParallelPlan;
 use crate::train::{Trainer, TrainingArguments};
 
 /// Token blocks as training examples: each block's targets are its tokens shifted left by one, the
@@ -134,8 +136,8 @@ fn fresh_llama<B: KilnBackend>(
     let fresh = crate::ops::with_seeded_rng::<Cpu, _>(&cpu, seed, || {
         LlamaForCausalLM::<Cpu>::new_sharded(config, &cpu, shard)
     });
-    let tensors = crate::hub::weights::module_tensors(&fresh);
-    Ok(crate::hub::weights::load_into(model, tensors, None, device)?.0)
+    let tensors = crate::models::params::module_tensors(&fresh);
+    Ok(crate::models::params::load_into(model, tensors, None, device)?.0)
 }
 
 /// Tensor-parallel rank `s`'s weights of the model folder `dir`.
@@ -366,8 +368,8 @@ pub fn train<B: TrainBackend>(
         .collect(),
         source_dir: opts.model_dir.clone(),
     };
-    let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files);
-    trainer.parallel = parallel;
+    let plan = ParallelPlan::new(parallel);
+    let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files, plan);
     trainer.origin = crate::train::RunOrigin::from_paths(
         opts.model_dir.as_deref(),
         opts.train_file.as_deref(),

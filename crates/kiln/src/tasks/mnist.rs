@@ -7,13 +7,15 @@ use std::path::Path;
 use serde_json::json;
 
 use crate::data::idx::read_idx;
-use crate::hub::weights::{load_into, read_safetensors};
+use crate::hub::weights::read_safetensors;
 use crate::models::mlp::{MnistMlp, PixelBatch, CLASSES, INPUT};
+use crate::models::params::load_into;
 use crate::ops::{KilnBackend, TrainBackend};
 use crate::task::BatchSource;
 use crate::train::checkpoint::ModelFiles;
 use crate::train::schedule::SchedulerType;
 use crate::train::trainer::{evaluate, EvalOutput, TrainOutput, Trainer};
+use crate::train::ParallelPlan;
 use crate::train::{CrossEntropy, OptimizerType, TrainingArguments};
 use crate::{KilnError, Result};
 
@@ -131,9 +133,10 @@ pub fn train<B: TrainBackend>(
     let train = load_split(data_dir, "train")?;
     let model =
         crate::ops::with_seeded_rng::<B, _>(device, args.seed, || MnistMlp::<B>::new(device));
-    let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), CrossEntropy, files());
+    let plan = ParallelPlan::new(crate::parallel::DataParallel::join(device)?);
+    let mut trainer =
+        Trainer::<B, _, _>::new(args, model, device.clone(), CrossEntropy, files(), plan);
     trainer.label_names = Some(digits());
-    trainer.parallel = crate::parallel::DataParallel::join(device)?;
     let out = trainer.train(&train, None::<&MnistSplit>)?;
     if trainer.is_main() {
         println!(

@@ -12,13 +12,14 @@ use crate::data::{self, DataArgs, LabelSet, Padding, TextClassificationSet, Text
 use crate::error::{KilnError, Result};
 use crate::hub::encoder_config::EncoderConfig;
 use crate::hub::model_weights::read_model_weights;
-use crate::hub::weights::load_into;
 use crate::models::classifier::SequenceClassifier;
+use crate::models::params::load_into;
 use crate::parallel::DataParallel;
 use crate::task::{BatchSource, CrossEntropy, Loss, Model};
 use crate::train::checkpoint::ModelFiles;
 use crate::train::metrics::argmax;
 use crate::train::trainer::{evaluate, EvalOutput, TrainOutput};
+use crate::train::ParallelPlan;
 use crate::train::{Trainer, TrainingArguments};
 
 /// Batches of a tokenized classification set.
@@ -226,7 +227,7 @@ fn fresh_weights_from_cpu<B: KilnBackend>(
     let fresh = crate::ops::with_seeded_rng::<Cpu, _>(&cpu, seed, || {
         SequenceClassifier::<Cpu>::new(config, num_labels, &cpu)
     });
-    let mut tensors = crate::hub::weights::module_tensors(&fresh);
+    let mut tensors = crate::models::params::module_tensors(&fresh);
     tensors.retain(|k, _| missing.contains(k));
     Ok(load_into(model, tensors, None, device)?.0)
 }
@@ -255,7 +256,7 @@ pub fn init_model_dir(
     let model = crate::ops::with_seeded_rng::<Cpu, _>(&device, seed, || {
         SequenceClassifier::<Cpu>::new(config, 2, &device)
     });
-    let mut tensors = crate::hub::weights::module_tensors(&model);
+    let mut tensors = crate::models::params::module_tensors(&model);
     let prefix = format!("{}.", config.base_prefix());
     tensors.retain(|k, _| k.starts_with(&prefix));
     let files = ModelFiles {
@@ -354,9 +355,9 @@ pub fn train<B: TrainBackend, L: Loss>(
         .collect(),
         source_dir: Some(md.dir.clone()),
     };
-    let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files);
+    let plan = ParallelPlan::new(parallel);
+    let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files, plan);
     trainer.label_names = Some(labels.names().to_vec());
-    trainer.parallel = parallel;
     trainer.origin = crate::train::RunOrigin::from_paths(
         Some(&opts.model_dir),
         opts.data.train_file.as_deref(),

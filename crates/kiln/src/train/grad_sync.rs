@@ -15,11 +15,13 @@ use crate::Result;
 pub enum SyncedGrads<B: KilnBackend> {
     /// Every parameter's averaged gradient.
     Whole(GradAccumulator<B>),
-    /// This rank's ZeRO-1 chunk of the averaged gradients, and the clipping factor to apply.
+    /// This rank's ZeRO-1 chunk of the averaged gradients, the clipping factor to apply, and the
+    /// group that gathers the updated chunks back.
     Chunk {
         partition: ZeroPartition,
         chunk: Tensor<B, 1>,
         factor: f64,
+        zero: Zero1<B>,
     },
 }
 
@@ -109,6 +111,7 @@ pub fn sync_and_clip_zero1<B: KilnBackend>(
             partition,
             chunk,
             factor,
+            zero: zero.clone(),
         },
     })
 }

@@ -11,6 +11,7 @@ pub mod metrics;
 pub mod optim;
 pub mod optimizers;
 pub mod output_dir;
+pub mod parallel_plan;
 pub mod precompile;
 pub mod reporters;
 pub mod reshard;
@@ -20,6 +21,7 @@ pub mod trainer;
 
 pub use args::{IntervalStrategy, SaveStrategy, TrainingArguments};
 pub use optim::OptimizerType;
+pub use parallel_plan::ParallelPlan;
 pub use reporters::RunOrigin;
 // The task contract, re-exported where library users of the trainer look for it.
 pub use crate::task::{

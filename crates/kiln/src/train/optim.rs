@@ -15,7 +15,8 @@ use burn::tensor::{ElementConversion, Shape, Tensor, TensorData, TensorMetadata,
 use crate::ops::{AdamWStep, KilnBackend};
 
 use super::optimizers::{Rule, RuleOptimizer};
-use crate::hub::weights::{map_params, HostTensor, ParamInfo, PathTracker};
+use crate::hub::weights::HostTensor;
+use crate::models::params::{map_params, ParamInfo, PathTracker};
 use crate::parallel::zero::{OwnedSegment, ZeroPartition};
 
 /// Gradients summed over the micro-batches of one optimizer step, flattened, keyed by path.

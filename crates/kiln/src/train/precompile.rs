@@ -136,7 +136,7 @@ where
         let plan = self.start(train, eval.is_some())?;
         let a = self.args.clone();
         let all: Vec<usize> = (0..train.len()).collect();
-        let per_rank = self.parallel.shard(&all, a.dataloader_drop_last).len();
+        let per_rank = self.parallel.data.shard(&all, a.dataloader_drop_last).len();
         let mut sizes = vec![plan.batch_size];
         if !a.dataloader_drop_last {
             sizes.push(per_rank % plan.batch_size);

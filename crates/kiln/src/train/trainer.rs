@@ -19,10 +19,11 @@ use super::checkpoint::{
     save_checkpoint, staging_dir, write_marker, Checkpoint, ModelFiles, SchedulerState,
     TrainerState,
 };
-use super::grad_sync::{sync_and_clip, sync_and_clip_zero1, Synced, SyncedGrads};
+use super::grad_sync::Synced;
 use super::metrics::{classification_report, ClassificationReport, Predictions};
 use super::optim::{AdamWConfig, GradAccumulator, Optimizer, OptimizerType};
 use super::output_dir::{claim, resolve_resume_for, Claim, RunDir};
+use super::parallel_plan::ParallelPlan;
 use super::reporters::{write_run_summary, Reporters, RunOrigin};
 use super::schedule::{Plateau, Schedule, SchedulerType};
 use super::sharded_checkpoint::{
@@ -32,12 +33,12 @@ use crate::data::batch::epoch_order;
 use crate::error::{KilnError, Result};
 use crate::hub::files::write_synced;
 use crate::hub::sharded::LAYOUT_FILE;
-use crate::hub::weights::{load_into, module_shapes, module_tensors};
+use crate::models::params::{load_into, module_shapes, module_tensors};
 use crate::ops::{profile, TrainBackend};
 use crate::parallel::launch::Attempt;
-use crate::parallel::{DataParallel, Zero1};
+use crate::parallel::DataParallel;
 use crate::report::live::{Phase, StepReport};
-use crate::task::{BatchSource, CrossEntropy, Loss, Model, ParamSplit, TensorParallelLayout};
+use crate::task::{BatchSource, CrossEntropy, Loss, Model, ParamSplit};
 
 /// Set in `kiln precompile`'s child process: the next [`Trainer::train`] or
 /// [`Trainer::train_and_evaluate`] runs one step per batch shape instead of training
@@ -87,9 +88,9 @@ pub struct Trainer<B: TrainBackend, M, L = CrossEntropy> {
     optimizer: Optimizer<B::InnerBackend>,
     /// Whether to show a progress bar (rank 0, interactive).
     pub progress: bool,
-    /// The data-parallel strategy: this process's share of the data and of the job (a world of
-    /// one when run alone; set it to [`DataParallel::join`] under `kiln launch` / torchrun).
-    pub parallel: DataParallel<B::InnerBackend>,
+    /// The run's parallelism, given to [`Self::new`]: data parallelism, and the tensor-parallel
+    /// layout and ZeRO-1 settled when training starts.
+    pub(super) parallel: ParallelPlan<B::InnerBackend>,
     /// The loss of the last optimizer step (averaged over ranks), as the MNIST sample prints it.
     pub last_step_loss: f64,
     /// This run's id (its checkpoints carry it) and, on rank 0, the lock on the output folder.
@@ -100,10 +101,6 @@ pub struct Trainer<B: TrainBackend, M, L = CrossEntropy> {
     /// The resumed checkpoint's sum of step losses since step 1 (`None`: a checkpoint that did
     /// not record it, or no resume — then 0 at step 0).
     resumed_loss_sum: Option<f64>,
-    /// A tensor-parallel model's splits and group (set at the start of training).
-    tp_layout: Option<TensorParallelLayout>,
-    /// ZeRO-1 over the data-parallel group (`--zero-1` with more than one data-parallel rank).
-    zero: Option<Zero1<B::InnerBackend>>,
     /// reduce_lr_on_plateau's state: the rate follows the evaluations instead of the step.
     plateau: Option<Plateau>,
     /// Non-embedding parameters of the whole model (all tensor-parallel shards), and this rank's
@@ -150,6 +147,7 @@ where
         device: B::Device,
         loss: L,
         files: ModelFiles,
+        parallel: ParallelPlan<B::InnerBackend>,
     ) -> Self {
         // Built again from the checked arguments when training starts (optim_args may be bad).
         let optimizer = Optimizer::new(args.optim, adamw_config(&args));
@@ -164,14 +162,12 @@ where
             state: TrainerState::default(),
             optimizer,
             progress: true,
-            parallel: DataParallel::single(),
+            parallel,
             last_step_loss: f64::NAN,
             run: None,
             run_id: String::new(),
             skipped_nonfinite: 0,
             resumed_loss_sum: None,
-            tp_layout: None,
-            zero: None,
             plateau: None,
             flos_params: 0.0,
             current_flos: 0.0,
@@ -207,23 +203,23 @@ where
 
     /// Rank 0 (or a single process): the one that logs and writes files.
     pub fn is_main(&self) -> bool {
-        self.parallel.is_main()
+        self.parallel.data.is_main()
     }
 
     /// Where this rank sits in a sharded run (tensor-parallel and data-parallel ranks).
     fn place(&self) -> Place {
         Place {
-            tp: self.tp_layout.as_ref().map_or(0, |l| l.tp.rank()),
-            tp_size: self.tp_layout.as_ref().map_or(1, |l| l.tp.size()),
-            dp: self.parallel.rank(),
-            dp_size: self.parallel.size(),
-            zero: self.zero.is_some(),
+            tp: self.parallel.tensor().map_or(0, |l| l.tp.rank()),
+            tp_size: self.parallel.tensor().map_or(1, |l| l.tp.size()),
+            dp: self.parallel.data.rank(),
+            dp_size: self.parallel.data.size(),
+            zero: self.parallel.zero().is_some(),
         }
     }
 
     /// Whether checkpoints are written per rank (tensor parallelism or ZeRO-1).
     fn sharded(&self) -> bool {
-        self.tp_layout.is_some() || self.zero.is_some()
+        self.parallel.sharded()
     }
 
     /// This rank's model and optimizer state in checkpoint `dir`, whatever layout wrote it.
@@ -231,7 +227,7 @@ where
         read_rank_state(
             dir,
             self.place(),
-            self.tp_layout.as_ref().map(|l| &l.splits),
+            self.parallel.tensor().map(|l| &l.splits),
             &module_shapes(self.model()),
         )
     }
@@ -365,7 +361,7 @@ where
                 true,
                 a.group_by_length.then_some(plan.batch_size),
             );
-            let order = self.parallel.shard(&order, a.dataloader_drop_last);
+            let order = self.parallel.data.shard(&order, a.dataloader_drop_last);
             let batches: Vec<&[usize]> = order
                 .chunks(plan.batch_size)
                 .filter(|c| !a.dataloader_drop_last || c.len() == plan.batch_size)
@@ -430,10 +426,31 @@ where
         self.finish(run)
     }
 
-    /// Validates the arguments, claims the output folder, derives the plan, resumes from a
-    /// checkpoint when asked, and makes every rank start from the same weights.
+    /// Starts training, step by step: the arguments validated, the output folder claimed and the
+    /// checkpoint to resume agreed, the plan (and the parallel layout) made, the checkpoint
+    /// resumed, the reporters opened, every rank given rank 0's weights, the banner printed.
     pub(super) fn start<S: BatchSource>(&mut self, train: &S, has_eval: bool) -> Result<Plan> {
-        self.args.resolve_global_batch(self.parallel.size())?;
+        let a = self.validated_args(has_eval)?;
+        let resume_dir = self.claim_output(&a)?;
+        let plan = self.make_plan(&a, train)?;
+        if let Some(dir) = &resume_dir {
+            self.resume_into_plan(&a, dir, &plan)?;
+        }
+        self.open_reporters(&a)?;
+        let model = self.take_model();
+        self.model = Some(self.parallel.data.broadcast_model(model)?);
+        self.reporters.started(plan.total, self.state.global_step);
+        if self.is_main() {
+            self.banner(&a, &plan);
+        }
+        crate::ops::take_activation_overflow();
+        Ok(plan)
+    }
+
+    /// The arguments checked for this run (the global batch resolved over the data-parallel
+    /// group), with the optimizer, the matmul precision and the device's abilities set from them.
+    fn validated_args(&mut self, has_eval: bool) -> Result<TrainingArguments> {
+        self.args.resolve_global_batch(self.parallel.data.size())?;
         let a = self.args.clone();
         a.validate()?;
         self.optimizer =
@@ -459,6 +476,11 @@ where
         }
         crate::ops::set_tf32(a.tf32);
         a.check_eval_data(has_eval)?;
+        Ok(a)
+    }
+
+    /// Rank 0 claims the output folder; every rank agrees on the checkpoint to resume, if any.
+    fn claim_output(&mut self, a: &TrainingArguments) -> Result<Option<PathBuf>> {
         // Rank 0 claims the output folder (lock, leftovers, another run's files); every rank
         // resumes from the same checkpoint.
         let attempt = Attempt::from_env()?;
@@ -480,7 +502,7 @@ where
         // under tensor parallelism rank 0's group may be itself alone, and a peer that started
         // over from random weights would train a different model beside it. (Steps travel as
         // f32: exact below 2^24.)
-        if attempt.is_some_and(|a| a.restart > 0) && self.parallel.world_size() > 1 {
+        if attempt.is_some_and(|a| a.restart > 0) && self.parallel.data.world_size() > 1 {
             let step = resume_dir
                 .as_deref()
                 .and_then(|p| {
@@ -496,7 +518,7 @@ where
             } else {
                 vec![0.0, 0.0]
             };
-            let chosen = self.parallel.sum_host_world(mine)?;
+            let chosen = self.parallel.data.sum_host_world(mine)?;
             restarted = chosen[0] > 0.0;
             if restarted && !self.is_main() {
                 resume_dir = (chosen[1] > 0.0).then(|| {
@@ -511,20 +533,22 @@ where
                 .map(|spec| resolve_resume_for(&a.output_dir, spec))
                 .transpose()?;
         }
-        self.tp_layout = self.model().tensor_parallel();
+        Ok(resume_dir)
+    }
+
+    /// The parallel layout settled from the model, and the run's plan (steps, batches, warmup)
+    /// with the trainer state and the plateau scheduler it sets.
+    fn make_plan<S: BatchSource>(&mut self, a: &TrainingArguments, train: &S) -> Result<Plan> {
+        let tensor = self.model().tensor_parallel();
+        self.parallel.settle(tensor, a.zero_1);
         self.flos_params = self.non_embedding_parameters() as f64;
         self.current_flos = 0.0;
-        self.zero = if a.zero_1 {
-            self.parallel.zero1()
-        } else {
-            None
-        };
         if a.save_only_model && self.sharded() {
             return Err(KilnError::Config(
                 "save_only_model is not implemented for sharded checkpoints (tensor parallelism or --zero-1)".into(),
             ));
         }
-        let plan = Plan::new(&a, train.len(), &self.parallel)?;
+        let plan = Plan::new(a, train.len(), &self.parallel.data)?;
         self.state = TrainerState {
             max_steps: plan.total,
             num_train_epochs: plan.total as f64 / plan.updates_per_epoch as f64,
@@ -532,7 +556,7 @@ where
             eval_steps: a.eval_interval(plan.total),
             save_steps: a.save_interval(plan.total),
             train_batch_size: plan.batch_size,
-            is_local_process_zero: self.parallel.is_local_main(),
+            is_local_process_zero: self.parallel.data.is_local_main(),
             is_world_process_zero: self.is_main(),
             ..TrainerState::default()
         };
@@ -544,101 +568,110 @@ where
                 plan.warmup
             );
         }
-        if let Some(dir) = &resume_dir {
-            let sched = self.resume(dir)?;
-            if self.is_main() {
-                super::output_dir::trim_log(&a.output_dir, self.state.global_step)?;
+        Ok(plan)
+    }
+
+    /// Resumes checkpoint `dir` into the state `plan` set (the plateau state too, when saved).
+    fn resume_into_plan(&mut self, a: &TrainingArguments, dir: &Path, plan: &Plan) -> Result<()> {
+        let plateau = a.lr_scheduler_type == SchedulerType::ReduceLrOnPlateau;
+        let sched = self.resume(dir)?;
+        if self.is_main() {
+            super::output_dir::trim_log(&a.output_dir, self.state.global_step)?;
+        }
+        if plateau {
+            match sched.plateau {
+                Some(p) => self.plateau = Some(p),
+                None => tracing::warn!(
+                    "{} was saved without reduce_lr_on_plateau: its plateau state starts afresh",
+                    dir.display()
+                ),
             }
-            if plateau {
-                match sched.plateau {
-                    Some(p) => self.plateau = Some(p),
-                    None => tracing::warn!(
-                        "{} was saved without reduce_lr_on_plateau: its plateau state starts afresh",
-                        dir.display()
-                    ),
-                }
-            }
-            if sched.total_steps != plan.total || sched.seed != a.seed {
-                tracing::warn!(
+        }
+        if sched.total_steps != plan.total || sched.seed != a.seed {
+            tracing::warn!(
                     "resuming with different total steps ({} → {}) or seed ({} → {}): the run will not match an uninterrupted one",
                     sched.total_steps, plan.total, sched.seed, a.seed
                 );
-            }
-            self.state.max_steps = plan.total;
         }
+        self.state.max_steps = plan.total;
+        Ok(())
+    }
+
+    /// log.jsonl, TensorBoard and the live state, for this rank.
+    fn open_reporters(&mut self, a: &TrainingArguments) -> Result<()> {
         let (rank, world) = self
             .parallel
+            .data
             .env()
             .map_or((0, 1), |e| (e.rank, e.world_size));
         self.reporters = Reporters::open(
-            &a,
+            a,
             self.is_main(),
             (rank, world),
             self.live_state,
             self.gpu_index.or_else(crate::report::live::gpu_index),
         )?;
-        let model = self.take_model();
-        self.model = Some(self.parallel.broadcast_model(model)?);
-        self.reporters.started(plan.total, self.state.global_step);
-        if self.is_main() {
-            let world = self.parallel.size();
-            info!("***** Running training *****");
-            info!("  Num examples = {}", plan.examples);
-            info!("  Num epochs = {:.2}", self.state.num_train_epochs);
+        Ok(())
+    }
+
+    /// transformers' "***** Running training *****" block, with the parallel layout and what
+    /// each rank keeps between steps.
+    fn banner(&self, a: &TrainingArguments, plan: &Plan) {
+        let world = self.parallel.data.size();
+        info!("***** Running training *****");
+        info!("  Num examples = {}", plan.examples);
+        info!("  Num epochs = {:.2}", self.state.num_train_epochs);
+        info!(
+            "  Instantaneous batch size per device = {}",
+            plan.batch_size
+        );
+        info!("  World size (data parallel) = {world}");
+        if a.tensor_parallel_size > 1 {
             info!(
-                "  Instantaneous batch size per device = {}",
-                plan.batch_size
+                "  Layout: tensor parallel {tp} × data parallel {world} = {} processes",
+                a.tensor_parallel_size * world,
+                tp = a.tensor_parallel_size
             );
-            info!("  World size (data parallel) = {world}");
-            if a.tensor_parallel_size > 1 {
-                info!(
-                    "  Layout: tensor parallel {tp} × data parallel {world} = {} processes",
-                    a.tensor_parallel_size * world,
-                    tp = a.tensor_parallel_size
-                );
-            }
-            // What each rank keeps between steps (f32): its weights, their gradients and the
-            // two AdamW moments — a ZeRO-1 rank only its data-parallel share of the moments.
-            let weights: usize = module_shapes(self.model())
-                .values()
-                .map(|s| s.iter().product::<usize>())
-                .sum();
-            let moments = match &self.zero {
-                Some(z) => 2 * weights.div_ceil(z.size()),
-                None => self
-                    .optimizer
-                    .state_len(module_shapes(self.model()).values()),
-            };
-            let mb = |n: usize| n as f64 * 4.0 / 1e6;
-            info!(
+        }
+        // What each rank keeps between steps (f32): its weights, their gradients and the
+        // two AdamW moments — a ZeRO-1 rank only its data-parallel share of the moments.
+        let weights: usize = module_shapes(self.model())
+            .values()
+            .map(|s| s.iter().product::<usize>())
+            .sum();
+        let moments = match self.parallel.zero() {
+            Some(z) => 2 * weights.div_ceil(z.size()),
+            None => self
+                .optimizer
+                .state_len(module_shapes(self.model()).values()),
+        };
+        let mb = |n: usize| n as f64 * 4.0 / 1e6;
+        info!(
                 "  Training state per rank = {:.1} MB weights + {:.1} MB gradients + {:.1} MB optimizer",
                 mb(weights),
                 mb(weights),
                 mb(moments)
             );
-            match (&self.zero, a.zero_1) {
-                (Some(z), _) => info!(
-                    "  ZeRO-1: AdamW moments split over {} data-parallel ranks",
-                    z.size()
-                ),
-                (None, true) => info!("  ZeRO-1: one data-parallel rank, nothing to split"),
-                _ => {}
-            }
-            info!(
-                "  Total train batch size (w. parallel, distributed & accumulation) = {}",
-                plan.batch_size * world * a.gradient_accumulation_steps
-            );
-            info!(
-                "  Gradient accumulation steps = {}",
-                a.gradient_accumulation_steps
-            );
-            info!(
-                "  Total optimization steps = {} (warmup {})",
-                plan.total, plan.warmup
-            );
+        match (self.parallel.zero(), a.zero_1) {
+            (Some(z), _) => info!(
+                "  ZeRO-1: AdamW moments split over {} data-parallel ranks",
+                z.size()
+            ),
+            (None, true) => info!("  ZeRO-1: one data-parallel rank, nothing to split"),
+            _ => {}
         }
-        crate::ops::take_activation_overflow();
-        Ok(plan)
+        info!(
+            "  Total train batch size (w. parallel, distributed & accumulation) = {}",
+            plan.batch_size * world * a.gradient_accumulation_steps
+        );
+        info!(
+            "  Gradient accumulation steps = {}",
+            a.gradient_accumulation_steps
+        );
+        info!(
+            "  Total optimization steps = {} (warmup {})",
+            plan.total, plan.warmup
+        );
     }
 
     fn progress_bar(&self, plan: &Plan) -> ProgressBar {
@@ -717,20 +750,16 @@ where
             loss_sum = f64::NAN;
         }
         // Average gradients (and the logged loss) over ranks before clipping.
-        let tp = self.tp_layout.as_ref();
-        let max_norm = self.args.max_grad_norm;
         let sync_start = Instant::now();
         let Synced {
             loss,
             grad_norm,
             grads,
-        } = match &self.zero {
-            Some(zero) => sync_and_clip_zero1(acc, loss_sum, zero, tp, max_norm)?,
-            None => sync_and_clip(acc, loss_sum, &self.device, &self.parallel, tp, max_norm)?,
-        };
+        } = self
+            .parallel
+            .sync_and_clip(acc, loss_sum, &self.device, self.args.max_grad_norm)?;
         // Alone, the sync only adds up the norm: no waiting on peers.
-        let alone = self.parallel.size() == 1 && tp.is_none();
-        let collective_seconds = if alone {
+        let collective_seconds = if self.parallel.alone() {
             0.0
         } else {
             sync_start.elapsed().as_secs_f64()
@@ -741,24 +770,11 @@ where
         let finite = loss.is_finite() && grad_norm.is_finite();
         if finite {
             let model = self.take_model();
-            self.model = Some(match (grads, &self.zero) {
-                (SyncedGrads::Whole(acc), _) => self.optimizer.step::<B, M>(model, lr, acc),
-                (
-                    SyncedGrads::Chunk {
-                        partition,
-                        chunk,
-                        factor,
-                    },
-                    Some(zero),
-                ) => self.optimizer.step_zero1::<B, M>(
-                    model,
-                    lr,
-                    &partition,
-                    (chunk, factor),
-                    |c| zero.gather(c, &partition),
-                )?,
-                (SyncedGrads::Chunk { .. }, None) => unreachable!("chunks come from ZeRO-1"),
-            });
+            self.model =
+                Some(
+                    self.parallel
+                        .update::<B, M>(&mut self.optimizer, model, lr, grads)?,
+                );
         } else {
             self.skip_nonfinite_step(loss, grad_norm, overflowed)?;
         }
@@ -771,7 +787,7 @@ where
             lr,
             finite,
             // Every rank trains on as many examples.
-            samples: samples * self.parallel.size(),
+            samples: samples * self.parallel.data.size(),
             rank_samples: samples,
             tokens,
             seconds: started.elapsed().as_secs_f64(),
@@ -867,7 +883,7 @@ where
     /// counts at its full size (transformers' `num_parameters(exclude_embeddings=True)`).
     fn non_embedding_parameters(&self) -> usize {
         let skip = self.model().embedding_parameters();
-        let splits = self.tp_layout.as_ref().map(|l| &l.splits);
+        let splits = self.parallel.tensor().map(|l| &l.splits);
         module_shapes(self.model())
             .into_iter()
             .filter(|(name, _)| !skip.contains(name))
@@ -885,9 +901,13 @@ where
     /// Adds every data-parallel rank's floating-point operations since the last call to
     /// `state.total_flos` (transformers' `store_flos`): before a checkpoint and at the end.
     fn store_flos(&mut self) -> Result<()> {
-        self.state.total_flos += if self.parallel.size() > 1 {
+        self.state.total_flos += if self.parallel.data.size() > 1 {
             // f32 keeps 7 significant digits of a count that is itself an estimate.
-            f64::from(self.parallel.sum_host(vec![self.current_flos as f32])?[0])
+            f64::from(
+                self.parallel
+                    .data
+                    .sum_host(vec![self.current_flos as f32])?[0],
+            )
         } else {
             self.current_flos
         };
@@ -974,7 +994,7 @@ where
         }
         // Under tensor parallelism every rank takes part in putting the model together; otherwise
         // only rank 0 reads its weights.
-        if self.is_main() || self.tp_layout.is_some() {
+        if self.is_main() || self.parallel.tensor().is_some() {
             let tensors = self.whole_model_tensors()?;
             if self.is_main() {
                 let dir = self.args.output_dir.clone();
@@ -982,7 +1002,7 @@ where
                 write_json(&dir.join("train_results.json"), &metrics)?;
             }
         }
-        self.parallel.barrier()?;
+        self.parallel.data.barrier()?;
         self.reporters.phase(Phase::Finished);
         Ok(TrainOutput {
             global_step: self.state.global_step,
@@ -1032,7 +1052,7 @@ where
         }
         if !self.is_main() {
             // Rank 0 writes; the others wait so that nobody reads a half-written checkpoint.
-            return self.parallel.barrier();
+            return self.parallel.data.barrier();
         }
         let model = module_tensors(self.model());
         ensure_finite(
@@ -1058,7 +1078,7 @@ where
             let best = self.state.best_model_checkpoint.clone().map(PathBuf::from);
             rotate_checkpoints(&self.args.output_dir, limit, best.as_deref(), &self.run_id)?;
         }
-        self.parallel.barrier()
+        self.parallel.data.barrier()
     }
 
     /// A checkpoint of a sharded run: every rank writes its shard into the staging folder, then
@@ -1073,17 +1093,17 @@ where
         if self.is_main() {
             staging_dir(&out, step)?;
         }
-        self.parallel.barrier()?;
+        self.parallel.data.barrier()?;
         let place = self.place();
         write_rank_files(
             &tmp,
             place,
             &module_tensors(self.model()),
-            self.tp_layout.as_ref().map(|l| &l.splits),
+            self.parallel.tensor().map(|l| &l.splits),
             &self.optimizer.state_tensors(),
             &self.optimizer.covers(),
         )?;
-        self.parallel.barrier()?;
+        self.parallel.data.barrier()?;
         if self.is_main() {
             let a = &self.args;
             let mut put = |name: &str, bytes: &[u8]| write_synced(&tmp.join(name), bytes);
@@ -1106,7 +1126,7 @@ where
                 rotate_checkpoints(&out, limit, best.as_deref(), &self.run_id)?;
             }
         }
-        self.parallel.barrier()
+        self.parallel.data.barrier()
     }
 
     /// Saves the model (config.json, model.safetensors, tokenizer.json) and trainer state to `dir`,
@@ -1114,7 +1134,7 @@ where
     /// with non-finite weights is never written.
     pub fn save_model(&self, dir: &Path) -> Result<()> {
         let tensors = self.whole_model_tensors()?;
-        if self.tp_layout.is_some() && !self.is_main() {
+        if self.parallel.tensor().is_some() && !self.is_main() {
             // Every rank helped put the model together; rank 0 writes it.
             return Ok(());
         }
@@ -1125,7 +1145,7 @@ where
     /// rank of its group must call this; only rank 0 receives them, the others an empty map).
     fn whole_model_tensors(&self) -> Result<BTreeMap<String, crate::hub::weights::HostTensor>> {
         let local = module_tensors(self.model());
-        match &self.tp_layout {
+        match self.parallel.tensor() {
             None => Ok(local),
             Some(layout) => {
                 crate::parallel::tensor_parallel::consolidate(layout, local, self.is_main())
@@ -1250,7 +1270,7 @@ where
             &self.args.output_dir,
             &self.args,
             &self.origin,
-            self.parallel.size(),
+            self.parallel.data.size(),
             &history,
         );
     }
@@ -1274,7 +1294,7 @@ where
             &self.loss,
             self.label_names.as_deref(),
             self.compute_metrics.as_ref(),
-            &self.parallel,
+            &self.parallel.data,
         )
     }
 }

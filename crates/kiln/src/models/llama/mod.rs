@@ -583,7 +583,7 @@ impl<B: KilnBackend> Model<B> for LlamaForCausalLM<B> {
 
     fn tensor_parallel(&self) -> Option<TensorParallelLayout> {
         let s = self.shard.as_ref()?;
-        let splits = crate::hub::weights::module_shapes(self)
+        let splits = crate::models::params::module_shapes(self)
             .into_keys()
             .map(|name| {
                 let split = s.split_of(&name);

@@ -1,0 +1,260 @@
+//! Walking a model's parameters by Hugging Face path: visiting or replacing each one, their
+//! shapes and host copies, and loading named host tensors into a module (what is missing,
+//! unexpected or of another shape is reported, never silently skipped).
+//!
+//! A parameter's path is the chain of struct field names that leads to it (`bert.encoder.layer.3.
+//! attention.self.query.weight`); a trailing `_` on a field name escapes a Rust keyword and is
+//! dropped; an enum variant adds no part.
+
+use std::collections::BTreeMap;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{backend::Backend, Shape, Tensor, TensorMetadata, TensorPrimitive};
+
+use crate::error::{KilnError, Result};
+use crate::hub::weights::HostTensor;
+use crate::ops::KilnBackend;
+
+/// Tracks the current parameter path while walking a module.
+#[derive(Default)]
+pub(crate) struct PathTracker {
+    parts: Vec<String>,
+    containers: Vec<String>,
+}
+
+impl PathTracker {
+    /// An enum's variant adds nothing to the path: a model that is one of several architectures
+    /// (`SequenceClassifier::Roberta(..)`) has that architecture's own parameter names.
+    pub(crate) fn enter(&mut self, name: &str, container: &str) {
+        let part = if container.starts_with("Enum:") {
+            ""
+        } else {
+            name.strip_suffix('_').unwrap_or(name)
+        };
+        self.parts.push(part.to_string());
+        self.containers.push(container.to_string());
+    }
+    pub(crate) fn exit(&mut self) {
+        self.parts.pop();
+        self.containers.pop();
+    }
+    pub(crate) fn path(&self) -> String {
+        let parts: Vec<&str> = self
+            .parts
+            .iter()
+            .map(String::as_str)
+            .filter(|p| !p.is_empty())
+            .collect();
+        parts.join(".")
+    }
+    /// The struct type that owns the current parameter, e.g. `LayerNorm`.
+    pub(crate) fn owner(&self) -> &str {
+        self.containers
+            .last()
+            .map(|c| c.strip_prefix("Struct:").unwrap_or(c))
+            .unwrap_or("")
+    }
+}
+
+/// One float parameter as seen by [`for_each_param`].
+pub struct ParamInfo<'a> {
+    /// Hugging Face path, e.g. `classifier.weight`.
+    pub path: &'a str,
+    /// Name of the struct that owns the parameter (`Linear`, `LayerNorm`, `Embedding`, ...).
+    pub owner: &'a str,
+}
+
+struct Visit<'f, F> {
+    tracker: PathTracker,
+    f: &'f mut F,
+}
+
+/// A float parameter handed to [`for_each_param`]'s callback: its value, flattened to 1-D.
+pub type FlatParam<B> = Tensor<B, 1>;
+
+impl<B: Backend, F: FnMut(&ParamInfo, burn::module::ParamId, FlatParam<B>)> ModuleVisitor<B>
+    for Visit<'_, F>
+{
+    fn enter_module(&mut self, name: &str, container: &str) {
+        self.tracker.enter(name, container);
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.tracker.exit();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let path = self.tracker.path();
+        let info = ParamInfo {
+            path: &path,
+            owner: self.tracker.owner(),
+        };
+        let value = param.val();
+        let n = value.shape().num_elements();
+        (self.f)(&info, param.id, value.reshape([n]));
+    }
+}
+
+/// Calls `f` for every float parameter of `module`, in declaration order.
+pub fn for_each_param<B: Backend, M: Module<B>>(
+    module: &M,
+    mut f: impl FnMut(&ParamInfo, burn::module::ParamId, FlatParam<B>),
+) {
+    let mut v = Visit {
+        tracker: PathTracker::default(),
+        f: &mut f,
+    };
+    module.visit(&mut v);
+}
+
+struct Map<'f, F> {
+    tracker: PathTracker,
+    f: &'f mut F,
+}
+
+impl<B: Backend, F> ModuleMapper<B> for Map<'_, F>
+where
+    F: FnMut(&ParamInfo, FloatTensor<B>) -> FloatTensor<B>,
+{
+    fn enter_module(&mut self, name: &str, container: &str) {
+        self.tracker.enter(name, container);
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.tracker.exit();
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let path = self.tracker.path();
+        let info = ParamInfo {
+            path: &path,
+            owner: self.tracker.owner(),
+        };
+        let (id, value, mapper) = param.consume();
+        let require_grad = value.is_require_grad();
+        // The value moves through (no clone, no reshape), so a kernel may update its buffer in place.
+        let new = (self.f)(&info, value.detach().into_primitive().tensor());
+        let new = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(new)).detach();
+        let value = if require_grad {
+            new.require_grad()
+        } else {
+            new
+        };
+        Param::from_mapped_value(id, value, mapper)
+    }
+}
+
+/// Rebuilds `module` with each float parameter replaced by `f(info, value)`; `value` is the backend
+/// tensor in the parameter's own shape, and `f` must return one of the same shape (return the value
+/// itself to keep it).
+pub fn map_params<B: Backend, M: Module<B>>(
+    module: M,
+    mut f: impl FnMut(&ParamInfo, FloatTensor<B>) -> FloatTensor<B>,
+) -> M {
+    let mut m = Map {
+        tracker: PathTracker::default(),
+        f: &mut f,
+    };
+    module.map(&mut m)
+}
+
+/// Every float parameter's shape, keyed by Hugging Face path (no data is read).
+pub fn module_shapes<B: Backend, M: Module<B>>(module: &M) -> BTreeMap<String, Vec<usize>> {
+    struct Shapes(PathTracker, BTreeMap<String, Vec<usize>>);
+    impl<B: Backend> ModuleVisitor<B> for Shapes {
+        fn enter_module(&mut self, name: &str, container: &str) {
+            self.0.enter(name, container);
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.exit();
+        }
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            self.1.insert(self.0.path(), p.val().dims().to_vec());
+        }
+    }
+    let mut v = Shapes(PathTracker::default(), BTreeMap::new());
+    module.visit(&mut v);
+    v.1
+}
+
+/// Every float parameter of `module` as host tensors keyed by Hugging Face path.
+pub fn module_tensors<B: Backend, M: Module<B>>(module: &M) -> BTreeMap<String, HostTensor> {
+    let mut out = BTreeMap::new();
+    let mut shapes = Vec::new();
+    // Shapes are lost by flattening; collect them with a second small visitor.
+    struct Shapes<'a>(&'a mut Vec<Vec<usize>>);
+    impl<B: Backend> ModuleVisitor<B> for Shapes<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            self.0.push(p.val().dims().to_vec());
+        }
+    }
+    module.visit(&mut Shapes(&mut shapes));
+    let mut i = 0;
+    for_each_param(module, |info, _, flat| {
+        let data = flat
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .expect("f32 data");
+        out.insert(
+            info.path.to_string(),
+            HostTensor {
+                shape: shapes[i].clone(),
+                data,
+            },
+        );
+        i += 1;
+    });
+    out
+}
+
+/// What [`load_into`] did.
+#[derive(Debug, Default, Clone)]
+pub struct LoadReport {
+    pub loaded: Vec<String>,
+    /// Parameters the files did not have (they keep their fresh initialisation).
+    pub missing: Vec<String>,
+    /// Tensors in the files that the model has no parameter for.
+    pub unexpected: Vec<String>,
+}
+
+/// Loads `tensors` into `module` by path, moving each tensor's data into the model (no copy: a
+/// model's weights are never held twice on the host). `strip_prefix` is the base-model prefix
+/// (`bert`) that a checkpoint of the bare encoder lacks, the way transformers'
+/// `base_model_prefix` handling works.
+pub fn load_into<B: KilnBackend, M: Module<B>>(
+    module: M,
+    mut tensors: BTreeMap<String, HostTensor>,
+    base_prefix: Option<&str>,
+    device: &B::Device,
+) -> Result<(M, LoadReport)> {
+    let mut report = LoadReport::default();
+    let mut error = None;
+    let module = map_params(module, |info, current: FloatTensor<B>| {
+        let shape = current.shape().dims;
+        let mut candidates = vec![info.path.to_string()];
+        if let Some(prefix) = base_prefix {
+            if let Some(rest) = info.path.strip_prefix(&format!("{prefix}.")) {
+                candidates.push(rest.to_string());
+            }
+        }
+        let Some((key, t)) = candidates
+            .iter()
+            .find_map(|c| tensors.remove(c).map(|t| (c.clone(), t)))
+        else {
+            report.missing.push(info.path.to_string());
+            return current;
+        };
+        if t.shape != shape {
+            error.get_or_insert(KilnError::Weights(format!(
+                "tensor {key}: checkpoint shape {:?} does not match the model's {:?} (check config.json)",
+                t.shape, shape
+            )));
+            return current;
+        }
+        report.loaded.push(info.path.to_string());
+        B::kiln_from_host(t.data, Shape::from(t.shape), device)
+    });
+    if let Some(e) = error {
+        return Err(e);
+    }
+    report.unexpected = tensors.into_keys().collect();
+    Ok((module, report))
+}
