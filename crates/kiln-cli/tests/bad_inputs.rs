@@ -65,7 +65,7 @@ fn input_bytes(args: &[String]) -> u64 {
 /// A 2-layer Llama with MiniLM's tokenizer (a real tokenizer.json; the corpus needs no real LM).
 fn tiny_llama(dir: &Path, minilm: &Path) {
     use kiln::backend::{Cpu, CpuDevice};
-    let cfg: kiln::hub::llama_config::LlamaConfig = serde_json::from_value(json!({
+    let cfg: kiln::models::llama::config::LlamaConfig = serde_json::from_value(json!({
         "vocab_size": 30522, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "model_type": "llama",
         "tie_word_embeddings": true, "eos_token_id": 102, "architectures": ["LlamaForCausalLM"]}))

@@ -81,7 +81,7 @@ pub fn tiny_model_with(dir: &std::path::Path, minilm: &std::path::Path, extra: s
     for (k, v) in extra.as_object().unwrap() {
         json[k] = v.clone();
     }
-    let cfg = kiln::hub::encoder_config::EncoderConfig::Bert(serde_json::from_value(json).unwrap());
+    let cfg = kiln::models::auto::EncoderConfig::Bert(serde_json::from_value(json).unwrap());
     kiln::tasks::text_classification::init_model_dir(dir, &cfg, &minilm.join("tokenizer.json"), 7)
         .unwrap();
 }

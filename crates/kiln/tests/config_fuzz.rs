@@ -4,9 +4,9 @@
 
 use std::collections::BTreeMap;
 
-use kiln::hub::config::BertConfig;
-use kiln::hub::llama_config::LlamaConfig;
 use kiln::hub::weights::{read_safetensors, write_safetensors, HostTensor};
+use kiln::models::bert::config::BertConfig;
+use kiln::models::llama::config::LlamaConfig;
 use kiln::train::TrainingArguments;
 use proptest::prelude::*;
 use serde_json::{json, Value};

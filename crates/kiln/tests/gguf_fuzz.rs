@@ -17,9 +17,9 @@ use std::path::{Path, PathBuf};
 
 use common::repo_root;
 use half::f16;
-use kiln::hub::convert::gguf_to_hf;
 use kiln::hub::gguf::GgufFile;
 use kiln::hub::weights::{read_safetensors, StoreDtype};
+use kiln::models::llama::gguf::gguf_to_hf;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::Config;

@@ -64,7 +64,7 @@ fn converted() -> Option<&'static Path> {
     Some(DIR.get_or_init(|| {
         // Under target/tmp, overwritten by every run (not a cache: the conversion is under test).
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("llama-smollm2");
-        kiln::hub::convert::gguf_to_hf(&gguf, &dir, StoreDtype::F32).unwrap();
+        kiln::models::llama::gguf::gguf_to_hf(&gguf, &dir, StoreDtype::F32).unwrap();
         dir
     }))
 }
@@ -200,8 +200,8 @@ fn smollm2_loss_and_gradients_match_transformers() {
 /// (`model.safetensors.index.json` + shards) loads like the single-file one.
 #[test]
 fn sharded_folders_load() {
-    use kiln::hub::llama_config::LlamaConfig;
     use kiln::hub::weights::write_safetensors;
+    use kiln::models::llama::config::LlamaConfig;
     use kiln::models::llama::LlamaForCausalLM;
     use kiln::models::params::module_tensors;
     let cfg: LlamaConfig = serde_json::from_value(serde_json::json!({

@@ -60,7 +60,7 @@ pub fn run(cmd: ConvertCmd) -> Result<()> {
     let Some(from_gguf) = &cmd.from_gguf else {
         bail!("kiln convert: give --from-gguf FILE, or --model DIR with --to-tp N or --to-full");
     };
-    let r = kiln::hub::convert::gguf_to_hf(from_gguf, &cmd.out, dtype)?;
+    let r = kiln::models::llama::gguf::gguf_to_hf(from_gguf, &cmd.out, dtype)?;
     println!(
         "{} → {}: {} tensors ({:?}), {:.1} M parameters, {} layers, hidden {}, {} heads / {} kv heads, tied embeddings: {} ({:.1} s)",
         from_gguf.display(),
@@ -96,9 +96,9 @@ fn reshard(
         Some(n) => {
             // Validated as training validates it (more key/value heads than heads is a sentence);
             // the tensors' shapes are then checked against it cut by cut.
-            let config = kiln::hub::llama_config::LlamaConfig::from_file(&config_path)?;
+            let config = kiln::models::llama::config::LlamaConfig::from_file(&config_path)?;
             Ok(Target::TensorParallel {
-                splits: kiln::models::llama::tensor_parallel::splits_for(
+                splits: kiln::models::llama::parallel::splits_for(
                     &config,
                     whole.model.keys().map(String::as_str),
                     n,

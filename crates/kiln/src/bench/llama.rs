@@ -13,7 +13,7 @@ use crate::backend::{Cpu, CpuTrain};
 use crate::data::lm::{read_documents, LmBlocks};
 use crate::data::TextEncoding;
 use crate::error::Result;
-use crate::hub::llama_config::LlamaConfig;
+use crate::models::llama::config::LlamaConfig;
 use crate::models::llama::KvCache;
 use crate::tasks::causal_lm::{load_model, load_tokenizer};
 use crate::train::metrics::argmax;
@@ -27,7 +27,7 @@ pub fn converted_folder(gguf: &Path) -> Result<PathBuf> {
     let dir = gguf.parent().unwrap_or(Path::new(".")).join("hf");
     if !dir.join("model.safetensors").exists() {
         tracing::info!("converting {} → {}", gguf.display(), dir.display());
-        crate::hub::convert::gguf_to_hf(gguf, &dir, crate::hub::weights::StoreDtype::F32)?;
+        crate::models::llama::gguf::gguf_to_hf(gguf, &dir, crate::hub::weights::StoreDtype::F32)?;
     }
     Ok(dir)
 }

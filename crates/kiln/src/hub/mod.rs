@@ -1,16 +1,12 @@
-//! Hugging Face model folders (`config.json`, `model.safetensors`, `tokenizer.json`) and GGUF files.
+//! File formats and the Hub: model folders' files (`config.json` reading, `model.safetensors`,
+//! sharded layouts, `tokenizer.json`), GGUF files, the Hub client. Each family's own config and
+//! conversions live with its model (`models/<family>/`).
 
 pub mod client;
-pub mod config;
-pub mod convert;
-pub mod distilbert_config;
-pub mod encoder_config;
 pub mod files;
 pub mod gguf;
 pub mod limits;
-pub mod llama_config;
 pub mod model_weights;
-pub mod modernbert_config;
 pub mod remote;
 pub mod sharded;
 pub mod weights;

@@ -11,7 +11,7 @@ use super::encoder::{encoder_model, BertInput, EncoderClassifier};
 use super::modernbert::ModernBertForSequenceClassification;
 use super::roberta::RobertaForSequenceClassification;
 use crate::data::batch::TextBatch;
-use crate::hub::encoder_config::EncoderConfig;
+use crate::models::auto::EncoderConfig;
 use crate::ops::KilnBackend;
 
 #[derive(Module, Debug)]

@@ -4,6 +4,8 @@
 //! so checkpoints load and save without any transpose (Burn's own `nn::Linear` is `[in, out]`: a
 //! forgotten transpose on a square weight would load silently wrong).
 
+use std::ops::Range;
+
 use burn::module::{Module, Param};
 use burn::tensor::{backend::Backend, Distribution, Tensor};
 
@@ -192,4 +194,46 @@ pub fn inv_freq(theta: f64, head_dim: usize) -> Vec<f32> {
     (0..head_dim / 2)
         .map(|i| (1.0 / theta.powf(2.0 * i as f64 / head_dim as f64)) as f32)
         .collect()
+}
+
+/// A tensor-parallel rank's cut of a parameter: detached copies of the given rows or columns.
+pub(crate) fn slice_rows<B: KilnBackend>(
+    p: Param<Tensor<B, 2>>,
+    rows: Range<usize>,
+) -> Param<Tensor<B, 2>> {
+    let w = p.val();
+    let cols = w.dims()[1];
+    Param::from_tensor(crate::ops::owned(w.slice([rows, 0..cols])).detach())
+}
+
+fn slice_cols<B: KilnBackend>(p: Param<Tensor<B, 2>>, cols: Range<usize>) -> Param<Tensor<B, 2>> {
+    let w = p.val();
+    let rows = w.dims()[0];
+    Param::from_tensor(crate::ops::owned(w.slice([0..rows, cols])).detach())
+}
+
+fn slice_vec<B: KilnBackend>(p: Param<Tensor<B, 1>>, r: Range<usize>) -> Param<Tensor<B, 1>> {
+    Param::from_tensor(crate::ops::owned(p.val().slice([r])).detach())
+}
+
+impl<B: KilnBackend> Linear<B> {
+    /// A column-parallel cut (Megatron's `ColumnParallelLinear`): output rows `rows`, and their
+    /// bias.
+    pub fn column_parallel(self, rows: Range<usize>) -> Self {
+        Linear {
+            weight: slice_rows(self.weight, rows.clone()),
+            bias: self.bias.map(|b| slice_vec(b, rows)),
+            weight_in_out: None,
+        }
+    }
+
+    /// A row-parallel cut (Megatron's `RowParallelLinear`): input columns `cols`; the bias stays
+    /// whole, added once after the group's sum.
+    pub fn row_parallel(self, cols: Range<usize>) -> Self {
+        Linear {
+            weight: slice_cols(self.weight, cols),
+            bias: self.bias,
+            weight_in_out: None,
+        }
+    }
 }

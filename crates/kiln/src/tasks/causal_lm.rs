@@ -13,7 +13,7 @@ use tracing::info;
 use crate::data::lm::{read_documents, LmBlocks, TokenBatch};
 use crate::data::TextEncoding;
 use crate::error::{KilnError, Result};
-use crate::hub::llama_config::LlamaConfig;
+use crate::models::llama::config::LlamaConfig;
 use std::collections::BTreeMap;
 
 use crate::hub::model_weights::{read_model_weights, read_model_weights_with};

@@ -93,9 +93,9 @@ mod tests {
     use super::*;
     use crate::backend::{Cpu, CpuDevice, CpuTrain};
     use crate::data::batch::TextBatch;
-    use crate::hub::config::BertConfig;
-    use crate::hub::llama_config::LlamaConfig;
+    use crate::models::bert::config::BertConfig;
     use crate::models::bert::BertForSequenceClassification;
+    use crate::models::llama::config::LlamaConfig;
     use crate::models::llama::LlamaForCausalLM;
     use crate::ops::reseed_dropout;
     use crate::task::{BatchSource, CrossEntropy};

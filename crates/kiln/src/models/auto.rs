@@ -4,9 +4,9 @@
 
 use std::path::Path;
 
-use super::config::{BertConfig, ClassifierFields};
-use super::distilbert_config::DistilBertConfig;
-use super::modernbert_config::ModernBertConfig;
+use super::bert::config::{BertConfig, ClassifierFields};
+use super::distilbert::config::DistilBertConfig;
+use super::modernbert::config::ModernBertConfig;
 use crate::error::{KilnError, Result};
 
 /// The `model_type`s kiln classifies with, for error messages.
@@ -52,7 +52,7 @@ impl EncoderConfig {
     /// Reads `config.json` as the family its `model_type` names (a config with neither
     /// `model_type` nor `architectures` is read as BERT, as kiln always has).
     pub fn from_file(path: &Path) -> Result<Self> {
-        let json: serde_json::Value = super::read_json(path)?;
+        let json: serde_json::Value = crate::hub::read_json(path)?;
         let t = declared_model_type(&json).unwrap_or_else(|| "bert".into());
         match t.as_str() {
             "bert" | "roberta" | "xlm-roberta" | "camembert" => {

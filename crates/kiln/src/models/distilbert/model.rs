@@ -9,12 +9,12 @@ use burn::module::Module;
 use burn::tensor::activation::relu;
 use burn::tensor::{backend::Backend, Int, Tensor};
 
-use super::bert::self_attention;
-use super::encoder::EncoderClassifier;
-use super::encoder::{first_tokens, mask_bias, BertInput, Unpadded};
-use super::layers::{Embedding, LayerNorm, Linear};
 use crate::data::batch::TextBatch;
-use crate::hub::distilbert_config::DistilBertConfig;
+use crate::models::bert::self_attention;
+use crate::models::distilbert::config::DistilBertConfig;
+use crate::models::encoder::EncoderClassifier;
+use crate::models::encoder::{first_tokens, mask_bias, BertInput, Unpadded};
+use crate::models::layers::{Embedding, LayerNorm, Linear};
 use crate::ops::{dropout, gelu, KilnBackend};
 
 /// DistilBERT's LayerNorm epsilon (fixed in transformers, not in the config).
@@ -197,4 +197,4 @@ impl<B: KilnBackend> EncoderClassifier<B> for DistilBertForSequenceClassificatio
     }
 }
 
-super::encoder::encoder_model!(DistilBertForSequenceClassification);
+crate::models::encoder::encoder_model!(DistilBertForSequenceClassification);

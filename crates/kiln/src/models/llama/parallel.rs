@@ -13,13 +13,8 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
-use burn::module::{Ignored, Param};
-use burn::tensor::Tensor;
-
-use super::{LlamaDecoderLayer, LlamaForCausalLM};
-use crate::hub::llama_config::LlamaConfig;
-use crate::models::layers::Linear;
-use crate::ops::{chunk_range as chunk, KilnBackend, TpComm};
+use crate::models::llama::config::LlamaConfig;
+use crate::ops::{chunk_range as chunk, TpComm};
 use crate::task::ParamSplit;
 use crate::{KilnError, Result};
 
@@ -94,7 +89,7 @@ impl LlamaShard {
             .collect()
     }
 
-    fn head_rows(&self, heads: &Range<usize>) -> Range<usize> {
+    pub(super) fn head_rows(&self, heads: &Range<usize>) -> Range<usize> {
         heads.start * self.head_dim..heads.end * self.head_dim
     }
 
@@ -198,87 +193,6 @@ pub fn splits_for<'a>(
                 .collect())
         })
         .collect()
-}
-
-fn slice_rows<B: KilnBackend>(p: Param<Tensor<B, 2>>, rows: Range<usize>) -> Param<Tensor<B, 2>> {
-    let w = p.val();
-    let cols = w.dims()[1];
-    Param::from_tensor(crate::ops::owned(w.slice([rows, 0..cols])).detach())
-}
-
-fn slice_cols<B: KilnBackend>(p: Param<Tensor<B, 2>>, cols: Range<usize>) -> Param<Tensor<B, 2>> {
-    let w = p.val();
-    let rows = w.dims()[0];
-    Param::from_tensor(crate::ops::owned(w.slice([0..rows, cols])).detach())
-}
-
-fn slice_vec<B: KilnBackend>(p: Param<Tensor<B, 1>>, r: Range<usize>) -> Param<Tensor<B, 1>> {
-    Param::from_tensor(crate::ops::owned(p.val().slice([r])).detach())
-}
-
-/// A column-parallel linear: output rows `rows` (and their bias).
-fn column<B: KilnBackend>(l: Linear<B>, rows: Range<usize>) -> Linear<B> {
-    Linear {
-        weight: slice_rows(l.weight, rows.clone()),
-        bias: l.bias.map(|b| slice_vec(b, rows)),
-        weight_in_out: None,
-    }
-}
-
-/// A row-parallel linear: input columns `cols`; the bias stays whole (added after the sum).
-fn row<B: KilnBackend>(l: Linear<B>, cols: Range<usize>) -> Linear<B> {
-    Linear {
-        weight: slice_cols(l.weight, cols),
-        bias: l.bias,
-        weight_in_out: None,
-    }
-}
-
-impl<B: KilnBackend> LlamaForCausalLM<B> {
-    /// This rank's shard of the whole model `self`: every rank builds (or loads) the same full
-    /// weights first, so TP = N starts from exactly the weights of TP = 1.
-    pub fn shard(mut self, s: LlamaShard) -> Self {
-        self.model.layers = self
-            .model
-            .layers
-            .into_iter()
-            .map(|l| shard_layer(l, &s))
-            .collect();
-        self.shard_ends(s)
-    }
-
-    /// The vocabulary-parallel ends (embedding, output head) cut, the shard recorded; the
-    /// layers are the caller's.
-    pub(super) fn shard_ends(mut self, s: LlamaShard) -> Self {
-        self.model.embed_tokens.weight =
-            slice_rows(self.model.embed_tokens.weight, s.vocab.clone());
-        self.lm_head = self.lm_head.map(|h| column(h, s.vocab.clone()));
-        self.shard = Ignored(Some(s));
-        self
-    }
-}
-
-/// This rank's shard of one decoder layer.
-pub(super) fn shard_layer<B: KilnBackend>(
-    mut layer: LlamaDecoderLayer<B>,
-    s: &LlamaShard,
-) -> LlamaDecoderLayer<B> {
-    let q_rows = s.head_rows(&s.q_heads);
-    let a = &mut layer.self_attn;
-    a.q_proj = column(a.q_proj.clone(), q_rows.clone());
-    if !s.kv_replicated {
-        let kv_rows = s.head_rows(&s.kv_heads);
-        a.k_proj = column(a.k_proj.clone(), kv_rows.clone());
-        a.v_proj = column(a.v_proj.clone(), kv_rows);
-    }
-    a.o_proj = row(a.o_proj.clone(), q_rows);
-    a.num_heads = s.q_heads.len();
-    a.num_kv_heads = s.kv_heads.len();
-    let m = &mut layer.mlp;
-    m.gate_proj = column(m.gate_proj.clone(), s.intermediate.clone());
-    m.up_proj = column(m.up_proj.clone(), s.intermediate.clone());
-    m.down_proj = row(m.down_proj.clone(), s.intermediate.clone());
-    layer
 }
 
 #[cfg(test)]

@@ -5,8 +5,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::config::ClassifierFields;
 use crate::error::{KilnError, Result};
+use crate::models::bert::config::ClassifierFields;
 
 fn d_vocab() -> usize {
     30522
@@ -76,15 +76,15 @@ pub struct DistilBertConfig {
 
 impl DistilBertConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let cfg: Self = super::read_json(path)?;
+        let cfg: Self = crate::hub::read_json(path)?;
         cfg.validate()
             .map_err(|m| KilnError::Config(format!("{}: {m}", path.display())))?;
-        super::limits::ensure_params_fit(path, cfg.param_count(2))?;
+        crate::hub::limits::ensure_params_fit(path, cfg.param_count(2))?;
         Ok(cfg)
     }
 
     pub fn validate(&self) -> std::result::Result<(), String> {
-        use super::limits::{model_type, non_negative, positive, probability};
+        use crate::hub::limits::{model_type, non_negative, positive, probability};
         model_type(self.head.model_type.as_deref(), &["distilbert"])?;
         for (name, v) in [
             ("vocab_size", self.vocab_size),
@@ -117,7 +117,7 @@ impl DistilBertConfig {
         probability("attention_dropout", self.attention_dropout)?;
         probability("seq_classif_dropout", self.seq_classif_dropout)?;
         non_negative("initializer_range", self.initializer_range, false)?;
-        super::limits::token_in_vocab("pad_token_id", self.pad_token_id, self.vocab_size)?;
+        crate::hub::limits::token_in_vocab("pad_token_id", self.pad_token_id, self.vocab_size)?;
         Ok(())
     }
 

@@ -6,12 +6,12 @@
 use burn::module::Module;
 use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 
-use super::bert::{BertEmbeddings, BertEncoder, BertLayer};
-use super::encoder::EncoderClassifier;
-use super::encoder::{first_tokens, mask_bias, BertInput};
-use super::layers::Linear;
 use crate::data::batch::TextBatch;
-use crate::hub::config::BertConfig;
+use crate::models::bert::config::BertConfig;
+use crate::models::bert::{BertEmbeddings, BertEncoder, BertLayer};
+use crate::models::encoder::EncoderClassifier;
+use crate::models::encoder::{first_tokens, mask_bias, BertInput};
+use crate::models::layers::Linear;
 use crate::ops::{dropout, KilnBackend};
 
 #[derive(Module, Debug)]
@@ -129,7 +129,7 @@ impl<B: KilnBackend> EncoderClassifier<B> for RobertaForSequenceClassification<B
     }
 }
 
-super::encoder::encoder_model!(RobertaForSequenceClassification);
+crate::models::encoder::encoder_model!(RobertaForSequenceClassification);
 
 #[cfg(test)]
 mod tests {

@@ -9,11 +9,11 @@
 use burn::module::{Ignored, Module};
 use burn::tensor::{backend::Backend, Tensor};
 
-use super::encoder::EncoderClassifier;
-use super::encoder::{first_tokens, mask_bias, BertInput, Unpadded};
-use super::layers::{inv_freq, rope_tables, Embedding, LayerNorm, Linear};
 use crate::data::batch::TextBatch;
-use crate::hub::modernbert_config::ModernBertConfig;
+use crate::models::encoder::EncoderClassifier;
+use crate::models::encoder::{first_tokens, mask_bias, BertInput, Unpadded};
+use crate::models::layers::{inv_freq, rope_tables, Embedding, LayerNorm, Linear};
+use crate::models::modernbert::config::ModernBertConfig;
 use crate::ops::{self, dropout, gelu, KilnBackend, Window};
 
 #[derive(Module, Debug)]
@@ -259,4 +259,4 @@ impl<B: KilnBackend> EncoderClassifier<B> for ModernBertForSequenceClassificatio
     }
 }
 
-super::encoder::encoder_model!(ModernBertForSequenceClassification);
+crate::models::encoder::encoder_model!(ModernBertForSequenceClassification);

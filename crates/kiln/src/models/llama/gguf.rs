@@ -11,10 +11,10 @@ use std::path::Path;
 
 use serde_json::{json, Value as Json};
 
-use super::gguf::{short, unpermute_qk, GgufFile, Value};
-use super::llama_config::LlamaConfig;
-use super::weights::{write_safetensors_as, HostTensor, StoreDtype};
+use super::config::LlamaConfig;
 use crate::error::{KilnError, Result};
+use crate::hub::gguf::{short, unpermute_qk, GgufFile, Value};
+use crate::hub::weights::{write_safetensors_as, HostTensor, StoreDtype};
 
 /// What [`gguf_to_hf`] wrote.
 #[derive(Debug)]
@@ -536,13 +536,13 @@ pub fn gguf_to_hf(gguf: &Path, out: &Path, dtype: StoreDtype) -> Result<ConvertR
     let pretty = |v: &Json| {
         serde_json::to_string_pretty(v).map_err(|e| bad(&g, format!("writing JSON: {e}")))
     };
-    super::atomic_write(&out.join("config.json"), cfg_out.to_json().as_bytes())?;
-    super::atomic_write(&out.join("tokenizer.json"), tok.to_string().as_bytes())?;
-    super::atomic_write(
+    crate::hub::atomic_write(&out.join("config.json"), cfg_out.to_json().as_bytes())?;
+    crate::hub::atomic_write(&out.join("tokenizer.json"), tok.to_string().as_bytes())?;
+    crate::hub::atomic_write(
         &out.join("tokenizer_config.json"),
         pretty(&tok_cfg)?.as_bytes(),
     )?;
-    super::atomic_write(
+    crate::hub::atomic_write(
         &out.join("generation_config.json"),
         pretty(&gen)?.as_bytes(),
     )?;

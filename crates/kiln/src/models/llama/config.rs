@@ -103,16 +103,16 @@ impl LlamaConfig {
     /// Reads and validates a `config.json` (sizes, ranges, model type, and whether the parameters
     /// can fit in memory at all), naming the file in every error.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let cfg: Self = super::read_json(path)?;
+        let cfg: Self = crate::hub::read_json(path)?;
         cfg.validate()
             .map_err(|m| KilnError::Config(format!("{}: {m}", path.display())))?;
-        super::limits::ensure_params_fit(path, cfg.param_count())?;
+        crate::hub::limits::ensure_params_fit(path, cfg.param_count())?;
         Ok(cfg)
     }
 
     /// Ranges as transformers and torch enforce them (and what kiln's Llama supports).
     pub fn validate(&self) -> std::result::Result<(), String> {
-        use super::limits::{model_type, non_negative, positive};
+        use crate::hub::limits::{model_type, non_negative, positive};
         model_type(self.model_type.as_deref(), &["llama", "mistral", "qwen2"])?;
         for (name, v) in [
             ("vocab_size", self.vocab_size),
@@ -177,7 +177,7 @@ impl LlamaConfig {
                 }
             },
         }
-        super::limits::layer_types(self.layer_types.as_deref(), self.num_hidden_layers)?;
+        crate::hub::limits::layer_types(self.layer_types.as_deref(), self.num_hidden_layers)?;
         let sliding_layers = self
             .layer_types
             .iter()

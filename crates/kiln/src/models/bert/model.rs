@@ -7,11 +7,11 @@
 use burn::module::Module;
 use burn::tensor::{backend::Backend, Int, Tensor};
 
-use super::encoder::{first_tokens, mask_bias, EncoderClassifier};
-pub use super::encoder::{BertInput, Unpadded};
-use super::layers::{Embedding, LayerNorm, Linear};
 use crate::data::batch::TextBatch;
-use crate::hub::config::BertConfig;
+use crate::models::bert::config::BertConfig;
+use crate::models::encoder::{first_tokens, mask_bias, EncoderClassifier};
+pub use crate::models::encoder::{BertInput, Unpadded};
+use crate::models::layers::{Embedding, LayerNorm, Linear};
 use crate::ops::{attention_qkv, dropout, gelu, linear, KilnBackend};
 
 #[derive(Module, Debug)]

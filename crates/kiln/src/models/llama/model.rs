@@ -1,0 +1,776 @@
+//! `LlamaForCausalLM` (also Mistral and Qwen2, which differ only in a sliding attention window and
+//! q/k/v biases), following transformers' `modeling_llama.py` with the same parameter names
+//! (`model.embed_tokens`, `model.layers.N.self_attn.{q,k,v,o}_proj`, `model.layers.N.mlp.{gate,up,
+//! down}_proj`, `input_layernorm`, `post_attention_layernorm`, `model.norm`, `lm_head`):
+//! RMSNorm, rotary position embeddings (rotate-half form), grouped-query attention with a causal
+//! mask, a SwiGLU MLP, and a key/value cache for generation. Tied embeddings (`tie_word_embeddings`)
+//! have no `lm_head` parameter: the output projection reuses `embed_tokens.weight`.
+//! [`tensor_parallel`] cuts a model into one rank's shard of a tensor-parallel group.
+
+use burn::module::{Ignored, Module};
+use burn::tensor::activation::softmax;
+use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
+
+pub use super::parallel::LlamaShard;
+use crate::data::lm::TokenBatch;
+use crate::models::layers::{rope_tables, Embedding, Linear, RmsNorm};
+use crate::models::llama::config::LlamaConfig;
+use crate::ops::{self, tp_enter, tp_sum, KilnBackend};
+use crate::task::{Model, Segments, TensorParallelLayout};
+
+#[derive(Module, Debug)]
+pub struct LlamaAttention<B: Backend> {
+    pub q_proj: Linear<B>,
+    pub k_proj: Linear<B>,
+    pub v_proj: Linear<B>,
+    pub o_proj: Linear<B>,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Positions a token attends to, itself included (Mistral's `sliding_window`); `None`: all.
+    pub window: Option<usize>,
+}
+
+#[derive(Module, Debug)]
+pub struct LlamaMlp<B: Backend> {
+    pub gate_proj: Linear<B>,
+    pub up_proj: Linear<B>,
+    pub down_proj: Linear<B>,
+}
+
+#[derive(Module, Debug)]
+pub struct LlamaDecoderLayer<B: Backend> {
+    pub self_attn: LlamaAttention<B>,
+    pub mlp: LlamaMlp<B>,
+    pub input_layernorm: RmsNorm<B>,
+    pub post_attention_layernorm: RmsNorm<B>,
+}
+
+#[derive(Module, Debug)]
+pub struct LlamaModel<B: Backend> {
+    pub embed_tokens: Embedding<B>,
+    pub layers: Vec<LlamaDecoderLayer<B>>,
+    pub norm: RmsNorm<B>,
+    /// Rotary inverse frequencies (head_dim / 2), the config's scaling applied.
+    pub inv_freq: Ignored<Vec<f32>>,
+}
+
+#[derive(Module, Debug)]
+pub struct LlamaForCausalLM<B: Backend> {
+    pub model: LlamaModel<B>,
+    /// `None` when the embeddings are tied.
+    pub lm_head: Option<Linear<B>>,
+    /// This rank's place in a tensor-parallel group (`None`: the whole model).
+    pub shard: Ignored<Option<LlamaShard>>,
+}
+
+/// Keys and values of the positions seen so far, per layer (`[B, S, kv_heads, head_dim]`, after
+/// RoPE), so each generated token attends to the past without recomputing it.
+#[derive(Debug, Clone)]
+pub struct KvCache<B: Backend> {
+    layers: Vec<Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
+}
+
+impl<B: Backend> KvCache<B> {
+    pub fn new(num_layers: usize) -> Self {
+        Self {
+            layers: vec![None; num_layers],
+        }
+    }
+    /// Positions already cached.
+    pub fn len(&self) -> usize {
+        self.layers
+            .first()
+            .and_then(|l| l.as_ref())
+            .map_or(0, |(k, _)| k.dims()[1])
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// `[B, S, kv_heads, D]` → `[B, S, kv_heads·n, D]`, each key/value head serving `n` query heads
+/// (transformers' `repeat_kv`: query head `i` reads key/value head `i / n`).
+fn repeat_kv<B: Backend>(x: Tensor<B, 4>, n: usize) -> Tensor<B, 4> {
+    if n == 1 {
+        return x;
+    }
+    let [b, s, h, d] = x.dims();
+    x.unsqueeze_dim::<5>(3)
+        .expand([b, s, h, n, d])
+        .reshape([b, s, h * n, d])
+}
+
+/// Additive causal mask `[T, S]` for queries at positions `past..past + T` over keys `0..S`, each
+/// seeing at most `window` positions (itself included).
+fn causal_mask<B: Backend>(
+    t: usize,
+    s: usize,
+    window: Option<usize>,
+    device: &B::Device,
+) -> Tensor<B, 2> {
+    let past = s - t;
+    let w = window.unwrap_or(usize::MAX);
+    let v: Vec<f32> = (0..t)
+        .flat_map(|i| {
+            (0..s).map(move |j| {
+                if j <= past + i && past + i - j < w {
+                    0.0
+                } else {
+                    f32::MIN
+                }
+            })
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(v, [t, s]), device)
+}
+
+impl<B: KilnBackend> LlamaAttention<B> {
+    fn new(c: &LlamaConfig, layer: usize, device: &B::Device) -> Self {
+        let (h, hd, std) = (c.hidden_size, c.head_size(), c.initializer_range);
+        let (nh, nkv, qkv_bias) = (c.num_attention_heads, c.kv_heads(), c.qkv_bias());
+        Self {
+            q_proj: Linear::new(h, nh * hd, qkv_bias, std, device),
+            k_proj: Linear::new(h, nkv * hd, qkv_bias, std, device),
+            v_proj: Linear::new(h, nkv * hd, qkv_bias, std, device),
+            o_proj: Linear::new(nh * hd, h, c.attention_bias, std, device),
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+            window: c.window(layer),
+        }
+    }
+
+    /// `x [B, T, H]`. Without a cache, or filling an empty one (training, evaluation, a prompt),
+    /// the fused causal attention kernel runs; decoding with cached keys composes Burn ops.
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &(Tensor<B, 2>, Tensor<B, 2>),
+        cache: Option<&mut Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
+        shard: Option<&LlamaShard>,
+    ) -> Tensor<B, 3> {
+        let [b, t, _] = x.dims();
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let x = match shard {
+            Some(s) => tp_enter(x, &s.tp),
+            None => x,
+        };
+        let heads = |y: Tensor<B, 3>, n: usize| y.reshape([b, t, n, hd]);
+        let q = ops::rope(heads(self.q_proj.forward(x.clone()), nh), &rope.0, &rope.1);
+        let (k, v) = match shard {
+            // Whole k/v projections on every rank: compute all heads, keep the ones this rank's
+            // queries read; the weights' gradient is summed over the group.
+            Some(s) if s.kv_replicated => {
+                let all = |l: &Linear<B>| {
+                    let w = tp_enter(l.weight.val(), &s.tp);
+                    let bias = l.bias.as_ref().map(|bias| tp_enter(bias.val(), &s.tp));
+                    let total = l.weight.dims()[0] / hd;
+                    heads(ops::linear(x.clone(), w, bias), total).narrow(
+                        2,
+                        s.kv_heads.start,
+                        s.kv_heads.len(),
+                    )
+                };
+                (all(&self.k_proj), all(&self.v_proj))
+            }
+            _ => (
+                heads(self.k_proj.forward(x.clone()), nkv),
+                heads(self.v_proj.forward(x), nkv),
+            ),
+        };
+        let k = ops::rope(k, &rope.0, &rope.1);
+        let (k, v) = match cache {
+            None => (k, v),
+            Some(slot) => {
+                let past = slot.take();
+                let fresh = past.is_none();
+                let (k_all, v_all) = match past {
+                    Some((pk, pv)) => (Tensor::cat(vec![pk, k], 1), Tensor::cat(vec![pv, v], 1)),
+                    None => (k, v),
+                };
+                *slot = Some((k_all.clone(), v_all.clone()));
+                if !fresh {
+                    let out = self.attend_cached(q, k_all, v_all, shard);
+                    return self.output(out, shard);
+                }
+                (k_all, v_all)
+            }
+        };
+        // Grouped key/value heads go to the kernel as they are (query head i reads key/value head
+        // i / (heads / kv heads)); a shard whose query heads start or end inside a group gets
+        // one key/value head per query head.
+        let flat = |y: Tensor<B, 4>| {
+            let n = y.dims()[2];
+            y.reshape([b, t, n * hd])
+        };
+        let (q, k, v) = (
+            flat(q),
+            flat(self.grouped_kv(k, shard)),
+            flat(self.grouped_kv(v, shard)),
+        );
+        let out = match self.window {
+            None => ops::causal_attention(q, k, v, nh),
+            Some(w) => {
+                let mask = Tensor::zeros([b, t], &q.device());
+                let window = ops::Window {
+                    before: w - 1,
+                    after: 0,
+                };
+                ops::windowed_attention(q, k, v, mask, nh, window, 0.0)
+            }
+        };
+        self.output(out, shard)
+    }
+
+    /// `o_proj`; under tensor parallelism the partial products of the ranks' heads are summed,
+    /// then the bias is added once.
+    fn output(&self, out: Tensor<B, 3>, shard: Option<&LlamaShard>) -> Tensor<B, 3> {
+        match shard {
+            None => self.o_proj.forward(out),
+            Some(s) => row_parallel(&self.o_proj, out, s),
+        }
+    }
+
+    /// Key/value heads `[B, S, kv, D]` for the attention kernel: as they are when query head `i`
+    /// reads key/value head `i / (heads / kv)`, else [`Self::expand_kv`]'s one per query head.
+    fn grouped_kv(&self, x: Tensor<B, 4>, shard: Option<&LlamaShard>) -> Tensor<B, 4> {
+        let kv = x.dims()[2];
+        let regular = match shard {
+            None => true,
+            Some(s) => {
+                let n = self.num_heads / kv.max(1);
+                let map = s.kv_of_q();
+                n * kv == self.num_heads && map.iter().enumerate().all(|(i, &k)| k == i / n)
+            }
+        };
+        if regular {
+            x
+        } else {
+            self.expand_kv(x, shard)
+        }
+    }
+
+    /// Key/value heads `[B, S, kv, D]` → one per query head `[B, S, heads, D]`.
+    fn expand_kv(&self, x: Tensor<B, 4>, shard: Option<&LlamaShard>) -> Tensor<B, 4> {
+        let map = match shard {
+            Some(s) => s.kv_of_q(),
+            None => return repeat_kv(x, self.num_heads / self.num_kv_heads),
+        };
+        let n = self.num_heads / self.num_kv_heads.max(1);
+        let regular = map.iter().enumerate().all(|(i, &k)| k == i / n.max(1));
+        if regular && n * self.num_kv_heads == self.num_heads {
+            return repeat_kv(x, n);
+        }
+        // A query range that starts or ends inside a group (replicated key/value heads).
+        let idx = Tensor::<B, 1, burn::tensor::Int>::from_data(
+            TensorData::new(
+                map.iter().map(|&k| k as i64).collect::<Vec<_>>(),
+                [map.len()],
+            ),
+            &x.device(),
+        );
+        x.select(2, idx)
+    }
+
+    /// Attention of `q [B, T, heads, D]` over all cached keys/values `[B, S, kv_heads, D]`
+    /// (queries at positions `S − T..S`), composed of Burn ops; `[B, T, heads·D]` out.
+    fn attend_cached(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        shard: Option<&LlamaShard>,
+    ) -> Tensor<B, 3> {
+        let [b, t, nh, hd] = q.dims();
+        let s = k.dims()[1];
+        let (q, k, v) = (
+            q.swap_dims(1, 2),
+            self.expand_kv(k, shard).swap_dims(1, 2),
+            self.expand_kv(v, shard).swap_dims(1, 2),
+        );
+        let scores = ops::bmm(q, k.swap_dims(2, 3)).mul_scalar(1.0 / (hd as f64).sqrt());
+        let mask = causal_mask::<B>(t, s, self.window, &scores.device()).unsqueeze::<4>();
+        let probs = softmax(scores + mask, 3);
+        ops::bmm(probs, v).swap_dims(1, 2).reshape([b, t, nh * hd])
+    }
+}
+
+impl<B: KilnBackend> LlamaMlp<B> {
+    fn new(c: &LlamaConfig, device: &B::Device) -> Self {
+        let (h, i, std) = (c.hidden_size, c.intermediate_size, c.initializer_range);
+        Self {
+            gate_proj: Linear::new(h, i, c.mlp_bias, std, device),
+            up_proj: Linear::new(h, i, c.mlp_bias, std, device),
+            down_proj: Linear::new(i, h, c.mlp_bias, std, device),
+        }
+    }
+
+    fn forward(&self, x: Tensor<B, 3>, shard: Option<&LlamaShard>) -> Tensor<B, 3> {
+        let x = match shard {
+            Some(s) => tp_enter(x, &s.tp),
+            None => x,
+        };
+        let gated = ops::swiglu(self.gate_proj.forward(x.clone()), self.up_proj.forward(x));
+        match shard {
+            None => self.down_proj.forward(gated),
+            Some(s) => row_parallel(&self.down_proj, gated, s),
+        }
+    }
+}
+
+/// A row-parallel linear: this rank's columns times its part of the input, summed over the
+/// group, then the (whole) bias once.
+fn row_parallel<B: KilnBackend>(l: &Linear<B>, x: Tensor<B, 3>, s: &LlamaShard) -> Tensor<B, 3> {
+    let y = tp_sum(ops::linear(x, l.weight.val(), None), &s.tp);
+    match &l.bias {
+        Some(b) => y + b.val().unsqueeze::<3>(),
+        None => y,
+    }
+}
+
+impl<B: KilnBackend> LlamaDecoderLayer<B> {
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &(Tensor<B, 2>, Tensor<B, 2>),
+        cache: Option<&mut Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
+        shard: Option<&LlamaShard>,
+    ) -> Tensor<B, 3> {
+        let h = x.clone()
+            + self
+                .self_attn
+                .forward(self.input_layernorm.forward(x), rope, cache, shard);
+        h.clone()
+            + self
+                .mlp
+                .forward(self.post_attention_layernorm.forward(h), shard)
+    }
+}
+
+impl<B: KilnBackend> LlamaForCausalLM<B> {
+    /// A model with every weight freshly initialised the way transformers' `_init_weights` does:
+    /// Linear and Embedding weights ~ N(0, initializer_range), biases 0, the padding row of the
+    /// embedding 0, RMSNorm weights 1.
+    pub fn new(c: &LlamaConfig, device: &B::Device) -> Self {
+        Self::new_sharded(c, device, None)
+    }
+
+    /// [`Self::new`] cut to tensor-parallel rank `shard` as it is built: each layer is made whole
+    /// (from the same random stream, so the weights equal [`Self::new`]'s cut by [`Self::shard`])
+    /// and cut at once, so a rank never holds more than its shard and one whole layer.
+    pub fn new_sharded(c: &LlamaConfig, device: &B::Device, shard: Option<LlamaShard>) -> Self {
+        let (h, std) = (c.hidden_size, c.initializer_range);
+        let mut embed = Embedding::new(c.vocab_size, h, std, device);
+        if let Some(pad) = c
+            .pad_token_id
+            .map(|p| p as usize)
+            .filter(|&p| p < c.vocab_size)
+        {
+            let w = embed.weight.val();
+            // detach: an initial value is a leaf of the autodiff graph, not the result of an op
+            let w = w.slice_assign([pad..pad + 1, 0..h], Tensor::zeros([1, h], device));
+            embed.weight = burn::module::Param::from_tensor(w.detach());
+        }
+        let layers = (0..c.num_hidden_layers)
+            .map(|i| {
+                let layer = LlamaDecoderLayer {
+                    self_attn: LlamaAttention::new(c, i, device),
+                    mlp: LlamaMlp::new(c, device),
+                    input_layernorm: RmsNorm::new(h, c.rms_norm_eps, device),
+                    post_attention_layernorm: RmsNorm::new(h, c.rms_norm_eps, device),
+                };
+                match &shard {
+                    Some(s) => shard_layer(layer, s),
+                    None => layer,
+                }
+            })
+            .collect();
+        let model = Self {
+            model: LlamaModel {
+                embed_tokens: embed,
+                layers,
+                norm: RmsNorm::new(h, c.rms_norm_eps, device),
+                inv_freq: Ignored(c.inv_freq()),
+            },
+            lm_head: (!c.tie_word_embeddings)
+                .then(|| Linear::new(h, c.vocab_size, false, std, device)),
+            shard: Ignored(None),
+        };
+        match shard {
+            // The layers are cut already; the embedding and head are cut now.
+            Some(s) => model.shard_ends(s),
+            None => model,
+        }
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.model.layers.len()
+    }
+
+    /// Final hidden states `[B, T, H]` for `ids [B, T]`. With a cache, `ids` continue the cached
+    /// positions and their keys/values are appended to it.
+    pub fn hidden(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        mut cache: Option<&mut KvCache<B>>,
+    ) -> Tensor<B, 3> {
+        let t = ids.dims()[1];
+        let device = ids.device();
+        let start = cache.as_ref().map_or(0, |c| c.len());
+        let rope = rope_tables::<B>(&self.model.inv_freq, start, t, &device);
+        let mut x = self.embed(ids);
+        for (i, layer) in self.model.layers.iter().enumerate() {
+            let slot = cache.as_mut().map(|c| &mut c.layers[i]);
+            x = layer.forward(x, &rope, slot, self.shard.as_ref());
+        }
+        self.model.norm.forward(x)
+    }
+
+    /// Token embeddings `[B, T, H]`; under tensor parallelism each rank looks up the ids in its
+    /// vocabulary rows (zeros for the others) and the ranks' rows are summed.
+    fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let Some(s) = self.shard.as_ref() else {
+            return self.model.embed_tokens.forward(ids);
+        };
+        let start = s.vocab.start as i64;
+        let mine = ids
+            .clone()
+            .greater_equal_elem(start)
+            .bool_and(ids.clone().lower_elem(s.vocab.end as i64));
+        let local = (ids - start).clamp(0, s.vocab.len() as i64 - 1);
+        let rows = self.model.embed_tokens.forward(local) * mine.float().unsqueeze_dim::<3>(2);
+        tp_sum(rows, &s.tp)
+    }
+
+    /// Vocabulary logits for hidden states `[…, H]` (under tensor parallelism: this rank's
+    /// vocabulary columns; see [`Self::full_logits`]).
+    pub fn project<const D: usize>(&self, h: Tensor<B, D>) -> Tensor<B, D> {
+        let h = match self.shard.as_ref() {
+            Some(s) => tp_enter(h, &s.tp),
+            None => h,
+        };
+        match &self.lm_head {
+            Some(head) => head.forward(h),
+            None => ops::linear(h, self.model.embed_tokens.weight.val(), None),
+        }
+    }
+
+    /// The same model for inference only (prompt processing and decoding): every projection's
+    /// weight moved to `[in, out]`, see [`Linear::into_inference_layout`]. A tied head keeps
+    /// reading the embedding. A tensor-parallel shard stays as it is: its key/value path reads
+    /// the `[out, in]` weights.
+    pub fn into_inference_layout(mut self) -> Self {
+        if self.shard.0.is_some() {
+            return self;
+        }
+        self.model.layers = std::mem::take(&mut self.model.layers)
+            .into_iter()
+            .map(|mut l| {
+                let a = l.self_attn;
+                l.self_attn = LlamaAttention {
+                    q_proj: a.q_proj.into_inference_layout(),
+                    k_proj: a.k_proj.into_inference_layout(),
+                    v_proj: a.v_proj.into_inference_layout(),
+                    o_proj: a.o_proj.into_inference_layout(),
+                    ..a
+                };
+                let m = l.mlp;
+                l.mlp = LlamaMlp {
+                    gate_proj: m.gate_proj.into_inference_layout(),
+                    up_proj: m.up_proj.into_inference_layout(),
+                    down_proj: m.down_proj.into_inference_layout(),
+                };
+                l
+            })
+            .collect();
+        self.lm_head = self.lm_head.map(Linear::into_inference_layout);
+        self
+    }
+
+    /// One decoding step for a single sequence: `ids` continue the cached positions (the whole
+    /// prompt first, then one token at a time); returns the vocabulary logits of the last one.
+    pub fn next_token_logits(&self, ids: &[i64], cache: &mut KvCache<B>) -> Vec<f32> {
+        let n = ids.len();
+        let device = self.model.embed_tokens.weight.device();
+        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids.to_vec(), [1, n]), &device);
+        let h = self.hidden(ids, Some(cache));
+        let hd = h.dims()[2];
+        let last = h.slice([0..1, n - 1..n, 0..hd]).reshape([1, hd]);
+        self.full_logits(self.project(last))
+    }
+
+    /// Host logits over the whole vocabulary from [`Self::project`]'s rows: under tensor
+    /// parallelism the ranks' slices are put together (for decoding, one row at a time).
+    pub fn full_logits(&self, logits: Tensor<B, 2>) -> Vec<f32> {
+        let host = |t: Tensor<B, 2>| {
+            t.into_data()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .expect("f32 logits")
+        };
+        let Some(s) = self.shard.as_ref() else {
+            return host(logits);
+        };
+        let rows = logits.dims()[0];
+        let local = host(logits);
+        let mut full = vec![0f32; rows * s.vocab_size];
+        for (r, part) in local.chunks(s.vocab.len()).enumerate() {
+            full[r * s.vocab_size + s.vocab.start..r * s.vocab_size + s.vocab.end]
+                .copy_from_slice(part);
+        }
+        s.tp.sum(full)
+    }
+
+    /// Logits `[B, T, vocab]`.
+    pub fn forward(&self, ids: Tensor<B, 2, Int>, cache: Option<&mut KvCache<B>>) -> Tensor<B, 3> {
+        self.project(self.hidden(ids, cache))
+    }
+}
+
+impl<B: KilnBackend> LlamaForCausalLM<B> {
+    fn ids(&self, batch: &TokenBatch) -> Tensor<B, 2, Int> {
+        let device = self.model.embed_tokens.weight.device();
+        Tensor::from_data(
+            TensorData::new(batch.ids.clone(), [batch.batch, batch.seq]),
+            &device,
+        )
+    }
+}
+
+/// Embedding, decoder layers, final norm + projection: the segments activation checkpointing
+/// recomputes one at a time (and pipeline stages would hold).
+impl<B: KilnBackend> Segments<B, TokenBatch> for LlamaForCausalLM<B> {
+    fn num_layers(&self) -> usize {
+        self.model.layers.len()
+    }
+
+    fn embed(&self, batch: &TokenBatch) -> Tensor<B, 3> {
+        LlamaForCausalLM::embed(self, self.ids(batch))
+    }
+
+    fn layer(&self, i: usize, x: Tensor<B, 3>, batch: &TokenBatch) -> Tensor<B, 3> {
+        // The tables are small ([T, head_dim]); rebuilding them per layer keeps segments stateless.
+        let rope = rope_tables::<B>(&self.model.inv_freq, 0, batch.seq, &x.device());
+        self.model.layers[i].forward(x, &rope, None, self.shard.as_ref())
+    }
+
+    fn head(&self, h: Tensor<B, 3>, _batch: &TokenBatch) -> Tensor<B, 2> {
+        let [b, t, _] = h.dims();
+        let logits = self.project(self.model.norm.forward(h));
+        let v = logits.dims()[2];
+        logits.reshape([b * t, v])
+    }
+}
+
+impl<B: KilnBackend> Model<B> for LlamaForCausalLM<B> {
+    type Batch = TokenBatch;
+
+    fn segments(&self) -> Option<&dyn Segments<B, TokenBatch>> {
+        Some(self)
+    }
+
+    fn input_ids_numel(&self, batch: &TokenBatch) -> usize {
+        batch.batch * batch.seq
+    }
+
+    /// A tied head has no parameter of its own; an untied `lm_head` counts, as in transformers.
+    fn embedding_parameters(&self) -> Vec<String> {
+        vec!["model.embed_tokens.weight".into()]
+    }
+
+    fn tensor_parallel(&self) -> Option<TensorParallelLayout> {
+        let s = self.shard.as_ref()?;
+        let splits = crate::models::params::module_shapes(self)
+            .into_keys()
+            .map(|name| {
+                let split = s.split_of(&name);
+                (name, split)
+            })
+            .collect();
+        Some(TensorParallelLayout {
+            tp: s.tp.clone(),
+            splits,
+        })
+    }
+
+    /// One row of vocabulary logits per token, `[batch·seq, vocab]`.
+    fn logits(&self, batch: &TokenBatch) -> Tensor<B, 2> {
+        let logits = self.forward(self.ids(batch), None);
+        let v = logits.dims()[2];
+        logits.reshape([batch.batch * batch.seq, v])
+    }
+}
+
+// Cutting a whole model into this rank's shard (the plan is `parallel.rs`'s `LlamaShard`).
+impl<B: KilnBackend> LlamaForCausalLM<B> {
+    /// This rank's shard of the whole model `self`: every rank builds (or loads) the same full
+    /// weights first, so TP = N starts from exactly the weights of TP = 1.
+    pub fn shard(mut self, s: LlamaShard) -> Self {
+        self.model.layers = self
+            .model
+            .layers
+            .into_iter()
+            .map(|l| shard_layer(l, &s))
+            .collect();
+        self.shard_ends(s)
+    }
+
+    /// The vocabulary-parallel ends (embedding, output head) cut, the shard recorded; the
+    /// layers are the caller's.
+    pub(super) fn shard_ends(mut self, s: LlamaShard) -> Self {
+        self.model.embed_tokens.weight =
+            crate::models::layers::slice_rows(self.model.embed_tokens.weight, s.vocab.clone());
+        self.lm_head = self.lm_head.map(|h| h.column_parallel(s.vocab.clone()));
+        self.shard = Ignored(Some(s));
+        self
+    }
+}
+
+/// This rank's shard of one decoder layer.
+fn shard_layer<B: KilnBackend>(
+    mut layer: LlamaDecoderLayer<B>,
+    s: &LlamaShard,
+) -> LlamaDecoderLayer<B> {
+    let q_rows = s.head_rows(&s.q_heads);
+    let a = &mut layer.self_attn;
+    a.q_proj = a.q_proj.clone().column_parallel(q_rows.clone());
+    if !s.kv_replicated {
+        let kv_rows = s.head_rows(&s.kv_heads);
+        a.k_proj = a.k_proj.clone().column_parallel(kv_rows.clone());
+        a.v_proj = a.v_proj.clone().column_parallel(kv_rows);
+    }
+    a.o_proj = a.o_proj.clone().row_parallel(q_rows);
+    a.num_heads = s.q_heads.len();
+    a.num_kv_heads = s.kv_heads.len();
+    let m = &mut layer.mlp;
+    m.gate_proj = m.gate_proj.clone().column_parallel(s.intermediate.clone());
+    m.up_proj = m.up_proj.clone().column_parallel(s.intermediate.clone());
+    m.down_proj = m.down_proj.clone().row_parallel(s.intermediate.clone());
+    layer
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{Cpu, CpuDevice};
+
+    fn tiny() -> LlamaConfig {
+        serde_json::from_value(serde_json::json!({
+            "vocab_size": 50, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 3,
+            "initializer_range": 0.5, "tie_word_embeddings": true}))
+        .unwrap()
+    }
+
+    fn host<const D: usize>(t: Tensor<Cpu, D>) -> Vec<f32> {
+        t.into_data().into_vec().unwrap()
+    }
+
+    #[test]
+    fn initialisation_follows_transformers() {
+        let c = tiny();
+        let d = CpuDevice::default();
+        let m =
+            crate::ops::with_seeded_rng::<Cpu, _>(&d, 1, || LlamaForCausalLM::<Cpu>::new(&c, &d));
+        assert!(m.lm_head.is_none(), "tied");
+        let e = host(m.model.embed_tokens.weight.val());
+        assert!(
+            e[3 * 32..4 * 32].iter().all(|&x| x == 0.0),
+            "padding row is zero"
+        );
+        let w = host(m.model.layers[0].mlp.up_proj.weight.val());
+        let std = (w.iter().map(|x| x * x).sum::<f32>() / w.len() as f32).sqrt();
+        assert!((std - 0.5).abs() < 0.05, "std {std}");
+        assert!(host(m.model.norm.weight.val()).iter().all(|&x| x == 1.0));
+    }
+
+    /// Decoding token by token with the cache gives the logits of one forward over the whole
+    /// sequence (causal mask, RoPE offsets and grouped heads all line up).
+    #[test]
+    fn kv_cache_matches_full_forward() {
+        let c = tiny();
+        let d = CpuDevice::default();
+        let m =
+            crate::ops::with_seeded_rng::<Cpu, _>(&d, 2, || LlamaForCausalLM::<Cpu>::new(&c, &d));
+        let ids: Vec<i64> = vec![5, 9, 1, 44, 17, 8, 30];
+        let n = ids.len();
+        let t = |v: &[i64]| {
+            Tensor::<Cpu, 2, Int>::from_data(TensorData::new(v.to_vec(), [1, v.len()]), &d)
+        };
+        let full = host(m.forward(t(&ids), None));
+        let mut cache = KvCache::new(c.num_hidden_layers);
+        let mut stepped = host(m.forward(t(&ids[..3]), Some(&mut cache)));
+        for i in 3..n {
+            stepped.extend(host(m.forward(t(&ids[i..i + 1]), Some(&mut cache))));
+        }
+        assert_eq!(cache.len(), n);
+        let err = full
+            .iter()
+            .zip(&stepped)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(err < 1e-4, "max |Δ| {err}");
+        // and the future does not leak into the past: a changed last token leaves earlier rows alone
+        let mut other = ids.clone();
+        other[n - 1] = 2;
+        let alt = host(m.forward(t(&other), None));
+        let v = c.vocab_size;
+        assert_eq!(alt[..(n - 1) * v], full[..(n - 1) * v]);
+        assert_ne!(alt[(n - 1) * v..], full[(n - 1) * v..]);
+    }
+
+    /// The inference layout (weights `[in, out]`) gives the logits of the trained layout: a
+    /// 7-token forward (the GEMM path), then decoding one token at a time (the few-rows path),
+    /// with biases and an untied head; its `[out, in]` parameters are left empty.
+    #[test]
+    fn inference_layout_gives_the_same_logits() {
+        let mut c = tiny();
+        c.tie_word_embeddings = false;
+        c.attention_bias = true;
+        c.mlp_bias = true;
+        c.intermediate_size = 50; // down_proj reads 50 rows: bands of 16 and a remainder of 2
+        let d = CpuDevice::default();
+        let m =
+            crate::ops::with_seeded_rng::<Cpu, _>(&d, 3, || LlamaForCausalLM::<Cpu>::new(&c, &d));
+        let fast = m.clone().into_inference_layout();
+        let down = &fast.model.layers[1].mlp.down_proj;
+        assert_eq!(down.weight.dims(), [0, 50]);
+        assert_eq!(
+            down.weight_in_out.as_ref().map(|w| w.dims()),
+            Some([50, 32])
+        );
+        assert!(fast.lm_head.as_ref().unwrap().weight_in_out.is_some());
+        let ids: Vec<i64> = vec![5, 9, 1, 44, 17, 8, 30];
+        let t = |v: &[i64]| {
+            Tensor::<Cpu, 2, Int>::from_data(TensorData::new(v.to_vec(), [1, v.len()]), &d)
+        };
+        let close = |a: Vec<f32>, b: Vec<f32>, what: &str| {
+            assert_eq!(a.len(), b.len());
+            let err = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(err < 1e-4, "{what}: max |Δ| {err}");
+        };
+        close(
+            host(fast.forward(t(&ids), None)),
+            host(m.forward(t(&ids), None)),
+            "forward",
+        );
+        let (mut ca, mut cb) = (KvCache::new(2), KvCache::new(2));
+        close(
+            fast.next_token_logits(&ids[..4], &mut ca),
+            m.next_token_logits(&ids[..4], &mut cb),
+            "prompt",
+        );
+        for i in 4..ids.len() {
+            close(
+                fast.next_token_logits(&ids[i..i + 1], &mut ca),
+                m.next_token_logits(&ids[i..i + 1], &mut cb),
+                "decoding",
+            );
+        }
+    }
+}
