@@ -14,8 +14,9 @@ use crate::data::lm::{read_documents, LmBlocks};
 use crate::data::TextEncoding;
 use crate::error::Result;
 use crate::models::llama::config::LlamaConfig;
+use crate::models::llama::load::load_model;
 use crate::models::llama::KvCache;
-use crate::tasks::causal_lm::{load_model, load_tokenizer};
+use crate::tasks::causal_lm::load_tokenizer;
 use crate::train::metrics::argmax;
 use crate::train::BatchSource;
 

@@ -14,13 +14,8 @@ use crate::data::lm::{read_documents, LmBlocks, TokenBatch};
 use crate::data::TextEncoding;
 use crate::error::{KilnError, Result};
 use crate::models::llama::config::LlamaConfig;
-use std::collections::BTreeMap;
-
-use crate::hub::model_weights::{read_model_weights, read_model_weights_with};
-use crate::hub::sharded::{cut_split, model_file, read_layout};
-use crate::hub::weights::{read_safetensors, HostTensor};
+use crate::models::llama::load::{fresh_llama, load_model_shard, load_shard_of};
 use crate::models::llama::{KvCache, LlamaForCausalLM, LlamaShard};
-use crate::models::params::load_into;
 use crate::ops::{KilnBackend, TrainBackend};
 use crate::parallel::{DataParallel, SharedCollectives, TpGroup, VocabParallelCrossEntropy};
 use crate::task::{BatchSource, CrossEntropy, Loss, IGNORE_INDEX};
@@ -58,99 +53,6 @@ impl BatchSource for LmBlocks {
             targets,
         )
     }
-}
-
-/// Loads `LlamaForCausalLM` from a Hugging Face folder; every parameter must be present.
-pub fn load_model<B: KilnBackend>(
-    dir: &Path,
-    device: &B::Device,
-) -> Result<(LlamaForCausalLM<B>, LlamaConfig)> {
-    load_model_shard(dir, device, None)
-}
-
-/// [`load_model`] for tensor-parallel rank `shard` (whole without one), holding only its shard:
-/// a tensor-parallel folder cut the same way is read from this rank's own file, any other
-/// folder tensor by tensor, each cut as it is read.
-pub fn load_model_shard<B: KilnBackend>(
-    dir: &Path,
-    device: &B::Device,
-    shard: Option<LlamaShard>,
-) -> Result<(LlamaForCausalLM<B>, LlamaConfig)> {
-    let config = LlamaConfig::from_file(&dir.join("config.json"))?;
-    load_shard_of(dir, config, device, shard)
-}
-
-/// [`load_model_shard`] with the folder's config already read (and validated) by the caller.
-fn load_shard_of<B: KilnBackend>(
-    dir: &Path,
-    config: LlamaConfig,
-    device: &B::Device,
-    shard: Option<LlamaShard>,
-) -> Result<(LlamaForCausalLM<B>, LlamaConfig)> {
-    // The weights first: a corrupt file fails before the model is allocated.
-    let tensors = match &shard {
-        None => read_model_weights(dir)?,
-        Some(s) => read_shard_weights(dir, s)?,
-    };
-    let model = crate::ops::with_seeded_rng::<B, _>(device, 0, || {
-        LlamaForCausalLM::new_sharded(&config, device, shard)
-    });
-    let (model, report) = load_into(model, tensors, None, device)?;
-    if !report.missing.is_empty() {
-        return Err(KilnError::Weights(format!(
-            "{}: weights missing for {} (is this a LlamaForCausalLM folder?)",
-            dir.display(),
-            report.missing.join(", ")
-        )));
-    }
-    let unexpected: Vec<_> = report
-        .unexpected
-        .iter()
-        .filter(|k| !(config.tie_word_embeddings && *k == "lm_head.weight"))
-        .collect();
-    if !unexpected.is_empty() {
-        info!("unused tensors in {}: {unexpected:?}", dir.display());
-    }
-    Ok((model, config))
-}
-
-/// A randomly initialised Llama (this rank's shard of it), drawn on the CPU whatever the device,
-/// as transformers draws weights before `.to(device)`: each backend has its own generator, so one
-/// seed would otherwise start a different run on a GPU than on the CPU.
-fn fresh_llama<B: KilnBackend>(
-    config: &LlamaConfig,
-    device: &B::Device,
-    shard: Option<LlamaShard>,
-    seed: u64,
-) -> Result<LlamaForCausalLM<B>> {
-    use crate::backend::{Cpu, CpuDevice, CpuTrain};
-    use std::any::TypeId;
-    let on_cpu = [TypeId::of::<Cpu>(), TypeId::of::<CpuTrain>()].contains(&TypeId::of::<B>());
-    let model = crate::ops::with_seeded_rng::<B, _>(device, seed, || {
-        LlamaForCausalLM::new_sharded(config, device, shard.clone())
-    });
-    if on_cpu {
-        return Ok(model);
-    }
-    let cpu = CpuDevice::default();
-    let fresh = crate::ops::with_seeded_rng::<Cpu, _>(&cpu, seed, || {
-        LlamaForCausalLM::<Cpu>::new_sharded(config, &cpu, shard)
-    });
-    let tensors = crate::models::params::module_tensors(&fresh);
-    Ok(crate::models::params::load_into(model, tensors, None, device)?.0)
-}
-
-/// Tensor-parallel rank `s`'s weights of the model folder `dir`.
-fn read_shard_weights(dir: &Path, s: &LlamaShard) -> Result<BTreeMap<String, HostTensor>> {
-    if let Some(layout) = read_layout(dir)? {
-        if layout.same_cut(s.tp.rank(), s.tp.size(), |n| s.split_of(n)) {
-            return read_safetensors(&dir.join(model_file(s.tp.rank())));
-        }
-    }
-    // A tensor of another shape than the config's stays whole: loading then names the mismatch.
-    read_model_weights_with(dir, &mut |name, t| {
-        cut_split(&t, &s.split_of(name)).unwrap_or(t)
-    })
 }
 
 /// This rank's cut of a model of `config` over the tensor-parallel `group` (none without one) and
