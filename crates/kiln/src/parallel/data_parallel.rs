@@ -147,6 +147,36 @@ impl<B: Backend> DataParallel<B> {
             .map(|g| super::Zero1::new(g.clone()))
     }
 
+    /// A per-example table gathered from every rank, and two totals summed: row `r` of `rows`
+    /// (`width` values) belongs to example `mine[r]` of `n`, and every rank gets all `n` rows in
+    /// example order. One collective: each rank fills its own rows of a zeroed buffer (the totals
+    /// at its end), and the group sums them. The evaluation gather.
+    pub fn gather_rows(
+        &self,
+        n: usize,
+        width: usize,
+        mine: &[usize],
+        rows: &[Vec<f32>],
+        totals: [f32; 2],
+    ) -> Result<(Vec<Vec<f32>>, [f32; 2])> {
+        let mut buf = vec![0f32; n * width + 2];
+        if width > 0 {
+            for (&i, row) in mine.iter().zip(rows) {
+                buf[i * width..(i + 1) * width].copy_from_slice(row);
+            }
+        }
+        let last = buf.len() - 2;
+        (buf[last], buf[last + 1]) = (totals[0], totals[1]);
+        let buf = self.sum_host(buf)?;
+        let (table, sums) = buf.split_at(last);
+        let gathered = if width > 0 {
+            table.chunks(width).map(<[f32]>::to_vec).collect()
+        } else {
+            Vec::new()
+        };
+        Ok((gathered, [sums[0], sums[1]]))
+    }
+
     /// Sums host values over the ranks (eval losses, counts, gathered predictions).
     pub fn sum_host(&self, values: Vec<f32>) -> Result<Vec<f32>> {
         match &self.group {

@@ -4,6 +4,7 @@ pub mod activation_checkpointing;
 pub mod args;
 pub mod card_hyperparameters;
 pub mod checkpoint;
+pub mod evaluate;
 pub mod grad_sync;
 pub mod hf_fields;
 pub mod hf_values;

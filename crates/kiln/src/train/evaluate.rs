@@ -1,0 +1,191 @@
+//! Evaluation: a model over every example of an evaluation set (each data-parallel rank its
+//! share, gathered back by the data-parallel strategy), the loss, the classification report or
+//! perplexity, and the user's `compute_metrics`, under transformers' `eval_*` names.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+
+use super::metrics::{classification_report, ClassificationReport, Predictions};
+use crate::error::{KilnError, Result};
+use crate::parallel::DataParallel;
+use crate::task::{BatchSource, Loss, Model};
+
+/// A user metric: extra `(name, value)` pairs computed from an evaluation's predictions.
+pub type MetricFn = Box<dyn Fn(&Predictions) -> Vec<(String, f64)> + Send + Sync>;
+
+/// The outcome of an evaluation.
+#[derive(Debug, Clone)]
+pub struct EvalOutput {
+    /// `eval_loss`, `eval_accuracy`, `eval_f1`, ... plus runtime and throughput.
+    pub metrics: BTreeMap<String, f64>,
+    pub report: Option<ClassificationReport>,
+    pub predictions: Predictions,
+}
+
+/// Evaluates `model` on every example of `eval`, in order.
+pub fn evaluate<B, M, E, L>(
+    model: &M,
+    eval: &E,
+    batch_size: usize,
+    loss_fn: &L,
+    label_names: Option<&[String]>,
+    compute_metrics: Option<&MetricFn>,
+    parallel: &DataParallel<B>,
+) -> Result<EvalOutput>
+where
+    B: crate::ops::KilnBackend,
+    M: Model<B>,
+    E: BatchSource<Batch = M::Batch>,
+    L: Loss,
+{
+    let start = Instant::now();
+    let device = model
+        .devices()
+        .into_iter()
+        .next()
+        .expect("model has a device");
+    let (mut loss_sum, mut count) = (0.0, 0usize);
+    let mut preds = Predictions::default();
+    crate::ops::take_activation_overflow();
+    // This rank's examples (no padding: nothing counted twice).
+    let order = parallel.eval_share(eval.len());
+    for idx in order.chunks(batch_size.max(1)) {
+        let (batch, targets) = eval.batch(idx);
+        let counted = targets
+            .iter()
+            .filter(|&&t| t != crate::task::IGNORE_INDEX)
+            .count();
+        let logits = model.logits(&batch);
+        let loss = loss_fn.loss(
+            logits.clone(),
+            targets_tensor::<B>(targets.clone(), &device),
+        );
+        let batch_loss = loss.into_scalar().elem::<f64>();
+        if !batch_loss.is_finite() {
+            return Err(KilnError::NonFinite(format!(
+                "evaluation: the loss of eval examples {}..={} is {batch_loss}: the model gives \
+                 non-finite logits (its weights diverged, or the eval data holds NaN)",
+                idx[0],
+                idx[idx.len() - 1]
+            )));
+        }
+        loss_sum += batch_loss * counted as f64;
+        count += counted;
+        if label_names.is_some() {
+            let rows = host_rows(logits);
+            if let Some(r) = rows.iter().position(|r| r.iter().any(|v| !v.is_finite())) {
+                return Err(KilnError::NonFinite(format!(
+                    "evaluation: eval example {} has non-finite logits {:?}",
+                    idx[r], rows[r]
+                )));
+            }
+            preds.logits.extend(rows);
+            preds
+                .labels
+                .extend(targets.iter().map(|&t| t.max(0) as usize));
+        }
+    }
+    if crate::ops::take_activation_overflow() {
+        return Err(KilnError::NonFinite(
+            "evaluation: the activations are not finite (a LayerNorm/RMSNorm input overflowed f32 \
+             or held NaN): the model's outputs collapsed; its weights diverged"
+                .into(),
+        ));
+    }
+    if parallel.size() > 1 {
+        // Each example's logits and label, as one row, in its global position on every rank.
+        let classes = label_names.map_or(0, |l| l.len());
+        let rows: Vec<Vec<f32>> = preds
+            .logits
+            .iter()
+            .zip(&preds.labels)
+            .map(|(logits, &label)| logits.iter().copied().chain([label as f32]).collect())
+            .collect();
+        let width = if classes > 0 { classes + 1 } else { 0 };
+        let (rows, totals) = parallel.gather_rows(
+            eval.len(),
+            width,
+            &order,
+            &rows,
+            [loss_sum as f32, count as f32],
+        )?;
+        preds = Predictions::default();
+        for row in rows {
+            preds.logits.push(row[..classes].to_vec());
+            preds.labels.push(row[classes] as usize);
+        }
+        (loss_sum, count) = (totals[0] as f64, totals[1] as usize);
+    }
+    let runtime = start.elapsed().as_secs_f64();
+    let eval_loss = loss_sum / count.max(1) as f64;
+    let mut metrics = BTreeMap::new();
+    metrics.insert("eval_loss".to_string(), eval_loss);
+    let mut report = None;
+    match label_names {
+        Some(names) => {
+            let r = classification_report(&preds.labels, &preds.predicted(), names);
+            metrics.insert("eval_accuracy".into(), r.accuracy);
+            metrics.insert("eval_f1".into(), r.f1_weighted);
+            metrics.insert("eval_f1_weighted".into(), r.f1_weighted);
+            metrics.insert("eval_f1_macro".into(), r.f1_macro);
+            report = Some(r);
+        }
+        None => {
+            metrics.insert("eval_perplexity".into(), eval_loss.exp());
+        }
+    }
+    if let Some(f) = compute_metrics {
+        for (k, v) in f(&preds) {
+            let k = if k.starts_with("eval_") {
+                k
+            } else {
+                format!("eval_{k}")
+            };
+            metrics.insert(k, v);
+        }
+    }
+    metrics.insert("eval_runtime".into(), round4(runtime));
+    metrics.insert(
+        "eval_samples_per_second".into(),
+        round3(eval.len() as f64 / runtime),
+    );
+    // transformers counts a step as one batch of every rank together.
+    let steps = eval.len().div_ceil(batch_size.max(1) * parallel.size());
+    metrics.insert(
+        "eval_steps_per_second".into(),
+        round3(steps as f64 / runtime),
+    );
+    Ok(EvalOutput {
+        metrics,
+        report,
+        predictions: preds,
+    })
+}
+
+/// The targets as an integer tensor on `device`.
+pub(super) fn targets_tensor<B: Backend>(t: Vec<i64>, device: &B::Device) -> Tensor<B, 1, Int> {
+    let n = t.len();
+    Tensor::from_data(TensorData::new(t, [n]), device)
+}
+
+/// Rows of a `[N, C]` tensor as host vectors.
+fn host_rows<B: Backend>(t: Tensor<B, 2>) -> Vec<Vec<f32>> {
+    let [_, c] = t.dims();
+    let v = t
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("f32");
+    v.chunks(c.max(1)).map(|r| r.to_vec()).collect()
+}
+
+pub(super) fn round3(x: f64) -> f64 {
+    (x * 1e3).round() / 1e3
+}
+
+pub(super) fn round4(x: f64) -> f64 {
+    (x * 1e4).round() / 1e4
+}
