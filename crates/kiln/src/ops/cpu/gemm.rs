@@ -1,0 +1,351 @@
+//! The CPU's products: strided sgemm on the `gemm` crate's kernels split into one tile per
+//! thread, dot-product kernels for a few rows (decoding), and Linear's forward on them.
+
+use super::*;
+
+/// C = A·B (+ C when `beta` is 1) (+ `bias` on every row) for row-major C `[m, n]`; A and B are given by
+/// (row stride, column stride) so either may be read transposed. Runs on the `gemm` crate's kernels
+/// (AVX-512 where the CPU has it — the `x86-v4` feature — else AVX2/FMA); matrixmultiply, used
+/// before, has no AVX-512 kernel and is 1.2–2.1× slower on AVX-512 machines (docs/DESIGN.md "CPU
+/// GEMM", `examples/gemm_crates.rs`).
+///
+/// kiln splits C into one tile per thread itself, each tile a single-threaded `gemm` call with the
+/// bias added in the same task, instead of `gemm`'s own rayon split: on 2 threads that was as fast
+/// or faster on every model shape measured (+24 % on MiniLM's weight gradient, 3× on the MNIST
+/// MLP's first layer, where `gemm`'s split costs more than it saves), and products too small to
+/// pay for a second thread run on the caller's.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn sgemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    (rsa, csa): (usize, usize),
+    b: &[f32],
+    (rsb, csb): (usize, usize),
+    beta: f32,
+    bias: Option<&[f32]>,
+    c: &mut [f32],
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(k == 0 || a.len() > (m - 1) * rsa + (k - 1) * csa);
+    assert!(k == 0 || b.len() > (k - 1) * rsb + (n - 1) * csb);
+    assert!(c.len() >= m * n);
+    assert!(bias.is_none_or(|b| b.len() >= n));
+    assert!(
+        beta == 0.0 || beta == 1.0,
+        "β is 0 (overwrite C) or 1 (add to C)"
+    );
+    let (tm, tn) = gemm_grid(m, n, k, rayon::current_num_threads());
+    // Tile edges: rows in multiples of 8, columns in multiples of 16 (one AVX-512 register).
+    let (rows, cols) = (
+        m.div_ceil(tm).div_ceil(8) * 8,
+        n.div_ceil(tn).div_ceil(16) * 16,
+    );
+    let (cp, ap, bp) = (
+        SharedMut(c.as_mut_ptr()),
+        a.as_ptr() as usize,
+        b.as_ptr() as usize,
+    );
+    let tile = |t: usize| {
+        let (i0, j0) = ((t / tn) * rows, (t % tn) * cols);
+        if i0 >= m || j0 >= n {
+            return;
+        }
+        let (mr, nr) = (rows.min(m - i0), cols.min(n - j0));
+        let (a, b) = (ap as *const f32, bp as *const f32);
+        // SAFETY: the asserts above keep every element addressed by this tile of A, B and C in
+        // bounds, and tiles are disjoint, so no two tasks write the same element of C.
+        unsafe {
+            let dst = cp.at(i0 * n + j0);
+            small_gemm(
+                (mr, nr, k),
+                dst,
+                (n, 1),
+                a.add(i0 * rsa),
+                (rsa, csa),
+                b.add(j0 * csb),
+                (rsb, csb),
+                beta != 0.0,
+            );
+            if let Some(bias) = bias {
+                for i in 0..mr {
+                    let row = std::slice::from_raw_parts_mut(dst.add(i * n), nr);
+                    add_into(row, &bias[j0..j0 + nr]);
+                }
+            }
+        }
+    };
+    match tm * tn {
+        1 => tile(0),
+        tasks => (0..tasks).into_par_iter().for_each(tile),
+    }
+}
+
+/// How many tiles (rows × columns of tiles) an `m×k·k×n` product is split into for `threads`
+/// threads: at most one per thread, each at least [`GEMM_TASK_MIN`] multiply-adds, shaped as close
+/// to square as the divisors allow (a thin tile packs its shared operand for little work).
+pub(in crate::ops) fn gemm_grid(m: usize, n: usize, k: usize, threads: usize) -> (usize, usize) {
+    let tasks = (m * n * k / GEMM_TASK_MIN).clamp(1, threads.max(1));
+    (1..=tasks)
+        .filter(|tn| tasks.is_multiple_of(*tn))
+        .map(|tn| (tasks / tn, tn))
+        .max_by_key(|&(tm, tn)| (m / tm).min(n / tn))
+        .unwrap_or((1, 1))
+}
+
+/// Multiply-adds below which a second thread costs more than it saves. Alone, the MNIST MLP's
+/// 32×784×120 (3·2²⁰) runs faster as two tiles (`examples/gemm_crates.rs`), but the whole MNIST
+/// step is 12 % faster with it on one thread (2²⁰ against 2²², four paired `kiln bench` runs):
+/// the second thread's wake-up and cold caches cost more than the half product it takes.
+pub(super) const GEMM_TASK_MIN: usize = 1 << 22;
+
+/// `dst += src`, element-wise.
+#[inline]
+pub(super) fn add_into(dst: &mut [f32], src: &[f32]) {
+    simd(
+        #[inline(always)]
+        || dst.iter_mut().zip(src).for_each(|(d, s)| *d += s),
+    )
+}
+
+/// C = A·B (+ `bias` on every row) through [`sgemm`], or its bf16 counterpart under
+/// [`crate::ops::MatmulPrecision::Bf16`]: the products of Linear layers (forward and both backward GEMMs).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn matmul(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    a_strides: (usize, usize),
+    b: &[f32],
+    b_strides: (usize, usize),
+    bias: Option<&[f32]>,
+    c: &mut [f32],
+) {
+    match crate::ops::matmul_precision() {
+        crate::ops::MatmulPrecision::F32 => {
+            sgemm(m, k, n, a, a_strides, b, b_strides, 0.0, bias, c)
+        }
+        crate::ops::MatmulPrecision::Bf16 => {
+            let _p = crate::ops::profile::scope("part: bf16 GEMMs (inside linear_*)");
+            // The bf16 kernel accumulates into C (β = 1) on top of the broadcast bias.
+            let beta = match bias {
+                Some(bias) => {
+                    let chunk = rows_per_task(n) * n;
+                    c[..m * n]
+                        .par_chunks_mut(chunk)
+                        .for_each(|rows| rows.chunks_mut(n).for_each(|r| r.copy_from_slice(bias)));
+                    1.0
+                }
+                None => 0.0,
+            };
+            crate::ops::bf16::gemm_bf16(
+                (m, k, n),
+                a,
+                a_strides,
+                b,
+                b_strides,
+                beta,
+                c,
+                |m, k, n, a, b, beta, c| sgemm(m, k, n, a, (k, 1), b, (n, 1), beta, None, c),
+            )
+        }
+    }
+}
+
+/// `x · w` for two equal-length slices, in 16 independent lanes (so it vectorises).
+#[inline]
+pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    sum_zip2(a, b, |x, y| x * y)
+}
+
+/// Rows of `x` at or below which a Linear runs as dot products (token-by-token decoding).
+pub(super) const GEMV_MAX_ROWS: usize = 4;
+
+/// `y = x wᵀ (+ beta·y)` for a few rows `x [m, k]` and a PyTorch-layout weight `w [n, k]`: every
+/// output is a contiguous dot product, so the weight streams through memory once, split across
+/// threads by output. A GEMM would first pack the whole weight — for one row, that copy costs more
+/// than the multiplication.
+pub(super) fn gemv_rows(
+    m: usize,
+    k: usize,
+    n: usize,
+    x: &[f32],
+    w: &[f32],
+    beta: f32,
+    y: &mut [f32],
+) {
+    const BLOCK: usize = 64;
+    let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(BLOCK))
+        .into_par_iter()
+        .map(|bi| {
+            let (j0, j1) = (bi * BLOCK, ((bi + 1) * BLOCK).min(n));
+            let len = j1 - j0;
+            let mut out = vec![0f32; m * len];
+            for j in j0..j1 {
+                let wj = &w[j * k..(j + 1) * k];
+                for i in 0..m {
+                    out[i * len + j - j0] = dot(&x[i * k..(i + 1) * k], wj);
+                }
+            }
+            (j0, out)
+        })
+        .collect();
+    for (j0, out) in parts {
+        let len = out.len() / m;
+        for i in 0..m {
+            let row = &mut y[i * n + j0..i * n + j0 + len];
+            for (o, v) in row.iter_mut().zip(&out[i * len..(i + 1) * len]) {
+                *o = beta * *o + v;
+            }
+        }
+    }
+}
+
+/// `y += x w` for a few rows `x [m, k]` and a weight laid out `[k, n]` (decoding). Each
+/// task takes a contiguous band of weight rows, so the weight streams through memory in long
+/// sequential runs, four rows per pass over the task's `m × n` partial sums, added up at the end.
+/// Column blocks per task, tried first, read the weight in 1 KB pieces a row apart: 19 ms per
+/// SmolLM2 token against 14 for the `[out, in]` dot products; bands take 13.5 (Zen 5). The bands
+/// follow `k` only — [`GEMV_BANDS`] of them, not a multiple of the thread count — so the partial
+/// sums, and the bits, are the same on any number of threads.
+pub(super) fn gemv_rows_in_out(
+    (m, k, n): (usize, usize, usize),
+    x: &[f32],
+    w: &[f32],
+    y: &mut [f32],
+) {
+    let band = k.div_ceil(GEMV_BANDS).max(16);
+    let partials: Vec<Vec<f32>> = (0..k.div_ceil(band))
+        .into_par_iter()
+        .map(|b| {
+            let (k0, k1) = (b * band, ((b + 1) * band).min(k));
+            let mut acc = vec![0f32; m * n];
+            let row = |r: usize| &w[r * n..(r + 1) * n];
+            simd(
+                #[inline(always)]
+                || {
+                    let mut r = k0;
+                    while r + 4 <= k1 {
+                        let (w0, w1, w2, w3) = (row(r), row(r + 1), row(r + 2), row(r + 3));
+                        for (i, a) in acc.chunks_mut(n).enumerate() {
+                            let xs = &x[i * k + r..i * k + r + 4];
+                            let (x0, x1, x2, x3) = (xs[0], xs[1], xs[2], xs[3]);
+                            for ((((a, &v0), &v1), &v2), &v3) in
+                                a.iter_mut().zip(w0).zip(w1).zip(w2).zip(w3)
+                            {
+                                *a = x3.mul_add(
+                                    v3,
+                                    x2.mul_add(v2, x1.mul_add(v1, x0.mul_add(v0, *a))),
+                                );
+                            }
+                        }
+                        r += 4;
+                    }
+                    for r in r..k1 {
+                        for (i, a) in acc.chunks_mut(n).enumerate() {
+                            let xv = x[i * k + r];
+                            a.iter_mut()
+                                .zip(row(r))
+                                .for_each(|(a, &v)| *a = xv.mul_add(v, *a));
+                        }
+                    }
+                },
+            );
+            acc
+        })
+        .collect();
+    y[..m * n]
+        .par_chunks_mut(4096)
+        .enumerate()
+        .for_each(|(c, o)| {
+            let at = c * 4096;
+            for p in &partials {
+                add_into(o, &p[at..at + o.len()]);
+            }
+        });
+}
+
+/// Weight bands of [`gemv_rows_in_out`]: the 4 per thread on 2 threads that the timings above
+/// measured (more bands add more partial sums; 8 still keep up to 8 threads busy).
+pub(super) const GEMV_BANDS: usize = 8;
+
+/// dst[m×n] = lhs[m×k]·rhs[k×n] (+ dst if `accumulate`) on the calling thread. Operands are given by
+/// pointer and (row stride, column stride) in elements.
+///
+/// # Safety
+/// Every element addressed by the sizes and strides must lie inside the pointed-to buffers, and no
+/// other thread may write the `dst` elements concurrently.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn small_gemm(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    (drs, dcs): (usize, usize),
+    lhs: *const f32,
+    (lrs, lcs): (usize, usize),
+    rhs: *const f32,
+    (rrs, rcs): (usize, usize),
+    accumulate: bool,
+) {
+    // `gemm` picks its kernels on its first product: `KILN_CPU_ISA` must have capped them by then.
+    crate::ops::isa::cpu_isa();
+    ::gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        dcs as isize,
+        drs as isize,
+        accumulate,
+        lhs,
+        lcs as isize,
+        lrs as isize,
+        rhs,
+        rcs as isize,
+        rrs as isize,
+        if accumulate { 1.0 } else { 0.0 },
+        1.0,
+        false,
+        false,
+        false,
+        ::gemm::Parallelism::None,
+    );
+}
+
+/// `x wᵀ + b` for a PyTorch-layout weight `[out, in]`, or `x w + b` for one laid out `[in, out]`
+/// (`in_out`, inference's layout): the few-rows kernel of that layout (decoding), else the GEMM
+/// with the weight read through strides.
+pub(super) fn linear_forward(
+    x: NdArrayTensor,
+    w: NdArrayTensor,
+    b: Option<NdArrayTensor>,
+    in_out: bool,
+) -> NdArrayTensor {
+    let _p = crate::ops::profile::scope("linear_fwd");
+    let (x, w) = (dense(x), dense(w));
+    let (m, k) = (x.shape()[0], x.shape()[1]);
+    let n = if in_out { w.shape()[1] } else { w.shape()[0] };
+    let (xs, ws) = (slice(&x), slice(&w));
+    let mut y = vec![0f32; m * n];
+    let b = b.map(dense);
+    let bias = b.as_ref().map(slice);
+    if m <= GEMV_MAX_ROWS && crate::ops::matmul_precision() == crate::ops::MatmulPrecision::F32 {
+        // Both few-rows kernels add onto `y`: the bias, or zeros.
+        if let Some(bias) = bias {
+            y.chunks_mut(n).for_each(|row| row.copy_from_slice(bias));
+        }
+        if in_out {
+            gemv_rows_in_out((m, k, n), xs, ws, &mut y);
+        } else {
+            gemv_rows(m, k, n, xs, ws, f32::from(bias.is_some()), &mut y);
+        }
+    } else {
+        // `[out, in]` read as wᵀ without a transpose: element (k, n) of wᵀ is w[n·K + k].
+        let w_strides = if in_out { (n, 1) } else { (1, k) };
+        matmul(m, k, n, xs, (k, 1), ws, w_strides, bias, &mut y);
+    }
+    tensor(&[m, n], y)
+}
