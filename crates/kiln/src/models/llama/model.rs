@@ -5,7 +5,7 @@
 //! RMSNorm, rotary position embeddings (rotate-half form), grouped-query attention with a causal
 //! mask, a SwiGLU MLP, and a key/value cache for generation. Tied embeddings (`tie_word_embeddings`)
 //! have no `lm_head` parameter: the output projection reuses `embed_tokens.weight`.
-//! [`tensor_parallel`] cuts a model into one rank's shard of a tensor-parallel group.
+//! `parallel.rs` plans one rank's cut of a tensor-parallel group; [`LlamaForCausalLM::shard`] cuts.
 
 use burn::module::{Ignored, Module};
 use burn::tensor::activation::softmax;
