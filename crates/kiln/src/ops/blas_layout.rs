@@ -8,7 +8,7 @@
 //! column-major `Cᵀ = op(B)ᵀ · op(A)ᵀ`: the operands swap places and keep their own transpose flag.
 
 /// Whether BLAS reads an operand as stored (`N`) or transposed (`T`), in its column-major view.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Op {
     N,
     T,
@@ -16,7 +16,7 @@ pub enum Op {
 
 /// The arguments of one column-major `gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc)`:
 /// `C[m×n] = op(A)[m×k] · op(B)[k×n]`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct GemmCall {
     pub transa: Op,
     pub transb: Op,

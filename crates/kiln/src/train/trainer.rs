@@ -546,12 +546,12 @@ where
 
     /// Resumes checkpoint `dir` into the state `plan` set (the plateau state too, when saved).
     fn resume_into_plan(&mut self, a: &TrainingArguments, dir: &Path, plan: &Plan) -> Result<()> {
-        let plateau = a.lr_scheduler_type == SchedulerType::ReduceLrOnPlateau;
         let sched = self.resume(dir)?;
         if self.is_main() {
             super::output_dir::trim_log(&a.output_dir, self.state.global_step)?;
         }
-        if plateau {
+        // `make_plan` made a plateau state exactly when the scheduler is reduce_lr_on_plateau.
+        if self.plateau.is_some() {
             match sched.plateau {
                 Some(p) => self.plateau = Some(p),
                 None => tracing::warn!(

@@ -31,6 +31,7 @@ use crate::ops::blas_layout::{row_major_gemm_strided, GemmCall, Op, StoredLayout
 /// and later; 4 MiB opens the split-K kernels for the skinny shapes of small batches).
 const WORKSPACE_BYTES: usize = 4 << 20;
 
+/// Whether the bias epilogue is on; the caller asks before [`matmul_bias`].
 pub(super) fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("KILN_CUBLASLT").is_ok_and(|v| v == "1"))
@@ -39,7 +40,7 @@ pub(super) fn enabled() -> bool {
 /// What a heuristic answer depends on: the call's sizes, transposes and types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct AlgoKey {
-    call: (usize, usize, usize, usize, usize, usize, bool, bool),
+    call: GemmCall,
     bf16: bool,
     tf32: bool,
 }
@@ -200,19 +201,14 @@ pub(super) fn matmul_bias<R: CubeRuntime>(
         DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
         _ => return give_back(x, w, bias),
     };
-    let (m, k) = (x.shape.dims[0], x.shape.dims[x.shape.num_dims() - 1]);
-    let n = w.shape.dims[w.shape.num_dims() - 1];
+    if x.dtype != w.dtype || x.shape.num_dims() != 2 || w.shape.num_dims() != 2 {
+        return give_back(x, w, bias);
+    }
+    let ([m, k], [k2, n]) = (x.shape.dims::<2>(), w.shape.dims::<2>());
     let bias_plain = bias.dtype == DType::F32
         && bias.shape.num_elements() == n
         && bias.strides.last().is_none_or(|&s| s == 1);
-    if !enabled()
-        || x.dtype != w.dtype
-        || x.shape.num_dims() != 2
-        || w.shape.num_dims() != 2
-        || w.shape.dims[0] != k
-        || !bias_plain
-        || m * n == 0
-    {
+    if k2 != k || !bias_plain || m * n == 0 {
         return give_back(x, w, bias);
     }
     let (x, xo) = operand_or_contiguous(x);
@@ -248,16 +244,7 @@ pub(super) fn matmul_bias<R: CubeRuntime>(
         sr.resource().ptr as *mut c_void,
     );
     let key = AlgoKey {
-        call: (
-            call.m,
-            call.n,
-            call.k,
-            call.lda,
-            call.ldb,
-            call.ldc,
-            call.transa == Op::T,
-            call.transb == Op::T,
-        ),
+        call,
         bf16: in_type == sys::cudaDataType::CUDA_R_16BF,
         tf32,
     };
