@@ -15,10 +15,11 @@ use kiln::data::batch::{collate, TextBatch};
 use kiln::data::lm::TokenBatch;
 use kiln::data::{Padding, TextTokenizer};
 use kiln::hub::weights::{read_safetensors, HostTensor};
+use kiln::models::auto::load_causal_lm;
 use kiln::models::auto::EncoderConfig;
 use kiln::models::classifier::SequenceClassifier;
-use kiln::models::llama::load::load_model;
 use kiln::models::llama::KvCache;
+use kiln::models::llama::Llama;
 use kiln::models::params::load_into;
 use kiln::task::Model;
 use kiln::tasks::text_classification::{load_classifier, ModelDir};
@@ -212,7 +213,7 @@ fn causal_lms_match_transformers() {
         let (b, targets) = lm_batch(&fx);
         let device = Default::default();
 
-        let (m, config) = load_model::<Cpu>(&fx.dir, &device).unwrap();
+        let (m, config) = load_causal_lm::<Llama, Cpu>(&fx.dir, &device).unwrap();
         assert_eq!(config.model_type.as_deref(), Some(family));
         let logits = host(m.logits(&b));
         let err = rel_err(&logits, &fx.tensors["logits"].data);
@@ -231,7 +232,7 @@ fn causal_lms_match_transformers() {
         let err = rel_err(&last, want);
         assert!(err < 1e-4, "{family}: cached decoding rel err {err:e}");
 
-        let (m, _) = load_model::<CpuTrain>(&fx.dir, &device).unwrap();
+        let (m, _) = load_causal_lm::<Llama, CpuTrain>(&fx.dir, &device).unwrap();
         let n = targets.len();
         let t = Tensor::<CpuTrain, 1, Int>::from_data(TensorData::new(targets, [n]), &device);
         let loss = CrossEntropy.loss(m.logits(&b), t);

@@ -97,7 +97,9 @@ fn smollm2_from_gguf_matches_transformers() {
     let Some(dir) = converted() else { return };
     let (fx, st) = fixture();
     let device = CpuDevice::default();
-    let (model, config) = kiln::models::llama::load::load_model::<Cpu>(dir, &device).unwrap();
+    let (model, config) =
+        kiln::models::auto::load_causal_lm::<kiln::models::llama::Llama, Cpu>(dir, &device)
+            .unwrap();
     assert!(config.tie_word_embeddings && model.lm_head.is_none());
     assert_eq!((config.num_attention_heads, config.kv_heads()), (9, 3));
     let tok = causal_lm::load_tokenizer(dir).unwrap();
@@ -158,7 +160,9 @@ fn smollm2_loss_and_gradients_match_transformers() {
     let Some(dir) = converted() else { return };
     let (fx, st) = fixture();
     let device = CpuDevice::default();
-    let (model, _) = kiln::models::llama::load::load_model::<CpuTrain>(dir, &device).unwrap();
+    let (model, _) =
+        kiln::models::auto::load_causal_lm::<kiln::models::llama::Llama, CpuTrain>(dir, &device)
+            .unwrap();
     let ids = ids_of(&fx["train_ids"]);
     let n = ids.len();
     let batch = kiln::data::lm::LmBlocks::pack(ids.clone(), n, 1);
@@ -237,7 +241,9 @@ fn sharded_folders_load() {
         serde_json::json!({"metadata": {}, "weight_map": map}).to_string(),
     )
     .unwrap();
-    let (loaded, _) = kiln::models::llama::load::load_model::<Cpu>(dir, &device).unwrap();
+    let (loaded, _) =
+        kiln::models::auto::load_causal_lm::<kiln::models::llama::Llama, Cpu>(dir, &device)
+            .unwrap();
     let ids =
         Tensor::<Cpu, 2, Int>::from_data(TensorData::new(vec![1i64, 5, 9, 3], [1, 4]), &device);
     let a = host(model.forward(ids.clone(), None));
@@ -245,7 +251,7 @@ fn sharded_folders_load() {
     assert_eq!(a, b);
     // a shard named in the index but missing is an error naming the file
     std::fs::remove_file(dir.join("model-00002-of-00002.safetensors")).unwrap();
-    let e = kiln::models::llama::load::load_model::<Cpu>(dir, &device)
+    let e = kiln::models::auto::load_causal_lm::<kiln::models::llama::Llama, Cpu>(dir, &device)
         .err()
         .unwrap();
     assert!(

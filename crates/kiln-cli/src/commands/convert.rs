@@ -1,5 +1,5 @@
-//! `kiln convert`: a GGUF file to a Hugging Face Llama folder, and Llama checkpoints cut into
-//! tensor-parallel shards or put back together.
+//! `kiln convert`: a GGUF file to a Hugging Face Llama folder, and causal-LM checkpoints (any
+//! family `models::auto` lists) cut into tensor-parallel shards or put back together.
 
 use std::path::PathBuf;
 
@@ -78,8 +78,8 @@ pub fn run(cmd: ConvertCmd) -> Result<()> {
     Ok(())
 }
 
-/// `kiln convert --to-tp N` (Llama splits, as training at `--tensor-parallel-size N` holds them)
-/// or `--to-full` (`to_tp` = `None`).
+/// `kiln convert --to-tp N` (the family's splits, as training at `--tensor-parallel-size N`
+/// holds them) or `--to-full` (`to_tp` = `None`).
 fn reshard(
     model: &std::path::Path,
     out: &std::path::Path,
@@ -96,11 +96,11 @@ fn reshard(
         Some(n) => {
             // Validated as training validates it (more key/value heads than heads is a sentence);
             // the tensors' shapes are then checked against it cut by cut.
-            let config = kiln::models::llama::config::LlamaConfig::from_file(&config_path)?;
+            let names: Vec<&str> = whole.model.keys().map(String::as_str).collect();
             Ok(Target::TensorParallel {
-                splits: kiln::models::llama::parallel::splits_for(
-                    &config,
-                    whole.model.keys().map(String::as_str),
+                splits: kiln::models::auto::tensor_parallel_splits(
+                    &config_path,
+                    &names,
                     n,
                     coalesce_qkv,
                 )?,

@@ -43,36 +43,38 @@ pub fn run<B: kiln::ops::KilnBackend>(cmd: GenerateCmd, device: &B::Device) -> R
         seed: cmd.seed,
         stop_at_eos: !cmd.ignore_eos,
     };
-    // A bad sampling option is said before minutes of loading.
-    opts.check()?;
     // Under tensor parallelism every rank decodes the same tokens (the logits are put
     // together on each); rank 0 prints them.
-    let (model, config, _, _) =
-        causal_lm::load_model_parallel::<B>(&cmd.model, device, cmd.tensor_parallel_size)?;
-    let model = model.into_inference_layout();
     let main = kiln::parallel::is_main_process()?;
-    let tok = causal_lm::load_tokenizer(&cmd.model)?;
-    let enc = tok
-        .encode(cmd.prompt.as_str(), true)
-        .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
     let stream = main && !cmd.json;
-    let mut stdout = std::io::stdout();
-    if stream {
-        print!("{}", cmd.prompt);
-        stdout.flush()?;
-    }
-    let g = causal_lm::generate(&model, &tok, &config, enc.get_ids(), &opts, |piece| {
+    // The prompt is printed once the model has loaded (with the first new text), so a folder
+    // that fails to load prints nothing.
+    let mut prompt_printed = false;
+    let mut print = |piece: &str| {
         if stream {
+            if !prompt_printed {
+                print!("{}", cmd.prompt);
+                prompt_printed = true;
+            }
             print!("{piece}");
             let _ = std::io::stdout().flush();
         }
-    })?;
+    };
+    let (prompt_ids, g) = causal_lm::generate_from_folder::<B>(
+        &cmd.model,
+        &cmd.prompt,
+        cmd.tensor_parallel_size,
+        &opts,
+        device,
+        &mut print,
+    )?;
+    print("");
     if !main {
         return Ok(());
     }
     if cmd.json {
         let mut v = serde_json::to_value(&g)?;
-        v["prompt_ids"] = serde_json::json!(enc.get_ids());
+        v["prompt_ids"] = serde_json::json!(prompt_ids);
         v["prefill_tokens_per_sec"] = serde_json::json!(g.prefill_tokens_per_sec());
         v["decode_tokens_per_sec"] = serde_json::json!(g.decode_tokens_per_sec());
         println!("{}", serde_json::to_string(&v)?);

@@ -13,9 +13,10 @@ use crate::backend::{Cpu, CpuTrain};
 use crate::data::lm::{read_documents, LmBlocks};
 use crate::data::TextEncoding;
 use crate::error::Result;
+use crate::models::auto::load_causal_lm;
 use crate::models::llama::config::LlamaConfig;
-use crate::models::llama::load::load_model;
 use crate::models::llama::KvCache;
+use crate::models::llama::Llama;
 use crate::tasks::causal_lm::load_tokenizer;
 use crate::train::metrics::argmax;
 use crate::train::BatchSource;
@@ -75,7 +76,7 @@ fn first_blocks(dir: &Path, corpus: &Path, block: usize, needed: usize) -> Resul
 pub fn train(dir: &Path, corpus: &Path, warmup: usize, steps: usize) -> Result<BenchResult> {
     let (batch, seq) = (4, 128);
     let device = Default::default();
-    let (model, config) = load_model::<CpuTrain>(dir, &device)?;
+    let (model, config) = load_causal_lm::<Llama, CpuTrain>(dir, &device)?;
     let blocks = first_blocks(dir, corpus, seq, (warmup + steps) * batch)?;
     let flops = 3.0 * llama_forward_flops(&config, batch, seq);
     let batches: Vec<_> = (0..blocks.len() / batch)
@@ -166,7 +167,7 @@ pub fn family_train(key: &str, warmup: usize, steps: usize) -> Result<BenchResul
 pub fn prefill(dir: &Path, corpus: &Path, warmup: usize, steps: usize) -> Result<BenchResult> {
     let seq = 128;
     let device = Default::default();
-    let (model, config) = load_model::<Cpu>(dir, &device)?;
+    let (model, config) = load_causal_lm::<Llama, Cpu>(dir, &device)?;
     let model = model.into_inference_layout();
     let blocks = first_blocks(dir, corpus, seq, 1)?;
     let ids: Vec<i64> = blocks.blocks[0].iter().map(|&t| t as i64).collect();
@@ -201,7 +202,7 @@ pub fn prefill(dir: &Path, corpus: &Path, warmup: usize, steps: usize) -> Result
 /// the KV cache, then argmax), as transformers' `generate` does.
 pub fn generate(dir: &Path, warmup: usize, tokens: usize) -> Result<BenchResult> {
     let device = Default::default();
-    let (model, config) = load_model::<Cpu>(dir, &device)?;
+    let (model, config) = load_causal_lm::<Llama, Cpu>(dir, &device)?;
     let model = model.into_inference_layout();
     let tok = load_tokenizer(dir)?;
     let prompt: Vec<i64> = tok

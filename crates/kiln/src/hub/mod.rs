@@ -19,8 +19,13 @@ pub use files::atomic_write;
 
 /// A JSON file parsed as `T`; a syntax or schema error names the file, the line and the field.
 pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
-    let bytes = files::read_regular(path, "JSON file")?;
-    let mut de = serde_json::Deserializer::from_slice(&bytes);
+    parse_json(path, &files::read_regular(path, "JSON file")?)
+}
+
+/// The JSON text `bytes`, read from `path`, parsed as `T`, with [`read_json`]'s errors (for a file
+/// parsed twice: once to see which type it is, once as that type).
+pub fn parse_json<T: serde::de::DeserializeOwned>(path: &Path, bytes: &[u8]) -> Result<T> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
     serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let field = e.path().to_string();
         let inner = e.into_inner();

@@ -1,18 +1,122 @@
-//! Which encoder a sequence-classification folder holds, read from `config.json`'s `model_type`
-//! (else `architectures`) the way transformers' `AutoModelForSequenceClassification` decides, and
-//! that family's config.
+//! Which family a model folder holds, read from `config.json`'s `model_type` (else
+//! `architectures`) the way transformers' `AutoModelFor…` classes decide: the encoder families
+//! kiln classifies with ([`EncoderConfig`]) and the causal-LM families ([`with_causal_lm`]).
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::bert::config::{BertConfig, ClassifierFields};
+use super::decoder::{DecoderArchitecture, DecoderFamily, DecoderVisitor};
 use super::distilbert::config::DistilBertConfig;
 use super::modernbert::config::ModernBertConfig;
+use super::{llama, mistral, qwen2};
 use crate::error::{KilnError, Result};
+use crate::ops::KilnBackend;
+use crate::task::ParamSplit;
 
 /// The `model_type`s kiln classifies with, for error messages.
 pub const CLASSIFIER_TYPES: &str = "bert, roberta, xlm-roberta, camembert, distilbert, modernbert";
-/// The `model_type`s kiln trains as causal LMs (`--task causal-lm`).
-pub const CAUSAL_LM_TYPES: &str = "llama, mistral, qwen2";
+
+/// Every causal-LM family, by its `FAMILY`: a new family is its folder and one line here. Gives
+/// [`causal_lms`] (model types and class-name prefixes) and [`with_causal_lm`].
+macro_rules! causal_lm_families {
+    ($($family:expr),+ $(,)?) => {
+        /// The causal-LM families' `(model_type, class-name prefix)`.
+        pub fn causal_lms() -> Vec<(&'static str, &'static str)> {
+            vec![$(($family.model_type, $family.class_prefix)),+]
+        }
+
+        /// Runs `v` with the family of the causal LM whose `config.json` is `path`, and the
+        /// config as that family reads it (the file is read once). The family is the declared
+        /// `model_type`, else the one `architectures` names, else `llama` (as kiln always read
+        /// such configs); one that is no causal LM is one sentence.
+        pub fn with_causal_lm<V: DecoderVisitor>(path: &Path, v: V) -> Result<V::Output> {
+            let bytes = crate::hub::files::read_regular(path, "JSON file")?;
+            let json: serde_json::Value = crate::hub::parse_json(path, &bytes)?;
+            let t = declared_model_type(&json).unwrap_or_else(|| "llama".into());
+            $(if t == $family.model_type {
+                let config = ($family.read_config)(path, &bytes)?;
+                return Ok(v.visit(&$family, config));
+            })+
+            Err(KilnError::Config(format!(
+                "{}: model_type {t:?} is not supported here (this command reads {}); its \
+                 weights would not load into such a model",
+                path.display(),
+                causal_lm_types()
+            )))
+        }
+    };
+}
+
+causal_lm_families! {
+    llama::FAMILY,
+    mistral::FAMILY,
+    qwen2::FAMILY,
+}
+
+/// The `model_type`s kiln trains as causal LMs (`--task causal-lm`), for messages:
+/// `llama, mistral, qwen2`.
+pub fn causal_lm_types() -> String {
+    let types: Vec<_> = causal_lms().iter().map(|(t, _)| *t).collect();
+    types.join(", ")
+}
+
+/// The causal LM's `config.json` at `path`, read as the family it names, which must be built on
+/// architecture `A`.
+pub fn read_causal_lm_config<A: DecoderArchitecture>(path: &Path) -> Result<A::Config> {
+    struct Read<A>(std::marker::PhantomData<A>);
+    impl<A: DecoderArchitecture> DecoderVisitor for Read<A> {
+        type Output = std::result::Result<A::Config, &'static str>;
+        fn visit<F: DecoderArchitecture>(
+            self,
+            family: &'static DecoderFamily<F>,
+            config: F::Config,
+        ) -> Self::Output {
+            let config: Box<dyn std::any::Any> = Box::new(config);
+            config.downcast().map(|c| *c).map_err(|_| family.model_type)
+        }
+    }
+    with_causal_lm(path, Read::<A>(Default::default()))?.map_err(|t| {
+        KilnError::Config(format!(
+            "{}: model_type {t:?} is not built on {}",
+            path.display(),
+            std::any::type_name::<A>()
+        ))
+    })
+}
+
+/// Every rank's cut of the parameters `names` of the causal LM whose `config.json` is
+/// `config_path`, over `n` tensor-parallel ranks, as its family cuts them in training
+/// (`kiln convert --to-tp`; see [`DecoderArchitecture::splits_for`]).
+pub fn tensor_parallel_splits(
+    config_path: &Path,
+    names: &[&str],
+    n: usize,
+    kv_heads_read: bool,
+) -> Result<Vec<BTreeMap<String, ParamSplit>>> {
+    struct Splits<'a>(&'a [&'a str], usize, bool);
+    impl DecoderVisitor for Splits<'_> {
+        type Output = Result<Vec<BTreeMap<String, ParamSplit>>>;
+        fn visit<A: DecoderArchitecture>(
+            self,
+            _: &'static DecoderFamily<A>,
+            config: A::Config,
+        ) -> Self::Output {
+            A::splits_for(&config, self.0, self.1, self.2)
+        }
+    }
+    with_causal_lm(config_path, Splits(names, n, kv_heads_read))?
+}
+
+/// The model and config of the causal-LM folder `dir` (whole, on one device), of a family built
+/// on architecture `A`.
+pub fn load_causal_lm<A: DecoderArchitecture, B: KilnBackend>(
+    dir: &Path,
+    device: &B::Device,
+) -> Result<(A::Model<B>, A::Config)> {
+    let config = read_causal_lm_config::<A>(&dir.join("config.json"))?;
+    Ok((A::load(dir, &config, device, None)?, config))
+}
 
 /// A sequence classifier's config, one variant per architecture.
 #[derive(Debug, Clone)]
@@ -31,19 +135,18 @@ pub fn declared_model_type(json: &serde_json::Value) -> Option<String> {
         return Some(t.to_string());
     }
     let arch = json.get("architectures")?.get(0)?.as_str()?;
-    let known = [
+    let encoders = [
         ("XLMRoberta", "xlm-roberta"),
         ("Camembert", "camembert"),
         ("Roberta", "roberta"),
         ("DistilBert", "distilbert"),
         ("ModernBert", "modernbert"),
         ("Bert", "bert"),
-        ("Llama", "llama"),
-        ("Mistral", "mistral"),
-        ("Qwen2", "qwen2"),
     ];
-    known
-        .iter()
+    let decoders = causal_lms().into_iter().map(|(t, prefix)| (prefix, t));
+    encoders
+        .into_iter()
+        .chain(decoders)
         .find(|(prefix, _)| arch.starts_with(prefix))
         .map(|(_, t)| t.to_string())
 }
@@ -65,15 +168,16 @@ impl EncoderConfig {
             }
             "distilbert" => Ok(Self::DistilBert(DistilBertConfig::from_file(path)?)),
             "modernbert" => Ok(Self::ModernBert(ModernBertConfig::from_file(path)?)),
-            "llama" | "mistral" | "qwen2" => Err(KilnError::Config(format!(
+            t if causal_lms().iter().any(|(lm, _)| *lm == t) => Err(KilnError::Config(format!(
                 "{}: model_type {t:?} is a causal LM: train it with --task causal-lm \
                  (sequence classification reads {CLASSIFIER_TYPES})",
                 path.display()
             ))),
             other => Err(KilnError::Config(format!(
                 "{}: model_type {other:?} is not supported; kiln reads {CLASSIFIER_TYPES} \
-                 (sequence classification) and {CAUSAL_LM_TYPES} (causal LM)",
-                path.display()
+                 (sequence classification) and {} (causal LM)",
+                path.display(),
+                causal_lm_types()
             ))),
         }
     }

@@ -1,6 +1,8 @@
-//! Causal language modelling with a Llama-family model: `kiln train --task causal-lm` (continued
-//! pretraining, or pretraining from `--from-config`), `kiln eval --task causal-lm` (perplexity) and
-//! `kiln generate` (KV-cached decoding, greedy or sampled).
+//! Causal language modelling with any decoder family (`models/decoder.rs`; Llama, Mistral, Qwen2
+//! today): `kiln train --task causal-lm` (continued pretraining, or pretraining from
+//! `--from-config`), `kiln eval --task causal-lm` (perplexity) and `kiln generate` (KV-cached
+//! decoding, greedy or sampled). Each entry point reads `config.json` once, through
+//! `models::auto::with_causal_lm`, and runs the family it names; nothing here names a family.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -13,9 +15,10 @@ use tracing::info;
 use crate::data::lm::{read_documents, LmBlocks, TokenBatch};
 use crate::data::TextEncoding;
 use crate::error::{KilnError, Result};
-use crate::models::llama::config::LlamaConfig;
-use crate::models::llama::load::{fresh_llama, load_model_shard, load_shard_of};
-use crate::models::llama::{KvCache, LlamaForCausalLM, LlamaShard};
+use crate::models::auto::with_causal_lm;
+use crate::models::decoder::{
+    CausalLm, DecoderArchitecture, DecoderConfig, DecoderFamily, DecoderVisitor,
+};
 use crate::ops::{KilnBackend, TrainBackend};
 use crate::parallel::{DataParallel, SharedCollectives, TpGroup, VocabParallelCrossEntropy};
 use crate::task::{BatchSource, CrossEntropy, Loss, IGNORE_INDEX};
@@ -58,18 +61,18 @@ impl BatchSource for LmBlocks {
 /// This rank's cut of a model of `config` over the tensor-parallel `group` (none without one) and
 /// the loss that fits it. Worked out before any weight is read: more ranks than attention heads
 /// is one sentence at once, not after minutes of loading.
-fn tensor_parallel_plan<X: burn::tensor::backend::Backend>(
-    config: &LlamaConfig,
+fn tensor_parallel_plan<A: DecoderArchitecture, X: burn::tensor::backend::Backend>(
+    config: &A::Config,
     group: Option<SharedCollectives<X>>,
-) -> Result<(Option<LlamaShard>, LmLoss)> {
+) -> Result<(Option<A::Shard>, LmLoss)> {
     let Some(group) = group else {
         return Ok((None, LmLoss::Plain(CrossEntropy)));
     };
     let tp = TpGroup::comm(group);
-    let shard = LlamaShard::new(config, tp.clone())?;
+    let shard = A::plan_shard(config, tp.clone())?;
     let loss = LmLoss::VocabParallel(VocabParallelCrossEntropy {
         tp,
-        vocab: config.vocab_size,
+        vocab: config.vocab_size(),
     });
     Ok((Some(shard), loss))
 }
@@ -78,16 +81,16 @@ fn tensor_parallel_plan<X: burn::tensor::backend::Backend>(
 /// size `tp` (`kiln eval` / `kiln generate` under `kiln launch`): the job joined, the whole model
 /// read and cut to this rank's shard; with the loss that fits it and the data-parallel rest of
 /// the job.
-pub fn load_model_parallel<B: KilnBackend>(
+fn load_model_parallel<A: DecoderArchitecture, B: KilnBackend>(
     dir: &Path,
+    config: &A::Config,
     device: &B::Device,
     tp: usize,
-) -> Result<(LlamaForCausalLM<B>, LlamaConfig, LmLoss, DataParallel<B>)> {
+) -> Result<(A::Model<B>, LmLoss, DataParallel<B>)> {
     let (parallel, group) = DataParallel::<B>::join_mesh(device, tp)?;
-    let config = LlamaConfig::from_file(&dir.join("config.json"))?;
-    let (shard, loss) = tensor_parallel_plan(&config, group)?;
-    let (model, config) = load_model_shard::<B>(dir, device, shard)?;
-    Ok((model, config, loss, parallel))
+    let (shard, loss) = tensor_parallel_plan::<A, _>(config, group)?;
+    let model = A::load(dir, config, device, shard)?;
+    Ok((model, loss, parallel))
 }
 
 pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
@@ -108,7 +111,7 @@ pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
 /// Where the model, tokenizer and data come from.
 #[derive(Debug, Clone, Default)]
 pub struct CausalLmOptions {
-    /// A Hugging Face Llama folder (weights, config, tokenizer).
+    /// A Hugging Face causal-LM folder (weights, config, tokenizer).
     pub model_dir: Option<PathBuf>,
     /// Start from random weights with this config.json instead (pretraining from scratch).
     pub from_config: Option<PathBuf>,
@@ -173,18 +176,18 @@ impl CausalLmOptions {
 
 /// RoPE has no position table to overrun, but a model was trained only up to
 /// `max_position_embeddings`: past it, quality is not what the config promises.
-pub fn warn_beyond_positions(config: &LlamaConfig, len: usize, what: &str) {
-    if len > config.max_position_embeddings {
+pub fn warn_beyond_positions(config: &impl DecoderConfig, len: usize, what: &str) {
+    if len > config.max_position_embeddings() {
         tracing::warn!(
             "{what} {len} is beyond the model's max_position_embeddings {}: positions past it were \
              never trained",
-            config.max_position_embeddings
+            config.max_position_embeddings()
         );
     }
 }
 
 /// The token that ends a document: the config's first `eos_token_id`, else the tokenizer's.
-fn eos_id(config: &LlamaConfig, tok: &Tokenizer) -> Option<u32> {
+fn eos_id(config: &impl DecoderConfig, tok: &Tokenizer) -> Option<u32> {
     config.eos_ids().first().copied().or_else(|| {
         ["</s>", "<|endoftext|>", "<|end_of_text|>"]
             .iter()
@@ -214,28 +217,70 @@ pub fn train<B: TrainBackend>(
             ))
         }
     };
+    struct Run<'a, B: TrainBackend> {
+        opts: &'a CausalLmOptions,
+        args: TrainingArguments,
+        device: &'a B::Device,
+        parallel: DataParallel<B::InnerBackend>,
+        tp_group: Option<SharedCollectives<B::InnerBackend>>,
+    }
+    impl<B: TrainBackend> DecoderVisitor for Run<'_, B> {
+        type Output = Result<(TrainOutput, Option<EvalOutput>)>;
+        fn visit<A: DecoderArchitecture>(
+            self,
+            _: &'static DecoderFamily<A>,
+            config: A::Config,
+        ) -> Self::Output {
+            train_family::<B, A>(
+                self.opts,
+                self.args,
+                self.device,
+                self.parallel,
+                self.tp_group,
+                config,
+            )
+        }
+    }
     // config.json is read and validated once, here.
-    let config = LlamaConfig::from_file(&config_path)?;
-    let (shard, loss) = tensor_parallel_plan(&config, tp_group)?;
+    let run = Run::<B> {
+        opts,
+        args,
+        device,
+        parallel,
+        tp_group,
+    };
+    with_causal_lm(&config_path, run)?
+}
+
+/// [`train`] with the family's architecture `A` and its `config`.
+fn train_family<B: TrainBackend, A: DecoderArchitecture>(
+    opts: &CausalLmOptions,
+    args: TrainingArguments,
+    device: &B::Device,
+    parallel: DataParallel<B::InnerBackend>,
+    tp_group: Option<SharedCollectives<B::InnerBackend>>,
+    config: A::Config,
+) -> Result<(TrainOutput, Option<EvalOutput>)> {
+    let (shard, loss) = tensor_parallel_plan::<A, _>(&config, tp_group)?;
     let tok_path = opts.tokenizer_path()?;
     let tok = load_tokenizer(&tok_path)?;
     // Each rank holds only its shard from the start: a whole model is built (from the seed)
     // layer by layer and cut, or loaded tensor by tensor and cut, so TP = N starts from exactly
     // the weights of TP = 1.
-    let (model, config) = match (&opts.from_config, &opts.model_dir) {
+    let model = match (&opts.from_config, &opts.model_dir) {
         (Some(cfg), _) => {
-            let model = fresh_llama::<B>(&config, device, shard, args.seed)?;
+            let model = A::fresh::<B>(&config, device, shard, args.seed)?;
             info!(
                 "{}: random initialisation (seed {})",
                 cfg.display(),
                 args.seed
             );
-            (model, config)
+            model
         }
-        (None, Some(dir)) => load_shard_of::<B>(dir, config, device, shard)?,
-        (None, None) => unreachable!("checked above"),
+        (None, Some(dir)) => A::load::<B>(dir, &config, device, shard)?,
+        (None, None) => unreachable!("checked by train"),
     };
-    crate::data::tokenize::check_ids_fit(&tok, &tok_path, config.vocab_size)?;
+    crate::data::tokenize::check_ids_fit(&tok, &tok_path, config.vocab_size())?;
     warn_beyond_positions(&config, opts.block_size, "--block-size");
     let eos = eos_id(&config, &tok);
     let train_file = opts
@@ -247,18 +292,37 @@ pub fn train<B: TrainBackend>(
         Some(p) => Some(opts.blocks(p, &tok, eos, opts.max_eval_samples)?),
         None => None,
     };
-    let source = opts.model_dir.clone().unwrap_or_else(|| tok_path.clone());
+    let files = model_files(opts, &tok_path, &config);
+    let plan = ParallelPlan::new(parallel);
+    let model = A::trainable(model);
+    let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files, plan);
+    trainer.origin = crate::train::RunOrigin::from_paths(
+        opts.model_dir.as_deref(),
+        opts.train_file.as_deref(),
+        opts.eval_file.as_deref(),
+        true,
+    );
+    trainer.train_and_evaluate(&train_set, eval_set.as_ref())
+}
+
+/// What a trained causal LM's folder holds besides its weights: the config, the tokenizer and
+/// its settings from the source folder.
+fn model_files(opts: &CausalLmOptions, tok_path: &Path, config: &impl DecoderConfig) -> ModelFiles {
+    let source = opts
+        .model_dir
+        .clone()
+        .unwrap_or_else(|| tok_path.to_path_buf());
     let source = if source.is_dir() {
         source
     } else {
         source.parent().map(Path::to_path_buf).unwrap_or_default()
     };
-    let files = ModelFiles {
+    ModelFiles {
         config_json: config.to_json(),
         tokenizer_json: Some(if tok_path.is_dir() {
             tok_path.join("tokenizer.json")
         } else {
-            tok_path.clone()
+            tok_path.to_path_buf()
         }),
         copy: [
             "tokenizer_config.json",
@@ -269,16 +333,7 @@ pub fn train<B: TrainBackend>(
         .map(|f| source.join(f))
         .collect(),
         source_dir: opts.model_dir.clone(),
-    };
-    let plan = ParallelPlan::new(parallel);
-    let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files, plan);
-    trainer.origin = crate::train::RunOrigin::from_paths(
-        opts.model_dir.as_deref(),
-        opts.train_file.as_deref(),
-        opts.eval_file.as_deref(),
-        true,
-    );
-    trainer.train_and_evaluate(&train_set, eval_set.as_ref())
+    }
 }
 
 /// A causal LM's loss: plain cross-entropy, or its vocab-parallel form for a sharded model.
@@ -312,23 +367,35 @@ pub fn eval<B: KilnBackend>(
         .model_dir
         .as_ref()
         .ok_or_else(|| KilnError::Config("kiln eval needs --model".into()))?;
-    let tok_path = opts.tokenizer_path()?;
-    let tok = load_tokenizer(&tok_path)?;
-    let (model, config, loss, parallel) =
-        load_model_parallel::<B>(dir, device, tensor_parallel_size)?;
-    crate::data::tokenize::check_ids_fit(&tok, &tok_path, config.vocab_size)?;
-    warn_beyond_positions(&config, opts.block_size, "--block-size");
-    let file = opts
-        .eval_file
-        .as_ref()
-        .ok_or_else(|| KilnError::Config("kiln eval needs --eval-file".into()))?;
-    let set = opts.blocks(file, &tok, eos_id(&config, &tok), opts.max_eval_samples)?;
-    let mut out = evaluate(&model, &set, batch_size, &loss, None, None, &parallel)?;
-    out.metrics.insert(
-        "eval_tokens".into(),
-        (set.len() * (set.block_size - 1)) as f64,
-    );
-    Ok(out)
+    struct Run<'a, B: KilnBackend>(&'a CausalLmOptions, &'a Path, usize, usize, &'a B::Device);
+    impl<B: KilnBackend> DecoderVisitor for Run<'_, B> {
+        type Output = Result<EvalOutput>;
+        fn visit<A: DecoderArchitecture>(
+            self,
+            _: &'static DecoderFamily<A>,
+            config: A::Config,
+        ) -> Self::Output {
+            let Run(opts, dir, batch_size, tp, device) = self;
+            let tok_path = opts.tokenizer_path()?;
+            let tok = load_tokenizer(&tok_path)?;
+            let (model, loss, parallel) = load_model_parallel::<A, B>(dir, &config, device, tp)?;
+            crate::data::tokenize::check_ids_fit(&tok, &tok_path, config.vocab_size())?;
+            warn_beyond_positions(&config, opts.block_size, "--block-size");
+            let file = opts
+                .eval_file
+                .as_ref()
+                .ok_or_else(|| KilnError::Config("kiln eval needs --eval-file".into()))?;
+            let set = opts.blocks(file, &tok, eos_id(&config, &tok), opts.max_eval_samples)?;
+            let mut out = evaluate(&model, &set, batch_size, &loss, None, None, &parallel)?;
+            out.metrics.insert(
+                "eval_tokens".into(),
+                (set.len() * (set.block_size - 1)) as f64,
+            );
+            Ok(out)
+        }
+    }
+    let run = Run::<B>(opts, dir, batch_size, tensor_parallel_size, device);
+    with_causal_lm(&dir.join("config.json"), run)?
 }
 
 /// Decoding settings, as transformers' `generate` names them.
@@ -435,10 +502,10 @@ fn choose(logits: &[f32], o: &GenerateOptions, rng: &mut StdRng) -> u32 {
 
 /// Continues `prompt_ids` with a KV cache; `on_text` receives the decoded text as it grows (each
 /// call gets only the new part, so it can be streamed).
-pub fn generate<B: KilnBackend>(
-    model: &LlamaForCausalLM<B>,
+pub fn generate<B: KilnBackend, M: CausalLm<B>>(
+    model: &M,
     tok: &Tokenizer,
-    config: &LlamaConfig,
+    config: &impl DecoderConfig,
     prompt_ids: &[u32],
     o: &GenerateOptions,
     mut on_text: impl FnMut(&str),
@@ -449,12 +516,12 @@ pub fn generate<B: KilnBackend>(
     }
     if let Some(&bad) = prompt_ids
         .iter()
-        .find(|&&t| t as usize >= config.vocab_size)
+        .find(|&&t| t as usize >= config.vocab_size())
     {
         return Err(KilnError::Config(format!(
             "the prompt holds token id {bad}, outside the model's vocab_size {}: the tokenizer \
              does not belong to this model",
-            config.vocab_size
+            config.vocab_size()
         )));
     }
     warn_beyond_positions(
@@ -464,7 +531,7 @@ pub fn generate<B: KilnBackend>(
     );
     let eos = config.eos_ids();
     let mut rng = StdRng::seed_from_u64(o.seed);
-    let mut cache = KvCache::new(model.num_layers());
+    let mut cache = model.new_cache();
     let mut input: Vec<i64> = prompt_ids.iter().map(|&t| t as i64).collect();
     let mut new_ids: Vec<u32> = Vec::new();
     let mut printed = String::new();
@@ -510,4 +577,48 @@ pub fn generate<B: KilnBackend>(
         prefill_secs,
         decode_secs: total - prefill_secs,
     })
+}
+
+/// `kiln generate`: the model folder `dir` (cut over `tp` processes started together, each
+/// decoding the same tokens) continues `prompt`; `on_text` receives the text as it grows. Returns
+/// the prompt's ids with the generation.
+pub fn generate_from_folder<B: KilnBackend>(
+    dir: &Path,
+    prompt: &str,
+    tp: usize,
+    o: &GenerateOptions,
+    device: &B::Device,
+    on_text: impl FnMut(&str),
+) -> Result<(Vec<u32>, Generation)> {
+    // A bad sampling option is said before minutes of loading.
+    o.check()?;
+    struct Run<'a, B: KilnBackend, F>(
+        &'a Path,
+        &'a str,
+        usize,
+        &'a GenerateOptions,
+        &'a B::Device,
+        F,
+    );
+    impl<B: KilnBackend, F: FnMut(&str)> DecoderVisitor for Run<'_, B, F> {
+        type Output = Result<(Vec<u32>, Generation)>;
+        fn visit<A: DecoderArchitecture>(
+            self,
+            _: &'static DecoderFamily<A>,
+            config: A::Config,
+        ) -> Self::Output {
+            let Run(dir, prompt, tp, o, device, on_text) = self;
+            let (model, _, _) = load_model_parallel::<A, B>(dir, &config, device, tp)?;
+            let model = model.for_inference();
+            let tok = load_tokenizer(dir)?;
+            let enc = tok
+                .encode(prompt, true)
+                .map_err(|e| KilnError::Data(format!("tokenizing the prompt: {e}")))?;
+            let ids = enc.get_ids().to_vec();
+            let g = generate(&model, &tok, &config, &ids, o, on_text)?;
+            Ok((ids, g))
+        }
+    }
+    let run = Run::<B, _>(dir, prompt, tp, o, device, on_text);
+    with_causal_lm(&dir.join("config.json"), run)?
 }

@@ -1,7 +1,8 @@
-//! Hugging Face `config.json` for Llama-family causal LMs: Llama, Mistral (a sliding attention
-//! window) and Qwen2 (biases on q/k/v), which share one architecture in kiln. Both spellings of the
-//! rotary settings are read: `rope_theta` + `rope_scaling` and transformers 5's `rope_parameters`.
-//! Unknown fields are kept and written back.
+//! Hugging Face `config.json` of a model built on Llama's layers: Llama itself, and the families
+//! that change only which layers slide their attention window and whether q/k/v have biases
+//! (Mistral, Qwen2: their folders set [`LayerRules`]). Both spellings of the rotary settings are
+//! read: `rope_theta` + `rope_scaling` and transformers 5's `rope_parameters`. Unknown fields are
+//! kept and written back.
 
 use std::path::Path;
 
@@ -53,7 +54,7 @@ pub struct LlamaConfig {
     /// transformers 5: `{"rope_theta": …, "rope_type": …, "factor": …, …}` in one object.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_parameters: Option<serde_json::Value>,
-    /// Qwen2: whether `sliding_window` applies (to the layers from `max_window_layers` on).
+    /// Qwen2's: whether `sliding_window` applies (to the layers from `max_window_layers` on).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub use_sliding_window: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -82,6 +83,41 @@ pub struct LlamaConfig {
     pub model_type: Option<String>,
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
+    /// How the family that read this config builds its layers (Llama's unless a family's reader
+    /// set its own).
+    #[serde(skip)]
+    pub rules: LayerRules,
+}
+
+/// What a family built on Llama's layers changes in them: set by that family's config reader
+/// (`models/mistral`, `models/qwen2`). The default is Llama's.
+#[derive(Clone, Copy)]
+pub struct LayerRules {
+    /// Whether q, k and v have biases.
+    pub qkv_bias: fn(&LlamaConfig) -> bool,
+    /// Without `layer_types`: whether layer `i` attends through `sliding_window` (when the config
+    /// has one).
+    pub sliding: fn(&LlamaConfig, usize) -> bool,
+}
+
+impl LayerRules {
+    /// Llama: q/k/v biases when `attention_bias`, no sliding window.
+    pub const LLAMA: Self = Self {
+        qkv_bias: |c| c.attention_bias,
+        sliding: |_, _| false,
+    };
+}
+
+impl Default for LayerRules {
+    fn default() -> Self {
+        Self::LLAMA
+    }
+}
+
+impl std::fmt::Debug for LayerRules {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LayerRules")
+    }
 }
 
 /// How rotary frequencies are stretched for long contexts.
@@ -100,10 +136,22 @@ pub enum RopeScaling {
 }
 
 impl LlamaConfig {
-    /// Reads and validates a `config.json` (sizes, ranges, model type, and whether the parameters
-    /// can fit in memory at all), naming the file in every error.
+    /// Reads and validates a Llama `config.json` (sizes, ranges, model type, and whether the
+    /// parameters can fit in memory at all), naming the file in every error. Another family's
+    /// config is read by that family (`models::auto::read_causal_lm_config`).
     pub fn from_file(path: &Path) -> Result<Self> {
-        let cfg: Self = crate::hub::read_json(path)?;
+        let bytes = crate::hub::files::read_regular(path, "JSON file")?;
+        let cfg = Self::from_bytes(path, &bytes, LayerRules::LLAMA)?;
+        crate::hub::limits::model_type(cfg.model_type.as_deref(), &["llama"])
+            .map_err(|m| KilnError::Config(format!("{}: {m}", path.display())))?;
+        Ok(cfg)
+    }
+
+    /// The `config.json` text `bytes` (read from `path`) as a config whose family builds its
+    /// layers by `rules`, validated; every error names `path`.
+    pub fn from_bytes(path: &Path, bytes: &[u8], rules: LayerRules) -> Result<Self> {
+        let mut cfg: Self = crate::hub::parse_json(path, bytes)?;
+        cfg.rules = rules;
         cfg.validate()
             .map_err(|m| KilnError::Config(format!("{}: {m}", path.display())))?;
         crate::hub::limits::ensure_params_fit(path, cfg.param_count())?;
@@ -112,8 +160,7 @@ impl LlamaConfig {
 
     /// Ranges as transformers and torch enforce them (and what kiln's Llama supports).
     pub fn validate(&self) -> std::result::Result<(), String> {
-        use crate::hub::limits::{model_type, non_negative, positive};
-        model_type(self.model_type.as_deref(), &["llama", "mistral", "qwen2"])?;
+        use crate::hub::limits::{non_negative, positive};
         for (name, v) in [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -308,23 +355,18 @@ impl LlamaConfig {
             .and_then(|w| usize::try_from(w).ok())
     }
 
-    /// Whether q, k and v have biases: `attention_bias`, or always in Qwen2.
+    /// Whether q, k and v have biases, by the family's rule.
     pub fn qkv_bias(&self) -> bool {
-        self.attention_bias || self.model_type.as_deref() == Some("qwen2")
+        (self.rules.qkv_bias)(self)
     }
 
     /// The attention window of layer `i` (positions seen, itself included), or `None` for the
-    /// whole past: `layer_types` where the config has it; else Mistral's `sliding_window` on
-    /// every layer, Qwen2's on the layers from `max_window_layers` on when `use_sliding_window`.
+    /// whole past: `layer_types` where the config has it, else the family's rule.
     pub fn window(&self, i: usize) -> Option<usize> {
         let w = self.sliding_window()?;
-        let sliding = match (&self.layer_types, self.model_type.as_deref()) {
-            (Some(types), _) => types[i] == "sliding_attention",
-            (None, Some("qwen2")) => {
-                self.use_sliding_window == Some(true) && i >= self.max_window_layers.unwrap_or(0)
-            }
-            (None, Some("mistral")) => true,
-            _ => false,
+        let sliding = match &self.layer_types {
+            Some(types) => types[i] == "sliding_attention",
+            None => (self.rules.sliding)(self, i),
         };
         sliding.then_some(w)
     }
@@ -431,43 +473,15 @@ mod tests {
     }
 
     #[test]
-    fn sliding_windows_per_family() {
-        let mistral = cfg(r#", "model_type": "mistral", "sliding_window": 6"#);
-        assert_eq!(mistral.window(0), Some(6));
-        let null = cfg(r#", "model_type": "mistral", "sliding_window": null"#);
-        assert_eq!(null.window(0), None);
-        // An explicit null is written back (transformers reads an absent one as 4096), and an
-        // unset head_dim is not written at all (transformers 5 would take a null as the size).
-        let saved = serde_json::to_value(&null).unwrap();
-        assert!(saved.as_object().unwrap()["sliding_window"].is_null());
-        assert!(saved.get("head_dim").is_none());
-        let bad = cfg(r#", "model_type": "mistral", "sliding_window": 0"#);
-        assert!(bad.validate().unwrap_err().contains("sliding_window"));
-        let qwen = r#", "model_type": "qwen2", "sliding_window": 6, "num_hidden_layers": 2"#;
+    fn llama_has_no_window() {
         let c: LlamaConfig = serde_json::from_value({
             let mut v: serde_json::Value = serde_json::to_value(cfg("")).unwrap();
             v["num_hidden_layers"] = 2.into();
+            v["sliding_window"] = 6.into();
             v
         })
         .unwrap();
         assert_eq!(c.window(1), None, "llama has no window");
-        let q = |extra: &str| -> LlamaConfig {
-            serde_json::from_str(&format!(
-                r#"{{"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-                    "num_attention_heads": 2 {qwen} {extra}}}"#
-            ))
-            .unwrap()
-        };
-        assert_eq!(
-            q("").window(1),
-            None,
-            "use_sliding_window defaults to false"
-        );
-        let on = q(r#", "use_sliding_window": true, "max_window_layers": 1"#);
-        assert_eq!((on.window(0), on.window(1)), (None, Some(6)));
-        assert!(on.qkv_bias() && !on.attention_bias);
-        let typed = q(r#", "layer_types": ["sliding_attention", "full_attention"]"#);
-        assert_eq!((typed.window(0), typed.window(1)), (Some(6), None));
     }
 
     #[test]

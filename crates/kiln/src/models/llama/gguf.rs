@@ -201,6 +201,7 @@ pub fn llama_config(g: &GgufFile) -> Result<LlamaConfig> {
         architectures: Some(vec!["LlamaForCausalLM".into()]),
         model_type: Some("llama".into()),
         extra,
+        rules: super::config::LayerRules::LLAMA,
     };
     cfg.validate().map_err(|m| bad(g, m))?;
     Ok(cfg)

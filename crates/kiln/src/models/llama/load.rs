@@ -16,40 +16,23 @@ use crate::hub::weights::{read_safetensors, HostTensor};
 use crate::models::params::load_into;
 use crate::ops::KilnBackend;
 
-/// Loads `LlamaForCausalLM` from a Hugging Face folder; every parameter must be present.
-pub fn load_model<B: KilnBackend>(
-    dir: &Path,
-    device: &B::Device,
-) -> Result<(LlamaForCausalLM<B>, LlamaConfig)> {
-    load_model_shard(dir, device, None)
-}
-
-/// [`load_model`] for tensor-parallel rank `shard` (whole without one), holding only its shard:
-/// a tensor-parallel folder cut the same way is read from this rank's own file, any other
-/// folder tensor by tensor, each cut as it is read.
-pub fn load_model_shard<B: KilnBackend>(
-    dir: &Path,
-    device: &B::Device,
-    shard: Option<LlamaShard>,
-) -> Result<(LlamaForCausalLM<B>, LlamaConfig)> {
-    let config = LlamaConfig::from_file(&dir.join("config.json"))?;
-    load_shard_of(dir, config, device, shard)
-}
-
-/// [`load_model_shard`] with the folder's config already read (and validated) by the caller.
+/// The model of the Hugging Face folder `dir`, whose config (already read and validated) is
+/// `config`, for tensor-parallel rank `shard` (whole without one), holding only its shard: a
+/// tensor-parallel folder cut the same way is read from this rank's own file, any other folder
+/// tensor by tensor, each cut as it is read. Every parameter must be present.
 pub fn load_shard_of<B: KilnBackend>(
     dir: &Path,
-    config: LlamaConfig,
+    config: &LlamaConfig,
     device: &B::Device,
     shard: Option<LlamaShard>,
-) -> Result<(LlamaForCausalLM<B>, LlamaConfig)> {
+) -> Result<LlamaForCausalLM<B>> {
     // The weights first: a corrupt file fails before the model is allocated.
     let tensors = match &shard {
         None => read_model_weights(dir)?,
         Some(s) => read_shard_weights(dir, s)?,
     };
     let model = crate::ops::with_seeded_rng::<B, _>(device, 0, || {
-        LlamaForCausalLM::new_sharded(&config, device, shard)
+        LlamaForCausalLM::new_sharded(config, device, shard)
     });
     let (model, report) = load_into(model, tensors, None, device)?;
     if !report.missing.is_empty() {
@@ -67,7 +50,7 @@ pub fn load_shard_of<B: KilnBackend>(
     if !unexpected.is_empty() {
         info!("unused tensors in {}: {unexpected:?}", dir.display());
     }
-    Ok((model, config))
+    Ok(model)
 }
 
 /// A randomly initialised Llama (this rank's shard of it), drawn on the CPU whatever the device,

@@ -1,0 +1,111 @@
+//! What the causal-LM task (training, perplexity, generation) and `kiln convert` need of a decoder,
+//! so that a new family plugs in without touching them.
+//!
+//! Two levels, as transformers' "modular" families are built: a [`DecoderArchitecture`] is the
+//! code (a model, its loader, its tensor-parallel cut: Llama's today), and a [`DecoderFamily`] is
+//! one `model_type` built on an architecture, with its own reading of `config.json` (Mistral and
+//! Qwen2 are Llama's layers with a sliding window or q/k/v biases). `models/auto.rs` lists the
+//! families; the task reaches the right one through a [`DecoderVisitor`], so it is written once
+//! for any architecture and compiled once per architecture, not per family.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use burn::module::AutodiffModule;
+
+use crate::data::lm::TokenBatch;
+use crate::error::Result;
+use crate::ops::{KilnBackend, TpComm, TrainBackend};
+use crate::task::{Model, ParamSplit};
+
+/// The parts of a decoder's config the task reads, whatever the family.
+pub trait DecoderConfig: Clone + Send + Sync + 'static {
+    fn vocab_size(&self) -> usize;
+    /// The longest sequence the model was trained for (RoPE models run past it, untrained).
+    fn max_position_embeddings(&self) -> usize;
+    /// The token ids that end a sequence (`eos_token_id`, a number or a list).
+    fn eos_ids(&self) -> Vec<u32>;
+    /// `config.json` as saved beside trained weights.
+    fn to_json(&self) -> String;
+}
+
+/// A causal LM: logits for every position of a token batch (the trainer's [`Model`]) and
+/// KV-cached decoding.
+pub trait CausalLm<B: KilnBackend>: Model<B, Batch = TokenBatch> + Clone {
+    /// The keys and values of the positions decoded so far.
+    type Cache;
+    fn new_cache(&self) -> Self::Cache;
+    /// One decoding step of one sequence: `ids` continue the cached positions (the whole prompt
+    /// first, then one token at a time); the vocabulary logits of the last one.
+    fn next_token_logits(&self, ids: &[i64], cache: &mut Self::Cache) -> Vec<f32>;
+    /// The same model laid out for inference only (faster decoding, no training).
+    fn for_inference(self) -> Self {
+        self
+    }
+}
+
+/// A decoder's code: its config type, its model on any backend, how a tensor-parallel rank cuts
+/// it, and how it is built or loaded.
+pub trait DecoderArchitecture: 'static {
+    type Config: DecoderConfig;
+    /// One tensor-parallel rank's cut, worked out from the config before any weight is read.
+    type Shard: Clone + Send + Sync;
+    type Model<B: KilnBackend>: CausalLm<B>;
+    /// The model under autodiff, whose inner module (for evaluation) is [`Self::Model`].
+    type Trainable<B: TrainBackend>: CausalLm<B>
+        + AutodiffModule<B, InnerModule = Self::Model<B::InnerBackend>>;
+
+    /// This rank's cut of a model of config `c` over the tensor-parallel group `tp`; one sentence
+    /// when the model cannot be cut that way (more ranks than heads, …).
+    fn plan_shard(c: &Self::Config, tp: TpComm) -> Result<Self::Shard>;
+    /// A randomly initialised model (this rank's shard of it), the same on every backend for
+    /// one seed.
+    fn fresh<B: KilnBackend>(
+        c: &Self::Config,
+        device: &B::Device,
+        shard: Option<Self::Shard>,
+        seed: u64,
+    ) -> Result<Self::Model<B>>;
+    /// The weights of a Hugging Face folder (whole, indexed shards or tensor-parallel), cut to
+    /// `shard`.
+    fn load<B: KilnBackend>(
+        dir: &Path,
+        c: &Self::Config,
+        device: &B::Device,
+        shard: Option<Self::Shard>,
+    ) -> Result<Self::Model<B>>;
+    /// A model as the trainer differentiates it (the same value: autodiff is the backend's).
+    fn trainable<B: TrainBackend>(m: Self::Model<B>) -> Self::Trainable<B>;
+    /// Every rank's cut of the parameters `names` over `n` ranks, as training at
+    /// `--tensor-parallel-size n` holds them (`kiln convert --to-tp`); `kv_heads_read` cuts
+    /// replicated key/value projections to the heads each rank reads (NxD's fused `qkv_proj`).
+    fn splits_for(
+        c: &Self::Config,
+        names: &[&str],
+        n: usize,
+        kv_heads_read: bool,
+    ) -> Result<Vec<BTreeMap<String, ParamSplit>>>;
+}
+
+/// One `model_type` built on architecture `A`.
+pub struct DecoderFamily<A: DecoderArchitecture> {
+    /// `config.json`'s `model_type`.
+    pub model_type: &'static str,
+    /// What transformers' class names start with (`MistralForCausalLM`), for configs that name
+    /// only their `architectures`.
+    pub class_prefix: &'static str,
+    /// Reads and validates the `config.json` text (read from the path) as this family means it,
+    /// naming the path in every error.
+    pub read_config: fn(&Path, &[u8]) -> Result<A::Config>,
+}
+
+/// Code run with whichever family a `config.json` names, and the config as that family read it
+/// (`models::auto::with_causal_lm`).
+pub trait DecoderVisitor {
+    type Output;
+    fn visit<A: DecoderArchitecture>(
+        self,
+        family: &'static DecoderFamily<A>,
+        config: A::Config,
+    ) -> Self::Output;
+}
