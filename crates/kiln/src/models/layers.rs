@@ -6,10 +6,10 @@
 
 use std::ops::Range;
 
-use burn::module::{Module, Param};
+use burn::module::{Ignored, Module, Param};
 use burn::tensor::{backend::Backend, Distribution, Tensor};
 
-use crate::ops::{self, KilnBackend};
+use crate::ops::{self, KilnBackend, TpComm};
 
 /// `y = x Wᵀ + b` over the last dimension.
 #[derive(Module, Debug)]
@@ -19,6 +19,25 @@ pub struct Linear<B: Backend> {
     /// The weight as `[in, out]` instead, for a model that only runs forward (see
     /// [`Linear::into_inference_layout`]); a constant, neither trained nor saved.
     pub weight_in_out: Option<Tensor<B, 2>>,
+    /// This layer's part in a tensor-parallel group (`None`: a whole layer on its own).
+    pub parallel: Ignored<Option<ParallelLinear>>,
+}
+
+/// How a [`Linear`] takes part in a tensor-parallel group: Megatron's and candle's layer types,
+/// as a role of the one layer type so that parameter names stay Hugging Face's.
+#[derive(Debug, Clone)]
+pub enum ParallelLinear {
+    /// `ColumnParallelLinear`: this rank's output features. Its input must already be the
+    /// group's (`ops::tp_enter`, once per block, where q/k/v or gate/up share one input), and its
+    /// output stays this rank's.
+    Column,
+    /// `RowParallelLinear`: this rank's input features; the ranks' partial products are summed
+    /// over the group, then the whole bias is added once.
+    Row(TpComm),
+    /// The whole layer on every rank, which keeps output features `keep` (key/value heads
+    /// replicated because there are fewer than ranks); the weight's gradient is summed over the
+    /// group, so the copies stay equal.
+    ReplicatedKeep { tp: TpComm, keep: Range<usize> },
 }
 
 impl<B: KilnBackend> Linear<B> {
@@ -29,14 +48,29 @@ impl<B: KilnBackend> Linear<B> {
             weight: Param::from_tensor(ops::owned(weight)),
             bias: bias.then(|| Param::from_tensor(ops::owned(Tensor::zeros([d_out], device)))),
             weight_in_out: None,
+            parallel: Ignored(None),
         }
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let bias = self.bias.as_ref().map(|b| b.val());
-        match &self.weight_in_out {
-            Some(w) => ops::linear_in_out(x, w.clone(), bias),
-            None => ops::linear(x, self.weight.val(), bias),
+        match (&self.parallel.0, &self.weight_in_out) {
+            (None | Some(ParallelLinear::Column), Some(w)) => {
+                ops::linear_in_out(x, w.clone(), bias)
+            }
+            (None | Some(ParallelLinear::Column), None) => ops::linear(x, self.weight.val(), bias),
+            (Some(ParallelLinear::Row(tp)), _) => {
+                let y = ops::tp_sum(ops::linear(x, self.weight.val(), None), tp);
+                match bias {
+                    Some(b) => y + b.unsqueeze::<D>(),
+                    None => y,
+                }
+            }
+            (Some(ParallelLinear::ReplicatedKeep { tp, keep }), _) => {
+                let w = ops::tp_enter(self.weight.val(), tp);
+                let bias = bias.map(|b| ops::tp_enter(b, tp));
+                ops::linear(x, w, bias).narrow(D - 1, keep.start, keep.len())
+            }
         }
     }
 
@@ -56,6 +90,7 @@ impl<B: KilnBackend> Linear<B> {
             weight_in_out: Some(ops::owned(w.transpose())),
             weight: self.weight.map(|_| Tensor::zeros([0, d_in], &device)),
             bias: self.bias,
+            parallel: self.parallel,
         }
     }
 }
@@ -224,16 +259,27 @@ impl<B: KilnBackend> Linear<B> {
             weight: slice_rows(self.weight, rows.clone()),
             bias: self.bias.map(|b| slice_vec(b, rows)),
             weight_in_out: None,
+            parallel: Ignored(Some(ParallelLinear::Column)),
         }
     }
 
-    /// A row-parallel cut (Megatron's `RowParallelLinear`): input columns `cols`; the bias stays
-    /// whole, added once after the group's sum.
-    pub fn row_parallel(self, cols: Range<usize>) -> Self {
+    /// A row-parallel cut (Megatron's `RowParallelLinear`) over the group `tp`: input columns
+    /// `cols`; the bias stays whole, added once after the group's sum.
+    pub fn row_parallel(self, cols: Range<usize>, tp: TpComm) -> Self {
         Linear {
             weight: slice_cols(self.weight, cols),
             bias: self.bias,
             weight_in_out: None,
+            parallel: Ignored(Some(ParallelLinear::Row(tp))),
+        }
+    }
+
+    /// The whole layer on every rank of `tp`, keeping output features `keep`
+    /// ([`ParallelLinear::ReplicatedKeep`]).
+    pub fn replicated_keep(self, keep: Range<usize>, tp: TpComm) -> Self {
+        Linear {
+            parallel: Ignored(Some(ParallelLinear::ReplicatedKeep { tp, keep })),
+            ..self
         }
     }
 }

@@ -30,6 +30,7 @@ fn torch_linear<B: KilnBackend>(d_in: usize, d_out: usize, device: &B::Device) -
             device,
         )))),
         weight_in_out: None,
+        parallel: burn::module::Ignored(None),
     }
 }
 

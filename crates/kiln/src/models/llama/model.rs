@@ -15,7 +15,7 @@ pub use super::parallel::LlamaShard;
 use crate::data::lm::TokenBatch;
 use crate::models::layers::{rope_tables, Embedding, Linear, RmsNorm};
 use crate::models::llama::config::LlamaConfig;
-use crate::ops::{self, tp_enter, tp_sum, KilnBackend};
+use crate::ops::{self, tp_enter, tp_sum, KilnBackend, TpComm};
 use crate::task::{Model, Segments, TensorParallelLayout};
 
 #[derive(Module, Debug)]
@@ -29,6 +29,9 @@ pub struct LlamaAttention<B: Backend> {
     pub head_dim: usize,
     /// Positions a token attends to, itself included (Mistral's `sliding_window`); `None`: all.
     pub window: Option<usize>,
+    /// Under tensor parallelism: the key/value head (of this rank's) each of this rank's query
+    /// heads reads, when that is not simply `i / (heads / kv heads)`; `None` otherwise.
+    pub kv_of_q: Ignored<Option<Vec<usize>>>,
 }
 
 #[derive(Module, Debug)]
@@ -44,6 +47,9 @@ pub struct LlamaDecoderLayer<B: Backend> {
     pub mlp: LlamaMlp<B>,
     pub input_layernorm: RmsNorm<B>,
     pub post_attention_layernorm: RmsNorm<B>,
+    /// The tensor-parallel group the attention and the MLP are cut over (`None`: whole). Each
+    /// block's input enters it once, where its column-parallel projections share it.
+    pub tp: Ignored<Option<TpComm>>,
 }
 
 #[derive(Module, Debug)]
@@ -138,6 +144,7 @@ impl<B: KilnBackend> LlamaAttention<B> {
             num_kv_heads: nkv,
             head_dim: hd,
             window: c.window(layer),
+            kv_of_q: Ignored(None),
         }
     }
 
@@ -148,37 +155,15 @@ impl<B: KilnBackend> LlamaAttention<B> {
         x: Tensor<B, 3>,
         rope: &(Tensor<B, 2>, Tensor<B, 2>),
         cache: Option<&mut Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
-        shard: Option<&LlamaShard>,
     ) -> Tensor<B, 3> {
         let [b, t, _] = x.dims();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let x = match shard {
-            Some(s) => tp_enter(x, &s.tp),
-            None => x,
-        };
         let heads = |y: Tensor<B, 3>, n: usize| y.reshape([b, t, n, hd]);
         let q = ops::rope(heads(self.q_proj.forward(x.clone()), nh), &rope.0, &rope.1);
-        let (k, v) = match shard {
-            // Whole k/v projections on every rank: compute all heads, keep the ones this rank's
-            // queries read; the weights' gradient is summed over the group.
-            Some(s) if s.kv_replicated => {
-                let all = |l: &Linear<B>| {
-                    let w = tp_enter(l.weight.val(), &s.tp);
-                    let bias = l.bias.as_ref().map(|bias| tp_enter(bias.val(), &s.tp));
-                    let total = l.weight.dims()[0] / hd;
-                    heads(ops::linear(x.clone(), w, bias), total).narrow(
-                        2,
-                        s.kv_heads.start,
-                        s.kv_heads.len(),
-                    )
-                };
-                (all(&self.k_proj), all(&self.v_proj))
-            }
-            _ => (
-                heads(self.k_proj.forward(x.clone()), nkv),
-                heads(self.v_proj.forward(x), nkv),
-            ),
-        };
+        let (k, v) = (
+            heads(self.k_proj.forward(x.clone()), nkv),
+            heads(self.v_proj.forward(x), nkv),
+        );
         let k = ops::rope(k, &rope.0, &rope.1);
         let (k, v) = match cache {
             None => (k, v),
@@ -191,8 +176,7 @@ impl<B: KilnBackend> LlamaAttention<B> {
                 };
                 *slot = Some((k_all.clone(), v_all.clone()));
                 if !fresh {
-                    let out = self.attend_cached(q, k_all, v_all, shard);
-                    return self.output(out, shard);
+                    return self.o_proj.forward(self.attend_cached(q, k_all, v_all));
                 }
                 (k_all, v_all)
             }
@@ -204,11 +188,7 @@ impl<B: KilnBackend> LlamaAttention<B> {
             let n = y.dims()[2];
             y.reshape([b, t, n * hd])
         };
-        let (q, k, v) = (
-            flat(q),
-            flat(self.grouped_kv(k, shard)),
-            flat(self.grouped_kv(v, shard)),
-        );
+        let (q, k, v) = (flat(q), flat(self.grouped_kv(k)), flat(self.grouped_kv(v)));
         let out = match self.window {
             None => ops::causal_attention(q, k, v, nh),
             Some(w) => {
@@ -220,48 +200,24 @@ impl<B: KilnBackend> LlamaAttention<B> {
                 ops::windowed_attention(q, k, v, mask, nh, window, 0.0)
             }
         };
-        self.output(out, shard)
-    }
-
-    /// `o_proj`; under tensor parallelism the partial products of the ranks' heads are summed,
-    /// then the bias is added once.
-    fn output(&self, out: Tensor<B, 3>, shard: Option<&LlamaShard>) -> Tensor<B, 3> {
-        match shard {
-            None => self.o_proj.forward(out),
-            Some(s) => row_parallel(&self.o_proj, out, s),
-        }
+        // o_proj is row-parallel under tensor parallelism: the ranks' heads are summed there.
+        self.o_proj.forward(out)
     }
 
     /// Key/value heads `[B, S, kv, D]` for the attention kernel: as they are when query head `i`
     /// reads key/value head `i / (heads / kv)`, else [`Self::expand_kv`]'s one per query head.
-    fn grouped_kv(&self, x: Tensor<B, 4>, shard: Option<&LlamaShard>) -> Tensor<B, 4> {
-        let kv = x.dims()[2];
-        let regular = match shard {
-            None => true,
-            Some(s) => {
-                let n = self.num_heads / kv.max(1);
-                let map = s.kv_of_q();
-                n * kv == self.num_heads && map.iter().enumerate().all(|(i, &k)| k == i / n)
-            }
-        };
-        if regular {
-            x
-        } else {
-            self.expand_kv(x, shard)
+    fn grouped_kv(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        match self.kv_of_q.0 {
+            None => x,
+            Some(_) => self.expand_kv(x),
         }
     }
 
     /// Key/value heads `[B, S, kv, D]` → one per query head `[B, S, heads, D]`.
-    fn expand_kv(&self, x: Tensor<B, 4>, shard: Option<&LlamaShard>) -> Tensor<B, 4> {
-        let map = match shard {
-            Some(s) => s.kv_of_q(),
-            None => return repeat_kv(x, self.num_heads / self.num_kv_heads),
+    fn expand_kv(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let Some(map) = self.kv_of_q.0.as_ref() else {
+            return repeat_kv(x, self.num_heads / self.num_kv_heads);
         };
-        let n = self.num_heads / self.num_kv_heads.max(1);
-        let regular = map.iter().enumerate().all(|(i, &k)| k == i / n.max(1));
-        if regular && n * self.num_kv_heads == self.num_heads {
-            return repeat_kv(x, n);
-        }
         // A query range that starts or ends inside a group (replicated key/value heads).
         let idx = Tensor::<B, 1, burn::tensor::Int>::from_data(
             TensorData::new(
@@ -275,19 +231,13 @@ impl<B: KilnBackend> LlamaAttention<B> {
 
     /// Attention of `q [B, T, heads, D]` over all cached keys/values `[B, S, kv_heads, D]`
     /// (queries at positions `S − T..S`), composed of Burn ops; `[B, T, heads·D]` out.
-    fn attend_cached(
-        &self,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        shard: Option<&LlamaShard>,
-    ) -> Tensor<B, 3> {
+    fn attend_cached(&self, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Tensor<B, 3> {
         let [b, t, nh, hd] = q.dims();
         let s = k.dims()[1];
         let (q, k, v) = (
             q.swap_dims(1, 2),
-            self.expand_kv(k, shard).swap_dims(1, 2),
-            self.expand_kv(v, shard).swap_dims(1, 2),
+            self.expand_kv(k).swap_dims(1, 2),
+            self.expand_kv(v).swap_dims(1, 2),
         );
         let scores = ops::bmm(q, k.swap_dims(2, 3)).mul_scalar(1.0 / (hd as f64).sqrt());
         let mask = causal_mask::<B>(t, s, self.window, &scores.device()).unsqueeze::<4>();
@@ -306,26 +256,11 @@ impl<B: KilnBackend> LlamaMlp<B> {
         }
     }
 
-    fn forward(&self, x: Tensor<B, 3>, shard: Option<&LlamaShard>) -> Tensor<B, 3> {
-        let x = match shard {
-            Some(s) => tp_enter(x, &s.tp),
-            None => x,
-        };
+    /// `x` has entered the tensor-parallel group (if any): gate/up are column-parallel, down
+    /// row-parallel.
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let gated = ops::swiglu(self.gate_proj.forward(x.clone()), self.up_proj.forward(x));
-        match shard {
-            None => self.down_proj.forward(gated),
-            Some(s) => row_parallel(&self.down_proj, gated, s),
-        }
-    }
-}
-
-/// A row-parallel linear: this rank's columns times its part of the input, summed over the
-/// group, then the (whole) bias once.
-fn row_parallel<B: KilnBackend>(l: &Linear<B>, x: Tensor<B, 3>, s: &LlamaShard) -> Tensor<B, 3> {
-    let y = tp_sum(ops::linear(x, l.weight.val(), None), &s.tp);
-    match &l.bias {
-        Some(b) => y + b.val().unsqueeze::<3>(),
-        None => y,
+        self.down_proj.forward(gated)
     }
 }
 
@@ -335,16 +270,21 @@ impl<B: KilnBackend> LlamaDecoderLayer<B> {
         x: Tensor<B, 3>,
         rope: &(Tensor<B, 2>, Tensor<B, 2>),
         cache: Option<&mut Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
-        shard: Option<&LlamaShard>,
     ) -> Tensor<B, 3> {
-        let h = x.clone()
-            + self
-                .self_attn
-                .forward(self.input_layernorm.forward(x), rope, cache, shard);
-        h.clone()
-            + self
-                .mlp
-                .forward(self.post_attention_layernorm.forward(h), shard)
+        let attn_in = self.enter(self.input_layernorm.forward(x.clone()));
+        let h = x + self.self_attn.forward(attn_in, rope, cache);
+        let mlp_in = self.enter(self.post_attention_layernorm.forward(h.clone()));
+        h + self.mlp.forward(mlp_in)
+    }
+
+    /// A block's input entering the tensor-parallel group (Megatron's
+    /// `copy_to_tensor_model_parallel_region`: the same forward, its gradient summed over the
+    /// group), once for the column-parallel projections that share it.
+    fn enter(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        match &self.tp.0 {
+            Some(tp) => tp_enter(x, tp),
+            None => x,
+        }
     }
 }
 
@@ -379,6 +319,7 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
                     mlp: LlamaMlp::new(c, device),
                     input_layernorm: RmsNorm::new(h, c.rms_norm_eps, device),
                     post_attention_layernorm: RmsNorm::new(h, c.rms_norm_eps, device),
+                    tp: Ignored(None),
                 };
                 match &shard {
                     Some(s) => shard_layer(layer, s),
@@ -422,7 +363,7 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
         let mut x = self.embed(ids);
         for (i, layer) in self.model.layers.iter().enumerate() {
             let slot = cache.as_mut().map(|c| &mut c.layers[i]);
-            x = layer.forward(x, &rope, slot, self.shard.as_ref());
+            x = layer.forward(x, &rope, slot);
         }
         self.model.norm.forward(x)
     }
@@ -552,7 +493,7 @@ impl<B: KilnBackend> Segments<B, TokenBatch> for LlamaForCausalLM<B> {
     fn layer(&self, i: usize, x: Tensor<B, 3>, batch: &TokenBatch) -> Tensor<B, 3> {
         // The tables are small ([T, head_dim]); rebuilding them per layer keeps segments stateless.
         let rope = rope_tables::<B>(&self.model.inv_freq, 0, batch.seq, &x.device());
-        self.model.layers[i].forward(x, &rope, None, self.shard.as_ref())
+        self.model.layers[i].forward(x, &rope, None)
     }
 
     fn head(&self, h: Tensor<B, 3>, _batch: &TokenBatch) -> Tensor<B, 2> {
@@ -633,20 +574,38 @@ fn shard_layer<B: KilnBackend>(
     s: &LlamaShard,
 ) -> LlamaDecoderLayer<B> {
     let q_rows = s.head_rows(&s.q_heads);
+    let kv_rows = s.head_rows(&s.kv_heads);
     let a = &mut layer.self_attn;
     a.q_proj = a.q_proj.clone().column_parallel(q_rows.clone());
-    if !s.kv_replicated {
-        let kv_rows = s.head_rows(&s.kv_heads);
+    if s.kv_replicated {
+        // Whole k/v projections on every rank: all heads computed, the ones this rank's queries
+        // read kept.
+        a.k_proj = a
+            .k_proj
+            .clone()
+            .replicated_keep(kv_rows.clone(), s.tp.clone());
+        a.v_proj = a.v_proj.clone().replicated_keep(kv_rows, s.tp.clone());
+    } else {
         a.k_proj = a.k_proj.clone().column_parallel(kv_rows.clone());
         a.v_proj = a.v_proj.clone().column_parallel(kv_rows);
     }
-    a.o_proj = a.o_proj.clone().row_parallel(q_rows);
+    a.o_proj = a.o_proj.clone().row_parallel(q_rows, s.tp.clone());
     a.num_heads = s.q_heads.len();
     a.num_kv_heads = s.kv_heads.len();
+    // A query range that starts or ends inside a key/value group reads its heads by a map.
+    let map = s.kv_of_q();
+    let n = (a.num_heads / a.num_kv_heads.max(1)).max(1);
+    let grouped =
+        n * a.num_kv_heads == a.num_heads && map.iter().enumerate().all(|(i, &k)| k == i / n);
+    a.kv_of_q = Ignored((!grouped).then_some(map));
     let m = &mut layer.mlp;
     m.gate_proj = m.gate_proj.clone().column_parallel(s.intermediate.clone());
     m.up_proj = m.up_proj.clone().column_parallel(s.intermediate.clone());
-    m.down_proj = m.down_proj.clone().row_parallel(s.intermediate.clone());
+    m.down_proj = m
+        .down_proj
+        .clone()
+        .row_parallel(s.intermediate.clone(), s.tp.clone());
+    layer.tp = Ignored(Some(s.tp.clone()));
     layer
 }
 
