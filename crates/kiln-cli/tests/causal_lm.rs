@@ -2,16 +2,14 @@
 //! fixture, continued pretraining with perplexity, `kiln eval --task causal-lm`, and data
 //! parallelism on a model initialised from a config (against a single-process run).
 
-#[path = "../../kiln/tests/common.rs"]
-mod common;
 mod kiln_bin;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use common::{asset, repo_root};
 use kiln_bin::kiln_one_thread;
+use kiln_testkit::common::{self, asset, repo_root};
 
 /// Runs `cmd`, fails the test with its stderr unless it succeeds, and returns its stdout.
 fn succeed(cmd: &mut Command) -> Vec<u8> {

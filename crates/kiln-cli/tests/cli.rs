@@ -1,12 +1,10 @@
 //! The `kiln` binary as a user runs it: a YAML file of TrainingArguments with flags laid over it
 //! (dashes or underscores), predictions as JSON lines, and one-sentence errors instead of panics.
 
-#[path = "../../kiln/tests/common.rs"]
-mod common;
 mod kiln_bin;
 
-use common::{asset, tiny_model};
 use kiln_bin::kiln;
+use kiln_testkit::common::{self, asset, tiny_model};
 
 #[test]
 fn yaml_config_with_flag_overrides_then_predict() {

@@ -4,8 +4,6 @@
 //! `checkpoint-N` folder left must be complete and loadable, and resuming from `latest` must end
 //! bit-identical to a run that was never interrupted.
 
-#[path = "../../kiln/tests/common.rs"]
-mod common;
 mod kiln_bin;
 
 use std::os::unix::process::ExitStatusExt;
@@ -13,8 +11,8 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::{tiny_bert_and_tweets as setup, train_args};
 use kiln_bin::kiln_one_thread;
+use kiln_testkit::common::{tiny_bert_and_tweets as setup, train_args};
 use rand::{Rng, SeedableRng};
 
 const STEPS: usize = 8;

@@ -1,12 +1,10 @@
 //! `kiln train --dataset-dir` on a DatasetDict that `datasets` saved from real tweets trains and
 //! evaluates exactly as the CSV files of the same rows do (tests/fixtures/datasets).
 
-#[path = "../../kiln/tests/common.rs"]
-mod common;
 mod kiln_bin;
 
-use common::repo_root;
 use kiln_bin::kiln;
+use kiln_testkit::common::repo_root;
 
 /// The JSON objects a command prints first: `kiln train`'s training summary, then the
 /// evaluation's metrics; `kiln eval`'s metrics (a text report follows them).

@@ -1,17 +1,15 @@
 //! Data parallelism through `kiln launch`, against a single-process run of the same samples, and
 //! the launcher's behaviour when a worker dies.
 
-#[path = "../../kiln/tests/common.rs"]
-mod common;
 mod kiln_bin;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{
+use kiln_bin::kiln_one_thread;
+use kiln_testkit::common::{
     free_ports, max_abs_diff, model_weights as weights, tiny_bert_and_tweets as setup, train_args,
 };
-use kiln_bin::kiln_one_thread;
 
 /// The heart of data parallelism: 2 workers × batch 8 take the same optimizer steps as one process
 /// × batch 16 over the same samples (dropout off, fp32), and count the same total_flos.

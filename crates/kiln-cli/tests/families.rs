@@ -3,15 +3,13 @@
 //! real tweets / the Brown corpus, and the saved folder keeps the family's parameter names, shapes
 //! and config, so transformers loads it back (tests/interop/run.sh checks that with transformers).
 
-#[path = "../../kiln/tests/common.rs"]
-mod common;
 mod kiln_bin;
 
 use std::path::Path;
 
-use common::{asset, repo_root};
 use kiln::hub::weights::read_safetensors;
 use kiln_bin::kiln;
+use kiln_testkit::common::{asset, repo_root};
 
 /// Every tensor name and shape of a folder's weights.
 fn shapes(dir: &Path) -> Vec<(String, Vec<usize>)> {

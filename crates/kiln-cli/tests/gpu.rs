@@ -3,15 +3,13 @@
 //! a session is lent a GPU machine.
 #![cfg(feature = "cuda")]
 
-#[path = "../../kiln/tests/common.rs"]
-mod common;
 mod kiln_bin;
 
 use std::path::Path;
 use std::process::Command;
 
-use common::{max_abs_diff, model_weights, tiny_bert_and_tweets, train_args};
 use kiln_bin::kiln;
+use kiln_testkit::common::{self, max_abs_diff, model_weights, tiny_bert_and_tweets, train_args};
 
 /// CUDA devices on this machine (0 without a driver).
 fn cuda_devices() -> usize {

@@ -1,20 +1,16 @@
-//! Hub ids for `--model` against a local stand-in for the Hub (tests/fake_hub.rs): a clean cache
-//! downloads into Python's cache layout, a second command reuses it (offline too), sharded
+//! Hub ids for `--model` against a local stand-in for the Hub (`kiln_testkit::fake_hub`): a clean
+//! cache downloads into Python's cache layout, a second command reuses it (offline too), sharded
 //! checkpoints and revisions resolve, and each failure is one sentence.
 
-#[path = "../../kiln/tests/common.rs"]
-mod common;
-#[path = "../../kiln/tests/fake_hub.rs"]
-mod fake_hub;
 mod kiln_bin;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use common::{asset, repo_root};
-use fake_hub::{FakeHub, FakeRepo};
 use kiln_bin::kiln;
+use kiln_testkit::common::{self, asset, repo_root};
+use kiln_testkit::fake_hub::{FakeHub, FakeRepo};
 
 fn family(name: &str) -> std::path::PathBuf {
     repo_root().join("tests/fixtures/families").join(name)

@@ -1,12 +1,10 @@
 //! The MNIST MLP sample on real MNIST: the sample's output lines, a checkpoint, and an accuracy a
 //! working MLP reaches (chance is 0.1).
 
-#[path = "../../kiln/tests/common.rs"]
-mod common;
 mod kiln_bin;
 
-use common::asset;
 use kiln_bin::kiln;
+use kiln_testkit::common::asset;
 
 /// The number on the output line that starts with `prefix`.
 fn value_after(output: &str, prefix: &str) -> f64 {

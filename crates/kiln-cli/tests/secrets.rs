@@ -3,14 +3,12 @@
 //! checkpoint, TensorBoard's events, log.jsonl, the model card) nor in its output; transformers'
 //! `<HUB_TOKEN>` stands in its place.
 
-#[path = "../../kiln/tests/common.rs"]
-mod common;
 mod kiln_bin;
 
 use std::path::Path;
 
-use common::{tiny_bert_and_tweets, train_args};
 use kiln_bin::kiln_one_thread;
+use kiln_testkit::common::{tiny_bert_and_tweets, train_args};
 
 /// Every regular file under `dir`, recursively.
 fn files(dir: &Path) -> Vec<std::path::PathBuf> {

@@ -11,17 +11,15 @@
 //! logged per-step losses to their 4 decimals ([`LOSS_ROUNDING`]). A lost, doubled or misplaced
 //! shard moves weights by whole steps (1e-3 each); the seed controls differ by 0.14.
 
-#[path = "../../kiln/tests/common.rs"]
-mod common;
 mod kiln_bin;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
-use common::asset;
 use kiln::hub::weights::{read_safetensors, HostTensor};
 use kiln_bin::kiln_one_thread;
+use kiln_testkit::common::{self, asset};
 
 /// Learning rate of every run here.
 const LR: f32 = 1e-3;

@@ -1,11 +1,10 @@
 //! What `kiln` prints from data files reaches a terminal: label names with escape sequences
 //! (a title change, a screen clear) are printed escaped, never raw.
 
-#[path = "../../kiln/tests/common.rs"]
-mod common;
 mod kiln_bin;
 
 use kiln_bin::kiln;
+use kiln_testkit::common;
 
 #[test]
 fn eval_escapes_label_names_from_files() {

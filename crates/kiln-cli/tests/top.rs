@@ -2,8 +2,6 @@
 //! terminal emulator) shows both ranks with advancing steps, `--once --json` gives the same
 //! figures to scripts, and killed ranks are shown as such.
 
-#[path = "../../kiln/tests/common.rs"]
-mod common;
 mod kiln_bin;
 
 use std::io::{Read, Write};
@@ -12,8 +10,8 @@ use std::process::{Child, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{free_ports, tiny_bert_and_tweets, train_args};
 use kiln_bin::kiln_one_thread;
+use kiln_testkit::common::{free_ports, tiny_bert_and_tweets, train_args};
 use portable_pty::{native_pty_system, CommandBuilder, PtySize};
 use serde_json::Value;
 

@@ -9,14 +9,12 @@
 //! (1.1e-5 at lr 1e-3: the difference scales with the rate, as AdamW's amplification does).
 #![cfg(feature = "wgpu")]
 
-#[path = "../../kiln/tests/common.rs"]
-mod common;
 mod kiln_bin;
 
 use std::path::Path;
 
-use common::{max_abs_diff, model_weights, tiny_bert_and_tweets, train_args};
 use kiln_bin::kiln;
+use kiln_testkit::common::{self, max_abs_diff, model_weights, tiny_bert_and_tweets, train_args};
 
 const SAME: f32 = 1e-5;
 

@@ -2,12 +2,9 @@
 //! on all-MiniLM-L6-v2 and real tweets. The reference values come from
 //! tests/fixtures/gen_bert_parity.py (PyTorch); this test needs no Python.
 
-mod common;
-
 use std::collections::BTreeMap;
 
 use burn::tensor::{Int, Tensor, TensorData};
-use common::{asset, read_i64, rel_err, repo_root};
 use kiln::backend::{Cpu, CpuDevice, CpuTrain};
 use kiln::data::TextTokenizer;
 use kiln::hub::weights::{read_safetensors, HostTensor};
@@ -17,6 +14,7 @@ use kiln::models::encoder::EncoderClassifier;
 use kiln::models::params::{load_into, module_tensors};
 use kiln::train::optim::{AdamW, AdamWConfig, GradAccumulator};
 use kiln::train::{CrossEntropy, Loss};
+use kiln_testkit::common::{asset, read_i64, rel_err, repo_root};
 
 struct Fixture {
     tensors: BTreeMap<String, HostTensor>,

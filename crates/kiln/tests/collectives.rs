@@ -3,13 +3,12 @@
 //! test binary run again, by itself with the torchrun variables set or by `mpirun`) on a
 //! 2 (TP) × 2 (DP) mesh.
 
-mod common;
-
 use std::process::Command;
 
 use burn::tensor::{Tensor, TensorData};
 use kiln::backend::Cpu;
 use kiln::parallel::{chunk_range, collectives::host, Collectives, DistEnv, Group, Mesh, ReduceOp};
+use kiln_testkit::common;
 
 const WORLD: usize = 4;
 

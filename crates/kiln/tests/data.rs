@@ -1,14 +1,12 @@
 //! Reading real and malformed data: every unusable row is counted with its file and line, `strict`
 //! turns it into an error, and configuration mistakes name the file and the column.
 
-mod common;
-
 use std::path::Path;
 use std::sync::Arc;
 
-use common::asset;
 use kiln::data::reader::read_examples;
 use kiln::data::{Columns, TextEncoding};
+use kiln_testkit::common::{self, asset};
 
 fn cols(label: Option<&str>) -> Columns {
     Columns {

@@ -2,14 +2,12 @@
 //! tests/fixtures/gen_datasets_dirs.py): save_to_disk folders (one Dataset, a DatasetDict, several
 //! shards), the Hub's Parquet layout, a JSON array — each against the same rows as a plain CSV.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 
-use common::repo_root;
 use kiln::data::reader::read_examples;
 use kiln::data::saved_dataset::{class_names, dict_splits};
 use kiln::data::{Columns, RawExample, TextEncoding};
+use kiln_testkit::common::repo_root;
 
 fn fixture(rel: &str) -> PathBuf {
     repo_root().join("tests/fixtures/datasets").join(rel)

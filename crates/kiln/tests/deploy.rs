@@ -3,13 +3,12 @@
 //! environment [`DistEnv`] accepts, with distinct ranks covering the world, the rendezvous on pod 0
 //! through the headless Service, and ports the Service exposes.
 
-mod common;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use kiln::parallel::launch::{worker_env, LaunchOptions};
 use kiln::parallel::DistEnv;
+use kiln_testkit::common;
 use serde_yaml_ng::Value;
 
 fn docs() -> Vec<Value> {

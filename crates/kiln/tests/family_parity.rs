@@ -3,13 +3,10 @@
 //! logits and one step's gradients of small random-initialised models that transformers itself
 //! built and saved (tests/fixtures/gen_family_parity.py; no Python here).
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use burn::tensor::{Int, Tensor, TensorData};
-use common::{read_i64, rel_err, repo_root};
 use kiln::backend::{Cpu, CpuTrain};
 use kiln::data::batch::{collate, TextBatch};
 use kiln::data::lm::TokenBatch;
@@ -25,6 +22,7 @@ use kiln::task::Model;
 use kiln::tasks::text_classification::{load_classifier, ModelDir};
 use kiln::train::optim::GradAccumulator;
 use kiln::train::{CrossEntropy, Loss};
+use kiln_testkit::common::{read_i64, rel_err, repo_root};
 
 const CLASSIFIERS: [&str; 4] = ["roberta", "xlm-roberta", "distilbert", "modernbert"];
 

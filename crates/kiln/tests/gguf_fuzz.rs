@@ -10,16 +10,14 @@
 //! what it makes, and to fail with the `expect` of their `tests/bad-inputs/cases.jsonl` line);
 //! `KILN_WRITE_FIXTURES=1 cargo test -p kiln --test gguf_fuzz fixtures` rewrites them.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use common::repo_root;
 use half::f16;
 use kiln::hub::gguf::GgufFile;
 use kiln::hub::weights::{read_safetensors, StoreDtype};
 use kiln::models::llama::gguf::gguf_to_hf;
+use kiln_testkit::common::repo_root;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::Config;

@@ -4,19 +4,17 @@
 //!   converted folder (tests/fixtures/gen_llama_parity.py, which also checks the conversion against
 //!   transformers' own GGUF loader): tokenization, logits, greedy continuations, loss and gradients.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use burn::tensor::{Int, Tensor, TensorData};
-use common::{asset, rel_err, repo_root};
 use kiln::backend::{Cpu, CpuDevice, CpuTrain};
 use kiln::hub::gguf::{dequantize, GgmlType};
 use kiln::hub::weights::{read_safetensors, StoreDtype};
 use kiln::tasks::causal_lm::{self, GenerateOptions};
 use kiln::train::optim::GradAccumulator;
 use kiln::train::{CrossEntropy, Loss, IGNORE_INDEX};
+use kiln_testkit::common::{asset, rel_err, repo_root};
 
 #[test]
 fn dequantisation_matches_llama_cpp_gguf_py() {

@@ -2,11 +2,9 @@
 //! loaded with `huggingface_hub.ModelCard.load` (in the reference venv), and its metadata and
 //! evaluation results must be the run's.
 
-mod common;
-
 use std::process::Command;
 
-use common::{json_object, python_with};
+use kiln_testkit::common::{json_object, python_with};
 
 use kiln::report::model_card::{model_card, CardInput, CardTask};
 use kiln::train::TrainingArguments;

@@ -1,15 +1,13 @@
 //! Resuming is exact: N steps, then resume from checkpoint-N for N more, gives the same weights as 2N
 //! uninterrupted steps (dropout on, gradient accumulation, warmup + linear decay), bit for bit.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 
-use common::{asset, tiny_model, tweet_options};
 use kiln::backend::{CpuDevice, CpuTrain};
 use kiln::hub::weights::read_safetensors;
 use kiln::tasks::text_classification::{train, ClassificationOptions};
 use kiln::train::{CrossEntropy, SaveStrategy, TrainingArguments};
+use kiln_testkit::common::{asset, tiny_model, tweet_options};
 
 fn args(out: &Path, resume: Option<&str>) -> TrainingArguments {
     TrainingArguments {

@@ -2,13 +2,11 @@
 //! loaded by tensorboard's own EventAccumulator (tests/interop/read_tensorboard.py, in the
 //! reference venv), and every scalar, the args text and the event count must come back.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::process::Command;
 
-use common::{json_object, python_with, repo_root};
 use kiln::report::tensorboard::{hf_scalars, EventWriter};
+use kiln_testkit::common::{json_object, python_with, repo_root};
 use serde_json::{json, Map, Value};
 
 #[test]

@@ -2,16 +2,14 @@
 //! evaluation; checkpoints rotate by save_total_limit without losing the best one, which
 //! load_best_model_at_end restores.
 
-mod common;
-
 use burn::tensor::{Int, Tensor};
-use common::{asset, tiny_model, tweet_options};
 use kiln::backend::{CpuDevice, CpuTrain};
 use kiln::hub::weights::read_safetensors;
 use kiln::ops::KilnBackend;
 use kiln::tasks::text_classification::train;
 use kiln::train::checkpoint::list_checkpoints;
 use kiln::train::{CrossEntropy, IntervalStrategy, Loss, SaveStrategy, TrainingArguments};
+use kiln_testkit::common::{asset, tiny_model, tweet_options};
 
 /// Cross-entropy, except that call number `bad` (1-based) gives NaN, as a diverging batch would.
 struct NanAt {

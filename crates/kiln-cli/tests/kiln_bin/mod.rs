@@ -1,5 +1,5 @@
 //! How the tests here start the `kiln` binary they were built with (`mod kiln_bin;` in each test
-//! file). The other helpers, shared with the library's tests, are `crates/kiln/tests/common.rs`.
+//! file). The other helpers, shared with the library's tests, are the `kiln-testkit` crate's.
 #![allow(dead_code)]
 
 use std::process::Command;

@@ -1,8 +1,8 @@
 //! Helpers shared by integration tests.
-#![allow(dead_code)]
 
 use std::path::PathBuf;
 
+/// The workspace root (this crate sits two levels below it, as the tested crates do).
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }

@@ -3,7 +3,6 @@
 //! (`ETag`, `X-Repo-Commit`, `Content-Range` for ranged reads), `/api/{models,datasets}/{repo}/
 //! revision/{revision}` file lists, and the real Hub's refusals: 401 `RepositoryNotFound` for an
 //! unknown repo, 401 `GatedRepo` without the right token, 404 `EntryNotFound` for a missing file.
-#![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
