@@ -9,7 +9,6 @@ use super::bert::config::{BertConfig, ClassifierFields};
 use super::decoder::{DecoderArchitecture, DecoderFamily, DecoderVisitor};
 use super::distilbert::config::DistilBertConfig;
 use super::modernbert::config::ModernBertConfig;
-use super::{llama, mistral, qwen2};
 use crate::error::{KilnError, Result};
 use crate::ops::KilnBackend;
 use crate::task::ParamSplit;
@@ -49,9 +48,9 @@ macro_rules! causal_lm_families {
 }
 
 causal_lm_families! {
-    llama::FAMILY,
-    mistral::FAMILY,
-    qwen2::FAMILY,
+    super::llama::FAMILY,
+    super::mistral::FAMILY,
+    super::qwen2::FAMILY,
 }
 
 /// The `model_type`s kiln trains as causal LMs (`--task causal-lm`), for messages:
