@@ -37,12 +37,9 @@ macro_rules! causal_lm_families {
                 let config = ($family.read_config)(path, &bytes)?;
                 return Ok(v.visit(&$family, config));
             })+
-            Err(KilnError::Config(format!(
-                "{}: model_type {t:?} is not supported here (this command reads {}); its \
-                 weights would not load into such a model",
-                path.display(),
-                causal_lm_types()
-            )))
+            let types: Vec<_> = causal_lms().iter().map(|(t, _)| *t).collect();
+            let refused = crate::hub::limits::model_type(Some(&t), &types).unwrap_err();
+            Err(KilnError::Config(format!("{}: {refused}", path.display())))
         }
     };
 }
