@@ -204,6 +204,7 @@ impl DataOpts {
             block_size: lm.block_size,
             max_train_samples: train.and_then(|t| t.max_train_samples),
             max_eval_samples: self.max_eval_samples,
+            lora: None,
         })
     }
     pub fn options(

@@ -8,6 +8,7 @@ pub mod data_opts;
 pub mod eval;
 pub mod generate;
 pub mod launch;
+pub mod lora_opts;
 pub mod plot;
 pub mod precompile;
 pub mod predict;

@@ -10,6 +10,7 @@ use kiln::tasks::text_classification as tc;
 use kiln::train::TrainingArguments;
 
 use super::data_opts::{DataOpts, LmOpts, TrainData};
+use super::lora_opts::LoraOpts;
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Task {
@@ -54,6 +55,8 @@ pub struct TrainCmd {
     args: TrainingArguments,
     #[command(flatten)]
     pub lm: LmOpts,
+    #[command(flatten)]
+    lora: LoraOpts,
     /// Start from random weights with this config.json (or a Hub id's; pretraining from scratch).
     #[arg(long, help_heading = "Causal LM")]
     pub from_config: Option<PathBuf>,
@@ -73,6 +76,9 @@ where
     let sub = matches.subcommand_matches("train").expect("train matches");
     kiln::train::precompile::set_shapes_only(cmd.precompile_shapes);
     if cmd.task == Task::MnistMlp {
+        if cmd.lora.config()?.is_some() {
+            bail!("LoRA (--use-peft, --lora-*) adapts Transformers models, not the MNIST MLP");
+        }
         let world = kiln::parallel::world_size_from_env()?;
         let defaults = kiln::tasks::mnist::sample_defaults(world);
         let args = merged_training_args(cmd, sub, defaults)?;
@@ -87,13 +93,15 @@ where
     if cmd.task != Task::TextClassification && args.label_smoothing_factor != 0.0 {
         bail!("label_smoothing_factor is implemented for text classification only");
     }
+    let lora = cmd.lora.config()?;
     if cmd.task == Task::CausalLm {
-        let opts = cmd.data.lm_options(
+        let mut opts = cmd.data.lm_options(
             Some(&cmd.train_data),
             &cmd.lm,
             cmd.model.clone(),
             cmd.from_config.clone(),
         )?;
+        opts.lora = lora;
         let (out, eval) = causal_lm::train::<Autodiff<B>>(&opts, args, device)?;
         if is_main {
             println!("{}", serde_json::to_string_pretty(&out.metrics)?);
@@ -102,6 +110,9 @@ where
             }
         }
         return Ok(());
+    }
+    if lora.is_some() {
+        bail!("LoRA (--use-peft, --lora-*) trains causal LMs (--task causal-lm) so far");
     }
     let model = cmd.model.clone().context("--model is required")?;
     let opts = cmd.data.options(

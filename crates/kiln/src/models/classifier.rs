@@ -34,6 +34,36 @@ macro_rules! each {
     };
 }
 
+impl<B: Backend> crate::models::lora::LoraTarget<B> for SequenceClassifier<B> {
+    fn linears_mut(&mut self) -> Vec<(String, &mut crate::models::layers::Linear<B>)> {
+        each!(self, m => m.linears_mut())
+    }
+
+    /// The classification head's last layer(s), which `modules_to_save` trains whole.
+    fn output_layers(&self) -> Vec<String> {
+        match self {
+            Self::Roberta(_) => vec!["classifier.dense".into(), "classifier.out_proj".into()],
+            _ => vec!["classifier".into()],
+        }
+    }
+
+    fn default_target_modules(&self) -> &'static [&'static str] {
+        match self {
+            Self::Bert(_) | Self::Roberta(_) => &["query", "value"],
+            Self::DistilBert(_) => &["q_lin", "v_lin"],
+            Self::ModernBert(_) => &["Wqkv"],
+        }
+    }
+
+    fn peft_task_type(&self) -> &'static str {
+        "SEQ_CLS"
+    }
+
+    fn task_modules_to_save(&self) -> Vec<String> {
+        vec!["classifier".into(), "score".into()]
+    }
+}
+
 impl<B: KilnBackend> SequenceClassifier<B> {
     /// A freshly initialised classifier of `config`'s family with `num_labels` classes.
     pub fn new(config: &EncoderConfig, num_labels: usize, device: &B::Device) -> Self {

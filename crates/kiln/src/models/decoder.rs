@@ -50,7 +50,7 @@ pub trait DecoderArchitecture: 'static {
     type Config: DecoderConfig;
     /// One tensor-parallel rank's cut, worked out from the config before any weight is read.
     type Shard: Clone + Send + Sync;
-    type Model<B: KilnBackend>: CausalLm<B>;
+    type Model<B: KilnBackend>: CausalLm<B> + crate::models::lora::LoraTarget<B>;
     /// The model under autodiff, whose inner module (for evaluation) is [`Self::Model`].
     type Trainable<B: TrainBackend>: CausalLm<B>
         + AutodiffModule<B, InnerModule = Self::Model<B::InnerBackend>>;

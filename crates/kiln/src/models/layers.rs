@@ -11,7 +11,7 @@ use burn::tensor::{backend::Backend, Distribution, Tensor};
 
 use crate::ops::{self, KilnBackend, TpComm};
 
-/// `y = x Wᵀ + b` over the last dimension.
+/// `y = x Wᵀ + b` over the last dimension, plus a LoRA adapter's `s · B A x` where one is attached.
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
     pub weight: Param<Tensor<B, 2>>,
@@ -21,6 +21,28 @@ pub struct Linear<B: Backend> {
     pub weight_in_out: Option<Tensor<B, 2>>,
     /// This layer's part in a tensor-parallel group (`None`: a whole layer on its own).
     pub parallel: Ignored<Option<ParallelLinear>>,
+    /// LoRA's down-projection `[r, in]` (PEFT's `lora_A`), when an adapter is attached
+    /// ([`crate::models::lora`], which also maps these paths to PEFT's names).
+    pub lora_a: Option<LoraFactor<B>>,
+    /// LoRA's up-projection `[out, r]` (PEFT's `lora_B`).
+    pub lora_b: Option<LoraFactor<B>>,
+    /// The adapter's scaling and dropout (constants).
+    pub lora: Ignored<Option<LoraScale>>,
+}
+
+/// One LoRA matrix, a module of its own so that its parameter is `<layer>.lora_a.weight`, as
+/// PEFT's `<layer>.lora_A.weight`.
+#[derive(Module, Debug)]
+pub struct LoraFactor<B: Backend> {
+    pub weight: Param<Tensor<B, 2>>,
+}
+
+/// What multiplies a LoRA adapter's product: `alpha / r` (`alpha / √r` with rsLoRA), and the
+/// dropout applied to its input (PEFT's `lora_dropout`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoraScale {
+    pub scaling: f64,
+    pub dropout: f64,
 }
 
 /// How a [`Linear`] takes part in a tensor-parallel group: Megatron's and candle's layer types,
@@ -29,8 +51,8 @@ pub struct Linear<B: Backend> {
 pub enum ParallelLinear {
     /// `ColumnParallelLinear`: this rank's output features. Its input must already be the
     /// group's (`ops::tp_enter`, once per block, where q/k/v or gate/up share one input), and its
-    /// output stays this rank's.
-    Column,
+    /// output stays this rank's. The group is for a LoRA adapter's whole `A`.
+    Column(TpComm),
     /// `RowParallelLinear`: this rank's input features; the ranks' partial products are summed
     /// over the group, then the whole bias is added once.
     Row(TpComm),
@@ -49,16 +71,64 @@ impl<B: KilnBackend> Linear<B> {
             bias: bias.then(|| Param::from_tensor(ops::owned(Tensor::zeros([d_out], device)))),
             weight_in_out: None,
             parallel: Ignored(None),
+            lora_a: None,
+            lora_b: None,
+            lora: Ignored(None),
         }
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        if self.lora.0.is_none() {
+            return self.base_forward(x);
+        }
+        let y = self.base_forward(x.clone());
+        match self.lora_delta(x) {
+            Some(delta) => y + delta,
+            None => y,
+        }
+    }
+
+    /// The adapter's part of the output, `s · B A dropout(x)`, shaped like the layer's output;
+    /// `None` without an adapter. Under tensor parallelism the two factors take the roles
+    /// Megatron's and NxD's LoRA layers give them: beside a column-parallel weight `A` is whole
+    /// (its gradient summed over the group) and `B` is cut by rows like the weight; beside a
+    /// row-parallel one `A` is cut by columns, its partial products summed over the group, and
+    /// `B` is whole.
+    pub fn lora_delta<const D: usize>(&self, x: Tensor<B, D>) -> Option<Tensor<B, D>> {
+        let (Some(a), Some(b), Some(scale)) = (&self.lora_a, &self.lora_b, &self.lora.0) else {
+            return None;
+        };
+        let (a, b) = (a.weight.val(), b.weight.val());
+        let x = ops::dropout(x, scale.dropout);
+        Some(match &self.parallel.0 {
+            None => ops::linear(ops::linear(x, a, None) * scale.scaling, b, None),
+            Some(ParallelLinear::Column(tp)) => {
+                // The input is the group's already; A is replicated: its gradient is summed.
+                let a = ops::tp_enter(a, tp);
+                ops::linear(ops::linear(x, a, None) * scale.scaling, b, None)
+            }
+            Some(ParallelLinear::Row(tp)) => {
+                let z = ops::tp_sum(ops::linear(x, a, None), tp);
+                ops::linear(z * scale.scaling, b, None)
+            }
+            Some(ParallelLinear::ReplicatedKeep { tp, keep }) => {
+                let (a, b) = (ops::tp_enter(a, tp), ops::tp_enter(b, tp));
+                let y = ops::linear(ops::linear(x, a, None) * scale.scaling, b, None);
+                y.narrow(D - 1, keep.start, keep.len())
+            }
+        })
+    }
+
+    /// `x Wᵀ + b` alone, in this layer's tensor-parallel role.
+    fn base_forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let bias = self.bias.as_ref().map(|b| b.val());
         match (&self.parallel.0, &self.weight_in_out) {
-            (None | Some(ParallelLinear::Column), Some(w)) => {
+            (None | Some(ParallelLinear::Column(_)), Some(w)) => {
                 ops::linear_in_out(x, w.clone(), bias)
             }
-            (None | Some(ParallelLinear::Column), None) => ops::linear(x, self.weight.val(), bias),
+            (None | Some(ParallelLinear::Column(_)), None) => {
+                ops::linear(x, self.weight.val(), bias)
+            }
             (Some(ParallelLinear::Row(tp)), _) => {
                 let y = ops::tp_sum(ops::linear(x, self.weight.val(), None), tp);
                 match bias {
@@ -89,8 +159,7 @@ impl<B: KilnBackend> Linear<B> {
         Self {
             weight_in_out: Some(ops::owned(w.transpose())),
             weight: self.weight.map(|_| Tensor::zeros([0, d_in], &device)),
-            bias: self.bias,
-            parallel: self.parallel,
+            ..self
         }
     }
 }
@@ -254,12 +323,16 @@ fn slice_vec<B: KilnBackend>(p: Param<Tensor<B, 1>>, r: Range<usize>) -> Param<T
 impl<B: KilnBackend> Linear<B> {
     /// A column-parallel cut (Megatron's `ColumnParallelLinear`): output rows `rows`, and their
     /// bias.
-    pub fn column_parallel(self, rows: Range<usize>) -> Self {
+    pub fn column_parallel(self, rows: Range<usize>, tp: TpComm) -> Self {
         Linear {
             weight: slice_rows(self.weight, rows.clone()),
-            bias: self.bias.map(|b| slice_vec(b, rows)),
+            bias: self.bias.map(|b| slice_vec(b, rows.clone())),
             weight_in_out: None,
-            parallel: Ignored(Some(ParallelLinear::Column)),
+            parallel: Ignored(Some(ParallelLinear::Column(tp))),
+            lora_b: self.lora_b.map(|f| LoraFactor {
+                weight: slice_rows(f.weight, rows),
+            }),
+            ..self
         }
     }
 
@@ -267,10 +340,13 @@ impl<B: KilnBackend> Linear<B> {
     /// `cols`; the bias stays whole, added once after the group's sum.
     pub fn row_parallel(self, cols: Range<usize>, tp: TpComm) -> Self {
         Linear {
-            weight: slice_cols(self.weight, cols),
-            bias: self.bias,
+            weight: slice_cols(self.weight, cols.clone()),
             weight_in_out: None,
             parallel: Ignored(Some(ParallelLinear::Row(tp))),
+            lora_a: self.lora_a.map(|f| LoraFactor {
+                weight: slice_cols(f.weight, cols),
+            }),
+            ..self
         }
     }
 

@@ -31,6 +31,9 @@ fn torch_linear<B: KilnBackend>(d_in: usize, d_out: usize, device: &B::Device) -
         )))),
         weight_in_out: None,
         parallel: burn::module::Ignored(None),
+        lora_a: None,
+        lora_b: None,
+        lora: burn::module::Ignored(None),
     }
 }
 

@@ -11,6 +11,7 @@ pub mod distilbert;
 pub mod encoder;
 pub mod layers;
 pub mod llama;
+pub mod lora;
 pub mod mistral;
 pub mod mlp;
 pub mod modernbert;

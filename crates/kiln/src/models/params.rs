@@ -176,6 +176,15 @@ pub fn module_shapes<B: Backend, M: Module<B>>(module: &M) -> BTreeMap<String, V
 
 /// Every float parameter of `module` as host tensors keyed by Hugging Face path.
 pub fn module_tensors<B: Backend, M: Module<B>>(module: &M) -> BTreeMap<String, HostTensor> {
+    module_tensors_where(module, |_| true)
+}
+
+/// The float parameters of `module` whose path `keep` accepts, as host tensors (the others are
+/// never copied).
+pub fn module_tensors_where<B: Backend, M: Module<B>>(
+    module: &M,
+    keep: impl Fn(&str) -> bool,
+) -> BTreeMap<String, HostTensor> {
     let mut out = BTreeMap::new();
     let mut shapes = Vec::new();
     // Shapes are lost by flattening; collect them with a second small visitor.
@@ -188,6 +197,10 @@ pub fn module_tensors<B: Backend, M: Module<B>>(module: &M) -> BTreeMap<String, 
     module.visit(&mut Shapes(&mut shapes));
     let mut i = 0;
     for_each_param(module, |info, _, flat| {
+        i += 1;
+        if !keep(info.path) {
+            return;
+        }
         let data = flat
             .into_data()
             .convert::<f32>()
@@ -196,11 +209,10 @@ pub fn module_tensors<B: Backend, M: Module<B>>(module: &M) -> BTreeMap<String, 
         out.insert(
             info.path.to_string(),
             HostTensor {
-                shape: shapes[i].clone(),
+                shape: shapes[i - 1].clone(),
                 data,
             },
         );
-        i += 1;
     });
     out
 }

@@ -10,7 +10,7 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::NodeId;
 
-use super::{KilnBackend, TpComm};
+use super::{KilnBackend, LinearGrads, TpComm};
 
 /// Hands `grad` to `parent` if it takes part in the graph.
 fn give<B: KilnBackend>(
@@ -38,9 +38,14 @@ impl<B: KilnBackend> Backward<B, 3> for LinearBias {
         let dy = grads.consume::<B>(&ops.node);
         let (x, w) = ops.state;
         let [px, pw, pb] = ids!(ops);
-        let (dx, dw, db) = B::kiln_linear_backward(x, w, dy, (px.is_some(), true));
+        let wants = LinearGrads {
+            input: px.is_some(),
+            weight: pw.is_some(),
+            bias: pb.is_some(),
+        };
+        let (dx, dw, db) = B::kiln_linear_backward(x, w, dy, wants);
         give::<B>(grads, px, dx);
-        give::<B>(grads, pw, Some(dw));
+        give::<B>(grads, pw, dw);
         give::<B>(grads, pb, db);
     }
 }
@@ -53,9 +58,14 @@ impl<B: KilnBackend> Backward<B, 2> for LinearNoBias {
         let dy = grads.consume::<B>(&ops.node);
         let (x, w) = ops.state;
         let [px, pw] = ids!(ops);
-        let (dx, dw, _) = B::kiln_linear_backward(x, w, dy, (px.is_some(), false));
+        let wants = LinearGrads {
+            input: px.is_some(),
+            weight: pw.is_some(),
+            bias: false,
+        };
+        let (dx, dw, _) = B::kiln_linear_backward(x, w, dy, wants);
         give::<B>(grads, px, dx);
-        give::<B>(grads, pw, Some(dw));
+        give::<B>(grads, pw, dw);
     }
 }
 

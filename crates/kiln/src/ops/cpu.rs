@@ -133,24 +133,27 @@ impl KilnBackend for Cpu {
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
         dy: FloatTensor<Self>,
-        (input_grad, bias): (bool, bool),
+        wants: super::LinearGrads,
     ) -> (
         Option<FloatTensor<Self>>,
-        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
         Option<FloatTensor<Self>>,
     ) {
         let _p = super::profile::scope("linear_bwd");
         let (x, w, dy) = (dense(x), dense(w), dense(dy));
         let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
         let (xs, ws, dys) = (slice(&x), slice(&w), slice(&dy));
-        let dx = input_grad.then(|| {
+        let dx = wants.input.then(|| {
             let mut dx = vec![0f32; m * k];
             matmul(m, n, k, dys, (n, 1), ws, (k, 1), None, &mut dx); // dy · w
             tensor(&[m, k], dx)
         });
-        let mut dw = vec![0f32; n * k];
-        matmul(n, m, k, dys, (1, n), xs, (k, 1), None, &mut dw); // dyᵀ · x
-        let db = bias.then(|| {
+        let dw = wants.weight.then(|| {
+            let mut dw = vec![0f32; n * k];
+            matmul(n, m, k, dys, (1, n), xs, (k, 1), None, &mut dw); // dyᵀ · x
+            tensor(&[n, k], dw)
+        });
+        let db = wants.bias.then(|| {
             // Per-chunk partial sums added in chunk order: the chunks follow the shape only, so
             // the bits do not depend on the thread count or on which thread stole what (rayon's
             // `reduce` pairs partial sums in whatever tree the stealing made).
@@ -171,7 +174,7 @@ impl KilnBackend for Cpu {
             }
             tensor(&[n], sum)
         });
-        (dx, tensor(&[n, k], dw), db)
+        (dx, dw, db)
     }
 
     fn kiln_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {

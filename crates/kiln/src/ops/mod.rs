@@ -230,25 +230,31 @@ pub trait KilnBackend: Backend {
         (x, w)
     }
 
-    /// `(dx, dw, db)` of [`Self::kiln_linear`] for output gradient `dy [M, N]`; `dx` only when
-    /// `input_grad` (a model's first layer reads data, whose gradient nobody wants — for the MNIST
-    /// MLP that product is a third of the backward's work), `db` only when `bias`.
+    /// `(dx, dw, db)` of [`Self::kiln_linear`] for output gradient `dy [M, N]`, each only where
+    /// it is wanted: `dx` when `wants.input` (a model's first layer reads data, whose gradient
+    /// nobody wants — for the MNIST MLP that product is a third of the backward's work), `dw` when
+    /// `wants.weight` (a frozen base weight under LoRA: the largest product of the backward,
+    /// skipped), `db` when `wants.bias`.
     fn kiln_linear_backward(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
         dy: FloatTensor<Self>,
-        (input_grad, bias): (bool, bool),
+        wants: LinearGrads,
     ) -> (
         Option<FloatTensor<Self>>,
-        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
         Option<FloatTensor<Self>>,
     ) {
         let dy = t::<Self, 2>(dy);
         let n = dy.dims()[1];
-        let dx = input_grad.then(|| p(matmul_2d(dy.clone(), t::<Self, 2>(w))));
-        let dw = matmul_2d(dy.clone().transpose(), t::<Self, 2>(x));
-        let db = bias.then(|| p(dy.sum_dim(0).reshape([n])));
-        (dx, p(dw), db)
+        let dx = wants
+            .input
+            .then(|| p(matmul_2d(dy.clone(), t::<Self, 2>(w))));
+        let dw = wants
+            .weight
+            .then(|| p(matmul_2d(dy.clone().transpose(), t::<Self, 2>(x))));
+        let db = wants.bias.then(|| p(dy.sum_dim(0).reshape([n])));
+        (dx, dw, db)
     }
 
     /// Exact GELU `x·Φ(x)` (any shape).
@@ -878,6 +884,14 @@ pub fn reshape<B: KilnBackend, const D: usize, const D2: usize>(
 /// `x` with a buffer of its own ([`KilnBackend::kiln_into_owned`]): for freshly initialised weights.
 pub fn owned<B: KilnBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     t(B::kiln_into_owned(p(x)))
+}
+
+/// Which gradients a Linear's backward computes ([`KilnBackend::kiln_linear_backward`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearGrads {
+    pub input: bool,
+    pub weight: bool,
+    pub bias: bool,
 }
 
 /// `x wᵀ + b` over the last dimension of `x` (PyTorch's `F.linear`).

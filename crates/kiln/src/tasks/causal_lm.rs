@@ -19,10 +19,11 @@ use crate::models::auto::with_causal_lm;
 use crate::models::decoder::{
     CausalLm, DecoderArchitecture, DecoderConfig, DecoderFamily, DecoderVisitor,
 };
+use crate::models::lora::{LoraConfig, LoraTarget};
 use crate::ops::{KilnBackend, TrainBackend};
 use crate::parallel::{DataParallel, SharedCollectives, TpGroup, VocabParallelCrossEntropy};
 use crate::task::{BatchSource, CrossEntropy, Loss, IGNORE_INDEX};
-use crate::train::checkpoint::ModelFiles;
+use crate::train::checkpoint::{AdapterFiles, ModelFiles};
 use crate::train::trainer::{evaluate, EvalOutput, TrainOutput};
 use crate::train::ParallelPlan;
 use crate::train::{Trainer, TrainingArguments};
@@ -126,6 +127,8 @@ pub struct CausalLmOptions {
     /// Use only the first N documents of each file.
     pub max_train_samples: Option<usize>,
     pub max_eval_samples: Option<usize>,
+    /// Train a LoRA adapter on the frozen model instead of the model itself.
+    pub lora: Option<LoraConfig>,
 }
 
 impl CausalLmOptions {
@@ -292,7 +295,15 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture>(
         Some(p) => Some(opts.blocks(p, &tok, eos, opts.max_eval_samples)?),
         None => None,
     };
-    let files = model_files(opts, &tok_path, &config);
+    let mut files = model_files(opts, &tok_path, &config);
+    let model = match &opts.lora {
+        None => model,
+        Some(lora) => {
+            let (model, adapter) = with_adapter(model, lora, &args, opts)?;
+            files.adapter = Some(adapter);
+            model
+        }
+    };
     let plan = ParallelPlan::new(parallel);
     let model = A::trainable(model);
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files, plan);
@@ -303,6 +314,54 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture>(
         true,
     );
     trainer.train_and_evaluate(&train_set, eval_set.as_ref())
+}
+
+/// `model` with a fresh LoRA adapter and its base frozen, and what its folders say about it; the
+/// trainable share is logged as PEFT's `print_trainable_parameters` prints it.
+fn with_adapter<B: KilnBackend, M: LoraTarget<B> + burn::module::Module<B>>(
+    model: M,
+    lora: &LoraConfig,
+    args: &TrainingArguments,
+    opts: &CausalLmOptions,
+) -> Result<(M, AdapterFiles)> {
+    if args.tensor_parallel_size > 1 {
+        return Err(KilnError::Config(
+            "LoRA (--lora-r) with --tensor-parallel-size above 1 is not supported yet: train the \
+             adapter with data parallelism (kiln launch without --tensor-parallel-size)"
+                .into(),
+        ));
+    }
+    let (model, adapter) = crate::models::lora::attach(model, lora, args.seed)?;
+    let shapes = crate::models::params::module_shapes(&model);
+    info!(
+        "LoRA r={} alpha={} on {}: {}",
+        lora.r,
+        lora.alpha,
+        adapter
+            .targeted
+            .iter()
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", "),
+        crate::models::lora::trainable_line(
+            shapes
+                .iter()
+                .map(|(p, s)| (p.as_str(), s.iter().product::<usize>())),
+            &adapter
+        )
+    );
+    let base_model = opts
+        .model_dir
+        .as_ref()
+        .map(|d| d.display().to_string())
+        .unwrap_or_default();
+    Ok((
+        model,
+        AdapterFiles {
+            adapter,
+            base_model,
+        },
+    ))
 }
 
 /// What a trained causal LM's folder holds besides its weights: the config, the tokenizer and
@@ -333,6 +392,7 @@ fn model_files(opts: &CausalLmOptions, tok_path: &Path, config: &impl DecoderCon
         .map(|f| source.join(f))
         .collect(),
         source_dir: opts.model_dir.clone(),
+        adapter: None,
     }
 }
 

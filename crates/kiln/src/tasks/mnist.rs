@@ -121,6 +121,7 @@ fn files() -> ModelFiles {
         tokenizer_json: None,
         copy: Vec::new(),
         source_dir: None,
+        adapter: None,
     }
 }
 

@@ -264,6 +264,7 @@ pub fn init_model_dir(
         tokenizer_json: Some(tokenizer_json.to_path_buf()),
         copy: Vec::new(),
         source_dir: None,
+        adapter: None,
     };
     crate::train::checkpoint::write_model_dir(dir, &tensors, &files)
 }
@@ -354,6 +355,7 @@ pub fn train<B: TrainBackend, L: Loss>(
         .map(|f| md.dir.join(f))
         .collect(),
         source_dir: Some(md.dir.clone()),
+        adapter: None,
     };
     let plan = ParallelPlan::new(parallel);
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files, plan);

@@ -36,6 +36,18 @@ pub struct ModelFiles {
     pub copy: Vec<PathBuf>,
     /// The folder the model was loaded from (training must not write its output over it).
     pub source_dir: Option<PathBuf>,
+    /// A LoRA run: the folder holds the adapter only, in PEFT's files (`adapter_config.json`,
+    /// `adapter_model.safetensors`), beside the tokenizer's files, and no `config.json`: the base
+    /// model comes from `base_model_name_or_path`, as `PeftModel.from_pretrained` expects.
+    pub adapter: Option<AdapterFiles>,
+}
+
+/// What a LoRA run's folders say about the adapter and its base model.
+#[derive(Debug, Clone)]
+pub struct AdapterFiles {
+    pub adapter: crate::models::lora::Adapter,
+    /// `adapter_config.json`'s `base_model_name_or_path`.
+    pub base_model: String,
 }
 
 /// Every parameter finite, or an error naming the first that is not (`what` says what was about to
@@ -62,6 +74,18 @@ pub fn put_model_files(
     files: &ModelFiles,
     mut put: impl FnMut(&str, &[u8]) -> Result<()>,
 ) -> Result<()> {
+    use crate::models::lora::{ADAPTER_CONFIG, ADAPTER_WEIGHTS};
+    if let Some(a) = &files.adapter {
+        put(
+            ADAPTER_WEIGHTS,
+            &safetensors_bytes(&a.adapter.peft_tensors(tensors), StoreDtype::F32)?,
+        )?;
+        put(
+            ADAPTER_CONFIG,
+            a.adapter.config_json(&a.base_model).as_bytes(),
+        )?;
+        return put_config_files(files, put);
+    }
     put(
         "model.safetensors",
         &safetensors_bytes(tensors, StoreDtype::F32)?,
@@ -69,12 +93,25 @@ pub fn put_model_files(
     put_config_files(files, put)
 }
 
-/// The files of a model folder besides its weights: `config.json`, `tokenizer.json`, the extras.
+/// A checkpoint's (or an output folder's) weights by kiln's parameter paths: `model.safetensors`,
+/// or a LoRA run's adapter under PEFT's names.
+pub fn read_model_tensors(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
+    let adapter = dir.join(crate::models::lora::ADAPTER_WEIGHTS);
+    if adapter.exists() && !dir.join("model.safetensors").exists() {
+        return crate::models::lora::read_adapter_tensors(dir);
+    }
+    crate::hub::weights::read_safetensors(&dir.join("model.safetensors"))
+}
+
+/// The files of a model folder besides its weights: `config.json` (not beside an adapter: the
+/// base model's is the base's), `tokenizer.json`, the extras.
 pub fn put_config_files(
     files: &ModelFiles,
     mut put: impl FnMut(&str, &[u8]) -> Result<()>,
 ) -> Result<()> {
-    put("config.json", stamped_config(&files.config_json).as_bytes())?;
+    if files.adapter.is_none() {
+        put("config.json", stamped_config(&files.config_json).as_bytes())?;
+    }
     let read =
         |src: &Path| crate::hub::files::read_regular(src, "file to copy into the model folder");
     if let Some(tok) = &files.tokenizer_json {

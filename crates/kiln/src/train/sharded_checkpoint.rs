@@ -194,7 +194,7 @@ pub fn read_rank_state(
                     } else {
                         BTreeMap::new()
                     };
-                    (read_safetensors(&dir.join("model.safetensors"))?, moments)
+                    (super::checkpoint::read_model_tensors(dir)?, moments)
                 }
             };
             // A tensor of another shape than this model's stays whole: loading names it.

@@ -34,7 +34,7 @@ use crate::data::batch::epoch_order;
 use crate::error::{KilnError, Result};
 use crate::hub::files::write_synced;
 use crate::hub::sharded::LAYOUT_FILE;
-use crate::models::params::{load_into, module_shapes, module_tensors};
+use crate::models::params::{load_into, module_shapes, module_tensors, module_tensors_where};
 use crate::ops::{profile, TrainBackend};
 use crate::parallel::launch::Attempt;
 use crate::parallel::DataParallel;
@@ -244,11 +244,22 @@ where
         self.check_same_optimizer(dir)?;
         let rank = self.rank_state(dir)?;
         let (model, report) = load_into(self.take_model(), rank.model, None, &self.device)?;
-        if !report.missing.is_empty() {
+        // A LoRA run's checkpoints hold the adapter only: the frozen base comes from --model.
+        let missing: Vec<&String> = report
+            .missing
+            .iter()
+            .filter(|p| {
+                self.files
+                    .adapter
+                    .as_ref()
+                    .is_none_or(|a| a.adapter.owns(p))
+            })
+            .collect();
+        if !missing.is_empty() {
             return Err(KilnError::Checkpoint(format!(
                 "{}: checkpoint lacks parameters {:?}",
                 dir.display(),
-                report.missing
+                missing
             )));
         }
         self.model = Some(model);
@@ -1027,7 +1038,7 @@ where
             // Rank 0 writes; the others wait so that nobody reads a half-written checkpoint.
             return self.parallel.data.barrier();
         }
-        let model = module_tensors(self.model());
+        let model = self.saved_tensors();
         ensure_finite(
             &model,
             &format!("saving checkpoint-{}", self.state.global_step),
@@ -1071,7 +1082,7 @@ where
         write_rank_files(
             &tmp,
             place,
-            &module_tensors(self.model()),
+            &self.saved_tensors(),
             self.parallel.tensor().map(|l| &l.splits),
             &self.optimizer.state_tensors(),
             &self.optimizer.covers(),
@@ -1117,12 +1128,21 @@ where
     /// The model's parameters, whole: a tensor-parallel model's shards are put together (every
     /// rank of its group must call this; only rank 0 receives them, the others an empty map).
     fn whole_model_tensors(&self) -> Result<BTreeMap<String, crate::hub::weights::HostTensor>> {
-        let local = module_tensors(self.model());
+        let local = self.saved_tensors();
         match self.parallel.tensor() {
             None => Ok(local),
             Some(layout) => {
                 crate::parallel::tensor_parallel::consolidate(layout, local, self.is_main())
             }
+        }
+    }
+
+    /// The parameters a saved folder holds: all of them, or a LoRA run's adapter (its factors and
+    /// `modules_to_save`): the frozen base is never copied into checkpoints.
+    fn saved_tensors(&self) -> BTreeMap<String, crate::hub::weights::HostTensor> {
+        match &self.files.adapter {
+            Some(a) => module_tensors_where(self.model(), |path| a.adapter.owns(path)),
+            None => module_tensors(self.model()),
         }
     }
 

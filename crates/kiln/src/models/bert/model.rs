@@ -123,6 +123,36 @@ pub struct BertForSequenceClassification<B: Backend> {
     pub classifier_dropout: f64,
 }
 
+impl<B: Backend> BertEncoder<B> {
+    /// Every Linear of the layers with its path under `prefix` (`bert.encoder`), for LoRA.
+    pub(crate) fn linears_mut(&mut self, prefix: &str) -> Vec<(String, &mut Linear<B>)> {
+        let mut out = Vec::new();
+        for (i, l) in self.layer.iter_mut().enumerate() {
+            let (s, o) = (&mut l.attention.self_, &mut l.attention.output);
+            for (name, layer) in [
+                ("attention.self.query", &mut s.query),
+                ("attention.self.key", &mut s.key),
+                ("attention.self.value", &mut s.value),
+                ("attention.output.dense", &mut o.dense),
+                ("intermediate.dense", &mut l.intermediate.dense),
+                ("output.dense", &mut l.output.dense),
+            ] {
+                out.push((format!("{prefix}.layer.{i}.{name}"), layer));
+            }
+        }
+        out
+    }
+}
+
+impl<B: Backend> BertForSequenceClassification<B> {
+    pub(crate) fn linears_mut(&mut self) -> Vec<(String, &mut Linear<B>)> {
+        let mut out = self.bert.encoder.linears_mut("bert.encoder");
+        out.push(("bert.pooler.dense".into(), &mut self.bert.pooler.dense));
+        out.push(("classifier".into(), &mut self.classifier));
+        out
+    }
+}
+
 impl<B: KilnBackend> BertSelfAttention<B> {
     /// `x [B, T, H]` (or packed `[1, N, H]` with `unpadded`), `mask_bias [B, T]` (0 for tokens, the
     /// most negative float for padding).
@@ -161,11 +191,28 @@ pub(crate) fn self_attention<B: KilnBackend>(
         (Some(bq), Some(bk), Some(bv)) => Some(Tensor::cat(vec![bq.val(), bk.val(), bv.val()], 0)),
         _ => None,
     };
-    let qkv = linear(x, weight, bias);
+    let qkv = match lora_qkv([q, k, v], x.clone()) {
+        Some(delta) => linear(x, weight, bias) + delta,
+        None => linear(x, weight, bias),
+    };
     match unpadded {
         None => attention_qkv(qkv, mask_bias, num_heads, dropout),
         Some(u) => u.pack(attention_qkv(u.unpack(qkv), mask_bias, num_heads, dropout)),
     }
+}
+
+/// The LoRA adapters' part of the stacked `[q, k, v]` output (zeros for a projection without
+/// one), or `None` when none of the three has an adapter.
+fn lora_qkv<B: KilnBackend>(layers: [&Linear<B>; 3], x: Tensor<B, 3>) -> Option<Tensor<B, 3>> {
+    if layers.iter().all(|l| l.lora.0.is_none()) {
+        return None;
+    }
+    let [b, t, _] = x.dims();
+    let parts = layers.map(|l| {
+        l.lora_delta(x.clone())
+            .unwrap_or_else(|| Tensor::zeros([b, t, l.weight.dims()[0]], &x.device()))
+    });
+    Some(Tensor::cat(parts.into(), 2))
 }
 
 impl<B: KilnBackend> BertLayer<B> {

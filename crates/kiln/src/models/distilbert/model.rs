@@ -127,6 +127,28 @@ impl<B: KilnBackend> TransformerBlock<B> {
     }
 }
 
+impl<B: Backend> DistilBertForSequenceClassification<B> {
+    pub(crate) fn linears_mut(&mut self) -> Vec<(String, &mut Linear<B>)> {
+        let mut out = Vec::new();
+        for (i, l) in self.distilbert.transformer.layer.iter_mut().enumerate() {
+            let a = &mut l.attention;
+            for (name, layer) in [
+                ("attention.q_lin", &mut a.q_lin),
+                ("attention.k_lin", &mut a.k_lin),
+                ("attention.v_lin", &mut a.v_lin),
+                ("attention.out_lin", &mut a.out_lin),
+                ("ffn.lin1", &mut l.ffn.lin1),
+                ("ffn.lin2", &mut l.ffn.lin2),
+            ] {
+                out.push((format!("distilbert.transformer.layer.{i}.{name}"), layer));
+            }
+        }
+        out.push(("pre_classifier".into(), &mut self.pre_classifier));
+        out.push(("classifier".into(), &mut self.classifier));
+        out
+    }
+}
+
 impl<B: KilnBackend> DistilBertForSequenceClassification<B> {
     /// A model with every weight freshly initialised (transformers' `_init_weights` scheme).
     pub fn new(c: &DistilBertConfig, num_labels: usize, device: &B::Device) -> Self {

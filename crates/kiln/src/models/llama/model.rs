@@ -562,9 +562,48 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
     pub(super) fn shard_ends(mut self, s: LlamaShard) -> Self {
         self.model.embed_tokens.weight =
             crate::models::layers::slice_rows(self.model.embed_tokens.weight, s.vocab.clone());
-        self.lm_head = self.lm_head.map(|h| h.column_parallel(s.vocab.clone()));
+        self.lm_head = self
+            .lm_head
+            .map(|h| h.column_parallel(s.vocab.clone(), s.tp.clone()));
         self.shard = Ignored(Some(s));
         self
+    }
+}
+
+impl<B: Backend> crate::models::lora::LoraTarget<B> for LlamaForCausalLM<B> {
+    fn linears_mut(&mut self) -> Vec<(String, &mut Linear<B>)> {
+        let mut out = Vec::new();
+        for (i, l) in self.model.layers.iter_mut().enumerate() {
+            let a = &mut l.self_attn;
+            let m = &mut l.mlp;
+            for (name, layer) in [
+                ("self_attn.q_proj", &mut a.q_proj),
+                ("self_attn.k_proj", &mut a.k_proj),
+                ("self_attn.v_proj", &mut a.v_proj),
+                ("self_attn.o_proj", &mut a.o_proj),
+                ("mlp.gate_proj", &mut m.gate_proj),
+                ("mlp.up_proj", &mut m.up_proj),
+                ("mlp.down_proj", &mut m.down_proj),
+            ] {
+                out.push((format!("model.layers.{i}.{name}"), layer));
+            }
+        }
+        if let Some(h) = &mut self.lm_head {
+            out.push(("lm_head".to_string(), h));
+        }
+        out
+    }
+
+    fn output_layers(&self) -> Vec<String> {
+        vec!["lm_head".to_string()]
+    }
+
+    fn default_target_modules(&self) -> &'static [&'static str] {
+        &["q_proj", "v_proj"]
+    }
+
+    fn peft_task_type(&self) -> &'static str {
+        "CAUSAL_LM"
     }
 }
 
@@ -576,7 +615,10 @@ fn shard_layer<B: KilnBackend>(
     let q_rows = s.head_rows(&s.q_heads);
     let kv_rows = s.head_rows(&s.kv_heads);
     let a = &mut layer.self_attn;
-    a.q_proj = a.q_proj.clone().column_parallel(q_rows.clone());
+    a.q_proj = a
+        .q_proj
+        .clone()
+        .column_parallel(q_rows.clone(), s.tp.clone());
     if s.kv_replicated {
         // Whole k/v projections on every rank: all heads computed, the ones this rank's queries
         // read kept.
@@ -586,8 +628,11 @@ fn shard_layer<B: KilnBackend>(
             .replicated_keep(kv_rows.clone(), s.tp.clone());
         a.v_proj = a.v_proj.clone().replicated_keep(kv_rows, s.tp.clone());
     } else {
-        a.k_proj = a.k_proj.clone().column_parallel(kv_rows.clone());
-        a.v_proj = a.v_proj.clone().column_parallel(kv_rows);
+        a.k_proj = a
+            .k_proj
+            .clone()
+            .column_parallel(kv_rows.clone(), s.tp.clone());
+        a.v_proj = a.v_proj.clone().column_parallel(kv_rows, s.tp.clone());
     }
     a.o_proj = a.o_proj.clone().row_parallel(q_rows, s.tp.clone());
     a.num_heads = s.q_heads.len();
@@ -599,8 +644,14 @@ fn shard_layer<B: KilnBackend>(
         n * a.num_kv_heads == a.num_heads && map.iter().enumerate().all(|(i, &k)| k == i / n);
     a.kv_of_q = Ignored((!grouped).then_some(map));
     let m = &mut layer.mlp;
-    m.gate_proj = m.gate_proj.clone().column_parallel(s.intermediate.clone());
-    m.up_proj = m.up_proj.clone().column_parallel(s.intermediate.clone());
+    m.gate_proj = m
+        .gate_proj
+        .clone()
+        .column_parallel(s.intermediate.clone(), s.tp.clone());
+    m.up_proj = m
+        .up_proj
+        .clone()
+        .column_parallel(s.intermediate.clone(), s.tp.clone());
     m.down_proj = m
         .down_proj
         .clone()

@@ -171,6 +171,25 @@ impl<B: KilnBackend> ModernBertEncoderLayer<B> {
     }
 }
 
+impl<B: Backend> ModernBertForSequenceClassification<B> {
+    pub(crate) fn linears_mut(&mut self) -> Vec<(String, &mut Linear<B>)> {
+        let mut out = Vec::new();
+        for (i, l) in self.model.layers.iter_mut().enumerate() {
+            for (name, layer) in [
+                ("attn.Wqkv", &mut l.attn.Wqkv),
+                ("attn.Wo", &mut l.attn.Wo),
+                ("mlp.Wi", &mut l.mlp.Wi),
+                ("mlp.Wo", &mut l.mlp.Wo),
+            ] {
+                out.push((format!("model.layers.{i}.{name}"), layer));
+            }
+        }
+        out.push(("head.dense".into(), &mut self.head.dense));
+        out.push(("classifier".into(), &mut self.classifier));
+        out
+    }
+}
+
 impl<B: KilnBackend> ModernBertForSequenceClassification<B> {
     /// A model with every weight freshly initialised (transformers' scheme, with normal instead
     /// of truncated-normal draws).

@@ -54,6 +54,15 @@ pub fn position_ids(input_ids: &[i64], seq: usize, padding_idx: usize) -> Vec<i6
     out
 }
 
+impl<B: Backend> RobertaForSequenceClassification<B> {
+    pub(crate) fn linears_mut(&mut self) -> Vec<(String, &mut Linear<B>)> {
+        let mut out = self.roberta.encoder.linears_mut("roberta.encoder");
+        out.push(("classifier.dense".into(), &mut self.classifier.dense));
+        out.push(("classifier.out_proj".into(), &mut self.classifier.out_proj));
+        out
+    }
+}
+
 impl<B: KilnBackend> RobertaForSequenceClassification<B> {
     /// A model with every weight freshly initialised (transformers' `_init_weights` scheme).
     pub fn new(c: &BertConfig, num_labels: usize, device: &B::Device) -> Self {

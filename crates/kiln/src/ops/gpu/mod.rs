@@ -145,15 +145,16 @@ where
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
         dy: FloatTensor<Self>,
-        (input_grad, bias): (bool, bool),
+        wants: crate::ops::LinearGrads,
     ) -> (
         Option<FloatTensor<Self>>,
-        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
         Option<FloatTensor<Self>>,
     ) {
         let n = dy.shape.dims::<2>()[1];
         // dx = dy · w, dw = dyᵀ · x (both [out, in] like PyTorch's), db = Σ_rows dy.
-        let db = bias
+        let db = wants
+            .bias
             .then(|| Self::float_reshape(columns::sum_rows::<R, F>(dy.clone()), Shape::new([n])));
         // Under --bf16 both products read dy in bf16: cast it once, not once per product.
         let dy = if super::matmul_precision() == MatmulPrecision::Bf16 {
@@ -161,8 +162,12 @@ where
         } else {
             dy
         };
-        let dx = input_grad.then(|| product::<R, F, I, BT>(dy.clone(), false, w, false));
-        let dw = product::<R, F, I, BT>(dy, true, x, false);
+        let dx = wants
+            .input
+            .then(|| product::<R, F, I, BT>(dy.clone(), false, w, false));
+        let dw = wants
+            .weight
+            .then(|| product::<R, F, I, BT>(dy, true, x, false));
         (dx, dw, db)
     }
 

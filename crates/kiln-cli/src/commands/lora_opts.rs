@@ -1,0 +1,89 @@
+//! The LoRA options of `kiln train`, under TRL's names (`--use-peft`, `--lora-r`, …) with TRL's
+//! defaults (`ModelConfig`: r 16, alpha 32, dropout 0.05); target modules default to PEFT's per
+//! model type.
+
+use anyhow::{bail, Result};
+use clap::Args;
+use kiln::models::lora::{LoraConfig, TargetModules};
+
+#[derive(Args, Clone, Default)]
+#[command(next_help_heading = "LoRA (PEFT)")]
+pub struct LoraOpts {
+    /// Train a LoRA adapter on the frozen model and save it in PEFT's format (TRL's
+    /// --use_peft); any other --lora-* option implies it.
+    #[arg(long)]
+    use_peft: bool,
+    /// The adapters' rank [default: 16].
+    #[arg(long, value_name = "R")]
+    lora_r: Option<usize>,
+    /// Their scale's numerator: the product is multiplied by alpha / r [default: 32].
+    #[arg(long, value_name = "ALPHA")]
+    lora_alpha: Option<f64>,
+    /// Dropout on the adapters' input [default: 0.05].
+    #[arg(long, value_name = "P")]
+    lora_dropout: Option<f64>,
+    /// Which Linear layers get an adapter: PEFT module names (`q_proj,v_proj`) or `all-linear`
+    /// [default: the model type's, as PEFT's: q_proj,v_proj for Llama, query,value for BERT].
+    #[arg(long, value_name = "NAMES")]
+    lora_target_modules: Option<String>,
+    /// Scale by alpha / √r (rank-stabilised LoRA).
+    #[arg(long)]
+    use_rslora: bool,
+    /// Modules trained whole beside the adapters and saved with them (a sequence classifier's
+    /// head always is, as in PEFT).
+    #[arg(long, value_name = "NAMES")]
+    lora_modules_to_save: Option<String>,
+}
+
+impl LoraOpts {
+    /// The adapter to train, or `None` when no LoRA option was given.
+    pub fn config(&self) -> Result<Option<LoraConfig>> {
+        let any = self.use_peft
+            || self.lora_r.is_some()
+            || self.lora_alpha.is_some()
+            || self.lora_dropout.is_some()
+            || self.lora_target_modules.is_some()
+            || self.use_rslora
+            || self.lora_modules_to_save.is_some();
+        if !any {
+            return Ok(None);
+        }
+        let r = self.lora_r.unwrap_or(16);
+        let alpha = self.lora_alpha.unwrap_or(32.0);
+        let dropout = self.lora_dropout.unwrap_or(0.05);
+        if r == 0 {
+            bail!("--lora-r 0: the rank must be at least 1");
+        }
+        if !(alpha.is_finite() && alpha > 0.0) {
+            bail!("--lora-alpha {alpha}: must be a positive number");
+        }
+        if !(0.0..1.0).contains(&dropout) {
+            bail!("--lora-dropout {dropout}: must be at least 0 and below 1");
+        }
+        let target_modules = match &self.lora_target_modules {
+            None => TargetModules::ModelDefault,
+            Some(s) => match TargetModules::parse(s) {
+                TargetModules::Names(n) if n.is_empty() => {
+                    bail!("--lora-target-modules {s:?}: names no module")
+                }
+                t => t,
+            },
+        };
+        let modules_to_save = self
+            .lora_modules_to_save
+            .iter()
+            .flat_map(|s| s.split(','))
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect();
+        Ok(Some(LoraConfig {
+            r,
+            alpha,
+            dropout,
+            target_modules,
+            use_rslora: self.use_rslora,
+            modules_to_save,
+        }))
+    }
+}

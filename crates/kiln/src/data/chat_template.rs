@@ -1,0 +1,1257 @@
+//! Chat templates, rendered as transformers' `apply_chat_template` renders them (`tokenize=False`).
+//!
+//! The template is compiled with [`minijinja`] in the environment transformers builds in
+//! `_compile_jinja_template`: `trim_blocks` and `lstrip_blocks` on, the template's single trailing
+//! newline dropped (Jinja's default), loop controls (`{% break %}`, `{% continue %}`), Python's
+//! string and dict methods (`.strip()`, `.split()`, `.startswith()`, `.items()`, … through
+//! `minijinja-contrib`'s `pycompat`), and transformers' globals and filters: `raise_exception(msg)`,
+//! `strftime_now(fmt)` and its own `tojson` (Python's `json.dumps`: `ensure_ascii=False`, `indent`,
+//! `separators`, `sort_keys`). Values print as Python's `str()` prints them (`True`, `None`,
+//! `['a', 1]`).
+//!
+//! transformers records, through its `AssistantTracker` extension, the text rendered inside
+//! `{% generation %}…{% endgeneration %}` blocks (the assistant turns that `assistant_only_loss`
+//! trains on). minijinja has no custom tags, so before compiling, each such tag is rewritten into a
+//! `{% filter %}…{% endfilter %}` block (a block tag too, so `trim_blocks`, `lstrip_blocks` and the
+//! `-`/`+` whitespace controls act on it exactly as on the original tag) whose filter wraps the body
+//! in two private-use characters, U+E000 and U+E001. After rendering, they are taken out again and
+//! what lay between them becomes a span of [`Rendered::generation_spans`]. Templates and inputs that
+//! already contain those characters are refused.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use minijinja::value::{Kwargs, Rest, ValueKind};
+use minijinja::{Environment, Error as JinjaError, ErrorKind, Value};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value as Json};
+
+/// Opens a `{% generation %}` span in the rendered text before it is taken apart.
+const GEN_OPEN: char = '\u{E000}';
+/// Closes a `{% generation %}` span.
+const GEN_CLOSE: char = '\u{E001}';
+/// The filter a `{% generation %}` tag is rewritten into.
+const GEN_FILTER: &str = "__kiln_generation";
+/// The name errors give the template.
+const TEMPLATE_NAME: &str = "chat_template";
+/// The special tokens transformers passes to every template (`special_tokens_map`).
+const SPECIAL_TOKENS: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
+/// Why a chat template could not be loaded, compiled or rendered (one sentence each).
+#[derive(Debug, thiserror::Error)]
+pub enum ChatTemplateError {
+    /// A tokenizer file could not be read or holds no usable template.
+    #[error("{}: {message}", path.display())]
+    File { path: PathBuf, message: String },
+    /// The template is not valid Jinja.
+    #[error("the chat template does not compile: {0}")]
+    Compile(String),
+    /// Rendering failed; for `raise_exception(msg)` the message is the template's own.
+    #[error("the chat template failed at line {line}: {message}", line = line.map_or("?".to_string(), |l| l.to_string()))]
+    Render {
+        line: Option<usize>,
+        message: String,
+    },
+    /// The messages, tools or template variables cannot be given to the template.
+    #[error("{0}")]
+    Input(String),
+}
+
+/// One chat message: its role, its content and any other keys (`tool_calls`, `name`,
+/// `reasoning_content`, …), which the template sees as they are.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Message {
+    pub role: String,
+    /// A string, a list of content parts (multimodal), or absent (`null`), as some tool-call turns.
+    #[serde(default, skip_serializing_if = "Json::is_null")]
+    pub content: Json,
+    /// Every other key of the message.
+    #[serde(flatten)]
+    pub extra: Map<String, Json>,
+}
+
+impl Message {
+    /// A message with a text content and nothing else.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Message {
+            role: role.into(),
+            content: Json::String(content.into()),
+            extra: Map::new(),
+        }
+    }
+}
+
+/// What a render needs besides the messages; `Default` is transformers' default call.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RenderOptions<'a> {
+    /// End with the header of a new assistant turn (for a prompt to complete).
+    pub add_generation_prompt: bool,
+    /// JSON schemas of the tools the model may call (`tools=`), passed as they are.
+    pub tools: Option<&'a [Json]>,
+    /// More template variables (TRL's per-row `chat_template_kwargs`); they override the special
+    /// tokens of the same name, as in transformers.
+    pub variables: Option<&'a Map<String, Json>>,
+}
+
+/// A rendered conversation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rendered {
+    pub text: String,
+    /// Byte ranges of `text` rendered inside `{% generation %}` blocks, in the order the blocks
+    /// closed (transformers' `generation_indices` order, there in characters).
+    pub generation_spans: Vec<Range<usize>>,
+}
+
+impl Rendered {
+    /// [`Self::generation_spans`] in characters, as transformers reports them.
+    pub fn generation_char_spans(&self) -> Vec<Range<usize>> {
+        let to_char = |b: usize| self.text[..b].chars().count();
+        self.generation_spans
+            .iter()
+            .map(|r| to_char(r.start)..to_char(r.end))
+            .collect()
+    }
+}
+
+/// A compiled chat template with the special tokens it is rendered with.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    source: String,
+    has_generation: bool,
+    variables: BTreeMap<String, Json>,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("source", &self.source)
+            .field("variables", &self.variables)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ChatTemplate {
+    /// Compiles `source`; `bos_token` and `eos_token` are the strings the template sees under those
+    /// names (add others with [`Self::with_variable`]).
+    pub fn new(
+        source: &str,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> Result<Self, ChatTemplateError> {
+        if source.contains([GEN_OPEN, GEN_CLOSE]) {
+            return Err(ChatTemplateError::Compile(
+                "it contains the private-use characters U+E000 or U+E001, which kiln reserves \
+                 for marking {% generation %} blocks"
+                    .into(),
+            ));
+        }
+        let (rewritten, opens, closes) = rewrite_generation_tags(source);
+        if opens != closes {
+            return Err(ChatTemplateError::Compile(format!(
+                "it has {opens} {{% generation %}} tags but {closes} {{% endgeneration %}} tags"
+            )));
+        }
+        let generation_tags = opens;
+        let mut env = Environment::new();
+        let mut syntax = minijinja::syntax::SyntaxConfig::builder();
+        syntax
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .keep_trailing_newline(false);
+        env.set_syntax(
+            syntax
+                .build()
+                .map_err(|e| ChatTemplateError::Compile(e.to_string()))?,
+        );
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_formatter(|out, _state, value| {
+            out.write_str(&py_str(value))
+                .map_err(|_| JinjaError::new(ErrorKind::WriteFailure, "cannot write output"))
+        });
+        env.add_filter("tojson", tojson);
+        env.add_filter("string", |v: Value| py_str(&v));
+        // Python's `iter()`: `none` is not iterable (minijinja iterates it as empty), undefined is.
+        env.add_test("iterable", |v: Value| {
+            !matches!(
+                v.kind(),
+                ValueKind::None | ValueKind::Bool | ValueKind::Number | ValueKind::Plain
+            )
+        });
+        env.add_filter(GEN_FILTER, |body: String| {
+            format!("{GEN_OPEN}{body}{GEN_CLOSE}")
+        });
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_template_owned(TEMPLATE_NAME, rewritten)
+            .map_err(|e| {
+                let mut message = describe(&e);
+                if generation_tags > 0 {
+                    // The rewrite is ours: speak of the tags the author wrote.
+                    message = message
+                        .replace("endfilter", "endgeneration")
+                        .replace(GEN_FILTER, "generation");
+                }
+                ChatTemplateError::Compile(message)
+            })?;
+        let mut variables = BTreeMap::new();
+        for (name, value) in [("bos_token", bos_token), ("eos_token", eos_token)] {
+            if let Some(v) = value {
+                variables.insert(name.to_string(), Json::String(v));
+            }
+        }
+        let template = ChatTemplate {
+            env,
+            source: source.to_string(),
+            has_generation: generation_tags > 0,
+            variables,
+        };
+        template.check_variables()?;
+        Ok(template)
+    }
+
+    /// Adds (or replaces) a variable every render sees, e.g. `pad_token` or `date_string`.
+    pub fn with_variable(mut self, name: &str, value: Json) -> Result<Self, ChatTemplateError> {
+        self.variables.insert(name.to_string(), value);
+        self.check_variables()?;
+        Ok(self)
+    }
+
+    /// The template of a model folder, as transformers loads it: `chat_template.jinja`, else
+    /// `tokenizer_config.json`'s `"chat_template"` (a string, or a list of `{name, template}` or a
+    /// name → template object, of which `"default"` is taken); `None` if neither. Every special token of
+    /// `tokenizer_config.json` (else `special_tokens_map.json`) is given to the template.
+    pub fn from_model_dir(dir: &Path) -> Result<Option<Self>, ChatTemplateError> {
+        let config_path = dir.join("tokenizer_config.json");
+        let config = read_json_object(&config_path)?;
+        let jinja_path = dir.join("chat_template.jinja");
+        let source = if jinja_path.is_file() {
+            std::fs::read_to_string(&jinja_path).map_err(|e| ChatTemplateError::File {
+                path: jinja_path.clone(),
+                message: format!("cannot read the chat template: {e}"),
+            })?
+        } else {
+            match config.as_ref().and_then(|c| c.get("chat_template")) {
+                None | Some(Json::Null) => return Ok(None),
+                Some(Json::String(s)) => s.clone(),
+                Some(Json::Array(list)) => default_of_named(list, &config_path)?,
+                Some(Json::Object(named)) => match named.get("default") {
+                    Some(Json::String(s)) => s.clone(),
+                    _ => {
+                        return Err(ChatTemplateError::File {
+                            path: config_path,
+                            message: "\"chat_template\" names several templates but no \
+                                      \"default\" string"
+                                .into(),
+                        })
+                    }
+                },
+                Some(other) => {
+                    return Err(ChatTemplateError::File {
+                        path: config_path,
+                        message: format!(
+                            "\"chat_template\" must be a string or a list of {{name, template}}, \
+                             not {}",
+                            json_kind(other)
+                        ),
+                    })
+                }
+            }
+        };
+        let tokens = special_tokens(dir)?;
+        let mut template = ChatTemplate::new(&source, None, None)?;
+        for (name, value) in tokens {
+            template = template.with_variable(&name, Json::String(value))?;
+        }
+        Ok(Some(template))
+    }
+
+    /// The template as written (before the `{% generation %}` rewrite).
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Whether the template marks assistant text with `{% generation %}` blocks (which
+    /// `assistant_only_loss` needs).
+    pub fn has_generation_blocks(&self) -> bool {
+        self.has_generation
+    }
+
+    /// A template variable, e.g. `"eos_token"`.
+    pub fn variable(&self, name: &str) -> Option<&Json> {
+        self.variables.get(name)
+    }
+
+    /// Renders `messages` as `apply_chat_template(messages, tokenize=False,
+    /// add_generation_prompt=…)` does.
+    pub fn render(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<Rendered, ChatTemplateError> {
+        self.render_with(
+            messages,
+            &RenderOptions {
+                add_generation_prompt,
+                ..Default::default()
+            },
+        )
+    }
+
+    /// Renders `messages` with tools and extra variables.
+    pub fn render_with(
+        &self,
+        messages: &[Message],
+        options: &RenderOptions<'_>,
+    ) -> Result<Rendered, ChatTemplateError> {
+        let messages: Vec<Json> = messages.iter().map(normalize_message).collect();
+        let tools = options.tools.map(|t| Json::Array(t.to_vec()));
+        for (what, value) in [
+            ("a message", Some(&Json::Array(messages.clone()))),
+            ("a tool", tools.as_ref()),
+        ] {
+            if value.is_some_and(contains_sentinel) {
+                return Err(sentinel_error(what));
+            }
+        }
+        let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
+        for (k, v) in &self.variables {
+            ctx.insert(k.clone(), to_value(v));
+        }
+        if let Some(vars) = options.variables {
+            if contains_sentinel(&Json::Object(vars.clone())) {
+                return Err(sentinel_error("a template variable"));
+            }
+            for (k, v) in vars {
+                ctx.insert(k.clone(), to_value(v));
+            }
+        }
+        ctx.insert(
+            "messages".into(),
+            Value::from(messages.iter().map(to_value).collect::<Vec<_>>()),
+        );
+        ctx.insert(
+            "tools".into(),
+            tools.map_or(Value::from(()), |t| to_value(&t)),
+        );
+        ctx.insert("documents".into(), Value::from(()));
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::from(options.add_generation_prompt),
+        );
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| ChatTemplateError::Compile(describe(&e)))?;
+        let raw =
+            template
+                .render(Value::from_pairs(ctx))
+                .map_err(|e| ChatTemplateError::Render {
+                    line: e.line(),
+                    message: describe(&e),
+                })?;
+        split_generation_spans(&raw)
+    }
+
+    fn check_variables(&self) -> Result<(), ChatTemplateError> {
+        let all = Json::Object(self.variables.clone().into_iter().collect());
+        if contains_sentinel(&all) {
+            return Err(sentinel_error("a special token"));
+        }
+        Ok(())
+    }
+}
+
+/// The special tokens of a model folder (`bos_token`, `eos_token`, `unk_token`, `pad_token`, …),
+/// from `tokenizer_config.json`, else `special_tokens_map.json`; each a string or an `AddedToken`
+/// object (`{"content": …}`).
+pub fn special_tokens(dir: &Path) -> Result<BTreeMap<String, String>, ChatTemplateError> {
+    let mut out = BTreeMap::new();
+    for file in ["special_tokens_map.json", "tokenizer_config.json"] {
+        let path = dir.join(file);
+        let Some(config) = read_json_object(&path)? else {
+            continue;
+        };
+        for name in SPECIAL_TOKENS {
+            match config.get(name) {
+                Some(Json::String(s)) => {
+                    out.insert(name.to_string(), s.clone());
+                }
+                Some(Json::Object(o)) => match o.get("content") {
+                    Some(Json::String(s)) => {
+                        out.insert(name.to_string(), s.clone());
+                    }
+                    _ => {
+                        return Err(ChatTemplateError::File {
+                            path,
+                            message: format!(
+                                "\"{name}\" is an object without a \"content\" string"
+                            ),
+                        })
+                    }
+                },
+                _ => {}
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn read_json_object(path: &Path) -> Result<Option<Map<String, Json>>, ChatTemplateError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => {
+            return Err(ChatTemplateError::File {
+                path: path.to_path_buf(),
+                message: format!("cannot read it: {e}"),
+            })
+        }
+    };
+    match serde_json::from_str(&text) {
+        Ok(Json::Object(o)) => Ok(Some(o)),
+        Ok(_) => Err(ChatTemplateError::File {
+            path: path.to_path_buf(),
+            message: "it is not a JSON object".into(),
+        }),
+        Err(e) => Err(ChatTemplateError::File {
+            path: path.to_path_buf(),
+            message: format!("it is not valid JSON: {e}"),
+        }),
+    }
+}
+
+fn default_of_named(list: &[Json], path: &Path) -> Result<String, ChatTemplateError> {
+    let mut names = Vec::new();
+    for item in list {
+        match (item.get("name"), item.get("template")) {
+            (Some(Json::String(name)), Some(Json::String(t))) => {
+                if name == "default" {
+                    return Ok(t.clone());
+                }
+                names.push(name.clone());
+            }
+            _ => {
+                return Err(ChatTemplateError::File {
+                    path: path.to_path_buf(),
+                    message: "each entry of the \"chat_template\" list must be {\"name\": …, \
+                              \"template\": …} with two strings"
+                        .into(),
+                })
+            }
+        }
+    }
+    Err(ChatTemplateError::File {
+        path: path.to_path_buf(),
+        message: format!(
+            "the model has several chat templates ({}) but none named \"default\"",
+            names.join(", ")
+        ),
+    })
+}
+
+fn json_kind(v: &Json) -> &'static str {
+    match v {
+        Json::Null => "null",
+        Json::Bool(_) => "a boolean",
+        Json::Number(_) => "a number",
+        Json::String(_) => "a string",
+        Json::Array(_) => "a list",
+        Json::Object(_) => "an object",
+    }
+}
+
+/// transformers' message clean-up: keys whose value is `None` are dropped, and a reasoning given as
+/// `reasoning_content`, `thinking` or `reasoning` is also passed as `thinking` (unless the message
+/// has one) and as `reasoning_content`.
+fn normalize_message(m: &Message) -> Json {
+    let mut obj = Map::new();
+    obj.insert("role".into(), Json::String(m.role.clone()));
+    if !m.content.is_null() {
+        obj.insert("content".into(), m.content.clone());
+    }
+    for (k, v) in &m.extra {
+        if !v.is_null() && k != "role" && k != "content" {
+            obj.insert(k.clone(), v.clone());
+        }
+    }
+    let reasoning = ["reasoning_content", "thinking", "reasoning"]
+        .iter()
+        .find_map(|k| obj.get(*k).cloned());
+    if let Some(r) = reasoning {
+        if !obj.contains_key("thinking") {
+            let mut with = Map::new();
+            with.insert("thinking".into(), r.clone());
+            with.extend(obj);
+            obj = with;
+        }
+        obj.insert("reasoning_content".into(), r);
+    }
+    Json::Object(obj)
+}
+
+/// A JSON value as a template value (objects keep their key order).
+fn to_value(v: &Json) -> Value {
+    match v {
+        Json::Null => Value::from(()),
+        Json::Bool(b) => Value::from(*b),
+        Json::Number(n) => match (n.as_i64(), n.as_u64(), n.as_f64()) {
+            (Some(i), _, _) => Value::from(i),
+            (_, Some(u), _) => Value::from(u),
+            (_, _, Some(f)) => Value::from(f),
+            _ => Value::from(n.to_string()),
+        },
+        Json::String(s) => Value::from(s.as_str()),
+        Json::Array(a) => Value::from(a.iter().map(to_value).collect::<Vec<_>>()),
+        Json::Object(o) => Value::from_pairs(o.iter().map(|(k, v)| (k.as_str(), to_value(v)))),
+    }
+}
+
+fn contains_sentinel(v: &Json) -> bool {
+    match v {
+        Json::String(s) => s.contains([GEN_OPEN, GEN_CLOSE]),
+        Json::Array(a) => a.iter().any(contains_sentinel),
+        Json::Object(o) => o
+            .iter()
+            .any(|(k, v)| k.contains([GEN_OPEN, GEN_CLOSE]) || contains_sentinel(v)),
+        _ => false,
+    }
+}
+
+fn sentinel_error(what: &str) -> ChatTemplateError {
+    ChatTemplateError::Input(format!(
+        "{what} contains the private-use characters U+E000 or U+E001, which kiln reserves for \
+         marking {{% generation %}} blocks"
+    ))
+}
+
+/// Rewrites `{% generation %}` / `{% endgeneration %}` (any `-`/`+` whitespace control, any
+/// spacing, line breaks kept so error lines stay right) into a filter block; returns the new
+/// source and how many opening and closing tags were rewritten.
+fn rewrite_generation_tags(source: &str) -> (String, usize, usize) {
+    let bytes = source.as_bytes();
+    let mut out = String::with_capacity(source.len() + 64);
+    let (mut opens, mut closes) = (0, 0);
+    let mut copied = 0;
+    let mut i = 0;
+    while let Some(off) = source[i..].find("{%") {
+        let start = i + off;
+        i = start + 2;
+        let mut j = i;
+        let ctl_open = match bytes.get(j) {
+            Some(b'-') | Some(b'+') => {
+                j += 1;
+                &source[j - 1..j]
+            }
+            _ => "",
+        };
+        let ws1_start = j;
+        while j < bytes.len() && bytes[j].is_ascii_whitespace() {
+            j += 1;
+        }
+        let ws1 = &source[ws1_start..j];
+        let word_start = j;
+        while j < bytes.len() && (bytes[j].is_ascii_alphanumeric() || bytes[j] == b'_') {
+            j += 1;
+        }
+        let opening = match &source[word_start..j] {
+            "generation" => true,
+            "endgeneration" => false,
+            _ => continue,
+        };
+        let replacement = if opening {
+            format!("filter {GEN_FILTER}")
+        } else {
+            "endfilter".to_string()
+        };
+        let ws2_start = j;
+        while j < bytes.len() && bytes[j].is_ascii_whitespace() {
+            j += 1;
+        }
+        let ws2 = &source[ws2_start..j];
+        let ctl_close = match bytes.get(j) {
+            Some(b'-') | Some(b'+') => {
+                j += 1;
+                &source[j - 1..j]
+            }
+            _ => "",
+        };
+        if !source[j..].starts_with("%}") {
+            continue;
+        }
+        j += 2;
+        out.push_str(&source[copied..start]);
+        let _ = write!(out, "{{%{ctl_open}{ws1}{replacement}{ws2}{ctl_close}%}}");
+        copied = j;
+        i = j;
+        if opening {
+            opens += 1;
+        } else {
+            closes += 1;
+        }
+    }
+    out.push_str(&source[copied..]);
+    (out, opens, closes)
+}
+
+/// Takes the generation markers out of `raw`, returning the text and the spans they enclosed.
+fn split_generation_spans(raw: &str) -> Result<Rendered, ChatTemplateError> {
+    if !raw.contains([GEN_OPEN, GEN_CLOSE]) {
+        return Ok(Rendered {
+            text: raw.to_string(),
+            generation_spans: Vec::new(),
+        });
+    }
+    let mut text = String::with_capacity(raw.len());
+    let mut open = Vec::new();
+    let mut spans = Vec::new();
+    for c in raw.chars() {
+        match c {
+            GEN_OPEN => open.push(text.len()),
+            GEN_CLOSE => match open.pop() {
+                Some(start) => spans.push(start..text.len()),
+                None => return Err(unbalanced()),
+            },
+            c => text.push(c),
+        }
+    }
+    if !open.is_empty() {
+        return Err(unbalanced());
+    }
+    Ok(Rendered {
+        text,
+        generation_spans: spans,
+    })
+}
+
+fn unbalanced() -> ChatTemplateError {
+    ChatTemplateError::Render {
+        line: None,
+        message: "the template's output holds U+E000 / U+E001 characters of its own (they mark \
+                  {% generation %} blocks), so its generation spans cannot be told apart"
+            .into(),
+    }
+}
+
+/// The error raised by the template's own `raise_exception(msg)`.
+#[derive(Debug)]
+struct Raised;
+
+impl std::fmt::Display for Raised {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("raised by the template")
+    }
+}
+
+impl std::error::Error for Raised {}
+
+fn raise_exception(message: String) -> Result<Value, JinjaError> {
+    Err(JinjaError::new(ErrorKind::InvalidOperation, message).with_source(Raised))
+}
+
+/// One clause for a minijinja error: the template's own message for `raise_exception`, else the
+/// kind of error and its detail.
+fn describe(e: &JinjaError) -> String {
+    let raised = std::iter::successors(std::error::Error::source(e), |s| s.source())
+        .any(|s| s.is::<Raised>());
+    let detail = e.detail().unwrap_or_default();
+    if raised {
+        return detail.to_string();
+    }
+    let kind = e.kind().to_string();
+    let mut message = if detail.is_empty() {
+        kind
+    } else {
+        format!("{kind}: {detail}")
+    };
+    if let (ErrorKind::SyntaxError, Some(line)) = (e.kind(), e.line()) {
+        let _ = write!(message, " (line {line})");
+    }
+    message
+}
+
+/// `datetime.now().strftime(fmt)`: the C library's `strftime` on local time, which Python calls
+/// too (Python's own `%f`, `%z` and `%Z` handling aside).
+fn strftime_now(format: String) -> Result<String, JinjaError> {
+    let fmt = std::ffi::CString::new(format).map_err(|_| {
+        JinjaError::new(
+            ErrorKind::InvalidOperation,
+            "strftime_now: the format contains a NUL character",
+        )
+    })?;
+    // SAFETY: `time` and `localtime_r` write into the locals given; `strftime` writes at most
+    // `buf.len()` bytes into `buf` and reads the NUL-terminated `fmt`.
+    unsafe {
+        let now = libc::time(std::ptr::null_mut());
+        let mut tm: libc::tm = std::mem::zeroed();
+        if libc::localtime_r(&now, &mut tm).is_null() {
+            return Err(JinjaError::new(
+                ErrorKind::InvalidOperation,
+                "strftime_now: cannot read the local time",
+            ));
+        }
+        let mut cap = 256;
+        loop {
+            let mut buf = vec![0u8; cap];
+            let n = libc::strftime(buf.as_mut_ptr().cast(), cap, fmt.as_ptr(), &tm);
+            if n > 0 || cap >= 1 << 16 {
+                buf.truncate(n);
+                return Ok(String::from_utf8_lossy(&buf).into_owned());
+            }
+            cap *= 16;
+        }
+    }
+}
+
+/// transformers' `tojson` filter: `json.dumps(x, ensure_ascii=False, indent=None,
+/// separators=None, sort_keys=False)`, positional arguments in that order.
+fn tojson(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<String, JinjaError> {
+    let names = ["ensure_ascii", "indent", "separators", "sort_keys"];
+    if args.len() > names.len() {
+        return Err(JinjaError::new(
+            ErrorKind::TooManyArguments,
+            "tojson takes at most 4 arguments",
+        ));
+    }
+    let mut opts: [Option<Value>; 4] = Default::default();
+    for (i, a) in args.iter().enumerate() {
+        opts[i] = Some(a.clone());
+    }
+    for (i, name) in names.iter().enumerate() {
+        if let Some(v) = kwargs.get::<Option<Value>>(name)? {
+            if opts[i].is_some() {
+                return Err(JinjaError::new(
+                    ErrorKind::InvalidOperation,
+                    format!("tojson got multiple values for argument '{name}'"),
+                ));
+            }
+            opts[i] = Some(v);
+        }
+    }
+    kwargs.assert_all_used()?;
+    let [ensure_ascii, indent, separators, sort_keys] = opts;
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => Some(match v.as_str() {
+            Some(s) => s.to_string(),
+            None => " ".repeat(v.as_i64().unwrap_or(0).max(0) as usize),
+        }),
+    };
+    let (item_sep, key_sep) = match separators.filter(|s| !s.is_none()) {
+        Some(seps) => {
+            let parts: Vec<Value> = seps.try_iter()?.collect();
+            match parts.as_slice() {
+                [a, b] if a.as_str().is_some() && b.as_str().is_some() => (
+                    a.as_str().unwrap_or_default().to_string(),
+                    b.as_str().unwrap_or_default().to_string(),
+                ),
+                _ => {
+                    return Err(JinjaError::new(
+                        ErrorKind::InvalidOperation,
+                        "tojson: separators must be two strings",
+                    ))
+                }
+            }
+        }
+        None if indent.is_some() => (",".into(), ": ".into()),
+        None => (", ".into(), ": ".into()),
+    };
+    let dumper = JsonDumper {
+        ensure_ascii: ensure_ascii.is_some_and(|v| v.is_true()),
+        indent,
+        item_sep,
+        key_sep,
+        sort_keys: sort_keys.is_some_and(|v| v.is_true()),
+    };
+    let mut out = String::new();
+    dumper.dump(&value, 0, &mut out)?;
+    Ok(out)
+}
+
+/// Python's `json.dumps`, on minijinja values.
+struct JsonDumper {
+    ensure_ascii: bool,
+    indent: Option<String>,
+    item_sep: String,
+    key_sep: String,
+    sort_keys: bool,
+}
+
+impl JsonDumper {
+    fn dump(&self, v: &Value, level: usize, out: &mut String) -> Result<(), JinjaError> {
+        match v.kind() {
+            ValueKind::None => out.push_str("null"),
+            ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+            ValueKind::Number => out.push_str(&number_json(v)),
+            ValueKind::String => {
+                json_string(v.as_str().unwrap_or_default(), self.ensure_ascii, out)
+            }
+            ValueKind::Seq | ValueKind::Iterable => {
+                let items: Vec<Value> = v.try_iter()?.collect();
+                self.container(out, level, '[', ']', &items, |item, level, out| {
+                    self.dump(item, level, out)
+                })?;
+            }
+            ValueKind::Map => {
+                let mut entries = Vec::new();
+                for key in v.try_iter()? {
+                    let value = v.get_item(&key)?;
+                    let key = match key.kind() {
+                        ValueKind::String => key.as_str().unwrap_or_default().to_string(),
+                        ValueKind::Number => number_json(&key),
+                        ValueKind::Bool => (if key.is_true() { "true" } else { "false" }).into(),
+                        ValueKind::None => "null".into(),
+                        _ => {
+                            return Err(JinjaError::new(
+                                ErrorKind::InvalidOperation,
+                                format!(
+                                    "tojson: keys must be str, int, float, bool or None, not {}",
+                                    key.kind()
+                                ),
+                            ))
+                        }
+                    };
+                    entries.push((key, value));
+                }
+                if self.sort_keys {
+                    entries.sort_by(|a, b| a.0.cmp(&b.0));
+                }
+                self.container(out, level, '{', '}', &entries, |(k, val), level, out| {
+                    json_string(k, self.ensure_ascii, out);
+                    out.push_str(&self.key_sep);
+                    self.dump(val, level, out)
+                })?;
+            }
+            kind => {
+                return Err(JinjaError::new(
+                    ErrorKind::InvalidOperation,
+                    format!("tojson: a value of type {kind} is not JSON serializable"),
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    fn container<T>(
+        &self,
+        out: &mut String,
+        level: usize,
+        open: char,
+        close: char,
+        items: &[T],
+        mut each: impl FnMut(&T, usize, &mut String) -> Result<(), JinjaError>,
+    ) -> Result<(), JinjaError> {
+        out.push(open);
+        if items.is_empty() {
+            out.push(close);
+            return Ok(());
+        }
+        for (i, item) in items.iter().enumerate() {
+            if i > 0 {
+                out.push_str(&self.item_sep);
+            }
+            if let Some(ind) = &self.indent {
+                out.push('\n');
+                out.push_str(&ind.repeat(level + 1));
+            }
+            each(item, level + 1, out)?;
+        }
+        if let Some(ind) = &self.indent {
+            out.push('\n');
+            out.push_str(&ind.repeat(level));
+        }
+        out.push(close);
+        Ok(())
+    }
+}
+
+/// A number as Python's `json.dumps` writes it (floats as `repr`, `NaN`, `Infinity`).
+fn number_json(v: &Value) -> String {
+    if v.is_integer() {
+        return v.to_string();
+    }
+    match f64::try_from(v.clone()) {
+        Ok(f) if f.is_nan() => "NaN".into(),
+        Ok(f) if f.is_infinite() => (if f > 0.0 { "Infinity" } else { "-Infinity" }).into(),
+        Ok(f) => py_float_repr(f),
+        Err(_) => v.to_string(),
+    }
+}
+
+/// Python's `repr(float)`: the shortest round-tripping digits, positional for exponents from -4 to
+/// 15, else `1.5e+16` style.
+fn py_float_repr(f: f64) -> String {
+    if f.is_nan() {
+        return "nan".into();
+    }
+    if f.is_infinite() {
+        return (if f > 0.0 { "inf" } else { "-inf" }).into();
+    }
+    let sci = format!("{f:e}"); // e.g. "-1.2345e-5": shortest round-trip digits
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    let negative = mantissa.starts_with('-');
+    let digits: String = mantissa.chars().filter(|c| c.is_ascii_digit()).collect();
+    let mut out = String::new();
+    if negative {
+        out.push('-');
+    }
+    if (-4..16).contains(&exp) {
+        if exp >= 0 {
+            let int_len = exp as usize + 1;
+            if digits.len() <= int_len {
+                out.push_str(&digits);
+                out.push_str(&"0".repeat(int_len - digits.len()));
+                out.push_str(".0");
+            } else {
+                out.push_str(&digits[..int_len]);
+                out.push('.');
+                out.push_str(&digits[int_len..]);
+            }
+        } else {
+            out.push_str("0.");
+            out.push_str(&"0".repeat((-exp - 1) as usize));
+            out.push_str(&digits);
+        }
+    } else {
+        out.push_str(&digits[..1]);
+        if digits.len() > 1 {
+            out.push('.');
+            out.push_str(&digits[1..]);
+        }
+        let _ = write!(out, "e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.abs());
+    }
+    out
+}
+
+/// A JSON string as Python's `json.dumps` escapes it.
+fn json_string(s: &str, ensure_ascii: bool, out: &mut String) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c if ensure_ascii && (c as u32) > 0x7e => {
+                let mut units = [0u16; 2];
+                for u in c.encode_utf16(&mut units) {
+                    let _ = write!(out, "\\u{u:04x}");
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+/// Python's `str()` of a template value, which is what Jinja prints.
+fn py_str(v: &Value) -> String {
+    match v.kind() {
+        ValueKind::Undefined => String::new(),
+        ValueKind::String => v.as_str().unwrap_or_default().to_string(),
+        _ => py_repr(v),
+    }
+}
+
+/// Python's `repr()` of a template value (how it prints inside a list or dict).
+fn py_repr(v: &Value) -> String {
+    match v.kind() {
+        ValueKind::Undefined => String::new(),
+        ValueKind::None => "None".into(),
+        ValueKind::Bool => (if v.is_true() { "True" } else { "False" }).into(),
+        ValueKind::Number if v.is_integer() => v.to_string(),
+        ValueKind::Number => match f64::try_from(v.clone()) {
+            Ok(f) => py_float_repr(f),
+            Err(_) => v.to_string(),
+        },
+        ValueKind::String => py_repr_str(v.as_str().unwrap_or_default()),
+        ValueKind::Seq => match v.try_iter() {
+            Ok(items) => {
+                let items: Vec<String> = items.map(|i| py_repr(&i)).collect();
+                if v.is_tuple() {
+                    if items.len() == 1 {
+                        format!("({},)", items[0])
+                    } else {
+                        format!("({})", items.join(", "))
+                    }
+                } else {
+                    format!("[{}]", items.join(", "))
+                }
+            }
+            Err(_) => v.to_string(),
+        },
+        ValueKind::Map => match v.try_iter() {
+            Ok(keys) => {
+                let items: Vec<String> = keys
+                    .map(|k| {
+                        let val = v.get_item(&k).unwrap_or_default();
+                        format!("{}: {}", py_repr(&k), py_repr(&val))
+                    })
+                    .collect();
+                format!("{{{}}}", items.join(", "))
+            }
+            Err(_) => v.to_string(),
+        },
+        _ => v.to_string(),
+    }
+}
+
+/// Python's `repr(str)`: single quotes unless the string holds `'` and no `"`.
+fn py_repr_str(s: &str) -> String {
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if (c as u32) < 0x20 || (0x7f..0xa0).contains(&(c as u32)) => {
+                let _ = write!(out, "\\x{:02x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    const MISTRAL: &str = "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}";
+
+    /// SmolLM2's template with generation blocks on lines of their own (check.py's SMOL_GEN).
+    const SMOL_GEN: &str = "{% for message in messages %}\n{% if loop.first and messages[0]['role'] != 'system' %}\n{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}\n{% endif %}\n{% if message['role'] == 'assistant' %}\n{{ '<|im_start|>assistant\\n' }}\n    {% generation %}\n{{ message['content'] + '<|im_end|>' }}\n    {%- endgeneration %}\n\n{{ '\\n' }}\n{% else %}\n{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\n{% endif %}\n{% endfor %}\n{% if add_generation_prompt %}\n{{ '<|im_start|>assistant\\n' }}\n{% endif %}\n";
+
+    fn system_conv() -> Vec<Message> {
+        vec![
+            Message::new("system", "You are terse."),
+            Message::new("user", "  Hi  there \u{e9}\u{4e16} "),
+            Message::new("assistant", "Hello."),
+            Message::new("user", "2+2?"),
+            Message::new("assistant", "4"),
+        ]
+    }
+
+    #[test]
+    fn smollm2_matches_transformers() {
+        let t = ChatTemplate::new(
+            SMOLLM2,
+            Some("<|im_start|>".into()),
+            Some("<|im_end|>".into()),
+        )
+        .unwrap();
+        let r = t.render(&system_conv(), false).unwrap();
+        // transformers 5.24 apply_chat_template(tokenize=False), from check.py
+        assert_eq!(
+            r.text,
+            "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n  Hi  there é世 <|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
+        );
+        assert!(r.generation_spans.is_empty());
+        let two = [Message::new("user", "Hello there!")];
+        let r = t.render(&two, true).unwrap();
+        assert_eq!(r.text, "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n");
+    }
+
+    #[test]
+    fn mistral_raise_exception_surfaces_its_message() {
+        let t = ChatTemplate::new(MISTRAL, Some("<s>".into()), Some("</s>".into())).unwrap();
+        let ok = [Message::new("user", "Hi"), Message::new("assistant", "Yo")];
+        assert_eq!(
+            t.render(&ok, false).unwrap().text,
+            "<s>[INST] Hi [/INST]Yo</s>"
+        );
+        let bad = [Message::new("user", "a"), Message::new("user", "b")];
+        let err = t.render(&bad, false).unwrap_err();
+        let text = err.to_string();
+        assert_eq!(
+            text,
+            "the chat template failed at line 1: Conversation roles must alternate user/assistant/user/assistant/..."
+        );
+    }
+
+    #[test]
+    fn generation_blocks_trim_like_block_tags() {
+        let t = ChatTemplate::new(SMOL_GEN, None, None).unwrap();
+        assert!(t.has_generation_blocks());
+        let r = t.render(&system_conv(), false).unwrap();
+        // transformers' render_jinja_template(return_assistant_tokens_mask=True), from check.py
+        assert_eq!(
+            r.text,
+            "<|im_start|>system\nYou are terse.<|im_end|>\n\n<|im_start|>user\n  Hi  there é世 <|im_end|>\n\n<|im_start|>assistant\n\nHello.<|im_end|>\n\n\n<|im_start|>user\n2+2?<|im_end|>\n\n<|im_start|>assistant\n\n4<|im_end|>\n\n\n"
+        );
+        assert_eq!(r.generation_char_spans(), vec![112..128, 187..198]);
+        assert_eq!(&r.text[r.generation_spans[0].clone()], "Hello.<|im_end|>");
+    }
+
+    #[test]
+    fn generation_tag_variants_are_rewritten() {
+        let (s, opens, closes) = rewrite_generation_tags(
+            "a{%generation%}b{%- endgeneration -%}{%+ generation\n%}{% endgeneration+%}{% generations %}{{ '{%' }}",
+        );
+        assert_eq!((opens, closes), (2, 2));
+        assert_eq!(
+            s,
+            "a{%filter __kiln_generation%}b{%- endfilter -%}{%+ filter __kiln_generation\n%}{% endfilter+%}{% generations %}{{ '{%' }}"
+        );
+        let t = ChatTemplate::new(
+            "{% for m in messages %}{% generation %}{% set x = m.content %}{{ x }}{% endgeneration %}|{% endfor %}",
+            None,
+            None,
+        )
+        .unwrap();
+        let r = t
+            .render(&[Message::new("a", "xy"), Message::new("b", "")], false)
+            .unwrap();
+        assert_eq!(r.text, "xy||");
+        assert_eq!(r.generation_spans, vec![0..2, 3..3]);
+    }
+
+    #[test]
+    fn sentinels_are_refused() {
+        assert!(ChatTemplate::new("{{ '\u{e000}' }}", None, None).is_err());
+        let t = ChatTemplate::new(SMOLLM2, None, None).unwrap();
+        let err = t
+            .render(&[Message::new("user", "a\u{e001}")], false)
+            .unwrap_err();
+        assert!(err.to_string().contains("U+E000"), "{err}");
+    }
+
+    #[test]
+    fn python_compat() {
+        let t = ChatTemplate::new(
+            "{{ m.content.strip() }}|{{ m.content.split(' ') | length }}|{{ m.content.startswith('  H') }}|{% for k, v in m.items() %}{{ k }}={{ v }};{% endfor %}|{{ true }} {{ none }} {{ [1, 'a', none, 1.5] }} {{ {'x': 'it\\'s'} }} {{ 2.0 }} {{ 1e20 }}|{{ m | tojson }}|{{ {'b': 1, 'a': [1.5, 1e20, 'é'], 'c': none} | tojson(sort_keys=true) }}|{{ {'k': 'ü😀'} | tojson(ensure_ascii=true) }}|{{ [1, {'a': []}] | tojson(indent=2) }}|{{ [1, 2] | tojson(separators=(',', ':')) }}|{% for i in range(5) %}{% if i == 1 %}{% continue %}{% endif %}{% if i == 3 %}{% break %}{% endif %}{{ i }}{% endfor %}",
+            None,
+            None,
+        )
+        .unwrap();
+        let r = t
+            .render_with(
+                &[],
+                &RenderOptions {
+                    variables: Some(
+                        &serde_json::from_str(
+                            r#"{"m": {"content": "  Hi  there ", "role": "user"}}"#,
+                        )
+                        .unwrap(),
+                    ),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        assert_eq!(
+            r.text,
+            "Hi  there|6|True|content=  Hi  there ;role=user;|True None [1, 'a', None, 1.5] {'x': \"it's\"} 2.0 1e+20|{\"content\": \"  Hi  there \", \"role\": \"user\"}|{\"a\": [1.5, 1e+20, \"é\"], \"b\": 1, \"c\": null}|{\"k\": \"\\u00fc\\ud83d\\ude00\"}|[\n  1,\n  {\n    \"a\": []\n  }\n]|[1,2]|02"
+        );
+    }
+
+    #[test]
+    fn chat_template_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<ChatTemplate>();
+    }
+
+    #[test]
+    fn float_repr_matches_python() {
+        for (f, s) in [
+            (1.0, "1.0"),
+            (-0.0, "-0.0"),
+            (1e16, "1e+16"),
+            (1e15, "1000000000000000.0"),
+            (0.0001, "0.0001"),
+            (0.00001, "1e-05"),
+            (123456789012345680.0, "1.2345678901234568e+17"),
+            (0.1, "0.1"),
+            (2.5e-7, "2.5e-07"),
+        ] {
+            assert_eq!(py_float_repr(f), s);
+        }
+    }
+
+    #[test]
+    fn reasoning_and_none_keys_are_normalized() {
+        let m: Message = serde_json::from_str(
+            r#"{"role": "assistant", "content": "ok", "reasoning": "hmm", "tool_calls": null}"#,
+        )
+        .unwrap();
+        let n = normalize_message(&m);
+        assert_eq!(n["thinking"], "hmm");
+        assert_eq!(n["reasoning_content"], "hmm");
+        assert!(n.get("tool_calls").is_none());
+    }
+
+    #[test]
+    fn strftime_now_formats_today() {
+        let t = ChatTemplate::new("{{ strftime_now('%Y') }}", None, None).unwrap();
+        let year = t.render(&[], false).unwrap().text;
+        assert_eq!(year.len(), 4);
+        assert!(year.parse::<u32>().unwrap() >= 2024);
+    }
+
+    #[test]
+    fn errors_name_the_line() {
+        let err = ChatTemplate::new("ok\n{% if %}", None, None).unwrap_err();
+        assert!(err.to_string().contains("line 2"), "{err}");
+        let err = ChatTemplate::new("{% generation %}x", None, None).unwrap_err();
+        assert!(err.to_string().contains("endgeneration"), "{err}");
+        let t = ChatTemplate::new("a\nb\n{{ messages[0].content.nope() }}", None, None).unwrap();
+        let err = t.render(&[Message::new("user", "x")], false).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("the chat template failed at line 3:"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn model_dir_template_and_tokens() {
+        let dir = std::env::temp_dir().join(format!("kiln-chat-template-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            r#"{"bos_token": {"content": "<s>", "__type": "AddedToken"}, "eos_token": "</s>",
+                "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "{{ bos_token }}{{ eos_token }}{{ messages | length }}"}]}"#,
+        )
+        .unwrap();
+        let t = ChatTemplate::from_model_dir(&dir).unwrap().unwrap();
+        assert_eq!(t.render(&[], false).unwrap().text, "<s></s>0");
+        std::fs::write(dir.join("chat_template.jinja"), "J{{ eos_token }}\n").unwrap();
+        let t = ChatTemplate::from_model_dir(&dir).unwrap().unwrap();
+        assert_eq!(t.render(&[], false).unwrap().text, "J</s>");
+        std::fs::remove_dir_all(&dir).unwrap();
+        let empty = std::env::temp_dir().join(format!("kiln-chat-none-{}", std::process::id()));
+        std::fs::create_dir_all(&empty).unwrap();
+        assert!(ChatTemplate::from_model_dir(&empty).unwrap().is_none());
+        std::fs::remove_dir_all(&empty).unwrap();
+    }
+}
