@@ -217,7 +217,9 @@ impl Adapter {
             .any(|m| suffix_match(module, m) || module_under(module, m))
     }
 
-    /// PEFT's `adapter_config.json` for this adapter.
+    /// PEFT's `adapter_config.json` for this adapter: the keys every PEFT release since 0.10
+    /// reads (newer ones add keys of their own with neutral defaults; older ones refuse keys they
+    /// do not know).
     pub fn config_json(&self, base_model: &str) -> String {
         let c = &self.config;
         let v = json!({
@@ -227,9 +229,18 @@ impl Adapter {
             "fan_in_fan_out": false,
             "inference_mode": true,
             "init_lora_weights": true,
+            "layer_replication": null,
             "layers_pattern": null,
             "layers_to_transform": null,
-            "lora_alpha": c.alpha,
+            "loftq_config": {},
+            // PEFT types lora_alpha as an int: written as one where it is whole.
+            "lora_alpha": if c.alpha.fract() == 0.0 && c.alpha.abs() < 1e15 {
+                json!(c.alpha as i64)
+            } else {
+                json!(c.alpha)
+            },
+            "megatron_config": null,
+            "megatron_core": "megatron.core",
             "lora_dropout": c.dropout,
             "modules_to_save": (!self.modules_to_save.is_empty()).then_some(&self.modules_to_save),
             "peft_type": "LORA",
@@ -281,11 +292,13 @@ pub fn peft_key(path: &str) -> String {
     format!("{PEFT_PREFIX}{p}")
 }
 
-/// PEFT's key → kiln's parameter path (`None` for a key outside `base_model.model.`). Keys with
-/// the adapter's name (`lora_A.default.weight`, as PEFT holds them in memory) are read too.
+/// PEFT's key → kiln's parameter path (`None` for a key outside `base_model.model.`). The names
+/// PEFT's modules have in memory (`lora_A.default.weight`, `classifier.modules_to_save.default.
+/// weight`) are read too.
 pub fn internal_key(key: &str) -> Option<String> {
     let p = key.strip_prefix(PEFT_PREFIX)?;
     let p = p
+        .replace(".modules_to_save.default.", ".")
         .replace(".lora_A.default.weight", ".lora_a.weight")
         .replace(".lora_B.default.weight", ".lora_b.weight")
         .replace(".lora_A.weight", ".lora_a.weight")
