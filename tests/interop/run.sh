@@ -64,3 +64,19 @@ test -f "$out/clm-tp2/checkpoint-2/shards.json"
   --model "$out/clm-tp2" --tensor-parallel-size 2 --prompt "The jury said" --max-new-tokens 12 \
   --ignore-eos --json 2>/dev/null | sed -n 's/^\[rank 0\] //p' | grep '^{' > "$out/gen-tp2.json"
 "$PY" tests/interop/check_llama.py "$out/clm-tp2" "$out/gen-tp2.json"
+
+# SFT with LoRA: conversations through SmolLM2's chat template, an all-linear adapter trained for
+# two steps; peft must load the adapter onto the base and decode what `kiln generate --adapter
+# --chat` decodes, and the folder `kiln merge` writes must decode the same in transformers.
+if "$PY" -c "import peft" 2>/dev/null; then
+  "$KILN" train --task sft --model "$out/smollm2" --train-file tests/fixtures/datasets/chat_messages/train.parquet \
+    --max-length 96 --use-peft --lora-target-modules all-linear --lora-dropout 0 --learning-rate 1e-2 \
+    --per-device-train-batch-size 2 --max-steps 2 --save-strategy no --output-dir "$out/sft-lora" 2>&1 | tail -n 2
+  "$KILN" generate --model "$out/smollm2" --adapter "$out/sft-lora" --chat --prompt "How was your weekend?" \
+    --max-new-tokens 12 --ignore-eos --json > "$out/sft.json"
+  "$PY" tests/interop/check_peft.py "$out/smollm2" "$out/sft-lora" "$out/sft.json"
+  "$KILN" merge --model "$out/smollm2" --adapter "$out/sft-lora" --out "$out/sft-merged"
+  "$PY" tests/interop/check_llama.py "$out/sft-merged" "$out/sft.json"
+else
+  echo "interop: LoRA check SKIPPED (no peft in $PY: scripts/setup-reference-python installs it)"
+fi

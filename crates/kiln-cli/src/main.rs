@@ -13,7 +13,7 @@ use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
 use kiln::backend::{Autodiff, Cpu, CpuDevice, DeviceSpec};
 
 use commands::{
-    bench, cache, convert, eval, generate, launch, plot, precompile, predict, top, train,
+    bench, cache, convert, eval, generate, launch, merge, plot, precompile, predict, top, train,
 };
 
 /// Training allocates and frees the same large activation buffers every step: mimalloc keeps them,
@@ -75,6 +75,8 @@ pub enum Command {
     Convert(convert::ConvertCmd),
     /// Continue a prompt with a causal LM (KV cache), streaming tokens to standard output.
     Generate(generate::GenerateCmd),
+    /// Fold a LoRA adapter (a PEFT folder) into its base model: one Hugging Face folder out.
+    Merge(merge::MergeCmd),
     /// Watch running training jobs: every rank's step, loss, rates, CPU, memory and time in
     /// collectives, live (`kiln top OUTPUT_DIR`, or every job on this machine).
     Top(top::TopCmd),
@@ -145,6 +147,7 @@ where
         Command::Launch(cmd) => launch::run(cmd),
         Command::Precompile(cmd) => precompile::run(&cli.device, cli.threads, &cmd),
         Command::Convert(cmd) => convert::run(cmd),
+        Command::Merge(cmd) => merge::run(cmd),
         Command::Generate(cmd) => generate::run::<B>(cmd, device),
         Command::Top(cmd) => top::run(cmd),
         Command::Plot(cmd) => plot::run(cmd),

@@ -46,8 +46,9 @@ pub struct DataOpts {
     /// The Hub dataset's config (subset), when it has several.
     #[arg(long, requires = "dataset_name")]
     dataset_config: Option<String>,
-    /// The column holding the text.
-    #[arg(long, default_value = "text")]
+    /// The column holding the text (for SFT: the column of plain-text rows, TRL's
+    /// dataset_text_field).
+    #[arg(long, default_value = "text", alias = "dataset-text-field")]
     text_column: String,
     /// The column holding the second text of a pair (sentence-pair tasks such as MRPC).
     #[arg(long)]
@@ -95,6 +96,16 @@ pub struct LmOpts {
 }
 
 impl DataOpts {
+    /// `--max-length`.
+    pub fn max_length(&self) -> usize {
+        self.max_length
+    }
+
+    /// `--text-column` (`--dataset-text-field`).
+    pub fn text_column(&self) -> &str {
+        &self.text_column
+    }
+
     /// The train and eval data (files, or the splits of --dataset-dir / --dataset-name) and the
     /// fraction of the training data to hold out, if one was asked for.
     fn sources(
@@ -205,6 +216,7 @@ impl DataOpts {
             max_train_samples: train.and_then(|t| t.max_train_samples),
             max_eval_samples: self.max_eval_samples,
             lora: None,
+            sft: None,
         })
     }
     pub fn options(

@@ -33,6 +33,14 @@ pub struct GenerateCmd {
     /// The model cut over N processes started together (`kiln launch`), as in training.
     #[arg(long, default_value_t = 1)]
     tensor_parallel_size: usize,
+    /// Generate with this LoRA adapter (a PEFT folder: adapter_config.json,
+    /// adapter_model.safetensors) on --model, unmerged.
+    #[arg(long, value_name = "DIR")]
+    adapter: Option<PathBuf>,
+    /// Send the prompt as a user's message through the model's chat template (with its
+    /// generation prompt), as a chat model expects.
+    #[arg(long)]
+    chat: bool,
 }
 
 pub fn run<B: kiln::ops::KilnBackend>(cmd: GenerateCmd, device: &B::Device) -> Result<()> {
@@ -53,16 +61,23 @@ pub fn run<B: kiln::ops::KilnBackend>(cmd: GenerateCmd, device: &B::Device) -> R
     let mut print = |piece: &str| {
         if stream {
             if !prompt_printed {
-                print!("{}", cmd.prompt);
+                // A chat prompt is a user's turn: the answer starts on a line of its own.
+                let end = if cmd.chat { "\n" } else { "" };
+                print!("{}{end}", cmd.prompt);
                 prompt_printed = true;
             }
             print!("{piece}");
             let _ = std::io::stdout().flush();
         }
     };
+    let prompt = causal_lm::Prompt {
+        text: cmd.prompt.clone(),
+        chat: cmd.chat,
+        adapter: cmd.adapter.clone(),
+    };
     let (prompt_ids, g) = causal_lm::generate_from_folder::<B>(
         &cmd.model,
-        &cmd.prompt,
+        &prompt,
         cmd.tensor_parallel_size,
         &opts,
         device,

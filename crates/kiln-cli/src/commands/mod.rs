@@ -9,9 +9,11 @@ pub mod eval;
 pub mod generate;
 pub mod launch;
 pub mod lora_opts;
+pub mod merge;
 pub mod plot;
 pub mod precompile;
 pub mod predict;
+pub mod sft_opts;
 pub mod top;
 pub mod train;
 
@@ -47,6 +49,7 @@ pub fn resolve_hub_ids(command: &mut Command) -> Result<()> {
         }
         Command::Predict(c) => c.model = resolve(&c.model, Need::Model)?,
         Command::Generate(c) => c.model = resolve(&c.model, Need::Model)?,
+        Command::Merge(c) => c.model = resolve(&c.model, Need::Model)?,
         _ => {}
     }
     Ok(())

@@ -11,19 +11,24 @@ use kiln::train::TrainingArguments;
 
 use super::data_opts::{DataOpts, LmOpts, TrainData};
 use super::lora_opts::LoraOpts;
+use super::sft_opts::SftOpts;
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Task {
     TextClassification,
     MnistMlp,
     CausalLm,
+    /// Supervised fine-tuning of a causal LM on TRL's formats (prompt/completion, messages).
+    Sft,
 }
 
 #[derive(Args)]
 pub struct TrainCmd {
     /// What to train: `text-classification` (a BERT-family model folder and labelled text),
-    /// `causal-lm` (a Llama-family model and a text corpus, packed into --block-size blocks) or
-    /// `mnist-mlp` (the AWS Neuron MNIST MLP sample on IDX files in --data-dir).
+    /// `causal-lm` (a Llama-family model and a text corpus, packed into --block-size blocks),
+    /// `sft` (a Llama-family model on TRL's prompt/completion, messages or text rows, with the
+    /// model's chat template) or `mnist-mlp` (the AWS Neuron MNIST MLP sample on IDX files in
+    /// --data-dir).
     #[arg(long, default_value = "text-classification", help_heading = "Model")]
     pub task: Task,
     /// A Hugging Face model folder (config.json, model.safetensors, tokenizer.json), or a Hub id
@@ -57,6 +62,8 @@ pub struct TrainCmd {
     pub lm: LmOpts,
     #[command(flatten)]
     lora: LoraOpts,
+    #[command(flatten)]
+    sft: SftOpts,
     /// Start from random weights with this config.json (or a Hub id's; pretraining from scratch).
     #[arg(long, help_heading = "Causal LM")]
     pub from_config: Option<PathBuf>,
@@ -94,7 +101,12 @@ where
         bail!("label_smoothing_factor is implemented for text classification only");
     }
     let lora = cmd.lora.config()?;
-    if cmd.task == Task::CausalLm {
+    if cmd.task != Task::Sft && cmd.sft.any() {
+        bail!(
+            "--completion-only-loss, --assistant-only-loss and --packing are options of --task sft"
+        );
+    }
+    if cmd.task == Task::CausalLm || cmd.task == Task::Sft {
         let mut opts = cmd.data.lm_options(
             Some(&cmd.train_data),
             &cmd.lm,
@@ -102,6 +114,12 @@ where
             cmd.from_config.clone(),
         )?;
         opts.lora = lora;
+        if cmd.task == Task::Sft {
+            let given =
+                sub.value_source("max_length") == Some(clap::parser::ValueSource::CommandLine);
+            let max_length = given.then(|| cmd.data.max_length());
+            opts.sft = Some(cmd.sft.data(max_length, cmd.data.text_column())?);
+        }
         let (out, eval) = causal_lm::train::<Autodiff<B>>(&opts, args, device)?;
         if is_main {
             println!("{}", serde_json::to_string_pretty(&out.metrics)?);

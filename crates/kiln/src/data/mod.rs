@@ -2,13 +2,16 @@
 //! batches ([`batch`]). Tokenization happens once per run; batches pad dynamically by default.
 
 pub mod batch;
+pub mod chat_template;
 mod csv_quotes;
 pub mod idx;
 pub mod labels;
 pub mod lm;
 pub mod reader;
+pub mod records;
 pub mod rows;
 pub mod saved_dataset;
+pub mod sft;
 pub mod tokenize;
 
 use std::path::PathBuf;

@@ -65,20 +65,6 @@ fn read_rows(
     encoding: TextEncoding,
     strict: bool,
 ) -> Result<(Vec<RawExample>, ReadReport)> {
-    // A folder is a dataset; one named like a data file (`x.csv/`) is a mistake, said as such.
-    let file_like = path.extension().and_then(|e| e.to_str()).is_some_and(|e| {
-        ["csv", "tsv", "json", "jsonl", "ndjson", "parquet", "pq"]
-            .contains(&e.to_ascii_lowercase().as_str())
-    });
-    if path.is_dir() && !file_like {
-        return read_folder(path, cols, strict);
-    }
-    check_regular_file(path)?;
-    let ext = path
-        .extension()
-        .and_then(|e| e.to_str())
-        .unwrap_or("")
-        .to_ascii_lowercase();
     let mut c = Collector {
         path,
         cols,
@@ -86,20 +72,79 @@ fn read_rows(
         examples: Vec::new(),
         report: ReadReport::default(),
     };
-    match ext.as_str() {
-        "csv" => read_delimited(path, b',', encoding, &mut c)?,
-        "tsv" => read_delimited(path, b'\t', encoding, &mut c)?,
-        "jsonl" | "json" | "ndjson" => read_jsonl(path, &mut c)?,
-        "parquet" | "pq" => read_parquet(path, &mut c)?,
-        _ => {
-            return Err(KilnError::Data(format!(
-                "{}: unknown data format {ext:?} (expected .csv, .tsv, .json, .jsonl, .parquet \
-                 or a `datasets` save_to_disk folder)",
-                path.display()
-            )))
+    match source(path)? {
+        Source::Delimited(delim) => read_delimited(path, delim, encoding, &mut c)?,
+        Source::Json => read_jsonl(path, &mut c)?,
+        Source::Parquet => read_parquet(path, &mut c)?,
+        Source::SavedDataset => super::saved_dataset::read(path, &mut c)?,
+        Source::ParquetShards(shards) => {
+            let (mut rows, mut report) = (Vec::new(), ReadReport::default());
+            for shard in &shards {
+                check_regular_file(shard)?;
+                let mut one = Collector {
+                    path: shard,
+                    cols,
+                    strict,
+                    examples: Vec::new(),
+                    report: ReadReport::default(),
+                };
+                read_parquet(shard, &mut one)?;
+                rows.append(&mut one.examples);
+                report.rows += one.report.rows;
+                report.skipped.append(&mut one.report.skipped);
+            }
+            c.examples = rows;
+            c.report = report;
         }
     }
     finish(path, c)
+}
+
+/// What a data path holds, as every reader of data files dispatches on it (this one and
+/// [`super::records`]).
+pub(super) enum Source {
+    /// `.csv` (delimiter `,`) or `.tsv` (`\t`).
+    Delimited(u8),
+    /// `.json`, `.jsonl`, `.ndjson`: JSON Lines, or one JSON array.
+    Json,
+    /// `.parquet`, `.pq`.
+    Parquet,
+    /// A folder holding a `datasets` save_to_disk Dataset.
+    SavedDataset,
+    /// A folder of one split's `.parquet` files (as the Hub's Parquet conversion lays them out),
+    /// in name order; each must still pass [`check_regular_file`] before it is read.
+    ParquetShards(Vec<PathBuf>),
+}
+
+/// The kind of data at `path`: the format follows the extension, and a folder is a dataset (a
+/// `datasets` save_to_disk Dataset, or one split's `.parquet` files). A file is checked to be a
+/// regular file; a DatasetDict, a folder of neither kind and an unknown extension are errors.
+pub(super) fn source(path: &Path) -> Result<Source> {
+    // A folder is a dataset; one named like a data file (`x.csv/`) is a mistake, said as such.
+    let file_like = path.extension().and_then(|e| e.to_str()).is_some_and(|e| {
+        ["csv", "tsv", "json", "jsonl", "ndjson", "parquet", "pq"]
+            .contains(&e.to_ascii_lowercase().as_str())
+    });
+    if path.is_dir() && !file_like {
+        return folder_source(path);
+    }
+    check_regular_file(path)?;
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    match ext.as_str() {
+        "csv" => Ok(Source::Delimited(b',')),
+        "tsv" => Ok(Source::Delimited(b'\t')),
+        "jsonl" | "json" | "ndjson" => Ok(Source::Json),
+        "parquet" | "pq" => Ok(Source::Parquet),
+        _ => Err(KilnError::Data(format!(
+            "{}: unknown data format {ext:?} (expected .csv, .tsv, .json, .jsonl, .parquet \
+             or a `datasets` save_to_disk folder)",
+            path.display()
+        ))),
+    }
 }
 
 /// The rows read, or an error when none is usable.
@@ -116,14 +161,7 @@ fn finish(path: &Path, c: Collector) -> Result<(Vec<RawExample>, ReadReport)> {
 
 /// A folder of data: a `datasets` save_to_disk Dataset (Arrow files), or the Parquet files of one
 /// split (as the Hub's Parquet conversion lays them out), read in name order.
-fn read_folder(path: &Path, cols: &Columns, strict: bool) -> Result<(Vec<RawExample>, ReadReport)> {
-    let mut c = Collector {
-        path,
-        cols,
-        strict,
-        examples: Vec::new(),
-        report: ReadReport::default(),
-    };
+fn folder_source(path: &Path) -> Result<Source> {
     if path.join("dataset_dict.json").exists() {
         let splits = super::saved_dataset::dict_split_names(path)?;
         return Err(KilnError::Data(format!(
@@ -133,8 +171,7 @@ fn read_folder(path: &Path, cols: &Columns, strict: bool) -> Result<(Vec<RawExam
         )));
     }
     if super::saved_dataset::is_saved_dataset(path) {
-        super::saved_dataset::read(path, &mut c)?;
-        return finish(path, c);
+        return Ok(Source::SavedDataset);
     }
     let mut shards: Vec<PathBuf> = std::fs::read_dir(path)
         .map_err(|e| KilnError::io(path, e))?
@@ -149,24 +186,7 @@ fn read_folder(path: &Path, cols: &Columns, strict: bool) -> Result<(Vec<RawExam
             path.display()
         )));
     }
-    let (mut rows, mut report) = (Vec::new(), ReadReport::default());
-    for shard in &shards {
-        check_regular_file(shard)?;
-        let mut one = Collector {
-            path: shard,
-            cols,
-            strict,
-            examples: Vec::new(),
-            report: ReadReport::default(),
-        };
-        read_parquet(shard, &mut one)?;
-        rows.append(&mut one.examples);
-        report.rows += one.report.rows;
-        report.skipped.append(&mut one.report.skipped);
-    }
-    c.examples = rows;
-    c.report = report;
-    finish(path, c)
+    Ok(Source::ParquetShards(shards))
 }
 
 /// Reads a whole text file (after [`check_regular_file`]) in the given encoding.
@@ -265,7 +285,7 @@ fn read_delimited(path: &Path, delim: u8, enc: TextEncoding, c: &mut Collector) 
 
 /// The 1-based line a record starts on. The `csv` crate takes a record's position before skipping
 /// the empty lines in front of it (blanked bad records among them), so those are counted here.
-fn record_line(text: &[u8], pos: &csv::Position) -> usize {
+pub(super) fn record_line(text: &[u8], pos: &csv::Position) -> usize {
     let empty_lines = text
         .get(pos.byte() as usize..)
         .unwrap_or_default()
@@ -292,18 +312,7 @@ fn json_cell(v: Option<&serde_json::Value>) -> Cell {
 /// JSON Lines, or one JSON array of objects (what `datasets`' `to_json(lines=False)` and pandas'
 /// `to_json(orient="records")` write); an array's rows are numbered by element.
 fn read_jsonl(path: &Path, c: &mut Collector) -> Result<()> {
-    let mut f = File::open(path).map_err(|e| KilnError::io(path, e))?;
-    let mut first = [0u8; 1];
-    loop {
-        use std::io::Read;
-        match f.read(&mut first) {
-            Ok(0) => break,
-            Ok(_) if first[0].is_ascii_whitespace() => continue,
-            Ok(_) => break,
-            Err(e) => return Err(KilnError::io(path, e)),
-        }
-    }
-    if first[0] == b'[' {
+    if is_json_array(path)? {
         return read_json_array(path, c);
     }
     let f = File::open(path).map_err(|e| KilnError::io(path, e))?;
@@ -333,6 +342,23 @@ fn read_jsonl(path: &Path, c: &mut Collector) -> Result<()> {
         objects.row(c, n, &obj)?;
     }
     objects.finish(path, c)
+}
+
+/// Whether a `.json`/`.jsonl` file is one JSON array (its first non-blank byte is `[`) rather than
+/// JSON Lines.
+pub(super) fn is_json_array(path: &Path) -> Result<bool> {
+    let mut f = File::open(path).map_err(|e| KilnError::io(path, e))?;
+    let mut first = [0u8; 1];
+    loop {
+        use std::io::Read;
+        match f.read(&mut first) {
+            Ok(0) => break,
+            Ok(_) if first[0].is_ascii_whitespace() => continue,
+            Ok(_) => break,
+            Err(e) => return Err(KilnError::io(path, e)),
+        }
+    }
+    Ok(first[0] == b'[')
 }
 
 /// The rows of a JSON file, one object each (JSON Lines or one array): each object's cells and,

@@ -254,7 +254,7 @@ pub(super) fn apply_class_names(
 }
 
 /// The Arrow files of a saved Dataset in order: `state.json`'s `_data_files`, else by name.
-fn data_files(dir: &Path) -> Result<Vec<PathBuf>> {
+pub(super) fn data_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let state = dir.join("state.json");
     if !state.exists() {
         return arrow_files_in(dir).map_err(|e| KilnError::io(dir, e));
@@ -296,7 +296,7 @@ pub(super) fn read(dir: &Path, c: &mut Collector) -> Result<()> {
 
 /// The record batches of an Arrow IPC file: stream format (what `datasets` writes), or file
 /// format, whose body after the 8-byte magic is the same stream.
-fn batches(path: &Path) -> Result<impl Iterator<Item = Result<RecordBatch>>> {
+pub(super) fn batches(path: &Path) -> Result<impl Iterator<Item = Result<RecordBatch>>> {
     let bad = |e: String| {
         KilnError::Data(format!(
             "{}: not a readable Arrow file: {e}",

@@ -648,7 +648,7 @@ mod tests {
     use super::*;
     use std::path::Path;
 
-    const SMOLLM2_DIR: &str = "/work/main/assets/smollm2/hf";
+    const SMOLLM2_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../assets/smollm2/hf");
 
     /// SmolLM2's tokenizer and chat template, or `None` (the test then skips).
     fn smollm2() -> Option<(Tokenizer, ChatTemplate, String)> {

@@ -468,6 +468,45 @@ pub fn read_adapter_tensors(dir: &Path) -> Result<BTreeMap<String, HostTensor>> 
         .collect()
 }
 
+/// `model` with the PEFT adapter of folder `dir` attached (its `adapter_config.json` and
+/// weights); every adapter tensor must find its parameter and every adapter parameter its tensor.
+pub fn load_adapter<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
+    model: M,
+    dir: &Path,
+    device: &B::Device,
+) -> Result<M> {
+    let config = LoraConfig::from_adapter_dir(dir)?;
+    let (model, adapter) = attach(model, &config, 0)?;
+    let tensors = read_adapter_tensors(dir)?;
+    let (model, report) = crate::models::params::load_into(model, tensors, None, device)?;
+    let missing: Vec<&String> = report.missing.iter().filter(|p| adapter.owns(p)).collect();
+    if !report.unexpected.is_empty() || !missing.is_empty() {
+        return Err(KilnError::Weights(format!(
+            "{}: the adapter does not fit this model ({}{}): is it an adapter of another base \
+             model?",
+            dir.join(ADAPTER_WEIGHTS).display(),
+            if report.unexpected.is_empty() {
+                String::new()
+            } else {
+                format!("no parameter for {}", peft_key(&report.unexpected[0]))
+            },
+            match missing.first() {
+                Some(p) => format!(
+                    "{}no tensor for {}",
+                    if report.unexpected.is_empty() {
+                        ""
+                    } else {
+                        "; "
+                    },
+                    peft_key(p)
+                ),
+                None => String::new(),
+            }
+        )));
+    }
+    Ok(model)
+}
+
 /// The base weights with the adapter folded in, as PEFT's `merge_and_unload()`: each adapted
 /// layer's `weight += scaling · B A`, each saved module's parameters replaced.
 pub fn merge(

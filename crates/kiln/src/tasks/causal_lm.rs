@@ -12,6 +12,7 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use tokenizers::Tokenizer;
 use tracing::info;
 
+use crate::data::chat_template::ChatTemplate;
 use crate::data::lm::{read_documents, LmBlocks, TokenBatch};
 use crate::data::TextEncoding;
 use crate::error::{KilnError, Result};
@@ -23,6 +24,7 @@ use crate::models::lora::{LoraConfig, LoraTarget};
 use crate::ops::{KilnBackend, TrainBackend};
 use crate::parallel::{DataParallel, SharedCollectives, TpGroup, VocabParallelCrossEntropy};
 use crate::task::{BatchSource, CrossEntropy, Loss, IGNORE_INDEX};
+use crate::tasks::sft::{SftData, SftSet, SftTokenization};
 use crate::train::checkpoint::{AdapterFiles, ModelFiles};
 use crate::train::trainer::{evaluate, EvalOutput, TrainOutput};
 use crate::train::ParallelPlan;
@@ -129,6 +131,8 @@ pub struct CausalLmOptions {
     pub max_eval_samples: Option<usize>,
     /// Train a LoRA adapter on the frozen model instead of the model itself.
     pub lora: Option<LoraConfig>,
+    /// Supervised fine-tuning (`--task sft`): rows of TRL's formats instead of a packed corpus.
+    pub sft: Option<SftData>,
 }
 
 impl CausalLmOptions {
@@ -290,10 +294,23 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture>(
         .train_file
         .as_ref()
         .ok_or_else(|| KilnError::Config("kiln train needs --train-file".into()))?;
-    let train_set = opts.blocks(train_file, &tok, eos, opts.max_train_samples)?;
-    let eval_set = match &opts.eval_file {
-        Some(p) => Some(opts.blocks(p, &tok, eos, opts.max_eval_samples)?),
-        None => None,
+    let (train_set, eval_set) = match &opts.sft {
+        None => (
+            LmData::Blocks(opts.blocks(train_file, &tok, eos, opts.max_train_samples)?),
+            match &opts.eval_file {
+                Some(p) => Some(LmData::Blocks(opts.blocks(
+                    p,
+                    &tok,
+                    eos,
+                    opts.max_eval_samples,
+                )?)),
+                None => None,
+            },
+        ),
+        Some(sft) => {
+            let (train, eval) = sft_sets(opts, sft, &tok, eos, train_file)?;
+            (LmData::Sft(train), eval.map(LmData::Sft))
+        }
     };
     let mut files = model_files(opts, &tok_path, &config);
     let model = match &opts.lora {
@@ -314,6 +331,92 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture>(
         true,
     );
     trainer.train_and_evaluate(&train_set, eval_set.as_ref())
+}
+
+/// The training and evaluation rows of `--task sft`, prepared with the model folder's chat
+/// template and special tokens.
+fn sft_sets(
+    opts: &CausalLmOptions,
+    sft: &SftData,
+    tok: &Tokenizer,
+    eos: Option<u32>,
+    train_file: &Path,
+) -> Result<(SftSet, Option<SftSet>)> {
+    let dir = opts.model_dir.as_deref();
+    let bad = |e: crate::data::chat_template::ChatTemplateError| KilnError::Config(e.to_string());
+    let template = match dir {
+        Some(d) => ChatTemplate::from_model_dir(d).map_err(bad)?,
+        None => None,
+    };
+    let special = match dir {
+        Some(d) => crate::data::chat_template::special_tokens(d).map_err(bad)?,
+        None => Default::default(),
+    };
+    let mut options = sft.options.clone();
+    if options.eos_token.is_none() {
+        options.eos_token = special
+            .get("eos_token")
+            .cloned()
+            .or_else(|| eos.and_then(|id| tok.id_to_token(id)));
+    }
+    // TRL's collator pads with the pad token, else EOS.
+    let pad_id = special
+        .get("pad_token")
+        .and_then(|t| tok.token_to_id(t))
+        .or(eos)
+        .unwrap_or(0);
+    let how = SftTokenization {
+        tokenizer: tok,
+        template: template.as_ref(),
+        options: &options,
+        model_dir: dir,
+    };
+    let train = SftSet::read(
+        train_file,
+        &how,
+        pad_id,
+        opts.strict,
+        opts.max_train_samples,
+    )?;
+    let eval = match &opts.eval_file {
+        Some(p) => Some(SftSet::read(
+            p,
+            &how,
+            pad_id,
+            opts.strict,
+            opts.max_eval_samples,
+        )?),
+        None => None,
+    };
+    Ok((train, eval))
+}
+
+/// A causal LM's training data: a corpus packed into blocks, or SFT rows.
+pub enum LmData {
+    Blocks(LmBlocks),
+    Sft(SftSet),
+}
+
+impl BatchSource for LmData {
+    type Batch = TokenBatch;
+    fn len(&self) -> usize {
+        match self {
+            Self::Blocks(b) => b.len(),
+            Self::Sft(s) => s.len(),
+        }
+    }
+    fn lengths(&self) -> Vec<usize> {
+        match self {
+            Self::Blocks(b) => b.lengths(),
+            Self::Sft(s) => s.lengths(),
+        }
+    }
+    fn batch(&self, indices: &[usize]) -> (TokenBatch, Vec<i64>) {
+        match self {
+            Self::Blocks(b) => b.batch(indices),
+            Self::Sft(s) => s.batch(indices),
+        }
+    }
 }
 
 /// `model` with a fresh LoRA adapter and its base frozen, and what its folders say about it; the
@@ -644,7 +747,7 @@ pub fn generate<B: KilnBackend, M: CausalLm<B>>(
 /// the prompt's ids with the generation.
 pub fn generate_from_folder<B: KilnBackend>(
     dir: &Path,
-    prompt: &str,
+    prompt: &Prompt,
     tp: usize,
     o: &GenerateOptions,
     device: &B::Device,
@@ -654,7 +757,7 @@ pub fn generate_from_folder<B: KilnBackend>(
     o.check()?;
     struct Run<'a, B: KilnBackend, F>(
         &'a Path,
-        &'a str,
+        &'a Prompt,
         usize,
         &'a GenerateOptions,
         &'a B::Device,
@@ -668,17 +771,64 @@ pub fn generate_from_folder<B: KilnBackend>(
             config: A::Config,
         ) -> Self::Output {
             let Run(dir, prompt, tp, o, device, on_text) = self;
-            let (model, _, _) = load_model_parallel::<A, B>(dir, &config, device, tp)?;
-            let model = model.for_inference();
             let tok = load_tokenizer(dir)?;
-            let enc = tok
-                .encode(prompt, true)
-                .map_err(|e| KilnError::Data(format!("tokenizing the prompt: {e}")))?;
-            let ids = enc.get_ids().to_vec();
+            let ids = prompt.token_ids(dir, &tok)?;
+            let (model, _, _) = load_model_parallel::<A, B>(dir, &config, device, tp)?;
+            let model = match &prompt.adapter {
+                Some(adapter) if tp > 1 => {
+                    return Err(KilnError::Config(format!(
+                        "--adapter {}: generating with an adapter under tensor parallelism is \
+                         not supported yet; merge it first (kiln merge)",
+                        adapter.display()
+                    )))
+                }
+                Some(adapter) => crate::models::lora::load_adapter(model, adapter, device)?,
+                None => model,
+            };
+            let model = model.for_inference();
             let g = generate(&model, &tok, &config, &ids, o, on_text)?;
             Ok((ids, g))
         }
     }
     let run = Run::<B, _>(dir, prompt, tp, o, device, on_text);
     with_causal_lm(&dir.join("config.json"), run)?
+}
+
+/// What `kiln generate` continues: the prompt, as text or as a user's turn of a chat, and the
+/// LoRA adapter (a PEFT folder) to generate with, unmerged.
+#[derive(Debug, Clone, Default)]
+pub struct Prompt {
+    pub text: String,
+    /// Render the text as one user message with the model's chat template and its generation
+    /// prompt (`apply_chat_template(..., add_generation_prompt=True)`).
+    pub chat: bool,
+    pub adapter: Option<PathBuf>,
+}
+
+impl Prompt {
+    /// The prompt's token ids: the text with the tokenizer's special tokens, or the chat
+    /// template's rendering without them (the template writes its own).
+    pub fn token_ids(&self, dir: &Path, tok: &Tokenizer) -> Result<Vec<u32>> {
+        let (text, special) = if self.chat {
+            let bad =
+                |e: crate::data::chat_template::ChatTemplateError| KilnError::Config(e.to_string());
+            let template = ChatTemplate::from_model_dir(dir)
+                .map_err(bad)?
+                .ok_or_else(|| {
+                    KilnError::Config(format!(
+                        "--chat: {} has no chat template (tokenizer_config.json \"chat_template\" \
+                     or chat_template.jinja); give the prompt as plain text instead",
+                        dir.display()
+                    ))
+                })?;
+            let message = crate::data::chat_template::Message::new("user", self.text.as_str());
+            (template.render(&[message], true).map_err(bad)?.text, false)
+        } else {
+            (self.text.clone(), true)
+        };
+        let enc = tok
+            .encode(text, special)
+            .map_err(|e| KilnError::Data(format!("tokenizing the prompt: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
 }

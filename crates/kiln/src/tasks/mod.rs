@@ -2,5 +2,7 @@
 //! the CLI calls (the CLI itself only parses arguments).
 
 pub mod causal_lm;
+pub mod merge;
 pub mod mnist;
+pub mod sft;
 pub mod text_classification;

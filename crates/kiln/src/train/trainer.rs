@@ -617,23 +617,31 @@ where
                 tp = a.tensor_parallel_size
             );
         }
-        // What each rank keeps between steps (f32): its weights, their gradients and the
-        // two AdamW moments — a ZeRO-1 rank only its data-parallel share of the moments.
-        let weights: usize = module_shapes(self.model())
-            .values()
-            .map(|s| s.iter().product::<usize>())
-            .sum();
+        // What each rank keeps between steps (f32): its weights, the gradients and the two
+        // AdamW moments of what it trains (a LoRA run: the adapter only) — a ZeRO-1 rank only its
+        // data-parallel share of the moments.
+        let shapes = module_shapes(self.model());
+        let trained: BTreeMap<&String, &Vec<usize>> = shapes
+            .iter()
+            .filter(|(p, _)| {
+                self.files
+                    .adapter
+                    .as_ref()
+                    .is_none_or(|a| a.adapter.owns(p))
+            })
+            .collect();
+        let size = |s: &Vec<usize>| s.iter().product::<usize>();
+        let weights: usize = shapes.values().map(size).sum();
+        let grads: usize = trained.values().map(|s| size(s)).sum();
         let moments = match self.parallel.zero() {
-            Some(z) => 2 * weights.div_ceil(z.size()),
-            None => self
-                .optimizer
-                .state_len(module_shapes(self.model()).values()),
+            Some(z) => 2 * grads.div_ceil(z.size()),
+            None => self.optimizer.state_len(trained.values().copied()),
         };
         let mb = |n: usize| n as f64 * 4.0 / 1e6;
         info!(
                 "  Training state per rank = {:.1} MB weights + {:.1} MB gradients + {:.1} MB optimizer",
                 mb(weights),
-                mb(weights),
+                mb(grads),
                 mb(moments)
             );
         match (self.parallel.zero(), a.zero_1) {

@@ -1,0 +1,52 @@
+//! The options of `kiln train --task sft`, under TRL's `SFTConfig` names.
+
+use anyhow::{bail, Result};
+use clap::Args;
+use kiln::data::sft::SftOptions;
+use kiln::tasks::sft::SftData;
+
+#[derive(Args, Clone, Default)]
+#[command(next_help_heading = "Supervised fine-tuning (TRL)")]
+pub struct SftOpts {
+    /// Train on the completion's tokens only [default: true for prompt/completion rows].
+    #[arg(long, value_name = "BOOL")]
+    completion_only_loss: Option<bool>,
+    /// Train on the assistant's tokens only: those the chat template marks with
+    /// {% generation %} … {% endgeneration %}.
+    #[arg(long)]
+    assistant_only_loss: bool,
+    /// Pack rows into sequences with no attention across rows (TRL's padding-free packing).
+    #[arg(long)]
+    packing: bool,
+}
+
+impl SftOpts {
+    /// `max_length`: `--max-length` when given, else TRL's 1024. `text_field`: the column of
+    /// plain-text rows (`--dataset-text-field`).
+    pub fn data(&self, max_length: Option<usize>, text_field: &str) -> Result<SftData> {
+        if self.packing {
+            bail!(
+                "--packing is not implemented yet: train without it (rows are padded to the \
+                 longest in each batch; --group-by-length keeps that padding small)"
+            );
+        }
+        let max_length = max_length.unwrap_or(1024);
+        if max_length < 2 {
+            bail!("--max-length {max_length}: a row needs at least two tokens to have a target");
+        }
+        Ok(SftData {
+            options: SftOptions {
+                dataset_text_field: text_field.to_string(),
+                completion_only_loss: self.completion_only_loss,
+                assistant_only_loss: self.assistant_only_loss,
+                max_length: Some(max_length),
+                eos_token: None,
+            },
+        })
+    }
+
+    /// Whether any SFT option was given (they mean nothing to the other tasks).
+    pub fn any(&self) -> bool {
+        self.completion_only_loss.is_some() || self.assistant_only_loss || self.packing
+    }
+}
