@@ -26,6 +26,14 @@
   smollm2_generate  greedy decoding after "The capital of France is" with model.generate (KV
                     cache); each new token is a step, timed by a logits processor.
 
+  smollm2_lora_train, qwen2_lora_train, deepseek1b3_lora_train
+                    LoRA with peft (r 16, alpha 32, dropout 0, target_modules "all-linear": every
+                    Linear but lm_head) on the frozen base, AdamW lr 1e-4 over the adapter only:
+                    SmolLM2 on the corpus' blocks (4 × 128, as smollm2_train), Qwen2-0.5B's config
+                    with random weights (4 × 128 random ids), and deepseek-coder-1.3B's config with
+                    random weights (1 × 128), whose full fine-tuning (weights, gradients, AdamW:
+                    21.6 GB in f32) cannot fit a 24 GB machine.
+
   dp_allreduce_mnist  torch.distributed.all_reduce (gloo, what DDP uses on CPU) between two
                       processes on this machine, of the MNIST MLP's gradient + loss (105,215
                       floats), divided by the world size as DDP averages; a fresh buffer per step.
@@ -281,6 +289,56 @@ def smollm2_train(model_dir, corpus, warmup, steps, batch=4, seq=128):
             "gflops": round(flops * len(times) / sum(times) / 1e9, 2)})
 
 
+LORA_CONFIGS = {
+    "deepseek1b3_lora_train": dict(model_type="llama", vocab_size=32256, hidden_size=2048,
+                                   intermediate_size=5504, num_hidden_layers=24, num_attention_heads=16,
+                                   num_key_value_heads=16, max_position_embeddings=16384,
+                                   rms_norm_eps=1e-6, rope_theta=100000.0,
+                                   rope_scaling={"type": "linear", "factor": 4.0},
+                                   tie_word_embeddings=False),
+}
+
+
+def lora_train(key, model_dir, corpus, warmup, steps, seq=128):
+    """peft LoRA (r 16, alpha 32, all-linear, no dropout), AdamW lr 1e-4 on the adapter."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(0)
+    if key == "smollm2_lora_train":
+        batch = 4
+        blocks = smollm2_blocks(model_dir, corpus, seq, (warmup + steps) * batch)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        batches = [torch.tensor(blocks[i * batch:(i + 1) * batch]) for i in range(len(blocks) // batch)]
+    else:
+        batch = 4 if key == "qwen2_lora_train" else 1
+        kw = dict(CAUSAL_CONFIGS["qwen2_train"] if key == "qwen2_lora_train" else LORA_CONFIGS[key])
+        cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        gen = torch.Generator().manual_seed(1234)
+        batches = [torch.randint(1000, 30000, (batch, seq), generator=gen, dtype=torch.long)]
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                             target_modules="all-linear", task_type="CAUSAL_LM"))
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0)
+    times, losses = [], []
+    for i in range(warmup + steps):
+        ids = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dt = time.perf_counter() - t0
+        losses.append(out.loss.item())
+        if i >= warmup:
+            times.append(dt)
+    report(f"{key}_fp32", times, batch, seq, [batch * seq] * len(times),
+           {"loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
+            "trainable_params": sum(p.numel() for p in trainable),
+            "all_params": sum(p.numel() for p in model.parameters())})
+
+
 def smollm2_prefill(model_dir, corpus, warmup, steps, seq=128):
     from transformers import AutoModelForCausalLM
     ids = torch.tensor(smollm2_blocks(model_dir, corpus, seq, 1)[:1])
@@ -404,6 +462,9 @@ def main():
     smollm2 = os.environ.get("SMOLLM2_DIR", "assets/smollm2/hf")
     if "smollm2_train" in which:
         smollm2_train(smollm2, args.lm_corpus, args.warmup, args.base_steps)
+    for key in ("smollm2_lora_train", "qwen2_lora_train", "deepseek1b3_lora_train"):
+        if key in which:
+            lora_train(key, smollm2, args.lm_corpus, args.warmup, args.base_steps)
     if "smollm2_prefill" in which:
         smollm2_prefill(smollm2, args.lm_corpus, args.warmup, args.steps)
     if "smollm2_generate" in which:

@@ -198,6 +198,7 @@ fn lm_batch(fx: &Fixture) -> (TokenBatch, Vec<i64>) {
         ids,
         batch: shape[0],
         seq: shape[1],
+        segments: Vec::new(),
     };
     (b, targets)
 }

@@ -3,6 +3,8 @@
 //! initialisation; all-linear with rsLoRA and non-zero B) and a tiny BERT classifier (query/value
 //! plus the classifier head PEFT trains whole); frozen parameters get no gradient; the folder
 //! kiln writes holds PEFT's names, shapes and config keys; merging equals `merge_and_unload()`.
+//! And the SFT loss of TRL's `SFTTrainer` on fixed batches, through kiln's SFT batches, padded
+//! and packed (padding-free).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -130,6 +132,7 @@ fn llama_adapters_match_peft() {
             ids,
             batch: b,
             seq: t,
+            segments: Vec::new(),
         };
         let logits = m.logits(&batch);
         let got = host(logits.clone());
@@ -285,5 +288,85 @@ fn merging_equals_peft_merge_and_unload() {
     for (name, w) in &want {
         let err = rel_err(&base[name].data, &w.data);
         assert!(err < 1e-6, "{name}: merged rel err {err:e}");
+    }
+}
+
+/// TRL's SFT loss (completion-only, mean over the batch's target tokens) on two fixed batches of
+/// the tiny Llama equals kiln's: its labels from the completion masks, its right-padded batch, its
+/// shifted targets and cross-entropy.
+#[test]
+fn sft_loss_equals_trl() {
+    use kiln::data::sft::{build_labels, SftExample, SftFormat, SftOptions};
+    use kiln::tasks::sft::SftSet;
+    let device = Default::default();
+    let meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixtures().join("sft_loss.json")).unwrap()).unwrap();
+    let (m, _) = load_causal_lm::<Llama, Cpu>(&fixtures().join("tiny_llama"), &device).unwrap();
+    let options = SftOptions {
+        completion_only_loss: Some(true),
+        max_length: None,
+        ..SftOptions::default()
+    };
+    for (i, b) in meta["batches"].as_array().unwrap().iter().enumerate() {
+        let ids = |v: &serde_json::Value| -> Vec<u32> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        };
+        let examples: Vec<_> = b["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                let ex = SftExample {
+                    format: SftFormat::PromptCompletion,
+                    input_ids: ids(&r["input_ids"]),
+                    completion_mask: Some(
+                        ids(&r["completion_mask"])
+                            .iter()
+                            .map(|&v| v as u8)
+                            .collect(),
+                    ),
+                    assistant_mask: None,
+                };
+                build_labels(&ex, &options).unwrap()
+            })
+            .collect();
+        let set = SftSet {
+            examples,
+            pad_id: 0,
+            targets: 0,
+            packed: None,
+        };
+        let all: Vec<usize> = (0..set.examples.len()).collect();
+        let (batch, targets) = kiln::task::BatchSource::batch(&set, &all);
+        let counted = targets
+            .iter()
+            .filter(|&&t| t != kiln::task::IGNORE_INDEX)
+            .count();
+        assert_eq!(
+            counted as u64,
+            b["padded"]["num_target_tokens"].as_u64().unwrap()
+        );
+        let n = targets.len();
+        let targets = Tensor::<Cpu, 1, Int>::from_data(TensorData::new(targets, [n]), &device);
+        let loss = host(CrossEntropy.loss(m.logits(&batch), targets))[0];
+        // Packed, padding-free: the rows end to end in one sequence (longest first), positions
+        // restarting and attention kept inside each row.
+        let packed = set.clone().pack(usize::MAX);
+        let (batch, targets) = kiln::task::BatchSource::batch(&packed, &[0]);
+        assert_eq!((batch.batch, batch.segments.len()), (1, set.examples.len()));
+        let n = targets.len();
+        let targets = Tensor::<Cpu, 1, Int>::from_data(TensorData::new(targets, [n]), &device);
+        let packed_loss = host(CrossEntropy.loss(m.logits(&batch), targets))[0];
+        for (how, got) in [("padded", loss), ("padding_free", packed_loss)] {
+            let want = b[how]["loss"].as_f64().unwrap() as f32;
+            assert!(
+                (got - want).abs() < 1e-5 * want.abs(),
+                "batch {i}: kiln's {how} loss {got} vs TRL's {want}"
+            );
+        }
     }
 }

@@ -40,6 +40,7 @@ fn batch(vocab: usize) -> (TokenBatch, Vec<i64>) {
         ids,
         batch: b,
         seq: s,
+        segments: Vec::new(),
     };
     (batch, targets)
 }

@@ -15,7 +15,9 @@ pub struct SftOpts {
     /// {% generation %} … {% endgeneration %}.
     #[arg(long)]
     assistant_only_loss: bool,
-    /// Pack rows into sequences with no attention across rows (TRL's padding-free packing).
+    /// Pack rows best-fit-decreasing into sequences of at most --max-length tokens, a batch's
+    /// sequences in one row with no attention and no positions crossing from one row to the
+    /// next (TRL's packing with padding_free): no padding at all.
     #[arg(long)]
     packing: bool,
 }
@@ -24,12 +26,6 @@ impl SftOpts {
     /// `max_length`: `--max-length` when given, else TRL's 1024. `text_field`: the column of
     /// plain-text rows (`--dataset-text-field`).
     pub fn data(&self, max_length: Option<usize>, text_field: &str) -> Result<SftData> {
-        if self.packing {
-            bail!(
-                "--packing is not implemented yet: train without it (rows are padded to the \
-                 longest in each batch; --group-by-length keeps that padding small)"
-            );
-        }
         let max_length = max_length.unwrap_or(1024);
         if max_length < 2 {
             bail!("--max-length {max_length}: a row needs at least two tokens to have a target");
@@ -42,6 +38,7 @@ impl SftOpts {
                 max_length: Some(max_length),
                 eos_token: None,
             },
+            packing: self.packing,
         })
     }
 

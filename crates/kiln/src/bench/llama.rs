@@ -149,7 +149,12 @@ pub fn family_train(key: &str, warmup: usize, steps: usize) -> Result<BenchResul
         tokens: batch * seq,
         flops: 3.0 * llama_forward_flops(&config, batch, seq),
     };
-    let tb = crate::data::lm::TokenBatch { ids, batch, seq };
+    let tb = crate::data::lm::TokenBatch {
+        ids,
+        batch,
+        seq,
+        segments: Vec::new(),
+    };
     let opt = super::rows::adamw();
     Ok(train_steps(
         &format!("{key}_fp32"),
@@ -157,6 +162,107 @@ pub fn family_train(key: &str, warmup: usize, steps: usize) -> Result<BenchResul
         opt,
         1e-4,
         &[(tb, targets, work)],
+        warmup,
+        steps,
+        &device,
+    ))
+}
+
+/// The LoRA rows' adapter: r 16, alpha 32 (TRL's defaults), every Linear but the head (PEFT's
+/// `all-linear`), no dropout.
+fn bench_lora() -> crate::models::lora::LoraConfig {
+    crate::models::lora::LoraConfig {
+        r: 16,
+        alpha: 32.0,
+        dropout: 0.0,
+        target_modules: crate::models::lora::TargetModules::AllLinear,
+        use_rslora: false,
+        modules_to_save: Vec::new(),
+    }
+}
+
+/// deepseek-coder-1.3B's config (Llama: 24 layers, hidden 2048, 16 heads, 32,256 tokens, linear
+/// RoPE scaling 4): 1.35 B parameters, 5.4 GB in f32; fully fine-tuned (weights, gradients, two
+/// AdamW moments) 21.6 GB before any activation.
+pub fn deepseek_1b3_config() -> LlamaConfig {
+    serde_json::from_value(serde_json::json!({
+        "model_type": "llama", "vocab_size": 32256, "hidden_size": 2048,
+        "intermediate_size": 5504, "num_hidden_layers": 24, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "max_position_embeddings": 16384, "rms_norm_eps": 1e-6,
+        "rope_theta": 100000.0, "rope_scaling": {"type": "linear", "factor": 4.0},
+        "tie_word_embeddings": false}))
+    .expect("a valid config")
+}
+
+/// LoRA steps (AdamW lr 1e-4 on the adapter; the base frozen): SmolLM2 on the corpus' blocks
+/// (4 × 128), Qwen2-0.5B's config (4 × 128 random ids) or deepseek-coder-1.3B's (1 × 128), the
+/// last two with random weights. A step's FLOPs: the forward and the input gradients, twice the
+/// forward (the frozen weights' gradient products are not computed).
+pub fn lora_train(
+    key: &str,
+    smollm2: Option<&Path>,
+    corpus: &Path,
+    warmup: usize,
+    steps: usize,
+) -> Result<BenchResult> {
+    use rand::{Rng, SeedableRng};
+    let seq = 128;
+    let device = Default::default();
+    let (model, config, batches) = match smollm2 {
+        Some(dir) => {
+            let batch = 4;
+            let (model, config) = load_causal_lm::<Llama, CpuTrain>(dir, &device)?;
+            let blocks = first_blocks(dir, corpus, seq, (warmup + steps) * batch)?;
+            let batches: Vec<_> = (0..blocks.len() / batch)
+                .map(|b| blocks.batch(&(b * batch..(b + 1) * batch).collect::<Vec<_>>()))
+                .collect();
+            (model, config, batches)
+        }
+        None => {
+            let (config, batch) = match key {
+                "qwen2_lora_train" => (family_config("qwen2_train").expect("qwen2"), 4),
+                _ => (deepseek_1b3_config(), 1),
+            };
+            let model = crate::ops::with_seeded_rng::<CpuTrain, _>(&device, 0, || {
+                crate::models::llama::LlamaForCausalLM::<CpuTrain>::new(&config, &device)
+            });
+            let mut rng = rand::rngs::StdRng::seed_from_u64(1234);
+            let ids: Vec<i64> = (0..batch * seq)
+                .map(|_| rng.random_range(1000..30000))
+                .collect();
+            let targets = ids
+                .chunks(seq)
+                .flat_map(|row| row[1..].iter().copied().chain([crate::task::IGNORE_INDEX]))
+                .collect();
+            let tb = crate::data::lm::TokenBatch {
+                ids,
+                batch,
+                seq,
+                segments: Vec::new(),
+            };
+            (model, config, vec![(tb, targets)])
+        }
+    };
+    let (model, _) = crate::models::lora::attach(model, &bench_lora(), 0)?;
+    let batches: Vec<_> = batches
+        .into_iter()
+        .map(|(tb, targets)| {
+            let work = StepWork {
+                samples: tb.batch,
+                padded_seq: seq,
+                tokens: tb.batch * seq,
+                flops: 2.0 * llama_forward_flops(&config, tb.batch, seq),
+            };
+            (tb, targets, work)
+        })
+        .collect();
+    let opt = super::rows::adamw();
+    Ok(train_steps(
+        &format!("{key}_fp32"),
+        model,
+        opt,
+        1e-4,
+        &batches,
         warmup,
         steps,
         &device,

@@ -123,11 +123,15 @@ impl LmBlocks {
 }
 
 /// A batch of token blocks, row-major `[batch, seq]`.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct TokenBatch {
     pub ids: Vec<i64>,
     pub batch: usize,
     pub seq: usize,
+    /// Padding-free packing (one row, `batch` 1): the lengths of the sequences laid end to end
+    /// in it, whose attention and positions never cross from one to the next. Empty: each row
+    /// is one sequence.
+    pub segments: Vec<usize>,
 }
 
 #[cfg(test)]

@@ -273,12 +273,34 @@ pub fn rope_tables<B: Backend>(
     len: usize,
     device: &B::Device,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    rope_tables_at(inv_freq, start..start + len, device)
+}
+
+/// [`rope_tables`] for the positions of packed sequences: each of `segments` (lengths, laid end
+/// to end) counts its positions from 0, as transformers' `position_ids` do under padding-free
+/// packing.
+pub fn packed_rope_tables<B: Backend>(
+    inv_freq: &[f32],
+    segments: &[usize],
+    device: &B::Device,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let positions: Vec<usize> = segments.iter().flat_map(|&n| 0..n).collect();
+    rope_tables_at(inv_freq, positions.into_iter(), device)
+}
+
+/// `cos`, `sin` tables `[positions, head_dim]` for the given positions, in order.
+fn rope_tables_at<B: Backend>(
+    inv_freq: &[f32],
+    positions: impl ExactSizeIterator<Item = usize>,
+    device: &B::Device,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let half = inv_freq.len();
+    let len = positions.len();
     let (mut cos, mut sin) = (
         Vec::with_capacity(len * half * 2),
         Vec::with_capacity(len * half * 2),
     );
-    for pos in start..start + len {
+    for pos in positions {
         for _ in 0..2 {
             for &f in inv_freq {
                 // f32 like PyTorch: position · inv_freq, then cos/sin.

@@ -55,6 +55,7 @@ impl BatchSource for LmBlocks {
                 ids,
                 batch: indices.len(),
                 seq,
+                segments: Vec::new(),
             },
             targets,
         )
@@ -371,6 +372,10 @@ fn sft_sets(
         options: &options,
         model_dir: dir,
     };
+    let pack = |set: SftSet| match (sft.packing, options.max_length) {
+        (true, Some(capacity)) => set.pack(capacity),
+        _ => set,
+    };
     let train = SftSet::read(
         train_file,
         &how,
@@ -388,7 +393,7 @@ fn sft_sets(
         )?),
         None => None,
     };
-    Ok((train, eval))
+    Ok((pack(train), eval.map(pack)))
 }
 
 /// A causal LM's training data: a corpus packed into blocks, or SFT rows.

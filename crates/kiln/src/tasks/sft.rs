@@ -21,10 +21,14 @@ use crate::data::sft::{prepare_labelled_row, LabelledExample, SftError, SftOptio
 use crate::error::{KilnError, Result};
 use crate::task::{BatchSource, IGNORE_INDEX};
 
-/// How SFT rows become examples: TRL's options and the model folder's chat template.
+/// How SFT rows become examples and batches: TRL's options, and whether they are packed.
 #[derive(Debug, Clone, Default)]
 pub struct SftData {
     pub options: SftOptions,
+    /// TRL's `packing` with `padding_free`: examples packed best-fit-decreasing into sequences
+    /// of at most `max_length` tokens, a batch's sequences laid end to end in one row with no
+    /// attention and no positions crossing from one example to the next ([`SftSet::pack`]).
+    pub packing: bool,
 }
 
 /// What preparing rows needs besides the rows: the tokenizer, the chat template (if the model
@@ -37,13 +41,15 @@ pub struct SftTokenization<'a> {
     pub model_dir: Option<&'a Path>,
 }
 
-/// Prepared SFT examples, batched with right padding.
+/// Prepared SFT examples, batched with right padding, or packed.
 #[derive(Debug, Clone)]
 pub struct SftSet {
     pub examples: Vec<LabelledExample>,
     pub pad_id: u32,
     /// Tokens that are targets, over all examples (for the log).
     pub targets: usize,
+    /// Packed: the examples of each packed sequence (the set's items are these sequences).
+    pub packed: Option<Vec<Vec<usize>>>,
 }
 
 impl SftSet {
@@ -103,7 +109,47 @@ impl SftSet {
             examples,
             pad_id,
             targets,
+            packed: None,
         })
+    }
+
+    /// Packs the examples into sequences of at most `capacity` tokens, best fit decreasing (TRL's
+    /// `packing_strategy="bfd"`): longest first, each into the fullest sequence it still fits,
+    /// else a new one. An example longer than `capacity` (none after `--max-length`) gets one of
+    /// its own.
+    pub fn pack(mut self, capacity: usize) -> Self {
+        let mut order: Vec<usize> = (0..self.examples.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(self.examples[i].input_ids.len()));
+        let mut bins: Vec<(usize, Vec<usize>)> = Vec::new();
+        for i in order {
+            let n = self.examples[i].input_ids.len();
+            let best = bins
+                .iter_mut()
+                .filter(|(used, _)| used + n <= capacity)
+                .max_by_key(|(used, _)| *used);
+            match best {
+                Some((used, items)) => {
+                    *used += n;
+                    items.push(i);
+                }
+                None => bins.push((n, vec![i])),
+            }
+        }
+        info!(
+            "packed {} examples into {} sequences of at most {capacity} tokens",
+            self.examples.len(),
+            bins.len()
+        );
+        self.packed = Some(bins.into_iter().map(|(_, items)| items).collect());
+        self
+    }
+
+    /// The examples of the set's items `indices` (packed sequences' examples in order).
+    fn members(&self, indices: &[usize]) -> Vec<usize> {
+        match &self.packed {
+            None => indices.to_vec(),
+            Some(bins) => indices.iter().flat_map(|&i| bins[i].clone()).collect(),
+        }
     }
 }
 
@@ -126,21 +172,59 @@ fn row_error(e: SftError, model_dir: Option<&Path>) -> (String, bool) {
     }
 }
 
+/// Rows used; skipped rows are a warning with their count and first lines (as the classification
+/// task's): data left out is never only an info line.
 fn log_report(path: &Path, report: &ReadReport) {
-    info!("{}: {}", path.display(), report.summary());
+    if report.skipped.is_empty() {
+        info!("{}: {}", path.display(), report.summary());
+        return;
+    }
+    tracing::warn!("{}: {}", path.display(), report.summary());
+    for s in report.skipped.iter().skip(1).take(4) {
+        tracing::warn!("  also skipped {s}");
+    }
 }
 
 impl BatchSource for SftSet {
     type Batch = TokenBatch;
     fn len(&self) -> usize {
-        self.examples.len()
+        self.packed.as_ref().map_or(self.examples.len(), Vec::len)
     }
     fn lengths(&self) -> Vec<usize> {
-        self.examples.iter().map(|e| e.input_ids.len()).collect()
+        let len = |i: &usize| self.examples[*i].input_ids.len();
+        match &self.packed {
+            None => self.examples.iter().map(|e| e.input_ids.len()).collect(),
+            Some(bins) => bins.iter().map(|b| b.iter().map(len).sum()).collect(),
+        }
     }
     /// TRL's collator: right padding with the pad token, labels −100 there; then each position's
-    /// target is the next label (transformers' shift inside the model's loss).
+    /// target is the next label (transformers' shift inside the model's loss). Packed: the
+    /// examples laid end to end in one row (`padding_free`), each one's last position without a
+    /// target (TRL sets the label at every sequence start to −100).
     fn batch(&self, indices: &[usize]) -> (TokenBatch, Vec<i64>) {
+        if self.packed.is_some() {
+            let members = self.members(indices);
+            let mut ids = Vec::new();
+            let mut targets = Vec::new();
+            let mut segments = Vec::new();
+            for i in members {
+                let e = &self.examples[i];
+                ids.extend(e.input_ids.iter().map(|&t| t as i64));
+                targets.extend(e.labels.iter().skip(1).copied());
+                targets.push(IGNORE_INDEX);
+                segments.push(e.input_ids.len());
+            }
+            let seq = ids.len();
+            return (
+                TokenBatch {
+                    ids,
+                    batch: 1,
+                    seq,
+                    segments,
+                },
+                targets,
+            );
+        }
         let seq = indices
             .iter()
             .map(|&i| self.examples[i].input_ids.len())
@@ -161,6 +245,7 @@ impl BatchSource for SftSet {
                 ids,
                 batch: indices.len(),
                 seq,
+                segments: Vec::new(),
             },
             targets,
         )
@@ -186,11 +271,40 @@ mod tests {
             ],
             pad_id: 2,
             targets: 4,
+            packed: None,
         };
         let (b, t) = set.batch(&[0, 1]);
         assert_eq!((b.batch, b.seq), (2, 3));
         assert_eq!(b.ids, vec![5, 6, 7, 8, 9, 2]);
         assert_eq!(t, vec![6, 7, -100, 9, -100, -100]);
         assert_eq!(set.lengths(), vec![3, 2]);
+
+        // Packed (capacity 5): both in one sequence, no padding, no target across the seam.
+        let packed = set.pack(5);
+        assert_eq!(packed.len(), 1);
+        let (b, t) = packed.batch(&[0]);
+        assert_eq!((b.batch, b.seq), (1, 5));
+        assert_eq!(b.ids, vec![5, 6, 7, 8, 9]);
+        assert_eq!(b.segments, vec![3, 2]);
+        assert_eq!(t, vec![6, 7, -100, 9, -100]);
+    }
+
+    #[test]
+    fn packing_is_best_fit_decreasing() {
+        let ex = |n: usize| LabelledExample {
+            input_ids: vec![1; n],
+            labels: vec![1; n],
+        };
+        let set = SftSet {
+            examples: [6, 5, 4, 3, 2].map(ex).to_vec(),
+            pad_id: 0,
+            targets: 0,
+            packed: None,
+        }
+        .pack(8);
+        // 6 opens a sequence, 5 another; 4 fits neither (10, 9) and opens a third; 3 best fits
+        // the 5 (8); 2 best fits the 6 (8).
+        assert_eq!(set.packed, Some(vec![vec![0, 4], vec![1, 3], vec![2]]));
+        assert_eq!(set.lengths(), vec![8, 8, 4]);
     }
 }

@@ -13,7 +13,7 @@ use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 
 pub use super::parallel::LlamaShard;
 use crate::data::lm::TokenBatch;
-use crate::models::layers::{rope_tables, Embedding, Linear, RmsNorm};
+use crate::models::layers::{packed_rope_tables, rope_tables, Embedding, Linear, RmsNorm};
 use crate::models::llama::config::LlamaConfig;
 use crate::ops::{self, tp_enter, tp_sum, KilnBackend, TpComm};
 use crate::task::{Model, Segments, TensorParallelLayout};
@@ -155,6 +155,7 @@ impl<B: KilnBackend> LlamaAttention<B> {
         x: Tensor<B, 3>,
         rope: &(Tensor<B, 2>, Tensor<B, 2>),
         cache: Option<&mut Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
+        segments: &[usize],
     ) -> Tensor<B, 3> {
         let [b, t, _] = x.dims();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
@@ -189,9 +190,35 @@ impl<B: KilnBackend> LlamaAttention<B> {
             y.reshape([b, t, n * hd])
         };
         let (q, k, v) = (flat(q), flat(self.grouped_kv(k)), flat(self.grouped_kv(v)));
-        let out = match self.window {
+        let out = if segments.len() > 1 {
+            // Padding-free packing: each sequence attends within itself only (the projections
+            // above ran over all of them at once).
+            let mut start = 0;
+            let parts = segments
+                .iter()
+                .map(|&n| {
+                    let part = |y: &Tensor<B, 3>| y.clone().narrow(1, start, n);
+                    let out = self.attend(part(&q), part(&k), part(&v));
+                    start += n;
+                    out
+                })
+                .collect();
+            Tensor::cat(parts, 1)
+        } else {
+            self.attend(q, k, v)
+        };
+        // o_proj is row-parallel under tensor parallelism: the ranks' heads are summed there.
+        self.o_proj.forward(out)
+    }
+
+    /// Causal attention of one sequence per row (`[B, T, heads·D]` in and out), within the
+    /// sliding window where the layer has one.
+    fn attend(&self, q: Tensor<B, 3>, k: Tensor<B, 3>, v: Tensor<B, 3>) -> Tensor<B, 3> {
+        let nh = self.num_heads;
+        match self.window {
             None => ops::causal_attention(q, k, v, nh),
             Some(w) => {
+                let [b, t, _] = q.dims();
                 let mask = Tensor::zeros([b, t], &q.device());
                 let window = ops::Window {
                     before: w - 1,
@@ -199,9 +226,7 @@ impl<B: KilnBackend> LlamaAttention<B> {
                 };
                 ops::windowed_attention(q, k, v, mask, nh, window, 0.0)
             }
-        };
-        // o_proj is row-parallel under tensor parallelism: the ranks' heads are summed there.
-        self.o_proj.forward(out)
+        }
     }
 
     /// Key/value heads `[B, S, kv, D]` for the attention kernel: as they are when query head `i`
@@ -270,9 +295,10 @@ impl<B: KilnBackend> LlamaDecoderLayer<B> {
         x: Tensor<B, 3>,
         rope: &(Tensor<B, 2>, Tensor<B, 2>),
         cache: Option<&mut Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
+        segments: &[usize],
     ) -> Tensor<B, 3> {
         let attn_in = self.enter(self.input_layernorm.forward(x.clone()));
-        let h = x + self.self_attn.forward(attn_in, rope, cache);
+        let h = x + self.self_attn.forward(attn_in, rope, cache, segments);
         let mlp_in = self.enter(self.post_attention_layernorm.forward(h.clone()));
         h + self.mlp.forward(mlp_in)
     }
@@ -363,7 +389,7 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
         let mut x = self.embed(ids);
         for (i, layer) in self.model.layers.iter().enumerate() {
             let slot = cache.as_mut().map(|c| &mut c.layers[i]);
-            x = layer.forward(x, &rope, slot);
+            x = layer.forward(x, &rope, slot, &[]);
         }
         self.model.norm.forward(x)
     }
@@ -470,6 +496,16 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
 }
 
 impl<B: KilnBackend> LlamaForCausalLM<B> {
+    /// The RoPE tables of a training batch: positions `0..seq`, or from 0 in each packed
+    /// sequence.
+    fn batch_rope(&self, batch: &TokenBatch, device: &B::Device) -> (Tensor<B, 2>, Tensor<B, 2>) {
+        if batch.segments.len() > 1 {
+            packed_rope_tables::<B>(&self.model.inv_freq, &batch.segments, device)
+        } else {
+            rope_tables::<B>(&self.model.inv_freq, 0, batch.seq, device)
+        }
+    }
+
     fn ids(&self, batch: &TokenBatch) -> Tensor<B, 2, Int> {
         let device = self.model.embed_tokens.weight.device();
         Tensor::from_data(
@@ -492,8 +528,8 @@ impl<B: KilnBackend> Segments<B, TokenBatch> for LlamaForCausalLM<B> {
 
     fn layer(&self, i: usize, x: Tensor<B, 3>, batch: &TokenBatch) -> Tensor<B, 3> {
         // The tables are small ([T, head_dim]); rebuilding them per layer keeps segments stateless.
-        let rope = rope_tables::<B>(&self.model.inv_freq, 0, batch.seq, &x.device());
-        self.model.layers[i].forward(x, &rope, None)
+        let rope = self.batch_rope(batch, &x.device());
+        self.model.layers[i].forward(x, &rope, None, &batch.segments)
     }
 
     fn head(&self, h: Tensor<B, 3>, _batch: &TokenBatch) -> Tensor<B, 2> {
@@ -537,7 +573,17 @@ impl<B: KilnBackend> Model<B> for LlamaForCausalLM<B> {
 
     /// One row of vocabulary logits per token, `[batch·seq, vocab]`.
     fn logits(&self, batch: &TokenBatch) -> Tensor<B, 2> {
-        let logits = self.forward(self.ids(batch), None);
+        let logits = if batch.segments.len() > 1 {
+            let ids = self.ids(batch);
+            let rope = self.batch_rope(batch, &ids.device());
+            let mut x = self.embed(ids);
+            for layer in &self.model.layers {
+                x = layer.forward(x, &rope, None, &batch.segments);
+            }
+            self.project(self.model.norm.forward(x))
+        } else {
+            self.forward(self.ids(batch), None)
+        };
         let v = logits.dims()[2];
         logits.reshape([batch.batch * batch.seq, v])
     }
