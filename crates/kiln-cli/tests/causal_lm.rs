@@ -294,7 +294,7 @@ fn from_config_two_workers_equal_one_process() {
 
 /// SFT with LoRA through the binary, on a small random Llama (`--from-config`, SmolLM2's
 /// tokenizer) and prompt/completion rows cut from Brown: two data-parallel workers × 4 rows train
-/// the adapter one process × 8 rows trains; a run resumed from its step-2 checkpoint ends with the
+/// the adapter one process × 8 rows trains (rows of equal target counts: see below); a run resumed from its step-2 checkpoint ends with the
 /// unbroken run's adapter, bit for bit (LoRA dropout on, so the dropout stream is resumed too);
 /// the folders hold PEFT's files only, and the frozen base got no optimizer state.
 #[test]
@@ -346,7 +346,7 @@ fn sft_lora_data_parallel_and_resume() {
             .arg(model)
             .arg("--train-file")
             .arg(&data)
-            .args(["--max-length", "32", "--use-peft", "--lora-r", "4"])
+            .args(["--use-peft", "--lora-r", "4"])
             .args([
                 "--lora-target-modules",
                 "all-linear",
@@ -379,7 +379,19 @@ fn sft_lora_data_parallel_and_resume() {
                 .fold(0f32, f32::max)
         };
 
-    let no_dropout = ["--lora-dropout", "0", "--save-strategy", "no"];
+    // kiln averages each batch's loss over its target tokens, then over the ranks (it records
+    // transformers' average_tokens_across_devices): rows cut to 16 tokens, every one a target,
+    // give each rank the same count, so the two runs mean the same loss.
+    let no_dropout = [
+        "--lora-dropout",
+        "0",
+        "--save-strategy",
+        "no",
+        "--max-length",
+        "16",
+        "--completion-only-loss",
+        "false",
+    ];
     let single = adapter(&run(8, 1, "single8", &no_dropout));
     assert_eq!(single.len(), 2 * 7 * 2, "2 layers × 7 Linear × (A, B)");
     assert!(single
@@ -392,7 +404,14 @@ fn sft_lora_data_parallel_and_resume() {
     assert!(d < 1e-5, "2 workers differ from one process by {d}");
     assert!(c > 1e-4, "control too close ({c}): the test cannot tell");
 
-    let save = ["--save-steps", "2", "--lora-dropout", "0.1"];
+    let save = [
+        "--save-steps",
+        "2",
+        "--lora-dropout",
+        "0.1",
+        "--max-length",
+        "32",
+    ];
     let unbroken = run(8, 1, "unbroken", &save);
     let ck = unbroken.join("checkpoint-2");
     assert!(ck.join("adapter_config.json").exists() && !ck.join("model.safetensors").exists());

@@ -134,11 +134,7 @@ impl KilnBackend for Cpu {
         w: FloatTensor<Self>,
         dy: FloatTensor<Self>,
         wants: super::LinearGrads,
-    ) -> (
-        Option<FloatTensor<Self>>,
-        Option<FloatTensor<Self>>,
-        Option<FloatTensor<Self>>,
-    ) {
+    ) -> super::LinearBackward<Self> {
         let _p = super::profile::scope("linear_bwd");
         let (x, w, dy) = (dense(x), dense(w), dense(dy));
         let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);

@@ -240,11 +240,7 @@ pub trait KilnBackend: Backend {
         w: FloatTensor<Self>,
         dy: FloatTensor<Self>,
         wants: LinearGrads,
-    ) -> (
-        Option<FloatTensor<Self>>,
-        Option<FloatTensor<Self>>,
-        Option<FloatTensor<Self>>,
-    ) {
+    ) -> LinearBackward<Self> {
         let dy = t::<Self, 2>(dy);
         let n = dy.dims()[1];
         let dx = wants
@@ -885,6 +881,13 @@ pub fn reshape<B: KilnBackend, const D: usize, const D2: usize>(
 pub fn owned<B: KilnBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     t(B::kiln_into_owned(p(x)))
 }
+
+/// A Linear's `(dx, dw, db)`, each present where it was wanted ([`LinearGrads`]).
+pub type LinearBackward<B> = (
+    Option<FloatTensor<B>>,
+    Option<FloatTensor<B>>,
+    Option<FloatTensor<B>>,
+);
 
 /// Which gradients a Linear's backward computes ([`KilnBackend::kiln_linear_backward`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

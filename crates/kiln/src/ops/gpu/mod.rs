@@ -146,11 +146,7 @@ where
         w: FloatTensor<Self>,
         dy: FloatTensor<Self>,
         wants: crate::ops::LinearGrads,
-    ) -> (
-        Option<FloatTensor<Self>>,
-        Option<FloatTensor<Self>>,
-        Option<FloatTensor<Self>>,
-    ) {
+    ) -> crate::ops::LinearBackward<Self> {
         let n = dy.shape.dims::<2>()[1];
         // dx = dy · w, dw = dyᵀ · x (both [out, in] like PyTorch's), db = Σ_rows dy.
         let db = wants
