@@ -147,11 +147,11 @@ fn llama_adapters_match_peft() {
                 .collect()
         };
         let err = rel_err(&real(&got), &real(want));
-        assert!(err < 1e-5, "{name}: logits rel err {err:e}");
+        assert!(err < 1e-4, "{name}: logits rel err {err:e}");
         if name == "qv" {
             // B = 0 at PEFT's initialisation: the adapted model is the base model.
             let base = rel_err(&real(&got), &real(&tensors["base_logits"].data));
-            assert!(base < 1e-5, "{name}: base logits rel err {base:e}");
+            assert!(base < 1e-4, "{name}: base logits rel err {base:e}");
         }
         let targets: Vec<i64> = labels
             .chunks(t)
@@ -210,7 +210,7 @@ fn bert_classifier_adapter_matches_peft() {
     };
     let logits = m.logits(&batch);
     let err = rel_err(&host(logits.clone()), &tensors["logits"].data);
-    assert!(err < 1e-5, "bert: logits rel err {err:e}");
+    assert!(err < 1e-4, "bert: logits rel err {err:e}");
     let n = labels.len();
     let labels = Tensor::<CpuTrain, 1, Int>::from_data(TensorData::new(labels, [n]), &device);
     let loss = CrossEntropy.loss(logits, labels);

@@ -28,6 +28,9 @@ use crate::ops::KilnBackend;
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 
+/// The largest LoRA rank kiln accepts (adapters use 4–256).
+const MAX_RANK: usize = 65_536;
+
 /// The prefix PEFT puts before the base model's own parameter paths.
 const PEFT_PREFIX: &str = "base_model.model.";
 
@@ -315,6 +318,13 @@ pub fn attach<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
     config: &LoraConfig,
     seed: u64,
 ) -> Result<(M, Adapter)> {
+    // The rank sizes every adapter's allocation; it comes from a flag or an adapter's config.
+    if config.r == 0 || config.r > MAX_RANK {
+        return Err(KilnError::Config(format!(
+            "LoRA rank r = {}: must be between 1 and {MAX_RANK}",
+            config.r
+        )));
+    }
     let output = model.output_layers();
     let default = model.default_target_modules();
     let scale = LoraScale {
