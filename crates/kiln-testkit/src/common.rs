@@ -27,6 +27,16 @@ pub fn asset(rel: &str) -> Option<PathBuf> {
     None
 }
 
+/// SmolLM2-135M-Instruct's tokenizer folder (`tokenizer.json`, `tokenizer_config.json` with its
+/// chat template), written into `out` from the GGUF asset, or `None` where the asset is missing (as
+/// [`asset`] decides). Derived here rather than fetched, so a fresh clone needs only
+/// scripts/fetch-assets; the fixtures were generated from the same conversion.
+pub fn smollm2_tokenizer(out: &std::path::Path) -> Option<PathBuf> {
+    let gguf = asset("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")?;
+    kiln::models::llama::gguf::tokenizer_to_hf(&gguf, out).unwrap();
+    Some(out.to_path_buf())
+}
+
 /// A base port whose next `n` ports are free as well (a launcher uses `master_port + 1 + rank` for
 /// its workers and the port itself for TCP and UDP), picked at random in 20000..32000 and checked by
 /// binding them all: concurrent test runs on one machine then do not collide on fixed ports. The

@@ -6,7 +6,8 @@
 //! - `sft_masks.json`: `SFTTrainer`'s dataset preparation (tokenized rows and their completion /
 //!   assistant masks, labels, truncation, dropped rows) and its collator (padded and padding-free).
 //!
-//! Token ids are SmolLM2-135M-Instruct's: every test needs `assets/smollm2/hf` and skips without it.
+//! Token ids are SmolLM2-135M-Instruct's: every test needs its tokenizer, converted from the GGUF
+//! asset (scripts/fetch-assets), and skips without it.
 
 use std::path::{Path, PathBuf};
 
@@ -15,7 +16,7 @@ use kiln::data::sft::{
     build_labels, collate, prepare_labelled_row, prepare_row, LabelledExample, SftError,
     SftExample, SftOptions, IGNORE_INDEX,
 };
-use kiln_testkit::common::{asset, repo_root};
+use kiln_testkit::common::{repo_root, smollm2_tokenizer};
 use serde_json::{Map, Value as Json};
 use tokenizers::Tokenizer;
 
@@ -27,7 +28,7 @@ fn fixture(name: &str) -> Json {
 
 /// SmolLM2's tokenizer and its folder, or `None` (the test then skips).
 fn smollm2() -> Option<(Tokenizer, PathBuf)> {
-    let dir = asset("smollm2/hf")?;
+    let dir = smollm2_tokenizer(&Path::new(env!("CARGO_TARGET_TMPDIR")).join("sft-smollm2"))?;
     let tok = Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
     Some((tok, dir))
 }

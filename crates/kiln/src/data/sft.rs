@@ -648,19 +648,30 @@ mod tests {
     use super::*;
     use std::path::Path;
 
-    const SMOLLM2_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../assets/smollm2/hf");
+    const SMOLLM2_GGUF: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../assets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    );
 
-    /// SmolLM2's tokenizer and chat template, or `None` (the test then skips).
+    /// SmolLM2's tokenizer and chat template, from the GGUF asset (scripts/fetch-assets), or `None`
+    /// (the test then skips, unless KILN_REQUIRE_ASSETS says the assets must be there).
     fn smollm2() -> Option<(Tokenizer, ChatTemplate, String)> {
-        let dir = Path::new(SMOLLM2_DIR);
-        let path = dir.join("tokenizer.json");
-        if !path.is_file() {
-            eprintln!("skipped: {} is absent", path.display());
+        let gguf = Path::new(SMOLLM2_GGUF);
+        if !gguf.is_file() {
+            assert!(
+                std::env::var_os("KILN_REQUIRE_ASSETS").is_none(),
+                "{} missing: run scripts/fetch-assets",
+                gguf.display()
+            );
+            eprintln!("skipped: {} is absent", gguf.display());
             return None;
         }
-        let tok = Tokenizer::from_file(&path).unwrap();
-        let template = ChatTemplate::from_model_dir(dir).unwrap().unwrap();
-        let eos = super::super::chat_template::special_tokens(dir).unwrap()["eos_token"].clone();
+        let dir = tempfile::tempdir().unwrap();
+        crate::models::llama::gguf::tokenizer_to_hf(gguf, dir.path()).unwrap();
+        let tok = Tokenizer::from_file(dir.path().join("tokenizer.json")).unwrap();
+        let template = ChatTemplate::from_model_dir(dir.path()).unwrap().unwrap();
+        let eos =
+            super::super::chat_template::special_tokens(dir.path()).unwrap()["eos_token"].clone();
         Some((tok, template, eos))
     }
 
@@ -778,7 +789,9 @@ mod tests {
             "Hello there<|im_end|>"
         );
         // SmolLM2's own template has no generation blocks
-        let (_, plain, _) = smollm2().unwrap();
+        let Some((_, plain, _)) = smollm2() else {
+            return;
+        };
         let err = prepare_row(&r, &tok, Some(&plain), &o).unwrap_err();
         assert!(err.to_string().contains("{% generation %}"), "{err}");
         // and plain text cannot be masked by role

@@ -501,6 +501,25 @@ fn tokenizer_config(g: &GgufFile, cfg: &LlamaConfig) -> Result<Json> {
     Ok(t)
 }
 
+/// Writes only the tokenizer files of `gguf` (`tokenizer.json`, `tokenizer_config.json` with the
+/// chat template) into `out`: all that preparing SFT data needs of a model, in a moment and a few MB
+/// where the whole conversion takes seconds and hundreds.
+pub fn tokenizer_to_hf(gguf: &Path, out: &Path) -> Result<()> {
+    let g = GgufFile::open(gguf)?;
+    let cfg = llama_config(&g)?;
+    let tok = tokenizer_json(&g)?;
+    let tok_cfg = tokenizer_config(&g, &cfg)?;
+    std::fs::create_dir_all(out).map_err(|e| KilnError::io(out, e))?;
+    write_tokenizer_files(&g, out, &tok, &tok_cfg)
+}
+
+fn write_tokenizer_files(g: &GgufFile, out: &Path, tok: &Json, tok_cfg: &Json) -> Result<()> {
+    let pretty =
+        serde_json::to_string_pretty(tok_cfg).map_err(|e| bad(g, format!("writing JSON: {e}")))?;
+    crate::hub::atomic_write(&out.join("tokenizer.json"), tok.to_string().as_bytes())?;
+    crate::hub::atomic_write(&out.join("tokenizer_config.json"), pretty.as_bytes())
+}
+
 /// Converts `gguf` into a Hugging Face folder `out`, weights stored as `dtype`.
 pub fn gguf_to_hf(gguf: &Path, out: &Path, dtype: StoreDtype) -> Result<ConvertReport> {
     let g = GgufFile::open(gguf)?;
@@ -538,11 +557,7 @@ pub fn gguf_to_hf(gguf: &Path, out: &Path, dtype: StoreDtype) -> Result<ConvertR
         serde_json::to_string_pretty(v).map_err(|e| bad(&g, format!("writing JSON: {e}")))
     };
     crate::hub::atomic_write(&out.join("config.json"), cfg_out.to_json().as_bytes())?;
-    crate::hub::atomic_write(&out.join("tokenizer.json"), tok.to_string().as_bytes())?;
-    crate::hub::atomic_write(
-        &out.join("tokenizer_config.json"),
-        pretty(&tok_cfg)?.as_bytes(),
-    )?;
+    write_tokenizer_files(&g, out, &tok, &tok_cfg)?;
     crate::hub::atomic_write(
         &out.join("generation_config.json"),
         pretty(&gen)?.as_bytes(),
