@@ -292,18 +292,10 @@ fn from_config_two_workers_equal_one_process() {
     );
 }
 
-/// SFT with LoRA through the binary, on a small random Llama (`--from-config`, SmolLM2's
-/// tokenizer) and prompt/completion rows cut from Brown: two data-parallel workers × 4 rows train
-/// the adapter one process × 8 rows trains (rows of equal target counts: see below); a run resumed from its step-2 checkpoint ends with the
-/// unbroken run's adapter, bit for bit (LoRA dropout on, so the dropout stream is resumed too);
-/// the folders hold PEFT's files only, and the frozen base got no optimizer state.
-#[test]
-fn sft_lora_data_parallel_and_resume() {
-    let (Some(model), Some(brown)) = (converted(), asset("brown/eval.jsonl")) else {
-        return;
-    };
-    let tmp = tempfile::tempdir().unwrap();
-    let cfg = tmp.path().join("tiny.json");
+/// A tiny 2-layer Llama config (SmolLM2's vocabulary) and 16 prompt/completion rows cut from
+/// Brown's first eval text, written into `dir`: `(config, rows)`.
+fn tiny_sft(dir: &Path, brown: &Path) -> (PathBuf, PathBuf) {
+    let cfg = dir.join("tiny.json");
     std::fs::write(
         &cfg,
         serde_json::json!({
@@ -314,8 +306,7 @@ fn sft_lora_data_parallel_and_resume() {
         .to_string(),
     )
     .unwrap();
-    // 16 prompt/completion rows from Brown's first eval text.
-    let text = std::fs::read_to_string(&brown).unwrap();
+    let text = std::fs::read_to_string(brown).unwrap();
     let doc: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
     let words: Vec<&str> = doc["text"].as_str().unwrap().split_whitespace().collect();
     let rows: String = words
@@ -329,8 +320,24 @@ fn sft_lora_data_parallel_and_resume() {
             json.to_string() + "\n"
         })
         .collect();
-    let data = tmp.path().join("rows.jsonl");
+    let data = dir.join("rows.jsonl");
     std::fs::write(&data, rows).unwrap();
+    (cfg, data)
+}
+
+/// SFT with LoRA through the binary, on a small random Llama (`--from-config`, SmolLM2's
+/// tokenizer) and prompt/completion rows cut from Brown: two data-parallel workers × 4 rows train
+/// the adapter one process × 8 rows trains (rows of equal target counts: see below); a run
+/// resumed from its step-2 checkpoint ends with the unbroken run's adapter, bit for bit (LoRA dropout on, so the dropout stream is resumed too);
+/// the folders hold PEFT's files only, and the frozen base got no optimizer state. ZeRO-1 with
+/// gradient checkpointing takes the same steps; `--bf16` comes near them.
+#[test]
+fn sft_lora_data_parallel_and_resume() {
+    let (Some(model), Some(brown)) = (converted(), asset("brown/eval.jsonl")) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let (cfg, data) = tiny_sft(tmp.path(), &brown);
     let run = |batch: usize, procs: usize, name: &str, extra: &[&str]| {
         let out = tmp.path().join(name);
         let mut c = kiln_one_thread();
@@ -398,11 +405,34 @@ fn sft_lora_data_parallel_and_resume() {
         .keys()
         .all(|k| k.starts_with("base_model.model.model.layers.")));
     let ddp = adapter(&run(4, 2, "ddp2x4", &no_dropout));
+    // ZeRO-1 shards only the adapter's moments (the frozen base has none) and gradient
+    // checkpointing recomputes the adapted layers in the backward: the same steps again.
+    let zero_ckpt = [&no_dropout[..], &["--zero-1", "--gradient-checkpointing"]].concat();
+    let zero = adapter(&run(4, 2, "ddp2x4-zero1-ckpt", &zero_ckpt));
+    let z = max_diff(&zero, &single);
+    assert!(
+        z < 1e-5,
+        "ZeRO-1 + gradient checkpointing differ from one process by {z}"
+    );
     let control = adapter(&run(4, 1, "single4", &no_dropout));
     let (d, c) = (max_diff(&ddp, &single), max_diff(&control, &single));
     eprintln!("LoRA 2x4 vs 1x8: max |Δ| = {d:e}; 1x4 vs 1x8 (control): {c:e}");
     assert!(d < 1e-5, "2 workers differ from one process by {d}");
     assert!(c > 1e-4, "control too close ({c}): the test cannot tell");
+    // --bf16 autocasts the base's and the adapters' products to bf16: near fp32, not equal.
+    let bf16 = adapter(&run(8, 1, "bf16", &[&no_dropout[..], &["--bf16"]].concat()));
+    let flat = |a: &std::collections::BTreeMap<String, kiln::hub::weights::HostTensor>| {
+        a.values()
+            .flat_map(|t| t.data.clone())
+            .collect::<Vec<f32>>()
+    };
+    let b = common::rel_err(&flat(&bf16), &flat(&single));
+    let other = common::rel_err(&flat(&control), &flat(&single));
+    eprintln!("LoRA --bf16 vs fp32: rel err {b:e}; batch 4 vs 8 (control): {other:e}");
+    assert!(
+        b > 0.0 && b < 0.1 && b < other / 2.0,
+        "--bf16 adapter vs fp32: rel err {b} (a run on other batches: {other})"
+    );
 
     let save = [
         "--save-steps",
@@ -439,5 +469,88 @@ fn sft_lora_data_parallel_and_resume() {
     assert_eq!(
         d, 0.0,
         "a resumed LoRA run differs from the unbroken one by {d}"
+    );
+}
+
+/// `--adapter DIR` trains a saved PEFT adapter further: with plain SGD at a constant rate and the
+/// whole data in each step (so the optimizer carries no state and every step sees the same
+/// rows), 2 steps then 2 more from the saved adapter equal 4 unbroken steps; the adapter's own
+/// config (rank, targets, dropout) is used, and LoRA flags beside `--adapter` are refused.
+#[test]
+fn sft_lora_adapter_trains_further() {
+    let (Some(model), Some(brown)) = (converted(), asset("brown/eval.jsonl")) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let (cfg, data) = tiny_sft(tmp.path(), &brown);
+    let run = |name: &str, steps: &str, lora: &[&str]| {
+        let out = tmp.path().join(name);
+        let o = kiln_one_thread()
+            .args(["train", "--task", "sft", "--from-config"])
+            .arg(&cfg)
+            .arg("--tokenizer")
+            .arg(model)
+            .arg("--train-file")
+            .arg(&data)
+            .args(lora)
+            .args(["--optim", "sgd", "--lr-scheduler-type", "constant"])
+            .args([
+                "--learning-rate",
+                "0.5",
+                "--per-device-train-batch-size",
+                "16",
+            ])
+            .args(["--max-length", "16", "--completion-only-loss", "false"])
+            .args(["--save-strategy", "no", "--seed", "3", "--max-steps", steps])
+            .arg("--output-dir")
+            .arg(&out)
+            .output()
+            .unwrap();
+        (out, o)
+    };
+    let adapter = |dir: &Path| {
+        let t =
+            kiln::hub::weights::read_safetensors(&dir.join("adapter_model.safetensors")).unwrap();
+        t.into_values().flat_map(|t| t.data).collect::<Vec<f32>>()
+    };
+    let fresh = [
+        "--lora-r",
+        "4",
+        "--lora-target-modules",
+        "q_proj,v_proj,down_proj",
+    ];
+    let fresh = [&fresh[..], &["--lora-dropout", "0"]].concat();
+    let ok = |(out, o): (PathBuf, std::process::Output)| {
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        out
+    };
+    let four = ok(run("four", "4", &fresh));
+    let two = ok(run("two", "2", &fresh));
+    let two_more = ok(run("two-more", "2", &["--adapter", two.to_str().unwrap()]));
+    let (a4, a2, a22) = (adapter(&four), adapter(&two), adapter(&two_more));
+    assert_eq!(a22.len(), a4.len(), "the adapter's own rank and targets");
+    let d = common::rel_err(&a22, &a4);
+    let control = common::rel_err(&a2, &a4);
+    eprintln!("2 + 2 steps vs 4: rel err {d:e}; 2 vs 4 (control): {control:e}");
+    assert!(d < 1e-5, "2 + 2 steps differ from 4 by {d}");
+    assert!(
+        control > 1e-3,
+        "control too close ({control}): the test cannot tell"
+    );
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(two_more.join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(config["r"], 4);
+
+    let (_, o) = run(
+        "both",
+        "1",
+        &["--adapter", two.to_str().unwrap(), "--lora-r", "8"],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("--adapter") && err.contains("adapter_config.json"),
+        "{err}"
     );
 }

@@ -114,6 +114,7 @@ pub fn tweet_options(
         max_length: 48,
         pad_to_max_length: false,
         pad_to_multiple_of: None,
+        lora: None,
     }
 }
 

@@ -233,6 +233,7 @@ impl DataOpts {
             max_length: self.max_length,
             pad_to_max_length: self.pad_to_max_length,
             pad_to_multiple_of: self.pad_to_multiple_of.map(|n| n as usize).or(gpu_default),
+            lora: None,
         })
     }
 }

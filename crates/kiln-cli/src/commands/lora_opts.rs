@@ -1,10 +1,13 @@
 //! The LoRA options of `kiln train`, under TRL's names (`--use-peft`, `--lora-r`, …) with TRL's
 //! defaults (`ModelConfig`: r 16, alpha 32, dropout 0.05); target modules default to PEFT's per
-//! model type.
+//! model type. `--adapter DIR` trains an existing PEFT adapter further instead.
+
+use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use clap::Args;
 use kiln::models::lora::{LoraConfig, TargetModules};
+use kiln::tasks::adapter::LoraSetup;
 
 #[derive(Args, Clone, Default)]
 #[command(next_help_heading = "LoRA (PEFT)")]
@@ -33,11 +36,30 @@ pub struct LoraOpts {
     /// head always is, as in PEFT).
     #[arg(long, value_name = "NAMES")]
     lora_modules_to_save: Option<String>,
+    /// Train this PEFT adapter folder further (`adapter_config.json` + `adapter_model.safetensors`,
+    /// from kiln or PEFT), with its own rank, scale, dropout and target modules, as
+    /// `PeftModel.from_pretrained(base, DIR, is_trainable=True)`.
+    #[arg(long, value_name = "DIR")]
+    adapter: Option<PathBuf>,
 }
 
 impl LoraOpts {
     /// The adapter to train, or `None` when no LoRA option was given.
-    pub fn config(&self) -> Result<Option<LoraConfig>> {
+    pub fn setup(&self) -> Result<Option<LoraSetup>> {
+        let fresh = self.config()?;
+        match (&self.adapter, fresh) {
+            (None, fresh) => Ok(fresh.map(LoraSetup::Fresh)),
+            (Some(dir), None) => Ok(Some(LoraSetup::Continue(dir.clone()))),
+            (Some(dir), Some(_)) => bail!(
+                "--adapter {} brings its own LoRA settings (its adapter_config.json): drop \
+                 --use-peft and the --lora-* options",
+                dir.display()
+            ),
+        }
+    }
+
+    /// A fresh adapter's settings, or `None` when no --use-peft / --lora-* option was given.
+    fn config(&self) -> Result<Option<LoraConfig>> {
         let any = self.use_peft
             || self.lora_r.is_some()
             || self.lora_alpha.is_some()

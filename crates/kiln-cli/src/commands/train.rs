@@ -83,8 +83,10 @@ where
     let sub = matches.subcommand_matches("train").expect("train matches");
     kiln::train::precompile::set_shapes_only(cmd.precompile_shapes);
     if cmd.task == Task::MnistMlp {
-        if cmd.lora.config()?.is_some() {
-            bail!("LoRA (--use-peft, --lora-*) adapts Transformers models, not the MNIST MLP");
+        if cmd.lora.setup()?.is_some() {
+            bail!(
+                "LoRA (--use-peft, --lora-*, --adapter) adapts Transformers models, not the MNIST MLP"
+            );
         }
         let world = kiln::parallel::world_size_from_env()?;
         let defaults = kiln::tasks::mnist::sample_defaults(world);
@@ -100,7 +102,7 @@ where
     if cmd.task != Task::TextClassification && args.label_smoothing_factor != 0.0 {
         bail!("label_smoothing_factor is implemented for text classification only");
     }
-    let lora = cmd.lora.config()?;
+    let lora = cmd.lora.setup()?;
     if cmd.task != Task::Sft && cmd.sft.any() {
         bail!(
             "--completion-only-loss, --assistant-only-loss and --packing are options of --task sft"
@@ -129,16 +131,14 @@ where
         }
         return Ok(());
     }
-    if lora.is_some() {
-        bail!("LoRA (--use-peft, --lora-*) trains causal LMs (--task causal-lm) so far");
-    }
     let model = cmd.model.clone().context("--model is required")?;
-    let opts = cmd.data.options(
+    let mut opts = cmd.data.options(
         Some(&cmd.train_data),
         &model,
         args.seed,
         device_arg.parse()?,
     )?;
+    opts.lora = lora;
     let loss = kiln::train::LabelSmoothedCrossEntropy {
         epsilon: args.label_smoothing_factor,
     };

@@ -479,12 +479,13 @@ pub fn read_adapter_tensors(dir: &Path) -> Result<BTreeMap<String, HostTensor>> 
 }
 
 /// `model` with the PEFT adapter of folder `dir` attached (its `adapter_config.json` and
-/// weights); every adapter tensor must find its parameter and every adapter parameter its tensor.
+/// weights) and its base frozen, and the adapter; every adapter tensor must find its parameter
+/// and every adapter parameter its tensor.
 pub fn load_adapter<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
     model: M,
     dir: &Path,
     device: &B::Device,
-) -> Result<M> {
+) -> Result<(M, Adapter)> {
     let config = LoraConfig::from_adapter_dir(dir)?;
     let (model, adapter) = attach(model, &config, 0)?;
     let tensors = read_adapter_tensors(dir)?;
@@ -514,7 +515,7 @@ pub fn load_adapter<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
             }
         )));
     }
-    Ok(model)
+    Ok((model, adapter))
 }
 
 /// The base weights with the adapter folded in, as PEFT's `merge_and_unload()`: each adapted

@@ -20,12 +20,12 @@ use crate::models::auto::with_causal_lm;
 use crate::models::decoder::{
     CausalLm, DecoderArchitecture, DecoderConfig, DecoderFamily, DecoderVisitor,
 };
-use crate::models::lora::{LoraConfig, LoraTarget};
 use crate::ops::{KilnBackend, TrainBackend};
 use crate::parallel::{DataParallel, SharedCollectives, TpGroup, VocabParallelCrossEntropy};
 use crate::task::{BatchSource, CrossEntropy, Loss, IGNORE_INDEX};
+use crate::tasks::adapter::LoraSetup;
 use crate::tasks::sft::{SftData, SftSet, SftTokenization};
-use crate::train::checkpoint::{AdapterFiles, ModelFiles};
+use crate::train::checkpoint::ModelFiles;
 use crate::train::trainer::{evaluate, EvalOutput, TrainOutput};
 use crate::train::ParallelPlan;
 use crate::train::{Trainer, TrainingArguments};
@@ -130,8 +130,9 @@ pub struct CausalLmOptions {
     /// Use only the first N documents of each file.
     pub max_train_samples: Option<usize>,
     pub max_eval_samples: Option<usize>,
-    /// Train a LoRA adapter on the frozen model instead of the model itself.
-    pub lora: Option<LoraConfig>,
+    /// Train a LoRA adapter (a fresh one or a PEFT folder's) on the frozen model instead of the
+    /// model itself.
+    pub lora: Option<LoraSetup>,
     /// Supervised fine-tuning (`--task sft`): rows of TRL's formats instead of a packed corpus.
     pub sft: Option<SftData>,
 }
@@ -316,8 +317,20 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture>(
     let mut files = model_files(opts, &tok_path, &config);
     let model = match &opts.lora {
         None => model,
+        Some(_) if args.tensor_parallel_size > 1 => return Err(KilnError::Config(
+            "LoRA (--use-peft, --lora-*, --adapter) with --tensor-parallel-size above 1 is not \
+                 supported yet: train the adapter with data parallelism (kiln launch without \
+                 --tensor-parallel-size)"
+                .into(),
+        )),
         Some(lora) => {
-            let (model, adapter) = with_adapter(model, lora, &args, opts)?;
+            let base = opts
+                .model_dir
+                .as_ref()
+                .map(|d| d.display().to_string())
+                .unwrap_or_default();
+            let (model, adapter) =
+                crate::tasks::adapter::with_adapter(model, lora, args.seed, base, device)?;
             files.adapter = Some(adapter);
             model
         }
@@ -422,54 +435,6 @@ impl BatchSource for LmData {
             Self::Sft(s) => s.batch(indices),
         }
     }
-}
-
-/// `model` with a fresh LoRA adapter and its base frozen, and what its folders say about it; the
-/// trainable share is logged as PEFT's `print_trainable_parameters` prints it.
-fn with_adapter<B: KilnBackend, M: LoraTarget<B> + burn::module::Module<B>>(
-    model: M,
-    lora: &LoraConfig,
-    args: &TrainingArguments,
-    opts: &CausalLmOptions,
-) -> Result<(M, AdapterFiles)> {
-    if args.tensor_parallel_size > 1 {
-        return Err(KilnError::Config(
-            "LoRA (--lora-r) with --tensor-parallel-size above 1 is not supported yet: train the \
-             adapter with data parallelism (kiln launch without --tensor-parallel-size)"
-                .into(),
-        ));
-    }
-    let (model, adapter) = crate::models::lora::attach(model, lora, args.seed)?;
-    let shapes = crate::models::params::module_shapes(&model);
-    info!(
-        "LoRA r={} alpha={} on {}: {}",
-        lora.r,
-        lora.alpha,
-        adapter
-            .targeted
-            .iter()
-            .cloned()
-            .collect::<Vec<_>>()
-            .join(", "),
-        crate::models::lora::trainable_line(
-            shapes
-                .iter()
-                .map(|(p, s)| (p.as_str(), s.iter().product::<usize>())),
-            &adapter
-        )
-    );
-    let base_model = opts
-        .model_dir
-        .as_ref()
-        .map(|d| d.display().to_string())
-        .unwrap_or_default();
-    Ok((
-        model,
-        AdapterFiles {
-            adapter,
-            base_model,
-        },
-    ))
 }
 
 /// What a trained causal LM's folder holds besides its weights: the config, the tokenizer and
@@ -787,7 +752,7 @@ pub fn generate_from_folder<B: KilnBackend>(
                         adapter.display()
                     )))
                 }
-                Some(adapter) => crate::models::lora::load_adapter(model, adapter, device)?,
+                Some(adapter) => crate::models::lora::load_adapter(model, adapter, device)?.0,
                 None => model,
             };
             let model = model.for_inference();

@@ -16,6 +16,7 @@ use crate::models::classifier::SequenceClassifier;
 use crate::models::params::load_into;
 use crate::parallel::DataParallel;
 use crate::task::{BatchSource, CrossEntropy, Loss, Model};
+use crate::tasks::adapter::LoraSetup;
 use crate::train::checkpoint::ModelFiles;
 use crate::train::metrics::argmax;
 use crate::train::trainer::{evaluate, EvalOutput, TrainOutput};
@@ -279,6 +280,9 @@ pub struct ClassificationOptions {
     /// Round each batch's padded length up to a multiple of this (transformers'
     /// `pad_to_multiple_of`); `None` or 1: the longest example.
     pub pad_to_multiple_of: Option<usize>,
+    /// Train a LoRA adapter (a fresh one or a PEFT folder's) and the head instead of the whole
+    /// model.
+    pub lora: Option<LoraSetup>,
 }
 
 impl ClassificationOptions {
@@ -339,6 +343,15 @@ pub fn train<B: TrainBackend, L: Loss>(
         train_set.len(),
         data.eval.as_ref().map_or(0, |e| e.len())
     );
+    let (model, adapter) = match &opts.lora {
+        None => (model, None),
+        Some(lora) => {
+            let base = md.dir.display().to_string();
+            let (model, files) =
+                crate::tasks::adapter::with_adapter(model, lora, args.seed, base, device)?;
+            (model, Some(files))
+        }
+    };
     let files = ModelFiles {
         config_json: config.to_json(),
         tokenizer_json: Some(md.dir.join("tokenizer.json")),
@@ -355,7 +368,7 @@ pub fn train<B: TrainBackend, L: Loss>(
         .map(|f| md.dir.join(f))
         .collect(),
         source_dir: Some(md.dir.clone()),
-        adapter: None,
+        adapter,
     };
     let plan = ParallelPlan::new(parallel);
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files, plan);

@@ -103,13 +103,17 @@ pub fn read_model_tensors(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
     crate::hub::weights::read_safetensors(&dir.join("model.safetensors"))
 }
 
-/// The files of a model folder besides its weights: `config.json` (not beside an adapter: the
-/// base model's is the base's), `tokenizer.json`, the extras.
+/// The files of a model folder besides its weights: `config.json`, `tokenizer.json`, the extras.
+/// Beside a causal LM's adapter there is no `config.json` (the base's is the base's, as PEFT saves
+/// it); beside a classifier's there is, because it alone records the labels the trained head
+/// predicts (`id2label`), which neither the base nor `adapter_config.json` holds. PEFT and
+/// transformers read an adapter folder's `adapter_config.json` and ignore a `config.json` there.
 pub fn put_config_files(
     files: &ModelFiles,
     mut put: impl FnMut(&str, &[u8]) -> Result<()>,
 ) -> Result<()> {
-    if files.adapter.is_none() {
+    let labelled = |a: &AdapterFiles| a.adapter.task_type == "SEQ_CLS";
+    if files.adapter.as_ref().is_none_or(labelled) {
         put("config.json", stamped_config(&files.config_json).as_bytes())?;
     }
     let read =

@@ -1,0 +1,72 @@
+//! LoRA in a training run, shared by the causal-LM, SFT and classification tasks: a fresh adapter
+//! attached to the frozen model (`--use-peft`, `--lora-*`), or an existing PEFT adapter loaded to
+//! train further (`--adapter DIR`, as `PeftModel.from_pretrained(base, dir, is_trainable=True)`).
+
+use std::path::PathBuf;
+
+use burn::module::Module;
+use tracing::info;
+
+use crate::error::Result;
+use crate::models::lora::{Adapter, LoraConfig, LoraTarget};
+use crate::ops::KilnBackend;
+use crate::train::checkpoint::AdapterFiles;
+
+/// Which adapter a run trains.
+#[derive(Debug, Clone, PartialEq)]
+pub enum LoraSetup {
+    /// A new adapter with this configuration.
+    Fresh(LoraConfig),
+    /// The adapter of a PEFT folder: its configuration (`adapter_config.json`) and its weights.
+    Continue(PathBuf),
+}
+
+/// `model` with its adapter attached and its base frozen, and what the saved folders say about
+/// it (`base_model`: `adapter_config.json`'s `base_model_name_or_path`). The trainable share is
+/// logged as PEFT's `print_trainable_parameters` prints it.
+pub fn with_adapter<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
+    model: M,
+    setup: &LoraSetup,
+    seed: u64,
+    base_model: String,
+    device: &B::Device,
+) -> Result<(M, AdapterFiles)> {
+    let (model, adapter) = match setup {
+        LoraSetup::Fresh(config) => crate::models::lora::attach(model, config, seed)?,
+        LoraSetup::Continue(dir) => {
+            let loaded = crate::models::lora::load_adapter(model, dir, device)?;
+            info!("{}: training this adapter further", dir.display());
+            loaded
+        }
+    };
+    info!("{}", describe(&model, &adapter));
+    Ok((
+        model,
+        AdapterFiles {
+            adapter,
+            base_model,
+        },
+    ))
+}
+
+/// `LoRA r=16 alpha=32 on q_proj, v_proj: trainable params: … || all params: … || trainable%: …`.
+fn describe<B: KilnBackend, M: Module<B>>(model: &M, adapter: &Adapter) -> String {
+    let shapes = crate::models::params::module_shapes(model);
+    format!(
+        "LoRA r={} alpha={} on {}: {}",
+        adapter.config.r,
+        adapter.config.alpha,
+        adapter
+            .targeted
+            .iter()
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", "),
+        crate::models::lora::trainable_line(
+            shapes
+                .iter()
+                .map(|(p, s)| (p.as_str(), s.iter().product::<usize>())),
+            adapter
+        )
+    )
+}
