@@ -201,11 +201,22 @@ fn main() -> ExitCode {
             // Errors quote names from files, data and the network (columns, config keys, Hub
             // file names): their control characters and bidi overrides are escaped here, once,
             // for every error.
-            eprintln!(
-                "error: {}",
-                kiln::report::escape_for_terminal(&format!("{e:#}"))
-            );
+            eprintln!("error: {}", kiln::report::escape_for_terminal(&causes(&e)));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes, `a: b: c`, each once: kiln's I/O errors already quote their cause in
+/// their own message (`path: No such file or directory`), which `{:#}` would print a second time.
+fn causes(e: &anyhow::Error) -> String {
+    let mut out = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !out.ends_with(&c) {
+            out.push_str(": ");
+            out.push_str(&c);
+        }
+    }
+    out
 }

@@ -201,6 +201,38 @@ fn bad_causal_lm_inputs_are_clear_errors() {
         !out.status.success() && err.contains("tiny.txt") && err.contains("fewer than one block"),
         "{err}"
     );
+
+    // LoRA: a target no layer has, and an adapter folder that is not one.
+    let rows = tmp.path().join("rows.jsonl");
+    std::fs::write(
+        &rows,
+        "{\"prompt\": \"The sky is\", \"completion\": \" blue.\"}\n",
+    )
+    .unwrap();
+    let sft = |lora: &[&str]| {
+        let out = kiln_one_thread()
+            .args(["train", "--task", "sft", "--model"])
+            .arg(model)
+            .arg("--train-file")
+            .arg(&rows)
+            .args(lora)
+            .args(["--max-steps", "1", "--output-dir"])
+            .arg(tmp.path().join("lora"))
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = sft(&["--lora-target-modules", "qkv_proj"]);
+    assert!(
+        err.contains("--lora-target-modules qkv_proj") && err.contains("q_proj, k_proj"),
+        "{err}"
+    );
+    let err = sft(&["--adapter", tmp.path().to_str().unwrap()]);
+    assert!(
+        err.contains("adapter_config.json: No such file") && err.matches("No such").count() == 1,
+        "{err}"
+    );
 }
 
 /// `--from-config` (random init) + data parallelism: 2 workers × 4 blocks take the same steps as

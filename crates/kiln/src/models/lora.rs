@@ -314,9 +314,19 @@ pub fn internal_key(key: &str) -> Option<String> {
 /// U(±1/√in)) from `seed` and the layer's path, so every rank of a job draws the same values; `B`
 /// is zero, so the adapted model starts equal to the base.
 pub fn attach<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
+    model: M,
+    config: &LoraConfig,
+    seed: u64,
+) -> Result<(M, Adapter)> {
+    attach_from(model, config, seed, "--lora-target-modules")
+}
+
+/// [`attach`], naming where the configuration came from (`source`) in its errors.
+fn attach_from<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
     mut model: M,
     config: &LoraConfig,
     seed: u64,
+    source: &str,
 ) -> Result<(M, Adapter)> {
     // The rank sizes every adapter's allocation; it comes from a flag or an adapter's config.
     if config.r == 0 || config.r > MAX_RANK {
@@ -360,7 +370,7 @@ pub fn attach<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
     }
     if targeted.is_empty() {
         return Err(KilnError::Config(format!(
-            "--lora-target-modules {}: matches none of this model's Linear layers ({})",
+            "{source} {}: matches none of this model's Linear layers ({})",
             config.target_modules,
             layer_kinds(&names)
         )));
@@ -487,7 +497,9 @@ pub fn load_adapter<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
     device: &B::Device,
 ) -> Result<(M, Adapter)> {
     let config = LoraConfig::from_adapter_dir(dir)?;
-    let (model, adapter) = attach(model, &config, 0)?;
+    // An adapter of another architecture fails here, naming its file.
+    let source = format!("{}: target_modules", dir.join(ADAPTER_CONFIG).display());
+    let (model, adapter) = attach_from(model, &config, 0, &source)?;
     let tensors = read_adapter_tensors(dir)?;
     let (model, report) = crate::models::params::load_into(model, tensors, None, device)?;
     let missing: Vec<&String> = report.missing.iter().filter(|p| adapter.owns(p)).collect();
