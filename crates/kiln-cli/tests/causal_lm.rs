@@ -324,6 +324,21 @@ fn from_config_two_workers_equal_one_process() {
     );
 }
 
+/// `kiln train --task sft` of a tiny random Llama on rows of [`tiny_sft`]'s, with SmolLM2's
+/// tokenizer from `model`: the arguments every LoRA run below starts with.
+fn sft_train<'c>(
+    c: &'c mut Command,
+    (cfg, data): &(PathBuf, PathBuf),
+    model: &Path,
+) -> &'c mut Command {
+    c.args(["train", "--task", "sft", "--from-config"])
+        .arg(cfg)
+        .arg("--tokenizer")
+        .arg(model)
+        .arg("--train-file")
+        .arg(data)
+}
+
 /// A tiny 2-layer Llama config (SmolLM2's vocabulary) and 16 prompt/completion rows cut from
 /// Brown's first eval text, written into `dir`: `(config, rows)`.
 fn tiny_sft(dir: &Path, brown: &Path) -> (PathBuf, PathBuf) {
@@ -360,16 +375,17 @@ fn tiny_sft(dir: &Path, brown: &Path) -> (PathBuf, PathBuf) {
 /// SFT with LoRA through the binary, on a small random Llama (`--from-config`, SmolLM2's
 /// tokenizer) and prompt/completion rows cut from Brown: two data-parallel workers × 4 rows train
 /// the adapter one process × 8 rows trains (rows of equal target counts: see below); a run
-/// resumed from its step-2 checkpoint ends with the unbroken run's adapter, bit for bit (LoRA dropout on, so the dropout stream is resumed too);
-/// the folders hold PEFT's files only, and the frozen base got no optimizer state. ZeRO-1 with
-/// gradient checkpointing takes the same steps; `--bf16` comes near them.
+/// resumed from its step-2 checkpoint ends with the unbroken run's adapter, bit for bit (LoRA
+/// dropout on, so the dropout stream is resumed too); the folders hold PEFT's files only, and the
+/// frozen base got no optimizer state. ZeRO-1 with gradient checkpointing takes the same steps;
+/// `--bf16` comes near them.
 #[test]
 fn sft_lora_data_parallel_and_resume() {
     let (Some(model), Some(brown)) = (converted(), asset("brown/eval.jsonl")) else {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
-    let (cfg, data) = tiny_sft(tmp.path(), &brown);
+    let tiny = tiny_sft(tmp.path(), &brown);
     let run = |batch: usize, procs: usize, name: &str, extra: &[&str]| {
         let out = tmp.path().join(name);
         let mut c = kiln_one_thread();
@@ -378,13 +394,7 @@ fn sft_lora_data_parallel_and_resume() {
                 .args(["--master-port", &common::free_ports(2).to_string()])
                 .args(["--timeout", "60", "--"]);
         }
-        let st = c
-            .args(["train", "--task", "sft", "--from-config"])
-            .arg(&cfg)
-            .arg("--tokenizer")
-            .arg(model)
-            .arg("--train-file")
-            .arg(&data)
+        let st = sft_train(&mut c, &tiny, model)
             .args(["--use-peft", "--lora-r", "4"])
             .args([
                 "--lora-target-modules",
@@ -514,16 +524,10 @@ fn sft_lora_adapter_trains_further() {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
-    let (cfg, data) = tiny_sft(tmp.path(), &brown);
+    let tiny = tiny_sft(tmp.path(), &brown);
     let run = |name: &str, steps: &str, lora: &[&str]| {
         let out = tmp.path().join(name);
-        let o = kiln_one_thread()
-            .args(["train", "--task", "sft", "--from-config"])
-            .arg(&cfg)
-            .arg("--tokenizer")
-            .arg(model)
-            .arg("--train-file")
-            .arg(&data)
+        let o = sft_train(&mut kiln_one_thread(), &tiny, model)
             .args(lora)
             .args(["--optim", "sgd", "--lr-scheduler-type", "constant"])
             .args([

@@ -49,7 +49,8 @@ pub fn with_adapter<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
     ))
 }
 
-/// `LoRA r=16 alpha=32 on q_proj, v_proj: trainable params: … || all params: … || trainable%: …`.
+/// `LoRA r=16 alpha=32 on q_proj, v_proj: trainable params: … || all params: … ||
+/// trainable%: …`.
 fn describe<B: KilnBackend, M: Module<B>>(model: &M, adapter: &Adapter) -> String {
     let shapes = crate::models::params::module_shapes(model);
     format!(
