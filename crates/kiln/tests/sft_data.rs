@@ -28,7 +28,13 @@ fn fixture(name: &str) -> Json {
 
 /// SmolLM2's tokenizer and its folder, or `None` (the test then skips).
 fn smollm2() -> Option<(Tokenizer, PathBuf)> {
-    let dir = smollm2_tokenizer(&Path::new(env!("CARGO_TARGET_TMPDIR")).join("sft-smollm2"))?;
+    // Converted once per test binary: the tests run in parallel and would write over each other.
+    static DIR: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    let dir = DIR
+        .get_or_init(|| {
+            smollm2_tokenizer(&Path::new(env!("CARGO_TARGET_TMPDIR")).join("sft-smollm2"))
+        })
+        .clone()?;
     let tok = Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
     Some((tok, dir))
 }
@@ -181,9 +187,7 @@ fn sft_rows_are_prepared_and_collated_as_trl() {
     for case in fx["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
         if case["sft_config"]["packing"].as_bool() == Some(true) {
-            // `text_packed_bfd`: TRL's best-fit-decreasing packing (rows packed into sequences of
-            // at most max_length, `seq_lengths` per packed row) is not implemented in kiln yet.
-            continue;
+            continue; // packing_is_trls_best_fit_decreasing
         }
         let (template, options, pad, padding_free) = case_setup(&fx, case, &dir);
         let rows = case["rows"].as_array().unwrap();
@@ -317,4 +321,68 @@ fn dropped_rows_are_those_trl_drops() {
         matches!(err, SftError::NoTarget { max_length: 32 }),
         "{err:?}"
     );
+}
+
+/// `--packing`: TRL's best-fit-decreasing packing (`text_packed_bfd`: rows cut at max_length, then
+/// packed into sequences of at most max_length, longest first) gives the same sequences, in the
+/// same order, as kiln's `SftSet::pack`; the packed batch is TRL's padding-free collation, with
+/// each position's target the next label and no target across a sequence boundary.
+#[test]
+fn packing_is_trls_best_fit_decreasing() {
+    use kiln::task::BatchSource;
+    use kiln::tasks::sft::SftSet;
+    let Some((tok, dir)) = smollm2() else { return };
+    let fx = fixture("sft_masks.json");
+    let case = fx["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "text_packed_bfd")
+        .expect("the fixture's packing case");
+    let (template, options, pad, _) = case_setup(&fx, case, &dir);
+    let examples: Vec<LabelledExample> = case["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| prepare_labelled_row(&object(row), &tok, Some(&template), &options).unwrap())
+        .collect();
+    let capacity = case["sft_config"]["max_length"].as_u64().unwrap() as usize;
+    let set = SftSet {
+        examples,
+        pad_id: pad,
+        targets: 0,
+        packed: None,
+    }
+    .pack(capacity);
+    let want = case["prepared"].as_array().unwrap();
+    assert_eq!(set.len(), want.len(), "packed sequences");
+    let bins = set.packed.clone().unwrap();
+    for (k, (bin, w)) in bins.iter().zip(want).enumerate() {
+        let got: Vec<u32> = bin
+            .iter()
+            .flat_map(|&i| set.examples[i].input_ids.clone())
+            .collect();
+        let lens: Vec<i64> = bin
+            .iter()
+            .map(|&i| set.examples[i].input_ids.len() as i64)
+            .collect();
+        assert_eq!(got, ids(&w["input_ids"]), "sequence {k}: input_ids");
+        assert_eq!(lens, ints(&w["seq_lengths"]), "sequence {k}: seq_lengths");
+    }
+    // TRL's collator on the whole packed set, one row; kiln's batch of both sequences.
+    let (batch, targets) = set.batch(&(0..set.len()).collect::<Vec<_>>());
+    let col = &case["collated"];
+    let row = |v: &Json| -> Vec<i64> {
+        let rows: Vec<Vec<i64>> = serde_json::from_value(v.clone()).unwrap();
+        rows.into_iter().next().unwrap()
+    };
+    assert_eq!(batch.ids, row(&col["input_ids"]));
+    let labels = row(&col["labels"]);
+    let shifted: Vec<i64> = labels[1..].iter().copied().chain([IGNORE_INDEX]).collect();
+    assert_eq!(targets, shifted, "targets: TRL's labels shifted by one");
+    let mut cu = vec![0i64];
+    for n in &batch.segments {
+        cu.push(cu.last().unwrap() + *n as i64);
+    }
+    assert_eq!(cu, ints(&col["cu_seq_lens_q"]), "sequence boundaries");
 }
