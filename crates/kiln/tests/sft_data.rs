@@ -39,6 +39,16 @@ fn smollm2() -> Option<(Tokenizer, PathBuf)> {
     Some((tok, dir))
 }
 
+/// The fixture's case called `name`.
+fn named_case<'a>(fx: &'a Json, name: &str) -> &'a Json {
+    fx["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == name)
+        .unwrap_or_else(|| panic!("no fixture case {name}"))
+}
+
 fn ids(v: &Json) -> Vec<u32> {
     serde_json::from_value(v.clone()).unwrap()
 }
@@ -307,12 +317,7 @@ fn dropped_rows_are_those_trl_drops() {
     // prompt_completion: the long-prompt row keeps no completion token after truncation to 32.
     let Some((tok, dir)) = smollm2() else { return };
     let fx = fixture("sft_masks.json");
-    let case = fx["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "prompt_completion")
-        .unwrap();
+    let case = named_case(&fx, "prompt_completion");
     let (template, options, _, _) = case_setup(&fx, case, &dir);
     let rows = case["rows"].as_array().unwrap();
     assert_eq!(case["prepared"].as_array().unwrap().len(), rows.len() - 1);
@@ -333,12 +338,7 @@ fn packing_is_trls_best_fit_decreasing() {
     use kiln::tasks::sft::SftSet;
     let Some((tok, dir)) = smollm2() else { return };
     let fx = fixture("sft_masks.json");
-    let case = fx["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "text_packed_bfd")
-        .expect("the fixture's packing case");
+    let case = named_case(&fx, "text_packed_bfd");
     let (template, options, pad, _) = case_setup(&fx, case, &dir);
     let examples: Vec<LabelledExample> = case["rows"]
         .as_array()
