@@ -44,6 +44,7 @@ fn corpus(dir: &Path, brown: &Path) -> std::path::PathBuf {
 }
 
 struct Run<'a> {
+    /// A config.json to start from random weights, or a model folder to start from.
     cfg: &'a Path,
     tokenizer: &'a Path,
     corpus: &'a Path,
@@ -53,12 +54,16 @@ struct Run<'a> {
 /// `kiln train` of the causal LM `r` into `out` at tensor-parallel size `tp`; `args` adds the
 /// run's own flags.
 fn train_args(r: &Run, out: &Path, tp: usize, args: &[&str]) -> Vec<std::ffi::OsString> {
-    let mut v: Vec<std::ffi::OsString> = ["train", "--task", "causal-lm", "--from-config"]
+    let mut v: Vec<std::ffi::OsString> = ["train", "--task", "causal-lm"]
         .iter()
         .map(Into::into)
         .collect();
-    v.push(r.cfg.into());
-    v.extend(["--tokenizer".into(), r.tokenizer.into()]);
+    if r.cfg.is_dir() {
+        v.extend(["--model".into(), r.cfg.into()]);
+    } else {
+        v.extend(["--from-config".into(), r.cfg.into()]);
+        v.extend(["--tokenizer".into(), r.tokenizer.into()]);
+    }
     v.extend(["--train-file".into(), r.corpus.into()]);
     for a in [
         "--block-size",
@@ -125,7 +130,17 @@ fn train(
         norm > 0.5,
         "{name}: grad_norm {norm} is below --max-grad-norm"
     );
-    read_safetensors(&out.join("model.safetensors")).unwrap()
+    weights(&out)
+}
+
+/// A trained folder's weights: the model's, or a LoRA run's adapter.
+fn weights(out: &Path) -> BTreeMap<String, HostTensor> {
+    let model = out.join("model.safetensors");
+    if model.exists() {
+        read_safetensors(&model).unwrap()
+    } else {
+        read_safetensors(&out.join("adapter_model.safetensors")).unwrap()
+    }
 }
 
 /// A temporary folder with SmolLM2's Hugging Face folder (its tokenizer serves the tiny
@@ -265,6 +280,238 @@ fn tensor_parallel_training_equals_one_process() {
             }
         }
     }
+}
+
+/// A LoRA adapter on every Linear (`all-linear`, PEFT's default dropout 0.05) trained at TP = 2
+/// equals one process: `B` cut by rows beside a column-parallel weight, `A` by columns beside a
+/// row-parallel one (drawn whole and cut, its dropout mask the whole input's), replicated
+/// key/value projections whole; under AdamW and SGD with global-norm clipping. Its sharded
+/// checkpoint resumes in one process, and `kiln generate --adapter` decodes the same tokens at
+/// TP = 2 as alone.
+#[test]
+fn lora_under_tensor_parallelism_equals_one_process() {
+    let Some((tmp, hf, corpus)) = setup() else {
+        return;
+    };
+    let lora = [
+        "--use-peft",
+        "--lora-target-modules",
+        "all-linear",
+        "--lora-r",
+        "4",
+        "--lora-alpha",
+        "32",
+    ];
+    let sgd = [&lora[..], &["--optim", "sgd"]].concat();
+    for cfg in [
+        config(tmp.path(), "a.json", 9, 3, false, true),
+        config(tmp.path(), "b.json", 4, 1, true, false),
+    ] {
+        let run = Run {
+            cfg: &cfg,
+            tokenizer: &hf,
+            corpus: &corpus,
+            out: tmp.path(),
+        };
+        let stem = format!("lora-{}", cfg.file_stem().unwrap().to_string_lossy());
+        let single = train(&run, &format!("{stem}-tp1"), (1, 1), 3, &lora);
+        assert_eq!(
+            single.len(),
+            2 * 2 * 7,
+            "{stem}: 2 layers × 7 Linear × A, B"
+        );
+        let control = train(&run, &format!("{stem}-control"), (1, 1), 4, &lora);
+        let c = max_diff(&control, &single);
+        assert!(c > 1e-4, "control too close ({c}): the test cannot tell");
+        let sharded = train(&run, &format!("{stem}-tp2"), (2, 2), 3, &lora);
+        let d = max_diff(&sharded, &single);
+        let l = same_losses(&run, &format!("{stem}-tp2"), &format!("{stem}-tp1"));
+        let single_sgd = train(&run, &format!("{stem}-sgd-tp1"), (1, 1), 3, &sgd);
+        let sharded_sgd = train(&run, &format!("{stem}-sgd-tp2"), (2, 2), 3, &sgd);
+        let e = max_diff(&sharded_sgd, &single_sgd);
+        eprintln!(
+            "{stem}: LoRA TP=2 vs TP=1: AdamW max |Δ| = {d:e}, losses {l:e}; SGD max |Δ| = {e:e} \
+             (control {c:e})"
+        );
+        assert!(
+            d <= ADAMW_ROUNDING,
+            "{stem}: TP=2 differs by {d} under AdamW"
+        );
+        assert!(e <= SGD_ROUNDING, "{stem}: TP=2 differs by {e} under SGD");
+        // TP = 2 × DP = 2 with ZeRO-1 (the adapter's moments sharded), the same global batch.
+        // Without dropout: data-parallel ranks draw masks for their own rows (as DDP does).
+        let plain = [&lora[..], &["--lora-dropout", "0"]].concat();
+        let single = train(&run, &format!("{stem}-nodrop-tp1"), (1, 1), 3, &plain);
+        let zero = [
+            &plain[..],
+            &["--zero-1", "--per-device-train-batch-size", "2"],
+        ]
+        .concat();
+        let mesh = train(&run, &format!("{stem}-tp2-dp2-zero1"), (4, 2), 3, &zero);
+        let z = max_diff(&mesh, &single);
+        eprintln!("{stem}: LoRA TP=2 × DP=2 ZeRO-1 vs TP=1: max |Δ| = {z:e}");
+        assert!(z <= ADAMW_ROUNDING, "{stem}: TP=2 × DP=2 differs by {z}");
+    }
+    lora_checkpoint_and_generate_under_tensor_parallelism(tmp.path(), &hf, &corpus, &lora);
+}
+
+/// A LoRA run on a saved base model: its TP = 2 checkpoint (the adapter's shards) resumed in one
+/// process equals an unbroken run, and generating with the adapter at TP = 2 gives the tokens of
+/// one process.
+fn lora_checkpoint_and_generate_under_tensor_parallelism(
+    tmp: &Path,
+    hf: &Path,
+    corpus: &Path,
+    lora: &[&str],
+) {
+    let cfg = config(tmp, "base.json", 9, 3, false, true);
+    let run = Run {
+        cfg: &cfg,
+        tokenizer: hf,
+        corpus,
+        out: tmp,
+    };
+    // A base model folder: one step from the config.
+    let base = tmp.join("base");
+    let st = command(
+        &run,
+        &base,
+        (1, 1),
+        &["--max-steps", "1", "--save-strategy", "no"],
+    )
+    .status()
+    .unwrap();
+    assert!(st.success());
+    let on_base_run = Run { cfg: &base, ..run };
+    let on_base = |out: &Path, layout: (usize, usize), extra: &[&str]| {
+        let st = command(&on_base_run, out, layout, extra).status().unwrap();
+        assert!(st.success(), "{}", out.display());
+    };
+    let steps = [
+        "--max-steps",
+        "6",
+        "--lr-scheduler-type",
+        "constant",
+        "--per-device-train-batch-size",
+        "4",
+        "--seed",
+        "3",
+    ];
+    let unbroken = tmp.join("lora-unbroken");
+    on_base(
+        &unbroken,
+        (1, 1),
+        &[lora, &steps, &["--save-strategy", "no"]].concat(),
+    );
+    let sharded = tmp.join("lora-sharded");
+    on_base(
+        &sharded,
+        (2, 2),
+        &[lora, &steps, &["--save-steps", "3"]].concat(),
+    );
+    let ck = sharded.join("checkpoint-3");
+    for f in ["shards.json", "model/tp_rank_01.safetensors"] {
+        assert!(ck.join(f).exists(), "the adapter's checkpoint lacks {f}");
+    }
+    // `kiln convert`: the sharded adapter put together is a PEFT folder, and whole → TP = 3 →
+    // whole gives the same bytes, optimizer moments included.
+    let (full, tp3, again) = (
+        tmp.join("ck-full"),
+        tmp.join("ck-tp3"),
+        tmp.join("ck-again"),
+    );
+    for (from, flag, to) in [
+        (&ck, &["--to-full"][..], &full),
+        (&full, &["--to-tp", "3"][..], &tp3),
+        (&tp3, &["--to-full"][..], &again),
+    ] {
+        let out = kiln_one_thread()
+            .arg("convert")
+            .args(flag)
+            .arg("--model")
+            .arg(from)
+            .arg("--out")
+            .arg(to)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "convert {flag:?} {}: {err}",
+            from.display()
+        );
+    }
+    let adapter = read_safetensors(&full.join("adapter_model.safetensors")).unwrap();
+    assert!(adapter.keys().all(|k| k.starts_with("base_model.model.")));
+    assert!(full.join("adapter_config.json").exists());
+    for f in ["adapter_model.safetensors", "optimizer.safetensors"] {
+        let (a, b) = (std::fs::read(full.join(f)), std::fs::read(again.join(f)));
+        assert!(
+            a.unwrap() == b.unwrap(),
+            "{f} changed over whole → TP 3 → whole"
+        );
+    }
+    for (name, from) in [("resumed", &ck), ("resumed-full", &full)] {
+        let resumed = tmp.join(format!("lora-{name}"));
+        let ck_arg = from.to_string_lossy().to_string();
+        on_base(
+            &resumed,
+            (1, 1),
+            &[
+                lora,
+                &steps,
+                &["--save-strategy", "no", "--resume-from-checkpoint", &ck_arg],
+            ]
+            .concat(),
+        );
+        let log = std::fs::read_to_string(resumed.join("log.jsonl")).unwrap();
+        let first: serde_json::Value = serde_json::from_str(log.lines().next().unwrap()).unwrap();
+        assert_eq!(first["step"], 4, "{name}: it went on from step 3: {log}");
+        let d = max_diff(&weights(&resumed), &weights(&unbroken));
+        eprintln!("LoRA TP=2 checkpoint {name} alone vs unbroken: max |Δ| = {d:e}");
+        assert!(d <= 1e-4, "{name}: the resumed adapter differs by {d}");
+    }
+
+    let generate = |procs: usize| {
+        let mut c = kiln_one_thread();
+        if procs > 1 {
+            c.args(["launch", "--nproc-per-node", &procs.to_string()])
+                .args([
+                    "--master-port",
+                    &common::free_ports(procs as u16).to_string(),
+                ])
+                .args(["--timeout", "60", "--"]);
+        }
+        let out = c
+            .args([
+                "generate",
+                "--prompt",
+                "The jury said",
+                "--max-new-tokens",
+                "8",
+            ])
+            .args(["--ignore-eos", "--json", "--tensor-parallel-size"])
+            .arg(procs.to_string())
+            .arg("--model")
+            .arg(&base)
+            .arg("--adapter")
+            .arg(&unbroken)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{err}");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let json = &text[text.find('{').expect("a JSON line")..];
+        let v: serde_json::Value = serde_json::from_str(json.lines().next().unwrap()).unwrap();
+        v["new_ids"].clone()
+    };
+    let one = generate(1);
+    assert_eq!(one.as_array().unwrap().len(), 8);
+    assert_eq!(
+        generate(2),
+        one,
+        "TP = 2 with the adapter decodes other tokens"
+    );
 }
 
 /// ZeRO-1 (`--zero-1`): at DP = 2 the sharded optimizer takes the same steps as the replicated

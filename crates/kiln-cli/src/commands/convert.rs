@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use kiln::hub::weights::StoreDtype;
 
@@ -78,6 +78,31 @@ pub fn run(cmd: ConvertCmd) -> Result<()> {
     Ok(())
 }
 
+/// The config.json that says how `model` is cut: its own, or a LoRA adapter's base model's (an
+/// adapter folder of a causal LM holds none; `adapter_config.json` names its base).
+fn model_config(model: &std::path::Path) -> Result<std::path::PathBuf> {
+    let own = model.join("config.json");
+    let adapter_config = model.join(kiln::models::lora::ADAPTER_CONFIG);
+    if own.exists() || !adapter_config.exists() {
+        return Ok(own);
+    }
+    let bytes = std::fs::read(&adapter_config)
+        .with_context(|| format!("{}: cannot read it", adapter_config.display()))?;
+    let v: serde_json::Value = serde_json::from_slice(&bytes)
+        .with_context(|| format!("{}: not valid JSON", adapter_config.display()))?;
+    let base = v["base_model_name_or_path"].as_str().unwrap_or_default();
+    let base_config = std::path::Path::new(base).join("config.json");
+    if base.is_empty() || !base_config.exists() {
+        bail!(
+            "{}: base_model_name_or_path {base:?} is not a local model folder, so the adapter's \
+             cut is unknown; copy the base model's config.json into {}",
+            adapter_config.display(),
+            model.display()
+        );
+    }
+    Ok(base_config)
+}
+
 /// `kiln convert --to-tp N` (the family's splits, as training at `--tensor-parallel-size N`
 /// holds them) or `--to-full` (`to_tp` = `None`).
 fn reshard(
@@ -87,7 +112,6 @@ fn reshard(
     coalesce_qkv: bool,
 ) -> Result<()> {
     use kiln::train::reshard::Target;
-    let config_path = model.join("config.json");
     kiln::train::reshard::reshard(model, out, |whole| match to_tp {
         None => Ok(Target::Full),
         Some(0) => Err(kiln::KilnError::Config(
@@ -97,6 +121,8 @@ fn reshard(
             // Validated as training validates it (more key/value heads than heads is a sentence);
             // the tensors' shapes are then checked against it cut by cut.
             let names: Vec<&str> = whole.model.keys().map(String::as_str).collect();
+            let config_path =
+                model_config(model).map_err(|e| kiln::KilnError::Config(format!("{e:#}")))?;
             Ok(Target::TensorParallel {
                 splits: kiln::models::auto::tensor_parallel_splits(
                     &config_path,

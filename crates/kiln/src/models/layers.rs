@@ -53,9 +53,13 @@ pub enum ParallelLinear {
     /// group's (`ops::tp_enter`, once per block, where q/k/v or gate/up share one input), and its
     /// output stays this rank's. The group is for a LoRA adapter's whole `A`.
     Column(TpComm),
-    /// `RowParallelLinear`: this rank's input features; the ranks' partial products are summed
-    /// over the group, then the whole bias is added once.
-    Row(TpComm),
+    /// `RowParallelLinear`: this rank's input features `cols` of `full`; the ranks' partial
+    /// products are summed over the group, then the whole bias is added once.
+    Row {
+        tp: TpComm,
+        cols: Range<usize>,
+        full: usize,
+    },
     /// The whole layer on every rank, which keeps output features `keep` (key/value heads
     /// replicated because there are fewer than ranks); the weight's gradient is summed over the
     /// group, so the copies stay equal.
@@ -99,7 +103,12 @@ impl<B: KilnBackend> Linear<B> {
             return None;
         };
         let (a, b) = (a.weight.val(), b.weight.val());
-        let x = ops::dropout(x, scale.dropout);
+        let x = match &self.parallel.0 {
+            Some(ParallelLinear::Row { cols, full, .. }) => {
+                column_dropout(x, scale.dropout, cols, *full)
+            }
+            _ => ops::dropout(x, scale.dropout),
+        };
         Some(match &self.parallel.0 {
             None => ops::linear(ops::linear(x, a, None) * scale.scaling, b, None),
             Some(ParallelLinear::Column(tp)) => {
@@ -107,7 +116,7 @@ impl<B: KilnBackend> Linear<B> {
                 let a = ops::tp_enter(a, tp);
                 ops::linear(ops::linear(x, a, None) * scale.scaling, b, None)
             }
-            Some(ParallelLinear::Row(tp)) => {
+            Some(ParallelLinear::Row { tp, .. }) => {
                 let z = ops::tp_sum(ops::linear(x, a, None), tp);
                 ops::linear(z * scale.scaling, b, None)
             }
@@ -129,7 +138,7 @@ impl<B: KilnBackend> Linear<B> {
             (None | Some(ParallelLinear::Column(_)), None) => {
                 ops::linear(x, self.weight.val(), bias)
             }
-            (Some(ParallelLinear::Row(tp)), _) => {
+            (Some(ParallelLinear::Row { tp, .. }), _) => {
                 let y = ops::tp_sum(ops::linear(x, self.weight.val(), None), tp);
                 match bias {
                     Some(b) => y + b.unsqueeze::<D>(),
@@ -162,6 +171,25 @@ impl<B: KilnBackend> Linear<B> {
             ..self
         }
     }
+}
+
+/// Dropout of the input columns `cols` of a `full`-wide input with the mask the whole input
+/// would get: a row-parallel layer's adapter then drops the same values at every tensor-parallel
+/// size (the mask is drawn per element index, so a cut input drawn on its own would get other
+/// values than tensor-parallel size 1 gives it).
+fn column_dropout<B: KilnBackend, const D: usize>(
+    x: Tensor<B, D>,
+    prob: f64,
+    cols: &Range<usize>,
+    full: usize,
+) -> Tensor<B, D> {
+    if !B::ad_enabled() || prob <= 0.0 {
+        return x;
+    }
+    let mut dims = x.dims();
+    dims[D - 1] = full;
+    let mask = ops::dropout(Tensor::<B, D>::ones(dims, &x.device()), prob);
+    x * mask.narrow(D - 1, cols.start, cols.len())
 }
 
 /// Layer normalisation over the last dimension (`weight`/`bias` as in PyTorch's `nn.LayerNorm`;
@@ -361,10 +389,15 @@ impl<B: KilnBackend> Linear<B> {
     /// A row-parallel cut (Megatron's `RowParallelLinear`) over the group `tp`: input columns
     /// `cols`; the bias stays whole, added once after the group's sum.
     pub fn row_parallel(self, cols: Range<usize>, tp: TpComm) -> Self {
+        let full = self.weight.dims()[1];
         Linear {
             weight: slice_cols(self.weight, cols.clone()),
             weight_in_out: None,
-            parallel: Ignored(Some(ParallelLinear::Row(tp))),
+            parallel: Ignored(Some(ParallelLinear::Row {
+                tp,
+                cols: cols.clone(),
+                full,
+            })),
             lora_a: self.lora_a.map(|f| LoraFactor {
                 weight: slice_cols(f.weight, cols),
             }),

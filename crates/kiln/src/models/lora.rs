@@ -23,6 +23,7 @@ use crate::hub::weights::HostTensor;
 use crate::models::layers::{Linear, LoraFactor, LoraScale};
 use crate::models::params::PathTracker;
 use crate::ops::KilnBackend;
+use crate::task::ParamSplit;
 
 /// The adapter files' names in a PEFT folder.
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
@@ -194,6 +195,32 @@ pub trait LoraTarget<B: Backend> {
     fn task_modules_to_save(&self) -> Vec<String> {
         Vec::new()
     }
+    /// How parameter `path` is cut on this tensor-parallel rank (whole without tensor
+    /// parallelism); adapter factors included ([`factor_split`]).
+    fn split_of(&self, _path: &str) -> ParamSplit {
+        ParamSplit::Replicated
+    }
+}
+
+/// How a LoRA factor's parameter is cut, from how its layer's weight is (`base`), as Megatron's
+/// and NxD's LoRA layers cut it: beside a weight cut by output rows (column-parallel), `B`
+/// `[out, r]` is cut by the same rows and `A` is whole; beside a weight cut by input columns
+/// (row-parallel), `A` `[r, in]` is cut by the same columns and `B` is whole. `None` for a path
+/// that is not a factor.
+pub fn factor_split(path: &str, base: impl Fn(&str) -> ParamSplit) -> Option<ParamSplit> {
+    let (layer, axis) = if let Some(l) = path.strip_suffix(".lora_a.weight") {
+        (l, 1)
+    } else {
+        (path.strip_suffix(".lora_b.weight")?, 0)
+    };
+    Some(match base(&format!("{layer}.weight")) {
+        ParamSplit::Sharded {
+            axis: a,
+            range,
+            full,
+        } if a == axis => ParamSplit::Sharded { axis, range, full },
+        _ => ParamSplit::Replicated,
+    })
 }
 
 /// What attaching adapters did.
@@ -341,9 +368,16 @@ fn attach_from<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
         scaling: config.scaling(),
         dropout: config.dropout,
     };
+    // Under tensor parallelism a row-parallel layer's `A` is cut by input columns: it is drawn
+    // whole and cut, so every TP size starts from the adapter of TP = 1.
+    let paths: Vec<String> = model.linears_mut().into_iter().map(|(p, _)| p).collect();
+    let a_cuts: Vec<ParamSplit> = paths
+        .iter()
+        .map(|p| model.split_of(&format!("{p}.lora_a.weight")))
+        .collect();
     let mut targeted = BTreeSet::new();
     let mut names = Vec::new();
-    for (path, layer) in model.linears_mut() {
+    for ((path, layer), a_cut) in model.linears_mut().into_iter().zip(a_cuts) {
         names.push(path.clone());
         if !config
             .target_modules
@@ -352,13 +386,25 @@ fn attach_from<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
             continue;
         }
         let [out, inp] = layer.weight.dims();
+        let (full_in, cols) = match a_cut {
+            ParamSplit::Sharded {
+                axis: 1,
+                range,
+                full,
+            } => (full, range),
+            _ => (inp, 0..inp),
+        };
         let device = layer.weight.device();
-        let bound = 1.0 / (inp as f64).sqrt();
+        let bound = 1.0 / (full_in as f64).sqrt();
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ fnv1a(&path));
-        let a: Vec<f32> = (0..config.r * inp)
+        let whole: Vec<f32> = (0..config.r * full_in)
             .map(|_| rng.random_range(-bound..bound) as f32)
             .collect();
-        let a = Tensor::<B, 2>::from_data(TensorData::new(a, [config.r, inp]), &device);
+        let a: Vec<f32> = whole
+            .chunks(full_in)
+            .flat_map(|row| row[cols.clone()].iter().copied())
+            .collect();
+        let a = Tensor::<B, 2>::from_data(TensorData::new(a, [config.r, cols.len()]), &device);
         layer.lora_a = Some(LoraFactor {
             weight: Param::from_tensor(crate::ops::owned(a)),
         });
@@ -500,7 +546,14 @@ pub fn load_adapter<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
     // An adapter of another architecture fails here, naming its file.
     let source = format!("{}: target_modules", dir.join(ADAPTER_CONFIG).display());
     let (model, adapter) = attach_from(model, &config, 0, &source)?;
-    let tensors = read_adapter_tensors(dir)?;
+    // Under tensor parallelism each rank takes its cut of the whole adapter.
+    let tensors = read_adapter_tensors(dir)?
+        .into_iter()
+        .map(|(path, t)| {
+            let cut = crate::hub::sharded::cut_split(&t, &model.split_of(&path)).unwrap_or(t);
+            (path, cut)
+        })
+        .collect();
     let (model, report) = crate::models::params::load_into(model, tensors, None, device)?;
     let missing: Vec<&String> = report.missing.iter().filter(|p| adapter.owns(p)).collect();
     if !report.unexpected.is_empty() || !missing.is_empty() {
@@ -662,6 +715,48 @@ mod tests {
         assert_eq!(merge(&mut base, &adapter, &cfg).unwrap(), 1);
         // W + 2 · [3, -1]ᵀ [1, 2]
         assert_eq!(base["l.weight"].data, vec![7.0, 13.0, -1.0, -3.0]);
+    }
+
+    #[test]
+    fn factors_are_cut_beside_their_layer() {
+        let base = |name: &str| match name {
+            "q.weight" => ParamSplit::Sharded {
+                axis: 0,
+                range: 6..9,
+                full: 9,
+            },
+            "o.weight" => ParamSplit::Sharded {
+                axis: 1,
+                range: 0..6,
+                full: 9,
+            },
+            _ => ParamSplit::Replicated,
+        };
+        let cut = |axis, range| {
+            Some(ParamSplit::Sharded {
+                axis,
+                range,
+                full: 9,
+            })
+        };
+        // Column-parallel: B by the weight's rows, A whole.
+        assert_eq!(factor_split("q.lora_b.weight", base), cut(0, 6..9));
+        assert_eq!(
+            factor_split("q.lora_a.weight", base),
+            Some(ParamSplit::Replicated)
+        );
+        // Row-parallel: A by the weight's columns, B whole.
+        assert_eq!(factor_split("o.lora_a.weight", base), cut(1, 0..6));
+        assert_eq!(
+            factor_split("o.lora_b.weight", base),
+            Some(ParamSplit::Replicated)
+        );
+        // A replicated layer's factors are whole; a weight is no factor.
+        assert_eq!(
+            factor_split("k.lora_b.weight", base),
+            Some(ParamSplit::Replicated)
+        );
+        assert_eq!(factor_split("q.weight", base), None);
     }
 
     #[test]

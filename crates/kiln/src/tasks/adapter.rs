@@ -10,6 +10,7 @@ use tracing::info;
 use crate::error::Result;
 use crate::models::lora::{Adapter, LoraConfig, LoraTarget};
 use crate::ops::KilnBackend;
+use crate::task::ParamSplit;
 use crate::train::checkpoint::AdapterFiles;
 
 /// Which adapter a run trains.
@@ -51,8 +52,17 @@ pub fn with_adapter<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
 
 /// `LoRA r=16 alpha=32 on q_proj, v_proj: trainable params: … || all params: … ||
 /// trainable%: …`.
-fn describe<B: KilnBackend, M: Module<B>>(model: &M, adapter: &Adapter) -> String {
-    let shapes = crate::models::params::module_shapes(model);
+fn describe<B: KilnBackend, M: LoraTarget<B> + Module<B>>(model: &M, adapter: &Adapter) -> String {
+    // A tensor-parallel rank counts the whole model, as PEFT on one device does.
+    let shapes = crate::models::params::module_shapes(model)
+        .into_iter()
+        .map(|(path, mut shape)| {
+            if let ParamSplit::Sharded { axis, full, .. } = model.split_of(&path) {
+                shape[axis] = full;
+            }
+            (path, shape)
+        })
+        .collect::<Vec<_>>();
     format!(
         "LoRA r={} alpha={} on {}: {}",
         adapter.config.r,

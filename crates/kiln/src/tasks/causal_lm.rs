@@ -317,12 +317,6 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture>(
     let mut files = model_files(opts, &tok_path, &config);
     let model = match &opts.lora {
         None => model,
-        Some(_) if args.tensor_parallel_size > 1 => return Err(KilnError::Config(
-            "LoRA (--use-peft, --lora-*, --adapter) with --tensor-parallel-size above 1 is not \
-                 supported yet: train the adapter with data parallelism (kiln launch without \
-                 --tensor-parallel-size)"
-                .into(),
-        )),
         Some(lora) => {
             let base = opts
                 .model_dir
@@ -745,13 +739,6 @@ pub fn generate_from_folder<B: KilnBackend>(
             let ids = prompt.token_ids(dir, &tok)?;
             let (model, _, _) = load_model_parallel::<A, B>(dir, &config, device, tp)?;
             let model = match &prompt.adapter {
-                Some(adapter) if tp > 1 => {
-                    return Err(KilnError::Config(format!(
-                        "--adapter {}: generating with an adapter under tensor parallelism is \
-                         not supported yet; merge it first (kiln merge)",
-                        adapter.display()
-                    )))
-                }
                 Some(adapter) => crate::models::lora::load_adapter(model, adapter, device)?.0,
                 None => model,
             };

@@ -74,15 +74,11 @@ pub fn put_model_files(
     files: &ModelFiles,
     mut put: impl FnMut(&str, &[u8]) -> Result<()>,
 ) -> Result<()> {
-    use crate::models::lora::{ADAPTER_CONFIG, ADAPTER_WEIGHTS};
+    use crate::models::lora::ADAPTER_WEIGHTS;
     if let Some(a) = &files.adapter {
         put(
             ADAPTER_WEIGHTS,
             &safetensors_bytes(&a.adapter.peft_tensors(tensors), StoreDtype::F32)?,
-        )?;
-        put(
-            ADAPTER_CONFIG,
-            a.adapter.config_json(&a.base_model).as_bytes(),
         )?;
         return put_config_files(files, put);
     }
@@ -103,8 +99,8 @@ pub fn read_model_tensors(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
     crate::hub::weights::read_safetensors(&dir.join("model.safetensors"))
 }
 
-/// The files of a model folder besides its weights: `config.json`, `tokenizer.json`, the extras.
-/// Beside a causal LM's adapter there is no `config.json` (the base's is the base's, as PEFT saves
+/// The files of a model folder besides its weights: `config.json` (a LoRA run's
+/// `adapter_config.json`), `tokenizer.json`, the extras. Beside a causal LM's adapter there is no `config.json` (the base's is the base's, as PEFT saves
 /// it); beside a classifier's there is, because it alone records the labels the trained head
 /// predicts (`id2label`), which neither the base nor `adapter_config.json` holds. PEFT and
 /// transformers read an adapter folder's `adapter_config.json` and ignore a `config.json` there.
@@ -112,6 +108,12 @@ pub fn put_config_files(
     files: &ModelFiles,
     mut put: impl FnMut(&str, &[u8]) -> Result<()>,
 ) -> Result<()> {
+    if let Some(a) = &files.adapter {
+        put(
+            crate::models::lora::ADAPTER_CONFIG,
+            a.adapter.config_json(&a.base_model).as_bytes(),
+        )?;
+    }
     let labelled = |a: &AdapterFiles| a.adapter.task_type == "SEQ_CLS";
     if files.adapter.as_ref().is_none_or(labelled) {
         put("config.json", stamped_config(&files.config_json).as_bytes())?;

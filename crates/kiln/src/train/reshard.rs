@@ -17,6 +17,7 @@ use crate::hub::sharded::{
     LAYOUT_FILE,
 };
 use crate::hub::weights::{read_safetensors, safetensors_bytes, HostTensor, StoreDtype};
+use crate::models::lora::{ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 use crate::task::ParamSplit;
 use crate::{KilnError, Result};
 
@@ -41,6 +42,9 @@ pub struct WholeFolder {
     pub others: Vec<PathBuf>,
     /// The marker of a kiln checkpoint.
     pub marker: Option<Marker>,
+    /// A LoRA run's folder: the weights are its adapter's (`adapter_config.json` beside them),
+    /// written whole as PEFT's `adapter_model.safetensors`.
+    pub adapter: bool,
 }
 
 /// Files a conversion rewrites rather than copies.
@@ -54,6 +58,7 @@ fn is_rewritten(name: &str) -> bool {
 /// Reads a model folder or checkpoint (whole or sharded) whole.
 pub fn read_whole_folder(dir: &Path) -> Result<WholeFolder> {
     let layout = read_layout(dir)?;
+    let adapter = dir.join(ADAPTER_CONFIG).exists() && !dir.join("model.safetensors").exists();
     let (model, moments) = match &layout {
         Some(l) => (
             read_whole_model(dir, l)?,
@@ -62,7 +67,11 @@ pub fn read_whole_folder(dir: &Path) -> Result<WholeFolder> {
                 .transpose()?,
         ),
         None => {
-            let model = read_model_weights(dir)?;
+            let model = if adapter {
+                crate::models::lora::read_adapter_tensors(dir)?
+            } else {
+                read_model_weights(dir)?
+            };
             let opt = dir.join("optimizer.safetensors");
             let moments = if opt.exists() {
                 // A plain checkpoint keeps moments flat: they take their parameter's shape.
@@ -102,6 +111,7 @@ pub fn read_whole_folder(dir: &Path) -> Result<WholeFolder> {
         moments,
         others,
         marker,
+        adapter,
     })
 }
 
@@ -172,6 +182,25 @@ fn write_folder(tmp: &Path, whole: &WholeFolder, target: &Target) -> Result<()> 
         put(tmp, &name, &bytes)?;
     }
     match target {
+        Target::Full if whole.adapter => {
+            let peft: BTreeMap<String, HostTensor> = whole
+                .model
+                .iter()
+                .map(|(k, t)| (crate::models::lora::peft_key(k), t.clone()))
+                .collect();
+            put(
+                tmp,
+                ADAPTER_WEIGHTS,
+                &safetensors_bytes(&peft, StoreDtype::F32)?,
+            )?;
+            if let Some(m) = &whole.moments {
+                put(
+                    tmp,
+                    "optimizer.safetensors",
+                    &safetensors_bytes(&flat(m), StoreDtype::F32)?,
+                )?;
+            }
+        }
         Target::Full => {
             put(
                 tmp,

@@ -651,6 +651,12 @@ impl<B: Backend> crate::models::lora::LoraTarget<B> for LlamaForCausalLM<B> {
     fn peft_task_type(&self) -> &'static str {
         "CAUSAL_LM"
     }
+
+    fn split_of(&self, path: &str) -> crate::task::ParamSplit {
+        self.shard
+            .as_ref()
+            .map_or(crate::task::ParamSplit::Replicated, |s| s.split_of(path))
+    }
 }
 
 /// This rank's shard of one decoder layer.

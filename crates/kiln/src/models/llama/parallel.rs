@@ -93,8 +93,11 @@ impl LlamaShard {
         heads.start * self.head_dim..heads.end * self.head_dim
     }
 
-    /// How parameter `name` (a Hugging Face name) is cut on this rank.
+    /// How parameter `name` (a Hugging Face name, or a LoRA factor's) is cut on this rank.
     pub fn split_of(&self, name: &str) -> ParamSplit {
+        if let Some(split) = crate::models::lora::factor_split(name, |n| self.split_of(n)) {
+            return split;
+        }
         let rows = |range: Range<usize>, full: usize| ParamSplit::Sharded {
             axis: 0,
             range,
