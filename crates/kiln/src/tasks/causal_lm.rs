@@ -5,6 +5,7 @@
 //! `models::auto::with_causal_lm`, and runs the family it names; nothing here names a family.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use burn::tensor::{Int, Tensor};
@@ -26,7 +27,7 @@ use crate::task::{BatchSource, CrossEntropy, Loss, IGNORE_INDEX};
 use crate::tasks::adapter::LoraSetup;
 use crate::tasks::sft::{SftData, SftSet, SftTokenization};
 use crate::train::checkpoint::ModelFiles;
-use crate::train::trainer::{evaluate, EvalOutput, TrainOutput};
+use crate::train::trainer::{evaluate, EvalOutput, Reported, TokenMetrics, TrainOutput};
 use crate::train::ParallelPlan;
 use crate::train::{Trainer, TrainingArguments};
 
@@ -204,12 +205,30 @@ fn eos_id(config: &impl DecoderConfig, tok: &Tokenizer) -> Option<u32> {
     })
 }
 
-/// Continued pretraining (or pretraining from a config) on a text corpus; reports loss and
+/// Continued pretraining (or pretraining from a config) on a text corpus, or SFT; reports loss and
 /// perplexity, saves folders transformers loads.
 pub fn train<B: TrainBackend>(
     opts: &CausalLmOptions,
     args: TrainingArguments,
     device: &B::Device,
+) -> Result<(TrainOutput, Option<EvalOutput>)> {
+    train_with::<B, CrossEntropy>(opts, args, device, None, None)
+}
+
+/// [`train`] with the user's `loss` (instead of the cross-entropy) and streamed evaluation
+/// `metrics`, both honoured in training and evaluation under data and tensor parallelism (as
+/// transformers' `compute_loss_func` and `compute_metrics` with `batch_eval_metrics`). The loss
+/// sees one row of logits per token over the whole vocabulary and the targets (`IGNORE_INDEX`
+/// where no token is predicted: prompt tokens, padding, the last position); under tensor
+/// parallelism the vocabulary-parallel logits are put together for it first (forward: each
+/// rank's columns summed into the whole row; backward: each rank keeps its columns' gradient),
+/// which costs the memory of whole logits that the built-in vocabulary-parallel loss avoids.
+pub fn train_with<B: TrainBackend, L: Loss + Clone + 'static>(
+    opts: &CausalLmOptions,
+    args: TrainingArguments,
+    device: &B::Device,
+    loss: Option<L>,
+    metrics: Option<Arc<dyn TokenMetrics>>,
 ) -> Result<(TrainOutput, Option<EvalOutput>)> {
     // Join the job first: workers meet before each spends time loading.
     let (parallel, tp_group) =
@@ -226,51 +245,78 @@ pub fn train<B: TrainBackend>(
             ))
         }
     };
-    struct Run<'a, B: TrainBackend> {
+    struct Run<'a, B: TrainBackend, L> {
         opts: &'a CausalLmOptions,
         args: TrainingArguments,
         device: &'a B::Device,
         parallel: DataParallel<B::InnerBackend>,
         tp_group: Option<SharedCollectives<B::InnerBackend>>,
+        user: User<L>,
     }
-    impl<B: TrainBackend> DecoderVisitor for Run<'_, B> {
+    impl<B: TrainBackend, L: Loss + Clone + 'static> DecoderVisitor for Run<'_, B, L> {
         type Output = Result<(TrainOutput, Option<EvalOutput>)>;
         fn visit<A: DecoderArchitecture>(
             self,
             _: &'static DecoderFamily<A>,
             config: A::Config,
         ) -> Self::Output {
-            train_family::<B, A>(
+            train_family::<B, A, L>(
                 self.opts,
                 self.args,
                 self.device,
-                self.parallel,
-                self.tp_group,
+                (self.parallel, self.tp_group),
                 config,
+                self.user,
             )
         }
     }
     // config.json is read and validated once, here.
-    let run = Run::<B> {
+    let run = Run::<B, L> {
         opts,
         args,
         device,
         parallel,
         tp_group,
+        user: User { loss, metrics },
     };
     with_causal_lm(&config_path, run)?
 }
 
-/// [`train`] with the family's architecture `A` and its `config`.
-fn train_family<B: TrainBackend, A: DecoderArchitecture>(
+/// What a library user gives [`train_with`].
+struct User<L> {
+    loss: Option<L>,
+    metrics: Option<Arc<dyn TokenMetrics>>,
+}
+
+/// [`train_with`] with the family's architecture `A` and its `config`.
+fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'static>(
     opts: &CausalLmOptions,
     args: TrainingArguments,
     device: &B::Device,
-    parallel: DataParallel<B::InnerBackend>,
-    tp_group: Option<SharedCollectives<B::InnerBackend>>,
+    (parallel, tp_group): (
+        DataParallel<B::InnerBackend>,
+        Option<SharedCollectives<B::InnerBackend>>,
+    ),
     config: A::Config,
+    user: User<L>,
 ) -> Result<(TrainOutput, Option<EvalOutput>)> {
-    let (shard, loss) = tensor_parallel_plan::<A, _>(&config, tp_group)?;
+    let (shard, builtin) = tensor_parallel_plan::<A, _>(&config, tp_group)?;
+    // Under tensor parallelism the user's loss and metrics see whole rows of logits.
+    let whole_vocab = match &builtin {
+        LmLoss::VocabParallel(v) => Some(WholeVocab::new(v.tp.clone(), v.vocab)),
+        LmLoss::Plain(_) => None,
+    };
+    let loss = match user.loss {
+        None => CausalLmLoss::Builtin(builtin),
+        Some(loss) => CausalLmLoss::User {
+            loss,
+            whole_vocab: whole_vocab.clone(),
+        },
+    };
+    let metrics: Option<Arc<dyn TokenMetrics>> = match (user.metrics, whole_vocab) {
+        (Some(m), Some(w)) => Some(Arc::new(WholeVocabMetrics { inner: m, whole: w })),
+        (m, _) => m,
+    };
     let tok_path = opts.tokenizer_path()?;
     let tok = load_tokenizer(&tok_path)?;
     // Each rank holds only its shard from the start: a whole model is built (from the seed)
@@ -332,6 +378,7 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture>(
     let plan = ParallelPlan::new(parallel);
     let model = A::trainable(model);
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files, plan);
+    trainer.token_metrics = metrics;
     trainer.origin = crate::train::RunOrigin::from_paths(
         opts.model_dir.as_deref(),
         opts.train_file.as_deref(),
@@ -483,6 +530,105 @@ impl Loss for LmLoss {
     }
 }
 
+/// A causal LM's training loss: the built-in one ([`LmLoss`]), or the user's, given whole rows of
+/// logits.
+#[derive(Debug, Clone)]
+pub enum CausalLmLoss<L> {
+    Builtin(LmLoss),
+    User {
+        loss: L,
+        /// Under tensor parallelism: how this rank's vocabulary columns become whole rows.
+        whole_vocab: Option<WholeVocab>,
+    },
+}
+
+impl<L: Loss> Loss for CausalLmLoss<L> {
+    fn loss<B: KilnBackend>(
+        &self,
+        logits: Tensor<B, 2>,
+        targets: Tensor<B, 1, Int>,
+    ) -> Tensor<B, 1> {
+        match self {
+            Self::Builtin(l) => l.loss(logits, targets),
+            Self::User { loss, whole_vocab } => {
+                let logits = match whole_vocab {
+                    Some(w) => w.gather(logits),
+                    None => logits,
+                };
+                loss.loss(logits, targets)
+            }
+        }
+    }
+}
+
+/// A tensor-parallel rank's vocabulary columns of the logits (the vocabulary-parallel head's
+/// cut), put together into whole rows on every rank of the group.
+#[derive(Debug, Clone)]
+pub struct WholeVocab {
+    tp: crate::ops::TpComm,
+    /// This rank's columns, of `vocab`.
+    columns: std::ops::Range<usize>,
+    vocab: usize,
+}
+
+impl WholeVocab {
+    /// The decoder families cut the vocabulary as `ops::chunk_range` cuts it (`LlamaShard`).
+    fn new(tp: crate::ops::TpComm, vocab: usize) -> Self {
+        let columns = crate::ops::chunk_range(vocab, tp.size(), tp.rank());
+        Self { tp, columns, vocab }
+    }
+
+    /// `[tokens, columns]` → `[tokens, vocab]`: this rank's columns set in zeros, summed over the
+    /// group. The sum's backward is the identity, so each rank's logits get their own columns of
+    /// the whole rows' gradient (which every rank computes alike).
+    fn gather<B: KilnBackend>(&self, logits: Tensor<B, 2>) -> Tensor<B, 2> {
+        let [n, width] = logits.dims();
+        assert_eq!(width, self.columns.len(), "this rank's vocabulary columns");
+        let device = logits.device();
+        let mut parts = Vec::with_capacity(3);
+        if self.columns.start > 0 {
+            parts.push(Tensor::zeros([n, self.columns.start], &device));
+        }
+        parts.push(logits);
+        if self.columns.end < self.vocab {
+            parts.push(Tensor::zeros([n, self.vocab - self.columns.end], &device));
+        }
+        crate::ops::tp_sum(Tensor::cat(parts, 1), &self.tp)
+    }
+
+    /// [`Self::gather`] of host rows.
+    fn gather_host(&self, logits: &[f32], tokens: usize) -> Vec<f32> {
+        let width = self.columns.len();
+        let mut whole = vec![0f32; tokens * self.vocab];
+        for (row, part) in whole
+            .chunks_mut(self.vocab)
+            .zip(logits.chunks(width.max(1)))
+        {
+            row[self.columns.clone()].copy_from_slice(part);
+        }
+        self.tp.sum(whole)
+    }
+}
+
+/// The user's streamed metrics, given whole rows of logits under tensor parallelism.
+struct WholeVocabMetrics {
+    inner: Arc<dyn TokenMetrics>,
+    whole: WholeVocab,
+}
+
+impl TokenMetrics for WholeVocabMetrics {
+    fn batch(&self, logits: &[f32], _vocab: usize, targets: &[i64]) -> Vec<f64> {
+        if targets.is_empty() {
+            return self.inner.batch(&[], 0, &[]);
+        }
+        let whole = self.whole.gather_host(logits, targets.len());
+        self.inner.batch(&whole, self.whole.vocab, targets)
+    }
+    fn finish(&self, totals: &[f64]) -> Vec<(String, f64)> {
+        self.inner.finish(totals)
+    }
+}
+
 /// Loss and perplexity of a model folder on a held-out corpus.
 pub fn eval<B: KilnBackend>(
     opts: &CausalLmOptions,
@@ -513,7 +659,14 @@ pub fn eval<B: KilnBackend>(
                 .as_ref()
                 .ok_or_else(|| KilnError::Config("kiln eval needs --eval-file".into()))?;
             let set = opts.blocks(file, &tok, eos_id(&config, &tok), opts.max_eval_samples)?;
-            let mut out = evaluate(&model, &set, batch_size, &loss, None, None, &parallel)?;
+            let mut out = evaluate(
+                &model,
+                &set,
+                batch_size,
+                &loss,
+                Reported::default(),
+                &parallel,
+            )?;
             out.metrics.insert(
                 "eval_tokens".into(),
                 (set.len() * (set.block_size - 1)) as f64,

@@ -14,7 +14,7 @@ use crate::ops::{KilnBackend, TrainBackend};
 use crate::task::BatchSource;
 use crate::train::checkpoint::ModelFiles;
 use crate::train::schedule::SchedulerType;
-use crate::train::trainer::{evaluate, EvalOutput, TrainOutput, Trainer};
+use crate::train::trainer::{evaluate, EvalOutput, Reported, TrainOutput, Trainer};
 use crate::train::ParallelPlan;
 use crate::train::{CrossEntropy, OptimizerType, TrainingArguments};
 use crate::{KilnError, Result};
@@ -172,8 +172,7 @@ pub fn eval<B: KilnBackend>(
         &test,
         batch_size,
         &CrossEntropy,
-        Some(&digits()),
-        None,
+        Reported::labels(&digits()),
         &crate::parallel::DataParallel::single(),
     )?;
     let iters = test.len().div_ceil(batch_size.max(1)) as f64;

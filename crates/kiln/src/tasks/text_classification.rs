@@ -19,7 +19,7 @@ use crate::task::{BatchSource, CrossEntropy, Loss, Model};
 use crate::tasks::adapter::LoraSetup;
 use crate::train::checkpoint::ModelFiles;
 use crate::train::metrics::argmax;
-use crate::train::trainer::{evaluate, EvalOutput, TrainOutput};
+use crate::train::trainer::{evaluate, EvalOutput, Reported, TrainOutput};
 use crate::train::ParallelPlan;
 use crate::train::{Trainer, TrainingArguments};
 
@@ -419,8 +419,7 @@ pub fn eval<B: KilnBackend>(
         &src,
         batch_size,
         &CrossEntropy,
-        Some(labels.names()),
-        None,
+        Reported::labels(labels.names()),
         &crate::parallel::DataParallel::single(),
     )
 }

@@ -16,6 +16,21 @@ use crate::task::{BatchSource, Loss, Model};
 /// A user metric: extra `(name, value)` pairs computed from an evaluation's predictions.
 pub type MetricFn = Box<dyn Fn(&Predictions) -> Vec<(String, f64)> + Send + Sync>;
 
+/// A user metric of a causal LM, streamed batch by batch as transformers' `batch_eval_metrics`
+/// streams it: an evaluation never holds more than one batch's logits. Each batch gives sums
+/// (`batch`), which are added over batches and data-parallel ranks; `finish` turns the totals into
+/// `(name, value)` pairs, reported under `eval_<name>`.
+pub trait TokenMetrics: Send + Sync {
+    /// The sums of one batch: `logits` `[tokens, vocab]` row-major over the whole vocabulary
+    /// (under tensor parallelism too), `targets` one per token (`IGNORE_INDEX` where no token is
+    /// predicted). Every batch must return as many sums; a batch of no tokens (called first)
+    /// returns that many zeros.
+    fn batch(&self, logits: &[f32], vocab: usize, targets: &[i64]) -> Vec<f64>;
+    /// The named values from the totals. The totals travel between ranks as f32: sums of counts
+    /// are exact up to 2²⁴.
+    fn finish(&self, totals: &[f64]) -> Vec<(String, f64)>;
+}
+
 /// The outcome of an evaluation.
 #[derive(Debug, Clone)]
 pub struct EvalOutput {
@@ -25,14 +40,34 @@ pub struct EvalOutput {
     pub predictions: Predictions,
 }
 
+/// What an evaluation reports besides the loss.
+#[derive(Default, Clone, Copy)]
+pub struct Reported<'a> {
+    /// Class names: a classification report (`None`: perplexity instead).
+    pub label_names: Option<&'a [String]>,
+    /// The user's metric over all predictions (classification).
+    pub compute_metrics: Option<&'a MetricFn>,
+    /// The user's metric streamed per batch (causal LM).
+    pub token_metrics: Option<&'a dyn TokenMetrics>,
+}
+
+impl<'a> Reported<'a> {
+    /// A classifier's report over `labels`.
+    pub fn labels(labels: &'a [String]) -> Self {
+        Self {
+            label_names: Some(labels),
+            ..Self::default()
+        }
+    }
+}
+
 /// Evaluates `model` on every example of `eval`, in order.
 pub fn evaluate<B, M, E, L>(
     model: &M,
     eval: &E,
     batch_size: usize,
     loss_fn: &L,
-    label_names: Option<&[String]>,
-    compute_metrics: Option<&MetricFn>,
+    reported: Reported<'_>,
     parallel: &DataParallel<B>,
 ) -> Result<EvalOutput>
 where
@@ -41,6 +76,11 @@ where
     E: BatchSource<Batch = M::Batch>,
     L: Loss,
 {
+    let Reported {
+        label_names,
+        compute_metrics,
+        token_metrics,
+    } = reported;
     let start = Instant::now();
     let device = model
         .devices()
@@ -49,6 +89,11 @@ where
         .expect("model has a device");
     let (mut loss_sum, mut count) = (0.0, 0usize);
     let mut preds = Predictions::default();
+    // A batch of no tokens gives the metric's zeros, and their number.
+    let mut token_sums: Vec<f64> = token_metrics
+        .map(|m| m.batch(&[], 0, &[]))
+        .unwrap_or_default();
+    let mut token_values: Vec<(String, f64)> = Vec::new();
     crate::ops::take_activation_overflow();
     // This rank's examples (no padding: nothing counted twice).
     let order = parallel.eval_share(eval.len());
@@ -74,6 +119,19 @@ where
         }
         loss_sum += batch_loss * counted as f64;
         count += counted;
+        if let Some(m) = token_metrics {
+            let vocab = logits.dims()[1];
+            let host = logits.clone().into_data().convert::<f32>();
+            let sums = m.batch(host.as_slice::<f32>().expect("f32 logits"), vocab, &targets);
+            if sums.len() != token_sums.len() {
+                return Err(KilnError::Config(format!(
+                    "the causal-LM metric gave {} sums for a batch and {} for no tokens",
+                    sums.len(),
+                    token_sums.len()
+                )));
+            }
+            token_sums.iter_mut().zip(sums).for_each(|(t, s)| *t += s);
+        }
         if label_names.is_some() {
             let rows = host_rows(logits);
             if let Some(r) = rows.iter().position(|r| r.iter().any(|v| !v.is_finite())) {
@@ -119,6 +177,20 @@ where
         }
         (loss_sum, count) = (totals[0] as f64, totals[1] as usize);
     }
+    if let Some(m) = token_metrics {
+        if parallel.size() > 1 {
+            let summed = parallel.sum_host(token_sums.iter().map(|&v| v as f32).collect())?;
+            token_sums = summed.into_iter().map(f64::from).collect();
+        }
+        for (k, v) in m.finish(&token_sums) {
+            let k = if k.starts_with("eval_") {
+                k
+            } else {
+                format!("eval_{k}")
+            };
+            token_values.push((k, v));
+        }
+    }
     let runtime = start.elapsed().as_secs_f64();
     let eval_loss = loss_sum / count.max(1) as f64;
     let mut metrics = BTreeMap::new();
@@ -137,6 +209,7 @@ where
             metrics.insert("eval_perplexity".into(), eval_loss.exp());
         }
     }
+    metrics.extend(token_values);
     if let Some(f) = compute_metrics {
         for (k, v) in f(&preds) {
             let k = if k.starts_with("eval_") {

@@ -28,4 +28,4 @@ pub use reporters::RunOrigin;
 pub use crate::task::{
     BatchSource, CrossEntropy, LabelSmoothedCrossEntropy, Loss, Model, IGNORE_INDEX,
 };
-pub use trainer::{EvalOutput, MetricFn, TrainOutput, Trainer};
+pub use trainer::{EvalOutput, MetricFn, TokenMetrics, TrainOutput, Trainer};

@@ -17,7 +17,7 @@ use burn::module::AutodiffModule;
 use tracing::info;
 
 pub use super::trainer::set_shapes_only;
-use super::trainer::{evaluate, write_json, EvalOutput, TrainOutput, Trainer};
+use super::trainer::{evaluate, write_json, EvalOutput, Reported, TrainOutput, Trainer};
 use crate::error::Result;
 use crate::ops::TrainBackend;
 use crate::task::{BatchSource, Loss, Model};
@@ -171,8 +171,10 @@ where
                         &subset,
                         p.shape.0,
                         &self.loss,
-                        self.label_names.as_deref(),
-                        None,
+                        Reported {
+                            label_names: self.label_names.as_deref(),
+                            ..Reported::default()
+                        },
                         &crate::parallel::DataParallel::single(),
                     )
                 }));

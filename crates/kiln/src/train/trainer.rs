@@ -19,7 +19,7 @@ use super::checkpoint::{
     save_checkpoint, staging_dir, write_marker, Checkpoint, ModelFiles, SchedulerState,
     TrainerState,
 };
-pub use super::evaluate::{evaluate, EvalOutput, MetricFn};
+pub use super::evaluate::{evaluate, EvalOutput, MetricFn, Reported, TokenMetrics};
 use super::evaluate::{round3, round4, targets_tensor};
 use super::grad_sync::Synced;
 use super::optim::{AdamWConfig, GradAccumulator, Optimizer, OptimizerType};
@@ -72,6 +72,8 @@ pub struct Trainer<B: TrainBackend, M, L = CrossEntropy> {
     /// Class names for classification metrics; `None` for language modelling (perplexity instead).
     pub label_names: Option<Vec<String>>,
     pub compute_metrics: Option<MetricFn>,
+    /// A causal LM's metrics, streamed per evaluation batch.
+    pub token_metrics: Option<std::sync::Arc<dyn TokenMetrics>>,
     pub files: ModelFiles,
     pub state: TrainerState,
     optimizer: Optimizer<B::InnerBackend>,
@@ -131,6 +133,7 @@ where
             loss,
             label_names: None,
             compute_metrics: None,
+            token_metrics: None,
             files,
             state: TrainerState::default(),
             optimizer,
@@ -1293,8 +1296,11 @@ where
             eval,
             self.args.per_device_eval_batch_size,
             &self.loss,
-            self.label_names.as_deref(),
-            self.compute_metrics.as_ref(),
+            Reported {
+                label_names: self.label_names.as_deref(),
+                compute_metrics: self.compute_metrics.as_ref(),
+                token_metrics: self.token_metrics.as_deref(),
+            },
             &self.parallel.data,
         )
     }
