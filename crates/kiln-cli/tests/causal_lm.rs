@@ -372,6 +372,71 @@ fn tiny_sft(dir: &Path, brown: &Path) -> (PathBuf, PathBuf) {
     (cfg, data)
 }
 
+/// A step's SFT loss is the mean over all its target tokens, as transformers' Trainer makes it
+/// (`num_items_in_batch`, `average_tokens_across_devices`): prompt/completion rows whose
+/// completions hold different numbers of tokens, trained one batch of 8, 4 accumulated
+/// micro-batches of 2, and 2 ranks × 2 micro-batches of 2, take the same SGD steps. Without
+/// `average_tokens_across_devices` the ranks' own means are averaged: another step (the control).
+#[test]
+fn sft_loss_is_the_mean_over_the_steps_target_tokens() {
+    let (Some(model), Some(brown)) = (converted(), asset("brown/eval.jsonl")) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let tiny = tiny_sft(tmp.path(), &brown);
+    let run = |name: &str, procs: usize, batch: usize, accumulate: usize, extra: &[&str]| {
+        let out = tmp.path().join(name);
+        let mut c = kiln_one_thread();
+        if procs > 1 {
+            c.args(["launch", "--nproc-per-node", &procs.to_string()])
+                .args(["--master-port", &common::free_ports(2).to_string()])
+                .args(["--timeout", "60", "--"]);
+        }
+        let st = sft_train(&mut c, &tiny, model)
+            .args(["--use-peft", "--lora-r", "4", "--lora-dropout", "0"])
+            .args(["--lora-target-modules", "all-linear", "--optim", "sgd"])
+            .args(["--learning-rate", "0.5", "--max-steps", "2", "--seed", "3"])
+            .args(["--per-device-train-batch-size", &batch.to_string()])
+            .args(["--gradient-accumulation-steps", &accumulate.to_string()])
+            .args(["--save-strategy", "no", "--output-dir"])
+            .arg(&out)
+            .args(extra)
+            .status()
+            .unwrap();
+        assert!(st.success(), "{name} failed");
+        kiln::hub::weights::read_safetensors(&out.join("adapter_model.safetensors")).unwrap()
+    };
+    let max_diff =
+        |a: &std::collections::BTreeMap<String, kiln::hub::weights::HostTensor>,
+         b: &std::collections::BTreeMap<String, kiln::hub::weights::HostTensor>| {
+            a.iter()
+                .flat_map(|(k, t)| t.data.iter().zip(&b[k].data).map(|(x, y)| (x - y).abs()))
+                .fold(0f32, f32::max)
+        };
+    let whole = run("whole", 1, 8, 1, &[]);
+    let accumulated = run("accumulated", 1, 2, 4, &[]);
+    let ranks = run("ranks", 2, 2, 2, &[]);
+    let own_means = run(
+        "own-means",
+        2,
+        2,
+        2,
+        &["--average-tokens-across-devices", "false"],
+    );
+    let (a, r, c) = (
+        max_diff(&accumulated, &whole),
+        max_diff(&ranks, &whole),
+        max_diff(&own_means, &whole),
+    );
+    eprintln!("vs one batch of 8: 4 × 2 accumulated {a:e}, 2 ranks {r:e}; ranks' own means {c:e}");
+    assert!(a < 1e-6, "accumulated micro-batches differ by {a}");
+    assert!(r < 1e-6, "2 ranks differ by {r}");
+    assert!(
+        c > 20.0 * r.max(1e-7),
+        "control too close ({c}): the test cannot tell"
+    );
+}
+
 /// SFT with LoRA through the binary, on a small random Llama (`--from-config`, SmolLM2's
 /// tokenizer) and prompt/completion rows cut from Brown: two data-parallel workers × 4 rows train
 /// the adapter one process × 8 rows trains (rows of equal target counts: see below); a run
@@ -428,9 +493,9 @@ fn sft_lora_data_parallel_and_resume() {
                 .fold(0f32, f32::max)
         };
 
-    // kiln averages each batch's loss over its target tokens, then over the ranks (it records
-    // transformers' average_tokens_across_devices): rows cut to 16 tokens, every one a target,
-    // give each rank the same count, so the two runs mean the same loss.
+    // Rows cut to 16 tokens, every one a target: each rank holds as many targets, so this holds
+    // with or without average_tokens_across_devices (`sft_loss_is_the_mean_over_the_steps_
+    // target_tokens` covers unequal counts).
     let no_dropout = [
         "--lora-dropout",
         "0",

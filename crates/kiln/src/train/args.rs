@@ -183,6 +183,11 @@ pub struct TrainingArguments {
     /// logged and counted) instead of stopping at the first, as large-scale trainers allow.
     #[arg(long, default_value_t = 0)]
     pub skip_nonfinite_steps: u64,
+    /// With a causal LM (whose step loss is the mean over the step's target tokens): count the
+    /// target tokens over all data-parallel ranks, so a step's loss is the mean over every rank's
+    /// tokens; `false` averages the ranks' own token means instead.
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set)]
+    pub average_tokens_across_devices: bool,
     /// Tensor parallelism (optimum-neuron / NxD's name): each layer's weights cut over N
     /// processes, which must be launched together (`kiln launch --nproc-per-node`); data
     /// parallelism takes the rest of the world (DP = world / N).

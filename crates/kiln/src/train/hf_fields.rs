@@ -27,7 +27,6 @@ use Disposition::{OnlyNeutral, Recorded, Renamed};
 pub const HF_FIELDS: &[(&str, Disposition)] = &[
     // Optimizer and schedule.
     ("optim_target_modules", OnlyNeutral("GaLore/APOLLO optimizers are not implemented")),
-    ("average_tokens_across_devices", Recorded("kiln averages each batch's loss over its tokens, then over data-parallel ranks")),
     // Precision and memory.
     ("fp16", OnlyNeutral("kiln has no fp16 path; --bf16 gives bf16 matmuls with f32 accumulation on CPU and CUDA, what fp16 autocast is used for")),
     ("bf16_full_eval", OnlyNeutral("evaluation runs in f32 (bf16 matmuls only while training with --bf16)")),
@@ -144,7 +143,6 @@ pub const HF_FIELDS: &[(&str, Disposition)] = &[
 /// `to_json_string()` writes them all): no note is logged for a field left at its default.
 pub const NEUTRAL: &[(&str, &str)] = &[
     ("train_sampling_strategy", "\"random\""),
-    ("average_tokens_across_devices", "true"),
     ("log_on_each_node", "true"),
     ("logging_nan_inf_filter", "true"),
     ("log_level", "\"passive\""),

@@ -709,10 +709,10 @@ where
         let mut loss_sum = 0.0;
         let mut samples = 0;
         let mut tokens = 0;
-        for idx in group {
+        let batches: Vec<_> = group.iter().map(|idx| train.batch(idx)).collect();
+        let scales = self.micro_batch_scales(batches.iter().map(|(_, t)| t.as_slice()))?;
+        for ((idx, (batch, targets)), scale) in group.iter().zip(batches).zip(scales) {
             let fwd = profile::scope("step: data + forward");
-            let (batch, targets) = train.batch(idx);
-            let scale = 1.0 / group.len() as f64;
             samples += idx.len();
             let numel = self.model().input_ids_numel(&batch);
             tokens += numel;
@@ -731,7 +731,7 @@ where
             let loss = self
                 .loss
                 .loss(logits, targets_tensor::<B>(targets, &self.device))
-                / group.len() as f64;
+                * scale;
             loss_sum += loss.clone().into_scalar().elem::<f64>();
             drop(fwd);
             let _bwd = profile::scope("step: backward");
@@ -788,6 +788,35 @@ where
             seconds: started.elapsed().as_secs_f64(),
             collective_seconds,
         })
+    }
+
+    /// What each micro-batch's mean loss is multiplied by in a step's loss. Most models: 1/n of
+    /// n micro-batches, whose means are then averaged over the data-parallel ranks. A causal LM
+    /// (as transformers' Trainer with `num_items_in_batch`): its micro-batch's share of the
+    /// step's target tokens, counted over all ranks with `average_tokens_across_devices` (the
+    /// scales are then multiplied by the ranks' number, which the ranks' average divides away),
+    /// so a step's loss is the mean over all its target tokens.
+    fn micro_batch_scales<'t>(&self, targets: impl Iterator<Item = &'t [i64]>) -> Result<Vec<f64>> {
+        let counts: Vec<f64> = targets
+            .map(|t| {
+                t.iter()
+                    .filter(|&&x| x != crate::task::IGNORE_INDEX)
+                    .count() as f64
+            })
+            .collect();
+        if !self.model().loss_over_step_tokens() {
+            return Ok(vec![1.0 / counts.len().max(1) as f64; counts.len()]);
+        }
+        let local: f64 = counts.iter().sum();
+        let ranks = self.parallel.data.size();
+        let (total, ranks) = if self.args.average_tokens_across_devices && ranks > 1 {
+            let total = self.parallel.data.sum_host(vec![local as f32])?[0] as f64;
+            (total, ranks as f64)
+        } else {
+            (local, 1.0)
+        };
+        // A step without a target token (every one masked) adds nothing.
+        Ok(counts.iter().map(|c| c * ranks / total.max(1.0)).collect())
     }
 
     /// Whether an evaluation or a save with this strategy is due after the step just taken.

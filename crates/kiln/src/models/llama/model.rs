@@ -551,6 +551,10 @@ impl<B: KilnBackend> Model<B> for LlamaForCausalLM<B> {
         batch.batch * batch.seq
     }
 
+    fn loss_over_step_tokens(&self) -> bool {
+        true
+    }
+
     /// A tied head has no parameter of its own; an untied `lm_head` counts, as in transformers.
     fn embedding_parameters(&self) -> Vec<String> {
         vec!["model.embed_tokens.weight".into()]
