@@ -324,6 +324,20 @@ fn from_config_two_workers_equal_one_process() {
     );
 }
 
+/// `kiln` under `kiln launch` with `procs` processes (alone when 1), before its command.
+fn launched(procs: usize) -> Command {
+    let mut c = kiln_one_thread();
+    if procs > 1 {
+        c.args(["launch", "--nproc-per-node", &procs.to_string()])
+            .args([
+                "--master-port",
+                &common::free_ports(procs as u16).to_string(),
+            ])
+            .args(["--timeout", "60", "--"]);
+    }
+    c
+}
+
 /// `kiln train --task sft` of a tiny random Llama on rows of [`tiny_sft`]'s, with SmolLM2's
 /// tokenizer from `model`: the arguments every LoRA run below starts with.
 fn sft_train<'c>(
@@ -386,12 +400,7 @@ fn sft_loss_is_the_mean_over_the_steps_target_tokens() {
     let tiny = tiny_sft(tmp.path(), &brown);
     let run = |name: &str, procs: usize, batch: usize, accumulate: usize, extra: &[&str]| {
         let out = tmp.path().join(name);
-        let mut c = kiln_one_thread();
-        if procs > 1 {
-            c.args(["launch", "--nproc-per-node", &procs.to_string()])
-                .args(["--master-port", &common::free_ports(2).to_string()])
-                .args(["--timeout", "60", "--"]);
-        }
+        let mut c = launched(procs);
         let st = sft_train(&mut c, &tiny, model)
             .args(["--use-peft", "--lora-r", "4", "--lora-dropout", "0"])
             .args(["--lora-target-modules", "all-linear", "--optim", "sgd"])
@@ -453,12 +462,7 @@ fn sft_lora_data_parallel_and_resume() {
     let tiny = tiny_sft(tmp.path(), &brown);
     let run = |batch: usize, procs: usize, name: &str, extra: &[&str]| {
         let out = tmp.path().join(name);
-        let mut c = kiln_one_thread();
-        if procs > 1 {
-            c.args(["launch", "--nproc-per-node", &procs.to_string()])
-                .args(["--master-port", &common::free_ports(2).to_string()])
-                .args(["--timeout", "60", "--"]);
-        }
+        let mut c = launched(procs);
         let st = sft_train(&mut c, &tiny, model)
             .args(["--use-peft", "--lora-r", "4"])
             .args([

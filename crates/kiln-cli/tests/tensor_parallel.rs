@@ -88,6 +88,13 @@ fn train_args(r: &Run, out: &Path, tp: usize, args: &[&str]) -> Vec<std::ffi::Os
 
 /// [`train_args`] under `kiln launch` with `procs` processes (alone when 1).
 fn command(r: &Run, out: &Path, (procs, tp): (usize, usize), args: &[&str]) -> Command {
+    let mut c = launched(procs);
+    c.args(train_args(r, out, tp, args));
+    c
+}
+
+/// `kiln` under `kiln launch` with `procs` processes (alone when 1), before its command.
+fn launched(procs: usize) -> Command {
     let mut c = kiln_one_thread();
     if procs > 1 {
         c.args(["launch", "--nproc-per-node", &procs.to_string()])
@@ -97,7 +104,6 @@ fn command(r: &Run, out: &Path, (procs, tp): (usize, usize), args: &[&str]) -> C
             ])
             .args(["--timeout", "60", "--"]);
     }
-    c.args(train_args(r, out, tp, args));
     c
 }
 
@@ -473,16 +479,7 @@ fn lora_checkpoint_and_generate_under_tensor_parallelism(
     }
 
     let generate = |procs: usize| {
-        let mut c = kiln_one_thread();
-        if procs > 1 {
-            c.args(["launch", "--nproc-per-node", &procs.to_string()])
-                .args([
-                    "--master-port",
-                    &common::free_ports(procs as u16).to_string(),
-                ])
-                .args(["--timeout", "60", "--"]);
-        }
-        let out = c
+        let out = launched(procs)
             .args([
                 "generate",
                 "--prompt",
@@ -1117,18 +1114,6 @@ fn generate_and_eval_under_tensor_parallelism() {
         .status()
         .unwrap();
     assert!(st.success());
-    let launched = |procs: usize| {
-        let mut c = kiln_one_thread();
-        if procs > 1 {
-            c.args(["launch", "--nproc-per-node", &procs.to_string()])
-                .args([
-                    "--master-port",
-                    &common::free_ports(procs as u16).to_string(),
-                ])
-                .args(["--timeout", "60", "--"]);
-        }
-        c
-    };
     let generate = |procs: usize, model: &Path| {
         let out = launched(procs)
             .args([

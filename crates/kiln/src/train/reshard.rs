@@ -182,31 +182,22 @@ fn write_folder(tmp: &Path, whole: &WholeFolder, target: &Target) -> Result<()> 
         put(tmp, &name, &bytes)?;
     }
     match target {
-        Target::Full if whole.adapter => {
-            let peft: BTreeMap<String, HostTensor> = whole
-                .model
-                .iter()
-                .map(|(k, t)| (crate::models::lora::peft_key(k), t.clone()))
-                .collect();
-            put(
-                tmp,
-                ADAPTER_WEIGHTS,
-                &safetensors_bytes(&peft, StoreDtype::F32)?,
-            )?;
-            if let Some(m) = &whole.moments {
-                put(
-                    tmp,
-                    "optimizer.safetensors",
-                    &safetensors_bytes(&flat(m), StoreDtype::F32)?,
-                )?;
-            }
-        }
         Target::Full => {
-            put(
-                tmp,
-                "model.safetensors",
-                &safetensors_bytes(&whole.model, StoreDtype::F32)?,
-            )?;
+            // A LoRA run's folder goes back to PEFT's file and names; a model to its own.
+            let (name, model) = if whole.adapter {
+                let peft: BTreeMap<String, HostTensor> = whole
+                    .model
+                    .iter()
+                    .map(|(k, t)| (crate::models::lora::peft_key(k), t.clone()))
+                    .collect();
+                (ADAPTER_WEIGHTS, std::borrow::Cow::Owned(peft))
+            } else {
+                (
+                    "model.safetensors",
+                    std::borrow::Cow::Borrowed(&whole.model),
+                )
+            };
+            put(tmp, name, &safetensors_bytes(&model, StoreDtype::F32)?)?;
             if let Some(m) = &whole.moments {
                 put(
                     tmp,
