@@ -659,3 +659,91 @@ fn sft_lora_adapter_trains_further() {
         "{err}"
     );
 }
+
+/// `--base-dtype bf16`: LoRA SFT on SmolLM2 (tied embeddings, so the output layer reads the held
+/// table too) with its frozen base held in bf16 trains the adapter that the same run trains in
+/// f32 on a copy of the model whose matrices were rounded to bf16 beforehand (PyTorch's
+/// `.to(torch.bfloat16)` rounding, done here on the files), alone and on two data-parallel ranks
+/// (rank 0's held base is broadcast; LoRA dropout off, as its masks are drawn per rank). The
+/// unrounded base is the control.
+#[test]
+fn sft_lora_on_a_base_held_in_bf16() {
+    let (Some(model), Some(brown)) = (converted(), asset("brown/eval.jsonl")) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let (_, data) = tiny_sft(tmp.path(), &brown);
+    let rounded = tmp.path().join("rounded");
+    std::fs::create_dir(&rounded).unwrap();
+    for entry in std::fs::read_dir(model).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, rounded.join(p.file_name().unwrap())).unwrap();
+    }
+    let weights = rounded.join("model.safetensors");
+    let mut tensors = kiln::hub::weights::read_safetensors(&weights).unwrap();
+    for t in tensors.values_mut().filter(|t| t.shape.len() == 2) {
+        t.data
+            .iter_mut()
+            .for_each(|v| *v = kiln::ops::bf16::round_bf16(*v));
+    }
+    kiln::hub::weights::write_safetensors(&weights, &tensors).unwrap();
+    drop(tensors);
+    let run = |name: &str, base: &Path, procs: usize, extra: &[&str]| {
+        let out = tmp.path().join(name);
+        let st = launched(procs)
+            .args(["train", "--task", "sft", "--model"])
+            .arg(base)
+            .arg("--train-file")
+            .arg(&data)
+            .args([
+                "--use-peft",
+                "--lora-r",
+                "4",
+                "--lora-target-modules",
+                "all-linear",
+            ])
+            .args([
+                "--optim",
+                "sgd",
+                "--learning-rate",
+                "0.1",
+                "--max-steps",
+                "2",
+            ])
+            .args(["--max-length", "32", "--seed", "5", "--save-strategy", "no"])
+            // Dropout masks are drawn per rank: off, so that two ranks take one process's steps.
+            .args(["--lora-dropout", "0"])
+            .args(["--per-device-train-batch-size", &(8 / procs).to_string()])
+            .arg("--output-dir")
+            .arg(&out)
+            .args(extra)
+            .status()
+            .unwrap();
+        assert!(st.success(), "{name} failed");
+        let t = kiln::hub::weights::read_safetensors(&out.join("adapter_model.safetensors"));
+        t.unwrap()
+            .into_values()
+            .flat_map(|t| t.data)
+            .collect::<Vec<f32>>()
+    };
+    let bf16 = ["--base-dtype", "bf16"];
+    let held = run("held", model, 1, &bf16);
+    let reference = run("reference", &rounded, 1, &[]);
+    let ranks = run("ranks", model, 2, &bf16);
+    let unrounded = run("unrounded", model, 1, &[]);
+    let (h, r, c) = (
+        common::rel_err(&held, &reference),
+        common::rel_err(&ranks, &reference),
+        common::rel_err(&unrounded, &reference),
+    );
+    eprintln!("adapter vs the rounded base in f32: held {h:e}, 2 ranks {r:e}; unrounded base (control) {c:e}");
+    assert!(
+        h < 1e-5,
+        "the base held in bf16 trains another adapter ({h})"
+    );
+    assert!(r < 1e-5, "two ranks with a held base differ ({r})");
+    assert!(
+        c > 20.0 * h.max(r).max(1e-7),
+        "control too close ({c}): the test cannot tell"
+    );
+}

@@ -115,6 +115,7 @@ pub fn tweet_options(
         pad_to_max_length: false,
         pad_to_multiple_of: None,
         lora: None,
+        lora_base_dtype: Default::default(),
     }
 }
 

@@ -216,6 +216,7 @@ impl DataOpts {
             max_train_samples: train.and_then(|t| t.max_train_samples),
             max_eval_samples: self.max_eval_samples,
             lora: None,
+            lora_base_dtype: Default::default(),
             sft: None,
         })
     }
@@ -234,6 +235,7 @@ impl DataOpts {
             pad_to_max_length: self.pad_to_max_length,
             pad_to_multiple_of: self.pad_to_multiple_of.map(|n| n as usize).or(gpu_default),
             lora: None,
+            lora_base_dtype: Default::default(),
         })
     }
 }

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use kiln::models::lora::{LoraConfig, TargetModules};
+use kiln::models::lora::{BaseDtype, LoraConfig, TargetModules};
 use kiln::tasks::adapter::LoraSetup;
 
 #[derive(Args, Clone, Default)]
@@ -41,9 +41,36 @@ pub struct LoraOpts {
     /// `PeftModel.from_pretrained(base, DIR, is_trainable=True)`.
     #[arg(long, value_name = "DIR")]
     adapter: Option<PathBuf>,
+    /// Hold the frozen base in bf16 (half its memory; as loading it with
+    /// torch_dtype=torch.bfloat16 for PEFT): its Linear weights and embeddings are rounded to
+    /// bf16 and widened a panel at a time in each product. The adapter and its optimizer state
+    /// stay f32. CPU only so far.
+    #[arg(long, value_enum, value_name = "DTYPE", default_value = "f32")]
+    base_dtype: BaseDtypeArg,
+}
+
+/// `--base-dtype`'s values.
+#[derive(clap::ValueEnum, Clone, Copy, Default, PartialEq, Eq, Debug)]
+enum BaseDtypeArg {
+    #[default]
+    F32,
+    Bf16,
 }
 
 impl LoraOpts {
+    /// What the frozen base is held in; bf16 needs an adapter to train (a whole model in bf16 is
+    /// `--bf16`'s mixed precision, which keeps f32 master weights).
+    pub fn base_dtype(&self) -> Result<BaseDtype> {
+        match self.base_dtype {
+            BaseDtypeArg::F32 => Ok(BaseDtype::F32),
+            BaseDtypeArg::Bf16 if self.setup()?.is_none() => bail!(
+                "--base-dtype bf16 holds a LoRA run's frozen base in bf16: add --use-peft (or \
+                 --lora-* options, or --adapter DIR)"
+            ),
+            BaseDtypeArg::Bf16 => Ok(BaseDtype::Bf16),
+        }
+    }
+
     /// The adapter to train, or `None` when no LoRA option was given.
     pub fn setup(&self) -> Result<Option<LoraSetup>> {
         let fresh = self.config()?;

@@ -82,6 +82,7 @@ where
 {
     let sub = matches.subcommand_matches("train").expect("train matches");
     kiln::train::precompile::set_shapes_only(cmd.precompile_shapes);
+    cmd.lora.base_dtype()?;
     if cmd.task == Task::MnistMlp {
         if cmd.lora.setup()?.is_some() {
             bail!(
@@ -116,6 +117,7 @@ where
             cmd.from_config.clone(),
         )?;
         opts.lora = lora;
+        opts.lora_base_dtype = cmd.lora.base_dtype()?;
         if cmd.task == Task::Sft {
             let given =
                 sub.value_source("max_length") == Some(clap::parser::ValueSource::CommandLine);
@@ -139,6 +141,7 @@ where
         device_arg.parse()?,
     )?;
     opts.lora = lora;
+    opts.lora_base_dtype = cmd.lora.base_dtype()?;
     let loss = kiln::train::LabelSmoothedCrossEntropy {
         epsilon: args.label_smoothing_factor,
     };

@@ -27,6 +27,7 @@ pub fn live_state_overhead<B: TrainBackend>(
         pad_to_max_length: false,
         pad_to_multiple_of: None,
         lora: None,
+        lora_base_dtype: Default::default(),
     };
     let scratch = std::env::temp_dir().join(format!("kiln-bench-live-{}", std::process::id()));
     let run = |live: bool, round: usize| -> Result<f64> {

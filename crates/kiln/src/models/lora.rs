@@ -485,6 +485,65 @@ fn freeze_base<B: Backend, M: Module<B>>(model: M, adapter: &Adapter) -> M {
     })
 }
 
+/// The dtype a LoRA run holds its frozen base in (`--base-dtype`): f32, or bf16 at half the
+/// memory, as a PEFT user loads the base with `torch_dtype=torch.bfloat16` while the adapter and
+/// its optimizer state stay f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BaseDtype {
+    #[default]
+    F32,
+    Bf16,
+}
+
+/// `model` with every frozen Linear weight and embedding table (the matrices that are the bulk
+/// of a base) held in bf16, rounded to nearest as `.to(torch.bfloat16)`; norms, biases and what
+/// the adapter trains stay f32. An error where the backend has no bf16 storage.
+pub fn hold_base_in_bf16<B: KilnBackend, M: Module<B>>(model: M, adapter: &Adapter) -> Result<M> {
+    struct ToBf16<'a> {
+        tracker: PathTracker,
+        adapter: &'a Adapter,
+        unsupported: bool,
+    }
+    impl<B: KilnBackend> ModuleMapper<B> for ToBf16<'_> {
+        fn enter_module(&mut self, name: &str, container: &str) {
+            self.tracker.enter(name, container);
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.tracker.exit();
+        }
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let frozen_matrix = D == 2
+                && matches!(self.tracker.owner(), "Linear" | "Embedding")
+                && !self.adapter.owns(&self.tracker.path());
+            if !frozen_matrix || self.unsupported {
+                return param;
+            }
+            let (id, value, mapper) = param.consume();
+            match crate::ops::to_bf16_store(value.clone()) {
+                Some(held) => Param::from_mapped_value(id, held, mapper),
+                None => {
+                    self.unsupported = true;
+                    Param::from_mapped_value(id, value, mapper)
+                }
+            }
+        }
+    }
+    let mut to_bf16 = ToBf16 {
+        tracker: PathTracker::default(),
+        adapter,
+        unsupported: false,
+    };
+    let model = model.map(&mut to_bf16);
+    if to_bf16.unsupported {
+        return Err(KilnError::Config(
+            "--base-dtype bf16 holds the frozen base in bf16 on the CPU backend only so far: \
+             drop the option (or use --device cpu)"
+                .into(),
+        ));
+    }
+    Ok(model)
+}
+
 /// PEFT's `print_trainable_parameters` line: `trainable params: … || all params: … ||
 /// trainable%: …`, from every parameter's path and element count.
 pub fn trainable_line<'a>(

@@ -175,46 +175,53 @@ pub fn module_shapes<B: Backend, M: Module<B>>(module: &M) -> BTreeMap<String, V
 }
 
 /// Every float parameter of `module` as host tensors keyed by Hugging Face path.
-pub fn module_tensors<B: Backend, M: Module<B>>(module: &M) -> BTreeMap<String, HostTensor> {
+pub fn module_tensors<B: crate::ops::KilnBackend, M: Module<B>>(
+    module: &M,
+) -> BTreeMap<String, HostTensor> {
     module_tensors_where(module, |_| true)
 }
 
 /// The float parameters of `module` whose path `keep` accepts, as host tensors (the others are
 /// never copied).
-pub fn module_tensors_where<B: Backend, M: Module<B>>(
+pub fn module_tensors_where<B: crate::ops::KilnBackend, M: Module<B>>(
     module: &M,
     keep: impl Fn(&str) -> bool,
 ) -> BTreeMap<String, HostTensor> {
-    let mut out = BTreeMap::new();
-    let mut shapes = Vec::new();
-    // Shapes are lost by flattening; collect them with a second small visitor.
-    struct Shapes<'a>(&'a mut Vec<Vec<usize>>);
-    impl<B: Backend> ModuleVisitor<B> for Shapes<'_> {
+    struct Copy<F> {
+        tracker: PathTracker,
+        keep: F,
+        out: BTreeMap<String, HostTensor>,
+    }
+    impl<B: crate::ops::KilnBackend, F: Fn(&str) -> bool> ModuleVisitor<B> for Copy<F> {
+        fn enter_module(&mut self, name: &str, container: &str) {
+            self.tracker.enter(name, container);
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.tracker.exit();
+        }
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-            self.0.push(p.val().dims().to_vec());
+            let path = self.tracker.path();
+            if !(self.keep)(&path) {
+                return;
+            }
+            // A frozen weight held in bf16 is copied as its f32 values.
+            let value = crate::ops::from_bf16_store(p.val());
+            let shape = value.dims().to_vec();
+            let data = value
+                .into_data()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .expect("f32 data");
+            self.out.insert(path, HostTensor { shape, data });
         }
     }
-    module.visit(&mut Shapes(&mut shapes));
-    let mut i = 0;
-    for_each_param(module, |info, _, flat| {
-        i += 1;
-        if !keep(info.path) {
-            return;
-        }
-        let data = flat
-            .into_data()
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .expect("f32 data");
-        out.insert(
-            info.path.to_string(),
-            HostTensor {
-                shape: shapes[i - 1].clone(),
-                data,
-            },
-        );
-    });
-    out
+    let mut copy = Copy {
+        tracker: PathTracker::default(),
+        keep,
+        out: BTreeMap::new(),
+    };
+    module.visit(&mut copy);
+    copy.out
 }
 
 /// What [`load_into`] did.

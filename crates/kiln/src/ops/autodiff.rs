@@ -312,6 +312,15 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
         B::kiln_has_bf16()
     }
 
+    // A weight held in bf16 is frozen: a constant of the graph, never differentiated.
+    fn kiln_bf16_store(w: FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        B::kiln_bf16_store(Self::inner(w)).map(Self::from_inner)
+    }
+
+    fn kiln_bf16_load(w: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::from_inner(B::kiln_bf16_load(Self::inner(w)))
+    }
+
     fn kiln_device_counters(device: &Self::Device) -> Option<super::DeviceCounters> {
         B::kiln_device_counters(device)
     }

@@ -96,6 +96,42 @@ impl SharedMut {
     }
 }
 
+/// The sums of the columns of `dys [m, n]` (a bias's gradient).
+fn column_sums(dys: &[f32], n: usize) -> NdArrayTensor {
+    // Per-chunk partial sums added in chunk order: the chunks follow the shape only, so
+    // the bits do not depend on the thread count or on which thread stole what (rayon's
+    // `reduce` pairs partial sums in whatever tree the stealing made).
+    let chunk = rows_per_task(n) * n;
+    let partials: Vec<Vec<f32>> = dys
+        .par_chunks(chunk)
+        .map(|rows| {
+            let mut acc = vec![0f32; n];
+            for row in rows.chunks(n) {
+                acc.iter_mut().zip(row).for_each(|(a, v)| *a += v);
+            }
+            acc
+        })
+        .collect();
+    let mut sum = vec![0f32; n];
+    for part in &partials {
+        sum.iter_mut().zip(part).for_each(|(x, y)| *x += y);
+    }
+    tensor(&[n], sum)
+}
+
+/// The bf16 bits of a weight held by `--base-dtype bf16` ([`KilnBackend::kiln_bf16_store`]);
+/// `None` for an f32 tensor.
+fn bf16_bits(t: &NdArrayTensor) -> Option<ArcArray<u16, IxDyn>> {
+    match t {
+        NdArrayTensor::U16(s) => Some(s.clone().into_shared()),
+        _ => None,
+    }
+}
+
+fn bits(a: &ArcArray<u16, IxDyn>) -> &[u16] {
+    a.as_slice().expect("a bf16 weight is stored contiguous")
+}
+
 impl KilnBackend for Cpu {
     fn kiln_from_host(data: Vec<f32>, shape: Shape, _: &Self::Device) -> FloatTensor<Self> {
         tensor(&shape.dims, data)
@@ -103,6 +139,50 @@ impl KilnBackend for Cpu {
 
     fn kiln_into_owned(x: FloatTensor<Self>) -> FloatTensor<Self> {
         NdArrayTensor::from(dense(x))
+    }
+
+    fn kiln_bf16_store(w: FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        let w = dense(w);
+        let bits: Vec<u16> = slice(&w)
+            .par_iter()
+            .map(|&v| super::bf16::bf16_bits(v))
+            .collect();
+        let a = ArcArray::from_shape_vec(IxDyn(w.shape()), bits).expect("shape matches data");
+        Some(NdArrayTensor::from(a))
+    }
+
+    fn kiln_bf16_load(w: FloatTensor<Self>) -> FloatTensor<Self> {
+        let Some(b) = bf16_bits(&w) else {
+            return w;
+        };
+        let mut out = vec![0f32; b.len()];
+        out.par_chunks_mut(16_384)
+            .zip(bits(&b).par_chunks(16_384))
+            .for_each(|(o, b)| widen_bf16(b, o));
+        tensor(b.shape(), out)
+    }
+
+    fn kiln_embedding(w: FloatTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {
+        use burn::tensor::ops::FloatTensorOps;
+        let Some(table) = bf16_bits(&w) else {
+            return Self::float_select(w, 0, ids);
+        };
+        let (vocab, h) = (table.shape()[0], table.shape()[1]);
+        let ids: Vec<usize> = match ids {
+            NdArrayTensor::I64(s) => s.into_shared().iter().map(|&v| v as usize).collect(),
+            NdArrayTensor::I32(s) => s.into_shared().iter().map(|&v| v as usize).collect(),
+            other => panic!("embedding ids must be integers, got {:?}", other.dtype()),
+        };
+        let table = bits(&table);
+        let mut out = vec![0f32; ids.len() * h];
+        out.par_chunks_mut(h).zip(&ids).for_each(|(row, &id)| {
+            assert!(
+                id < vocab,
+                "token id {id} is outside the {vocab}-row embedding table"
+            );
+            widen_bf16(&table[id * h..(id + 1) * h], row);
+        });
+        tensor(&[ids.len(), h], out)
     }
 
     fn kiln_reshape(x: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
@@ -118,6 +198,14 @@ impl KilnBackend for Cpu {
         w: FloatTensor<Self>,
         b: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
+        if let Some(w) = bf16_bits(&w) {
+            let _p = super::profile::scope("linear_fwd");
+            let x = dense(x);
+            let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
+            let b = b.map(dense);
+            let y = linear_forward_bf16((m, k, n), slice(&x), bits(&w), b.as_ref().map(slice));
+            return tensor(&[m, n], y);
+        }
         linear_forward(x, w, b, false)
     }
 
@@ -136,6 +224,19 @@ impl KilnBackend for Cpu {
         wants: super::LinearGrads,
     ) -> super::LinearBackward<Self> {
         let _p = super::profile::scope("linear_bwd");
+        if let Some(w) = bf16_bits(&w) {
+            assert!(
+                !wants.weight,
+                "a weight held in bf16 is frozen: it has no gradient"
+            );
+            let dy = dense(dy);
+            let (m, k, n) = (dy.shape()[0], w.shape()[1], w.shape()[0]);
+            let dx = wants
+                .input
+                .then(|| tensor(&[m, k], linear_dx_bf16((m, k, n), slice(&dy), bits(&w))));
+            let db = wants.bias.then(|| column_sums(slice(&dy), n));
+            return (dx, None, db);
+        }
         let (x, w, dy) = (dense(x), dense(w), dense(dy));
         let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
         let (xs, ws, dys) = (slice(&x), slice(&w), slice(&dy));
@@ -149,27 +250,7 @@ impl KilnBackend for Cpu {
             matmul(n, m, k, dys, (1, n), xs, (k, 1), None, &mut dw); // dyᵀ · x
             tensor(&[n, k], dw)
         });
-        let db = wants.bias.then(|| {
-            // Per-chunk partial sums added in chunk order: the chunks follow the shape only, so
-            // the bits do not depend on the thread count or on which thread stole what (rayon's
-            // `reduce` pairs partial sums in whatever tree the stealing made).
-            let chunk = rows_per_task(n) * n;
-            let partials: Vec<Vec<f32>> = dys
-                .par_chunks(chunk)
-                .map(|rows| {
-                    let mut acc = vec![0f32; n];
-                    for row in rows.chunks(n) {
-                        acc.iter_mut().zip(row).for_each(|(a, v)| *a += v);
-                    }
-                    acc
-                })
-                .collect();
-            let mut sum = vec![0f32; n];
-            for part in &partials {
-                sum.iter_mut().zip(part).for_each(|(x, y)| *x += y);
-            }
-            tensor(&[n], sum)
-        });
+        let db = wants.bias.then(|| column_sums(dys, n));
         (dx, dw, db)
     }
 

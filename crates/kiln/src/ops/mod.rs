@@ -700,6 +700,20 @@ pub trait KilnBackend: Backend {
         Self::float_matmul(a, b)
     }
 
+    /// A frozen weight held in bf16 (`--base-dtype bf16`: a LoRA run's base at half the memory),
+    /// read only by [`Self::kiln_linear`], its backward's `dx` and [`Self::kiln_embedding`], which
+    /// widen it to f32 a panel at a time; `None` where the backend has no such storage yet. Its
+    /// values are `w` rounded to the nearest bf16, as PyTorch's `.to(torch.bfloat16)`.
+    fn kiln_bf16_store(_w: FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        None
+    }
+
+    /// The f32 values of a weight made by [`Self::kiln_bf16_store`] (exact: every bf16 value is
+    /// an f32 one).
+    fn kiln_bf16_load(w: FloatTensor<Self>) -> FloatTensor<Self> {
+        w
+    }
+
     /// Whether Linear layers can multiply bf16 operands ([`MatmulPrecision::Bf16`]): not on wgpu
     /// (WGSL has no bf16).
     fn kiln_has_bf16() -> bool {
@@ -895,6 +909,28 @@ pub struct LinearGrads {
     pub input: bool,
     pub weight: bool,
     pub bias: bool,
+}
+
+/// Whether `w` is a weight held in bf16 by [`to_bf16_store`] (the CPU keeps its bits as u16).
+pub fn is_bf16_store<B: Backend, const D: usize>(w: &Tensor<B, D>) -> bool {
+    matches!(
+        w.dtype(),
+        burn::tensor::DType::U16 | burn::tensor::DType::BF16
+    )
+}
+
+/// `w` held in bf16 (see [`KilnBackend::kiln_bf16_store`]); `None` where the backend cannot.
+pub fn to_bf16_store<B: KilnBackend, const D: usize>(w: Tensor<B, D>) -> Option<Tensor<B, D>> {
+    B::kiln_bf16_store(p(w)).map(t)
+}
+
+/// The f32 values of `w`, which may be held in bf16.
+pub fn from_bf16_store<B: KilnBackend, const D: usize>(w: Tensor<B, D>) -> Tensor<B, D> {
+    if is_bf16_store(&w) {
+        t(B::kiln_bf16_load(p(w)))
+    } else {
+        w
+    }
 }
 
 /// `x wᵀ + b` over the last dimension of `x` (PyTorch's `F.linear`).

@@ -936,3 +936,61 @@ fn kernels_give_the_same_bits_on_any_thread_count_and_under_load() {
         stop.store(true, Ordering::Relaxed);
     });
 }
+
+/// `--base-dtype bf16`: a frozen weight held in bf16 multiplies (forward and the input's
+/// gradient, panel by panel) and looks up as its values rounded to bf16 in f32, and has no
+/// gradient. Shapes cross the widening panels (512) on both the output and the input side.
+#[test]
+fn a_weight_held_in_bf16_multiplies_as_its_rounded_f32_values() {
+    let (n, k) = (1030, 600);
+    let w = rand([n, k], 61).inner();
+    let rounded: Vec<f32> = host(w.clone()).into_iter().map(bf16::round_bf16).collect();
+    let w_r = Tensor::<CpuTrain, 2>::from_data(
+        TensorData::new(rounded.clone(), [n, k]),
+        &Default::default(),
+    );
+    let held =
+        to_bf16_store(Tensor::<CpuTrain, 2>::from_inner(w.clone())).expect("the CPU holds bf16");
+    assert!(is_bf16_store(&held) && !is_bf16_store(&w_r));
+    assert_eq!(
+        host(from_bf16_store(held.clone()).inner()),
+        rounded,
+        "widening is exact"
+    );
+    for m in [2, 37] {
+        let x = rand([m, k], 62 + m as u64);
+        let b = rand([n], 63);
+        let upstream = Tensor::<CpuTrain, 2>::from_inner(rand([m, n], 64).inner());
+        let run = |w: Tensor<CpuTrain, 2>| {
+            let y = linear(x.clone(), w.clone(), Some(b.clone()));
+            let grads = (y.clone() * upstream.clone()).sum().backward();
+            assert!(w.grad(&grads).is_none(), "a frozen weight gets no gradient");
+            (
+                host(y.inner()),
+                host(x.grad(&grads).unwrap()),
+                host(b.grad(&grads).unwrap()),
+            )
+        };
+        let (y, dx, db) = run(held.clone());
+        let (y_r, dx_r, db_r) = run(w_r.clone());
+        assert_close(&format!("held forward m={m}"), y.clone(), y_r, 1e-6);
+        assert_close(&format!("held dx m={m}"), dx, dx_r, 1e-6);
+        assert_eq!(db, db_r, "the bias gradient is the same sum");
+        // Control: the unrounded weight is measurably another product.
+        let (y_f32, _, _) = run(Tensor::from_inner(w.clone()));
+        assert!(rel_err(&y, &y_f32) > 1e-4, "bf16 rounding shows");
+    }
+    let ids = Tensor::<CpuTrain, 1, Int>::from_data(
+        TensorData::new(vec![5i64, 0, 1029, 5], [4]),
+        &Default::default(),
+    );
+    let rows = host(embedding(held, ids).inner());
+    let expected: Vec<f32> = [5usize, 0, 1029, 5]
+        .iter()
+        .flat_map(|&r| rounded[r * k..(r + 1) * k].to_vec())
+        .collect();
+    assert_eq!(
+        rows, expected,
+        "an embedding lookup widens its rows exactly"
+    );
+}

@@ -211,6 +211,7 @@ impl<B: Backend> DataParallel<B> {
     /// or freshly initialised model; under tensor parallelism each shard from its own).
     pub fn broadcast_model<AB, M>(&self, model: M) -> Result<M>
     where
+        B: crate::ops::KilnBackend,
         AB: AutodiffBackend<InnerBackend = B>,
         M: Module<AB>,
     {
@@ -219,11 +220,25 @@ impl<B: Backend> DataParallel<B> {
         };
         let mut err = None;
         let model = crate::models::params::map_params(model, |_, value: FloatTensor<AB>| {
+            // A frozen weight held in bf16 travels as its f32 values (exact) and is held again.
+            let held = matches!(
+                burn::tensor::TensorMetadata::dtype(&value),
+                burn::tensor::DType::U16 | burn::tensor::DType::BF16
+            );
             let shape = burn::tensor::TensorMetadata::shape(&value);
-            let flat =
-                B::float_reshape(AB::inner(value.clone()), Shape::new([shape.num_elements()]));
+            let inner = match held {
+                true => B::kiln_bf16_load(AB::inner(value.clone())),
+                false => AB::inner(value.clone()),
+            };
+            let flat = B::float_reshape(inner, Shape::new([shape.num_elements()]));
             match g.broadcast(Tensor::from_primitive(TensorPrimitive::Float(flat)), 0) {
-                Ok(v) => AB::from_inner(B::float_reshape(v.into_primitive().tensor(), shape)),
+                Ok(v) => {
+                    let v = B::float_reshape(v.into_primitive().tensor(), shape);
+                    AB::from_inner(match held {
+                        true => B::kiln_bf16_store(v).expect("held in bf16 before"),
+                        false => v,
+                    })
+                }
                 Err(e) => {
                     err.get_or_insert(e);
                     value

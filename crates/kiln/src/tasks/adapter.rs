@@ -8,7 +8,7 @@ use burn::module::Module;
 use tracing::info;
 
 use crate::error::Result;
-use crate::models::lora::{Adapter, LoraConfig, LoraTarget};
+use crate::models::lora::{Adapter, BaseDtype, LoraConfig, LoraTarget};
 use crate::ops::KilnBackend;
 use crate::task::ParamSplit;
 use crate::train::checkpoint::AdapterFiles;
@@ -22,12 +22,13 @@ pub enum LoraSetup {
     Continue(PathBuf),
 }
 
-/// `model` with its adapter attached and its base frozen, and what the saved folders say about
-/// it (`base_model`: `adapter_config.json`'s `base_model_name_or_path`). The trainable share is
-/// logged as PEFT's `print_trainable_parameters` prints it.
+/// `model` with its adapter attached and its base frozen (held in `base_dtype`), and what the
+/// saved folders say about it (`base_model`: `adapter_config.json`'s `base_model_name_or_path`).
+/// The trainable share is logged as PEFT's `print_trainable_parameters` prints it.
 pub fn with_adapter<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
     model: M,
     setup: &LoraSetup,
+    base_dtype: BaseDtype,
     seed: u64,
     base_model: String,
     device: &B::Device,
@@ -41,6 +42,14 @@ pub fn with_adapter<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
         }
     };
     info!("{}", describe(&model, &adapter));
+    let model = match base_dtype {
+        BaseDtype::F32 => model,
+        BaseDtype::Bf16 => {
+            let model = crate::models::lora::hold_base_in_bf16(model, &adapter)?;
+            info!("the frozen base is held in bf16 (--base-dtype bf16); the adapter trains in f32");
+            model
+        }
+    };
     Ok((
         model,
         AdapterFiles {

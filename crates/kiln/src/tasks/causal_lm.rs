@@ -134,6 +134,8 @@ pub struct CausalLmOptions {
     /// Train a LoRA adapter (a fresh one or a PEFT folder's) on the frozen model instead of the
     /// model itself.
     pub lora: Option<LoraSetup>,
+    /// What the frozen base of a LoRA run is held in (`--base-dtype`).
+    pub lora_base_dtype: crate::models::lora::BaseDtype,
     /// Supervised fine-tuning (`--task sft`): rows of TRL's formats instead of a packed corpus.
     pub sft: Option<SftData>,
 }
@@ -369,8 +371,14 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
                 .as_ref()
                 .map(|d| d.display().to_string())
                 .unwrap_or_default();
-            let (model, adapter) =
-                crate::tasks::adapter::with_adapter(model, lora, args.seed, base, device)?;
+            let (model, adapter) = crate::tasks::adapter::with_adapter(
+                model,
+                lora,
+                opts.lora_base_dtype,
+                args.seed,
+                base,
+                device,
+            )?;
             files.adapter = Some(adapter);
             model
         }

@@ -283,6 +283,8 @@ pub struct ClassificationOptions {
     /// Train a LoRA adapter (a fresh one or a PEFT folder's) and the head instead of the whole
     /// model.
     pub lora: Option<LoraSetup>,
+    /// What the frozen base of a LoRA run is held in (`--base-dtype`).
+    pub lora_base_dtype: crate::models::lora::BaseDtype,
 }
 
 impl ClassificationOptions {
@@ -347,8 +349,14 @@ pub fn train<B: TrainBackend, L: Loss>(
         None => (model, None),
         Some(lora) => {
             let base = md.dir.display().to_string();
-            let (model, files) =
-                crate::tasks::adapter::with_adapter(model, lora, args.seed, base, device)?;
+            let (model, files) = crate::tasks::adapter::with_adapter(
+                model,
+                lora,
+                opts.lora_base_dtype,
+                args.seed,
+                base,
+                device,
+            )?;
             (model, Some(files))
         }
     };

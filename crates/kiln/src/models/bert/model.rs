@@ -186,14 +186,25 @@ pub(crate) fn self_attention<B: KilnBackend>(
     // q, k and v from one Linear with the three weights stacked: x is read (and packed for the
     // GEMM) once instead of three times, and its gradient comes back as one product instead of
     // three summed. The parameters stay three, under Hugging Face's names.
-    let weight = Tensor::cat(vec![q.weight.val(), k.weight.val(), v.weight.val()], 0);
-    let bias = match (&q.bias, &k.bias, &v.bias) {
-        (Some(bq), Some(bk), Some(bv)) => Some(Tensor::cat(vec![bq.val(), bk.val(), bv.val()], 0)),
-        _ => None,
-    };
-    let qkv = match lora_qkv([q, k, v], x.clone()) {
-        Some(delta) => linear(x, weight, bias) + delta,
-        None => linear(x, weight, bias),
+    let qkv = if crate::ops::is_bf16_store(&q.weight.val()) {
+        // A frozen base held in bf16 (`--base-dtype bf16`) is not stacked: that would be an f32
+        // copy of the three weights. Each product widens its own weight panel by panel.
+        Tensor::cat(
+            vec![q.forward(x.clone()), k.forward(x.clone()), v.forward(x)],
+            2,
+        )
+    } else {
+        let weight = Tensor::cat(vec![q.weight.val(), k.weight.val(), v.weight.val()], 0);
+        let bias = match (&q.bias, &k.bias, &v.bias) {
+            (Some(bq), Some(bk), Some(bv)) => {
+                Some(Tensor::cat(vec![bq.val(), bk.val(), bv.val()], 0))
+            }
+            _ => None,
+        };
+        match lora_qkv([q, k, v], x.clone()) {
+            Some(delta) => linear(x, weight, bias) + delta,
+            None => linear(x, weight, bias),
+        }
     };
     match unpadded {
         None => attention_qkv(qkv, mask_bias, num_heads, dropout),

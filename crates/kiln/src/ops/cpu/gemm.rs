@@ -349,3 +349,71 @@ pub(super) fn linear_forward(
     }
     tensor(&[m, n], y)
 }
+
+/// Rows (forward) or columns (input gradient) of a bf16-held weight widened to f32 per product:
+/// a panel of at most 512 × K floats (4 MB at K = 2048) instead of the whole weight, so a frozen
+/// base held in bf16 never has an f32 copy of a layer, the tied output layer's included.
+const BF16_PANEL: usize = 512;
+
+/// `bits` (bf16 values) as f32, in place of `out`.
+#[inline]
+pub(super) fn widen_bf16(bits: &[u16], out: &mut [f32]) {
+    out.iter_mut()
+        .zip(bits)
+        .for_each(|(o, &b)| *o = f32::from_bits(u32::from(b) << 16));
+}
+
+/// `x wᵀ + b` for `x [m, k]` and a weight `w [n, k]` held as bf16 bits: [`matmul`] on f32
+/// panels of `w`'s rows, each panel's columns of `y` copied into place. The products are those
+/// of the f32 path on the same (rounded) weight.
+pub(super) fn linear_forward_bf16(
+    (m, k, n): (usize, usize, usize),
+    x: &[f32],
+    w: &[u16],
+    bias: Option<&[f32]>,
+) -> Vec<f32> {
+    let mut y = vec![0f32; m * n];
+    let nb_max = BF16_PANEL.min(n);
+    let (mut panel, mut part) = (vec![0f32; nb_max * k], vec![0f32; m * nb_max]);
+    for j0 in (0..n).step_by(BF16_PANEL) {
+        let nb = BF16_PANEL.min(n - j0);
+        widen_bf16(&w[j0 * k..(j0 + nb) * k], &mut panel[..nb * k]);
+        let b = bias.map(|b| &b[j0..j0 + nb]);
+        matmul(m, k, nb, x, (k, 1), &panel, (1, k), b, &mut part[..m * nb]);
+        y.par_chunks_mut(n)
+            .zip(part[..m * nb].par_chunks(nb))
+            .for_each(|(row, p)| row[j0..j0 + nb].copy_from_slice(p));
+    }
+    y
+}
+
+/// `dy · w` (`[m, k]`) for `dy [m, n]` and a weight `w [n, k]` held as bf16 bits: panels of
+/// `w`'s columns, so each output element is summed over all of `n` in one product, as on the f32
+/// path.
+pub(super) fn linear_dx_bf16((m, k, n): (usize, usize, usize), dy: &[f32], w: &[u16]) -> Vec<f32> {
+    let mut dx = vec![0f32; m * k];
+    let kb_max = BF16_PANEL.min(k);
+    let (mut panel, mut part) = (vec![0f32; n * kb_max], vec![0f32; m * kb_max]);
+    for c0 in (0..k).step_by(BF16_PANEL) {
+        let kb = BF16_PANEL.min(k - c0);
+        panel[..n * kb]
+            .par_chunks_mut(kb)
+            .enumerate()
+            .for_each(|(row, out)| widen_bf16(&w[row * k + c0..][..kb], out));
+        matmul(
+            m,
+            n,
+            kb,
+            dy,
+            (n, 1),
+            &panel,
+            (kb, 1),
+            None,
+            &mut part[..m * kb],
+        );
+        dx.par_chunks_mut(k)
+            .zip(part[..m * kb].par_chunks(kb))
+            .for_each(|(row, p)| row[c0..c0 + kb].copy_from_slice(p));
+    }
+    dx
+}
