@@ -26,7 +26,8 @@
   smollm2_generate  greedy decoding after "The capital of France is" with model.generate (KV
                     cache); each new token is a step, timed by a logits processor.
 
-  smollm2_lora_train, qwen2_lora_train, deepseek1b3_lora_train
+  smollm2_lora_train, qwen2_lora_train, deepseek1b3_lora_train (and their _bf16base
+  variants: the base in bf16)
                     LoRA with peft (r 16, alpha 32, dropout 0, target_modules "all-linear": every
                     Linear but lm_head) on the frozen base, AdamW lr 1e-4 over the adapter only:
                     SmolLM2 on the corpus' blocks (4 × 128, as smollm2_train), Qwen2-0.5B's config
@@ -300,20 +301,23 @@ LORA_CONFIGS = {
 
 
 def lora_train(key, model_dir, corpus, warmup, steps, seq=128):
-    """peft LoRA (r 16, alpha 32, all-linear, no dropout), AdamW lr 1e-4 on the adapter."""
+    """peft LoRA (r 16, alpha 32, all-linear, no dropout), AdamW lr 1e-4 on the adapter. The
+    `_bf16base` keys load the base with dtype=torch.bfloat16 (peft keeps the adapter in f32)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(0)
-    if key == "smollm2_lora_train":
+    base = key.replace("_bf16base", "")
+    dtype = torch.bfloat16 if base != key else torch.float32
+    if base == "smollm2_lora_train":
         batch = 4
         blocks = smollm2_blocks(model_dir, corpus, seq, (warmup + steps) * batch)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         batches = [torch.tensor(blocks[i * batch:(i + 1) * batch]) for i in range(len(blocks) // batch)]
     else:
-        batch = 4 if key == "qwen2_lora_train" else 1
-        kw = dict(CAUSAL_CONFIGS["qwen2_train"] if key == "qwen2_lora_train" else LORA_CONFIGS[key])
+        batch = 4 if base == "qwen2_lora_train" else 1
+        kw = dict(CAUSAL_CONFIGS["qwen2_train"] if base == "qwen2_lora_train" else LORA_CONFIGS[base])
         cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         gen = torch.Generator().manual_seed(1234)
         batches = [torch.randint(1000, 30000, (batch, seq), generator=gen, dtype=torch.long)]
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
@@ -462,7 +466,9 @@ def main():
     smollm2 = os.environ.get("SMOLLM2_DIR", "assets/smollm2/hf")
     if "smollm2_train" in which:
         smollm2_train(smollm2, args.lm_corpus, args.warmup, args.base_steps)
-    for key in ("smollm2_lora_train", "qwen2_lora_train", "deepseek1b3_lora_train"):
+    for key in ("smollm2_lora_train", "qwen2_lora_train", "deepseek1b3_lora_train",
+                "smollm2_lora_bf16base_train", "qwen2_lora_bf16base_train",
+                "deepseek1b3_lora_bf16base_train"):
         if key in which:
             lora_train(key, smollm2, args.lm_corpus, args.warmup, args.base_steps)
     if "smollm2_prefill" in which:

@@ -32,6 +32,22 @@ fn keep_freed_memory() {
     if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
         // SAFETY: sets a process-wide allocator option; valid at any time.
         unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+        kiln::backend::set_freed_memory_release(release_freed_pages);
+    }
+}
+
+/// Purges freed pages at once while `on` (purging is off while the delay is −1), for a one-off
+/// release such as the f32 base that `--base-dtype bf16` replaces: kept, it would stay resident
+/// for the whole run.
+fn release_freed_pages(on: bool) {
+    // SAFETY: process-wide allocator options and a collection; valid at any time.
+    unsafe {
+        if on {
+            libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0);
+        } else {
+            libmimalloc_sys::mi_collect(true);
+            libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1);
+        }
     }
 }
 

@@ -30,6 +30,38 @@ pub type WgpuTrain = burn::backend::Autodiff<Wgpu>;
 #[cfg(feature = "wgpu")]
 pub type WgpuDevice = burn::backend::wgpu::WgpuDevice;
 
+/// How the process's allocator is told to give freed memory back to the system (`true`) or to
+/// keep it again (`false`), where it keeps it otherwise: the CLI's mimalloc keeps freed pages to
+/// spare training steps page faults.
+static FREED_MEMORY_RELEASE: std::sync::OnceLock<fn(bool)> = std::sync::OnceLock::new();
+
+/// Sets the switch [`releasing_freed_memory`] uses (once per process; later calls are ignored).
+pub fn set_freed_memory_release(switch: fn(bool)) {
+    let _ = FREED_MEMORY_RELEASE.set(switch);
+}
+
+/// Runs `f`, which frees a large part of memory for good (the f32 base that `--base-dtype bf16`
+/// replaces), with what it frees given back to the system: through the registered switch, else
+/// glibc's `malloc_trim` afterwards.
+pub fn releasing_freed_memory<T>(f: impl FnOnce() -> T) -> T {
+    let switch = FREED_MEMORY_RELEASE.get();
+    if let Some(switch) = switch {
+        switch(true);
+    }
+    let out = f();
+    match switch {
+        Some(switch) => switch(false),
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: malloc_trim only returns free pages of the allocator's arenas to the system.
+        None => unsafe {
+            libc::malloc_trim(0);
+        },
+        #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+        None => {}
+    }
+    out
+}
+
 /// Seeds the backend's random generator (initialisation, dropout).
 pub fn seed<B: Backend>(device: &B::Device, seed: u64) {
     B::seed(device, seed);

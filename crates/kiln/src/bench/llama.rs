@@ -194,9 +194,9 @@ pub fn deepseek_1b3_config() -> LlamaConfig {
     .expect("a valid config")
 }
 
-/// LoRA steps (AdamW lr 1e-4 on the adapter; the base frozen): SmolLM2 on the corpus' blocks
-/// (4 × 128), Qwen2-0.5B's config (4 × 128 random ids) or deepseek-coder-1.3B's (1 × 128), the
-/// last two with random weights. A step's FLOPs: the forward and the input gradients, twice the
+/// LoRA steps (AdamW lr 1e-4 on the adapter; the base frozen, in f32 or, for the `_bf16base`
+/// keys, held in bf16): SmolLM2 on the corpus' blocks (4 × 128), Qwen2-0.5B's config (4 × 128
+/// random ids) or deepseek-coder-1.3B's (1 × 128), the last two with random weights. A step's FLOPs: the forward and the input gradients, twice the
 /// forward (the frozen weights' gradient products are not computed).
 pub fn lora_train(
     key: &str,
@@ -220,7 +220,9 @@ pub fn lora_train(
         }
         None => {
             let (config, batch) = match key {
-                "qwen2_lora_train" => (family_config("qwen2_train").expect("qwen2"), 4),
+                "qwen2_lora_train" | "qwen2_lora_bf16base_train" => {
+                    (family_config("qwen2_train").expect("qwen2"), 4)
+                }
                 _ => (deepseek_1b3_config(), 1),
             };
             let model = crate::ops::with_seeded_rng::<CpuTrain, _>(&device, 0, || {
@@ -243,7 +245,12 @@ pub fn lora_train(
             (model, config, vec![(tb, targets)])
         }
     };
-    let (model, _) = crate::models::lora::attach(model, &bench_lora(), 0)?;
+    let (model, adapter) = crate::models::lora::attach(model, &bench_lora(), 0)?;
+    // The `_bf16base` rows hold the frozen base in bf16 (`--base-dtype bf16`).
+    let model = match key.contains("_bf16base") {
+        true => crate::models::lora::hold_base_in_bf16(model, &adapter)?,
+        false => model,
+    };
     let batches: Vec<_> = batches
         .into_iter()
         .map(|(tb, targets)| {

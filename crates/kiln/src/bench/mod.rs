@@ -256,6 +256,21 @@ pub const ROWS: &[RowSpec] = &[
         pytorch_rows: &["deepseek1b3_lora_train_fp32"],
     },
     RowSpec {
+        key: "smollm2_lora_bf16base_train",
+        reference: Reference::Extra,
+        pytorch_rows: &["smollm2_lora_bf16base_train_fp32"],
+    },
+    RowSpec {
+        key: "qwen2_lora_bf16base_train",
+        reference: Reference::Extra,
+        pytorch_rows: &["qwen2_lora_bf16base_train_fp32"],
+    },
+    RowSpec {
+        key: "deepseek1b3_lora_bf16base_train",
+        reference: Reference::Extra,
+        pytorch_rows: &["deepseek1b3_lora_bf16base_train_fp32"],
+    },
+    RowSpec {
         key: "smollm2_prefill",
         reference: Reference::Extra,
         pytorch_rows: &["smollm2_prefill_fp32"],
@@ -459,11 +474,14 @@ where
             let dir = llama::converted_folder(&opts.smollm2_gguf)?;
             llama::train(&dir, &opts.lm_corpus, w, opts.base_steps)
         }
-        "smollm2_lora_train" => {
+        "smollm2_lora_train" | "smollm2_lora_bf16base_train" => {
             let dir = llama::converted_folder(&opts.smollm2_gguf)?;
             llama::lora_train(key, Some(&dir), &opts.lm_corpus, w, opts.base_steps)
         }
-        "qwen2_lora_train" | "deepseek1b3_lora_train" => {
+        "qwen2_lora_train"
+        | "deepseek1b3_lora_train"
+        | "qwen2_lora_bf16base_train"
+        | "deepseek1b3_lora_bf16base_train" => {
             llama::lora_train(key, None, &opts.lm_corpus, w, opts.base_steps)
         }
         "smollm2_prefill" => {

@@ -533,7 +533,8 @@ pub fn hold_base_in_bf16<B: KilnBackend, M: Module<B>>(model: M, adapter: &Adapt
         adapter,
         unsupported: false,
     };
-    let model = model.map(&mut to_bf16);
+    // The f32 weights replaced go back to the system (an allocator may keep freed memory).
+    let model = crate::backend::releasing_freed_memory(|| model.map(&mut to_bf16));
     if to_bf16.unsupported {
         return Err(KilnError::Config(
             "--base-dtype bf16 holds the frozen base in bf16 on the CPU backend only so far: \

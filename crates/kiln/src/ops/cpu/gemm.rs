@@ -377,7 +377,10 @@ pub(super) fn linear_forward_bf16(
     let (mut panel, mut part) = (vec![0f32; nb_max * k], vec![0f32; m * nb_max]);
     for j0 in (0..n).step_by(BF16_PANEL) {
         let nb = BF16_PANEL.min(n - j0);
-        widen_bf16(&w[j0 * k..(j0 + nb) * k], &mut panel[..nb * k]);
+        panel[..nb * k]
+            .par_chunks_mut(k)
+            .zip(w[j0 * k..(j0 + nb) * k].par_chunks(k))
+            .for_each(|(out, bits)| widen_bf16(bits, out));
         let b = bias.map(|b| &b[j0..j0 + nb]);
         matmul(m, k, nb, x, (k, 1), &panel, (1, k), b, &mut part[..m * nb]);
         y.par_chunks_mut(n)
