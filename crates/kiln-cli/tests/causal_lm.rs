@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use kiln_bin::kiln_one_thread;
+use kiln_bin::{kiln_one_thread, launched};
 use kiln_testkit::common::{self, asset, repo_root};
 
 /// Runs `cmd`, fails the test with its stderr unless it succeeds, and returns its stdout.
@@ -322,20 +322,6 @@ fn from_config_two_workers_equal_one_process() {
         single.contains_key("lm_head.weight"),
         "untied config keeps lm_head"
     );
-}
-
-/// `kiln` under `kiln launch` with `procs` processes (alone when 1), before its command.
-fn launched(procs: usize) -> Command {
-    let mut c = kiln_one_thread();
-    if procs > 1 {
-        c.args(["launch", "--nproc-per-node", &procs.to_string()])
-            .args([
-                "--master-port",
-                &common::free_ports(procs as u16).to_string(),
-            ])
-            .args(["--timeout", "60", "--"]);
-    }
-    c
 }
 
 /// `kiln train --task sft` of a tiny random Llama on rows of [`tiny_sft`]'s, with SmolLM2's
@@ -674,20 +660,7 @@ fn sft_lora_on_a_base_held_in_bf16() {
     let tmp = tempfile::tempdir().unwrap();
     let (_, data) = tiny_sft(tmp.path(), &brown);
     let rounded = tmp.path().join("rounded");
-    std::fs::create_dir(&rounded).unwrap();
-    for entry in std::fs::read_dir(model).unwrap() {
-        let p = entry.unwrap().path();
-        std::fs::copy(&p, rounded.join(p.file_name().unwrap())).unwrap();
-    }
-    let weights = rounded.join("model.safetensors");
-    let mut tensors = kiln::hub::weights::read_safetensors(&weights).unwrap();
-    for t in tensors.values_mut().filter(|t| t.shape.len() == 2) {
-        t.data
-            .iter_mut()
-            .for_each(|v| *v = kiln::ops::bf16::round_bf16(*v));
-    }
-    kiln::hub::weights::write_safetensors(&weights, &tensors).unwrap();
-    drop(tensors);
+    common::bf16_rounded_copy(model, &rounded);
     let run = |name: &str, base: &Path, procs: usize, extra: &[&str]| {
         let out = tmp.path().join(name);
         let st = launched(procs)

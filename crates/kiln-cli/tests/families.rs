@@ -9,7 +9,7 @@ use std::path::Path;
 
 use kiln::hub::weights::read_safetensors;
 use kiln_bin::kiln;
-use kiln_testkit::common::{asset, repo_root};
+use kiln_testkit::common::{self, asset, repo_root};
 
 /// Every tensor name and shape of a folder's weights.
 fn shapes(dir: &Path) -> Vec<(String, Vec<usize>)> {
@@ -315,19 +315,7 @@ fn encoder_classifier_lora_on_a_base_held_in_bf16() {
     };
     let tmp = tempfile::tempdir().unwrap();
     let rounded = tmp.path().join("rounded");
-    std::fs::create_dir(&rounded).unwrap();
-    for entry in std::fs::read_dir(&minilm).unwrap() {
-        let p = entry.unwrap().path();
-        std::fs::copy(&p, rounded.join(p.file_name().unwrap())).unwrap();
-    }
-    let weights = rounded.join("model.safetensors");
-    let mut tensors = read_safetensors(&weights).unwrap();
-    for t in tensors.values_mut().filter(|t| t.shape.len() == 2) {
-        t.data
-            .iter_mut()
-            .for_each(|v| *v = kiln::ops::bf16::round_bf16(*v));
-    }
-    kiln::hub::weights::write_safetensors(&weights, &tensors).unwrap();
+    common::bf16_rounded_copy(&minilm, &rounded);
     let run = |name: &str, base: &Path, extra: &[&str]| {
         let out = tmp.path().join(name);
         let status = kiln()

@@ -18,7 +18,7 @@ use std::path::Path;
 use std::process::Command;
 
 use kiln::hub::weights::{read_safetensors, HostTensor};
-use kiln_bin::kiln_one_thread;
+use kiln_bin::{kiln_one_thread, launched};
 use kiln_testkit::common::{self, asset};
 
 /// Learning rate of every run here.
@@ -90,20 +90,6 @@ fn train_args(r: &Run, out: &Path, tp: usize, args: &[&str]) -> Vec<std::ffi::Os
 fn command(r: &Run, out: &Path, (procs, tp): (usize, usize), args: &[&str]) -> Command {
     let mut c = launched(procs);
     c.args(train_args(r, out, tp, args));
-    c
-}
-
-/// `kiln` under `kiln launch` with `procs` processes (alone when 1), before its command.
-fn launched(procs: usize) -> Command {
-    let mut c = kiln_one_thread();
-    if procs > 1 {
-        c.args(["launch", "--nproc-per-node", &procs.to_string()])
-            .args([
-                "--master-port",
-                &common::free_ports(procs as u16).to_string(),
-            ])
-            .args(["--timeout", "60", "--"]);
-    }
     c
 }
 

@@ -119,6 +119,27 @@ pub fn tweet_options(
     }
 }
 
+/// A copy of the model folder `model` at `out` whose matrices (every 2-D tensor of
+/// `model.safetensors`) are rounded to the nearest bf16, as PyTorch's `.to(torch.bfloat16)` rounds
+/// them: the f32 reference a run on a base held in bf16 (`--base-dtype bf16`) is compared with.
+pub fn bf16_rounded_copy(model: &std::path::Path, out: &std::path::Path) {
+    std::fs::create_dir_all(out).unwrap();
+    for entry in std::fs::read_dir(model).unwrap() {
+        let p = entry.unwrap().path();
+        if p.is_file() {
+            std::fs::copy(&p, out.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    let weights = out.join("model.safetensors");
+    let mut tensors = kiln::hub::weights::read_safetensors(&weights).unwrap();
+    for t in tensors.values_mut().filter(|t| t.shape.len() == 2) {
+        t.data
+            .iter_mut()
+            .for_each(|v| *v = kiln::ops::bf16::round_bf16(*v));
+    }
+    kiln::hub::weights::write_safetensors(&weights, &tensors).unwrap();
+}
+
 /// A saved model folder's weights as (name, values), in name order.
 pub fn model_weights(dir: &std::path::Path) -> Vec<(String, Vec<f32>)> {
     kiln::hub::weights::read_safetensors(&dir.join("model.safetensors"))

@@ -20,3 +20,18 @@ pub fn kiln_one_thread() -> Command {
     c.env("RAYON_NUM_THREADS", "1");
     c
 }
+
+/// `kiln` under `kiln launch` with `procs` processes (alone when 1), before its command, each on
+/// one CPU thread.
+pub fn launched(procs: usize) -> Command {
+    let mut c = kiln_one_thread();
+    if procs > 1 {
+        c.args(["launch", "--nproc-per-node", &procs.to_string()])
+            .args([
+                "--master-port",
+                &kiln_testkit::common::free_ports(procs as u16).to_string(),
+            ])
+            .args(["--timeout", "60", "--"]);
+    }
+    c
+}

@@ -688,8 +688,9 @@ mod tests {
         let (rows, report) = read_records(&fixtures().join("single_train"), false).unwrap();
         assert_eq!((rows.len(), report.rows), (200, 200));
         assert_eq!(rows[0].line, 1);
+        // Columns in the dataset's order, as `datasets` hands a row over.
         let keys: Vec<&String> = rows[0].fields.keys().collect();
-        assert_eq!(keys, ["sentiment", "text"]);
+        assert_eq!(keys, ["text", "sentiment"]);
         assert!(rows.iter().all(|r| r.fields["text"].is_string()));
 
         // Sharded across three Arrow files: numbered across them, as reader.rs numbers them.
@@ -759,6 +760,20 @@ mod tests {
         ]);
         assert_eq!(arrow_value(&s, 0).unwrap(), json!({"ok": true, "x": null}));
         assert_eq!(arrow_value(&s, 1).unwrap(), json!({"ok": null, "x": -0.25}));
+        // A struct's fields keep the schema's order (a tool schema's `tojson` prints them so).
+        let tool = StructArray::from(vec![
+            (
+                Arc::new(Field::new("type", DataType::Utf8, false)),
+                Arc::new(StringArray::from(vec!["function"])) as arrow_array::ArrayRef,
+            ),
+            (
+                Arc::new(Field::new("function", DataType::Utf8, false)),
+                Arc::new(StringArray::from(vec!["f"])) as arrow_array::ArrayRef,
+            ),
+        ]);
+        let tool = arrow_value(&tool, 0).unwrap();
+        let keys: Vec<_> = tool.as_object().unwrap().keys().collect();
+        assert_eq!(keys, ["type", "function"]);
 
         let d: DictionaryArray<arrow_array::types::Int8Type> =
             vec!["user", "assistant", "user"].into_iter().collect();

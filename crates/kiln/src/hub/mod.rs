@@ -40,3 +40,48 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(path: &Path, bytes: &[u8]) -> 
         }
     })
 }
+
+/// `v` as indented JSON with every object's keys sorted, as Python's
+/// `json.dumps(v, indent=2, sort_keys=True)` orders them. transformers (`config.json`) and PEFT
+/// (`adapter_config.json`) write their files this way. kiln's JSON objects keep the order their keys
+/// were written or read in (serde_json's `preserve_order`; chat templates print tool schemas in
+/// their given order), so a file meant to match Python's needs its keys sorted here.
+pub fn to_sorted_json_pretty(v: &serde_json::Value) -> String {
+    serde_json::to_string_pretty(&sorted_keys(v)).expect("a JSON value serialises")
+}
+
+fn sorted_keys(v: &serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match v {
+        Value::Object(m) => {
+            let mut pairs: Vec<_> = m.iter().collect();
+            pairs.sort_by(|a, b| a.0.cmp(b.0));
+            Value::Object(
+                pairs
+                    .into_iter()
+                    .map(|(k, v)| (k.clone(), sorted_keys(v)))
+                    .collect(),
+            )
+        }
+        Value::Array(a) => Value::Array(a.iter().map(sorted_keys).collect()),
+        other => other.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sorted_json_orders_keys_at_every_depth_as_python_sort_keys() {
+        let v: serde_json::Value =
+            serde_json::from_str(r#"{"b": [{"z": 1, "a": {"y": 2, "x": 3}}], "a": null}"#).unwrap();
+        // Read in the given order (preserve_order), written sorted.
+        assert_eq!(v.as_object().unwrap().keys().next().unwrap(), "b");
+        assert_eq!(
+            to_sorted_json_pretty(&v),
+            "{\n  \"a\": null,\n  \"b\": [\n    {\n      \"a\": {\n        \"x\": 3,\n        \
+             \"y\": 2\n      },\n      \"z\": 1\n    }\n  ]\n}"
+        );
+    }
+}

@@ -282,7 +282,8 @@ impl Adapter {
             "use_dora": false,
             "use_rslora": c.use_rslora,
         });
-        serde_json::to_string_pretty(&v).expect("plain data serialises")
+        // PEFT writes the file with sorted keys.
+        crate::hub::to_sorted_json_pretty(&v)
     }
 
     /// This adapter's tensors from all of a model's, under PEFT's names.

@@ -475,7 +475,7 @@ mod tests {
         let train =
             entry(r#"{"loss":0.5,"grad_norm":2.0,"learning_rate":1e-5,"epoch":0.5,"step":10}"#);
         let got = hf_scalars(&train);
-        // serde_json without preserve_order sorts keys; compare as a set of pairs.
+        // Compare as a set of pairs (the order is the entry's).
         let mut got_sorted = got.clone();
         got_sorted.sort_by(|a, b| a.0.cmp(&b.0));
         assert_eq!(

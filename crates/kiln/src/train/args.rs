@@ -514,7 +514,7 @@ impl TrainingArguments {
         for (k, val) in &self.recorded {
             m.entry(k.clone()).or_insert_with(|| val.clone());
         }
-        serde_json::to_string_pretty(&v).expect("plain data serialises")
+        crate::hub::to_sorted_json_pretty(&v)
     }
 
     /// The names of kiln's fields (as a file or transformers spells them).

@@ -154,7 +154,8 @@ fn stamped_config(config_json: &str) -> String {
         Ok(serde_json::Value::Object(mut m)) => {
             m.insert("transformers_version".into(), TRANSFORMERS_FORMAT.into());
             m.insert("kiln_version".into(), env!("CARGO_PKG_VERSION").into());
-            serde_json::to_string_pretty(&m).expect("plain data serialises")
+            // transformers writes config.json with sorted keys.
+            crate::hub::to_sorted_json_pretty(&serde_json::Value::Object(m))
         }
         _ => config_json.to_string(),
     }
