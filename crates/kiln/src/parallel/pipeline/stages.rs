@@ -1,0 +1,208 @@
+//! Where a model is cut into pipeline stages: at decoder-layer boundaries, stage 0 holding the
+//! embedding and the last stage the final norm and the head.
+//!
+//! The default cut counts the embedding and the head as one layer each (as torchtitan does), so
+//! the first and last stages are not the heaviest, and spreads the rest as evenly as it goes:
+//! every stage gets at least one decoder layer, then each further layer goes to the stage with the
+//! least work so far (the earlier one on a tie). `--pipeline-cuts` gives the cut instead, as the
+//! decoder-layer indices where stages 1, 2, … begin. Every layer lands on exactly one stage, in
+//! order; an uneven cut is allowed, a layer is never dropped.
+
+use std::ops::Range;
+
+use crate::{KilnError, Result};
+
+/// What one pipeline stage holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StageCut {
+    /// The decoder layers `model.layers.{i}` it runs, in order.
+    pub layers: Range<usize>,
+    /// Whether it holds the token embedding (stage 0).
+    pub embedding: bool,
+    /// Whether it holds the final norm and the head, and computes the loss (the last stage).
+    pub head: bool,
+}
+
+impl StageCut {
+    /// The layers it counts as for balancing: its decoder layers, plus one each for the
+    /// embedding and the head.
+    pub fn weight(&self) -> usize {
+        self.layers.len() + usize::from(self.embedding) + usize::from(self.head)
+    }
+}
+
+/// The cut of a model of `layers` decoder layers into `stages` stages: `cuts` (the layer each
+/// stage after the first begins at) when given, the balanced default otherwise. An error is one
+/// sentence naming the option at fault.
+pub fn cut_stages(layers: usize, stages: usize, cuts: Option<&[usize]>) -> Result<Vec<StageCut>> {
+    if stages == 0 {
+        return Err(KilnError::Config(
+            "--pipeline-parallel-size must be at least 1".into(),
+        ));
+    }
+    if layers < stages {
+        return Err(KilnError::Config(format!(
+            "--pipeline-parallel-size {stages} is more stages than the model's {layers} decoder \
+             layers (each stage needs at least one)"
+        )));
+    }
+    let starts = match cuts {
+        Some(cuts) => checked_cuts(cuts, layers, stages)?,
+        None => balanced_starts(layers, stages),
+    };
+    Ok((0..stages)
+        .map(|s| StageCut {
+            layers: starts[s]..starts.get(s + 1).copied().unwrap_or(layers),
+            embedding: s == 0,
+            head: s + 1 == stages,
+        })
+        .collect())
+}
+
+/// Where each stage begins under the default cut (`[0, …]`, one entry per stage).
+fn balanced_starts(layers: usize, stages: usize) -> Vec<usize> {
+    let mut counts = vec![1usize; stages];
+    let extra = |s: usize| usize::from(s == 0) + usize::from(s + 1 == stages);
+    for _ in stages..layers {
+        let lightest = (0..stages)
+            .min_by_key(|&s| (counts[s] + extra(s), s))
+            .expect("at least one stage");
+        counts[lightest] += 1;
+    }
+    counts
+        .iter()
+        .scan(0, |at, &n| {
+            let start = *at;
+            *at += n;
+            Some(start)
+        })
+        .collect()
+}
+
+/// `cuts` checked against the model: `stages - 1` layer indices, rising, each inside the model and
+/// leaving every stage at least one layer.
+fn checked_cuts(cuts: &[usize], layers: usize, stages: usize) -> Result<Vec<usize>> {
+    let list = cuts
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    if cuts.len() + 1 != stages {
+        return Err(KilnError::Config(format!(
+            "--pipeline-cuts {list} gives {} stages, but --pipeline-parallel-size is {stages} \
+             (give the {} layer indices where stages 1 to {} begin)",
+            cuts.len() + 1,
+            stages - 1,
+            stages - 1
+        )));
+    }
+    let mut prev = 0;
+    for &c in cuts {
+        if c <= prev || c >= layers {
+            return Err(KilnError::Config(format!(
+                "--pipeline-cuts {list}: {c} does not leave every stage at least one of the \
+                 model's {layers} decoder layers (give rising indices between 1 and {})",
+                layers - 1
+            )));
+        }
+        prev = c;
+    }
+    Ok(std::iter::once(0).chain(cuts.iter().copied()).collect())
+}
+
+/// `--pipeline-cuts` as written: comma-separated decoder-layer indices, either plain (`4,8`) or
+/// as the layers' names (`model.layers.4,model.layers.8`, as NxD's `pipeline_cuts` lists them).
+pub fn parse_cuts(s: &str) -> Result<Vec<usize>> {
+    s.split(',')
+        .map(|part| {
+            let p = part.trim();
+            let index = p.strip_prefix("model.layers.").unwrap_or(p);
+            index.parse().map_err(|_| {
+                KilnError::Config(format!(
+                    "--pipeline-cuts {s:?}: {p:?} is not a decoder-layer index (such as 4 or \
+                     model.layers.4)"
+                ))
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every layer lands on exactly one stage, in order; stage 0 alone holds the embedding and
+    /// the last stage alone the head; no stage is empty; and the default cut is as even as
+    /// counting the embedding and head as layers allows.
+    #[test]
+    fn every_layer_lands_on_exactly_one_stage() {
+        for layers in 1..=40 {
+            for stages in 1..=layers.min(8) {
+                let cut = cut_stages(layers, stages, None).unwrap();
+                let what = format!("{layers} layers over {stages} stages: {cut:?}");
+                assert_eq!(cut.len(), stages, "{what}");
+                let order: Vec<usize> = cut.iter().flat_map(|c| c.layers.clone()).collect();
+                assert_eq!(order, (0..layers).collect::<Vec<_>>(), "{what}");
+                assert!(cut.iter().all(|c| !c.layers.is_empty()), "{what}");
+                assert_eq!(cut.iter().filter(|c| c.embedding).count(), 1, "{what}");
+                assert!(cut[0].embedding && cut[stages - 1].head, "{what}");
+                assert_eq!(cut.iter().filter(|c| c.head).count(), 1, "{what}");
+                // As even as it goes: no stage is more than one layer heavier than another.
+                let weights: Vec<usize> = cut.iter().map(StageCut::weight).collect();
+                let (lo, hi) = (weights.iter().min().unwrap(), weights.iter().max().unwrap());
+                assert!(hi - lo <= 1, "{what}: weights {weights:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn default_cuts_count_the_embedding_and_head_as_layers() {
+        let layers = |l, s| -> Vec<Range<usize>> {
+            cut_stages(l, s, None)
+                .unwrap()
+                .into_iter()
+                .map(|c| c.layers)
+                .collect()
+        };
+        // SmolLM2-135M's 30 layers over 2 stages: 15 each (16 units each with embedding/head).
+        assert_eq!(layers(30, 2), [0..15, 15..30]);
+        // 5 over 2 (the issue's uneven cut): 3 + 2, the first stage taking the tie.
+        assert_eq!(layers(5, 2), [0..3, 3..5]);
+        // 30 over 4: 32 units, 8 each: the middle stages take one layer more.
+        assert_eq!(layers(30, 4), [0..7, 7..15, 15..23, 23..30]);
+        // 4 over 4: one layer each.
+        assert_eq!(layers(4, 4), [0..1, 1..2, 2..3, 3..4]);
+        assert_eq!(layers(7, 1), vec![(0..7)]);
+    }
+
+    #[test]
+    fn given_cuts_are_taken_and_bad_ones_are_one_sentence() {
+        let cut = cut_stages(5, 2, Some(&[1])).unwrap();
+        assert_eq!((cut[0].layers.clone(), cut[1].layers.clone()), (0..1, 1..5));
+        let cut = cut_stages(8, 3, Some(&parse_cuts("model.layers.2, 6").unwrap())).unwrap();
+        assert_eq!(
+            cut.iter().map(|c| c.layers.clone()).collect::<Vec<_>>(),
+            [0..2, 2..6, 6..8]
+        );
+        let err = |layers, stages, cuts: &[usize]| {
+            cut_stages(layers, stages, Some(cuts))
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(err(8, 3, &[4]).contains("gives 2 stages, but --pipeline-parallel-size is 3"));
+        assert!(err(8, 3, &[4, 4]).contains("4 does not leave every stage"));
+        assert!(err(8, 3, &[5, 2]).contains("2 does not leave every stage"));
+        assert!(err(8, 2, &[0]).contains("between 1 and 7"));
+        assert!(err(8, 2, &[8]).contains("8 does not leave"));
+        let e = cut_stages(3, 4, None).unwrap_err().to_string();
+        assert!(
+            e.contains("more stages than the model's 3 decoder layers"),
+            "{e}"
+        );
+        let e = parse_cuts("4,layers.x").unwrap_err().to_string();
+        assert!(
+            e.contains("\"layers.x\" is not a decoder-layer index"),
+            "{e}"
+        );
+    }
+}
