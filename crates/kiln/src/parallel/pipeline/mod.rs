@@ -1,10 +1,13 @@
-//! Pipeline parallelism's pieces: where a model is cut into stages ([`stages`]) and the order in
-//! which each stage runs its micro-batches ([`schedule`]: 1F1B, and GPipe as the reference), with
-//! an event simulation that measures a schedule's bubble and finds a schedule that deadlocks.
+//! Pipeline parallelism's pieces: where a model is cut into stages ([`stages`]), how a rank's batch
+//! becomes micro-batches ([`batches`]), and the order in which each stage runs them ([`schedule`]:
+//! 1F1B, and GPipe as the reference), with an event simulation that measures a schedule's bubble
+//! and finds a schedule that deadlocks.
 //! The stage runner that executes a schedule over the `Collectives` is not built yet (issue 35).
 
+pub mod batches;
 pub mod schedule;
 pub mod stages;
 
+pub use batches::MicroBatches;
 pub use schedule::{bubble_formula, simulate, stage_actions, Action, ScheduleKind, Timeline};
 pub use stages::{cut_stages, parse_cuts, StageCut};
