@@ -31,14 +31,24 @@ impl MicroBatches {
         gradient_accumulation_steps: usize,
         num_microbatches: Option<usize>,
     ) -> Result<Self> {
-        let batch = per_device_train_batch_size * gradient_accumulation_steps.max(1);
+        let accumulation = gradient_accumulation_steps.max(1);
+        let batch = per_device_train_batch_size
+            .checked_mul(accumulation)
+            .filter(|&b| b > 0)
+            .ok_or_else(|| {
+                KilnError::Config(format!(
+                    "--per-device-train-batch-size {per_device_train_batch_size} × \
+                     --gradient-accumulation-steps {gradient_accumulation_steps} is not a batch a \
+                     pipeline can split (it is 0, or too large to count)"
+                ))
+            })?;
         let m = num_microbatches.unwrap_or(batch);
         if m == 0 {
             return Err(KilnError::Config(
                 "--pipeline-parallel-num-microbatches must be at least 1".into(),
             ));
         }
-        if batch == 0 || !batch.is_multiple_of(m) {
+        if !batch.is_multiple_of(m) {
             return Err(KilnError::Config(format!(
                 "--pipeline-parallel-num-microbatches {m} does not divide the per-device batch of \
                  {batch} (--per-device-train-batch-size {per_device_train_batch_size} × \
@@ -86,5 +96,11 @@ mod tests {
         );
         let e = MicroBatches::settle(6, 1, Some(0)).unwrap_err().to_string();
         assert!(e.contains("at least 1"), "{e}");
+        for (per_device, accumulation) in [(0, 1), (usize::MAX, 2)] {
+            let e = MicroBatches::settle(per_device, accumulation, None)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("is not a batch a pipeline can split"), "{e}");
+        }
     }
 }

@@ -153,13 +153,13 @@ fn run_plans(
     // When each stage's forward and backward of each micro-batch ended, once run.
     let mut fwd_end = vec![vec![None::<f64>; micro_batches]; stages];
     let mut bwd_end = vec![vec![None::<f64>; micro_batches]; stages];
-    let mut next = vec![0usize; stages];
-    let mut free_at = vec![0f64; stages];
-    let mut timeline = vec![Vec::with_capacity(2 * micro_batches); stages];
+    // Each stage's actions run so far: how far it got, and when it is free again.
+    let mut timeline: Vec<Vec<(Action, f64, f64)>> =
+        vec![Vec::with_capacity(2 * micro_batches); stages];
     loop {
         let mut progressed = false;
         for s in 0..stages {
-            while let Some(&action) = plans[s].get(next[s]) {
+            while let Some(&action) = plans[s].get(timeline[s].len()) {
                 let ready = match action {
                     Action::Forward(i) => match s {
                         0 => Some(0.0),
@@ -176,27 +176,27 @@ fn run_plans(
                     }
                 };
                 let Some(ready) = ready else { break };
-                let start = ready.max(free_at[s]);
+                let free_at = timeline[s].last().map_or(0.0, |a| a.2);
+                let start = ready.max(free_at);
                 let (end, slot) = match action {
                     Action::Forward(i) => (start + forward, &mut fwd_end[s][i]),
                     Action::Backward(i) => (start + backward, &mut bwd_end[s][i]),
                 };
                 *slot = Some(end);
-                free_at[s] = end;
                 timeline[s].push((action, start, end));
-                next[s] += 1;
                 progressed = true;
             }
         }
-        if (0..stages).all(|s| next[s] == plans[s].len()) {
-            return Ok(Timeline { stages: timeline });
-        }
-        if !progressed {
-            let s = (0..stages).find(|&s| next[s] < plans[s].len()).unwrap();
-            return Err(KilnError::Distributed(format!(
-                "stage {s} waits forever at {:?}",
-                plans[s][next[s]]
-            )));
+        let waiting = (0..stages).find(|&s| timeline[s].len() < plans[s].len());
+        match waiting {
+            None => return Ok(Timeline { stages: timeline }),
+            Some(s) if !progressed => {
+                return Err(KilnError::Distributed(format!(
+                    "stage {s} waits forever at {:?}",
+                    plans[s][timeline[s].len()]
+                )))
+            }
+            Some(_) => {}
         }
     }
 }
