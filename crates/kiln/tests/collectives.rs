@@ -81,9 +81,25 @@ fn check_all(c: &dyn Collectives<Cpu>, members: &[usize], what: &str) {
     let got = host(c.broadcast(tensor(data(me, n, 2.0)), root).unwrap());
     assert_eq!(got, data(members[root], n, 2.0), "{what}: broadcast");
 
-    let got = host(c.shift(tensor(data(me, n, 3.0)), 1).unwrap());
-    let from = members[(c.rank() + members.len() - 1) % members.len()];
-    assert_eq!(got, data(from, n, 3.0), "{what}: shift (send/recv)");
+    // Point-to-point around the ring, both ways at once (a pipeline's activations forward and
+    // gradients back), two messages each way, received in the order sent.
+    c.open_links().unwrap();
+    let k = members.len();
+    let (next, prev) = ((c.rank() + 1) % k, (c.rank() + k - 1) % k);
+    for salt in [3.0, 4.0] {
+        c.send(tensor(data(me, n, salt)), next).unwrap();
+        c.send(tensor(data(me, n + 1, -salt)), prev).unwrap();
+    }
+    for salt in [3.0, 4.0] {
+        let got = host(c.recv(prev).unwrap());
+        assert_eq!(got, data(members[prev], n, salt), "{what}: recv from prev");
+        let got = host(c.recv(next).unwrap());
+        assert_eq!(
+            got,
+            data(members[next], n + 1, -salt),
+            "{what}: recv from next"
+        );
+    }
 
     c.barrier().unwrap();
 }

@@ -60,14 +60,25 @@ pub trait Collectives<B: Backend>: Send + Sync {
         self.all_gather_v(t, &counts)
     }
 
-    /// Sends `t` to rank `rank + offset` and returns what rank `rank - offset` sent (modulo the
-    /// size): the stage-to-stage hand-over of a pipeline, as one ring step. All `t` have the same
-    /// length.
-    fn shift(&self, t: Tensor<B, 1>, offset: usize) -> Result<Tensor<B, 1>> {
-        let n = t.dims()[0];
-        let size = self.size();
-        let from = (self.rank() + size - offset % size) % size;
-        Ok(self.all_gather(t)?.narrow(0, from * n, n))
+    /// Opens this set's point-to-point links ([`Self::send`], [`Self::recv`]). Every rank calls it
+    /// at once, before its first send; later calls do nothing.
+    fn open_links(&self) -> Result<()> {
+        Err(no_links())
+    }
+
+    /// Queues `t` for rank `to` of this set and returns without waiting for it to be received
+    /// (a pipeline stage hands its activations on and goes on computing). Tensors sent from one
+    /// rank to another arrive in the order they were sent.
+    fn send(&self, t: Tensor<B, 1>, to: usize) -> Result<()> {
+        let _ = (t, to);
+        Err(no_links())
+    }
+
+    /// The oldest tensor rank `from` of this set sent to this rank and this rank has not yet
+    /// received, waiting for it under the job's watchdog.
+    fn recv(&self, from: usize) -> Result<Tensor<B, 1>> {
+        let _ = from;
+        Err(no_links())
     }
 
     /// This set's native sub-communicator for the group of `groups` this rank is in, when the
@@ -84,6 +95,13 @@ pub trait Collectives<B: Backend>: Send + Sync {
         let t = Tensor::from_data(TensorData::new(values, [n]), self.device());
         Ok(host(self.all_reduce(t, ReduceOp::Sum)?))
     }
+}
+
+fn no_links() -> crate::KilnError {
+    crate::KilnError::Distributed(
+        "this collective engine has no point-to-point links (pipeline parallelism needs them)"
+            .into(),
+    )
 }
 
 /// A reduce-scatter as a sum all-reduce of which each rank keeps its chunk (what an engine
@@ -299,6 +317,20 @@ impl<B: Backend> Collectives<B> for Group<B> {
             t.zeros_like()
         };
         self.all_reduce(t, ReduceOp::Sum)
+    }
+
+    // Point-to-point always goes through the world's links (a rank has one set, whatever group
+    // names its peer): this group's index `to` is the world's rank `members[to]`.
+    fn open_links(&self) -> Result<()> {
+        self.world.open_links()
+    }
+
+    fn send(&self, t: Tensor<B, 1>, to: usize) -> Result<()> {
+        self.world.send(t, self.members()[to])
+    }
+
+    fn recv(&self, from: usize) -> Result<Tensor<B, 1>> {
+        self.world.recv(self.members()[from])
     }
 
     fn barrier(&self) -> Result<()> {

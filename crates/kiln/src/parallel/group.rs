@@ -18,7 +18,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 use burn_collective::{CollectiveConfig, PeerId, ReduceOperation};
 
-use super::collectives::{placed, Collectives, ReduceOp};
+use super::collectives::{host, placed, Collectives, ReduceOp};
 use super::heartbeat::Heartbeat;
 use super::{ensure_port_free, DistEnv};
 use crate::{KilnError, Result};
@@ -163,6 +163,8 @@ pub struct ProcessGroup<B: Backend> {
     /// CUDA workers reduce on the GPU through NCCL (see `nccl.rs`).
     #[cfg(feature = "cuda")]
     nccl: Option<super::nccl::NcclComm>,
+    /// Point-to-point links (a pipeline's hand-overs), once opened.
+    links: OnceLock<super::p2p::Links>,
     _backend: PhantomData<B>,
 }
 
@@ -258,6 +260,7 @@ impl<B: Backend> ProcessGroup<B> {
             device: device.clone(),
             #[cfg(feature = "cuda")]
             nccl: None,
+            links: OnceLock::new(),
             _backend: PhantomData,
         };
         #[cfg(feature = "cuda")]
@@ -448,6 +451,29 @@ impl<B: Backend> Collectives<B> for ProcessGroup<B> {
             &format!("broadcast from rank {root}"),
         )?;
         Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+    }
+
+    // Burn's engine has no point-to-point transfer: kiln's own links carry it (`p2p.rs`), their
+    // addresses exchanged by one all-gather here. CUDA tensors travel through the host.
+    fn open_links(&self) -> Result<()> {
+        if self.links.get().is_none() {
+            let links = super::p2p::Links::open(self, &self.env.node_addr, self.timeout)?;
+            let _ = self.links.set(links);
+        }
+        Ok(())
+    }
+
+    fn send(&self, t: Tensor<B, 1>, to: usize) -> Result<()> {
+        super::p2p::opened(&self.links, self.env.rank)?.send(to, host(t))
+    }
+
+    fn recv(&self, from: usize) -> Result<Tensor<B, 1>> {
+        let links = super::p2p::opened(&self.links, self.env.rank)?;
+        // A silent peer is named with what the heartbeat board knows of it (dead, or waiting).
+        let v = links
+            .recv(from)
+            .map_err(|e| KilnError::Distributed(format!("{e}{}", peers_clause())))?;
+        Ok(super::collectives::owned_tensor(v, &self.device))
     }
 }
 

@@ -16,6 +16,7 @@ pub mod mesh;
 pub mod mpi;
 #[cfg(feature = "cuda")]
 mod nccl;
+mod p2p;
 pub mod pipeline;
 pub mod tensor_parallel;
 pub mod threads;

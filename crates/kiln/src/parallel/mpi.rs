@@ -7,7 +7,7 @@
 //! `mpirun`); each call runs under the same watchdog as Burn's engine, so a hung peer stops the
 //! job with an error instead of a silent wait (mpirun itself ends the job when a rank dies).
 
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use burn::tensor::backend::Backend;
@@ -45,6 +45,11 @@ pub struct MpiComm<B: Backend> {
     size: usize,
     device: B::Device,
     timeout: Duration,
+    /// Point-to-point links (a pipeline's hand-overs), once opened; shared by the world and its
+    /// sub-communicators, which address peers by world rank.
+    links: Arc<OnceLock<super::p2p::Links>>,
+    /// The world rank of each rank of this communicator.
+    members: Vec<usize>,
 }
 
 impl<B: Backend> MpiComm<B> {
@@ -80,6 +85,8 @@ impl<B: Backend> MpiComm<B> {
             size,
             device: device.clone(),
             timeout,
+            links: Arc::new(OnceLock::new()),
+            members: (0..size).collect(),
         })
     }
 
@@ -94,6 +101,16 @@ impl<B: Backend> MpiComm<B> {
             self.timeout.as_secs()
         );
         watched(self.world_rank, self.timeout, msg, || f(self.comm()))
+    }
+
+    /// The world rank of this communicator's rank `r`.
+    fn world_rank_of(&self, r: usize) -> Result<usize> {
+        self.members.get(r).copied().ok_or_else(|| {
+            KilnError::Distributed(format!(
+                "rank {r} is outside this MPI communicator of {} ranks",
+                self.size
+            ))
+        })
     }
 
     fn tensor(&self, v: Vec<f32>) -> Tensor<B, 1> {
@@ -201,6 +218,38 @@ impl<B: Backend> Collectives<B> for MpiComm<B> {
             world_rank: self.world_rank,
             device: self.device.clone(),
             timeout: self.timeout,
+            links: self.links.clone(),
+            members: groups[color].clone(),
         })))
+    }
+
+    // MPI's own sends block until matched in standard mode, and two neighbours sending to each
+    // other at once then deadlock; kiln's links queue instead (`p2p.rs`), their addresses
+    // exchanged over MPI. The node address: KILN_NODE_ADDR, else MASTER_ADDR, else loopback.
+    fn open_links(&self) -> Result<()> {
+        if self.links.get().is_none() {
+            if self.members.len() != self.universe.0.world().size() as usize {
+                return Err(KilnError::Distributed(
+                    "point-to-point links open on the MPI world, not a sub-communicator".into(),
+                ));
+            }
+            let node = std::env::var("KILN_NODE_ADDR")
+                .or_else(|_| std::env::var("MASTER_ADDR"))
+                .unwrap_or_else(|_| "127.0.0.1".into());
+            let links = super::p2p::Links::open(self, &node, self.timeout)?;
+            let _ = self.links.set(links);
+        }
+        Ok(())
+    }
+
+    fn send(&self, t: Tensor<B, 1>, to: usize) -> Result<()> {
+        let to = self.world_rank_of(to)?;
+        super::p2p::opened(&self.links, self.world_rank)?.send(to, host(t))
+    }
+
+    fn recv(&self, from: usize) -> Result<Tensor<B, 1>> {
+        let from = self.world_rank_of(from)?;
+        let v = super::p2p::opened(&self.links, self.world_rank)?.recv(from)?;
+        Ok(self.tensor(v))
     }
 }

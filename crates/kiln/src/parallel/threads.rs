@@ -3,7 +3,8 @@
 //! parallel strategy (tensor-parallel layers, vocab-parallel cross-entropy) against a
 //! single-process run in a unit test, in milliseconds.
 
-use std::sync::{Arc, Barrier, Mutex};
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Barrier, Condvar, Mutex};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
@@ -14,6 +15,9 @@ use crate::Result;
 struct Shared {
     barrier: Barrier,
     slots: Mutex<Vec<Vec<f32>>>,
+    /// Point-to-point mail: what each (from, to) pair sent and was not yet received.
+    mail: Mutex<HashMap<(usize, usize), VecDeque<Vec<f32>>>>,
+    posted: Condvar,
 }
 
 /// One thread's handle on a group of `size` threads.
@@ -30,6 +34,8 @@ impl<B: Backend> ThreadComm<B> {
         let shared = Arc::new(Shared {
             barrier: Barrier::new(size),
             slots: Mutex::new(vec![Vec::new(); size]),
+            mail: Mutex::new(HashMap::new()),
+            posted: Condvar::new(),
         });
         (0..size)
             .map(|rank| Self {
@@ -96,5 +102,29 @@ impl<B: Backend> Collectives<B> for ThreadComm<B> {
     fn broadcast(&self, t: Tensor<B, 1>, root: usize) -> Result<Tensor<B, 1>> {
         let mut all = self.exchange(host(t));
         Ok(self.tensor(std::mem::take(&mut all[root])))
+    }
+
+    fn open_links(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn send(&self, t: Tensor<B, 1>, to: usize) -> Result<()> {
+        let mut mail = self.shared.mail.lock().expect("mail");
+        mail.entry((self.rank, to)).or_default().push_back(host(t));
+        self.shared.posted.notify_all();
+        Ok(())
+    }
+
+    fn recv(&self, from: usize) -> Result<Tensor<B, 1>> {
+        let mut mail = self.shared.mail.lock().expect("mail");
+        loop {
+            if let Some(v) = mail
+                .get_mut(&(from, self.rank))
+                .and_then(VecDeque::pop_front)
+            {
+                return Ok(self.tensor(v));
+            }
+            mail = self.shared.posted.wait(mail).expect("mail");
+        }
     }
 }

@@ -13,6 +13,7 @@ pub mod optim;
 pub mod optimizers;
 pub mod output_dir;
 pub mod parallel_plan;
+pub mod pipeline_stage;
 pub mod precompile;
 pub mod reporters;
 pub mod reshard;

@@ -451,11 +451,18 @@ impl Layout {
     }
 }
 
+/// `KILN_GPU_ATTENTION=composed` runs every attention on Burn's composed chain instead of these
+/// kernels: the A/B switch `scripts/gpu-checks` times them with (`GPU_ATTN_ROWS`).
+fn composed_forced() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KILN_GPU_ATTENTION").is_ok_and(|v| v == "composed"))
+}
+
 /// Whether the kernels take attention over `[B, T, H]` with `heads` heads and keys/values of
 /// width `kv` (`H`, or fewer heads that divide them): a head dimension up to [`MAX_HEAD_DIM`], and
 /// every probability's index within 32 bits (the dropout hash's counter).
 pub fn takes([b, t, h]: [usize; 3], kv: usize, heads: usize) -> bool {
-    if heads == 0 || !h.is_multiple_of(heads) {
+    if composed_forced() || heads == 0 || !h.is_multiple_of(heads) {
         return false;
     }
     let d = h / heads;

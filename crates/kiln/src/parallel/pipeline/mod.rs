@@ -2,7 +2,8 @@
 //! becomes micro-batches ([`batches`]), and the order in which each stage runs them ([`schedule`]:
 //! 1F1B, and GPipe as the reference), with an event simulation that measures a schedule's bubble
 //! and finds a schedule that deadlocks.
-//! The stage runner that executes a schedule over the `Collectives` is not built yet (issue 35).
+//! A stage runs its schedule in `train::pipeline_stage`, handing tensors over the `Collectives`'
+//! point-to-point links (`parallel::p2p`).
 
 pub mod batches;
 pub mod schedule;

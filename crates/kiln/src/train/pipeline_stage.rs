@@ -1,0 +1,401 @@
+//! One optimizer step's micro-batches on one pipeline stage: the forwards and backwards of the
+//! schedule (`parallel::pipeline::stage_actions`, 1F1B or GPipe), in its order, over the layers
+//! this stage holds, with activations handed forward and their gradients back over the pipeline
+//! group's point-to-point links.
+//!
+//! The model is cut with the same `Segments` activation checkpointing runs (embedding, layers,
+//! head): a stage's forward of micro-batch `j` starts from the embedding (stage 0) or from the
+//! hidden states stage `s − 1` sent, runs its layers, and ends in the head and the loss (the last
+//! stage) or sends its output on. Its backward differentiates that piece against the gradient
+//! stage `s + 1` sent back (the last stage: against its loss), which is activation
+//! checkpointing's way of differentiating one segment alone, and sends the input's gradient to
+//! stage `s − 1`. A micro-batch's graph lives from its forward to its backward, so a stage holds
+//! at most as many as the schedule keeps in flight (1F1B: the stages after it, plus one).
+//!
+//! A tied embedding and head (SmolLM2) is one parameter on two stages: stage 0 uses it as the
+//! embedding and the last stage as the head. After the last backward their two gradients are
+//! summed, stage 0's first on both, so both copies take the same update and stay equal.
+//!
+//! Every hand-over carries the tensor's three dimensions before its values, so a stage needs no
+//! shape of its own for what arrives (packed and padded batches alike).
+
+use burn::module::AutodiffModule;
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+
+use super::optim::GradAccumulator;
+use crate::ops::TrainBackend;
+use crate::parallel::pipeline::{stage_actions, Action, ScheduleKind, StageCut};
+use crate::parallel::Collectives;
+use crate::task::{Loss, Model};
+use crate::{KilnError, Result};
+
+/// This rank's place in its pipeline: stage `index` of `count`, the layers (and the embedding or
+/// head) it holds, and the pipeline group, in which stage `s` is rank `s`.
+pub struct Stage<'c, B: burn::tensor::backend::Backend> {
+    pub index: usize,
+    pub count: usize,
+    pub cut: StageCut,
+    pub group: &'c dyn Collectives<B>,
+}
+
+/// What a micro-batch leaves on this stage between its forward and its backward.
+struct InFlight<B: TrainBackend> {
+    /// The hidden states that arrived (stages after the first): their gradient goes back.
+    input: Option<Tensor<B, 3>>,
+    /// The stage's output to differentiate (before the last stage), or the scaled loss.
+    output: Tensor<B, 3>,
+    loss: Option<Tensor<B, 1>>,
+}
+
+/// Runs this stage's share of one step: `micro` are the step's micro-batches with their targets,
+/// `scales` what each micro-batch's mean loss is multiplied by. Returns the summed scaled loss
+/// (the last stage's; 0 on the others) and the gradients of the parameters this stage used.
+pub fn stage_loss_and_grads<B, M, L>(
+    model: &M,
+    micro: &[(M::Batch, Vec<i64>)],
+    scales: &[f64],
+    loss_fn: &L,
+    kind: ScheduleKind,
+    stage: &Stage<'_, B::InnerBackend>,
+) -> Result<(f64, GradAccumulator<B::InnerBackend>)>
+where
+    B: TrainBackend,
+    M: Model<B> + AutodiffModule<B>,
+    L: Loss,
+{
+    let segments = model.segments().ok_or_else(|| {
+        KilnError::Config(
+            "pipeline parallelism cuts a model at its layers, and this model is not split into layers"
+                .into(),
+        )
+    })?;
+    let (me, last) = (stage.index, stage.count - 1);
+    let mut in_flight: Vec<Option<InFlight<B>>> = (0..micro.len()).map(|_| None).collect();
+    let mut acc = GradAccumulator::default();
+    let mut loss_sum = 0.0;
+    for action in stage_actions(kind, stage.count, me, micro.len()) {
+        match action {
+            Action::Forward(j) => {
+                let (batch, targets) = &micro[j];
+                let (input, mut x) = if stage.cut.embedding {
+                    (None, segments.embed(batch))
+                } else {
+                    let x = Tensor::from_inner(receive(stage.group, me - 1)?).require_grad();
+                    (Some(x.clone()), x)
+                };
+                for i in stage.cut.layers.clone() {
+                    x = segments.layer(i, x, batch);
+                }
+                let loss = if stage.cut.head {
+                    let logits = segments.head(x.clone(), batch);
+                    let device = logits.device();
+                    let t = Tensor::<B, 1, Int>::from_data(
+                        TensorData::new(targets.clone(), [targets.len()]),
+                        &device,
+                    );
+                    let loss = loss_fn.loss(logits, t) * scales[j];
+                    loss_sum += loss.clone().into_scalar().elem::<f64>();
+                    Some(loss)
+                } else {
+                    hand_over(stage.group, x.clone().inner(), me + 1)?;
+                    None
+                };
+                in_flight[j] = Some(InFlight {
+                    input,
+                    output: x,
+                    loss,
+                });
+            }
+            Action::Backward(j) => {
+                let f = in_flight[j]
+                    .take()
+                    .expect("the schedule runs a micro-batch's forward before its backward");
+                let grads = match f.loss {
+                    Some(loss) => loss.backward(),
+                    None => {
+                        let upstream = receive(stage.group, me + 1)?;
+                        (f.output * Tensor::from_inner(upstream)).sum().backward()
+                    }
+                };
+                acc.accumulate::<B, M>(model, &grads);
+                if let Some(x) = f.input {
+                    let g = x
+                        .grad(&grads)
+                        .expect("a stage's output depends on its input");
+                    hand_over(stage.group, g, me - 1)?;
+                }
+            }
+        }
+    }
+    if last > 0 {
+        sum_tied_gradients(&mut acc, &model.embedding_parameters(), stage)?;
+    }
+    Ok((loss_sum, acc))
+}
+
+/// Sends `t` with its dimensions first.
+fn hand_over<B: burn::tensor::backend::Backend>(
+    group: &dyn Collectives<B>,
+    t: Tensor<B, 3>,
+    to: usize,
+) -> Result<()> {
+    let dims = t.dims();
+    let device = t.device();
+    let n = dims.iter().product::<usize>();
+    let head = Tensor::<B, 1>::from_data(
+        TensorData::new(dims.iter().map(|&d| d as f32).collect::<Vec<_>>(), [3]),
+        &device,
+    );
+    group.send(Tensor::cat(vec![head, t.reshape([n])], 0), to)
+}
+
+/// What [`hand_over`] sent from `from`, in its shape.
+fn receive<B: burn::tensor::backend::Backend>(
+    group: &dyn Collectives<B>,
+    from: usize,
+) -> Result<Tensor<B, 3>> {
+    let flat = group.recv(from)?;
+    let n = flat.dims()[0];
+    let dims: Vec<usize> = flat
+        .clone()
+        .narrow(0, 0, 3)
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("f32 data")
+        .into_iter()
+        .map(|d| d as usize)
+        .collect();
+    if n < 3 || dims.iter().product::<usize>() != n - 3 {
+        return Err(KilnError::Distributed(format!(
+            "stage {from} handed over {} values for a tensor of shape {dims:?}",
+            n.saturating_sub(3)
+        )));
+    }
+    Ok(flat
+        .narrow(0, 3, n - 3)
+        .reshape([dims[0], dims[1], dims[2]]))
+}
+
+/// Sums the gradients of parameters held on both the first and the last stage (a tied embedding
+/// and head): the last stage sends each of `names` it has a gradient for (an empty tensor for one
+/// it has not), stage 0 adds its own first and sends the sum back. Both then hold the same sum.
+fn sum_tied_gradients<B: burn::tensor::backend::Backend>(
+    acc: &mut GradAccumulator<B>,
+    names: &[String],
+    stage: &Stage<'_, B>,
+) -> Result<()> {
+    let last = stage.count - 1;
+    let device = stage.group.device().clone();
+    if stage.index == last {
+        for name in names {
+            let g = acc
+                .grads
+                .get(name)
+                .cloned()
+                .unwrap_or_else(|| Tensor::<B, 1>::zeros([0], &device));
+            let tied = g.dims()[0] > 0;
+            stage.group.send(g, 0)?;
+            if tied {
+                acc.grads.insert(name.clone(), stage.group.recv(0)?);
+            }
+        }
+    } else if stage.index == 0 {
+        for name in names {
+            let theirs = stage.group.recv(last)?;
+            if theirs.dims()[0] == 0 {
+                continue;
+            }
+            let sum = match acc.grads.get(name) {
+                Some(mine) => mine.clone() + theirs,
+                None => theirs,
+            };
+            stage.group.send(sum.clone(), last)?;
+            acc.grads.insert(name.clone(), sum);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{Cpu, CpuDevice, CpuTrain};
+    use crate::models::llama::config::LlamaConfig;
+    use crate::models::llama::LlamaForCausalLM;
+    use crate::parallel::pipeline::cut_stages;
+    use crate::parallel::threads::ThreadComm;
+    use crate::task::{BatchSource, CrossEntropy};
+    use std::collections::BTreeMap;
+
+    fn llama(layers: usize, tie: bool) -> LlamaForCausalLM<CpuTrain> {
+        let c: LlamaConfig = serde_json::from_value(serde_json::json!({
+            "vocab_size": 50, "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "initializer_range": 0.5, "tie_word_embeddings": tie}))
+        .unwrap();
+        let d = CpuDevice::default();
+        crate::ops::with_seeded_rng::<CpuTrain, _>(&d, 3, || {
+            LlamaForCausalLM::<CpuTrain>::new(&c, &d)
+        })
+    }
+
+    type Micro = Vec<(
+        <LlamaForCausalLM<CpuTrain> as Model<CpuTrain>>::Batch,
+        Vec<i64>,
+    )>;
+
+    fn micro_batches(m: usize) -> Micro {
+        let blocks = crate::data::lm::LmBlocks::pack(
+            (0..400u32).map(|i| (i * 7 + i / 9) % 50).collect(),
+            9,
+            1,
+        );
+        (0..m).map(|j| blocks.batch(&[2 * j, 2 * j + 1])).collect()
+    }
+
+    fn host(t: Tensor<Cpu, 1>) -> Vec<f32> {
+        t.into_data().into_vec().unwrap()
+    }
+
+    /// The gradients of the whole model, one process, micro-batch after micro-batch.
+    fn reference(
+        layers: usize,
+        tie: bool,
+        micro: &Micro,
+        scales: &[f64],
+    ) -> (f64, BTreeMap<String, Vec<f32>>) {
+        let m = llama(layers, tie);
+        let d = CpuDevice::default();
+        let mut acc = GradAccumulator::<Cpu>::default();
+        let mut loss_sum = 0.0;
+        for ((batch, targets), s) in micro.iter().zip(scales) {
+            let t = Tensor::<CpuTrain, 1, Int>::from_data(
+                TensorData::new(targets.clone(), [targets.len()]),
+                &d,
+            );
+            let loss = CrossEntropy.loss(m.logits(batch), t) * *s;
+            loss_sum += loss.clone().into_scalar().elem::<f64>();
+            acc.accumulate::<CpuTrain, _>(&m, &loss.backward());
+        }
+        (
+            loss_sum,
+            acc.grads.into_iter().map(|(k, v)| (k, host(v))).collect(),
+        )
+    }
+
+    /// Every stage of a `stages`-stage pipeline, one thread each; returns each stage's loss and
+    /// gradients.
+    fn pipeline(
+        layers: usize,
+        tie: bool,
+        stages: usize,
+        kind: ScheduleKind,
+        micro: &Micro,
+        scales: &[f64],
+    ) -> Vec<(f64, BTreeMap<String, Vec<f32>>)> {
+        let cuts = cut_stages(layers, stages, None).unwrap();
+        let comms = ThreadComm::<Cpu>::group(stages, &CpuDevice::default());
+        std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .zip(cuts)
+                .enumerate()
+                .map(|(index, (comm, cut))| {
+                    s.spawn(move || {
+                        let m = llama(layers, tie);
+                        let stage = Stage {
+                            index,
+                            count: stages,
+                            cut,
+                            group: &comm,
+                        };
+                        let (l, acc) =
+                            stage_loss_and_grads(&m, micro, scales, &CrossEntropy, kind, &stage)
+                                .unwrap();
+                        (
+                            l,
+                            acc.grads.into_iter().map(|(k, v)| (k, host(v))).collect(),
+                        )
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+        let scale = a.iter().fold(1e-3f32, |s, x| s.max(x.abs()));
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
+            / scale
+    }
+
+    /// Every parameter's gradient comes from exactly one stage (a tied embedding from the first
+    /// and the last, equal there), equal to the single-process gradient, and the last stage's
+    /// loss is the single-process loss: 5 layers over 2 stages (3|2 with the embedding and head
+    /// counted) and over 4, tied and untied, 1F1B and GPipe, 1 to 6 micro-batches.
+    #[test]
+    fn every_stage_layout_gives_the_single_process_loss_and_gradients() {
+        for (stages, m, tie, kind) in [
+            (2, 4, true, ScheduleKind::OneFOneB),
+            (2, 1, false, ScheduleKind::OneFOneB),
+            (4, 6, true, ScheduleKind::OneFOneB),
+            (4, 3, false, ScheduleKind::GPipe),
+            (3, 2, true, ScheduleKind::GPipe),
+        ] {
+            let what = format!("PP={stages}, {m} micro-batches, tied {tie}, {kind:?}");
+            let micro = micro_batches(m);
+            let scales: Vec<f64> = (0..m).map(|j| 1.0 / m as f64 + 0.01 * j as f64).collect();
+            let (want_loss, want) = reference(5, tie, &micro, &scales);
+            let got = pipeline(5, tie, stages, kind, &micro, &scales);
+            let loss = got[stages - 1].0;
+            assert!(
+                (loss - want_loss).abs() <= 1e-5 * want_loss.abs(),
+                "{what}: loss {loss} vs {want_loss}"
+            );
+            assert!(
+                got[..stages - 1].iter().all(|(l, _)| *l == 0.0),
+                "{what}: loss only on the last stage"
+            );
+            for (name, g) in &want {
+                let holders: Vec<usize> = (0..stages)
+                    .filter(|&s| got[s].1.contains_key(name))
+                    .collect();
+                let tied = tie && name == "model.embed_tokens.weight";
+                let expected = if tied {
+                    vec![0, stages - 1]
+                } else {
+                    vec![holders[0]]
+                };
+                assert_eq!(holders, expected, "{what}: who holds {name}");
+                for &s in &holders {
+                    let err = max_rel(g, &got[s].1[name]);
+                    assert!(err <= 1e-5, "{what}: {name} on stage {s}: rel {err}");
+                }
+            }
+            let total: usize = got.iter().map(|(_, g)| g.len()).sum();
+            assert_eq!(
+                total,
+                want.len() + usize::from(tie),
+                "{what}: no extra gradients"
+            );
+        }
+    }
+
+    /// The control: a pipeline over another model's weights differs from the reference, so the
+    /// comparison above can fail.
+    #[test]
+    fn a_different_model_differs() {
+        let micro = micro_batches(2);
+        let (want_loss, _) = reference(5, true, &micro, &[0.5, 0.5]);
+        let got = pipeline(4, false, 2, ScheduleKind::OneFOneB, &micro, &[0.5, 0.5]);
+        assert!(
+            (got[1].0 - want_loss).abs() > 1e-3,
+            "{} vs {want_loss}",
+            got[1].0
+        );
+    }
+}
