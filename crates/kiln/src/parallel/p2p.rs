@@ -13,6 +13,7 @@
 //! A receive that waits longer than the job's timeout is an error naming the peer; the process
 //! group runs it under its watchdog, which also names a peer that died.
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -26,35 +27,41 @@ use burn::tensor::{Tensor, TensorData};
 use super::collectives::{host, Collectives};
 use crate::{KilnError, Result};
 
-/// What arrived from each peer, and the peers whose connection ended.
+/// What arrived from each peer, and why a peer's connection ended.
+#[derive(Default)]
+struct Mail {
+    queues: HashMap<usize, VecDeque<Vec<f32>>>,
+    closed: HashMap<usize, String>,
+}
+
 #[derive(Default)]
 struct Inbox {
-    queues: Mutex<(HashMap<usize, VecDeque<Vec<f32>>>, HashMap<usize, String>)>,
+    mail: Mutex<Mail>,
     arrived: Condvar,
 }
 
 impl Inbox {
     fn push(&self, from: usize, values: Vec<f32>) {
-        let mut q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
-        q.0.entry(from).or_default().push_back(values);
+        let mut q = self.mail.lock().unwrap_or_else(|e| e.into_inner());
+        q.queues.entry(from).or_default().push_back(values);
         self.arrived.notify_all();
     }
 
     fn close(&self, from: usize, why: String) {
-        let mut q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
-        q.1.insert(from, why);
+        let mut q = self.mail.lock().unwrap_or_else(|e| e.into_inner());
+        q.closed.insert(from, why);
         self.arrived.notify_all();
     }
 
     /// The oldest message of `from`, waiting up to `timeout`.
     fn pop(&self, me: usize, from: usize, timeout: Duration) -> Result<Vec<f32>> {
         let deadline = Instant::now() + timeout;
-        let mut q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        let mut q = self.mail.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            if let Some(v) = q.0.get_mut(&from).and_then(VecDeque::pop_front) {
+            if let Some(v) = q.queues.get_mut(&from).and_then(VecDeque::pop_front) {
                 return Ok(v);
             }
-            if let Some(why) = q.1.get(&from) {
+            if let Some(why) = q.closed.get(&from) {
                 return Err(KilnError::Distributed(format!(
                     "rank {me}: the link from rank {from} ended before its tensor arrived ({why})"
                 )));
@@ -141,10 +148,11 @@ impl Links {
             return Err(KilnError::Distributed(e));
         }
         let mut out = self.outgoing.lock().unwrap_or_else(|e| e.into_inner());
-        if !out.contains_key(&to) {
-            out.insert(to, self.connect(to)?);
-        }
-        out[&to].send(values).map_err(|_| {
+        let writer = match out.entry(to) {
+            Entry::Occupied(w) => w.into_mut(),
+            Entry::Vacant(slot) => slot.insert(self.connect(to)?),
+        };
+        writer.send(values).map_err(|_| {
             KilnError::Distributed(format!(
                 "rank {}: the link to rank {to} is closed",
                 self.rank

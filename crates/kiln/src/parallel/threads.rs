@@ -12,11 +12,14 @@ use burn::tensor::Tensor;
 use super::collectives::{host, Collectives, ReduceOp};
 use crate::Result;
 
+/// Point-to-point messages by (from, to), oldest first.
+type Mailbox = HashMap<(usize, usize), VecDeque<Vec<f32>>>;
+
 struct Shared {
     barrier: Barrier,
     slots: Mutex<Vec<Vec<f32>>>,
     /// Point-to-point mail: what each (from, to) pair sent and was not yet received.
-    mail: Mutex<HashMap<(usize, usize), VecDeque<Vec<f32>>>>,
+    mail: Mutex<Mailbox>,
     posted: Condvar,
 }
 

@@ -15,7 +15,9 @@
 //! computed.
 //!
 //! These are scalar kernels (no tensor cores), the same source on CUDA and on wgpu (lavapipe in
-//! CI, checked against the CPU). Head dimensions above [`MAX_HEAD_DIM`] take the composed chain.
+//! CI, checked against the CPU). Head dimensions above [`MAX_HEAD_DIM`], and calls of more than
+//! [`FUSED_MAX_PROBS`] probabilities (where the scalar kernels lose to cuBLAS), take the composed
+//! chain.
 
 use burn::tensor::Shape;
 use burn_cubecl::cubecl;
@@ -451,26 +453,45 @@ impl Layout {
     }
 }
 
-/// `KILN_GPU_ATTENTION=composed` runs every attention on Burn's composed chain instead of these
-/// kernels: the A/B switch `scripts/gpu-checks` times them with (`GPU_ATTN_ROWS`).
-fn composed_forced() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KILN_GPU_ATTENTION").is_ok_and(|v| v == "composed"))
+/// Above this many probabilities per call (`B · heads · T²`) the composed chain (cuBLAS batched
+/// products and the masked-softmax kernel) is faster than these scalar kernels, which read every
+/// key from global memory once per query row. Measured on an H100 (BENCHMARKS.md, issue 32's
+/// fourth step), kernels against chain, ms per step: MiniLM training 16×128 (3.1 M) 21.4 / 25.3;
+/// BERT-base bf16 8×128 (1.6 M) 43.1 / 43.5 (medians); 32×128 (6.3 M) 106.6 / 58.7; 128×128
+/// (25 M) 398 / 107; MiniLM inference 32×128 (6.3 M) 13.9 / 4.9.
+const FUSED_MAX_PROBS: usize = 1 << 22;
+
+/// Which attention path runs: `KILN_GPU_ATTENTION=fused` or `composed` forces one (the A/B switch
+/// `scripts/gpu-checks` times them with, `GPU_ATTN_ROWS`); unset, the size rule above decides.
+fn forced() -> Option<bool> {
+    static CHOICE: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var("KILN_GPU_ATTENTION").as_deref() {
+        Ok("fused") => Some(true),
+        Ok("composed") => Some(false),
+        Ok(other) => {
+            panic!("KILN_GPU_ATTENTION={other:?} is not an attention path (fused or composed)")
+        }
+        Err(_) => None,
+    })
 }
 
 /// Whether the kernels take attention over `[B, T, H]` with `heads` heads and keys/values of
-/// width `kv` (`H`, or fewer heads that divide them): a head dimension up to [`MAX_HEAD_DIM`], and
-/// every probability's index within 32 bits (the dropout hash's counter).
+/// width `kv` (`H`, or fewer heads that divide them): a head dimension up to [`MAX_HEAD_DIM`],
+/// every probability's index within 32 bits (the dropout hash's counter), and, unless forced, at
+/// most [`FUSED_MAX_PROBS`] probabilities. The forward and its backward see the same shapes, so
+/// they take the same path.
 pub fn takes([b, t, h]: [usize; 3], kv: usize, heads: usize) -> bool {
-    if composed_forced() || heads == 0 || !h.is_multiple_of(heads) {
+    if forced() == Some(false) || heads == 0 || !h.is_multiple_of(heads) {
         return false;
     }
     let d = h / heads;
+    let probs = b.saturating_mul(heads).saturating_mul(t).saturating_mul(t);
     (1..=MAX_HEAD_DIM).contains(&d)
         && kv > 0
         && kv.is_multiple_of(d)
         && heads.is_multiple_of(kv / d)
-        && b.saturating_mul(heads).saturating_mul(t).saturating_mul(t) <= u32::MAX as usize
+        && probs <= u32::MAX as usize
+        && (forced() == Some(true) || probs <= FUSED_MAX_PROBS)
 }
 
 fn layout<R: CubeRuntime>(x: &Qkv<R>, heads: usize) -> Layout {
