@@ -230,6 +230,9 @@ fn write_message(w: &mut impl Write, values: &[f32]) -> std::io::Result<()> {
     w.flush()
 }
 
+/// The most values one message may carry (16 GiB of f32): far above any hand-over.
+const MAX_MESSAGE_VALUES: u64 = 1 << 32;
+
 /// Reads a peer's hello, then its messages into the inbox until the connection ends.
 fn read_messages(stream: TcpStream, inbox: &Inbox) {
     let mut r = BufReader::with_capacity(1 << 20, stream);
@@ -243,8 +246,17 @@ fn read_messages(stream: TcpStream, inbox: &Inbox) {
             inbox.close(from, format!("{e}"));
             return;
         }
-        let n = u64::from_le_bytes(word) as usize;
-        let mut bytes = vec![0u8; n * 4];
+        // A length no tensor has (a corrupt stream, or something else on the port) ends the link
+        // with a reason instead of an allocation sized by it.
+        let n = u64::from_le_bytes(word);
+        if n > MAX_MESSAGE_VALUES {
+            inbox.close(
+                from,
+                format!("a message of {n} values exceeds the limit of {MAX_MESSAGE_VALUES}"),
+            );
+            return;
+        }
+        let mut bytes = vec![0u8; n as usize * 4];
         if let Err(e) = r.read_exact(&mut bytes) {
             inbox.close(from, format!("{e}"));
             return;

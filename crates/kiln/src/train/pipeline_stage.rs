@@ -156,6 +156,14 @@ fn receive<B: burn::tensor::backend::Backend>(
 ) -> Result<Tensor<B, 3>> {
     let flat = group.recv(from)?;
     let n = flat.dims()[0];
+    let bad = |what: String| {
+        KilnError::Distributed(format!(
+            "stage {from} handed over a malformed tensor: {what}"
+        ))
+    };
+    if n < 3 {
+        return Err(bad(format!("{n} values, fewer than its 3 dimensions")));
+    }
     let dims: Vec<usize> = flat
         .clone()
         .narrow(0, 0, 3)
@@ -166,11 +174,9 @@ fn receive<B: burn::tensor::backend::Backend>(
         .into_iter()
         .map(|d| d as usize)
         .collect();
-    if n < 3 || dims.iter().product::<usize>() != n - 3 {
-        return Err(KilnError::Distributed(format!(
-            "stage {from} handed over {} values for a tensor of shape {dims:?}",
-            n.saturating_sub(3)
-        )));
+    let numel = dims.iter().try_fold(1usize, |p, &d| p.checked_mul(d));
+    if numel != Some(n - 3) {
+        return Err(bad(format!("{} values for the shape {dims:?}", n - 3)));
     }
     Ok(flat
         .narrow(0, 3, n - 3)

@@ -469,7 +469,11 @@ fn forced() -> Option<bool> {
         Ok("fused") => Some(true),
         Ok("composed") => Some(false),
         Ok(other) => {
-            panic!("KILN_GPU_ATTENTION={other:?} is not an attention path (fused or composed)")
+            // Read inside a kernel dispatch, where no error can be returned: one sentence, then stop.
+            eprintln!(
+                "error: KILN_GPU_ATTENTION={other:?} is not an attention path (fused or composed)"
+            );
+            std::process::exit(2)
         }
         Err(_) => None,
     })
