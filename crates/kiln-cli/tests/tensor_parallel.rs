@@ -12,6 +12,7 @@
 //! shard moves weights by whole steps (1e-3 each); the seed controls differ by 0.14.
 
 mod kiln_bin;
+mod llm_runs;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -20,6 +21,7 @@ use std::process::Command;
 use kiln::hub::weights::{read_safetensors, HostTensor};
 use kiln_bin::{kiln_one_thread, launched};
 use kiln_testkit::common::{self, asset};
+use llm_runs::{corpus, losses, max_diff, setup, weights};
 
 /// Learning rate of every run here.
 const LR: f32 = 1e-3;
@@ -32,16 +34,6 @@ const ADAMW_ROUNDING: f32 = 0.01 * 5.0 * LR;
 /// Max |Δ| of a logged step's loss: the log keeps 4 decimals (as transformers), so equal losses may
 /// still differ by one flip of that rounding.
 const LOSS_ROUNDING: f64 = 1.5e-4;
-
-/// A held-out corpus: the first characters of the first Brown eval text.
-fn corpus(dir: &Path, brown: &Path) -> std::path::PathBuf {
-    let first = std::fs::read_to_string(brown).unwrap();
-    let doc: serde_json::Value = serde_json::from_str(first.lines().next().unwrap()).unwrap();
-    let text: String = doc["text"].as_str().unwrap().chars().take(4000).collect();
-    let p = dir.join("c.jsonl");
-    std::fs::write(&p, serde_json::json!({ "text": text }).to_string() + "\n").unwrap();
-    p
-}
 
 struct Run<'a> {
     /// A config.json to start from random weights, or a model folder to start from.
@@ -125,44 +117,6 @@ fn train(
     weights(&out)
 }
 
-/// A trained folder's weights: the model's, or a LoRA run's adapter.
-fn weights(out: &Path) -> BTreeMap<String, HostTensor> {
-    let model = out.join("model.safetensors");
-    if model.exists() {
-        read_safetensors(&model).unwrap()
-    } else {
-        read_safetensors(&out.join("adapter_model.safetensors")).unwrap()
-    }
-}
-
-/// A temporary folder with SmolLM2's Hugging Face folder (its tokenizer serves the tiny
-/// configs) and a small corpus; `None` without the assets.
-fn setup() -> Option<(tempfile::TempDir, std::path::PathBuf, std::path::PathBuf)> {
-    let gguf = asset("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")?;
-    let brown = asset("brown/eval.jsonl")?;
-    let tmp = tempfile::tempdir().unwrap();
-    let hf = tmp.path().join("smollm2");
-    let st = kiln_one_thread()
-        .args(["convert", "--from-gguf"])
-        .arg(&gguf)
-        .arg("--out")
-        .arg(&hf)
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let corpus = corpus(tmp.path(), &brown);
-    Some((tmp, hf, corpus))
-}
-
-/// The training losses a run logged, step by step.
-fn losses(out: &Path) -> Vec<f64> {
-    std::fs::read_to_string(out.join("log.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["loss"].as_f64())
-        .collect()
-}
-
 /// Asserts runs `a` and `b` (output folders under `r.out`) logged the same losses, each within
 /// [`LOSS_ROUNDING`]; returns the largest difference.
 fn same_losses(r: &Run, a: &str, b: &str) -> f64 {
@@ -181,20 +135,6 @@ fn same_losses(r: &Run, a: &str, b: &str) -> f64 {
         "{a} vs {b}: losses {la:?} vs {lb:?}"
     );
     worst
-}
-
-fn max_diff(a: &BTreeMap<String, HostTensor>, b: &BTreeMap<String, HostTensor>) -> f32 {
-    assert_eq!(
-        a.keys().collect::<Vec<_>>(),
-        b.keys().collect::<Vec<_>>(),
-        "the same parameters"
-    );
-    a.iter()
-        .flat_map(|(k, t)| {
-            assert_eq!(t.shape, b[k].shape, "{k}");
-            t.data.iter().zip(&b[k].data).map(|(x, y)| (x - y).abs())
-        })
-        .fold(0f32, f32::max)
 }
 
 fn config(

@@ -161,6 +161,12 @@ pub use crate::ops::chunk_range;
 /// of `groups × n` values in which each group fills its own slot (zeros elsewhere). Every group of
 /// the axis calls at once, so each gets its own result from one world call. The cost, stated in
 /// docs/DESIGN.md: the world moves `groups ×` the data of a native sub-group collective.
+///
+/// That needs every rank of the world in every call, which a pipeline breaks: its stages run
+/// their tensor-parallel layers at different times. A group made [`Group::over_links`] instead
+/// runs its collectives over the point-to-point links between its own members: each sends its
+/// tensor to every other and adds what it receives in group order, so every member gets the same
+/// bits without the rest of the world.
 pub struct Group<B: Backend> {
     world: Arc<dyn Collectives<B>>,
     /// The engine's own sub-communicator, where it has them.
@@ -170,6 +176,8 @@ pub struct Group<B: Backend> {
     /// Which group this rank is in, and its index there.
     group: usize,
     index: usize,
+    /// Whether collectives without a native sub-communicator run over the links.
+    linked: bool,
 }
 
 impl<B: Backend> Group<B> {
@@ -193,6 +201,50 @@ impl<B: Backend> Group<B> {
             groups,
             group,
             index,
+            linked: false,
+        })
+    }
+
+    /// The group with its collectives over the point-to-point links (which the caller opened on
+    /// the world) where the engine has no sub-communicator of its own.
+    pub fn over_links(mut self) -> Self {
+        self.linked = self.native.is_none() && self.groups.len() > 1;
+        self
+    }
+
+    /// Every member's `t` in group order, exchanged over the links (sends are queued, so all
+    /// members sending first cannot deadlock).
+    fn exchange(&self, t: Tensor<B, 1>) -> Result<Vec<Tensor<B, 1>>> {
+        let members = self.members();
+        for (i, &r) in members.iter().enumerate() {
+            if i != self.index {
+                self.world.send(t.clone(), r)?;
+            }
+        }
+        members
+            .iter()
+            .enumerate()
+            .map(|(i, &r)| {
+                if i == self.index {
+                    Ok(t.clone())
+                } else {
+                    self.world.recv(r)
+                }
+            })
+            .collect()
+    }
+
+    /// [`Collectives::all_reduce`] over the links.
+    fn linked_all_reduce(&self, t: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>> {
+        let all = self.exchange(t)?.into_iter();
+        let folded = match op {
+            ReduceOp::Sum | ReduceOp::Mean => all.reduce(|a, b| a + b),
+            ReduceOp::Max => all.reduce(|a, b| a.max_pair(b)),
+        }
+        .expect("a group has a member");
+        Ok(match op {
+            ReduceOp::Mean => folded / self.size() as f32,
+            _ => folded,
         })
     }
 
@@ -264,6 +316,9 @@ impl<B: Backend> Collectives<B> for Group<B> {
         if self.size() == 1 {
             return Ok(t);
         }
+        if self.linked {
+            return self.linked_all_reduce(t, op);
+        }
         let n = t.dims()[0];
         match op {
             ReduceOp::Sum | ReduceOp::Mean => {
@@ -294,6 +349,9 @@ impl<B: Backend> Collectives<B> for Group<B> {
         if self.size() == 1 {
             return Ok(t);
         }
+        if self.linked {
+            return Ok(Tensor::cat(self.exchange(t)?, 0));
+        }
         // Each member writes its piece at its offset of the group's slot; the sum assembles it.
         let total: usize = counts.iter().sum();
         let offset: usize = counts[..self.index].iter().sum();
@@ -309,6 +367,18 @@ impl<B: Backend> Collectives<B> for Group<B> {
             return c.broadcast(t, root);
         }
         if self.size() == 1 {
+            return Ok(t);
+        }
+        if self.linked {
+            let members = self.members();
+            if self.index != root {
+                return self.world.recv(members[root]);
+            }
+            for (i, &r) in members.iter().enumerate() {
+                if i != root {
+                    self.world.send(t.clone(), r)?;
+                }
+            }
             return Ok(t);
         }
         let t = if self.index == root {
@@ -337,6 +407,10 @@ impl<B: Backend> Collectives<B> for Group<B> {
         // Every group of the axis reaches it together: a world barrier is this group's too.
         match self.direct() {
             Some(c) => c.barrier(),
+            None if self.linked => {
+                let one = Tensor::zeros([1], self.world.device());
+                self.exchange(one).map(|_| ())
+            }
             None => self.world.barrier(),
         }
     }

@@ -64,21 +64,46 @@ impl<B: Backend> DataParallel<B> {
         device: &B::Device,
         tp: usize,
     ) -> Result<(Self, Option<SharedCollectives<B>>)> {
+        let (data, tp, _) = Self::join_mesh_pp(device, tp, 1)?;
+        Ok((data, tp))
+    }
+
+    /// [`Self::join_mesh`] with `pp` pipeline stages: the mesh of `tp × dp × pp` ranks, and this
+    /// rank's pipeline group too (`None` at `pp` = 1), in which stage `s` is rank `s`, its links
+    /// open.
+    pub fn join_mesh_pp(
+        device: &B::Device,
+        tp: usize,
+        pp: usize,
+    ) -> Result<(
+        Self,
+        Option<SharedCollectives<B>>,
+        Option<SharedCollectives<B>>,
+    )> {
         let joined = Self::join(device)?;
-        if tp <= 1 {
-            return Ok((joined, None));
+        if tp <= 1 && pp <= 1 {
+            return Ok((joined, None, None));
         }
         let Some(world) = joined.world.clone() else {
+            let n = tp * pp;
             return Err(crate::KilnError::Config(format!(
-                "--tensor-parallel-size {tp} needs {tp} processes: start them with `kiln launch --nproc-per-node {tp} -- train ...` (or torchrun / mpirun)"
+                "--tensor-parallel-size {tp} × --pipeline-parallel-size {pp} needs {n} processes: start them with `kiln launch --nproc-per-node {n} -- train ...` (or torchrun / mpirun)"
             )));
         };
-        let mesh = super::Mesh::new(world.size(), tp, 1)?;
-        // Both splits are collectives: every rank makes them, in the same order.
-        let tp_group: Arc<dyn Collectives<B>> =
-            Arc::new(super::Group::new(world.clone(), mesh.tp_groups())?);
-        let dp_group: Arc<dyn Collectives<B>> =
-            Arc::new(super::Group::new(world.clone(), mesh.dp_groups())?);
+        let mesh = super::Mesh::new(world.size(), tp, pp)?;
+        // Pipeline stages call their groups' collectives at different times, so without an
+        // engine's own sub-communicators the groups talk over the links, not the world.
+        if pp > 1 {
+            world.open_links()?;
+        }
+        // Every split is a collective: every rank makes them, in the same order.
+        let split = |groups: Vec<Vec<usize>>| -> Result<Arc<dyn Collectives<B>>> {
+            let g = super::Group::new(world.clone(), groups)?;
+            Ok(Arc::new(if pp > 1 { g.over_links() } else { g }))
+        };
+        let tp_group = (tp > 1).then(|| split(mesh.tp_groups())).transpose()?;
+        let dp_group = split(mesh.dp_groups())?;
+        let pp_group = (pp > 1).then(|| split(mesh.pp_groups())).transpose()?;
         if joined.is_main() {
             tracing::info!("layout: {mesh} over {} processes", world.size());
         }
@@ -88,7 +113,8 @@ impl<B: Backend> DataParallel<B> {
                 world: Some(world),
                 env: joined.env,
             },
-            Some(tp_group),
+            tp_group,
+            pp_group,
         ))
     }
 
@@ -215,11 +241,32 @@ impl<B: Backend> DataParallel<B> {
         AB: AutodiffBackend<InnerBackend = B>,
         M: Module<AB>,
     {
-        let Some(g) = &self.group else {
-            return Ok(model);
-        };
+        match &self.group {
+            Some(g) => broadcast_module::<B, AB, M>(g.as_ref(), model, |_| 0),
+            None => Ok(model),
+        }
+    }
+
+    /// The launch contract this process runs under, if any (for tools that only need to know).
+    pub fn env(&self) -> Option<&DistEnv> {
+        self.env.as_ref()
+    }
+}
+
+/// Gives every rank of `group` each parameter as its rank `root(path)` holds it.
+pub fn broadcast_module<B, AB, M>(
+    g: &dyn Collectives<B>,
+    model: M,
+    root: impl Fn(&str) -> usize,
+) -> Result<M>
+where
+    B: crate::ops::KilnBackend,
+    AB: AutodiffBackend<InnerBackend = B>,
+    M: Module<AB>,
+{
+    {
         let mut err = None;
-        let model = crate::models::params::map_params(model, |_, value: FloatTensor<AB>| {
+        let model = crate::models::params::map_params(model, |info, value: FloatTensor<AB>| {
             // A frozen weight held in bf16 travels as its f32 values (exact) and is held again.
             let held = matches!(
                 burn::tensor::TensorMetadata::dtype(&value),
@@ -231,7 +278,10 @@ impl<B: Backend> DataParallel<B> {
                 false => AB::inner(value.clone()),
             };
             let flat = B::float_reshape(inner, Shape::new([shape.num_elements()]));
-            match g.broadcast(Tensor::from_primitive(TensorPrimitive::Float(flat)), 0) {
+            match g.broadcast(
+                Tensor::from_primitive(TensorPrimitive::Float(flat)),
+                root(info.path),
+            ) {
                 Ok(v) => {
                     let v = B::float_reshape(v.into_primitive().tensor(), shape);
                     AB::from_inner(match held {
@@ -246,11 +296,6 @@ impl<B: Backend> DataParallel<B> {
             }
         });
         err.map_or(Ok(model), Err)
-    }
-
-    /// The launch contract this process runs under, if any (for tools that only need to know).
-    pub fn env(&self) -> Option<&DistEnv> {
-        self.env.as_ref()
     }
 }
 

@@ -23,7 +23,9 @@ pub mod threads;
 pub mod zero;
 
 pub use collectives::{chunk_range, Collectives, Group, ReduceOp};
-pub use data_parallel::{is_main_process, world_size_from_env, DataParallel, SharedCollectives};
+pub use data_parallel::{
+    broadcast_module, is_main_process, world_size_from_env, DataParallel, SharedCollectives,
+};
 pub use group::{ProcessGroup, BUCKET_ELEMENTS};
 pub use mesh::{Coords, Mesh};
 pub use tensor_parallel::{TpGroup, VocabParallelCrossEntropy};

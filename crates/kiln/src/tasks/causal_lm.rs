@@ -233,8 +233,12 @@ pub fn train_with<B: TrainBackend, L: Loss + Clone + 'static>(
     metrics: Option<Arc<dyn TokenMetrics>>,
 ) -> Result<(TrainOutput, Option<EvalOutput>)> {
     // Join the job first: workers meet before each spends time loading.
-    let (parallel, tp_group) =
-        DataParallel::<B::InnerBackend>::join_mesh(device, args.tensor_parallel_size)?;
+    let pipeline = args.pipeline()?;
+    let (parallel, tp_group, pp_group) = DataParallel::<B::InnerBackend>::join_mesh_pp(
+        device,
+        args.tensor_parallel_size,
+        args.pipeline_parallel_size,
+    )?;
     // The batch arithmetic is checked before anything is loaded.
     let mut args = args;
     args.resolve_global_batch(parallel.size())?;
@@ -253,6 +257,10 @@ pub fn train_with<B: TrainBackend, L: Loss + Clone + 'static>(
         device: &'a B::Device,
         parallel: DataParallel<B::InnerBackend>,
         tp_group: Option<SharedCollectives<B::InnerBackend>>,
+        pipeline: (
+            Option<SharedCollectives<B::InnerBackend>>,
+            Option<crate::train::PipelineOptions>,
+        ),
         user: User<L>,
     }
     impl<B: TrainBackend, L: Loss + Clone + 'static> DecoderVisitor for Run<'_, B, L> {
@@ -266,7 +274,11 @@ pub fn train_with<B: TrainBackend, L: Loss + Clone + 'static>(
                 self.opts,
                 self.args,
                 self.device,
-                (self.parallel, self.tp_group),
+                Layout {
+                    data: self.parallel,
+                    tp: self.tp_group,
+                    pp: self.pipeline,
+                },
                 config,
                 self.user,
             )
@@ -279,9 +291,21 @@ pub fn train_with<B: TrainBackend, L: Loss + Clone + 'static>(
         device,
         parallel,
         tp_group,
+        pipeline: (pp_group, pipeline),
         user: User { loss, metrics },
     };
     with_causal_lm(&config_path, run)?
+}
+
+/// The run's parallel layout as joined: the data-parallel strategy, this rank's tensor-parallel
+/// group, and its pipeline group with the pipeline options.
+struct Layout<B: burn::tensor::backend::Backend> {
+    data: DataParallel<B>,
+    tp: Option<SharedCollectives<B>>,
+    pp: (
+        Option<SharedCollectives<B>>,
+        Option<crate::train::PipelineOptions>,
+    ),
 }
 
 /// What a library user gives [`train_with`].
@@ -295,13 +319,15 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
     opts: &CausalLmOptions,
     args: TrainingArguments,
     device: &B::Device,
-    (parallel, tp_group): (
-        DataParallel<B::InnerBackend>,
-        Option<SharedCollectives<B::InnerBackend>>,
-    ),
+    layout: Layout<B::InnerBackend>,
     config: A::Config,
     user: User<L>,
 ) -> Result<(TrainOutput, Option<EvalOutput>)> {
+    let Layout {
+        data: parallel,
+        tp: tp_group,
+        pp: (pp_group, pipeline),
+    } = layout;
     let (shard, builtin) = tensor_parallel_plan::<A, _>(&config, tp_group)?;
     // Under tensor parallelism the user's loss and metrics see whole rows of logits.
     let whole_vocab = match &builtin {
@@ -383,7 +409,7 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
             model
         }
     };
-    let plan = ParallelPlan::new(parallel);
+    let plan = ParallelPlan::new(parallel).with_pipeline(pp_group, pipeline);
     let model = A::trainable(model);
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files, plan);
     trainer.token_metrics = metrics;

@@ -201,6 +201,23 @@ pub struct TrainingArguments {
     /// data-parallel ranks, each updating its part of the parameters and sharing the result.
     #[arg(long = "zero-1", default_value_t = false, num_args = 0..=1, default_missing_value = "true", value_parser = hf_bool, action = clap::ArgAction::Set, help_heading = "Parallelism")]
     pub zero_1: bool,
+    /// Pipeline parallelism (optimum-neuron / NxD's name): the model's layers cut into N stages on
+    /// N processes, micro-batches flowing through them; world = TP × PP × DP.
+    #[arg(long, default_value_t = 1, help_heading = "Parallelism")]
+    pub pipeline_parallel_size: usize,
+    /// Micro-batches per optimizer step under pipeline parallelism (optimum-neuron's name and
+    /// default): they split `per_device_train_batch_size × gradient_accumulation_steps`; -1 makes
+    /// micro-batches of one example.
+    #[arg(long, default_value_t = -1, allow_negative_numbers = true, help_heading = "Parallelism")]
+    pub pipeline_parallel_num_microbatches: i64,
+    /// The order each stage runs its micro-batches in: `1f1b` (at most as many in flight as
+    /// stages after it) or `gpipe` (every forward, then every backward).
+    #[arg(long, default_value = "1f1b", help_heading = "Parallelism")]
+    pub pipeline_schedule: String,
+    /// Where stages 1, 2, … begin, as decoder-layer indices (`4,8` or `model.layers.4,…`); unset,
+    /// the layers are spread evenly with the embedding and the head counted as one layer each.
+    #[arg(long, help_heading = "Parallelism")]
+    pub pipeline_cuts: Option<String>,
     /// transformers fields kiln accepts without acting on them (see `hf_fields`), as given:
     /// written back to training_args.json.
     #[arg(skip)]
@@ -480,6 +497,10 @@ impl TrainingArguments {
             "tensor_parallel_size",
             "global_batch_size",
             "zero_1",
+            "pipeline_parallel_size",
+            "pipeline_parallel_num_microbatches",
+            "pipeline_schedule",
+            "pipeline_cuts",
             "overwrite_output_dir",
             // transformers 5 reads TENSORBOARD_LOGGING_DIR instead.
             "logging_dir",
@@ -746,6 +767,36 @@ impl TrainingArguments {
         Ok(())
     }
 
+    /// The pipeline options checked and parsed: `None` without pipeline parallelism.
+    pub fn pipeline(&self) -> Result<Option<PipelineOptions>> {
+        let bad = |m: String| Err(KilnError::Config(m));
+        if self.pipeline_parallel_size == 0 {
+            return bad("--pipeline-parallel-size must be at least 1".into());
+        }
+        let m = self.pipeline_parallel_num_microbatches;
+        if m == 0 || m < -1 {
+            return bad(format!(
+                "--pipeline-parallel-num-microbatches {m} is not a count: give at least 1, or -1 \
+                 for micro-batches of one example"
+            ));
+        }
+        let schedule = crate::parallel::pipeline::ScheduleKind::parse(&self.pipeline_schedule)?;
+        let cuts = self
+            .pipeline_cuts
+            .as_deref()
+            .map(crate::parallel::pipeline::parse_cuts)
+            .transpose()?;
+        if self.pipeline_parallel_size == 1 {
+            return Ok(None);
+        }
+        Ok(Some(PipelineOptions {
+            size: self.pipeline_parallel_size,
+            num_microbatches: usize::try_from(m).ok(),
+            schedule,
+            cuts,
+        }))
+    }
+
     /// Ranges as transformers and torch enforce them, checked before anything runs.
     pub fn validate(&self) -> Result<()> {
         self.check_values()
@@ -754,6 +805,7 @@ impl TrainingArguments {
         if self.tensor_parallel_size == 0 {
             return bad("tensor_parallel_size must be at least 1".into());
         }
+        self.pipeline()?;
         if self.zero_1 && self.optim != OptimizerType::AdamwTorch {
             return bad("--zero-1 shards AdamW's moments only; use --optim adamw_torch".into());
         }
@@ -1066,6 +1118,16 @@ fn read_config_text_within(path: &Path, wait_ms: i32) -> Result<String> {
             e.utf8_error().valid_up_to()
         ))
     })
+}
+
+/// The pipeline options of a run with more than one stage, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PipelineOptions {
+    pub size: usize,
+    /// `None`: micro-batches of one example.
+    pub num_microbatches: Option<usize>,
+    pub schedule: crate::parallel::pipeline::ScheduleKind,
+    pub cuts: Option<Vec<usize>>,
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 use burn::tensor::Tensor;
 
 use super::optim::{clip_coefficient, GradAccumulator};
+use super::parallel_plan::PipelinePlan;
 use crate::ops::KilnBackend;
 use crate::parallel::{DataParallel, Zero1, ZeroPartition};
 use crate::task::{ParamSplit, TensorParallelLayout};
@@ -33,18 +34,38 @@ pub struct Synced<B: KilnBackend> {
     pub grads: SyncedGrads<B>,
 }
 
-/// Whether parameter `name` is a tensor-parallel shard (its squares are summed over the group).
-fn is_shard(tp: Option<&TensorParallelLayout>, name: &str) -> bool {
-    tp.is_some_and(|l| matches!(l.splits.get(name), Some(ParamSplit::Sharded { .. })))
+/// What a global norm's sums of squares are put together over: a tensor-parallel layout's shards
+/// are summed over its group; a pipeline's stages each add their own parameters, a tied weight
+/// counted on one stage only.
+pub struct NormParts<'a, B: KilnBackend> {
+    pub tp: Option<&'a TensorParallelLayout>,
+    pub stages: Option<&'a PipelinePlan<B>>,
 }
 
-/// The global norm from the sums of squares of sharded and replicated values.
-fn norm_of(tp: Option<&TensorParallelLayout>, shards: f64, replicated: f64) -> f64 {
-    let shards = match tp {
-        Some(l) => l.tp.sum(vec![shards as f32])[0] as f64,
-        None => shards,
-    };
-    (shards + replicated).sqrt()
+impl<B: KilnBackend> NormParts<'_, B> {
+    /// Whether parameter `name` is a tensor-parallel shard (its squares are summed over the group).
+    fn is_shard(&self, name: &str) -> bool {
+        self.tp
+            .is_some_and(|l| matches!(l.splits.get(name), Some(ParamSplit::Sharded { .. })))
+    }
+
+    /// Whether this rank counts `name` at all (not when another stage counts it).
+    fn counts(&self, name: &str) -> bool {
+        !self.stages.is_some_and(|p| p.counted_elsewhere(name))
+    }
+
+    /// The global norm from this rank's sums of squares of sharded and replicated values.
+    fn norm(&self, shards: f64, replicated: f64) -> Result<f64> {
+        let shards = match self.tp {
+            Some(l) => l.tp.sum(vec![shards as f32])[0] as f64,
+            None => shards,
+        };
+        let total = match self.stages {
+            Some(p) => p.stage_sum(shards + replicated)?,
+            None => shards + replicated,
+        };
+        Ok(total.sqrt())
+    }
 }
 
 /// Averages `acc` (and the step's summed micro-batch loss) over the data-parallel ranks and clips
@@ -54,7 +75,7 @@ pub fn sync_and_clip<B: KilnBackend>(
     loss_sum: f64,
     device: &B::Device,
     parallel: &DataParallel<B>,
-    tp: Option<&TensorParallelLayout>,
+    parts: &NormParts<'_, B>,
     max_norm: f64,
 ) -> Result<Synced<B>> {
     let loss = if parallel.size() > 1 {
@@ -62,9 +83,9 @@ pub fn sync_and_clip<B: KilnBackend>(
     } else {
         loss_sum
     };
-    let shards = acc.sum_squares(|n| is_shard(tp, n));
-    let replicated = acc.sum_squares(|n| !is_shard(tp, n));
-    let grad_norm = norm_of(tp, shards, replicated) * acc.factor.abs();
+    let shards = acc.sum_squares(|n| parts.counts(n) && parts.is_shard(n));
+    let replicated = acc.sum_squares(|n| parts.counts(n) && !parts.is_shard(n));
+    let grad_norm = parts.norm(shards, replicated)? * acc.factor.abs();
     acc.clip_norm(grad_norm, max_norm);
     Ok(Synced {
         loss,
@@ -79,7 +100,7 @@ pub fn sync_and_clip_zero1<B: KilnBackend>(
     acc: GradAccumulator<B>,
     loss_sum: f64,
     zero: &Zero1<B>,
-    tp: Option<&TensorParallelLayout>,
+    parts: &NormParts<'_, B>,
     max_norm: f64,
 ) -> Result<Synced<B>> {
     let partition = ZeroPartition::new(
@@ -94,7 +115,10 @@ pub fn sync_and_clip_zero1<B: KilnBackend>(
     for seg in partition.owned() {
         let part = chunk.clone().narrow(0, seg.at.start, seg.at.len());
         let sq = B::kiln_sum_squares(part.into_primitive().tensor());
-        if is_shard(tp, &seg.path) {
+        if !parts.counts(&seg.path) {
+            continue;
+        }
+        if parts.is_shard(&seg.path) {
             shards += sq;
         } else {
             replicated += sq;
@@ -102,7 +126,7 @@ pub fn sync_and_clip_zero1<B: KilnBackend>(
     }
     let sums = zero.sum_host(vec![loss_sum as f32, shards as f32, replicated as f32])?;
     let loss = sums[0] as f64 / zero.size() as f64;
-    let grad_norm = norm_of(tp, sums[1] as f64, sums[2] as f64) * pending.abs();
+    let grad_norm = parts.norm(sums[1] as f64, sums[2] as f64)? * pending.abs();
     let factor = pending * clip_coefficient(grad_norm, max_norm);
     Ok(Synced {
         loss,

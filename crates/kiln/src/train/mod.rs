@@ -21,7 +21,7 @@ pub mod schedule;
 pub mod sharded_checkpoint;
 pub mod trainer;
 
-pub use args::{IntervalStrategy, SaveStrategy, TrainingArguments};
+pub use args::{IntervalStrategy, PipelineOptions, SaveStrategy, TrainingArguments};
 pub use optim::OptimizerType;
 pub use parallel_plan::ParallelPlan;
 pub use reporters::RunOrigin;

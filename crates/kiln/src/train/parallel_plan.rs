@@ -9,22 +9,84 @@
 //!
 //! A step's gradients go through it twice: [`ParallelPlan::sync_and_clip`] averages and clips
 //! them (whole, or this rank's ZeRO-1 chunk), and [`ParallelPlan::update`] applies them. The
-//! pipeline-parallel strategy will be one more part of this value.
+//! pipeline-parallel part (`--pipeline-parallel-size`) makes each rank one stage: its step runs
+//! the stage's share of the micro-batches (`super::pipeline_stage`), the step's loss comes from
+//! the last stage and the global norm counts every stage's gradients, a tied weight once.
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 
-use super::grad_sync::{sync_and_clip, sync_and_clip_zero1, Synced, SyncedGrads};
+use super::args::PipelineOptions;
+use super::grad_sync::{sync_and_clip, sync_and_clip_zero1, NormParts, Synced, SyncedGrads};
 use super::optim::{GradAccumulator, Optimizer};
+use super::pipeline_stage::Stage;
 use crate::ops::KilnBackend;
-use crate::parallel::{DataParallel, Zero1};
+use crate::parallel::broadcast_module;
+use crate::parallel::pipeline::{cut_stages, owner_stage, MicroBatches, ScheduleKind, StageCut};
+use crate::parallel::{DataParallel, SharedCollectives, Zero1};
 use crate::task::TensorParallelLayout;
-use crate::Result;
+use crate::{KilnError, Result};
 
 pub struct ParallelPlan<B: KilnBackend> {
     pub data: DataParallel<B>,
     tensor: Option<TensorParallelLayout>,
     zero: Option<Zero1<B>>,
+    pipeline: Option<PipelinePlan<B>>,
+}
+
+/// This rank's stage of a pipeline.
+pub struct PipelinePlan<B: KilnBackend> {
+    /// The ranks holding the stages of this rank's replica (and TP shard); stage `s` is rank `s`.
+    group: SharedCollectives<B>,
+    options: PipelineOptions,
+    /// Every stage's cut, once the model is known.
+    cuts: Vec<StageCut>,
+    /// The embedding's parameters: held by stage 0, and by the last stage too when tied.
+    embedding: Vec<String>,
+}
+
+impl<B: KilnBackend> PipelinePlan<B> {
+    pub fn index(&self) -> usize {
+        self.group.rank()
+    }
+
+    pub fn count(&self) -> usize {
+        self.group.size()
+    }
+
+    pub fn schedule(&self) -> ScheduleKind {
+        self.options.schedule
+    }
+
+    pub fn cuts(&self) -> &[StageCut] {
+        &self.cuts
+    }
+
+    /// This rank's stage, for the stage runner.
+    pub fn stage(&self) -> Stage<'_, B> {
+        Stage {
+            index: self.index(),
+            count: self.count(),
+            cut: self.cuts[self.index()].clone(),
+            group: self.group.as_ref(),
+        }
+    }
+
+    /// How a data-parallel rank's step splits into micro-batches.
+    pub fn micro_batches(&self, per_device: usize, accumulation: usize) -> Result<MicroBatches> {
+        MicroBatches::settle(per_device, accumulation, self.options.num_microbatches)
+    }
+
+    /// Sums a step's loss over the stages (only the last computes it).
+    pub fn stage_sum(&self, v: f64) -> Result<f64> {
+        Ok(self.group.sum_host(vec![v as f32])?[0] as f64)
+    }
+
+    /// Whether another stage counts `name`'s gradient in the global norm: a tied embedding is
+    /// counted on stage 0 only.
+    pub(super) fn counted_elsewhere(&self, name: &str) -> bool {
+        self.index() > 0 && self.embedding.iter().any(|e| e == name)
+    }
 }
 
 impl<B: KilnBackend> ParallelPlan<B> {
@@ -34,7 +96,28 @@ impl<B: KilnBackend> ParallelPlan<B> {
             data,
             tensor: None,
             zero: None,
+            pipeline: None,
         }
+    }
+
+    /// The plan with this rank's pipeline `group` (from `DataParallel::join_mesh_pp`) and the
+    /// run's pipeline options; the cut is settled when training starts.
+    pub fn with_pipeline(
+        mut self,
+        group: Option<SharedCollectives<B>>,
+        options: Option<PipelineOptions>,
+    ) -> Self {
+        self.pipeline = group.zip(options).map(|(group, options)| PipelinePlan {
+            group,
+            options,
+            cuts: Vec::new(),
+            embedding: Vec::new(),
+        });
+        self
+    }
+
+    pub fn pipeline(&self) -> Option<&PipelinePlan<B>> {
+        self.pipeline.as_ref()
     }
 
     /// One process alone.
@@ -44,9 +127,44 @@ impl<B: KilnBackend> ParallelPlan<B> {
 
     /// Takes the model's tensor-parallel layout (if sharded) and, with `zero_1`, ZeRO-1 over the
     /// data-parallel group (none when that group is one rank).
-    pub(super) fn settle(&mut self, tensor: Option<TensorParallelLayout>, zero_1: bool) {
+    /// With a pipeline, cuts the model's `layers` decoder layers (`None`: a model not split into
+    /// layers, which is an error) into its stages; `embedding` names the embedding's parameters.
+    pub(super) fn settle(
+        &mut self,
+        tensor: Option<TensorParallelLayout>,
+        zero_1: bool,
+        layers: Option<usize>,
+        embedding: Vec<String>,
+    ) -> Result<()> {
         self.tensor = tensor;
         self.zero = if zero_1 { self.data.zero1() } else { None };
+        if let Some(p) = &mut self.pipeline {
+            let layers = layers.ok_or_else(|| {
+                KilnError::Config(
+                    "--pipeline-parallel-size cuts a model at its decoder layers, and this model \
+                     is not split into layers"
+                        .into(),
+                )
+            })?;
+            p.cuts = cut_stages(layers, p.options.size, p.options.cuts.as_deref())?;
+            p.embedding = embedding;
+        }
+        Ok(())
+    }
+
+    /// Gives every stage the parameters every other stage trained, so each rank holds the whole
+    /// current model (for evaluation and the final save); a no-op without a pipeline.
+    pub(super) fn gather_stages<AB, M>(&self, model: M) -> Result<M>
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        match &self.pipeline {
+            Some(p) => broadcast_module::<B, AB, M>(p.group.as_ref(), model, |path| {
+                owner_stage(path, &p.cuts, &p.embedding)
+            }),
+            None => Ok(model),
+        }
     }
 
     pub fn tensor(&self) -> Option<&TensorParallelLayout> {
@@ -62,9 +180,15 @@ impl<B: KilnBackend> ParallelPlan<B> {
         self.tensor.is_some() || self.zero.is_some()
     }
 
+    /// Whether the model is put together from several ranks' parts when saved (tensor or
+    /// pipeline parallelism): every rank takes part, rank 0 writes.
+    pub fn split_model(&self) -> bool {
+        self.tensor.is_some() || self.pipeline.is_some()
+    }
+
     /// Whether a step needs no peer at all (one data-parallel rank, no tensor parallelism).
     pub fn alone(&self) -> bool {
-        self.data.size() == 1 && self.tensor.is_none()
+        self.data.size() == 1 && self.tensor.is_none() && self.pipeline.is_none()
     }
 
     /// A step's accumulated gradients (and its summed loss) averaged over the data-parallel
@@ -76,10 +200,13 @@ impl<B: KilnBackend> ParallelPlan<B> {
         device: &B::Device,
         max_norm: f64,
     ) -> Result<Synced<B>> {
-        let tp = self.tensor.as_ref();
+        let parts = NormParts {
+            tp: self.tensor.as_ref(),
+            stages: self.pipeline.as_ref(),
+        };
         match &self.zero {
-            Some(zero) => sync_and_clip_zero1(acc, loss_sum, zero, tp, max_norm),
-            None => sync_and_clip(acc, loss_sum, device, &self.data, tp, max_norm),
+            Some(zero) => sync_and_clip_zero1(acc, loss_sum, zero, &parts, max_norm),
+            None => sync_and_clip(acc, loss_sum, device, &self.data, &parts, max_norm),
         }
     }
 

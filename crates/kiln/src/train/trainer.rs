@@ -25,6 +25,7 @@ use super::grad_sync::Synced;
 use super::optim::{AdamWConfig, GradAccumulator, Optimizer, OptimizerType};
 use super::output_dir::{claim, resolve_resume_for, Claim, RunDir};
 use super::parallel_plan::ParallelPlan;
+use super::pipeline_stage::stage_loss_and_grads;
 use super::reporters::{write_run_summary, Reporters, RunOrigin};
 use super::schedule::{Plateau, Schedule, SchedulerType};
 use super::sharded_checkpoint::{
@@ -37,6 +38,7 @@ use crate::hub::sharded::LAYOUT_FILE;
 use crate::models::params::{load_into, module_shapes, module_tensors, module_tensors_where};
 use crate::ops::{profile, TrainBackend};
 use crate::parallel::launch::Attempt;
+use crate::parallel::pipeline::MicroBatches;
 use crate::parallel::DataParallel;
 use crate::report::live::{Phase, StepReport};
 use crate::task::{BatchSource, CrossEntropy, Loss, Model, ParamSplit};
@@ -353,8 +355,8 @@ where
                 .chunks(plan.batch_size)
                 .filter(|c| !a.dataloader_drop_last || c.len() == plan.batch_size)
                 .collect();
-            let groups = batches.len().div_ceil(a.gradient_accumulation_steps);
-            for (g, group) in batches.chunks(a.gradient_accumulation_steps).enumerate() {
+            let groups = batches.len().div_ceil(plan.accumulation);
+            for (g, group) in batches.chunks(plan.accumulation).enumerate() {
                 if epoch == first_epoch && g < skip_groups {
                     continue;
                 }
@@ -378,6 +380,7 @@ where
                 if let Some(ev) = eval {
                     let every = a.eval_interval(plan.total);
                     if self.due(a.eval_strategy, every, epoch_end) {
+                        self.gather_stages()?;
                         let out = run.bar.suspend(|| self.evaluate_phase(ev))?;
                         self.log_eval(&out)?;
                         self.step_plateau(&out.metrics, &plan)?;
@@ -418,6 +421,7 @@ where
     /// resumed, the reporters opened, every rank given rank 0's weights, the banner printed.
     pub(super) fn start<S: BatchSource>(&mut self, train: &S, has_eval: bool) -> Result<Plan> {
         let a = self.validated_args(has_eval)?;
+        self.settle_layout(&a)?;
         let resume_dir = self.claim_output(&a)?;
         let plan = self.make_plan(&a, train)?;
         if let Some(dir) = &resume_dir {
@@ -523,11 +527,35 @@ where
         Ok(resume_dir)
     }
 
-    /// The parallel layout settled from the model, and the run's plan (steps, batches, warmup)
-    /// with the trainer state and the plateau scheduler it sets.
-    fn make_plan<S: BatchSource>(&mut self, a: &TrainingArguments, train: &S) -> Result<Plan> {
+    /// The parallel layout settled from the model and checked against the arguments, before
+    /// anything is written.
+    fn settle_layout(&mut self, a: &TrainingArguments) -> Result<()> {
         let tensor = self.model().tensor_parallel();
-        self.parallel.settle(tensor, a.zero_1);
+        let layers = self.model().segments().map(|s| s.num_layers());
+        let embedding = self.model().embedding_parameters();
+        self.parallel.settle(tensor, a.zero_1, layers, embedding)?;
+        if a.pipeline_parallel_size > 1 && self.parallel.pipeline().is_none() {
+            return Err(KilnError::Config(format!(
+                "--pipeline-parallel-size {} cuts causal LMs (--task causal-lm or sft) into \
+                 stages; this task trains without it",
+                a.pipeline_parallel_size
+            )));
+        }
+        if self.parallel.pipeline().is_some() && a.save_strategy != SaveStrategy::No {
+            return Err(KilnError::Config(
+                "checkpoints under --pipeline-parallel-size are not built yet: give \
+                 --save-strategy no (the trained model is still saved whole at the end)"
+                    .into(),
+            ));
+        }
+        if let Some(p) = self.parallel.pipeline() {
+            p.micro_batches(a.per_device_train_batch_size, a.gradient_accumulation_steps)?;
+        }
+        Ok(())
+    }
+
+    /// The run's plan (steps, batches, warmup) with the trainer state and the plateau scheduler it sets.
+    fn make_plan<S: BatchSource>(&mut self, a: &TrainingArguments, train: &S) -> Result<Plan> {
         self.flos_params = self.non_embedding_parameters() as f64;
         self.current_flos = 0.0;
         if a.save_only_model && self.sharded() {
@@ -535,14 +563,19 @@ where
                 "save_only_model is not implemented for sharded checkpoints (tensor parallelism or --zero-1)".into(),
             ));
         }
-        let plan = Plan::new(a, train.len(), &self.parallel.data)?;
+        let micro = self
+            .parallel
+            .pipeline()
+            .map(|p| p.micro_batches(a.per_device_train_batch_size, a.gradient_accumulation_steps))
+            .transpose()?;
+        let plan = Plan::new(a, train.len(), &self.parallel.data, micro)?;
         self.state = TrainerState {
             max_steps: plan.total,
             num_train_epochs: plan.total as f64 / plan.updates_per_epoch as f64,
             logging_steps: a.logging_interval(plan.total),
             eval_steps: a.eval_interval(plan.total),
             save_steps: a.save_interval(plan.total),
-            train_batch_size: plan.batch_size,
+            train_batch_size: a.per_device_train_batch_size,
             is_local_process_zero: self.parallel.data.is_local_main(),
             is_world_process_zero: self.is_main(),
             ..TrainerState::default()
@@ -613,7 +646,25 @@ where
             plan.batch_size
         );
         info!("  World size (data parallel) = {world}");
-        if a.tensor_parallel_size > 1 {
+        if let Some(p) = self.parallel.pipeline() {
+            let cut = &p.cuts()[p.index()];
+            info!(
+                "  Layout: tensor parallel {tp} × pipeline parallel {pp} × data parallel {world} = {} processes",
+                a.tensor_parallel_size * p.count() * world,
+                tp = a.tensor_parallel_size,
+                pp = p.count(),
+            );
+            info!(
+                "  Pipeline: {} schedule, {} micro-batches of {} per step; stage {} holds layers {:?}{}{}",
+                p.schedule(),
+                plan.accumulation,
+                plan.batch_size,
+                p.index(),
+                cut.layers,
+                if cut.embedding { " + embedding" } else { "" },
+                if cut.head { " + norm and head" } else { "" },
+            );
+        } else if a.tensor_parallel_size > 1 {
             info!(
                 "  Layout: tensor parallel {tp} × data parallel {world} = {} processes",
                 a.tensor_parallel_size * world,
@@ -657,7 +708,7 @@ where
         }
         info!(
             "  Total train batch size (w. parallel, distributed & accumulation) = {}",
-            plan.batch_size * world * a.gradient_accumulation_steps
+            plan.batch_size * world * plan.accumulation
         );
         info!(
             "  Gradient accumulation steps = {}",
@@ -711,32 +762,54 @@ where
         let mut tokens = 0;
         let batches: Vec<_> = group.iter().map(|idx| train.batch(idx)).collect();
         let scales = self.micro_batch_scales(batches.iter().map(|(_, t)| t.as_slice()))?;
-        for ((idx, (batch, targets)), scale) in group.iter().zip(batches).zip(scales) {
-            let fwd = profile::scope("step: data + forward");
-            samples += idx.len();
-            let numel = self.model().input_ids_numel(&batch);
-            tokens += numel;
-            self.current_flos += 6.0 * numel as f64 * self.flos_params;
-            let by_segment = if checkpointing {
-                loss_and_grads_by_segment(self.model(), &batch, &targets, &self.loss, scale)
-            } else {
-                None
-            };
-            if let Some((l, grads)) = by_segment {
-                loss_sum += l;
-                acc.merge(grads);
-                continue;
+        if let Some(p) = self.parallel.pipeline() {
+            // This stage's share of every micro-batch, in the schedule's order; the step's loss
+            // is the last stage's, summed to every stage.
+            let _fwd = profile::scope("step: pipeline stage");
+            for (idx, (batch, _)) in group.iter().zip(&batches) {
+                samples += idx.len();
+                let numel = self.model().input_ids_numel(batch);
+                tokens += numel;
+                self.current_flos += 6.0 * numel as f64 * self.flos_params;
             }
-            let logits = self.model().logits(&batch);
-            let loss = self
-                .loss
-                .loss(logits, targets_tensor::<B>(targets, &self.device))
-                * scale;
-            loss_sum += loss.clone().into_scalar().elem::<f64>();
-            drop(fwd);
-            let _bwd = profile::scope("step: backward");
-            let grads = loss.backward();
-            acc.accumulate::<B, M>(self.model(), &grads);
+            let (l, grads) = stage_loss_and_grads(
+                self.model(),
+                &batches,
+                &scales,
+                &self.loss,
+                p.schedule(),
+                &p.stage(),
+            )?;
+            loss_sum = p.stage_sum(l)?;
+            acc = grads;
+        } else {
+            for ((idx, (batch, targets)), scale) in group.iter().zip(batches).zip(scales) {
+                let fwd = profile::scope("step: data + forward");
+                samples += idx.len();
+                let numel = self.model().input_ids_numel(&batch);
+                tokens += numel;
+                self.current_flos += 6.0 * numel as f64 * self.flos_params;
+                let by_segment = if checkpointing {
+                    loss_and_grads_by_segment(self.model(), &batch, &targets, &self.loss, scale)
+                } else {
+                    None
+                };
+                if let Some((l, grads)) = by_segment {
+                    loss_sum += l;
+                    acc.merge(grads);
+                    continue;
+                }
+                let logits = self.model().logits(&batch);
+                let loss = self
+                    .loss
+                    .loss(logits, targets_tensor::<B>(targets, &self.device))
+                    * scale;
+                loss_sum += loss.clone().into_scalar().elem::<f64>();
+                drop(fwd);
+                let _bwd = profile::scope("step: backward");
+                let grads = loss.backward();
+                acc.accumulate::<B, M>(self.model(), &grads);
+            }
         }
         // Overflowed activations make a finite-looking loss meaningless (the outputs collapsed):
         // the step counts as non-finite, on every rank through the average.
@@ -1016,9 +1089,10 @@ where
                 self.model = Some(load_into(model, w, None, &self.device)?.0);
             }
         }
-        // Under tensor parallelism every rank takes part in putting the model together; otherwise
-        // only rank 0 reads its weights.
-        if self.is_main() || self.parallel.tensor().is_some() {
+        // Under tensor or pipeline parallelism every rank takes part in putting the model
+        // together; otherwise only rank 0 reads its weights.
+        self.gather_stages()?;
+        if self.is_main() || self.parallel.split_model() {
             let tensors = self.whole_model_tensors()?;
             if self.is_main() {
                 let dir = self.args.output_dir.clone();
@@ -1153,12 +1227,22 @@ where
         self.parallel.data.barrier()
     }
 
+    /// Under pipeline parallelism, gives every stage the layers the others trained, so each rank
+    /// holds the whole current model (before an evaluation or the final save).
+    fn gather_stages(&mut self) -> Result<()> {
+        if self.parallel.pipeline().is_some() {
+            let model = self.take_model();
+            self.model = Some(self.parallel.gather_stages::<B, M>(model)?);
+        }
+        Ok(())
+    }
+
     /// Saves the model (config.json, model.safetensors, tokenizer.json) and trainer state to `dir`,
     /// all files as one group: a failure (a full disk) leaves the previous model whole, and a model
     /// with non-finite weights is never written.
     pub fn save_model(&self, dir: &Path) -> Result<()> {
         let tensors = self.whole_model_tensors()?;
-        if self.parallel.tensor().is_some() && !self.is_main() {
+        if self.parallel.split_model() && !self.is_main() {
             // Every rank helped put the model together; rank 0 writes it.
             return Ok(());
         }
@@ -1338,7 +1422,10 @@ where
 /// The sizes of a run, derived once from the data, the arguments and the world.
 pub(super) struct Plan {
     examples: usize,
+    /// Examples per micro-batch, and micro-batches per optimizer step (the accumulation steps,
+    /// or under pipeline parallelism its micro-batches).
     pub(super) batch_size: usize,
+    pub(super) accumulation: usize,
     updates_per_epoch: u64,
     total: u64,
     warmup: u64,
@@ -1350,10 +1437,14 @@ impl Plan {
         a: &TrainingArguments,
         n: usize,
         parallel: &DataParallel<B>,
+        micro: Option<MicroBatches>,
     ) -> Result<Self> {
         // Each rank trains on its shard of every epoch: equal counts on all ranks.
         let n_rank = parallel.examples_per_rank(n, a.dataloader_drop_last);
-        let bs = a.per_device_train_batch_size;
+        let (bs, accumulation) = match micro {
+            Some(m) => (m.micro_batch_size, m.micro_batches),
+            None => (a.per_device_train_batch_size, a.gradient_accumulation_steps),
+        };
         let batches_per_epoch = if a.dataloader_drop_last {
             n_rank / bs
         } else {
@@ -1364,7 +1455,7 @@ impl Plan {
                 "{n} training examples make no full batch of {bs} (dataloader_drop_last)"
             )));
         }
-        let updates_per_epoch = batches_per_epoch.div_ceil(a.gradient_accumulation_steps) as u64;
+        let updates_per_epoch = batches_per_epoch.div_ceil(accumulation) as u64;
         let total = if a.max_steps > 0 {
             a.max_steps as u64
         } else {
@@ -1382,6 +1473,7 @@ impl Plan {
         Ok(Self {
             examples: n,
             batch_size: bs,
+            accumulation,
             updates_per_epoch,
             total,
             warmup,

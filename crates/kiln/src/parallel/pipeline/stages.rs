@@ -59,6 +59,25 @@ pub fn cut_stages(layers: usize, stages: usize, cuts: Option<&[usize]>) -> Resul
         .collect())
 }
 
+/// The stage that holds parameter `path` (a Hugging Face name): a decoder layer's
+/// (`….layers.{i}.…`) stage, the embedding's (`embedding`) stage 0, anything else (the final norm,
+/// the head) the last stage's.
+pub fn owner_stage(path: &str, cuts: &[StageCut], embedding: &[String]) -> usize {
+    let parts: Vec<&str> = path.split('.').collect();
+    let layer = parts
+        .windows(2)
+        .find(|w| w[0] == "layers")
+        .and_then(|w| w[1].parse::<usize>().ok());
+    match layer {
+        Some(i) => cuts
+            .iter()
+            .position(|c| c.layers.contains(&i))
+            .unwrap_or(cuts.len() - 1),
+        None if embedding.iter().any(|e| e == path) => 0,
+        None => cuts.len() - 1,
+    }
+}
+
 /// Where each stage begins under the default cut (`[0, …]`, one entry per stage).
 fn balanced_starts(layers: usize, stages: usize) -> Vec<usize> {
     let mut counts = vec![1usize; stages];
@@ -204,5 +223,21 @@ mod tests {
             e.contains("\"layers.x\" is not a decoder-layer index"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn each_parameter_belongs_to_its_layers_stage() {
+        let cuts = cut_stages(5, 2, Some(&[3])).unwrap();
+        let emb = vec!["model.embed_tokens.weight".to_string()];
+        let owner = |p: &str| owner_stage(p, &cuts, &emb);
+        assert_eq!(owner("model.embed_tokens.weight"), 0);
+        assert_eq!(owner("model.layers.2.mlp.up_proj.weight"), 0);
+        assert_eq!(owner("model.layers.3.self_attn.q_proj.weight"), 1);
+        assert_eq!(
+            owner("base_model.model.model.layers.4.mlp.lora_A.weight"),
+            1
+        );
+        assert_eq!(owner("model.norm.weight"), 1);
+        assert_eq!(owner("lm_head.weight"), 1);
     }
 }

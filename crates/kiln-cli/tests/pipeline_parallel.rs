@@ -1,0 +1,291 @@
+//! Pipeline parallelism through the `kiln` binary: `kiln launch` + `--pipeline-parallel-size N` on
+//! a 5-layer Llama initialised from a config takes the same 10 AdamW steps (with global-norm
+//! clipping) as one process: PP = 2 with the default and an uneven `--pipeline-cuts`, tied and
+//! untied heads, 1F1B and GPipe, PP = 4, TP = 2 × PP = 2, PP = 2 × DP = 2 with ZeRO-1, and
+//! gradient accumulation folded into the micro-batches. Bad layouts are one sentence each.
+//!
+//! "The same" is held as the tensor-parallel tests hold it: a pipeline's micro-batches are
+//! smaller than one process's batch, so its GEMMs sum in other orders and AdamW (which divides by
+//! √v) turns that rounding into up to a hundredth of the steps' size ([`ADAMW_ROUNDING`]); the
+//! logged losses agree to their 4 decimals. A lost layer, a stale stage or a tied weight updated
+//! on one side only moves weights by whole steps; the seed control differs by far more.
+
+mod kiln_bin;
+mod llm_runs;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use kiln::hub::weights::HostTensor;
+use kiln_bin::launched;
+use llm_runs::{losses, max_diff, setup, weights};
+
+const LR: f32 = 1e-3;
+const STEPS: usize = 10;
+/// Max |Δw| against one process after the 10 AdamW steps: 1 % of their full size.
+const ADAMW_ROUNDING: f32 = 0.01 * STEPS as f32 * LR;
+/// Max |Δ| of a logged step's loss (the log keeps 4 decimals).
+const LOSS_ROUNDING: f64 = 1.5e-4;
+
+/// A 5-layer Llama over SmolLM2's tokenizer (49157 = its 49152 + 5).
+fn config(dir: &Path, name: &str, tied: bool) -> std::path::PathBuf {
+    let p = dir.join(name);
+    std::fs::write(
+        &p,
+        serde_json::json!({
+            "vocab_size": 49157, "hidden_size": 32, "intermediate_size": 40,
+            "num_hidden_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rope_theta": 10000.0, "tie_word_embeddings": tied, "eos_token_id": 2,
+            "pad_token_id": 2, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+        .to_string(),
+    )
+    .unwrap();
+    p
+}
+
+struct Run<'a> {
+    cfg: &'a Path,
+    tokenizer: &'a Path,
+    corpus: &'a Path,
+    out: &'a Path,
+}
+
+/// `kiln train` of `r` with `procs` processes and `extra` flags (a per-device batch of 4 unless
+/// they say otherwise), into `r.out/name`; returns the command's status and stderr.
+fn run(r: &Run, name: &str, procs: usize, seed: u64, extra: &[&str]) -> (bool, String) {
+    let out = r.out.join(name);
+    let mut c = launched(procs);
+    c.args(["train", "--task", "causal-lm", "--from-config"])
+        .arg(r.cfg)
+        .arg("--tokenizer")
+        .arg(r.tokenizer)
+        .arg("--train-file")
+        .arg(r.corpus)
+        .args(["--block-size", "16", "--learning-rate", &LR.to_string()])
+        .args(["--max-grad-norm", "0.5", "--logging-steps", "1"])
+        .args([
+            "--max-steps",
+            &STEPS.to_string(),
+            "--seed",
+            &seed.to_string(),
+        ]);
+    if !extra.contains(&"--save-strategy") {
+        c.args(["--save-strategy", "no"]);
+    }
+    if !extra.contains(&"--per-device-train-batch-size") {
+        c.args(["--per-device-train-batch-size", "4"]);
+    }
+    let o = c
+        .args(extra)
+        .arg("--output-dir")
+        .arg(&out)
+        .output()
+        .unwrap();
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stderr).into(),
+    )
+}
+
+/// [`run`], which must succeed and clip its first step; returns the saved weights.
+fn train(
+    r: &Run,
+    name: &str,
+    procs: usize,
+    seed: u64,
+    extra: &[&str],
+) -> BTreeMap<String, HostTensor> {
+    let (ok, err) = run(r, name, procs, seed, extra);
+    assert!(ok, "{name} failed: {err}");
+    let log = std::fs::read_to_string(r.out.join(name).join("log.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(log.lines().next().unwrap()).unwrap();
+    let norm = first["grad_norm"].as_f64().unwrap();
+    assert!(
+        norm > 0.5,
+        "{name}: grad_norm {norm} is below --max-grad-norm"
+    );
+    weights(&r.out.join(name))
+}
+
+/// The largest difference between two runs' logged step losses (all 10 logged).
+fn loss_diff(r: &Run, a: &str, b: &str) -> f64 {
+    let (la, lb) = (losses(&r.out.join(a)), losses(&r.out.join(b)));
+    assert!(
+        la.len() == STEPS && lb.len() == STEPS,
+        "{a}: {la:?}, {b}: {lb:?}"
+    );
+    la.iter()
+        .zip(&lb)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f64, f64::max)
+}
+
+#[test]
+fn pipeline_training_equals_one_process() {
+    let Some((tmp, hf, corpus)) = setup() else {
+        return;
+    };
+    for tied in [true, false] {
+        let cfg = config(tmp.path(), &format!("tied-{tied}.json"), tied);
+        let r = Run {
+            cfg: &cfg,
+            tokenizer: &hf,
+            corpus: &corpus,
+            out: tmp.path(),
+        };
+        let single = train(&r, &format!("{tied}-pp1"), 1, 3, &[]);
+        let control = train(&r, &format!("{tied}-control"), 1, 4, &[]);
+        let c = max_diff(&control, &single);
+        assert!(c > 100.0 * ADAMW_ROUNDING, "control too close ({c})");
+        let wide = train(
+            &r,
+            &format!("{tied}-pp1-b8"),
+            1,
+            3,
+            &["--per-device-train-batch-size", "8"],
+        );
+        let mut layouts: Vec<(&str, usize, Vec<&str>, &BTreeMap<String, HostTensor>)> = vec![
+            (
+                "pp2",
+                2,
+                vec![
+                    "--pipeline-parallel-size",
+                    "2",
+                    "--pipeline-parallel-num-microbatches",
+                    "2",
+                ],
+                &single,
+            ),
+            (
+                "pp2-cut2-gpipe",
+                2,
+                vec!["--pipeline-parallel-size", "2", "--pipeline-cuts", "2"]
+                    .into_iter()
+                    .chain(["--pipeline-schedule", "gpipe"])
+                    .collect(),
+                &single,
+            ),
+            (
+                "pp2-accumulation",
+                2,
+                vec![
+                    "--pipeline-parallel-size",
+                    "2",
+                    "--per-device-train-batch-size",
+                    "2",
+                ]
+                .into_iter()
+                .chain(["--gradient-accumulation-steps", "2"])
+                .chain(["--pipeline-parallel-num-microbatches", "2"])
+                .collect(),
+                &single,
+            ),
+        ];
+        if tied {
+            layouts.extend([
+                ("pp4", 4, vec!["--pipeline-parallel-size", "4"], &single),
+                (
+                    "tp2-pp2",
+                    4,
+                    vec![
+                        "--pipeline-parallel-size",
+                        "2",
+                        "--tensor-parallel-size",
+                        "2",
+                    ],
+                    &single,
+                ),
+                (
+                    "pp2-dp2-zero1",
+                    4,
+                    vec!["--pipeline-parallel-size", "2", "--zero-1"],
+                    &wide,
+                ),
+            ]);
+        }
+        for (layout, procs, extra, reference) in layouts {
+            let name = format!("{tied}-{layout}");
+            let got = train(&r, &name, procs, 3, &extra);
+            let d = max_diff(&got, reference);
+            let base = if std::ptr::eq(reference, &wide) {
+                format!("{tied}-pp1-b8")
+            } else {
+                format!("{tied}-pp1")
+            };
+            let l = loss_diff(&r, &name, &base);
+            eprintln!("tied {tied}, {layout}: max |Δw| {d:e}, losses {l:e} (control {c:e})");
+            assert!(
+                d <= ADAMW_ROUNDING,
+                "tied {tied}, {layout}: weights differ by {d}"
+            );
+            assert!(
+                l <= LOSS_ROUNDING,
+                "tied {tied}, {layout}: losses differ by {l}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bad_pipeline_layouts_are_one_sentence() {
+    let Some((tmp, hf, corpus)) = setup() else {
+        return;
+    };
+    let cfg = config(tmp.path(), "c.json", true);
+    let r = Run {
+        cfg: &cfg,
+        tokenizer: &hf,
+        corpus: &corpus,
+        out: tmp.path(),
+    };
+    for (i, (procs, extra, says)) in [
+        (
+            6,
+            vec!["--pipeline-parallel-size", "6"],
+            "--pipeline-parallel-size 6 is more stages than the model's 5 decoder layers",
+        ),
+        (
+            2,
+            vec![
+                "--pipeline-parallel-size",
+                "2",
+                "--pipeline-parallel-num-microbatches",
+                "3",
+            ],
+            "--pipeline-parallel-num-microbatches 3 does not divide the per-device batch of 4",
+        ),
+        (
+            3,
+            vec!["--pipeline-parallel-size", "2"],
+            "the world of 3 processes does not divide",
+        ),
+        (
+            2,
+            vec!["--pipeline-parallel-size", "2", "--pipeline-cuts", "7"],
+            "--pipeline-cuts",
+        ),
+        (
+            2,
+            vec!["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb"],
+            "is not a pipeline schedule",
+        ),
+        (
+            2,
+            vec!["--pipeline-parallel-size", "2", "--save-strategy", "steps"],
+            "checkpoints under --pipeline-parallel-size are not built yet",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (ok, err) = run(&r, &format!("bad{i}"), procs, 3, &extra);
+        assert!(!ok, "{extra:?} ran");
+        assert!(err.contains(says), "{extra:?}: {err}");
+        assert!(!err.contains("panicked"), "{extra:?}: {err}");
+        // Refused before anything was written.
+        assert!(
+            !r.out.join(format!("bad{i}")).join("kiln_run.json").exists(),
+            "{extra:?} claimed its output folder"
+        );
+    }
+}
