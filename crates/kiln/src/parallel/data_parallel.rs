@@ -86,8 +86,13 @@ impl<B: Backend> DataParallel<B> {
         }
         let Some(world) = joined.world.clone() else {
             let n = tp * pp;
+            let sizes = match (tp, pp) {
+                (_, 1) => format!("--tensor-parallel-size {tp}"),
+                (1, _) => format!("--pipeline-parallel-size {pp}"),
+                _ => format!("--tensor-parallel-size {tp} × --pipeline-parallel-size {pp}"),
+            };
             return Err(crate::KilnError::Config(format!(
-                "--tensor-parallel-size {tp} × --pipeline-parallel-size {pp} needs {n} processes: start them with `kiln launch --nproc-per-node {n} -- train ...` (or torchrun / mpirun)"
+                "{sizes} needs {n} processes: start them with `kiln launch --nproc-per-node {n} -- train ...` (or torchrun / mpirun)"
             )));
         };
         let mesh = super::Mesh::new(world.size(), tp, pp)?;
@@ -242,7 +247,7 @@ impl<B: Backend> DataParallel<B> {
         M: Module<AB>,
     {
         match &self.group {
-            Some(g) => broadcast_module::<B, AB, M>(g.as_ref(), model, |_| 0),
+            Some(g) => broadcast_module::<B, AB, M>(g.as_ref(), model, |_| 0, |_| None),
             None => Ok(model),
         }
     }
@@ -253,11 +258,14 @@ impl<B: Backend> DataParallel<B> {
     }
 }
 
-/// Gives every rank of `group` each parameter as its rank `root(path)` holds it.
+/// Gives every rank of `group` each parameter as its rank `root(path)` holds it. A parameter this
+/// rank let go of (`released(path)`: its whole shape, and whether it was held in bf16) is received
+/// whole.
 pub fn broadcast_module<B, AB, M>(
     g: &dyn Collectives<B>,
     model: M,
     root: impl Fn(&str) -> usize,
+    released: impl Fn(&str) -> Option<(Shape, bool)>,
 ) -> Result<M>
 where
     B: crate::ops::KilnBackend,
@@ -268,14 +276,24 @@ where
         let mut err = None;
         let model = crate::models::params::map_params(model, |info, value: FloatTensor<AB>| {
             // A frozen weight held in bf16 travels as its f32 values (exact) and is held again.
-            let held = matches!(
-                burn::tensor::TensorMetadata::dtype(&value),
-                burn::tensor::DType::U16 | burn::tensor::DType::BF16
-            );
-            let shape = burn::tensor::TensorMetadata::shape(&value);
-            let inner = match held {
-                true => B::kiln_bf16_load(AB::inner(value.clone())),
-                false => AB::inner(value.clone()),
+            let (inner, shape, held) = match released(info.path) {
+                Some((shape, held)) => {
+                    let device = B::float_device(&AB::inner(value.clone()));
+                    let zeros = Tensor::<B, 1>::zeros([shape.num_elements()], &device);
+                    (zeros.into_primitive().tensor(), shape, held)
+                }
+                None => {
+                    let held = matches!(
+                        burn::tensor::TensorMetadata::dtype(&value),
+                        burn::tensor::DType::U16 | burn::tensor::DType::BF16
+                    );
+                    let shape = burn::tensor::TensorMetadata::shape(&value);
+                    let inner = match held {
+                        true => B::kiln_bf16_load(AB::inner(value.clone())),
+                        false => AB::inner(value.clone()),
+                    };
+                    (inner, shape, held)
+                }
             };
             let flat = B::float_reshape(inner, Shape::new([shape.num_elements()]));
             match g.broadcast(

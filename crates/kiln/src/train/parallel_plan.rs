@@ -13,13 +13,18 @@
 //! the stage's share of the micro-batches (`super::pipeline_stage`), the step's loss comes from
 //! the last stage and the global norm counts every stage's gradients, a tied weight once.
 
+use std::collections::BTreeMap;
+
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Shape, Tensor, TensorMetadata};
 
 use super::args::PipelineOptions;
 use super::grad_sync::{sync_and_clip, sync_and_clip_zero1, NormParts, Synced, SyncedGrads};
 use super::optim::{GradAccumulator, Optimizer};
 use super::pipeline_stage::Stage;
+use crate::models::params::map_params;
 use crate::ops::KilnBackend;
 use crate::parallel::broadcast_module;
 use crate::parallel::pipeline::{cut_stages, owner_stage, MicroBatches, ScheduleKind, StageCut};
@@ -43,6 +48,11 @@ pub struct PipelinePlan<B: KilnBackend> {
     cuts: Vec<StageCut>,
     /// The embedding's parameters: held by stage 0, and by the last stage too when tied.
     embedding: Vec<String>,
+    /// Whether the head is the embedding's weight (no parameter of its own).
+    tied: bool,
+    /// The parameters of other stages this rank let go of: their whole shapes, and whether
+    /// they were held in bf16.
+    released: BTreeMap<String, (Shape, bool)>,
 }
 
 impl<B: KilnBackend> PipelinePlan<B> {
@@ -84,6 +94,14 @@ impl<B: KilnBackend> PipelinePlan<B> {
 
     /// Whether another stage counts `name`'s gradient in the global norm: a tied embedding is
     /// counted on stage 0 only.
+    /// Whether this stage runs with parameter `path`: its layers', the embedding on stage 0,
+    /// the norm and head on the last (with a tied embedding, the embedding too).
+    fn holds(&self, path: &str) -> bool {
+        let last = self.count() - 1;
+        owner_stage(path, &self.cuts, &self.embedding) == self.index()
+            || (self.tied && self.index() == last && self.embedding.iter().any(|e| e == path))
+    }
+
     pub(super) fn counted_elsewhere(&self, name: &str) -> bool {
         self.index() > 0 && self.embedding.iter().any(|e| e == name)
     }
@@ -112,6 +130,8 @@ impl<B: KilnBackend> ParallelPlan<B> {
             options,
             cuts: Vec::new(),
             embedding: Vec::new(),
+            tied: false,
+            released: BTreeMap::new(),
         });
         self
     }
@@ -128,13 +148,14 @@ impl<B: KilnBackend> ParallelPlan<B> {
     /// Takes the model's tensor-parallel layout (if sharded) and, with `zero_1`, ZeRO-1 over the
     /// data-parallel group (none when that group is one rank).
     /// With a pipeline, cuts the model's `layers` decoder layers (`None`: a model not split into
-    /// layers, which is an error) into its stages; `embedding` names the embedding's parameters.
+    /// layers, which is an error) into its stages; `embedding` names the embedding's parameters,
+    /// `tied` says whether the head uses them.
     pub(super) fn settle(
         &mut self,
         tensor: Option<TensorParallelLayout>,
         zero_1: bool,
         layers: Option<usize>,
-        embedding: Vec<String>,
+        (embedding, tied): (Vec<String>, bool),
     ) -> Result<()> {
         self.tensor = tensor;
         self.zero = if zero_1 { self.data.zero1() } else { None };
@@ -148,23 +169,62 @@ impl<B: KilnBackend> ParallelPlan<B> {
             })?;
             p.cuts = cut_stages(layers, p.options.size, p.options.cuts.as_deref())?;
             p.embedding = embedding;
+            p.tied = tied;
         }
         Ok(())
     }
 
     /// Gives every stage the parameters every other stage trained, so each rank holds the whole
     /// current model (for evaluation and the final save); a no-op without a pipeline.
-    pub(super) fn gather_stages<AB, M>(&self, model: M) -> Result<M>
+    pub(super) fn gather_stages<AB, M>(&mut self, model: M) -> Result<M>
     where
         AB: AutodiffBackend<InnerBackend = B>,
         M: AutodiffModule<AB>,
     {
-        match &self.pipeline {
-            Some(p) => broadcast_module::<B, AB, M>(p.group.as_ref(), model, |path| {
-                owner_stage(path, &p.cuts, &p.embedding)
-            }),
-            None => Ok(model),
-        }
+        let Some(p) = &mut self.pipeline else {
+            return Ok(model);
+        };
+        let released = std::mem::take(&mut p.released);
+        broadcast_module::<B, AB, M>(
+            p.group.as_ref(),
+            model,
+            |path| owner_stage(path, &p.cuts, &p.embedding),
+            |path| released.get(path).cloned(),
+        )
+    }
+
+    /// Lets go of the parameters this stage does not run with (each kept as an empty tensor of
+    /// its rank, its shape recorded for [`Self::gather_stages`]): a stage's memory holds its own
+    /// layers. A no-op without a pipeline.
+    pub(super) fn release_other_stages<AB, M>(&mut self, model: M) -> M
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        let Some(p) = &mut self.pipeline else {
+            return model;
+        };
+        let mut released = BTreeMap::new();
+        let model = map_params(model, |info, value: FloatTensor<AB>| {
+            if p.holds(info.path) {
+                return value;
+            }
+            let held = matches!(
+                value.dtype(),
+                burn::tensor::DType::U16 | burn::tensor::DType::BF16
+            );
+            let shape = value.shape();
+            let mut empty = shape.dims.clone();
+            empty[0] = 0;
+            let device = B::float_device(&AB::inner(value));
+            let zeros = Tensor::<B, 1>::zeros([0], &device)
+                .into_primitive()
+                .tensor();
+            released.insert(info.path.to_string(), (shape, held));
+            AB::from_inner(B::float_reshape(zeros, Shape::from(empty)))
+        });
+        p.released = released;
+        model
     }
 
     pub fn tensor(&self) -> Option<&TensorParallelLayout> {
@@ -233,6 +293,108 @@ impl<B: KilnBackend> ParallelPlan<B> {
             } => optimizer.step_zero1::<AB, M>(model, lr, &partition, (chunk, factor), |c| {
                 zero.gather(c, &partition)
             }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::backend::{Cpu, CpuDevice, CpuTrain};
+    use crate::models::llama::config::LlamaConfig;
+    use crate::models::llama::LlamaForCausalLM;
+    use crate::models::params::{module_shapes, module_tensors};
+    use crate::parallel::threads::ThreadComm;
+
+    fn llama(tie: bool, seed: u64) -> LlamaForCausalLM<CpuTrain> {
+        let c: LlamaConfig = serde_json::from_value(serde_json::json!({
+            "vocab_size": 50, "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "tie_word_embeddings": tie}))
+        .unwrap();
+        let d = CpuDevice::default();
+        crate::ops::with_seeded_rng::<CpuTrain, _>(&d, seed, || {
+            LlamaForCausalLM::<CpuTrain>::new(&c, &d)
+        })
+    }
+
+    /// Each stage keeps only the parameters it runs with (its layers; the embedding on the first,
+    /// the norm and head on the last, and a tied embedding on both), and gathering the stages
+    /// gives both ranks the same whole model: every parameter from the stage that holds it.
+    #[test]
+    fn a_stage_holds_its_layers_and_gathering_restores_the_whole_model() {
+        for tie in [true, false] {
+            let comms = ThreadComm::<Cpu>::group(2, &CpuDevice::default());
+            let got: Vec<_> = std::thread::scope(|s| {
+                let handles: Vec<_> = comms
+                    .into_iter()
+                    .enumerate()
+                    .map(|(stage, comm)| {
+                        s.spawn(move || {
+                            let options = PipelineOptions {
+                                size: 2,
+                                num_microbatches: None,
+                                schedule: ScheduleKind::OneFOneB,
+                                cuts: Some(vec![3]),
+                            };
+                            let mut plan = ParallelPlan::<Cpu>::single()
+                                .with_pipeline(Some(Arc::new(comm)), Some(options));
+                            let embedding = vec!["model.embed_tokens.weight".to_string()];
+                            plan.settle(None, false, Some(5), (embedding, tie)).unwrap();
+                            // Different weights per stage, so where each came from shows.
+                            let model = llama(tie, 10 + stage as u64);
+                            let before = module_tensors(&model);
+                            let model = plan.release_other_stages::<CpuTrain, _>(model);
+                            let kept: Vec<String> = module_shapes(&model)
+                                .into_iter()
+                                .filter(|(_, s)| s.iter().product::<usize>() > 0)
+                                .map(|(p, _)| p)
+                                .collect();
+                            let model = plan.gather_stages::<CpuTrain, _>(model).unwrap();
+                            (before, kept, module_tensors(&model))
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let owner = |p: &str| {
+                if p.contains("layers.") {
+                    let i: usize = p.split('.').nth(2).unwrap().parse().unwrap();
+                    usize::from(i >= 3)
+                } else {
+                    usize::from(p != "model.embed_tokens.weight")
+                }
+            };
+            for (stage, (_, kept, _)) in got.iter().enumerate() {
+                for p in kept {
+                    let tied_here = tie && stage == 1 && p == "model.embed_tokens.weight";
+                    assert!(owner(p) == stage || tied_here, "stage {stage} kept {p}");
+                }
+                let held = got[0].0.keys().filter(|p| owner(p) == stage).count();
+                assert_eq!(
+                    kept.len(),
+                    held + usize::from(tie && stage == 1),
+                    "tie {tie}"
+                );
+            }
+            for (p, t) in &got[0].2 {
+                let from = &got[owner(p)].0[p];
+                assert_eq!(t.shape, from.shape, "{p}");
+                assert_eq!(t.data, from.data, "tie {tie}: {p} on stage 0");
+                assert_eq!(got[1].2[p].data, from.data, "tie {tie}: {p} on stage 1");
+            }
+            // The control: the stages started from different weights.
+            assert_ne!(
+                got[0].0["model.norm.weight"].data.len(),
+                0,
+                "the norm is a parameter"
+            );
+            assert_ne!(
+                got[0].0["model.layers.4.mlp.up_proj.weight"].data,
+                got[1].0["model.layers.4.mlp.up_proj.weight"].data
+            );
         }
     }
 }

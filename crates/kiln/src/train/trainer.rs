@@ -382,6 +382,8 @@ where
                     if self.due(a.eval_strategy, every, epoch_end) {
                         self.gather_stages()?;
                         let out = run.bar.suspend(|| self.evaluate_phase(ev))?;
+                        let model = self.take_model();
+                        self.model = Some(self.parallel.release_other_stages::<B, M>(model));
                         self.log_eval(&out)?;
                         self.step_plateau(&out.metrics, &plan)?;
                         improved = self.improves_best(&out.metrics);
@@ -429,7 +431,8 @@ where
         }
         self.open_reporters(&a)?;
         let model = self.take_model();
-        self.model = Some(self.parallel.data.broadcast_model(model)?);
+        let model = self.parallel.data.broadcast_model(model)?;
+        self.model = Some(self.parallel.release_other_stages::<B, M>(model));
         self.reporters.started(plan.total, self.state.global_step);
         if self.is_main() {
             self.banner(&a, &plan);
@@ -533,7 +536,12 @@ where
         let tensor = self.model().tensor_parallel();
         let layers = self.model().segments().map(|s| s.num_layers());
         let embedding = self.model().embedding_parameters();
-        self.parallel.settle(tensor, a.zero_1, layers, embedding)?;
+        // A decoder's head has a parameter of its own (`lm_head.weight`) unless it is tied.
+        let tied = !module_shapes(self.model())
+            .keys()
+            .any(|p| p.ends_with("lm_head.weight"));
+        self.parallel
+            .settle(tensor, a.zero_1, layers, (embedding, tied))?;
         if a.pipeline_parallel_size > 1 && self.parallel.pipeline().is_none() {
             return Err(KilnError::Config(format!(
                 "--pipeline-parallel-size {} cuts causal LMs (--task causal-lm or sft) into \
