@@ -182,6 +182,39 @@ fn pipeline_training_equals_one_process() {
             ),
         ];
         if tied {
+            // Evaluation mid-run gathers the stages and lets go again: the run goes on the same.
+            let eval = [
+                "--eval-file",
+                r.corpus.to_str().unwrap(),
+                "--eval-strategy",
+                "steps",
+                "--eval-steps",
+                "4",
+            ];
+            train(&r, "eval-pp1", 1, 3, &eval);
+            let pp_eval = [&eval[..], &["--pipeline-parallel-size", "2"]].concat();
+            let got = train(&r, "eval-pp2", 2, 3, &pp_eval);
+            let d = max_diff(&got, &single);
+            let evals = |name: &str| -> Vec<f64> {
+                std::fs::read_to_string(r.out.join(name).join("log.jsonl"))
+                    .unwrap()
+                    .lines()
+                    .filter_map(|l| {
+                        serde_json::from_str::<serde_json::Value>(l).ok()?["eval_loss"].as_f64()
+                    })
+                    .collect()
+            };
+            let (a, b) = (evals("eval-pp1"), evals("eval-pp2"));
+            eprintln!("evaluation at PP=2: {b:?} vs {a:?}; max |Δw| {d:e}");
+            assert_eq!(a.len(), 2, "evaluations at steps 4 and 8: {a:?}");
+            assert!(
+                a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= 1e-4),
+                "eval losses {b:?} vs {a:?}"
+            );
+            assert!(
+                d <= ADAMW_ROUNDING,
+                "PP=2 with evaluation: weights differ by {d}"
+            );
             layouts.extend([
                 ("pp4", 4, vec!["--pipeline-parallel-size", "4"], &single),
                 (
