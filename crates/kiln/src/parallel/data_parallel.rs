@@ -18,6 +18,14 @@ use crate::Result;
 /// A set of ranks' collectives, shared by the strategies that use them.
 pub type SharedCollectives<B> = Arc<dyn Collectives<B>>;
 
+/// A rank's place in a mesh: the data-parallel strategy, its tensor-parallel group and its
+/// pipeline group (each `None` at size 1).
+pub type JoinedMesh<B> = (
+    DataParallel<B>,
+    Option<SharedCollectives<B>>,
+    Option<SharedCollectives<B>>,
+);
+
 pub struct DataParallel<B: Backend> {
     /// The data-parallel group: the ranks that hold the same model (shard) and average its
     /// gradients — the whole job unless tensor parallelism takes part of it; `None` alone.
@@ -71,15 +79,7 @@ impl<B: Backend> DataParallel<B> {
     /// [`Self::join_mesh`] with `pp` pipeline stages: the mesh of `tp × dp × pp` ranks, and this
     /// rank's pipeline group too (`None` at `pp` = 1), in which stage `s` is rank `s`, its links
     /// open.
-    pub fn join_mesh_pp(
-        device: &B::Device,
-        tp: usize,
-        pp: usize,
-    ) -> Result<(
-        Self,
-        Option<SharedCollectives<B>>,
-        Option<SharedCollectives<B>>,
-    )> {
+    pub fn join_mesh_pp(device: &B::Device, tp: usize, pp: usize) -> Result<JoinedMesh<B>> {
         let joined = Self::join(device)?;
         if tp <= 1 && pp <= 1 {
             return Ok((joined, None, None));

@@ -47,9 +47,20 @@ struct InFlight<B: TrainBackend> {
     loss: Option<Tensor<B, 1>>,
 }
 
+/// What one step of a stage gave.
+pub struct StageStep<B: burn::tensor::backend::Backend> {
+    /// The summed scaled loss (the last stage's; 0 on the others).
+    pub loss_sum: f64,
+    /// The gradients of the parameters this stage used.
+    pub grads: GradAccumulator<B>,
+    /// The step's wall time on this stage, and the part of it spent waiting for a neighbour's
+    /// hand-over (the pipeline's bubble, plus the transfers).
+    pub seconds: f64,
+    pub waited: f64,
+}
+
 /// Runs this stage's share of one step: `micro` are the step's micro-batches with their targets,
-/// `scales` what each micro-batch's mean loss is multiplied by. Returns the summed scaled loss
-/// (the last stage's; 0 on the others) and the gradients of the parameters this stage used.
+/// `scales` what each micro-batch's mean loss is multiplied by.
 pub fn stage_loss_and_grads<B, M, L>(
     model: &M,
     micro: &[(M::Batch, Vec<i64>)],
@@ -57,7 +68,7 @@ pub fn stage_loss_and_grads<B, M, L>(
     loss_fn: &L,
     kind: ScheduleKind,
     stage: &Stage<'_, B::InnerBackend>,
-) -> Result<(f64, GradAccumulator<B::InnerBackend>)>
+) -> Result<StageStep<B::InnerBackend>>
 where
     B: TrainBackend,
     M: Model<B> + AutodiffModule<B>,
@@ -70,6 +81,14 @@ where
         )
     })?;
     let (me, last) = (stage.index, stage.count - 1);
+    let started = std::time::Instant::now();
+    let mut waited = 0.0;
+    let mut receive = |from: usize| {
+        let t = std::time::Instant::now();
+        let got = receive(stage.group, from);
+        waited += t.elapsed().as_secs_f64();
+        got
+    };
     let mut in_flight: Vec<Option<InFlight<B>>> = (0..micro.len()).map(|_| None).collect();
     let mut acc = GradAccumulator::default();
     let mut loss_sum = 0.0;
@@ -80,7 +99,7 @@ where
                 let (input, mut x) = if stage.cut.embedding {
                     (None, segments.embed(batch))
                 } else {
-                    let x = Tensor::from_inner(receive(stage.group, me - 1)?).require_grad();
+                    let x = Tensor::from_inner(receive(me - 1)?).require_grad();
                     (Some(x.clone()), x)
                 };
                 for i in stage.cut.layers.clone() {
@@ -113,7 +132,7 @@ where
                 let grads = match f.loss {
                     Some(loss) => loss.backward(),
                     None => {
-                        let upstream = receive(stage.group, me + 1)?;
+                        let upstream = receive(me + 1)?;
                         (f.output * Tensor::from_inner(upstream)).sum().backward()
                     }
                 };
@@ -128,9 +147,16 @@ where
         }
     }
     if last > 0 {
+        let t = std::time::Instant::now();
         sum_tied_gradients(&mut acc, &model.embedding_parameters(), stage)?;
+        waited += t.elapsed().as_secs_f64();
     }
-    Ok((loss_sum, acc))
+    Ok(StageStep {
+        loss_sum,
+        grads: acc,
+        seconds: started.elapsed().as_secs_f64(),
+        waited,
+    })
 }
 
 /// Sends `t` with its dimensions first.
@@ -316,12 +342,17 @@ mod tests {
                             cut,
                             group: &comm,
                         };
-                        let (l, acc) =
+                        let got =
                             stage_loss_and_grads(&m, micro, scales, &CrossEntropy, kind, &stage)
                                 .unwrap();
+                        assert!(got.waited <= got.seconds);
                         (
-                            l,
-                            acc.grads.into_iter().map(|(k, v)| (k, host(v))).collect(),
+                            got.loss_sum,
+                            got.grads
+                                .grads
+                                .into_iter()
+                                .map(|(k, v)| (k, host(v)))
+                                .collect(),
                         )
                     })
                 })

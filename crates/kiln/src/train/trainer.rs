@@ -109,6 +109,9 @@ pub struct Trainer<B: TrainBackend, M, L = CrossEntropy> {
     pub gpu_index: Option<u32>,
     /// Where the model and data came from, for the model card.
     pub origin: RunOrigin,
+    /// Under pipeline parallelism: the seconds this stage waited for its neighbours, and the
+    /// seconds its share of the steps took.
+    pipeline_seconds: (f64, f64),
 }
 
 impl<B, M, L> Trainer<B, M, L>
@@ -153,6 +156,7 @@ where
             live_state: true,
             gpu_index: None,
             origin: RunOrigin::default(),
+            pipeline_seconds: (0.0, 0.0),
         }
     }
 
@@ -768,6 +772,8 @@ where
         let mut loss_sum = 0.0;
         let mut samples = 0;
         let mut tokens = 0;
+        // Under pipeline parallelism: the time this stage waited for its neighbours.
+        let mut stage_wait = 0.0;
         let batches: Vec<_> = group.iter().map(|idx| train.batch(idx)).collect();
         let scales = self.micro_batch_scales(batches.iter().map(|(_, t)| t.as_slice()))?;
         if let Some(p) = self.parallel.pipeline() {
@@ -780,7 +786,7 @@ where
                 tokens += numel;
                 self.current_flos += 6.0 * numel as f64 * self.flos_params;
             }
-            let (l, grads) = stage_loss_and_grads(
+            let got = stage_loss_and_grads(
                 self.model(),
                 &batches,
                 &scales,
@@ -788,8 +794,11 @@ where
                 p.schedule(),
                 &p.stage(),
             )?;
-            loss_sum = p.stage_sum(l)?;
-            acc = grads;
+            loss_sum = p.stage_sum(got.loss_sum)?;
+            acc = got.grads;
+            stage_wait = got.waited;
+            self.pipeline_seconds.0 += got.waited;
+            self.pipeline_seconds.1 += got.seconds;
         } else {
             for ((idx, (batch, targets)), scale) in group.iter().zip(batches).zip(scales) {
                 let fwd = profile::scope("step: data + forward");
@@ -838,7 +847,7 @@ where
         let collective_seconds = if self.parallel.alone() {
             0.0
         } else {
-            sync_start.elapsed().as_secs_f64()
+            stage_wait + sync_start.elapsed().as_secs_f64()
         };
         let _opt = profile::scope("step: clip + optimizer");
         let lr = self.lr(plan);
@@ -1082,6 +1091,23 @@ where
         metrics.insert("epoch".into(), round4(self.state.epoch));
         self.store_flos()?;
         metrics.insert("total_flos".into(), self.state.total_flos);
+        if let Some(p) = self.parallel.pipeline() {
+            let (waited, ran) = self.pipeline_seconds;
+            let m = p
+                .micro_batches(
+                    self.args.per_device_train_batch_size,
+                    self.args.gradient_accumulation_steps,
+                )?
+                .micro_batches;
+            info!(
+                "pipeline stage {} of {}: waited for its neighbours {waited:.2} s of {ran:.2} s \
+                 ({:.1} %; the bubble formula (p − 1)/(m + p − 1) gives {:.1} %)",
+                p.index(),
+                p.count(),
+                100.0 * waited / ran.max(1e-9),
+                100.0 * crate::parallel::pipeline::bubble_formula(p.count(), m)
+            );
+        }
         let entry: Map<String, Value> =
             metrics.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
         self.log(entry)?;
