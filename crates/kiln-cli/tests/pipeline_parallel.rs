@@ -15,9 +15,11 @@ mod llm_runs;
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
 
 use kiln::hub::weights::HostTensor;
-use kiln_bin::launched;
+use kiln_bin::{kiln_one_thread, launched};
 use llm_runs::{losses, max_diff, setup, weights};
 
 const LR: f32 = 1e-3;
@@ -53,8 +55,12 @@ struct Run<'a> {
 /// `kiln train` of `r` with `procs` processes and `extra` flags (a per-device batch of 4 unless
 /// they say otherwise), into `r.out/name`; returns the command's status and stderr.
 fn run(r: &Run, name: &str, procs: usize, seed: u64, extra: &[&str]) -> (bool, String) {
+    run_with(r, name, launched(procs), seed, extra)
+}
+
+/// [`run`] under the launcher command `c`.
+fn run_with(r: &Run, name: &str, mut c: Command, seed: u64, extra: &[&str]) -> (bool, String) {
     let out = r.out.join(name);
-    let mut c = launched(procs);
     c.args(["train", "--task", "causal-lm", "--from-config"])
         .arg(r.cfg)
         .arg("--tokenizer")
@@ -319,6 +325,51 @@ fn bad_pipeline_layouts_are_one_sentence() {
         assert!(
             !r.out.join(format!("bad{i}")).join("kiln_run.json").exists(),
             "{extra:?} claimed its output folder"
+        );
+    }
+}
+
+/// A stage's worker killed in the middle of a step (after a hand-over) stops the job with an error
+/// naming it; a stage that hangs there is named by its neighbour's receive after the job's
+/// collective timeout, and the job stops.
+#[test]
+fn a_killed_or_hung_stage_is_named() {
+    let Some((tmp, hf, corpus)) = setup() else {
+        return;
+    };
+    let cfg = config(tmp.path(), "c.json", true);
+    let r = Run {
+        cfg: &cfg,
+        tokenizer: &hf,
+        corpus: &corpus,
+        out: tmp.path(),
+    };
+    let pp = ["--pipeline-parallel-size", "2"];
+    for mode in ["kill", "hang"] {
+        let mut c = kiln_one_thread();
+        c.args(["launch", "--nproc-per-node", "2", "--master-port"])
+            .arg(kiln_testkit::common::free_ports(2).to_string())
+            .args(["--timeout", "10", "--"])
+            .env("KILN_TEST_CRASH_AT", "pipeline:hand-over:3")
+            .env("KILN_TEST_CRASH_RANK", "1")
+            .env("KILN_TEST_CRASH_MODE", mode);
+        let started = Instant::now();
+        let (ok, err) = run_with(&r, mode, c, 3, &pp);
+        let took = started.elapsed();
+        assert!(!ok, "{mode}: the job went on");
+        let says = match mode {
+            "kill" => "worker rank 1",
+            _ => "rank 1 sent nothing within 10s",
+        };
+        assert!(err.contains(says), "{mode}: {err}");
+        assert!(!err.contains("panicked"), "{mode}: {err}");
+        assert!(
+            took < Duration::from_secs(90),
+            "{mode}: stopped after {took:?}"
+        );
+        eprintln!(
+            "{mode}: stopped after {took:.1?}: {}",
+            err.lines().last().unwrap_or("")
         );
     }
 }

@@ -190,7 +190,8 @@ pub fn ensure_regular(path: &Path, what: &str) -> Result<()> {
 /// process kills itself with SIGKILL the N-th time it passes the point `NAME` (1-based), as a
 /// power cut or the OOM killer would stop it there. Without the variable this is one relaxed load.
 /// Under a launcher only the first attempt dies (`TORCHELASTIC_RESTART_COUNT` 0: a restarted
-/// worker goes on), and with `KILN_TEST_CRASH_RANK=R` only the worker of global rank R.
+/// worker goes on), and with `KILN_TEST_CRASH_RANK=R` only the worker of global rank R. With
+/// `KILN_TEST_CRASH_MODE=hang` the process stops there forever instead (a hung worker).
 pub fn crash_point(name: &str) {
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::OnceLock;
@@ -212,6 +213,11 @@ pub fn crash_point(name: &str) {
     });
     if let Some((point, n)) = target {
         if point == name && HITS.fetch_add(1, Ordering::Relaxed) + 1 == *n {
+            if std::env::var("KILN_TEST_CRASH_MODE").as_deref() == Ok("hang") {
+                loop {
+                    std::thread::sleep(std::time::Duration::from_secs(3600));
+                }
+            }
             // SAFETY: sends SIGKILL to this very process; nothing runs after it.
             unsafe {
                 libc::kill(libc::getpid(), libc::SIGKILL);

@@ -172,7 +172,9 @@ fn hand_over<B: burn::tensor::backend::Backend>(
         TensorData::new(dims.iter().map(|&d| d as f32).collect::<Vec<_>>(), [3]),
         &device,
     );
-    group.send(Tensor::cat(vec![head, t.reshape([n])], 0), to)
+    group.send(Tensor::cat(vec![head, t.reshape([n])], 0), to)?;
+    crate::hub::files::crash_point("pipeline:hand-over");
+    Ok(())
 }
 
 /// What [`hand_over`] sent from `from`, in its shape.
