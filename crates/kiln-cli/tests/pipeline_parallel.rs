@@ -52,6 +52,37 @@ struct Run<'a> {
     out: &'a Path,
 }
 
+/// SmolLM2's tokenizer folder, a small corpus and a tied 5-layer config in a temporary folder.
+struct Fixture {
+    tmp: tempfile::TempDir,
+    hf: std::path::PathBuf,
+    corpus: std::path::PathBuf,
+    cfg: std::path::PathBuf,
+}
+
+impl Fixture {
+    /// `None` without the assets.
+    fn new() -> Option<Self> {
+        let (tmp, hf, corpus) = setup()?;
+        let cfg = config(tmp.path(), "c.json", true);
+        Some(Self {
+            tmp,
+            hf,
+            corpus,
+            cfg,
+        })
+    }
+
+    fn run(&self) -> Run<'_> {
+        Run {
+            cfg: &self.cfg,
+            tokenizer: &self.hf,
+            corpus: &self.corpus,
+            out: self.tmp.path(),
+        }
+    }
+}
+
 /// `kiln train` of `r` with `procs` processes and `extra` flags (a per-device batch of 4 unless
 /// they say otherwise), into `r.out/name`; returns the command's status and stderr.
 fn run(r: &Run, name: &str, procs: usize, seed: u64, extra: &[&str]) -> (bool, String) {
@@ -267,16 +298,10 @@ fn pipeline_training_equals_one_process() {
 
 #[test]
 fn bad_pipeline_layouts_are_one_sentence() {
-    let Some((tmp, hf, corpus)) = setup() else {
+    let Some(f) = Fixture::new() else {
         return;
     };
-    let cfg = config(tmp.path(), "c.json", true);
-    let r = Run {
-        cfg: &cfg,
-        tokenizer: &hf,
-        corpus: &corpus,
-        out: tmp.path(),
-    };
+    let r = f.run();
     for (i, (procs, extra, says)) in [
         (
             6,
@@ -313,6 +338,11 @@ fn bad_pipeline_layouts_are_one_sentence() {
             vec!["--pipeline-parallel-size", "2", "--save-strategy", "steps"],
             "checkpoints under --pipeline-parallel-size are not built yet",
         ),
+        (
+            2,
+            vec!["--pipeline-parallel-size", "2", "--gradient-checkpointing"],
+            "--gradient-checkpointing under --pipeline-parallel-size is not built yet",
+        ),
     ]
     .into_iter()
     .enumerate()
@@ -334,16 +364,10 @@ fn bad_pipeline_layouts_are_one_sentence() {
 /// collective timeout, and the job stops.
 #[test]
 fn a_killed_or_hung_stage_is_named() {
-    let Some((tmp, hf, corpus)) = setup() else {
+    let Some(f) = Fixture::new() else {
         return;
     };
-    let cfg = config(tmp.path(), "c.json", true);
-    let r = Run {
-        cfg: &cfg,
-        tokenizer: &hf,
-        corpus: &corpus,
-        out: tmp.path(),
-    };
+    let r = f.run();
     let pp = ["--pipeline-parallel-size", "2"];
     for mode in ["kill", "hang"] {
         let mut c = kiln_one_thread();
