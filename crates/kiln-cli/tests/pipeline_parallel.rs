@@ -90,7 +90,16 @@ fn run(r: &Run, name: &str, procs: usize, seed: u64, extra: &[&str]) -> (bool, S
 }
 
 /// [`run`] under the launcher command `c`.
-fn run_with(r: &Run, name: &str, mut c: Command, seed: u64, extra: &[&str]) -> (bool, String) {
+fn run_with(r: &Run, name: &str, c: Command, seed: u64, extra: &[&str]) -> (bool, String) {
+    let o = train_command(r, name, c, seed, extra).output().unwrap();
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stderr).into(),
+    )
+}
+
+/// The launcher command `c` with `kiln train` of `r` into `r.out/name` after it.
+fn train_command(r: &Run, name: &str, mut c: Command, seed: u64, extra: &[&str]) -> Command {
     let out = r.out.join(name);
     c.args(["train", "--task", "causal-lm", "--from-config"])
         .arg(r.cfg)
@@ -112,16 +121,8 @@ fn run_with(r: &Run, name: &str, mut c: Command, seed: u64, extra: &[&str]) -> (
     if !extra.contains(&"--per-device-train-batch-size") {
         c.args(["--per-device-train-batch-size", "4"]);
     }
-    let o = c
-        .args(extra)
-        .arg("--output-dir")
-        .arg(&out)
-        .output()
-        .unwrap();
-    (
-        o.status.success(),
-        String::from_utf8_lossy(&o.stderr).into(),
-    )
+    c.args(extra).arg("--output-dir").arg(&out);
+    c
 }
 
 /// [`run`], which must succeed and clip its first step; returns the saved weights.
@@ -396,4 +397,45 @@ fn a_killed_or_hung_stage_is_named() {
             err.lines().last().unwrap_or("")
         );
     }
+}
+
+/// Two "nodes" on loopback (two launchers of two workers each): TP = 2 inside each node, the two
+/// pipeline stages across them (the mesh puts TP fastest, so node 0 holds stage 0), equal to one
+/// process.
+#[test]
+fn two_nodes_pipeline_across_tensor_parallel_inside() {
+    let Some(f) = Fixture::new() else {
+        return;
+    };
+    let r = f.run();
+    let single = train(&r, "single", 1, 3, &[]);
+    let port = kiln_testkit::common::free_ports(4).to_string();
+    let layout = [
+        "--tensor-parallel-size",
+        "2",
+        "--pipeline-parallel-size",
+        "2",
+    ];
+    let node = |rank: usize| {
+        let mut c = kiln_one_thread();
+        c.args(["launch", "--nnodes", "2", "--node-rank", &rank.to_string()])
+            .args(["--nproc-per-node", "2", "--master-addr", "127.0.0.1"])
+            .args(["--master-port", &port, "--timeout", "60", "--"]);
+        train_command(&r, "two-nodes", c, 3, &layout)
+            .spawn()
+            .unwrap()
+    };
+    let (mut n0, mut n1) = (node(0), node(1));
+    assert!(n0.wait().unwrap().success() && n1.wait().unwrap().success());
+    let nodes = weights(&r.out.join("two-nodes"));
+    let d = max_diff(&nodes, &single);
+    let l = loss_diff(&r, "two-nodes", "single");
+    eprintln!(
+        "2 nodes: PP = 2 across, TP = 2 inside, vs one process: max |Δw| {d:e}, losses {l:e}"
+    );
+    assert!(
+        d <= ADAMW_ROUNDING,
+        "two nodes differ from one process by {d}"
+    );
+    assert!(l <= LOSS_ROUNDING, "two nodes' losses differ by {l}");
 }
