@@ -85,7 +85,7 @@ impl<B: Backend> DataParallel<B> {
             return Ok((joined, None, None));
         }
         let Some(world) = joined.world.clone() else {
-            let n = tp * pp;
+            let n = super::Mesh::new(tp.saturating_mul(pp).max(1), tp, pp)?.world();
             let sizes = match (tp, pp) {
                 (_, 1) => format!("--tensor-parallel-size {tp}"),
                 (1, _) => format!("--pipeline-parallel-size {pp}"),
@@ -272,49 +272,47 @@ where
     AB: AutodiffBackend<InnerBackend = B>,
     M: Module<AB>,
 {
-    {
-        let mut err = None;
-        let model = crate::models::params::map_params(model, |info, value: FloatTensor<AB>| {
-            // A frozen weight held in bf16 travels as its f32 values (exact) and is held again.
-            let (inner, shape, held) = match released(info.path) {
-                Some((shape, held)) => {
-                    let device = B::float_device(&AB::inner(value.clone()));
-                    let zeros = Tensor::<B, 1>::zeros([shape.num_elements()], &device);
-                    (zeros.into_primitive().tensor(), shape, held)
-                }
-                None => {
-                    let held = matches!(
-                        burn::tensor::TensorMetadata::dtype(&value),
-                        burn::tensor::DType::U16 | burn::tensor::DType::BF16
-                    );
-                    let shape = burn::tensor::TensorMetadata::shape(&value);
-                    let inner = match held {
-                        true => B::kiln_bf16_load(AB::inner(value.clone())),
-                        false => AB::inner(value.clone()),
-                    };
-                    (inner, shape, held)
-                }
-            };
-            let flat = B::float_reshape(inner, Shape::new([shape.num_elements()]));
-            match g.broadcast(
-                Tensor::from_primitive(TensorPrimitive::Float(flat)),
-                root(info.path),
-            ) {
-                Ok(v) => {
-                    let v = B::float_reshape(v.into_primitive().tensor(), shape);
-                    AB::from_inner(match held {
-                        true => B::kiln_bf16_store(v).expect("held in bf16 before"),
-                        false => v,
-                    })
-                }
-                Err(e) => {
-                    err.get_or_insert(e);
-                    value
-                }
+    let mut err = None;
+    let model = crate::models::params::map_params(model, |info, value: FloatTensor<AB>| {
+        // A frozen weight held in bf16 travels as its f32 values (exact) and is held again.
+        let (inner, shape, held) = match released(info.path) {
+            Some((shape, held)) => {
+                let device = B::float_device(&AB::inner(value.clone()));
+                let zeros = Tensor::<B, 1>::zeros([shape.num_elements()], &device);
+                (zeros.into_primitive().tensor(), shape, held)
             }
-        });
-        err.map_or(Ok(model), Err)
-    }
+            None => {
+                let held = matches!(
+                    burn::tensor::TensorMetadata::dtype(&value),
+                    burn::tensor::DType::U16 | burn::tensor::DType::BF16
+                );
+                let shape = burn::tensor::TensorMetadata::shape(&value);
+                let inner = match held {
+                    true => B::kiln_bf16_load(AB::inner(value.clone())),
+                    false => AB::inner(value.clone()),
+                };
+                (inner, shape, held)
+            }
+        };
+        let flat = B::float_reshape(inner, Shape::new([shape.num_elements()]));
+        match g.broadcast(
+            Tensor::from_primitive(TensorPrimitive::Float(flat)),
+            root(info.path),
+        ) {
+            Ok(v) => {
+                let v = B::float_reshape(v.into_primitive().tensor(), shape);
+                AB::from_inner(match held {
+                    true => B::kiln_bf16_store(v).expect("held in bf16 before"),
+                    false => v,
+                })
+            }
+            Err(e) => {
+                err.get_or_insert(e);
+                value
+            }
+        }
+    });
+    err.map_or(Ok(model), Err)
 }
 
 /// Whether this process is the job's rank 0 (or runs alone): for callers that print results

@@ -33,17 +33,22 @@ impl Mesh {
                 "--tensor-parallel-size and --pipeline-parallel-size must be at least 1".into(),
             ));
         }
-        if !world.is_multiple_of(tp * pp) {
+        let Some(per_replica) = tp.checked_mul(pp) else {
+            return Err(KilnError::Config(format!(
+                "--tensor-parallel-size {tp} × --pipeline-parallel-size {pp} is more processes \
+                 than can be counted"
+            )));
+        };
+        if !world.is_multiple_of(per_replica) {
             return Err(KilnError::Config(format!(
                 "the world of {world} processes does not divide into groups of \
                  --tensor-parallel-size {tp} × --pipeline-parallel-size {pp}; launch a multiple \
-                 of {} processes",
-                tp * pp
+                 of {per_replica} processes"
             )));
         }
         Ok(Self {
             tp,
-            dp: world / (tp * pp),
+            dp: world / per_replica,
             pp,
         })
     }
@@ -139,5 +144,7 @@ mod tests {
             "{e}"
         );
         assert_eq!(Mesh::new(6, 3, 1).unwrap().dp, 2);
+        let e = Mesh::new(4, 2, usize::MAX).unwrap_err().to_string();
+        assert!(e.contains("more processes than can be counted"), "{e}");
     }
 }
