@@ -20,7 +20,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, Tensor, TensorMetadata};
 
-use super::args::PipelineOptions;
+use super::args::{PipelineOptions, TrainingArguments};
 use super::grad_sync::{sync_and_clip, sync_and_clip_zero1, NormParts, Synced, SyncedGrads};
 use super::optim::{GradAccumulator, Optimizer};
 use super::pipeline_stage::Stage;
@@ -44,8 +44,9 @@ pub struct PipelinePlan<B: KilnBackend> {
     /// The ranks holding the stages of this rank's replica (and TP shard); stage `s` is rank `s`.
     group: SharedCollectives<B>,
     options: PipelineOptions,
-    /// Every stage's cut, once the model is known.
+    /// Every stage's cut, and how a step splits into micro-batches, once training starts.
     cuts: Vec<StageCut>,
+    micro: MicroBatches,
     /// The embedding's parameters: held by stage 0, and by the last stage too when tied.
     embedding: Vec<String>,
     /// Whether the head is the embedding's weight (no parameter of its own).
@@ -83,8 +84,8 @@ impl<B: KilnBackend> PipelinePlan<B> {
     }
 
     /// How a data-parallel rank's step splits into micro-batches.
-    pub fn micro_batches(&self, per_device: usize, accumulation: usize) -> Result<MicroBatches> {
-        MicroBatches::settle(per_device, accumulation, self.options.num_microbatches)
+    pub fn micro_batches(&self) -> MicroBatches {
+        self.micro
     }
 
     /// Sums a step's loss over the stages (only the last computes it).
@@ -129,6 +130,10 @@ impl<B: KilnBackend> ParallelPlan<B> {
             group,
             options,
             cuts: Vec::new(),
+            micro: MicroBatches {
+                micro_batches: 1,
+                micro_batch_size: 1,
+            },
             embedding: Vec::new(),
             tied: false,
             released: BTreeMap::new(),
@@ -148,17 +153,17 @@ impl<B: KilnBackend> ParallelPlan<B> {
     /// Takes the model's tensor-parallel layout (if sharded) and, with `zero_1`, ZeRO-1 over the
     /// data-parallel group (none when that group is one rank).
     /// With a pipeline, cuts the model's `layers` decoder layers (`None`: a model not split into
-    /// layers, which is an error) into its stages; `embedding` names the embedding's parameters,
-    /// `tied` says whether the head uses them.
+    /// layers, which is an error) into its stages and splits a step into micro-batches;
+    /// `embedding` names the embedding's parameters, `tied` says whether the head uses them.
     pub(super) fn settle(
         &mut self,
         tensor: Option<TensorParallelLayout>,
-        zero_1: bool,
+        a: &TrainingArguments,
         layers: Option<usize>,
         (embedding, tied): (Vec<String>, bool),
     ) -> Result<()> {
         self.tensor = tensor;
-        self.zero = if zero_1 { self.data.zero1() } else { None };
+        self.zero = if a.zero_1 { self.data.zero1() } else { None };
         if let Some(p) = &mut self.pipeline {
             let layers = layers.ok_or_else(|| {
                 KilnError::Config(
@@ -168,6 +173,11 @@ impl<B: KilnBackend> ParallelPlan<B> {
                 )
             })?;
             p.cuts = cut_stages(layers, p.options.size, p.options.cuts.as_deref())?;
+            p.micro = MicroBatches::settle(
+                a.per_device_train_batch_size,
+                a.gradient_accumulation_steps,
+                p.options.num_microbatches,
+            )?;
             p.embedding = embedding;
             p.tied = tied;
         }
@@ -342,7 +352,8 @@ mod tests {
                             let mut plan = ParallelPlan::<Cpu>::single()
                                 .with_pipeline(Some(Arc::new(comm)), Some(options));
                             let embedding = vec!["model.embed_tokens.weight".to_string()];
-                            plan.settle(None, false, Some(5), (embedding, tie)).unwrap();
+                            let a = TrainingArguments::default();
+                            plan.settle(None, &a, Some(5), (embedding, tie)).unwrap();
                             // Different weights per stage, so where each came from shows.
                             let model = llama(tie, 10 + stage as u64);
                             let before = module_tensors(&model);

@@ -83,7 +83,7 @@ where
     let (me, last) = (stage.index, stage.count - 1);
     let started = std::time::Instant::now();
     let mut waited = 0.0;
-    let mut receive = |from: usize| {
+    let mut timed_receive = |from: usize| {
         let t = std::time::Instant::now();
         let got = receive(stage.group, from);
         waited += t.elapsed().as_secs_f64();
@@ -99,7 +99,7 @@ where
                 let (input, mut x) = if stage.cut.embedding {
                     (None, segments.embed(batch))
                 } else {
-                    let x = Tensor::from_inner(receive(me - 1)?).require_grad();
+                    let x = Tensor::from_inner(timed_receive(me - 1)?).require_grad();
                     (Some(x.clone()), x)
                 };
                 for i in stage.cut.layers.clone() {
@@ -132,7 +132,7 @@ where
                 let grads = match f.loss {
                     Some(loss) => loss.backward(),
                     None => {
-                        let upstream = receive(me + 1)?;
+                        let upstream = timed_receive(me + 1)?;
                         (f.output * Tensor::from_inner(upstream)).sum().backward()
                     }
                 };

@@ -544,8 +544,7 @@ where
         let tied = !module_shapes(self.model())
             .keys()
             .any(|p| p.ends_with("lm_head.weight"));
-        self.parallel
-            .settle(tensor, a.zero_1, layers, (embedding, tied))?;
+        self.parallel.settle(tensor, a, layers, (embedding, tied))?;
         if a.pipeline_parallel_size > 1 && self.parallel.pipeline().is_none() {
             return Err(KilnError::Config(format!(
                 "--pipeline-parallel-size {} cuts causal LMs (--task causal-lm or sft) into \
@@ -567,9 +566,6 @@ where
                     .into(),
             ));
         }
-        if let Some(p) = self.parallel.pipeline() {
-            p.micro_batches(a.per_device_train_batch_size, a.gradient_accumulation_steps)?;
-        }
         Ok(())
     }
 
@@ -582,11 +578,7 @@ where
                 "save_only_model is not implemented for sharded checkpoints (tensor parallelism or --zero-1)".into(),
             ));
         }
-        let micro = self
-            .parallel
-            .pipeline()
-            .map(|p| p.micro_batches(a.per_device_train_batch_size, a.gradient_accumulation_steps))
-            .transpose()?;
+        let micro = self.parallel.pipeline().map(|p| p.micro_batches());
         let plan = Plan::new(a, train.len(), &self.parallel.data, micro)?;
         self.state = TrainerState {
             max_steps: plan.total,
@@ -1100,12 +1092,7 @@ where
         metrics.insert("total_flos".into(), self.state.total_flos);
         if let Some(p) = self.parallel.pipeline() {
             let (waited, ran) = self.pipeline_seconds;
-            let m = p
-                .micro_batches(
-                    self.args.per_device_train_batch_size,
-                    self.args.gradient_accumulation_steps,
-                )?
-                .micro_batches;
+            let m = p.micro_batches().micro_batches;
             info!(
                 "pipeline stage {} of {}: waited for its neighbours {waited:.2} s of {ran:.2} s \
                  ({:.1} %; the bubble formula (p − 1)/(m + p − 1) gives {:.1} %)",
