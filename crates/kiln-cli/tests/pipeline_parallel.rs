@@ -336,11 +336,6 @@ fn bad_pipeline_layouts_are_one_sentence() {
         ),
         (
             2,
-            vec!["--pipeline-parallel-size", "2", "--save-strategy", "steps"],
-            "checkpoints under --pipeline-parallel-size are not built yet",
-        ),
-        (
-            2,
             vec!["--pipeline-parallel-size", "2", "--gradient-checkpointing"],
             "--gradient-checkpointing under --pipeline-parallel-size is not built yet",
         ),
@@ -356,6 +351,170 @@ fn bad_pipeline_layouts_are_one_sentence() {
         assert!(
             !r.out.join(format!("bad{i}")).join("kiln_run.json").exists(),
             "{extra:?} claimed its output folder"
+        );
+    }
+}
+
+/// Copies folder `from` to `to` (files and sub-folders).
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &to.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+/// `kiln convert` of `from` into `to` with `flags`; returns its success and stderr.
+fn convert(flags: &[&str], from: &Path, to: &Path) -> (bool, String) {
+    let o = kiln_one_thread()
+        .arg("convert")
+        .args(flags)
+        .arg("--model")
+        .arg(from)
+        .arg("--out")
+        .arg(to)
+        .output()
+        .unwrap();
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stderr).into(),
+    )
+}
+
+/// A pipeline's checkpoints (PP = 2 × DP = 2 with ZeRO-1, tied embedding): each stage writes its
+/// own files, the PP rank in their names. The job killed right after its first checkpoint resumes
+/// from it at the same layout, at one process, at TP = 2 × PP = 2 and at PP = 4, and from its
+/// `kiln convert` copies (whole, and TP = 2 × PP = 2), each equal to the unbroken one-process run;
+/// converting between (TP, PP) layouts and back is byte-identical.
+#[test]
+fn pipeline_checkpoints_resume_at_any_layout() {
+    let Some(f) = Fixture::new() else {
+        return;
+    };
+    let r = f.run();
+    let reference = train(&r, "reference", 1, 3, &[]);
+    let pp2 = ["--pipeline-parallel-size", "2"];
+    let b2 = ["--per-device-train-batch-size", "2"];
+    let broken = train_command(
+        &r,
+        "broken",
+        launched(4),
+        3,
+        &[&pp2[..], &b2, &["--zero-1", "--save-strategy", "steps"]]
+            .concat()
+            .into_iter()
+            .chain(["--save-steps", "5"])
+            .collect::<Vec<_>>(),
+    )
+    .env("KILN_TEST_CRASH_AT", "checkpoint:renamed:1")
+    .output()
+    .unwrap();
+    assert!(!broken.status.success(), "the killed job must fail");
+    let ck = r.out.join("broken").join("checkpoint-5");
+    for file in [
+        "shards.json",
+        "model/tp_rank_00_pp_rank_00.safetensors",
+        "model/tp_rank_00_pp_rank_01.safetensors",
+        "optimizer/tp_rank_00_pp_rank_00_dp_rank_01.safetensors",
+        "optimizer/tp_rank_00_pp_rank_01_dp_rank_01.safetensors",
+        "kiln_checkpoint.json",
+    ] {
+        assert!(ck.join(file).exists(), "checkpoint-5 lacks {file}");
+    }
+    assert!(!r.out.join("broken").join("checkpoint-10").exists());
+    // Each stage holds its own layers; the tied embedding is stored once, by stage 0.
+    let stage = |s: usize| {
+        let f = ck.join(format!("model/tp_rank_00_pp_rank_{s:02}.safetensors"));
+        kiln::hub::weights::read_safetensors(&f).unwrap()
+    };
+    let (s0, s1) = (stage(0), stage(1));
+    assert!(s0.contains_key("model.embed_tokens.weight"));
+    assert!(!s1.contains_key("model.embed_tokens.weight"));
+    assert!(s1.contains_key("model.norm.weight") && !s0.contains_key("model.norm.weight"));
+    assert_eq!(s0.len() + s1.len(), reference.len());
+
+    // Convert: the checkpoint whole, and cut as TP = 2 × PP = 2; whole → (TP 2, PP 2) →
+    // (TP 1, PP 4) → whole gives the whole folder back byte for byte.
+    let dir = |name: &str| r.out.join(name);
+    let tp2pp2 = ["--to-tp", "2", "--to-pp", "2"];
+    for (flags, from, to) in [
+        (&["--to-full"][..], ck.clone(), dir("ck-full")),
+        (&tp2pp2[..], ck.clone(), dir("ck-tp2-pp2")),
+        (&tp2pp2[..], dir("ck-full"), dir("full-tp2-pp2")),
+        (
+            &["--to-tp", "1", "--to-pp", "4"][..],
+            dir("full-tp2-pp2"),
+            dir("tp1-pp4"),
+        ),
+        (&["--to-full"][..], dir("tp1-pp4"), dir("tp1-pp4-full")),
+        (&["--to-full"][..], dir("ck-tp2-pp2"), dir("tp2-pp2-full")),
+    ] {
+        let (ok, err) = convert(flags, &from, &to);
+        assert!(ok, "convert {flags:?} {}: {err}", from.display());
+    }
+    assert!(dir("tp1-pp4/model/tp_rank_00_pp_rank_03.safetensors").exists());
+    let (ok, err) = convert(&["--to-tp", "1", "--to-pp", "6"], &ck, &dir("pp6"));
+    assert!(
+        !ok && err.contains("--to-pp 6 is more stages than the model's 5 decoder layers"),
+        "{err}"
+    );
+    for back in ["tp1-pp4-full", "tp2-pp2-full"] {
+        for file in ["model.safetensors", "optimizer.safetensors"] {
+            let a = std::fs::read(dir("ck-full").join(file)).unwrap();
+            let b = std::fs::read(dir(back).join(file)).unwrap();
+            assert!(a == b, "{back}/{file} differs from ck-full's");
+        }
+    }
+
+    // A stage's file that holds another stage's parameter is one sentence.
+    let bad = dir("bad-stage");
+    copy_dir(&ck, &bad);
+    let moved = bad.join("model/tp_rank_00_pp_rank_01.safetensors");
+    let mut t = kiln::hub::weights::read_safetensors(&moved).unwrap();
+    t.insert(
+        "model.layers.0.mlp.up_proj.weight".into(),
+        s0["model.layers.0.mlp.up_proj.weight"].clone(),
+    );
+    let bytes =
+        kiln::hub::weights::safetensors_bytes(&t, kiln::hub::weights::StoreDtype::F32).unwrap();
+    std::fs::write(&moved, bytes).unwrap();
+    let (ok, err) = convert(&["--to-full"], &bad, &dir("bad-out"));
+    assert!(!ok && err.contains("puts on pipeline stage 0"), "{err}");
+    assert!(!dir("bad-out").exists());
+
+    let ck_arg = |p: &Path| p.to_string_lossy().to_string();
+    let (ck_s, full_s, tp2pp2_s) = (
+        ck_arg(&ck),
+        ck_arg(&dir("ck-full")),
+        ck_arg(&dir("ck-tp2-pp2")),
+    );
+    let tp2 = ["--tensor-parallel-size", "2"];
+    for (name, procs, layout, from) in [
+        ("same", 4, [&pp2[..], &b2, &["--zero-1"]].concat(), &ck_s),
+        ("single", 1, vec![], &ck_s),
+        ("tp2-pp2", 4, [&pp2[..], &tp2].concat(), &ck_s),
+        ("pp4", 4, vec!["--pipeline-parallel-size", "4"], &ck_s),
+        ("converted-full-pp2", 2, pp2.to_vec(), &full_s),
+        ("converted-tp2-pp2", 4, [&pp2[..], &tp2].concat(), &tp2pp2_s),
+    ] {
+        let run_name = format!("resumed-{name}");
+        let flags = [&layout[..], &["--resume-from-checkpoint", from.as_str()]].concat();
+        let (ok, err) = run(&r, &run_name, procs, 3, &flags);
+        assert!(ok, "resume {name} failed: {err}");
+        let got = weights(&r.out.join(&run_name));
+        // It went on from step 5, not from the start.
+        let log = std::fs::read_to_string(r.out.join(&run_name).join("log.jsonl")).unwrap();
+        let first: serde_json::Value = serde_json::from_str(log.lines().next().unwrap()).unwrap();
+        assert_eq!(first["step"], 6, "resume {name}: {log}");
+        let d = max_diff(&got, &reference);
+        eprintln!("resumed at {name}: max |Δw| {d:e} against the unbroken one-process run");
+        assert!(
+            d <= ADAMW_ROUNDING,
+            "resumed at {name}: weights differ by {d}"
         );
     }
 }

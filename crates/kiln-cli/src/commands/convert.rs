@@ -1,5 +1,6 @@
 //! `kiln convert`: a GGUF file to a Hugging Face Llama folder, and causal-LM checkpoints (any
-//! family `models::auto` lists) cut into tensor-parallel shards or put back together.
+//! family `models::auto` lists) cut into tensor-parallel shards (per pipeline stage with
+//! `--to-pp`) or put back together.
 
 use std::path::PathBuf;
 
@@ -17,6 +18,13 @@ pub struct ConvertCmd {
     /// tensor-parallel shards, optimizer state included.
     #[arg(long, value_name = "N", requires = "model")]
     to_tp: Option<usize>,
+    /// With --to-tp: the shards of each of M pipeline stages in files of their own, cut as
+    /// training at --pipeline-parallel-size M cuts the model.
+    #[arg(long, value_name = "M", requires = "to_tp")]
+    to_pp: Option<usize>,
+    /// With --to-pp: the decoder-layer indices where stages 1, 2, … begin (as in training).
+    #[arg(long, value_name = "LIST", requires = "to_pp")]
+    pipeline_cuts: Option<String>,
     /// Put --model's shards (a sharded checkpoint or --to-tp folder) back together as one
     /// Hugging Face folder (a plain checkpoint when it holds optimizer state).
     #[arg(long, requires = "model")]
@@ -44,14 +52,21 @@ pub fn run(cmd: ConvertCmd) -> Result<()> {
     };
     let t0 = std::time::Instant::now();
     if let Some(model) = &cmd.model {
-        reshard(model, &cmd.out, cmd.to_tp, cmd.coalesce_qkv)?;
+        let cuts = cmd
+            .pipeline_cuts
+            .as_deref()
+            .map(kiln::parallel::pipeline::parse_cuts)
+            .transpose()?;
+        let pipeline = cmd.to_pp.map(|n| (n, cuts));
+        reshard(model, &cmd.out, cmd.to_tp, pipeline, cmd.coalesce_qkv)?;
         println!(
             "{} → {}: {} ({:.1} s)",
             model.display(),
             cmd.out.display(),
-            match cmd.to_tp {
-                Some(n) => format!("{n} tensor-parallel shards"),
-                None => "one consolidated folder".into(),
+            match (cmd.to_tp, cmd.to_pp) {
+                (Some(n), Some(m)) => format!("{n} tensor-parallel shards × {m} pipeline stages"),
+                (Some(n), None) => format!("{n} tensor-parallel shards"),
+                _ => "one consolidated folder".into(),
             },
             t0.elapsed().as_secs_f64()
         );
@@ -104,14 +119,16 @@ fn model_config(model: &std::path::Path) -> Result<std::path::PathBuf> {
 }
 
 /// `kiln convert --to-tp N` (the family's splits, as training at `--tensor-parallel-size N`
-/// holds them) or `--to-full` (`to_tp` = `None`).
+/// holds them; with `pipeline`, the stages and cuts of `--pipeline-parallel-size`) or `--to-full`
+/// (`to_tp` = `None`).
 fn reshard(
     model: &std::path::Path,
     out: &std::path::Path,
     to_tp: Option<usize>,
+    pipeline: Option<(usize, Option<Vec<usize>>)>,
     coalesce_qkv: bool,
 ) -> Result<()> {
-    use kiln::train::reshard::Target;
+    use kiln::train::reshard::{Stages, Target};
     kiln::train::reshard::reshard(model, out, |whole| match to_tp {
         None => Ok(Target::Full),
         Some(0) => Err(kiln::KilnError::Config(
@@ -131,6 +148,16 @@ fn reshard(
                     coalesce_qkv,
                 )?,
                 coalesce_qkv,
+                // Cut as training cuts it; its sentences name convert's option.
+                stages: pipeline
+                    .map(|(m, cuts)| {
+                        Stages::of_decoder(&names, m, cuts.as_deref()).map_err(|e| {
+                            kiln::KilnError::Config(
+                                e.to_string().replace("--pipeline-parallel-size", "--to-pp"),
+                            )
+                        })
+                    })
+                    .transpose()?,
             })
         }
     })?;

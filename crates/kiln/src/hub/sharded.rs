@@ -8,7 +8,12 @@
 //!   the values data-parallel rank MM updates (all of the shard without ZeRO-1, one file per TP
 //!   rank; a contiguous part of each with ZeRO-1);
 //! - `shards.json` ([`ShardLayout`]): every parameter's whole shape, how each TP rank holds it,
-//!   and which values of it each optimizer file covers.
+//!   which pipeline stage holds it, and which values of it each optimizer file covers.
+//!
+//! Under pipeline parallelism every stage writes its own parameters' files, the PP rank in their
+//! names (`model/tp_rank_NN_pp_rank_SS.safetensors`,
+//! `optimizer/tp_rank_NN_pp_rank_SS_dp_rank_MM.safetensors`); a tied embedding is stored once, by
+//! stage 0. Without a pipeline the names stay as above.
 //!
 //! The functions here are pure: cutting a whole tensor for a rank, and putting every rank's
 //! pieces back (replicas checked equal, never one picked silently).
@@ -26,14 +31,26 @@ use crate::{KilnError, Result};
 /// The layout file of a sharded folder.
 pub const LAYOUT_FILE: &str = "shards.json";
 
-/// Tensor-parallel rank `tp`'s model file.
-pub fn model_file(tp: usize) -> String {
-    format!("model/tp_rank_{tp:02}.safetensors")
+/// The name part of tensor-parallel rank `tp` and pipeline stage `pp` (`None`: no pipeline).
+fn rank_name(tp: usize, pp: Option<usize>) -> String {
+    match pp {
+        Some(pp) => format!("tp_rank_{tp:02}_pp_rank_{pp:02}"),
+        None => format!("tp_rank_{tp:02}"),
+    }
 }
 
-/// The optimizer file of tensor-parallel rank `tp` and data-parallel rank `dp`.
-pub fn optimizer_file(tp: usize, dp: usize) -> String {
-    format!("optimizer/tp_rank_{tp:02}_dp_rank_{dp:02}.safetensors")
+/// Tensor-parallel rank `tp`'s model file (of pipeline stage `pp` under a pipeline).
+pub fn model_file(tp: usize, pp: Option<usize>) -> String {
+    format!("model/{}.safetensors", rank_name(tp, pp))
+}
+
+/// The optimizer file of tensor-parallel rank `tp`, pipeline stage `pp` (`None`: no pipeline)
+/// and data-parallel rank `dp`.
+pub fn optimizer_file(tp: usize, pp: Option<usize>, dp: usize) -> String {
+    format!(
+        "optimizer/{}_dp_rank_{dp:02}.safetensors",
+        rank_name(tp, pp)
+    )
 }
 
 /// How one tensor-parallel rank holds a parameter: rows/columns `range` of dimension `axis`, or
@@ -66,6 +83,21 @@ pub struct ParamLayout {
     pub shape: Vec<usize>,
     /// Per tensor-parallel rank: its cut, or `None` for a whole copy.
     pub ranks: Vec<Option<Cut>>,
+    /// The pipeline stage whose files hold it (0 without a pipeline).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub stage: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
+}
+
+fn one() -> usize {
+    1
 }
 
 impl ParamLayout {
@@ -84,6 +116,9 @@ impl ParamLayout {
 #[serde(deny_unknown_fields)]
 pub struct ShardLayout {
     pub tensor_parallel_size: usize,
+    /// The number of pipeline stages whose files hold the parameters (1: no pipeline).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub pipeline_parallel_size: usize,
     /// The data-parallel size of the run that wrote the optimizer files.
     pub data_parallel_size: usize,
     pub zero_1: bool,
@@ -137,11 +172,13 @@ impl ShardLayout {
                 ParamLayout {
                     shape: shape.clone(),
                     ranks,
+                    stage: 0,
                 },
             );
         }
         let layout = Self {
             tensor_parallel_size: splits.len(),
+            pipeline_parallel_size: 1,
             data_parallel_size: 1,
             zero_1: false,
             params,
@@ -152,8 +189,33 @@ impl ShardLayout {
         Ok(layout)
     }
 
+    /// Puts every parameter on the pipeline stage `stage_of` names, of `stages`.
+    pub fn with_stages(mut self, stages: usize, stage_of: impl Fn(&str) -> usize) -> Result<Self> {
+        self.pipeline_parallel_size = stages;
+        for (name, p) in self.params.iter_mut() {
+            p.stage = stage_of(name);
+        }
+        self.check().map_err(KilnError::Weights)?;
+        Ok(self)
+    }
+
+    /// The stage part of a file name: `None` without a pipeline.
+    fn stage_name(&self, stage: usize) -> Option<usize> {
+        (self.pipeline_parallel_size > 1).then_some(stage)
+    }
+
+    /// Tensor-parallel rank `tp`'s model file of pipeline stage `stage`.
+    pub fn model_file(&self, tp: usize, stage: usize) -> String {
+        model_file(tp, self.stage_name(stage))
+    }
+
+    /// The optimizer file of tensor-parallel rank `tp`, stage `stage`, data-parallel rank `dp`.
+    pub fn optimizer_file(&self, tp: usize, stage: usize, dp: usize) -> String {
+        optimizer_file(tp, self.stage_name(stage), dp)
+    }
+
     /// Whether tensor-parallel rank `tp` of a `size`-rank split cutting parameters as `split`
-    /// says holds exactly this folder's file `model_file(tp)` (then nothing else need be read).
+    /// says holds exactly this folder's model files of rank `tp` (then nothing else need be read).
     pub fn same_cut(&self, tp: usize, size: usize, split: impl Fn(&str) -> ParamSplit) -> bool {
         !self.coalesced_qkv
             && self.tensor_parallel_size == size
@@ -404,7 +466,16 @@ impl ShardLayout {
         if self.data_parallel_size == 0 {
             return Err("data_parallel_size must be at least 1".into());
         }
+        if self.pipeline_parallel_size == 0 {
+            return Err("pipeline_parallel_size must be at least 1".into());
+        }
         for (name, p) in &self.params {
+            if p.stage >= self.pipeline_parallel_size {
+                return Err(format!(
+                    "{name}: stage {} of pipeline_parallel_size {}",
+                    p.stage, self.pipeline_parallel_size
+                ));
+            }
             if checked_numel(&p.shape).is_none() {
                 return Err(format!(
                     "{name}: shape {:?} holds more values than memory can",
@@ -485,51 +556,80 @@ pub fn read_layout(dir: &Path) -> Result<Option<ShardLayout>> {
     Ok(Some(layout))
 }
 
-/// The whole model of a sharded folder.
-pub fn read_whole_model(dir: &Path, layout: &ShardLayout) -> Result<BTreeMap<String, HostTensor>> {
-    let ranks = (0..layout.tensor_parallel_size)
-        .map(|tp| {
-            let t = read_safetensors(&dir.join(model_file(tp)))?;
-            if layout.coalesced_qkv {
-                split_qkv(layout, tp, t)
-            } else {
-                Ok(t)
+/// Tensor-parallel rank `tp`'s parameters of a sharded folder (every stage's file of it, put
+/// side by side). Each file must hold exactly its stage's parameters.
+pub fn read_rank_model(
+    dir: &Path,
+    layout: &ShardLayout,
+    tp: usize,
+) -> Result<BTreeMap<String, HostTensor>> {
+    let mut out = BTreeMap::new();
+    for stage in 0..layout.pipeline_parallel_size {
+        let file = dir.join(layout.model_file(tp, stage));
+        let mut t = read_safetensors(&file)?;
+        if layout.coalesced_qkv {
+            t = split_qkv(layout, tp, t)?;
+        }
+        // A tensor the layout does not list (or lists on another stage) would be dropped from
+        // the whole model unseen, or taken twice.
+        for name in t.keys() {
+            match layout.params.get(name) {
+                None => {
+                    return Err(KilnError::Weights(format!(
+                        "{}: holds {name}, which {LAYOUT_FILE} does not list",
+                        file.display()
+                    )))
+                }
+                Some(p) if p.stage != stage => {
+                    return Err(KilnError::Weights(format!(
+                        "{}: holds {name}, which {LAYOUT_FILE} puts on pipeline stage {}",
+                        file.display(),
+                        p.stage
+                    )))
+                }
+                Some(_) => {}
             }
-        })
-        .collect::<Result<Vec<_>>>()?;
-    // A tensor the layout does not list would be dropped from the whole model unseen.
-    for (tp, r) in ranks.iter().enumerate() {
-        if let Some(extra) = r.keys().find(|k| !layout.params.contains_key(*k)) {
+        }
+        out.append(&mut t);
+    }
+    for (name, p) in &layout.params {
+        if !out.contains_key(name) {
             return Err(KilnError::Weights(format!(
-                "{}: holds {extra}, which {LAYOUT_FILE} does not list",
-                dir.join(model_file(tp)).display()
+                "{}: lacks {name}",
+                dir.join(layout.model_file(tp, p.stage)).display()
             )));
         }
     }
-    // Shards of more ranks than the layout names: its tensor_parallel_size is not the folder's.
-    let next = dir.join(model_file(layout.tensor_parallel_size));
-    if next.exists() {
-        return Err(KilnError::Weights(format!(
-            "{}: {LAYOUT_FILE} says tensor_parallel_size {}, but {} exists",
-            dir.display(),
-            layout.tensor_parallel_size,
-            next.display()
-        )));
+    Ok(out)
+}
+
+/// The whole model of a sharded folder.
+pub fn read_whole_model(dir: &Path, layout: &ShardLayout) -> Result<BTreeMap<String, HostTensor>> {
+    let ranks = (0..layout.tensor_parallel_size)
+        .map(|tp| read_rank_model(dir, layout, tp))
+        .collect::<Result<Vec<_>>>()?;
+    // Shards of more ranks or stages than the layout names: its sizes are not the folder's.
+    let (tp, pp) = (layout.tensor_parallel_size, layout.pipeline_parallel_size);
+    let beyond = [
+        (layout.model_file(tp, 0), "tensor_parallel_size", tp),
+        (model_file(0, Some(pp)), "pipeline_parallel_size", pp),
+    ];
+    for (next, field, n) in beyond {
+        let next = dir.join(next);
+        if next.exists() {
+            return Err(KilnError::Weights(format!(
+                "{}: {LAYOUT_FILE} says {field} {n}, but {} exists",
+                dir.display(),
+                next.display()
+            )));
+        }
     }
     let mut out = BTreeMap::new();
     for name in layout.params.keys() {
         let pieces = ranks
             .iter()
-            .enumerate()
-            .map(|(tp, r)| {
-                r.get(name).ok_or_else(|| {
-                    KilnError::Weights(format!(
-                        "{}: lacks {name}",
-                        dir.join(model_file(tp)).display()
-                    ))
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+            .map(|r| r.get(name).expect("read_rank_model checked every name"))
+            .collect::<Vec<_>>();
         out.insert(name.clone(), layout.join(name, &pieces)?);
     }
     Ok(out)
@@ -548,8 +648,23 @@ pub fn read_rank_optimizer(
             dir.display()
         ))
     })?;
+    // Per data-parallel file, per stage: a stage's file holds its own parameters' moments.
     let parts = (0..files.len())
-        .map(|dp| read_safetensors(&dir.join(optimizer_file(tp, dp))))
+        .map(|dp| {
+            (0..layout.pipeline_parallel_size)
+                .map(|s| {
+                    let listed = layout
+                        .params
+                        .iter()
+                        .any(|(n, p)| p.stage == s && files[dp].contains_key(n));
+                    if listed {
+                        read_safetensors(&dir.join(layout.optimizer_file(tp, s, dp)))
+                    } else {
+                        Ok(BTreeMap::new())
+                    }
+                })
+                .collect::<Result<Vec<_>>>()
+        })
         .collect::<Result<Vec<_>>>()?;
     let mut out = BTreeMap::new();
     for (name, p) in &layout.params {
@@ -561,10 +676,11 @@ pub fn read_rank_optimizer(
             let mut pieces = Vec::new();
             for (dp, (ranges, tensors)) in files.iter().zip(&parts).enumerate() {
                 let Some(r) = ranges.get(name) else { continue };
+                let tensors = &tensors[p.stage];
                 let Some(t) = tensors.get(&key).filter(|t| t.data.len() == r.len()) else {
                     return Err(KilnError::Checkpoint(format!(
                         "{}: lacks {key} over values {r:?}",
-                        dir.join(optimizer_file(tp, dp)).display()
+                        dir.join(layout.optimizer_file(tp, p.stage, dp)).display()
                     )));
                 };
                 pieces.push((r.clone(), t));
@@ -681,6 +797,7 @@ mod tests {
     fn replicas_that_differ_are_refused() {
         let layout = ShardLayout {
             tensor_parallel_size: 2,
+            pipeline_parallel_size: 1,
             data_parallel_size: 1,
             zero_1: false,
             params: [(
@@ -688,6 +805,7 @@ mod tests {
                 ParamLayout {
                     shape: vec![3],
                     ranks: vec![None, None],
+                    stage: 0,
                 },
             )]
             .into(),
@@ -708,6 +826,7 @@ mod tests {
     fn two_ranks(ranges: [Range<usize>; 2]) -> ShardLayout {
         ShardLayout {
             tensor_parallel_size: 2,
+            pipeline_parallel_size: 1,
             data_parallel_size: 1,
             zero_1: false,
             params: [(
@@ -718,6 +837,7 @@ mod tests {
                         .into_iter()
                         .map(|range| Some(Cut { axis: 0, range }))
                         .collect(),
+                    stage: 0,
                 },
             )]
             .into(),

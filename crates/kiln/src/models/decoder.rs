@@ -18,6 +18,10 @@ use crate::error::Result;
 use crate::ops::{KilnBackend, TpComm, TrainBackend};
 use crate::task::{Model, ParamSplit};
 
+/// The token embedding's parameter in every decoder family kiln builds (Hugging Face's name):
+/// the pipeline's stage 0 holds it, and a tied head reads it.
+pub const DECODER_EMBEDDING: &str = "model.embed_tokens.weight";
+
 /// The parts of a decoder's config the task reads, whatever the family.
 pub trait DecoderConfig: Clone + Send + Sync + 'static {
     fn vocab_size(&self) -> usize;

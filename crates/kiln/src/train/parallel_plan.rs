@@ -24,7 +24,7 @@ use super::args::{PipelineOptions, TrainingArguments};
 use super::grad_sync::{sync_and_clip, sync_and_clip_zero1, NormParts, Synced, SyncedGrads};
 use super::optim::{GradAccumulator, Optimizer};
 use super::pipeline_stage::Stage;
-use crate::models::params::map_params;
+use crate::models::params::{map_params, module_tensors_where};
 use crate::ops::KilnBackend;
 use crate::parallel::broadcast_module;
 use crate::parallel::pipeline::{cut_stages, owner_stage, MicroBatches, ScheduleKind, StageCut};
@@ -93,16 +93,58 @@ impl<B: KilnBackend> PipelinePlan<B> {
         Ok(self.group.sum_host(vec![v as f32])?[0] as f64)
     }
 
-    /// Whether another stage counts `name`'s gradient in the global norm: a tied embedding is
-    /// counted on stage 0 only.
     /// Whether this stage runs with parameter `path`: its layers', the embedding on stage 0,
     /// the norm and head on the last (with a tied embedding, the embedding too).
-    fn holds(&self, path: &str) -> bool {
+    pub fn holds(&self, path: &str) -> bool {
         let last = self.count() - 1;
         owner_stage(path, &self.cuts, &self.embedding) == self.index()
             || (self.tied && self.index() == last && self.embedding.iter().any(|e| e == path))
     }
 
+    /// Whether this stage owns `path`: it saves it, and the others receive it from it. A tied
+    /// embedding is stage 0's.
+    pub fn owns(&self, path: &str) -> bool {
+        owner_stage(path, &self.cuts, &self.embedding) == self.index()
+    }
+
+    /// With a tied embedding, checks that the first and last stages hold it equal bit for bit
+    /// (every stage of the group takes part): each puts a 32-bit hash of its copy, as two exact
+    /// 16-bit halves, into its slots of a sum over the group.
+    pub(super) fn check_tied_copies<AB, M>(&self, model: &M, step: u64) -> Result<()>
+    where
+        AB: AutodiffBackend<InnerBackend = B> + KilnBackend,
+        M: AutodiffModule<AB>,
+    {
+        if !self.tied {
+            return Ok(());
+        }
+        let last = self.count() - 1;
+        let mut slots = vec![0f32; 4];
+        if self.index() == 0 || self.index() == last {
+            let copies = module_tensors_where(model, |p| self.embedding.iter().any(|e| e == p));
+            let hash = copies
+                .values()
+                .flat_map(|t| &t.data)
+                .fold(0x811c_9dc5u32, |h, v| {
+                    (h ^ v.to_bits()).wrapping_mul(0x0100_0193)
+                });
+            let at = if self.index() == 0 { 0 } else { 2 };
+            slots[at] = (hash >> 16) as f32;
+            slots[at + 1] = (hash & 0xffff) as f32;
+        }
+        let all = self.group.sum_host(slots)?;
+        if all[..2] != all[2..] {
+            return Err(KilnError::Checkpoint(format!(
+                "the tied embedding {} differs between pipeline stages 0 and {last} at step \
+                 {step}: their summed gradients or updates went apart, so no checkpoint is written",
+                self.embedding.join(", ")
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether another stage counts `name`'s gradient in the global norm: a tied embedding is
+    /// counted on stage 0 only.
     pub(super) fn counted_elsewhere(&self, name: &str) -> bool {
         self.index() > 0 && self.embedding.iter().any(|e| e == name)
     }
@@ -245,9 +287,15 @@ impl<B: KilnBackend> ParallelPlan<B> {
         self.zero.as_ref()
     }
 
-    /// Whether checkpoints are written per rank (tensor parallelism or ZeRO-1).
+    /// Whether checkpoints are written per rank (tensor or pipeline parallelism, ZeRO-1).
     pub fn sharded(&self) -> bool {
-        self.tensor.is_some() || self.zero.is_some()
+        self.tensor.is_some() || self.zero.is_some() || self.pipeline.is_some()
+    }
+
+    /// Whether this rank writes parameter `path` into a checkpoint: under a pipeline, only the
+    /// parameters its stage owns; every one otherwise.
+    pub fn saves(&self, path: &str) -> bool {
+        self.pipeline.as_ref().is_none_or(|p| p.owns(path))
     }
 
     /// Whether the model is put together from several ranks' parts when saved (tensor or

@@ -1,7 +1,8 @@
-//! `kiln convert --to-tp N` / `--to-full`: a model folder or checkpoint, whole or sharded at any
-//! tensor-parallel size, rewritten whole (a Hugging Face folder, or a plain checkpoint) or as
-//! tensor-parallel shards — the optimizer moments too, so a run can resume at another layout from
-//! the converted folder (NxD's converter leaves the optimizer behind).
+//! `kiln convert --to-tp N [--to-pp M]` / `--to-full`: a model folder or checkpoint, whole or
+//! sharded at any tensor- and pipeline-parallel sizes, rewritten whole (a Hugging Face folder, or
+//! a plain checkpoint) or as tensor-parallel shards per pipeline stage — the optimizer moments
+//! too, so a run can resume at another layout from the converted folder (NxD's converter leaves
+//! the optimizer behind).
 //!
 //! The output is written into a hidden folder beside `--out` and renamed into place, so a failed
 //! conversion leaves nothing half-written.
@@ -13,11 +14,12 @@ use super::checkpoint::{write_marker, Marker, MARKER};
 use crate::hub::files::{sync_dir, write_synced, TEMP_PREFIX};
 use crate::hub::model_weights::read_model_weights;
 use crate::hub::sharded::{
-    model_file, optimizer_file, read_layout, read_whole_model, read_whole_optimizer, ShardLayout,
-    LAYOUT_FILE,
+    read_layout, read_whole_model, read_whole_optimizer, ShardLayout, LAYOUT_FILE,
 };
 use crate::hub::weights::{read_safetensors, safetensors_bytes, HostTensor, StoreDtype};
+use crate::models::decoder::DECODER_EMBEDDING;
 use crate::models::lora::{ADAPTER_CONFIG, ADAPTER_WEIGHTS};
+use crate::parallel::pipeline::{cut_stages, owner_stage};
 use crate::task::ParamSplit;
 use crate::{KilnError, Result};
 
@@ -26,11 +28,19 @@ pub enum Target {
     /// One `model.safetensors` (and a flat `optimizer.safetensors` for a checkpoint).
     Full,
     /// Tensor-parallel shards: every rank's cut of every parameter, by name; with
-    /// `coalesce_qkv`, attention's q/k/v stored as NxD's one `qkv_proj` per rank.
+    /// `coalesce_qkv`, attention's q/k/v stored as NxD's one `qkv_proj` per rank. With
+    /// `stages`, each pipeline stage's parameters in files of their own.
     TensorParallel {
         splits: Vec<BTreeMap<String, ParamSplit>>,
         coalesce_qkv: bool,
+        stages: Option<Stages>,
     },
+}
+
+/// Pipeline stages of a sharded folder: how many, and which holds each parameter.
+pub struct Stages {
+    pub count: usize,
+    pub of: BTreeMap<String, usize>,
 }
 
 /// A folder's contents, put together.
@@ -45,6 +55,33 @@ pub struct WholeFolder {
     /// A LoRA run's folder: the weights are its adapter's (`adapter_config.json` beside them),
     /// written whole as PEFT's `adapter_model.safetensors`.
     pub adapter: bool,
+}
+
+impl Stages {
+    /// The stages of a decoder whose parameters are `names`, cut as training at
+    /// `--pipeline-parallel-size stages` (with `--pipeline-cuts cuts`, if given) cuts it.
+    pub fn of_decoder(names: &[&str], stages: usize, cuts: Option<&[usize]>) -> Result<Self> {
+        let layers = names
+            .iter()
+            .filter_map(|n| {
+                let parts: Vec<&str> = n.split('.').collect();
+                parts
+                    .windows(2)
+                    .find(|w| w[0] == "layers")
+                    .and_then(|w| w[1].parse::<usize>().ok())
+            })
+            .max()
+            .map_or(0, |i| i + 1);
+        let cut = cut_stages(layers, stages, cuts)?;
+        let embedding = [DECODER_EMBEDDING.to_string()];
+        Ok(Self {
+            count: stages,
+            of: names
+                .iter()
+                .map(|n| (n.to_string(), owner_stage(n, &cut, &embedding)))
+                .collect(),
+        })
+    }
 }
 
 /// Files a conversion rewrites rather than copies.
@@ -209,6 +246,7 @@ fn write_folder(tmp: &Path, whole: &WholeFolder, target: &Target) -> Result<()> 
         Target::TensorParallel {
             splits,
             coalesce_qkv,
+            stages,
         } => {
             let shapes = whole
                 .model
@@ -216,35 +254,47 @@ fn write_folder(tmp: &Path, whole: &WholeFolder, target: &Target) -> Result<()> 
                 .map(|(k, t)| (k.clone(), t.shape.clone()))
                 .collect();
             let mut layout = ShardLayout::from_splits(&shapes, splits, *coalesce_qkv)?;
+            if let Some(st) = stages {
+                layout = layout.with_stages(st.count, |n| st.of.get(n).copied().unwrap_or(0))?;
+            }
+            let stage_of = |param: &str| layout.params.get(param).map_or(0, |p| p.stage);
             for tp in 0..splits.len() {
-                let cut = |t: &BTreeMap<String, HostTensor>, param: fn(&str) -> &str| {
+                let cut = |t: &BTreeMap<String, HostTensor>, param: fn(&str) -> &str, s: usize| {
                     t.iter()
+                        .filter(|(k, _)| stage_of(param(k)) == s)
                         .map(|(k, v)| Ok((k.clone(), layout.cut(param(k), tp, v)?)))
                         .collect::<Result<BTreeMap<_, _>>>()
                 };
-                let model = cut(&whole.model, |k| k)?;
-                let stored = if *coalesce_qkv {
-                    crate::hub::sharded::coalesce_qkv(model.clone())
-                } else {
-                    model.clone()
-                };
-                put(
-                    tmp,
-                    &model_file(tp),
-                    &safetensors_bytes(&stored, StoreDtype::F32)?,
-                )?;
-                if let Some(m) = &whole.moments {
-                    let moments = cut(m, |k| k.rsplit_once('.').map_or(k, |(n, _)| n))?;
+                let mut covers = BTreeMap::new();
+                for s in 0..layout.pipeline_parallel_size {
+                    let model = cut(&whole.model, |k| k, s)?;
+                    let stored = if *coalesce_qkv {
+                        crate::hub::sharded::coalesce_qkv(model.clone())
+                    } else {
+                        model.clone()
+                    };
                     put(
                         tmp,
-                        &optimizer_file(tp, 0),
-                        &safetensors_bytes(&moments, StoreDtype::F32)?,
+                        &layout.model_file(tp, s),
+                        &safetensors_bytes(&stored, StoreDtype::F32)?,
                     )?;
-                    layout.optimizer.push(vec![model
-                        .iter()
-                        .filter(|(k, _)| m.contains_key(&format!("{k}.exp_avg")))
-                        .map(|(k, t)| (k.clone(), 0..t.data.len()))
-                        .collect()]);
+                    if let Some(m) = &whole.moments {
+                        let moments = cut(m, |k| k.rsplit_once('.').map_or(k, |(n, _)| n), s)?;
+                        put(
+                            tmp,
+                            &layout.optimizer_file(tp, s, 0),
+                            &safetensors_bytes(&moments, StoreDtype::F32)?,
+                        )?;
+                        covers.extend(
+                            model
+                                .iter()
+                                .filter(|(k, _)| m.contains_key(&format!("{k}.exp_avg")))
+                                .map(|(k, t)| (k.clone(), 0..t.data.len())),
+                        );
+                    }
+                }
+                if whole.moments.is_some() {
+                    layout.optimizer.push(vec![covers]);
                 }
             }
             put(

@@ -1,12 +1,16 @@
-//! Checkpoints of a sharded run (tensor parallelism and/or ZeRO-1): every rank writes its own
+//! Checkpoints of a sharded run (tensor or pipeline parallelism, ZeRO-1): every rank writes its own
 //! files into the checkpoint's staging folder, rank 0 adds the shared files, composes the layout
 //! (`shards.json`, see [`crate::hub::sharded`]) and the marker, and moves the folder into place —
 //! the same atomic life as a plain checkpoint. The output folder must be one filesystem for all
 //! ranks (as NxD's checkpoints need a shared one across nodes).
 //!
-//! Resuming reads only this rank's files when the layout is the same; at another tensor- or
-//! data-parallel size (or from a plain checkpoint) it puts the whole model and moments together
-//! and cuts this rank's part from them.
+//! Under a pipeline each stage writes only the parameters it owns (a tied embedding once, from
+//! stage 0), the PP rank in its files' names.
+//!
+//! Resuming reads only this tensor-parallel rank's files when the cut is the same (every stage's
+//! of them: a stage's rank loads the whole model before it lets the other stages' layers go); at
+//! another tensor-, pipeline- or data-parallel size (or from a plain checkpoint) it puts the whole
+//! model and moments together and cuts this rank's part from them.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -17,8 +21,8 @@ use serde::{Deserialize, Serialize};
 use super::checkpoint::ensure_finite;
 use crate::hub::files::write_synced;
 use crate::hub::sharded::{
-    cut_split, model_file, optimizer_file, read_layout, read_rank_optimizer, read_whole_model,
-    read_whole_optimizer, Cut, ParamLayout, ShardLayout, LAYOUT_FILE,
+    cut_split, model_file, optimizer_file, read_layout, read_rank_model, read_rank_optimizer,
+    read_whole_model, read_whole_optimizer, Cut, ParamLayout, ShardLayout, LAYOUT_FILE,
 };
 use crate::hub::weights::{read_safetensors, safetensors_bytes, HostTensor, StoreDtype};
 use crate::parallel::ZeroPartition;
@@ -30,10 +34,20 @@ use crate::{KilnError, Result};
 pub struct Place {
     pub tp: usize,
     pub tp_size: usize,
+    /// This rank's pipeline stage, of `pp_size` (1: no pipeline).
+    pub pp: usize,
+    pub pp_size: usize,
     pub dp: usize,
     pub dp_size: usize,
     /// Whether AdamW's moments are split over the data-parallel ranks.
     pub zero: bool,
+}
+
+impl Place {
+    /// The stage part of this rank's file names (`None` without a pipeline).
+    fn stage(&self) -> Option<usize> {
+        (self.pp_size > 1).then_some(self.pp)
+    }
 }
 
 /// A rank's part of the layout, written beside its model shard and composed by rank 0.
@@ -43,12 +57,12 @@ struct RankCuts {
     params: BTreeMap<String, (Vec<usize>, Option<Cut>)>,
 }
 
-fn cuts_file(tp: usize) -> String {
-    format!("model/tp_rank_{tp:02}.cuts.json")
+fn cuts_file(tp: usize, pp: Option<usize>) -> String {
+    model_file(tp, pp).replace(".safetensors", ".cuts.json")
 }
 
-fn covers_file(tp: usize, dp: usize) -> String {
-    format!("optimizer/tp_rank_{tp:02}_dp_rank_{dp:02}.covers.json")
+fn covers_file(tp: usize, pp: Option<usize>, dp: usize) -> String {
+    optimizer_file(tp, pp, dp).replace(".safetensors", ".covers.json")
 }
 
 fn write_json_file<T: Serialize>(dir: &Path, name: &str, v: &T) -> Result<()> {
@@ -77,8 +91,9 @@ fn whole_shape(local: &[usize], split: Option<&ParamSplit>) -> Vec<usize> {
 }
 
 /// Writes this rank's files into the staging folder `tmp`: its model shard (the first
-/// data-parallel rank of each tensor-parallel rank; the others hold the same) and its moments
-/// (every rank under ZeRO-1, the first data-parallel rank otherwise).
+/// data-parallel rank of each tensor-parallel rank and stage; the others hold the same) and its
+/// moments (every rank under ZeRO-1, the first data-parallel rank otherwise). Under a pipeline,
+/// `model`, `moments` and `covers` are this stage's own parameters' only.
 pub fn write_rank_files(
     tmp: &Path,
     place: Place,
@@ -87,9 +102,10 @@ pub fn write_rank_files(
     moments: &BTreeMap<String, HostTensor>,
     covers: &BTreeMap<String, Range<usize>>,
 ) -> Result<()> {
+    let (tp, pp) = (place.tp, place.stage());
     if place.dp == 0 {
-        ensure_finite(model, &format!("saving {}", model_file(place.tp)))?;
-        write_tensors(tmp, &model_file(place.tp), model)?;
+        ensure_finite(model, &format!("saving {}", model_file(tp, pp)))?;
+        write_tensors(tmp, &model_file(tp, pp), model)?;
         let params = model
             .iter()
             .map(|(name, t)| {
@@ -97,17 +113,20 @@ pub fn write_rank_files(
                 (name.clone(), (whole_shape(&t.shape, split), Cut::of(split)))
             })
             .collect();
-        write_json_file(tmp, &cuts_file(place.tp), &RankCuts { params })?;
+        write_json_file(tmp, &cuts_file(tp, pp), &RankCuts { params })?;
     }
     if place.zero || place.dp == 0 {
-        write_tensors(tmp, &optimizer_file(place.tp, place.dp), moments)?;
-        write_json_file(tmp, &covers_file(place.tp, place.dp), covers)?;
+        write_tensors(tmp, &optimizer_file(tp, pp, place.dp), moments)?;
+        write_json_file(tmp, &covers_file(tp, pp, place.dp), covers)?;
     }
     Ok(())
 }
 
-/// Rank 0, once every rank wrote its files: composes `shards.json` from their pieces.
-pub fn write_layout(tmp: &Path, tp_size: usize, dp_size: usize, zero: bool) -> Result<()> {
+/// Rank 0, once every rank wrote its files: composes `shards.json` from their pieces (`place`
+/// gives the run's sizes).
+pub fn write_layout(tmp: &Path, place: Place) -> Result<()> {
+    let (tp_size, pp_size, dp_size) = (place.tp_size, place.pp_size, place.dp_size);
+    let stage = |pp: usize| (pp_size > 1).then_some(pp);
     let read = |name: String| -> Result<Vec<u8>> {
         let p = tmp.join(&name);
         let bytes = std::fs::read(&p).map_err(|e| KilnError::io(&p, e))?;
@@ -120,30 +139,47 @@ pub fn write_layout(tmp: &Path, tp_size: usize, dp_size: usize, zero: bool) -> R
     }
     let mut params: BTreeMap<String, ParamLayout> = BTreeMap::new();
     for tp in 0..tp_size {
-        let name = cuts_file(tp);
-        let cuts: RankCuts = parse(tmp, &name, &read(name.clone())?)?;
-        for (param, (shape, cut)) in cuts.params {
-            let entry = params.entry(param).or_insert_with(|| ParamLayout {
-                shape,
-                ranks: vec![None; tp_size],
-            });
-            entry.ranks[tp] = cut;
+        for pp in 0..pp_size {
+            let name = cuts_file(tp, stage(pp));
+            let cuts: RankCuts = parse(tmp, &name, &read(name.clone())?)?;
+            for (param, (shape, cut)) in cuts.params {
+                let entry = params.entry(param.clone()).or_insert_with(|| ParamLayout {
+                    shape,
+                    ranks: vec![None; tp_size],
+                    stage: pp,
+                });
+                if entry.stage != pp {
+                    return Err(KilnError::Checkpoint(format!(
+                        "{}: pipeline stages {} and {pp} both saved {param}",
+                        tmp.display(),
+                        entry.stage
+                    )));
+                }
+                entry.ranks[tp] = cut;
+            }
         }
     }
-    let files = if zero { dp_size } else { 1 };
+    let files = if place.zero { dp_size } else { 1 };
     let mut optimizer = Vec::with_capacity(tp_size);
     for tp in 0..tp_size {
         let mut per_dp = Vec::with_capacity(files);
         for dp in 0..files {
-            let name = covers_file(tp, dp);
-            per_dp.push(parse(tmp, &name, &read(name.clone())?)?);
+            // Each stage covers its own parameters: one map over the stages.
+            let mut covers: BTreeMap<String, Range<usize>> = BTreeMap::new();
+            for pp in 0..pp_size {
+                let name = covers_file(tp, stage(pp), dp);
+                let part: BTreeMap<String, Range<usize>> = parse(tmp, &name, &read(name.clone())?)?;
+                covers.extend(part);
+            }
+            per_dp.push(covers);
         }
         optimizer.push(per_dp);
     }
     let layout = ShardLayout {
         tensor_parallel_size: tp_size,
+        pipeline_parallel_size: pp_size,
         data_parallel_size: dp_size,
-        zero_1: zero,
+        zero_1: place.zero,
         params,
         optimizer,
         coalesced_qkv: false,
@@ -180,7 +216,7 @@ pub fn read_rank_state(
     let (model, moments) = match &layout {
         // The same tensor-parallel layout: this rank's own files only.
         Some(l) if same_cuts => (
-            read_safetensors(&dir.join(model_file(place.tp)))?,
+            read_rank_model(dir, l, place.tp)?,
             read_rank_optimizer(dir, l, place.tp)?,
         ),
         _ => {

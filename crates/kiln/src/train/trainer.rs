@@ -193,24 +193,32 @@ where
         Place {
             tp: self.parallel.tensor().map_or(0, |l| l.tp.rank()),
             tp_size: self.parallel.tensor().map_or(1, |l| l.tp.size()),
+            pp: self.parallel.pipeline().map_or(0, |p| p.index()),
+            pp_size: self.parallel.pipeline().map_or(1, |p| p.count()),
             dp: self.parallel.data.rank(),
             dp_size: self.parallel.data.size(),
             zero: self.parallel.zero().is_some(),
         }
     }
 
-    /// Whether checkpoints are written per rank (tensor parallelism or ZeRO-1).
+    /// Whether checkpoints are written per rank (tensor or pipeline parallelism, ZeRO-1).
     fn sharded(&self) -> bool {
         self.parallel.sharded()
     }
 
     /// This rank's model and optimizer state in checkpoint `dir`, whatever layout wrote it.
+    /// Under a pipeline the model comes whole (the other stages' layers are let go of after the
+    /// start) and the moments are those of the parameters this stage trains.
     fn rank_state(&self, dir: &Path) -> Result<RankState> {
+        let mut trained = module_shapes(self.model());
+        if let Some(p) = self.parallel.pipeline() {
+            trained.retain(|path, _| p.holds(path));
+        }
         read_rank_state(
             dir,
             self.place(),
             self.parallel.tensor().map(|l| &l.splits),
-            &module_shapes(self.model()),
+            &trained,
         )
     }
 
@@ -551,13 +559,6 @@ where
                  stages; this task trains without it",
                 a.pipeline_parallel_size
             )));
-        }
-        if self.parallel.pipeline().is_some() && a.save_strategy != SaveStrategy::No {
-            return Err(KilnError::Config(
-                "checkpoints under --pipeline-parallel-size are not built yet: give \
-                 --save-strategy no (the trained model is still saved whole at the end)"
-                    .into(),
-            ));
         }
         if self.parallel.pipeline().is_some() && a.gradient_checkpointing {
             return Err(KilnError::Config(
@@ -1106,6 +1107,9 @@ where
             metrics.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
         self.log(entry)?;
 
+        // Under tensor or pipeline parallelism every rank takes part in putting the model
+        // together; otherwise only rank 0 reads its weights.
+        self.gather_stages()?;
         if self.args.load_best_model_at_end {
             if let Some(best) = self.state.best_model_checkpoint.clone() {
                 info!(
@@ -1117,9 +1121,6 @@ where
                 self.model = Some(load_into(model, w, None, &self.device)?.0);
             }
         }
-        // Under tensor or pipeline parallelism every rank takes part in putting the model
-        // together; otherwise only rank 0 reads its weights.
-        self.gather_stages()?;
         if self.is_main() || self.parallel.split_model() {
             let tensors = self.whole_model_tensors()?;
             if self.is_main() {
@@ -1221,13 +1222,25 @@ where
         }
         self.parallel.data.barrier()?;
         let place = self.place();
+        self.check_tied_copies()?;
+        // Under a pipeline each stage writes what it owns: a tied embedding once, from stage 0.
+        let saves = |key: &String| {
+            let path = key.rsplit_once('.').map_or(key.as_str(), |(p, _)| p);
+            self.parallel.saves(path)
+        };
+        let mut model = self.saved_tensors();
+        model.retain(|k, _| self.parallel.saves(k));
+        let mut moments = self.optimizer.state_tensors();
+        moments.retain(|k, _| saves(k));
+        let mut covers = self.optimizer.covers();
+        covers.retain(|k, _| self.parallel.saves(k));
         write_rank_files(
             &tmp,
             place,
-            &self.saved_tensors(),
+            &model,
             self.parallel.tensor().map(|l| &l.splits),
-            &self.optimizer.state_tensors(),
-            &self.optimizer.covers(),
+            &moments,
+            &covers,
         )?;
         self.parallel.data.barrier()?;
         if self.is_main() {
@@ -1243,7 +1256,7 @@ where
                 &serde_json::to_vec_pretty(sched).expect("json"),
             )?;
             put("training_args.json", a.to_hf_json().as_bytes())?;
-            write_layout(&tmp, place.tp_size, place.dp_size, place.zero)?;
+            write_layout(&tmp, place)?;
             write_marker(&tmp, &self.run_id, step)?;
             let path = publish(&out, &tmp, step)?;
             info!("saved {} (sharded: {LAYOUT_FILE})", path.display());
@@ -1253,6 +1266,15 @@ where
             }
         }
         self.parallel.data.barrier()
+    }
+
+    /// Under a pipeline with a tied embedding: the first and last stages' copies must be equal
+    /// bit for bit before stage 0's is saved as the one copy.
+    fn check_tied_copies(&self) -> Result<()> {
+        match self.parallel.pipeline() {
+            Some(p) => p.check_tied_copies::<B, M>(self.model(), self.state.global_step),
+            None => Ok(()),
+        }
     }
 
     /// Under pipeline parallelism, gives every stage the layers the others trained, so each rank

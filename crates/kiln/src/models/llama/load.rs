@@ -11,8 +11,8 @@ use super::config::LlamaConfig;
 use super::{LlamaForCausalLM, LlamaShard};
 use crate::error::{KilnError, Result};
 use crate::hub::model_weights::{read_model_weights, read_model_weights_with};
-use crate::hub::sharded::{cut_split, model_file, read_layout};
-use crate::hub::weights::{read_safetensors, HostTensor};
+use crate::hub::sharded::{cut_split, read_layout, read_rank_model};
+use crate::hub::weights::HostTensor;
 use crate::models::params::load_into;
 use crate::ops::KilnBackend;
 
@@ -83,7 +83,7 @@ pub fn fresh_llama<B: KilnBackend>(
 fn read_shard_weights(dir: &Path, s: &LlamaShard) -> Result<BTreeMap<String, HostTensor>> {
     if let Some(layout) = read_layout(dir)? {
         if layout.same_cut(s.tp.rank(), s.tp.size(), |n| s.split_of(n)) {
-            return read_safetensors(&dir.join(model_file(s.tp.rank())));
+            return read_rank_model(dir, &layout, s.tp.rank());
         }
     }
     // A tensor of another shape than the config's stays whole: loading then names the mismatch.

@@ -557,7 +557,7 @@ impl<B: KilnBackend> Model<B> for LlamaForCausalLM<B> {
 
     /// A tied head has no parameter of its own; an untied `lm_head` counts, as in transformers.
     fn embedding_parameters(&self) -> Vec<String> {
-        vec!["model.embed_tokens.weight".into()]
+        vec![crate::models::decoder::DECODER_EMBEDDING.into()]
     }
 
     fn tensor_parallel(&self) -> Option<TensorParallelLayout> {
