@@ -846,6 +846,32 @@ mod tests {
         }
     }
 
+    /// A stage outside the pipeline is refused; without a pipeline `shards.json` is written as
+    /// before (no stage fields), and an old one reads as one stage.
+    #[test]
+    fn stages_are_checked_and_absent_without_a_pipeline() {
+        let plain = two_ranks([0..3, 3..6]);
+        let json = serde_json::to_string(&plain).unwrap();
+        assert!(!json.contains("stage"), "{json}");
+        let back: ShardLayout = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, plain);
+        let piped = plain.clone().with_stages(2, |_| 1).unwrap();
+        assert_eq!(
+            piped.model_file(1, 1),
+            "model/tp_rank_01_pp_rank_01.safetensors"
+        );
+        assert_eq!(
+            piped.optimizer_file(0, 1, 3),
+            "optimizer/tp_rank_00_pp_rank_01_dp_rank_03.safetensors"
+        );
+        assert_eq!(plain.model_file(1, 0), "model/tp_rank_01.safetensors");
+        let err = plain.with_stages(2, |_| 2).unwrap_err().to_string();
+        assert!(
+            err.contains("w: stage 2 of pipeline_parallel_size 2"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn cuts_must_tile_the_axis_exactly_once() {
         assert!(two_ranks([0..3, 3..6]).check().is_ok());
