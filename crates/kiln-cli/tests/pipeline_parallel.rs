@@ -204,6 +204,18 @@ fn pipeline_training_equals_one_process() {
                     .collect(),
                 false,
             ),
+            // The 49157-token head outweighs the 5 small layers: stage 1 gets one layer.
+            (
+                "pp2-compute",
+                2,
+                vec![
+                    "--pipeline-parallel-size",
+                    "2",
+                    "--pipeline-balance",
+                    "compute",
+                ],
+                false,
+            ),
             (
                 "pp2-accumulation",
                 2,
@@ -333,6 +345,14 @@ fn bad_pipeline_layouts_are_one_sentence() {
             2,
             vec!["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb"],
             "is not a pipeline schedule",
+        ),
+        (
+            2,
+            vec!["--pipeline-parallel-size", "2", "--pipeline-cuts", "2"]
+                .into_iter()
+                .chain(["--pipeline-balance", "compute"])
+                .collect(),
+            "--pipeline-cuts and --pipeline-balance compute both set the cut",
         ),
         (
             2,

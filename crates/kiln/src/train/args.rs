@@ -218,6 +218,11 @@ pub struct TrainingArguments {
     /// the layers are spread evenly with the embedding and the head counted as one layer each.
     #[arg(long, help_heading = "Parallelism")]
     pub pipeline_cuts: Option<String>,
+    /// How the default cut weighs the stages: `layers` (each decoder layer, the embedding and the
+    /// head one layer each) or `compute` (each part's matrix work per token, so a large
+    /// vocabulary's head gets a stage with fewer layers).
+    #[arg(long, default_value = "layers", help_heading = "Parallelism")]
+    pub pipeline_balance: String,
     /// transformers fields kiln accepts without acting on them (see `hf_fields`), as given:
     /// written back to training_args.json.
     #[arg(skip)]
@@ -501,6 +506,7 @@ impl TrainingArguments {
             "pipeline_parallel_num_microbatches",
             "pipeline_schedule",
             "pipeline_cuts",
+            "pipeline_balance",
             "overwrite_output_dir",
             // transformers 5 reads TENSORBOARD_LOGGING_DIR instead.
             "logging_dir",
@@ -786,6 +792,13 @@ impl TrainingArguments {
             .as_deref()
             .map(crate::parallel::pipeline::parse_cuts)
             .transpose()?;
+        let balance = crate::parallel::pipeline::Balance::parse(&self.pipeline_balance)?;
+        if cuts.is_some() && balance != crate::parallel::pipeline::Balance::Layers {
+            return bad(format!(
+                "--pipeline-cuts and --pipeline-balance {} both set the cut: give one of the two",
+                self.pipeline_balance
+            ));
+        }
         if self.pipeline_parallel_size == 1 {
             return Ok(None);
         }
@@ -794,6 +807,7 @@ impl TrainingArguments {
             num_microbatches: usize::try_from(m).ok(),
             schedule,
             cuts,
+            balance,
         }))
     }
 
@@ -1128,6 +1142,8 @@ pub struct PipelineOptions {
     pub num_microbatches: Option<usize>,
     pub schedule: crate::parallel::pipeline::ScheduleKind,
     pub cuts: Option<Vec<usize>>,
+    /// How the default cut weighs the stages (when `cuts` is not given).
+    pub balance: crate::parallel::pipeline::Balance,
 }
 
 #[cfg(test)]

@@ -27,7 +27,9 @@ use super::pipeline_stage::Stage;
 use crate::models::params::{map_params, module_tensors_where};
 use crate::ops::KilnBackend;
 use crate::parallel::broadcast_module;
-use crate::parallel::pipeline::{cut_stages, owner_stage, MicroBatches, ScheduleKind, StageCut};
+use crate::parallel::pipeline::{
+    cut_by_work, cut_stages, owner_stage, Balance, MicroBatches, ScheduleKind, StageCut, Work,
+};
 use crate::parallel::{DataParallel, SharedCollectives, Zero1};
 use crate::task::TensorParallelLayout;
 use crate::{KilnError, Result};
@@ -196,12 +198,13 @@ impl<B: KilnBackend> ParallelPlan<B> {
     /// data-parallel group (none when that group is one rank).
     /// With a pipeline, cuts the model's `layers` decoder layers (`None`: a model not split into
     /// layers, which is an error) into its stages and splits a step into micro-batches;
-    /// `embedding` names the embedding's parameters, `tied` says whether the head uses them.
+    /// `embedding` names the embedding's parameters, `tied` says whether the head uses them, and
+    /// `shapes` (every parameter's) weigh the stages under `--pipeline-balance compute`.
     pub(super) fn settle(
         &mut self,
         tensor: Option<TensorParallelLayout>,
         a: &TrainingArguments,
-        layers: Option<usize>,
+        (layers, shapes): (Option<usize>, &BTreeMap<String, Vec<usize>>),
         (embedding, tied): (Vec<String>, bool),
     ) -> Result<()> {
         self.tensor = tensor;
@@ -214,7 +217,13 @@ impl<B: KilnBackend> ParallelPlan<B> {
                         .into(),
                 )
             })?;
-            p.cuts = cut_stages(layers, p.options.size, p.options.cuts.as_deref())?;
+            p.cuts = match (&p.options.cuts, p.options.balance) {
+                (None, Balance::Compute) => {
+                    let work = Work::of_shapes(shapes, layers, &embedding, tied);
+                    cut_by_work(&work, p.options.size)?
+                }
+                (cuts, _) => cut_stages(layers, p.options.size, cuts.as_deref())?,
+            };
             p.micro = MicroBatches::settle(
                 a.per_device_train_batch_size,
                 a.gradient_accumulation_steps,
@@ -396,12 +405,15 @@ mod tests {
                                 num_microbatches: None,
                                 schedule: ScheduleKind::OneFOneB,
                                 cuts: Some(vec![3]),
+                                balance: Balance::Layers,
                             };
                             let mut plan = ParallelPlan::<Cpu>::single()
                                 .with_pipeline(Some(Arc::new(comm)), Some(options));
                             let embedding = vec!["model.embed_tokens.weight".to_string()];
                             let a = TrainingArguments::default();
-                            plan.settle(None, &a, Some(5), (embedding, tie)).unwrap();
+                            let shapes = BTreeMap::new();
+                            plan.settle(None, &a, (Some(5), &shapes), (embedding, tie))
+                                .unwrap();
                             // Different weights per stage, so where each came from shows.
                             let model = llama(tie, 10 + stage as u64);
                             let before = module_tensors(&model);

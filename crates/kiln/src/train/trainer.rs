@@ -549,10 +549,10 @@ where
         let layers = self.model().segments().map(|s| s.num_layers());
         let embedding = self.model().embedding_parameters();
         // A decoder's head has a parameter of its own (`lm_head.weight`) unless it is tied.
-        let tied = !module_shapes(self.model())
-            .keys()
-            .any(|p| p.ends_with("lm_head.weight"));
-        self.parallel.settle(tensor, a, layers, (embedding, tied))?;
+        let shapes = module_shapes(self.model());
+        let tied = !shapes.keys().any(|p| p.ends_with("lm_head.weight"));
+        self.parallel
+            .settle(tensor, a, (layers, &shapes), (embedding, tied))?;
         if a.pipeline_parallel_size > 1 && self.parallel.pipeline().is_none() {
             return Err(KilnError::Config(format!(
                 "--pipeline-parallel-size {} cuts causal LMs (--task causal-lm or sft) into \

@@ -11,4 +11,4 @@ pub mod stages;
 
 pub use batches::MicroBatches;
 pub use schedule::{bubble_formula, simulate, stage_actions, Action, ScheduleKind, Timeline};
-pub use stages::{cut_stages, owner_stage, parse_cuts, StageCut};
+pub use stages::{cut_by_work, cut_stages, owner_stage, parse_cuts, Balance, StageCut, Work};

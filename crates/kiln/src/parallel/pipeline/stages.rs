@@ -7,7 +7,12 @@
 //! least work so far (the earlier one on a tie). `--pipeline-cuts` gives the cut instead, as the
 //! decoder-layer indices where stages 1, 2, … begin. Every layer lands on exactly one stage, in
 //! order; an uneven cut is allowed, a layer is never dropped.
+//!
+//! `--pipeline-balance compute` weighs each part by its matrix multiply-adds per token instead
+//! ([`Work`]): a large vocabulary's head (SmolLM2's is about eight layers' work) then gets a
+//! stage with fewer layers. The cut found makes the heaviest stage as light as any cut can.
 
+use std::collections::BTreeMap;
 use std::ops::Range;
 
 use crate::{KilnError, Result};
@@ -59,16 +64,117 @@ pub fn cut_stages(layers: usize, stages: usize, cuts: Option<&[usize]>) -> Resul
         .collect())
 }
 
+/// How the default cut weighs a stage's work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Balance {
+    /// Each decoder layer, the embedding and the head count as one layer (torchtitan's rule).
+    Layers,
+    /// Each part counts its matrices' multiply-adds per token ([`Work`]).
+    Compute,
+}
+
+impl Balance {
+    /// `--pipeline-balance` as written.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "layers" => Ok(Self::Layers),
+            "compute" => Ok(Self::Compute),
+            _ => Err(KilnError::Config(format!(
+                "--pipeline-balance {s:?} is not a balance (layers or compute)"
+            ))),
+        }
+    }
+}
+
+/// A decoder's work per token in multiply-adds, from its parameters' shapes: each layer's
+/// matrices, and the head's (`lm_head`, or the tied embedding read as the head). Looking up the
+/// embedding costs nothing beside them, and the attention scores (which grow with the sequence)
+/// are left out.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Work {
+    pub layers: Vec<f64>,
+    pub head: f64,
+}
+
+impl Work {
+    /// The work of a model of `layers` decoder layers whose parameters have `shapes`;
+    /// `embedding` names the embedding, which is the head too when `tied`.
+    pub fn of_shapes(
+        shapes: &BTreeMap<String, Vec<usize>>,
+        layers: usize,
+        embedding: &[String],
+        tied: bool,
+    ) -> Self {
+        let mut work = Self {
+            layers: vec![0.0; layers],
+            head: 0.0,
+        };
+        for (path, shape) in shapes.iter().filter(|(_, s)| s.len() >= 2) {
+            let n = shape.iter().product::<usize>() as f64;
+            match layer_index(path) {
+                Some(i) if i < layers => work.layers[i] += n,
+                _ if path.ends_with("lm_head.weight") => work.head += n,
+                _ if tied && embedding.iter().any(|e| e == path) => work.head += n,
+                _ => {}
+            }
+        }
+        work
+    }
+}
+
+/// The cut of a model doing `work` into `stages` stages that makes the heaviest stage as light as
+/// possible (the earliest such cut; stage 0 adds nothing for the embedding, the last stage adds
+/// the head).
+pub fn cut_by_work(work: &Work, stages: usize) -> Result<Vec<StageCut>> {
+    let layers = work.layers.len();
+    // The checks and the shape of the result are the layer rule's.
+    let mut cut = cut_stages(layers, stages, None)?;
+    let mut prefix = vec![0.0; layers + 1];
+    for (i, w) in work.layers.iter().enumerate() {
+        prefix[i + 1] = prefix[i] + w;
+    }
+    let stage_work = |j: usize, i: usize, s: usize| {
+        prefix[i] - prefix[j] + if s + 1 == stages { work.head } else { 0.0 }
+    };
+    // best[s][i]: the lightest heaviest stage over stages 0..=s holding layers 0..i, and where
+    // stage s begins in it.
+    let mut best = vec![vec![(f64::INFINITY, 0usize); layers + 1]; stages];
+    for (i, b) in best[0].iter_mut().enumerate().skip(1) {
+        *b = (stage_work(0, i, 0), 0);
+    }
+    for s in 1..stages {
+        for i in s + 1..=layers {
+            for j in s..i {
+                let heaviest = best[s - 1][j].0.max(stage_work(j, i, s));
+                if heaviest < best[s][i].0 {
+                    best[s][i] = (heaviest, j);
+                }
+            }
+        }
+    }
+    let mut end = layers;
+    for s in (0..stages).rev() {
+        let start = if s == 0 { 0 } else { best[s][end].1 };
+        cut[s].layers = start..end;
+        end = start;
+    }
+    Ok(cut)
+}
+
+/// The decoder layer a parameter `path` belongs to (`….layers.{i}.…`), if any.
+fn layer_index(path: &str) -> Option<usize> {
+    let parts: Vec<&str> = path.split('.').collect();
+    parts
+        .windows(2)
+        .find(|w| w[0] == "layers")
+        .and_then(|w| w[1].parse::<usize>().ok())
+}
+
 /// The stage that holds parameter `path` (a Hugging Face name): a decoder layer's
 /// (`….layers.{i}.…`) stage, the embedding's (`embedding`) stage 0, anything else (the final norm,
 /// the head) the last stage's.
 pub fn owner_stage(path: &str, cuts: &[StageCut], embedding: &[String]) -> usize {
-    let parts: Vec<&str> = path.split('.').collect();
-    let layer = parts
-        .windows(2)
-        .find(|w| w[0] == "layers")
-        .and_then(|w| w[1].parse::<usize>().ok());
-    match layer {
+    match layer_index(path) {
         Some(i) => cuts
             .iter()
             .position(|c| c.layers.contains(&i))
@@ -223,6 +329,118 @@ mod tests {
             e.contains("\"layers.x\" is not a decoder-layer index"),
             "{e}"
         );
+    }
+
+    /// A decoder shaped like SmolLM2-135M (30 layers, hidden 576, MLP 1536, 3 of 9 heads for
+    /// key/value, a tied 49152-token head).
+    fn smollm2_shapes() -> BTreeMap<String, Vec<usize>> {
+        let mut shapes = BTreeMap::new();
+        shapes.insert("model.embed_tokens.weight".to_string(), vec![49152, 576]);
+        shapes.insert("model.norm.weight".to_string(), vec![576]);
+        for i in 0..30 {
+            let l = format!("model.layers.{i}");
+            for (name, shape) in [
+                ("self_attn.q_proj.weight", vec![576, 576]),
+                ("self_attn.k_proj.weight", vec![192, 576]),
+                ("self_attn.v_proj.weight", vec![192, 576]),
+                ("self_attn.o_proj.weight", vec![576, 576]),
+                ("mlp.gate_proj.weight", vec![1536, 576]),
+                ("mlp.up_proj.weight", vec![1536, 576]),
+                ("mlp.down_proj.weight", vec![576, 1536]),
+                ("input_layernorm.weight", vec![576]),
+            ] {
+                shapes.insert(format!("{l}.{name}"), shape);
+            }
+        }
+        shapes
+    }
+
+    /// SmolLM2's head is eight layers' work: weighing it, two stages split at layer 19 (the cut
+    /// BENCHMARKS.md measured by hand as halving the bubble's gap), not 15.
+    #[test]
+    fn compute_balance_weighs_the_head() {
+        let emb = vec!["model.embed_tokens.weight".to_string()];
+        let work = Work::of_shapes(&smollm2_shapes(), 30, &emb, true);
+        assert_eq!(
+            work.layers[7],
+            (576.0 * 576.0) * 2.0 + 192.0 * 576.0 * 2.0 + 3.0 * 1536.0 * 576.0
+        );
+        assert_eq!(work.head, 49152.0 * 576.0);
+        let layers = |stages| -> Vec<Range<usize>> {
+            cut_by_work(&work, stages)
+                .unwrap()
+                .into_iter()
+                .map(|c| c.layers)
+                .collect()
+        };
+        assert_eq!(layers(2), [0..19, 19..30]);
+        // Untied, the head is lm_head: the same work.
+        let mut untied = smollm2_shapes();
+        untied.insert("lm_head.weight".into(), vec![49152, 576]);
+        assert_eq!(Work::of_shapes(&untied, 30, &emb, false), work);
+        let e = cut_by_work(&work, 31).unwrap_err().to_string();
+        assert!(
+            e.contains("more stages than the model's 30 decoder layers"),
+            "{e}"
+        );
+    }
+
+    /// Against every possible cut of small models: no cut has a lighter heaviest stage, and every
+    /// layer lands on exactly one stage.
+    #[test]
+    fn compute_balance_is_the_lightest_cut() {
+        // Every cut of `layers` into `stages` non-empty runs, as the stages' starts.
+        fn all_starts(layers: usize, stages: usize) -> Vec<Vec<usize>> {
+            if stages == 1 {
+                return vec![vec![0]];
+            }
+            let mut out = Vec::new();
+            for last in stages - 1..layers {
+                for mut s in all_starts(last, stages - 1) {
+                    s.push(last);
+                    out.push(s);
+                }
+            }
+            out
+        }
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 33) % 10 + 1) as f64
+        };
+        for layers in 1..=8 {
+            for stages in 1..=layers.min(4) {
+                let work = Work {
+                    layers: (0..layers).map(|_| next()).collect(),
+                    head: next() * 2.0,
+                };
+                let heaviest = |starts: &[usize]| {
+                    (0..stages)
+                        .map(|s| {
+                            let end = starts.get(s + 1).copied().unwrap_or(layers);
+                            let w: f64 = work.layers[starts[s]..end].iter().sum();
+                            w + if s + 1 == stages { work.head } else { 0.0 }
+                        })
+                        .fold(0.0, f64::max)
+                };
+                let cut = cut_by_work(&work, stages).unwrap();
+                let order: Vec<usize> = cut.iter().flat_map(|c| c.layers.clone()).collect();
+                assert_eq!(order, (0..layers).collect::<Vec<_>>());
+                assert!(cut.iter().all(|c| !c.layers.is_empty()));
+                let starts: Vec<usize> = cut.iter().map(|c| c.layers.start).collect();
+                let best = all_starts(layers, stages)
+                    .iter()
+                    .map(|s| heaviest(s))
+                    .fold(f64::INFINITY, f64::min);
+                assert_eq!(heaviest(&starts), best, "{layers} over {stages}: {work:?}");
+            }
+        }
+        assert!(Balance::parse("zb")
+            .unwrap_err()
+            .to_string()
+            .contains("layers or compute"));
     }
 
     #[test]
