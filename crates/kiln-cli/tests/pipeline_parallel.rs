@@ -354,11 +354,6 @@ fn bad_pipeline_layouts_are_one_sentence() {
                 .collect(),
             "--pipeline-cuts and --pipeline-balance compute both set the cut",
         ),
-        (
-            2,
-            vec!["--pipeline-parallel-size", "2", "--gradient-checkpointing"],
-            "--gradient-checkpointing under --pipeline-parallel-size is not built yet",
-        ),
     ]
     .into_iter()
     .enumerate()
@@ -537,6 +532,53 @@ fn pipeline_checkpoints_resume_at_any_layout() {
             "resumed at {name}: weights differ by {d}"
         );
     }
+}
+
+/// `--gradient-checkpointing` under a pipeline recomputes each micro-batch's stage at its
+/// backward with the dropout masks its forward drew: a LoRA run with dropout takes exactly the
+/// steps it takes without checkpointing (1F1B and GPipe), and a run without dropout differs (the
+/// masks were in play).
+#[test]
+fn checkpointing_inside_a_stage_changes_nothing() {
+    let Some(f) = Fixture::new() else {
+        return;
+    };
+    let r = f.run();
+    let lora = |dropout: &'static str| {
+        vec![
+            "--pipeline-parallel-size",
+            "2",
+            "--lora-r",
+            "4",
+            "--lora-target-modules",
+            "all-linear",
+            "--lora-dropout",
+            dropout,
+        ]
+    };
+    let trained = |name: &str, extra: &[&str]| {
+        let (ok, err) = run(&r, name, 2, 3, extra);
+        assert!(ok, "{name} failed: {err}");
+        weights(&r.out.join(name))
+    };
+    let checkpointing = ["--gradient-checkpointing"];
+    for schedule in ["1f1b", "gpipe"] {
+        let with = [&lora("0.2")[..], &["--pipeline-schedule", schedule]].concat();
+        let plain = trained(&format!("plain-{schedule}"), &with);
+        let again = trained(
+            &format!("checkpointed-{schedule}"),
+            &[&with[..], &checkpointing].concat(),
+        );
+        let d = max_diff(&again, &plain);
+        eprintln!("{schedule}: checkpointed vs plain max |Δw| {d:e}");
+        assert_eq!(d, 0.0, "{schedule}: checkpointing changed the steps");
+    }
+    let no_dropout = trained("no-dropout", &lora("0.0"));
+    let plain = weights(&r.out.join("plain-1f1b"));
+    assert!(
+        max_diff(&no_dropout, &plain) > 1e-6,
+        "dropout made no difference"
+    );
 }
 
 /// A stage's worker killed in the middle of a step (after a hand-over) stops the job with an error

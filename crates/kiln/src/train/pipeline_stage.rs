@@ -18,15 +18,20 @@
 //!
 //! Every hand-over carries the tensor's three dimensions before its values, so a stage needs no
 //! shape of its own for what arrives (packed and padded batches alike).
+//!
+//! With activation checkpointing (`--gradient-checkpointing`) a forward runs without a graph and
+//! a micro-batch leaves only its stage input in flight; its backward first runs the stage's
+//! layers again from that input, with a graph and the dropout stream where the first pass had it,
+//! then differentiates as above. The values, and so the gradients, are the same bits.
 
 use burn::module::AutodiffModule;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 
 use super::optim::GradAccumulator;
-use crate::ops::TrainBackend;
+use crate::ops::{dropout_position, set_dropout_position, TrainBackend};
 use crate::parallel::pipeline::{stage_actions, Action, ScheduleKind, StageCut};
 use crate::parallel::Collectives;
-use crate::task::{Loss, Model};
+use crate::task::{Loss, Model, Segments};
 use crate::{KilnError, Result};
 
 /// This rank's place in its pipeline: stage `index` of `count`, the layers (and the embedding or
@@ -42,9 +47,41 @@ pub struct Stage<'c, B: burn::tensor::backend::Backend> {
 struct InFlight<B: TrainBackend> {
     /// The hidden states that arrived (stages after the first): their gradient goes back.
     input: Option<Tensor<B, 3>>,
-    /// The stage's output to differentiate (before the last stage), or the scaled loss.
-    output: Tensor<B, 3>,
-    loss: Option<Tensor<B, 1>>,
+    /// The stage's output to differentiate (before the last stage), or the scaled loss; `None`
+    /// under activation checkpointing (recomputed from `input` at the backward).
+    graph: Option<(Tensor<B, 3>, Option<Tensor<B, 1>>)>,
+    /// Where the dropout stream stood when the forward began.
+    dropout_start: u64,
+}
+
+/// The stage's part of micro-batch `j` on `segments` from `input` (`None`: the embedding): its
+/// output, and on the last stage its loss × `scale`.
+fn stage_forward<B: TrainBackend, Batch>(
+    segments: &dyn Segments<B, Batch>,
+    cut: &StageCut,
+    (batch, targets): &(Batch, Vec<i64>),
+    input: Option<Tensor<B, 3>>,
+    (loss_fn, scale): (
+        &dyn Fn(Tensor<B, 2>, Tensor<B, 1, Int>) -> Tensor<B, 1>,
+        f64,
+    ),
+) -> (Tensor<B, 3>, Option<Tensor<B, 1>>) {
+    let mut x = match input {
+        Some(x) => x,
+        None => segments.embed(batch),
+    };
+    for i in cut.layers.clone() {
+        x = segments.layer(i, x, batch);
+    }
+    if !cut.head {
+        return (x, None);
+    }
+    let logits = segments.head(x.clone(), batch);
+    let device = logits.device();
+    let t =
+        Tensor::<B, 1, Int>::from_data(TensorData::new(targets.clone(), [targets.len()]), &device);
+    let loss = loss_fn(logits, t) * scale;
+    (x, Some(loss))
 }
 
 /// What one step of a stage gave.
@@ -60,26 +97,35 @@ pub struct StageStep<B: burn::tensor::backend::Backend> {
 }
 
 /// Runs this stage's share of one step: `micro` are the step's micro-batches with their targets,
-/// `scales` what each micro-batch's mean loss is multiplied by.
+/// `scales` what each micro-batch's mean loss is multiplied by; `checkpointing` recomputes each
+/// micro-batch's activations at its backward instead of keeping them.
 pub fn stage_loss_and_grads<B, M, L>(
     model: &M,
     micro: &[(M::Batch, Vec<i64>)],
     scales: &[f64],
     loss_fn: &L,
-    kind: ScheduleKind,
+    (kind, checkpointing): (ScheduleKind, bool),
     stage: &Stage<'_, B::InnerBackend>,
 ) -> Result<StageStep<B::InnerBackend>>
 where
     B: TrainBackend,
-    M: Model<B> + AutodiffModule<B>,
+    M: Model<B> + AutodiffModule<B> + Clone,
     L: Loss,
 {
-    let segments = model.segments().ok_or_else(|| {
+    let unsplit = || {
         KilnError::Config(
             "pipeline parallelism cuts a model at its layers, and this model is not split into layers"
                 .into(),
         )
-    })?;
+    };
+    let segments = model.segments().ok_or_else(unsplit)?;
+    // Under checkpointing the forwards run on a copy whose parameters need no gradient.
+    let frozen = checkpointing.then(|| model.clone().no_grad());
+    let forward_segments = match &frozen {
+        Some(f) => f.segments().ok_or_else(unsplit)?,
+        None => segments,
+    };
+    let loss_of = |logits, t| loss_fn.loss(logits, t);
     let (me, last) = (stage.index, stage.count - 1);
     let started = std::time::Instant::now();
     let mut waited = 0.0;
@@ -95,45 +141,58 @@ where
     for action in stage_actions(kind, stage.count, me, micro.len()) {
         match action {
             Action::Forward(j) => {
-                let (batch, targets) = &micro[j];
-                let (input, mut x) = if stage.cut.embedding {
-                    (None, segments.embed(batch))
-                } else {
-                    let x = Tensor::from_inner(timed_receive(me - 1)?).require_grad();
-                    (Some(x.clone()), x)
-                };
-                for i in stage.cut.layers.clone() {
-                    x = segments.layer(i, x, batch);
-                }
-                let loss = if stage.cut.head {
-                    let logits = segments.head(x.clone(), batch);
-                    let device = logits.device();
-                    let t = Tensor::<B, 1, Int>::from_data(
-                        TensorData::new(targets.clone(), [targets.len()]),
-                        &device,
-                    );
-                    let loss = loss_fn.loss(logits, t) * scales[j];
-                    loss_sum += loss.clone().into_scalar().elem::<f64>();
-                    Some(loss)
-                } else {
-                    hand_over(stage.group, x.clone().inner(), me + 1)?;
+                let dropout_start = dropout_position();
+                let input = if stage.cut.embedding {
                     None
+                } else {
+                    let x = Tensor::<B, 3>::from_inner(timed_receive(me - 1)?);
+                    Some(if checkpointing { x } else { x.require_grad() })
                 };
+                let (x, loss) = stage_forward(
+                    forward_segments,
+                    &stage.cut,
+                    &micro[j],
+                    input.clone(),
+                    (&loss_of, scales[j]),
+                );
+                match &loss {
+                    Some(l) => loss_sum += l.clone().into_scalar().elem::<f64>(),
+                    None => hand_over(stage.group, x.clone().inner(), me + 1)?,
+                }
                 in_flight[j] = Some(InFlight {
                     input,
-                    output: x,
-                    loss,
+                    graph: (!checkpointing).then_some((x, loss)),
+                    dropout_start,
                 });
             }
             Action::Backward(j) => {
-                let f = in_flight[j]
+                let mut f = in_flight[j]
                     .take()
                     .expect("the schedule runs a micro-batch's forward before its backward");
-                let grads = match f.loss {
+                let (output, loss) = match f.graph {
+                    Some(graph) => graph,
+                    None => {
+                        // Recomputed with a graph, the dropout stream where the forward had it;
+                        // the stream then goes on from where it was.
+                        let now = dropout_position();
+                        set_dropout_position(f.dropout_start);
+                        f.input = f.input.map(Tensor::require_grad);
+                        let again = stage_forward(
+                            segments,
+                            &stage.cut,
+                            &micro[j],
+                            f.input.clone(),
+                            (&loss_of, scales[j]),
+                        );
+                        set_dropout_position(now);
+                        again
+                    }
+                };
+                let grads = match loss {
                     Some(loss) => loss.backward(),
                     None => {
                         let upstream = timed_receive(me + 1)?;
-                        (f.output * Tensor::from_inner(upstream)).sum().backward()
+                        (output * Tensor::from_inner(upstream)).sum().backward()
                     }
                 };
                 acc.accumulate::<B, M>(model, &grads);
@@ -324,7 +383,7 @@ mod tests {
         layers: usize,
         tie: bool,
         stages: usize,
-        kind: ScheduleKind,
+        kind: (ScheduleKind, bool),
         micro: &Micro,
         scales: &[f64],
     ) -> Vec<(f64, BTreeMap<String, Vec<f32>>)> {
@@ -389,7 +448,10 @@ mod tests {
             let micro = micro_batches(m);
             let scales: Vec<f64> = (0..m).map(|j| 1.0 / m as f64 + 0.01 * j as f64).collect();
             let (want_loss, want) = reference(5, tie, &micro, &scales);
-            let got = pipeline(5, tie, stages, kind, &micro, &scales);
+            let got = pipeline(5, tie, stages, (kind, false), &micro, &scales);
+            // Activation checkpointing recomputes the same values: the same bits.
+            let again = pipeline(5, tie, stages, (kind, true), &micro, &scales);
+            assert!(again == got, "{what}: checkpointed stages differ");
             let loss = got[stages - 1].0;
             assert!(
                 (loss - want_loss).abs() <= 1e-5 * want_loss.abs(),
@@ -430,7 +492,14 @@ mod tests {
     fn a_different_model_differs() {
         let micro = micro_batches(2);
         let (want_loss, _) = reference(5, true, &micro, &[0.5, 0.5]);
-        let got = pipeline(4, false, 2, ScheduleKind::OneFOneB, &micro, &[0.5, 0.5]);
+        let got = pipeline(
+            4,
+            false,
+            2,
+            (ScheduleKind::OneFOneB, false),
+            &micro,
+            &[0.5, 0.5],
+        );
         assert!(
             (got[1].0 - want_loss).abs() > 1e-3,
             "{} vs {want_loss}",

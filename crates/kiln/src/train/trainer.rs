@@ -560,13 +560,6 @@ where
                 a.pipeline_parallel_size
             )));
         }
-        if self.parallel.pipeline().is_some() && a.gradient_checkpointing {
-            return Err(KilnError::Config(
-                "--gradient-checkpointing under --pipeline-parallel-size is not built yet: a \
-                 stage keeps each micro-batch's activations until its backward; drop one of the two"
-                    .into(),
-            ));
-        }
         Ok(())
     }
 
@@ -791,7 +784,7 @@ where
                 &batches,
                 &scales,
                 &self.loss,
-                p.schedule(),
+                (p.schedule(), self.args.gradient_checkpointing),
                 &p.stage(),
             )?;
             loss_sum = p.stage_sum(got.loss_sum)?;
