@@ -54,6 +54,9 @@ struct InFlight<B: TrainBackend> {
     dropout_start: u64,
 }
 
+/// A micro-batch's mean loss of its logits and targets.
+type LossOf<'a, B> = &'a dyn Fn(Tensor<B, 2>, Tensor<B, 1, Int>) -> Tensor<B, 1>;
+
 /// The stage's part of micro-batch `j` on `segments` from `input` (`None`: the embedding): its
 /// output, and on the last stage its loss × `scale`.
 fn stage_forward<B: TrainBackend, Batch>(
@@ -61,10 +64,7 @@ fn stage_forward<B: TrainBackend, Batch>(
     cut: &StageCut,
     (batch, targets): &(Batch, Vec<i64>),
     input: Option<Tensor<B, 3>>,
-    (loss_fn, scale): (
-        &dyn Fn(Tensor<B, 2>, Tensor<B, 1, Int>) -> Tensor<B, 1>,
-        f64,
-    ),
+    (loss_fn, scale): (LossOf<'_, B>, f64),
 ) -> (Tensor<B, 3>, Option<Tensor<B, 1>>) {
     let mut x = match input {
         Some(x) => x,
