@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use kiln::hub::weights::HostTensor;
 use kiln_bin::{kiln_one_thread, launched};
-use llm_runs::{losses, max_diff, setup, weights};
+use llm_runs::{copy_dir, losses, max_diff, setup, weights};
 
 const LR: f32 = 1e-3;
 const STEPS: usize = 10;
@@ -370,19 +370,6 @@ fn bad_pipeline_layouts_are_one_sentence() {
     }
 }
 
-/// Copies folder `from` to `to` (files and sub-folders).
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &to.join(e.file_name()));
-        } else {
-            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-        }
-    }
-}
-
 /// `kiln convert` of `from` into `to` with `flags`; returns its success and stderr.
 fn convert(flags: &[&str], from: &Path, to: &Path) -> (bool, String) {
     let o = kiln_one_thread()
@@ -579,6 +566,67 @@ fn checkpointing_inside_a_stage_changes_nothing() {
         max_diff(&no_dropout, &plain) > 1e-6,
         "dropout made no difference"
     );
+}
+
+/// `kiln eval --task causal-lm` under a pipeline gives one process's loss and perplexity on a
+/// trained model: PP = 2 (default and uneven cuts), TP = 2 × PP = 2 and PP = 2 × DP = 2; the last
+/// stage computes the result and writes it.
+#[test]
+fn evaluation_under_a_pipeline_equals_one_process() {
+    let Some(f) = Fixture::new() else {
+        return;
+    };
+    let r = f.run();
+    train(&r, "trained", 1, 3, &[]);
+    let model = r.out.join("trained");
+    let eval = |name: &str, mut c: Command, extra: &[&str]| -> serde_json::Value {
+        let out = r.out.join(format!("{name}.json"));
+        c.args(["eval", "--task", "causal-lm", "--block-size", "16"])
+            .args(["--per-device-eval-batch-size", "2", "--model"])
+            .arg(&model)
+            .arg("--eval-file")
+            .arg(r.corpus)
+            .arg("--output")
+            .arg(&out)
+            .args(extra);
+        let o = c.output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{name}: {err}");
+        serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap()
+    };
+    let one = eval("one", kiln_one_thread(), &[]);
+    let pp2 = ["--pipeline-parallel-size", "2"];
+    for (name, procs, extra) in [
+        ("pp2", 2, pp2.to_vec()),
+        (
+            "pp2-cut1",
+            2,
+            [&pp2[..], &["--pipeline-cuts", "1"]].concat(),
+        ),
+        (
+            "tp2-pp2",
+            4,
+            [&pp2[..], &["--tensor-parallel-size", "2"]].concat(),
+        ),
+        ("pp2-dp2", 4, pp2.to_vec()),
+    ] {
+        let got = eval(name, launched(procs), &extra);
+        let (a, b) = (
+            one["eval_loss"].as_f64().unwrap(),
+            got["eval_loss"].as_f64().unwrap(),
+        );
+        eprintln!("eval at {name}: loss {b} vs {a} alone");
+        assert!((a - b).abs() <= 1e-5 * a, "{name}: eval_loss {b} vs {a}");
+        assert_eq!(got["eval_tokens"], one["eval_tokens"], "{name}");
+        let (pa, pb) = (
+            one["eval_perplexity"].as_f64().unwrap(),
+            got["eval_perplexity"].as_f64().unwrap(),
+        );
+        assert!(
+            (pa - pb).abs() <= 1e-4 * pa,
+            "{name}: perplexity {pb} vs {pa}"
+        );
+    }
 }
 
 /// A stage's worker killed in the middle of a step (after a hand-over) stops the job with an error

@@ -21,7 +21,7 @@ use std::process::Command;
 use kiln::hub::weights::{read_safetensors, HostTensor};
 use kiln_bin::{kiln_one_thread, launched};
 use kiln_testkit::common::{self, asset};
-use llm_runs::{corpus, losses, max_diff, setup, weights};
+use llm_runs::{copy_dir, corpus, losses, max_diff, setup, weights};
 
 /// Learning rate of every run here.
 const LR: f32 = 1e-3;
@@ -639,19 +639,6 @@ fn sharded_checkpoints_resume_at_any_layout() {
             d <= 1e-4,
             "resumed at {name}: differs from the unbroken run by {d}"
         );
-    }
-}
-
-/// Copies folder `from` to `to` (files and sub-folders).
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &to.join(e.file_name()));
-        } else {
-            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-        }
     }
 }
 

@@ -29,6 +29,13 @@ pub struct EvalCmd {
     /// The model cut over N processes started together (`kiln launch`), as in training.
     #[arg(long, default_value_t = 1, help_heading = "Parallelism")]
     tensor_parallel_size: usize,
+    /// The model's decoder layers cut into N stages on N processes (`kiln launch`), each
+    /// batch flowing through them, as in training (causal-lm).
+    #[arg(long, default_value_t = 1, help_heading = "Parallelism")]
+    pipeline_parallel_size: usize,
+    /// Where stages 1, 2, … begin, as decoder-layer indices (as in training).
+    #[arg(long, help_heading = "Parallelism")]
+    pipeline_cuts: Option<String>,
     /// Also write the metrics and the per-class report here (JSON).
     #[arg(long, help_heading = "Evaluation")]
     output: Option<PathBuf>,
@@ -55,13 +62,19 @@ pub fn run<B: kiln::ops::KilnBackend>(
         let opts = cmd
             .data
             .lm_options(None, &cmd.lm, Some(cmd.model.clone()), None)?;
-        let out = causal_lm::eval::<B>(
-            &opts,
-            cmd.per_device_eval_batch_size,
-            cmd.tensor_parallel_size,
-            device,
-        )?;
-        if !kiln::parallel::is_main_process()? {
+        let layout = causal_lm::EvalLayout {
+            tensor_parallel_size: cmd.tensor_parallel_size,
+            pipeline_parallel_size: cmd.pipeline_parallel_size,
+            pipeline_cuts: cmd
+                .pipeline_cuts
+                .as_deref()
+                .map(kiln::parallel::pipeline::parse_cuts)
+                .transpose()?,
+        };
+        let (out, reports) =
+            causal_lm::eval_layout::<B>(&opts, cmd.per_device_eval_batch_size, &layout, device)?;
+        // The rank that computed the result writes it (under a pipeline, the last stage's).
+        if !reports {
             return Ok(());
         }
         if let Some(path) = &cmd.output {
@@ -71,8 +84,11 @@ pub fn run<B: kiln::ops::KilnBackend>(
         println!("{}", serde_json::to_string_pretty(&out.metrics)?);
         return Ok(());
     }
-    if cmd.tensor_parallel_size > 1 {
-        bail!("--tensor-parallel-size: only --task causal-lm (Llama) is cut over processes");
+    if cmd.tensor_parallel_size > 1 || cmd.pipeline_parallel_size > 1 {
+        bail!(
+            "--tensor-parallel-size and --pipeline-parallel-size: only --task causal-lm is cut \
+             over processes"
+        );
     }
     let opts = cmd
         .data

@@ -72,3 +72,16 @@ pub fn max_diff(a: &BTreeMap<String, HostTensor>, b: &BTreeMap<String, HostTenso
         })
         .fold(0f32, f32::max)
 }
+
+/// Copies folder `from` to `to` (files and sub-folders).
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &to.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+}

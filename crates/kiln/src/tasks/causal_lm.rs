@@ -27,6 +27,7 @@ use crate::task::{BatchSource, CrossEntropy, Loss, IGNORE_INDEX};
 use crate::tasks::adapter::LoraSetup;
 use crate::tasks::sft::{SftData, SftSet, SftTokenization};
 use crate::train::checkpoint::ModelFiles;
+use crate::train::evaluate::evaluate_by;
 use crate::train::trainer::{evaluate, EvalOutput, Reported, TokenMetrics, TrainOutput};
 use crate::train::ParallelPlan;
 use crate::train::{Trainer, TrainingArguments};
@@ -663,29 +664,66 @@ impl TokenMetrics for WholeVocabMetrics {
     }
 }
 
-/// Loss and perplexity of a model folder on a held-out corpus.
+/// How `kiln eval` spreads a model over the processes started together: its tensor-parallel
+/// size, and its pipeline stages with their cut (as training cuts them).
+#[derive(Debug, Clone)]
+pub struct EvalLayout {
+    pub tensor_parallel_size: usize,
+    pub pipeline_parallel_size: usize,
+    /// `--pipeline-cuts`: where stages 1, 2, … begin (`None`: the default cut).
+    pub pipeline_cuts: Option<Vec<usize>>,
+}
+
+/// Loss and perplexity of a model folder on a held-out corpus (every rank's own result).
 pub fn eval<B: KilnBackend>(
     opts: &CausalLmOptions,
     batch_size: usize,
     tensor_parallel_size: usize,
     device: &B::Device,
 ) -> Result<EvalOutput> {
+    let layout = EvalLayout {
+        tensor_parallel_size,
+        pipeline_parallel_size: 1,
+        pipeline_cuts: None,
+    };
+    Ok(eval_layout::<B>(opts, batch_size, &layout, device)?.0)
+}
+
+/// [`eval`] at `layout`; also says whether this rank reports the result: the world's first
+/// rank, or under a pipeline the last stage's first rank (the one that computed it; the other
+/// stages only run their layers and hand them on).
+pub fn eval_layout<B: KilnBackend>(
+    opts: &CausalLmOptions,
+    batch_size: usize,
+    layout: &EvalLayout,
+    device: &B::Device,
+) -> Result<(EvalOutput, bool)> {
     let dir = opts
         .model_dir
         .as_ref()
         .ok_or_else(|| KilnError::Config("kiln eval needs --model".into()))?;
-    struct Run<'a, B: KilnBackend>(&'a CausalLmOptions, &'a Path, usize, usize, &'a B::Device);
+    struct Run<'a, B: KilnBackend>(
+        &'a CausalLmOptions,
+        &'a Path,
+        usize,
+        &'a EvalLayout,
+        &'a B::Device,
+    );
     impl<B: KilnBackend> DecoderVisitor for Run<'_, B> {
-        type Output = Result<EvalOutput>;
+        type Output = Result<(EvalOutput, bool)>;
         fn visit<A: DecoderArchitecture>(
             self,
             _: &'static DecoderFamily<A>,
             config: A::Config,
         ) -> Self::Output {
-            let Run(opts, dir, batch_size, tp, device) = self;
+            let Run(opts, dir, batch_size, layout, device) = self;
             let tok_path = opts.tokenizer_path()?;
             let tok = load_tokenizer(&tok_path)?;
-            let (model, loss, parallel) = load_model_parallel::<A, B>(dir, &config, device, tp)?;
+            let (tp, pp) = (layout.tensor_parallel_size, layout.pipeline_parallel_size);
+            let (parallel, tp_group, pp_group) = DataParallel::<B>::join_mesh_pp(device, tp, pp)?;
+            let tp_rank = tp_group.as_ref().map_or(0, |g| g.rank());
+            let (shard, loss) = tensor_parallel_plan::<A, _>(&config, tp_group)?;
+            let model = A::load(dir, &config, device, shard)?;
             crate::data::tokenize::check_ids_fit(&tok, &tok_path, config.vocab_size())?;
             warn_beyond_positions(&config, opts.block_size, "--block-size");
             let file = opts
@@ -693,23 +731,88 @@ pub fn eval<B: KilnBackend>(
                 .as_ref()
                 .ok_or_else(|| KilnError::Config("kiln eval needs --eval-file".into()))?;
             let set = opts.blocks(file, &tok, eos_id(&config, &tok), opts.max_eval_samples)?;
-            let mut out = evaluate(
-                &model,
-                &set,
-                batch_size,
-                &loss,
-                Reported::default(),
-                &parallel,
-            )?;
+            let (mut out, reports) = match &pp_group {
+                None => {
+                    let r = Reported::default();
+                    let out = evaluate(&model, &set, batch_size, &loss, r, &parallel)?;
+                    (out, parallel.is_main())
+                }
+                Some(group) => {
+                    let stage = eval_stage(&model, group.as_ref(), layout)?;
+                    let last = stage.index + 1 == stage.count;
+                    let logits = |batch: &TokenBatch| stage.logits(batch);
+                    let r = Reported::default();
+                    let out = evaluate_by(logits, device, &set, batch_size, &loss, r, &parallel)?;
+                    (out, last && parallel.rank() == 0 && tp_rank == 0)
+                }
+            };
             out.metrics.insert(
                 "eval_tokens".into(),
                 (set.len() * (set.block_size - 1)) as f64,
             );
-            Ok(out)
+            Ok((out, reports))
         }
     }
-    let run = Run::<B>(opts, dir, batch_size, tensor_parallel_size, device);
+    let run = Run::<B>(opts, dir, batch_size, layout, device);
     with_causal_lm(&dir.join("config.json"), run)?
+}
+
+/// One pipeline stage of an evaluation: its model's segments and its cut.
+struct EvalStage<'a, B: KilnBackend> {
+    segments: &'a dyn crate::task::Segments<B, TokenBatch>,
+    cut: crate::parallel::pipeline::StageCut,
+    group: &'a dyn crate::parallel::Collectives<B>,
+    index: usize,
+    count: usize,
+}
+
+/// This rank's stage of `model` cut over the pipeline `group` as `layout` says.
+fn eval_stage<'a, B: KilnBackend, M: crate::task::Model<B, Batch = TokenBatch>>(
+    model: &'a M,
+    group: &'a dyn crate::parallel::Collectives<B>,
+    layout: &EvalLayout,
+) -> Result<EvalStage<'a, B>> {
+    let segments = model.segments().ok_or_else(|| {
+        KilnError::Config(
+            "--pipeline-parallel-size cuts a model at its decoder layers, and this model is not \
+             split into layers"
+                .into(),
+        )
+    })?;
+    let cuts = crate::parallel::pipeline::cut_stages(
+        segments.num_layers(),
+        group.size(),
+        layout.pipeline_cuts.as_deref(),
+    )?;
+    Ok(EvalStage {
+        segments,
+        cut: cuts[group.rank()].clone(),
+        group,
+        index: group.rank(),
+        count: group.size(),
+    })
+}
+
+impl<B: KilnBackend> EvalStage<'_, B> {
+    /// A batch through this stage, forward only: from the embedding or the previous stage's
+    /// hidden states, through its layers, to the next stage (`None`) or, on the last stage, to
+    /// the logits.
+    fn logits(&self, batch: &TokenBatch) -> Result<Option<Tensor<B, 2>>> {
+        use crate::train::pipeline_stage::{hand_over, receive};
+        let mut x = if self.cut.embedding {
+            self.segments.embed(batch)
+        } else {
+            receive(self.group, self.index - 1)?
+        };
+        for i in self.cut.layers.clone() {
+            x = self.segments.layer(i, x, batch);
+        }
+        if self.cut.head {
+            return Ok(Some(self.segments.head(x, batch)));
+        }
+        hand_over(self.group, x, self.index + 1)?;
+        Ok(None)
+    }
 }
 
 /// Decoding settings, as transformers' `generate` names them.

@@ -76,17 +76,40 @@ where
     E: BatchSource<Batch = M::Batch>,
     L: Loss,
 {
+    let device = model
+        .devices()
+        .into_iter()
+        .next()
+        .expect("model has a device");
+    let logits = |batch: &M::Batch| Ok(Some(model.logits(batch)));
+    evaluate_by(
+        logits, &device, eval, batch_size, loss_fn, reported, parallel,
+    )
+}
+
+/// [`evaluate`] with each batch's logits from `logits_of`, on `device`. A rank whose
+/// `logits_of` gives `None` (a pipeline stage before the last: it runs its layers and hands them
+/// on) counts nothing for that batch; its metrics are then not the evaluation's.
+pub fn evaluate_by<B, E, L>(
+    mut logits_of: impl FnMut(&E::Batch) -> Result<Option<Tensor<B, 2>>>,
+    device: &B::Device,
+    eval: &E,
+    batch_size: usize,
+    loss_fn: &L,
+    reported: Reported<'_>,
+    parallel: &DataParallel<B>,
+) -> Result<EvalOutput>
+where
+    B: crate::ops::KilnBackend,
+    E: BatchSource,
+    L: Loss,
+{
     let Reported {
         label_names,
         compute_metrics,
         token_metrics,
     } = reported;
     let start = Instant::now();
-    let device = model
-        .devices()
-        .into_iter()
-        .next()
-        .expect("model has a device");
     let (mut loss_sum, mut count) = (0.0, 0usize);
     let mut preds = Predictions::default();
     // A batch of no tokens gives the metric's zeros, and their number.
@@ -103,11 +126,10 @@ where
             .iter()
             .filter(|&&t| t != crate::task::IGNORE_INDEX)
             .count();
-        let logits = model.logits(&batch);
-        let loss = loss_fn.loss(
-            logits.clone(),
-            targets_tensor::<B>(targets.clone(), &device),
-        );
+        let Some(logits) = logits_of(&batch)? else {
+            continue;
+        };
+        let loss = loss_fn.loss(logits.clone(), targets_tensor::<B>(targets.clone(), device));
         let batch_loss = loss.into_scalar().elem::<f64>();
         if !batch_loss.is_finite() {
             return Err(KilnError::NonFinite(format!(

@@ -219,7 +219,7 @@ where
 }
 
 /// Sends `t` with its dimensions first.
-fn hand_over<B: burn::tensor::backend::Backend>(
+pub(crate) fn hand_over<B: burn::tensor::backend::Backend>(
     group: &dyn Collectives<B>,
     t: Tensor<B, 3>,
     to: usize,
@@ -237,7 +237,7 @@ fn hand_over<B: burn::tensor::backend::Backend>(
 }
 
 /// What [`hand_over`] sent from `from`, in its shape.
-fn receive<B: burn::tensor::backend::Backend>(
+pub(crate) fn receive<B: burn::tensor::backend::Backend>(
     group: &dyn Collectives<B>,
     from: usize,
 ) -> Result<Tensor<B, 3>> {
