@@ -509,6 +509,17 @@ impl ShardLayout {
                 ));
             }
         }
+        // Every stage holds at least one parameter: the size is bounded by the parameters.
+        let held: std::collections::BTreeSet<usize> =
+            self.params.values().map(|p| p.stage).collect();
+        if self.pipeline_parallel_size > 1 && held.len() != self.pipeline_parallel_size {
+            return Err(format!(
+                "pipeline_parallel_size is {}, but the parameters are on {} stages; every stage \
+                 holds at least one",
+                self.pipeline_parallel_size,
+                held.len()
+            ));
+        }
         if self.optimizer.is_empty() {
             return Ok(());
         }
@@ -855,7 +866,14 @@ mod tests {
         assert!(!json.contains("stage"), "{json}");
         let back: ShardLayout = serde_json::from_str(&json).unwrap();
         assert_eq!(back, plain);
-        let piped = plain.clone().with_stages(2, |_| 1).unwrap();
+        let mut two = plain.clone();
+        let norm = ParamLayout {
+            shape: vec![2],
+            ranks: vec![None, None],
+            stage: 0,
+        };
+        two.params.insert("norm".into(), norm);
+        let piped = two.with_stages(2, |n| usize::from(n == "w")).unwrap();
         assert_eq!(
             piped.model_file(1, 1),
             "model/tp_rank_01_pp_rank_01.safetensors"
@@ -865,11 +883,14 @@ mod tests {
             "optimizer/tp_rank_00_pp_rank_01_dp_rank_03.safetensors"
         );
         assert_eq!(plain.model_file(1, 0), "model/tp_rank_01.safetensors");
-        let err = plain.with_stages(2, |_| 2).unwrap_err().to_string();
+        let err = plain.clone().with_stages(2, |_| 2).unwrap_err().to_string();
         assert!(
             err.contains("w: stage 2 of pipeline_parallel_size 2"),
             "{err}"
         );
+        // A size no parameter fills (read from a hostile file) is one sentence, not a long loop.
+        let err = plain.with_stages(1 << 40, |_| 0).unwrap_err().to_string();
+        assert!(err.contains("but the parameters are on 1 stages"), "{err}");
     }
 
     #[test]

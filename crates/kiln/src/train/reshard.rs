@@ -19,7 +19,7 @@ use crate::hub::sharded::{
 use crate::hub::weights::{read_safetensors, safetensors_bytes, HostTensor, StoreDtype};
 use crate::models::decoder::DECODER_EMBEDDING;
 use crate::models::lora::{ADAPTER_CONFIG, ADAPTER_WEIGHTS};
-use crate::parallel::pipeline::{cut_stages, owner_stage};
+use crate::parallel::pipeline::{cut_stages, layer_index, owner_stage};
 use crate::task::ParamSplit;
 use crate::{KilnError, Result};
 
@@ -61,17 +61,18 @@ impl Stages {
     /// The stages of a decoder whose parameters are `names`, cut as training at
     /// `--pipeline-parallel-size stages` (with `--pipeline-cuts cuts`, if given) cuts it.
     pub fn of_decoder(names: &[&str], stages: usize, cuts: Option<&[usize]>) -> Result<Self> {
-        let layers = names
-            .iter()
-            .filter_map(|n| {
-                let parts: Vec<&str> = n.split('.').collect();
-                parts
-                    .windows(2)
-                    .find(|w| w[0] == "layers")
-                    .and_then(|w| w[1].parse::<usize>().ok())
-            })
-            .max()
-            .map_or(0, |i| i + 1);
+        // The layers' indices come from the file: they must be 0..n, so n is bounded by the
+        // names read, never taken from one index alone.
+        let indices: std::collections::BTreeSet<usize> =
+            names.iter().filter_map(|n| layer_index(n)).collect();
+        let layers = indices.len();
+        if indices.last().is_some_and(|&last| last + 1 != layers) {
+            return Err(KilnError::Weights(format!(
+                "the model's decoder layers are numbered up to {}, but only {layers} of them \
+                 exist: their parameters' names must number the layers 0 to n − 1",
+                indices.last().expect("checked")
+            )));
+        }
         let cut = cut_stages(layers, stages, cuts)?;
         let embedding = [DECODER_EMBEDDING.to_string()];
         Ok(Self {

@@ -162,7 +162,7 @@ pub fn cut_by_work(work: &Work, stages: usize) -> Result<Vec<StageCut>> {
 }
 
 /// The decoder layer a parameter `path` belongs to (`….layers.{i}.…`), if any.
-fn layer_index(path: &str) -> Option<usize> {
+pub fn layer_index(path: &str) -> Option<usize> {
     let parts: Vec<&str> = path.split('.').collect();
     parts
         .windows(2)
