@@ -402,6 +402,30 @@ impl Failure {
     }
 }
 
+/// How long a worker that only lost its peers (or timed out waiting for them) is held back from
+/// the verdict, so the peer whose death it echoes (killed, crashed) can be reaped and named
+/// instead: both often end within one poll of each other, and rank order must not decide.
+const ECHO_GRACE: Duration = Duration::from_millis(1500);
+
+/// Whether a worker's exit only echoes another's failure: it lost a peer or timed out waiting.
+fn echoes_a_peer(status: &ExitStatus) -> bool {
+    matches!(
+        status.code(),
+        Some(super::group::PEER_LOST_EXIT_CODE | super::group::TIMEOUT_EXIT_CODE)
+    )
+}
+
+/// The failure to report among those seen so far (rank, status, when it was reaped), if it is
+/// time to report one: the first that is a cause of its own at once; else, once the first
+/// echo is [`ECHO_GRACE`] old, that echo (a hung peer is found this way: only its waiters end).
+fn verdict(failed: &[(usize, ExitStatus, Instant)], now: Instant) -> Option<(usize, ExitStatus)> {
+    if let Some((rank, status, _)) = failed.iter().find(|f| !echoes_a_peer(&f.1)) {
+        return Some((*rank, *status));
+    }
+    let (rank, status, at) = failed.first()?;
+    (now.duration_since(*at) >= ECHO_GRACE).then_some((*rank, *status))
+}
+
 /// Runs the job's workers on this machine and waits for them. `Ok` when all exit successfully; an
 /// error naming the first rank that failed otherwise (the others are stopped) once
 /// `max_restarts` fresh starts of every worker have failed too.
@@ -613,21 +637,21 @@ fn run_attempt(
         });
     }
 
+    let mut failed = Vec::new();
     let result = loop {
         if interrupted.load(Ordering::Relaxed) {
             stop_all(&mut workers, libc::SIGTERM);
             break Some(Failure::Interrupted);
         }
-        let mut failed = None;
         for w in workers.iter_mut().filter(|w| w.status.is_none()) {
             if let Ok(Some(s)) = w.child.try_wait() {
                 w.status = Some(s);
-                if !s.success() && failed.is_none() {
-                    failed = Some((w.rank, s));
+                if !s.success() {
+                    failed.push((w.rank, s, Instant::now()));
                 }
             }
         }
-        if let Some((rank, status)) = failed {
+        if let Some((rank, status)) = verdict(&failed, Instant::now()) {
             stop_all(&mut workers, libc::SIGTERM);
             break Some(Failure::Worker {
                 rank,
@@ -636,7 +660,14 @@ fn run_attempt(
             });
         }
         if workers.iter().all(|w| w.status.is_some()) {
-            break None;
+            // Everyone has ended: no cause is still to come, so an echo is the verdict now.
+            break verdict(&failed, Instant::now() + ECHO_GRACE).map(|(rank, status)| {
+                Failure::Worker {
+                    rank,
+                    status,
+                    said: None,
+                }
+            });
         }
         std::thread::sleep(Duration::from_millis(50));
     };
@@ -671,6 +702,25 @@ mod tests {
         for bad in ["", ".", "..", "../..", "/tmp/x", "a/b", "a\0b", "a\x1b[2J"] {
             assert!(!super::is_plain_name(bad), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn the_verdict_names_the_cause_not_its_echo() {
+        use std::os::unix::process::ExitStatusExt;
+        let exited = |code: i32| ExitStatus::from_raw(code << 8);
+        let killed = ExitStatus::from_raw(libc::SIGKILL);
+        let lost = exited(super::super::group::PEER_LOST_EXIT_CODE);
+        let t0 = Instant::now();
+        // Rank 0 lost its peer and rank 1 was killed, both reaped in one poll: rank 1 is named.
+        let v = super::verdict(&[(0, lost, t0), (1, killed, t0)], t0).unwrap();
+        assert_eq!((v.0, v.1.signal()), (1, Some(libc::SIGKILL)));
+        // An echo alone waits for its cause, then is named (a hung peer shows only as its waiters).
+        assert!(super::verdict(&[(0, lost, t0)], t0).is_none());
+        let later = t0 + super::ECHO_GRACE;
+        assert_eq!(super::verdict(&[(0, lost, t0)], later).unwrap().0, 0);
+        // A crash is named at once, whatever its rank.
+        assert_eq!(super::verdict(&[(3, exited(1), t0)], t0).unwrap().0, 3);
+        assert!(super::verdict(&[], later).is_none());
     }
 
     #[test]
