@@ -570,9 +570,10 @@ fn checkpointing_inside_a_stage_changes_nothing() {
 
 /// `kiln eval --task causal-lm` under a pipeline gives one process's loss and perplexity on a
 /// trained model: PP = 2 (default and uneven cuts), TP = 2 × PP = 2 and PP = 2 × DP = 2; the last
-/// stage computes the result and writes it.
+/// stage computes the result and writes it. `kiln generate` under a pipeline decodes one
+/// process's tokens, greedy and sampled.
 #[test]
-fn evaluation_under_a_pipeline_equals_one_process() {
+fn evaluation_and_generation_under_a_pipeline_equal_one_process() {
     let Some(f) = Fixture::new() else {
         return;
     };
@@ -627,6 +628,64 @@ fn evaluation_under_a_pipeline_equals_one_process() {
             "{name}: perplexity {pb} vs {pa}"
         );
     }
+    // `kiln generate`: greedy and sampled (the last stage draws, as one process does), each stage
+    // with its own layers' KV cache, decode one process's tokens. This barely trained model
+    // repeats one token greedily; the sampled tokens are the ones that read every position (a
+    // stage's cache counting its positions from layer 0's, which stage 1 lacks, fails them).
+    let generate = |name: &str, mut c: Command, extra: &[&str]| -> serde_json::Value {
+        c.args([
+            "generate",
+            "--prompt",
+            "The jury said",
+            "--max-new-tokens",
+            "8",
+        ])
+        .args(["--ignore-eos", "--json", "--model"])
+        .arg(&model)
+        .args(extra);
+        let o = c.output().unwrap();
+        assert!(
+            o.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let text = String::from_utf8_lossy(&o.stdout).to_string();
+        let json = &text[text.find('{').expect("a JSON line")..];
+        let v: serde_json::Value = serde_json::from_str(json.lines().next().unwrap()).unwrap();
+        v["new_ids"].clone()
+    };
+    let sampled = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "7"];
+    for sampling in [&[][..], &sampled[..]] {
+        let one = generate("one", kiln_one_thread(), sampling);
+        assert_eq!(one.as_array().unwrap().len(), 8);
+        for (name, procs, extra) in [
+            ("pp2", 2, pp2.to_vec()),
+            (
+                "pp2-cut1",
+                2,
+                [&pp2[..], &["--pipeline-cuts", "1"]].concat(),
+            ),
+            (
+                "tp2-pp2",
+                4,
+                [&pp2[..], &["--tensor-parallel-size", "2"]].concat(),
+            ),
+        ] {
+            let got = generate(name, launched(procs), &[sampling, &extra[..]].concat());
+            assert_eq!(
+                got, one,
+                "{name} {sampling:?}: other tokens than one process"
+            );
+        }
+    }
+    // The control: another seed draws other tokens.
+    let other = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "8"];
+    let got = generate("pp2-seed8", launched(2), &[&other[..], &pp2[..]].concat());
+    assert_ne!(
+        got,
+        generate("one", kiln_one_thread(), &sampled),
+        "the seed changes nothing"
+    );
 }
 
 /// A stage's worker killed in the middle of a step (after a hand-over) stops the job with an error

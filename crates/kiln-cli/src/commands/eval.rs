@@ -62,7 +62,7 @@ pub fn run<B: kiln::ops::KilnBackend>(
         let opts = cmd
             .data
             .lm_options(None, &cmd.lm, Some(cmd.model.clone()), None)?;
-        let layout = causal_lm::EvalLayout {
+        let layout = causal_lm::InferenceLayout {
             tensor_parallel_size: cmd.tensor_parallel_size,
             pipeline_parallel_size: cmd.pipeline_parallel_size,
             pipeline_cuts: cmd

@@ -33,6 +33,13 @@ pub struct GenerateCmd {
     /// The model cut over N processes started together (`kiln launch`), as in training.
     #[arg(long, default_value_t = 1)]
     tensor_parallel_size: usize,
+    /// The model's decoder layers cut into N stages on N processes (`kiln launch`), as in
+    /// training: each token's step flows through them, every stage keeping its layers' KV cache.
+    #[arg(long, default_value_t = 1)]
+    pipeline_parallel_size: usize,
+    /// Where stages 1, 2, … begin, as decoder-layer indices (as in training).
+    #[arg(long)]
+    pipeline_cuts: Option<String>,
     /// Generate with this LoRA adapter (a PEFT folder: adapter_config.json,
     /// adapter_model.safetensors) on --model, unmerged.
     #[arg(long, value_name = "DIR")]
@@ -52,7 +59,8 @@ pub fn run<B: kiln::ops::KilnBackend>(cmd: GenerateCmd, device: &B::Device) -> R
         stop_at_eos: !cmd.ignore_eos,
     };
     // Under tensor parallelism every rank decodes the same tokens (the logits are put
-    // together on each); rank 0 prints them.
+    // together on each), under a pipeline the last stage hands each to every stage; rank 0
+    // prints them.
     let main = kiln::parallel::is_main_process()?;
     let stream = main && !cmd.json;
     // The prompt is printed once the model has loaded (with the first new text), so a folder
@@ -75,13 +83,17 @@ pub fn run<B: kiln::ops::KilnBackend>(cmd: GenerateCmd, device: &B::Device) -> R
         chat: cmd.chat,
         adapter: cmd.adapter.clone(),
     };
+    let layout = causal_lm::InferenceLayout {
+        tensor_parallel_size: cmd.tensor_parallel_size,
+        pipeline_parallel_size: cmd.pipeline_parallel_size,
+        pipeline_cuts: cmd
+            .pipeline_cuts
+            .as_deref()
+            .map(kiln::parallel::pipeline::parse_cuts)
+            .transpose()?,
+    };
     let (prompt_ids, g) = causal_lm::generate_from_folder::<B>(
-        &cmd.model,
-        &prompt,
-        cmd.tensor_parallel_size,
-        &opts,
-        device,
-        &mut print,
+        &cmd.model, &prompt, &layout, &opts, device, &mut print,
     )?;
     print("");
     if !main {

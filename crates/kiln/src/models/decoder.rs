@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use burn::module::AutodiffModule;
+use burn::tensor::Tensor;
 
 use crate::data::lm::TokenBatch;
 use crate::error::Result;
@@ -42,6 +43,18 @@ pub trait CausalLm<B: KilnBackend>: Model<B, Batch = TokenBatch> + Clone {
     /// One decoding step of one sequence: `ids` continue the cached positions (the whole prompt
     /// first, then one token at a time); the vocabulary logits of the last one.
     fn next_token_logits(&self, ids: &[i64], cache: &mut Self::Cache) -> Vec<f32>;
+    /// The same step in the three pieces a pipeline stage runs some of: the embeddings
+    /// `[1, T, H]` of `ids`, …
+    fn embed_ids(&self, ids: &[i64]) -> Tensor<B, 3>;
+    /// … decoder layers `layers` (continuing and extending the cached positions), …
+    fn decode_layers(
+        &self,
+        x: Tensor<B, 3>,
+        layers: std::ops::Range<usize>,
+        cache: &mut Self::Cache,
+    ) -> Tensor<B, 3>;
+    /// … and the final norm and head: the vocabulary logits of the last position.
+    fn last_logits(&self, x: Tensor<B, 3>) -> Vec<f32>;
     /// The same model laid out for inference only (faster decoding, no training).
     fn for_inference(self) -> Self {
         self

@@ -65,20 +65,11 @@ impl<B: Backend> DataParallel<B> {
         })
     }
 
-    /// Joins the job as [`Self::join`] does and lays it out as a mesh of `tp`-rank tensor-parallel
-    /// groups (contiguous ranks) and data parallelism across them: returns the data-parallel
-    /// strategy and this rank's tensor-parallel group (`None` at `tp` = 1).
-    pub fn join_mesh(
-        device: &B::Device,
-        tp: usize,
-    ) -> Result<(Self, Option<SharedCollectives<B>>)> {
-        let (data, tp, _) = Self::join_mesh_pp(device, tp, 1)?;
-        Ok((data, tp))
-    }
-
-    /// [`Self::join_mesh`] with `pp` pipeline stages: the mesh of `tp × dp × pp` ranks, and this
-    /// rank's pipeline group too (`None` at `pp` = 1), in which stage `s` is rank `s`, its links
-    /// open.
+    /// Joins the job as [`Self::join`] does and lays it out as a mesh of `tp × dp × pp` ranks:
+    /// `tp`-rank tensor-parallel groups (contiguous ranks), data parallelism across them, and
+    /// `pp` pipeline stages. Returns the data-parallel strategy, this rank's tensor-parallel group
+    /// (`None` at `tp` = 1) and its pipeline group (`None` at `pp` = 1), in which stage `s` is
+    /// rank `s`, its links open.
     pub fn join_mesh_pp(device: &B::Device, tp: usize, pp: usize) -> Result<JoinedMesh<B>> {
         let joined = Self::join(device)?;
         if tp <= 1 && pp <= 1 {

@@ -83,22 +83,6 @@ fn tensor_parallel_plan<A: DecoderArchitecture, X: burn::tensor::backend::Backen
     Ok((Some(shard), loss))
 }
 
-/// A model folder (whole or sharded) loaded for this process's part of a job of tensor-parallel
-/// size `tp` (`kiln eval` / `kiln generate` under `kiln launch`): the job joined, the whole model
-/// read and cut to this rank's shard; with the loss that fits it and the data-parallel rest of
-/// the job.
-fn load_model_parallel<A: DecoderArchitecture, B: KilnBackend>(
-    dir: &Path,
-    config: &A::Config,
-    device: &B::Device,
-    tp: usize,
-) -> Result<(A::Model<B>, LmLoss, DataParallel<B>)> {
-    let (parallel, group) = DataParallel::<B>::join_mesh(device, tp)?;
-    let (shard, loss) = tensor_parallel_plan::<A, _>(config, group)?;
-    let model = A::load(dir, config, device, shard)?;
-    Ok((model, loss, parallel))
-}
-
 pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
     let file = if path.is_dir() {
         path.join("tokenizer.json")
@@ -664,10 +648,10 @@ impl TokenMetrics for WholeVocabMetrics {
     }
 }
 
-/// How `kiln eval` spreads a model over the processes started together: its tensor-parallel
-/// size, and its pipeline stages with their cut (as training cuts them).
+/// How `kiln eval` and `kiln generate` spread a model over the processes started together: its
+/// tensor-parallel size, and its pipeline stages with their cut (as training cuts them).
 #[derive(Debug, Clone)]
-pub struct EvalLayout {
+pub struct InferenceLayout {
     pub tensor_parallel_size: usize,
     pub pipeline_parallel_size: usize,
     /// `--pipeline-cuts`: where stages 1, 2, … begin (`None`: the default cut).
@@ -681,7 +665,7 @@ pub fn eval<B: KilnBackend>(
     tensor_parallel_size: usize,
     device: &B::Device,
 ) -> Result<EvalOutput> {
-    let layout = EvalLayout {
+    let layout = InferenceLayout {
         tensor_parallel_size,
         pipeline_parallel_size: 1,
         pipeline_cuts: None,
@@ -695,7 +679,7 @@ pub fn eval<B: KilnBackend>(
 pub fn eval_layout<B: KilnBackend>(
     opts: &CausalLmOptions,
     batch_size: usize,
-    layout: &EvalLayout,
+    layout: &InferenceLayout,
     device: &B::Device,
 ) -> Result<(EvalOutput, bool)> {
     let dir = opts
@@ -706,7 +690,7 @@ pub fn eval_layout<B: KilnBackend>(
         &'a CausalLmOptions,
         &'a Path,
         usize,
-        &'a EvalLayout,
+        &'a InferenceLayout,
         &'a B::Device,
     );
     impl<B: KilnBackend> DecoderVisitor for Run<'_, B> {
@@ -770,7 +754,7 @@ struct EvalStage<'a, B: KilnBackend> {
 fn eval_stage<'a, B: KilnBackend, M: crate::task::Model<B, Batch = TokenBatch>>(
     model: &'a M,
     group: &'a dyn crate::parallel::Collectives<B>,
-    layout: &EvalLayout,
+    layout: &InferenceLayout,
 ) -> Result<EvalStage<'a, B>> {
     let segments = model.segments().ok_or_else(|| {
         KilnError::Config(
@@ -813,6 +797,40 @@ impl<B: KilnBackend> EvalStage<'_, B> {
         hand_over(self.group, x, self.index + 1)?;
         Ok(None)
     }
+}
+
+/// One decoding step under a pipeline: the ids' embeddings (stage 0) or the previous stage's
+/// hidden states through this stage's layers and cache, handed on; the last stage picks the token
+/// and every stage learns it from there (`u32::MAX` for "the logits were not finite", so every
+/// rank stops with the same sentence).
+fn decode_stage<B: KilnBackend, M: CausalLm<B>>(
+    model: &M,
+    stage: &EvalStage<'_, B>,
+    input: &[i64],
+    cache: &mut M::Cache,
+    o: &GenerateOptions,
+    rng: &mut StdRng,
+) -> Result<Option<u32>> {
+    use crate::train::pipeline_stage::{hand_over, receive};
+    let x = if stage.cut.embedding {
+        model.embed_ids(input)
+    } else {
+        receive(stage.group, stage.index - 1)?
+    };
+    let x = model.decode_layers(x, stage.cut.layers.clone(), cache);
+    let last = stage.count - 1;
+    let mut token = [0f32];
+    if stage.cut.head {
+        let logits = model.last_logits(x);
+        token[0] = pick(&logits, o, rng).map_or(-1.0, |t| t as f32);
+    } else {
+        hand_over(stage.group, x, stage.index + 1)?;
+    }
+    // Ids travel as f32: exact below 2^24, far above any vocabulary.
+    let device = stage.group.device();
+    let t = crate::parallel::collectives::owned_tensor::<B>(token.to_vec(), device);
+    let t = crate::parallel::collectives::host(stage.group.broadcast(t, last)?)[0];
+    Ok((t >= 0.0).then_some(t as u32))
 }
 
 /// Decoding settings, as transformers' `generate` names them.
@@ -925,6 +943,33 @@ pub fn generate<B: KilnBackend, M: CausalLm<B>>(
     config: &impl DecoderConfig,
     prompt_ids: &[u32],
     o: &GenerateOptions,
+    on_text: impl FnMut(&str),
+) -> Result<Generation> {
+    let mut cache = model.new_cache();
+    let next = |input: &[i64], rng: &mut StdRng| {
+        let logits = model.next_token_logits(input, &mut cache);
+        Ok(pick(&logits, o, rng))
+    };
+    generate_by(next, tok, config, prompt_ids, o, on_text)
+}
+
+/// The next token from a row of logits, `None` when they are not all finite.
+fn pick(logits: &[f32], o: &GenerateOptions, rng: &mut StdRng) -> Option<u32> {
+    logits
+        .iter()
+        .all(|v| v.is_finite())
+        .then(|| choose(logits, o, rng))
+}
+
+/// [`generate`] with each step's token from `next`: given the ids that continue the cached
+/// positions (the prompt, then the last token) and the sampling stream, it returns the next id,
+/// or `None` when the model's logits were not finite.
+fn generate_by(
+    mut next: impl FnMut(&[i64], &mut StdRng) -> Result<Option<u32>>,
+    tok: &Tokenizer,
+    config: &impl DecoderConfig,
+    prompt_ids: &[u32],
+    o: &GenerateOptions,
     mut on_text: impl FnMut(&str),
 ) -> Result<Generation> {
     o.check()?;
@@ -948,21 +993,18 @@ pub fn generate<B: KilnBackend, M: CausalLm<B>>(
     );
     let eos = config.eos_ids();
     let mut rng = StdRng::seed_from_u64(o.seed);
-    let mut cache = model.new_cache();
     let mut input: Vec<i64> = prompt_ids.iter().map(|&t| t as i64).collect();
     let mut new_ids: Vec<u32> = Vec::new();
     let mut printed = String::new();
     let start = Instant::now();
     let mut prefill_secs = 0.0;
     while new_ids.len() < o.max_new_tokens {
-        let logits = model.next_token_logits(&input, &mut cache);
-        if logits.iter().any(|v| !v.is_finite()) {
+        let Some(next) = next(&input, &mut rng)? else {
             return Err(KilnError::NonFinite(format!(
                 "generating token {}: the model gives non-finite logits (its weights are not finite)",
                 new_ids.len() + 1
             )));
-        }
-        let next = choose(&logits, o, &mut rng);
+        };
         if new_ids.is_empty() {
             prefill_secs = start.elapsed().as_secs_f64();
         }
@@ -996,13 +1038,13 @@ pub fn generate<B: KilnBackend, M: CausalLm<B>>(
     })
 }
 
-/// `kiln generate`: the model folder `dir` (cut over `tp` processes started together, each
-/// decoding the same tokens) continues `prompt`; `on_text` receives the text as it grows. Returns
-/// the prompt's ids with the generation.
+/// `kiln generate`: the model folder `dir` (cut over the processes started together as `layout`
+/// says, each decoding the same tokens) continues `prompt`; `on_text` receives the text as it
+/// grows. Returns the prompt's ids with the generation.
 pub fn generate_from_folder<B: KilnBackend>(
     dir: &Path,
     prompt: &Prompt,
-    tp: usize,
+    layout: &InferenceLayout,
     o: &GenerateOptions,
     device: &B::Device,
     on_text: impl FnMut(&str),
@@ -1012,7 +1054,7 @@ pub fn generate_from_folder<B: KilnBackend>(
     struct Run<'a, B: KilnBackend, F>(
         &'a Path,
         &'a Prompt,
-        usize,
+        &'a InferenceLayout,
         &'a GenerateOptions,
         &'a B::Device,
         F,
@@ -1024,20 +1066,33 @@ pub fn generate_from_folder<B: KilnBackend>(
             _: &'static DecoderFamily<A>,
             config: A::Config,
         ) -> Self::Output {
-            let Run(dir, prompt, tp, o, device, on_text) = self;
+            let Run(dir, prompt, layout, o, device, on_text) = self;
             let tok = load_tokenizer(dir)?;
             let ids = prompt.token_ids(dir, &tok)?;
-            let (model, _, _) = load_model_parallel::<A, B>(dir, &config, device, tp)?;
+            let (tp, pp) = (layout.tensor_parallel_size, layout.pipeline_parallel_size);
+            let (_, tp_group, pp_group) = DataParallel::<B>::join_mesh_pp(device, tp, pp)?;
+            let (shard, _) = tensor_parallel_plan::<A, _>(&config, tp_group)?;
+            let model = A::load(dir, &config, device, shard)?;
             let model = match &prompt.adapter {
                 Some(adapter) => crate::models::lora::load_adapter(model, adapter, device)?.0,
                 None => model,
             };
             let model = model.for_inference();
-            let g = generate(&model, &tok, &config, &ids, o, on_text)?;
+            let Some(group) = pp_group else {
+                let g = generate(&model, &tok, &config, &ids, o, on_text)?;
+                return Ok((ids, g));
+            };
+            // The stages are cut as training and `kiln eval` cut them.
+            let stage = eval_stage(&model, group.as_ref(), layout)?;
+            let mut cache = model.new_cache();
+            let next = |input: &[i64], rng: &mut StdRng| {
+                decode_stage(&model, &stage, input, &mut cache, o, rng)
+            };
+            let g = generate_by(next, &tok, &config, &ids, o, on_text)?;
             Ok((ids, g))
         }
     }
-    let run = Run::<B, _>(dir, prompt, tp, o, device, on_text);
+    let run = Run::<B, _>(dir, prompt, layout, o, device, on_text);
     with_causal_lm(&dir.join("config.json"), run)?
 }
 

@@ -12,6 +12,8 @@ pub mod parallel;
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use burn::tensor::Tensor;
+
 pub use model::*;
 
 use self::config::LlamaConfig;
@@ -94,6 +96,20 @@ impl<B: KilnBackend> CausalLm<B> for LlamaForCausalLM<B> {
     }
     fn next_token_logits(&self, ids: &[i64], cache: &mut KvCache<B>) -> Vec<f32> {
         LlamaForCausalLM::next_token_logits(self, ids, cache)
+    }
+    fn embed_ids(&self, ids: &[i64]) -> Tensor<B, 3> {
+        LlamaForCausalLM::embed_ids(self, ids)
+    }
+    fn decode_layers(
+        &self,
+        x: Tensor<B, 3>,
+        layers: std::ops::Range<usize>,
+        cache: &mut KvCache<B>,
+    ) -> Tensor<B, 3> {
+        LlamaForCausalLM::decode_layers(self, x, layers, cache)
+    }
+    fn last_logits(&self, x: Tensor<B, 3>) -> Vec<f32> {
+        LlamaForCausalLM::last_logits(self, x)
     }
     fn for_inference(self) -> Self {
         self.into_inference_layout()

@@ -83,11 +83,13 @@ impl<B: Backend> KvCache<B> {
             layers: vec![None; num_layers],
         }
     }
-    /// Positions already cached.
+    /// Positions already cached (read from any layer that holds some: a pipeline stage's
+    /// cache fills only its own layers, all to the same length).
     pub fn len(&self) -> usize {
         self.layers
-            .first()
-            .and_then(|l| l.as_ref())
+            .iter()
+            .flatten()
+            .next()
             .map_or(0, |(k, _)| k.dims()[1])
     }
     pub fn is_empty(&self) -> bool {
@@ -382,16 +384,53 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
         ids: Tensor<B, 2, Int>,
         mut cache: Option<&mut KvCache<B>>,
     ) -> Tensor<B, 3> {
-        let t = ids.dims()[1];
-        let device = ids.device();
-        let start = cache.as_ref().map_or(0, |c| c.len());
-        let rope = rope_tables::<B>(&self.model.inv_freq, start, t, &device);
-        let mut x = self.embed(ids);
-        for (i, layer) in self.model.layers.iter().enumerate() {
-            let slot = cache.as_mut().map(|c| &mut c.layers[i]);
-            x = layer.forward(x, &rope, slot, &[]);
-        }
+        let x = self.embed(ids);
+        let layers = 0..self.model.layers.len();
+        let x = match cache.as_mut() {
+            Some(c) => self.decode_layers(x, layers, c),
+            None => {
+                let rope = rope_tables::<B>(&self.model.inv_freq, 0, x.dims()[1], &x.device());
+                self.model
+                    .layers
+                    .iter()
+                    .fold(x, |x, layer| layer.forward(x, &rope, None, &[]))
+            }
+        };
         self.model.norm.forward(x)
+    }
+
+    /// Hidden states `[1, T, H]` through decoder layers `layers` (a pipeline stage's, or all),
+    /// continuing the positions `cache` holds and adding these.
+    pub fn decode_layers(
+        &self,
+        mut x: Tensor<B, 3>,
+        layers: std::ops::Range<usize>,
+        cache: &mut KvCache<B>,
+    ) -> Tensor<B, 3> {
+        let rope = rope_tables::<B>(&self.model.inv_freq, cache.len(), x.dims()[1], &x.device());
+        for i in layers {
+            x = self.model.layers[i].forward(x, &rope, Some(&mut cache.layers[i]), &[]);
+        }
+        x
+    }
+
+    /// The token embeddings `[1, T, H]` of one sequence's `ids` (decoding's first segment).
+    pub fn embed_ids(&self, ids: &[i64]) -> Tensor<B, 3> {
+        let device = self.model.embed_tokens.weight.device();
+        let n = ids.len();
+        self.embed(Tensor::from_data(
+            TensorData::new(ids.to_vec(), [1, n]),
+            &device,
+        ))
+    }
+
+    /// The whole vocabulary's logits of the last position of the last layer's output `[1, T, H]`
+    /// (decoding's last segment: final norm and head).
+    pub fn last_logits(&self, x: Tensor<B, 3>) -> Vec<f32> {
+        let h = self.model.norm.forward(x);
+        let [_, n, hd] = h.dims();
+        let last = h.slice([0..1, n - 1..n, 0..hd]).reshape([1, hd]);
+        self.full_logits(self.project(last))
     }
 
     /// Token embeddings `[B, T, H]`; under tensor parallelism each rank looks up the ids in its
@@ -458,13 +497,8 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
     /// One decoding step for a single sequence: `ids` continue the cached positions (the whole
     /// prompt first, then one token at a time); returns the vocabulary logits of the last one.
     pub fn next_token_logits(&self, ids: &[i64], cache: &mut KvCache<B>) -> Vec<f32> {
-        let n = ids.len();
-        let device = self.model.embed_tokens.weight.device();
-        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids.to_vec(), [1, n]), &device);
-        let h = self.hidden(ids, Some(cache));
-        let hd = h.dims()[2];
-        let last = h.slice([0..1, n - 1..n, 0..hd]).reshape([1, hd]);
-        self.full_logits(self.project(last))
+        let layers = 0..self.model.layers.len();
+        self.last_logits(self.decode_layers(self.embed_ids(ids), layers, cache))
     }
 
     /// Host logits over the whole vocabulary from [`Self::project`]'s rows: under tensor
