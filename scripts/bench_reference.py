@@ -452,7 +452,8 @@ def main():
     torch.set_num_threads(args.threads)
     which = args.only.split(",")
     print(f"CALIBRATE sgemm1024_gflops={calibrate()} loadavg1={loadavg()}", flush=True)
-    print(f"torch {torch.__version__} transformers {transformers.__version__} threads {torch.get_num_threads()}", flush=True)
+    print(f"torch {torch.__version__} transformers {transformers.__version__} threads {torch.get_num_threads()} "
+          f"aten_cpu_capability {torch.backends.cpu.get_cpu_capability()}", flush=True)
     if "mnist_train" in which:
         mnist_train(max(args.warmup, 5), args.mnist_steps)
     if "tweets_train" in which:

@@ -717,6 +717,10 @@ fn pytorch_row(
         (None, Reference::KilnBaseline) => unreachable!("measured by kiln"),
     };
     let mut cmd = Command::new(py);
+    if on_gpu.is_none() {
+        // `KILN_CPU_ISA` caps PyTorch's CPU kernels as it caps kiln's: one column, one level.
+        cmd.envs(crate::ops::isa::cpu_isa().cap.pytorch_env().iter().copied());
+    }
     cmd.arg(script)
         .args(["--only", spec.key])
         .args(["--threads", &opts.threads.to_string()])
@@ -837,12 +841,23 @@ where
         threads: opts.threads,
         date: today(),
         cpu: format!(
-            "{}; {}",
+            "{}; {}{}",
             cpu_description(&cpuinfo),
-            crate::ops::isa::cpu_isa().describe()
+            crate::ops::isa::cpu_isa().describe(),
+            pytorch_cap(crate::ops::isa::cpu_isa().cap)
         ),
         machine_peak,
     })
+}
+
+/// The footer's note of the switches that capped the PyTorch side (empty when nothing did).
+fn pytorch_cap(cap: crate::ops::isa::IsaCap) -> String {
+    let env = cap.pytorch_env();
+    if env.is_empty() {
+        return String::new();
+    }
+    let vars: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    format!("; PyTorch capped by {}", vars.join(" "))
 }
 
 /// Today's date (UTC) as YYYY-MM-DD, from the system clock.

@@ -45,6 +45,31 @@ impl IsaCap {
     }
 }
 
+impl IsaCap {
+    /// The environment that caps the PyTorch side of `kiln bench --python` to the same level,
+    /// through each of its libraries' own switches: ATen's vectorised kernels
+    /// (`ATEN_CPU_CAPABILITY`, read back by `torch.backends.cpu.get_cpu_capability()`), oneDNN's
+    /// (`ONEDNN_MAX_CPU_ISA`: its verbose log names the ISA it runs) and MKL's GEMM
+    /// (`MKL_ENABLE_INSTRUCTIONS`; MKL on AMD CPUs takes its own path and may ignore it, see
+    /// BENCHMARKS.md). The AVX-512 cap leaves out bf16 dot products, as kiln's does
+    /// (oneDNN's `AVX512_CORE`). Empty for `native`.
+    pub fn pytorch_env(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Self::Native => &[],
+            Self::Avx512 => &[
+                ("ATEN_CPU_CAPABILITY", "avx512"),
+                ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE"),
+                ("MKL_ENABLE_INSTRUCTIONS", "AVX512"),
+            ],
+            Self::Avx2 => &[
+                ("ATEN_CPU_CAPABILITY", "avx2"),
+                ("ONEDNN_MAX_CPU_ISA", "AVX2"),
+                ("MKL_ENABLE_INSTRUCTIONS", "AVX2"),
+            ],
+        }
+    }
+}
+
 impl std::str::FromStr for IsaCap {
     type Err = KilnError;
     fn from_str(s: &str) -> Result<Self> {
@@ -185,5 +210,47 @@ mod tests {
         assert!(avx2.describe().ends_with("(KILN_CPU_ISA=avx2)"));
         // The kernels follow this process's KILN_CPU_ISA (scripts/test runs the suite capped).
         assert_eq!(cpu_isa(), CpuIsa::capped(cap_from_env().unwrap()));
+    }
+
+    /// `kiln bench --python`'s cap takes effect in the reference PyTorch: ATen reports the level
+    /// and oneDNN's verbose log names the ISA its convolution ran with (no bf16 dot products at
+    /// the AVX-512 cap; below AVX-512 PyTorch sends no bf16 work to oneDNN at all). Skips without the reference venv or when the CPU lacks the level.
+    #[test]
+    fn the_pytorch_side_is_capped_to_the_same_level() {
+        let py = match kiln_testkit::common::python_with("torch") {
+            Ok(py) => py,
+            Err(why) => {
+                eprintln!("skipped: {why}");
+                return;
+            }
+        };
+        let probe = "import torch\n\
+            print('aten', torch.backends.cpu.get_cpu_capability(), flush=True)\n\
+            x = torch.randn(8, 64, 32, 32)\n\
+            y = torch.nn.functional.conv2d(x, torch.randn(64, 64, 3, 3))\n";
+        let (native, _) = detected();
+        for (cap, level, aten, onednn) in [
+            (IsaCap::Avx2, IsaLevel::Avx2, "aten AVX2", "isa:Intel AVX2"),
+            (
+                IsaCap::Avx512,
+                IsaLevel::Avx512,
+                "aten AVX512",
+                "isa:Intel AVX-512 with AVX512BW, AVX512VL, and AVX512DQ extensions",
+            ),
+        ] {
+            if native < level {
+                continue;
+            }
+            let out = std::process::Command::new(&py)
+                .args(["-c", probe])
+                .envs(cap.pytorch_env().iter().copied())
+                .env("ONEDNN_VERBOSE", "1")
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(out.status.success(), "{text}");
+            assert!(text.lines().any(|l| l == aten), "{cap:?}: {text}");
+            assert!(text.lines().any(|l| l.ends_with(onednn)), "{cap:?}: {text}");
+        }
     }
 }
