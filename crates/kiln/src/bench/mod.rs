@@ -397,10 +397,9 @@ where
             let (cfg, weights) = minilm()?;
             let m = BertForSequenceClassification::<Autodiff<B>>::new(&cfg, 6, &device);
             let (m, _) = load_into(m, weights, Some("bert"), &device)?;
+            // What `--bf16` does on this CPU (f32 where it has no bf16 arithmetic).
             let bf16 = key.ends_with("bf16");
-            if bf16 {
-                crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::Bf16);
-            }
+            crate::ops::set_matmul_precision(crate::ops::mixed_precision::<B>(bf16));
             let name = if bf16 {
                 "minilm_train_bf16"
             } else {
@@ -439,9 +438,7 @@ where
                 _ => ("bertbase_train_fp32", 8),
             };
             let bf16 = key.contains("bf16");
-            if bf16 {
-                crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::Bf16);
-            }
+            crate::ops::set_matmul_precision(crate::ops::mixed_precision::<B>(bf16));
             let r = rows::bert_train(name, m, &cfg, (batch, 128), w, opts.base_steps);
             crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::F32);
             Ok(r)

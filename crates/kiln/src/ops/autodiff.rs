@@ -312,6 +312,10 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
         B::kiln_has_bf16()
     }
 
+    fn kiln_bf16_is_native() -> bool {
+        B::kiln_bf16_is_native()
+    }
+
     // A weight held in bf16 is frozen: a constant of the graph, never differentiated.
     fn kiln_bf16_store(w: FloatTensor<Self>) -> Option<FloatTensor<Self>> {
         B::kiln_bf16_store(Self::inner(w)).map(Self::from_inner)

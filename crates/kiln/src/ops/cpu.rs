@@ -133,6 +133,10 @@ fn bits(a: &ArcArray<u16, IxDyn>) -> &[u16] {
 }
 
 impl KilnBackend for Cpu {
+    fn kiln_bf16_is_native() -> bool {
+        super::bf16::has_bf16_dot()
+    }
+
     fn kiln_from_host(data: Vec<f32>, shape: Shape, _: &Self::Device) -> FloatTensor<Self> {
         tensor(&shape.dims, data)
     }

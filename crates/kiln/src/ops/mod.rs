@@ -103,6 +103,18 @@ pub fn matmul_precision() -> MatmulPrecision {
     MATMUL_PRECISION.with(|c| c.get())
 }
 
+/// The precision `--bf16` (`bf16`) gives Linear layers on backend `B`: bf16 where it has bf16
+/// arithmetic that is faster than f32; f32 where rounding operands to bf16 would only cost time
+/// (a CPU without AVX512-BF16, or one `KILN_CPU_ISA` caps below it), as issue 36 chose: never
+/// slower than f32, and no less accurate. See [`KilnBackend::kiln_bf16_is_native`].
+pub fn mixed_precision<B: KilnBackend>(bf16: bool) -> MatmulPrecision {
+    if bf16 && B::kiln_bf16_is_native() {
+        MatmulPrecision::Bf16
+    } else {
+        MatmulPrecision::F32
+    }
+}
+
 thread_local! {
     static TF32: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
@@ -718,6 +730,12 @@ pub trait KilnBackend: Backend {
     /// (WGSL has no bf16).
     fn kiln_has_bf16() -> bool {
         true
+    }
+
+    /// Whether bf16 products run on bf16 instructions here (and so pay): the CPU without
+    /// AVX512-BF16 only emulates them, rounding f32 operands (same numerics, slower than f32).
+    fn kiln_bf16_is_native() -> bool {
+        Self::kiln_has_bf16()
     }
 
     /// Whether f32 GEMMs can run on TF32 tensor cores ([`set_tf32`]): CUDA only.

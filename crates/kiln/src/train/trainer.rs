@@ -461,11 +461,6 @@ where
         a.validate()?;
         self.optimizer =
             Optimizer::with_optim_args(a.optim, adamw_config(&a), a.optim_args.as_deref())?;
-        crate::ops::set_matmul_precision(if a.bf16 {
-            crate::ops::MatmulPrecision::Bf16
-        } else {
-            crate::ops::MatmulPrecision::F32
-        });
         if a.bf16 && !B::kiln_has_bf16() {
             return Err(KilnError::Config(
                 "--bf16 needs bf16 arithmetic, which this device has not (wgpu: WGSL has no bf16); \
@@ -473,6 +468,15 @@ where
                     .into(),
             ));
         }
+        let precision = crate::ops::mixed_precision::<B>(a.bf16);
+        if a.bf16 && precision == crate::ops::MatmulPrecision::F32 && self.is_main() {
+            tracing::info!(
+                "--bf16: no bf16 arithmetic here ({}), so the products stay f32: as fast as \
+                 without --bf16 and no less accurate (rounding to bf16 here would only cost time)",
+                crate::ops::isa::cpu_isa().describe()
+            );
+        }
+        crate::ops::set_matmul_precision(precision);
         if a.tf32 && !B::kiln_has_tf32() {
             return Err(KilnError::Config(
                 "--tf32 needs TF32 tensor cores, which only --device cuda has; drop --tf32 (f32 \
