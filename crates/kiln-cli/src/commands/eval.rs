@@ -62,15 +62,11 @@ pub fn run<B: kiln::ops::KilnBackend>(
         let opts = cmd
             .data
             .lm_options(None, &cmd.lm, Some(cmd.model.clone()), None)?;
-        let layout = causal_lm::InferenceLayout {
-            tensor_parallel_size: cmd.tensor_parallel_size,
-            pipeline_parallel_size: cmd.pipeline_parallel_size,
-            pipeline_cuts: cmd
-                .pipeline_cuts
-                .as_deref()
-                .map(kiln::parallel::pipeline::parse_cuts)
-                .transpose()?,
-        };
+        let layout = causal_lm::InferenceLayout::from_args(
+            cmd.tensor_parallel_size,
+            cmd.pipeline_parallel_size,
+            cmd.pipeline_cuts.as_deref(),
+        )?;
         let (out, reports) =
             causal_lm::eval_layout::<B>(&opts, cmd.per_device_eval_batch_size, &layout, device)?;
         // The rank that computed the result writes it (under a pipeline, the last stage's).

@@ -83,15 +83,11 @@ pub fn run<B: kiln::ops::KilnBackend>(cmd: GenerateCmd, device: &B::Device) -> R
         chat: cmd.chat,
         adapter: cmd.adapter.clone(),
     };
-    let layout = causal_lm::InferenceLayout {
-        tensor_parallel_size: cmd.tensor_parallel_size,
-        pipeline_parallel_size: cmd.pipeline_parallel_size,
-        pipeline_cuts: cmd
-            .pipeline_cuts
-            .as_deref()
-            .map(kiln::parallel::pipeline::parse_cuts)
-            .transpose()?,
-    };
+    let layout = causal_lm::InferenceLayout::from_args(
+        cmd.tensor_parallel_size,
+        cmd.pipeline_parallel_size,
+        cmd.pipeline_cuts.as_deref(),
+    )?;
     let (prompt_ids, g) = causal_lm::generate_from_folder::<B>(
         &cmd.model, &prompt, &layout, &opts, device, &mut print,
     )?;

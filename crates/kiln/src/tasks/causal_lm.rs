@@ -658,6 +658,23 @@ pub struct InferenceLayout {
     pub pipeline_cuts: Option<Vec<usize>>,
 }
 
+impl InferenceLayout {
+    /// The layout the command line asks for: `--pipeline-cuts` as written (`4,8`).
+    pub fn from_args(
+        tensor_parallel_size: usize,
+        pipeline_parallel_size: usize,
+        pipeline_cuts: Option<&str>,
+    ) -> Result<Self> {
+        Ok(Self {
+            tensor_parallel_size,
+            pipeline_parallel_size,
+            pipeline_cuts: pipeline_cuts
+                .map(crate::parallel::pipeline::parse_cuts)
+                .transpose()?,
+        })
+    }
+}
+
 /// Loss and perplexity of a model folder on a held-out corpus (every rank's own result).
 pub fn eval<B: KilnBackend>(
     opts: &CausalLmOptions,
