@@ -83,7 +83,7 @@ impl<B: Backend> DataParallel<B> {
                 _ => format!("--tensor-parallel-size {tp} × --pipeline-parallel-size {pp}"),
             };
             return Err(crate::KilnError::Config(format!(
-                "{sizes} needs {n} processes: start them with `kiln launch --nproc-per-node {n} -- train ...` (or torchrun / mpirun)"
+                "{sizes} needs {n} processes: start them with `kiln launch --nproc-per-node {n} -- <command> ...` (or torchrun / mpirun)"
             )));
         };
         let mesh = super::Mesh::new(world.size(), tp, pp)?;

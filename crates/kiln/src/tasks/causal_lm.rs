@@ -659,12 +659,23 @@ pub struct InferenceLayout {
 }
 
 impl InferenceLayout {
-    /// The layout the command line asks for: `--pipeline-cuts` as written (`4,8`).
+    /// The layout the command line asks for: `--pipeline-cuts` as written (`4,8`); a size of 0 is
+    /// one sentence (not read as 1).
     pub fn from_args(
         tensor_parallel_size: usize,
         pipeline_parallel_size: usize,
         pipeline_cuts: Option<&str>,
     ) -> Result<Self> {
+        for (flag, n) in [
+            ("--tensor-parallel-size", tensor_parallel_size),
+            ("--pipeline-parallel-size", pipeline_parallel_size),
+        ] {
+            if n == 0 {
+                return Err(KilnError::Config(format!(
+                    "{flag} 0: a model is cut over at least 1 process"
+                )));
+            }
+        }
         Ok(Self {
             tensor_parallel_size,
             pipeline_parallel_size,
