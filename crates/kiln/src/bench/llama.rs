@@ -128,32 +128,18 @@ pub fn family_config(key: &str) -> Option<LlamaConfig> {
 /// AdamW (lr 1e-4, no weight decay) steps of a causal family row's model (random weights) on
 /// one batch of 4 random 128-token blocks, as bench_reference.py's rows.
 pub fn family_train(key: &str, warmup: usize, steps: usize) -> Result<BenchResult> {
-    use rand::{Rng, SeedableRng};
     let (batch, seq) = (4, 128);
     let config = family_config(key).expect("a causal family row");
     let device = Default::default();
     let model = crate::ops::with_seeded_rng::<CpuTrain, _>(&device, 0, || {
         crate::models::llama::LlamaForCausalLM::<CpuTrain>::new(&config, &device)
     });
-    let mut rng = rand::rngs::StdRng::seed_from_u64(1234);
-    let ids: Vec<i64> = (0..batch * seq)
-        .map(|_| rng.random_range(1000..30000))
-        .collect();
-    let targets = ids
-        .chunks(seq)
-        .flat_map(|row| row[1..].iter().copied().chain([crate::task::IGNORE_INDEX]))
-        .collect();
+    let (tb, targets) = random_blocks(batch, seq);
     let work = StepWork {
         samples: batch,
         padded_seq: seq,
         tokens: batch * seq,
         flops: 3.0 * llama_forward_flops(&config, batch, seq),
-    };
-    let tb = crate::data::lm::TokenBatch {
-        ids,
-        batch,
-        seq,
-        segments: Vec::new(),
     };
     let opt = super::rows::adamw();
     Ok(train_steps(
@@ -166,6 +152,73 @@ pub fn family_train(key: &str, warmup: usize, steps: usize) -> Result<BenchResul
         steps,
         &device,
     ))
+}
+
+/// `batch` blocks of `seq` random ids in 1000..30000 (seed 1234, as bench_reference.py's
+/// `torch.randint` rows) and their next-token targets, the last position of each block ignored.
+fn random_blocks(batch: usize, seq: usize) -> (crate::data::lm::TokenBatch, Vec<i64>) {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1234);
+    let ids: Vec<i64> = (0..batch * seq)
+        .map(|_| rng.random_range(1000..30000))
+        .collect();
+    let targets = ids
+        .chunks(seq)
+        .flat_map(|row| row[1..].iter().copied().chain([crate::task::IGNORE_INDEX]))
+        .collect();
+    let tb = crate::data::lm::TokenBatch {
+        ids,
+        batch,
+        seq,
+        segments: Vec::new(),
+    };
+    (tb, targets)
+}
+
+/// SmolLM2-135M's architecture (tied head, grouped-query attention) as published.
+pub fn smollm2_config() -> LlamaConfig {
+    serde_json::from_value(serde_json::json!({
+        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0, "tie_word_embeddings": true}))
+    .expect("a valid config")
+}
+
+/// The GPU's SmolLM2 training row (issue 32's done-means "SmolLM2 train bf16"): SmolLM2-135M's
+/// architecture with random weights (a step's time does not depend on the values, and the GPU
+/// machine holds no checkpoint), `--bf16` products, AdamW lr 1e-4, one batch of 8 random
+/// 512-token blocks on the run's device. bench_reference_cuda.py runs the same under autocast.
+pub fn smollm2_train_bf16<B>(warmup: usize, steps: usize, device: &B::Device) -> BenchResult
+where
+    B: crate::ops::KilnBackend,
+    burn::backend::Autodiff<B>: crate::ops::TrainBackend<InnerBackend = B, Device = B::Device>,
+{
+    let (batch, seq) = (8, 512);
+    let config = smollm2_config();
+    let model = crate::ops::with_seeded_rng::<burn::backend::Autodiff<B>, _>(device, 0, || {
+        crate::models::llama::LlamaForCausalLM::<burn::backend::Autodiff<B>>::new(&config, device)
+    });
+    let (tb, targets) = random_blocks(batch, seq);
+    let work = StepWork {
+        samples: batch,
+        padded_seq: seq,
+        tokens: batch * seq,
+        flops: 3.0 * llama_forward_flops(&config, batch, seq),
+    };
+    crate::ops::set_matmul_precision(crate::ops::mixed_precision::<B>(true));
+    let r = train_steps(
+        "smollm2_train_bf16",
+        model,
+        super::rows::adamw(),
+        1e-4,
+        &[(tb, targets, work)],
+        warmup,
+        steps,
+        device,
+    );
+    crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::F32);
+    r
 }
 
 /// The LoRA rows' adapter: r 16, alpha 32 (TRL's defaults), every Linear but the head (PEFT's
@@ -205,7 +258,6 @@ pub fn lora_train(
     warmup: usize,
     steps: usize,
 ) -> Result<BenchResult> {
-    use rand::{Rng, SeedableRng};
     let seq = 128;
     let device = Default::default();
     let (model, config, batches) = match smollm2 {
@@ -228,21 +280,7 @@ pub fn lora_train(
             let model = crate::ops::with_seeded_rng::<CpuTrain, _>(&device, 0, || {
                 crate::models::llama::LlamaForCausalLM::<CpuTrain>::new(&config, &device)
             });
-            let mut rng = rand::rngs::StdRng::seed_from_u64(1234);
-            let ids: Vec<i64> = (0..batch * seq)
-                .map(|_| rng.random_range(1000..30000))
-                .collect();
-            let targets = ids
-                .chunks(seq)
-                .flat_map(|row| row[1..].iter().copied().chain([crate::task::IGNORE_INDEX]))
-                .collect();
-            let tb = crate::data::lm::TokenBatch {
-                ids,
-                batch,
-                seq,
-                segments: Vec::new(),
-            };
-            (model, config, vec![(tb, targets)])
+            (model, config, vec![random_blocks(batch, seq)])
         }
     };
     let (model, adapter) = crate::models::lora::attach(model, &bench_lora(), 0)?;

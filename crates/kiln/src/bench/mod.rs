@@ -241,6 +241,11 @@ pub const ROWS: &[RowSpec] = &[
         pytorch_rows: &["smollm2_train_fp32"],
     },
     RowSpec {
+        key: "smollm2_train_bf16",
+        reference: Reference::Extra,
+        pytorch_rows: &["smollm2_train_bf16_autocast"],
+    },
+    RowSpec {
         key: "smollm2_lora_train",
         reference: Reference::Extra,
         pytorch_rows: &["smollm2_lora_train_fp32"],
@@ -365,6 +370,7 @@ pub const GPU_ROWS: &[&str] = &[
     "bertbase_train_bf16_b128",
     "mnist_train",
     "tweets_train",
+    "smollm2_train_bf16",
 ];
 
 /// Rows that only a GPU runs (and only the GPU reference script has).
@@ -372,6 +378,7 @@ const GPU_ONLY_ROWS: &[&str] = &[
     "bertbase_train_bf16",
     "bertbase_train_bf16_b32",
     "bertbase_train_bf16_b128",
+    "smollm2_train_bf16",
 ];
 
 /// Runs one row in this process on backend `B` (training rows on `Autodiff<B>`).
@@ -471,6 +478,7 @@ where
             let dir = llama::converted_folder(&opts.smollm2_gguf)?;
             llama::train(&dir, &opts.lm_corpus, w, opts.base_steps)
         }
+        "smollm2_train_bf16" => Ok(llama::smollm2_train_bf16::<B>(w, opts.base_steps, &device)),
         "smollm2_lora_train" | "smollm2_lora_bf16base_train" => {
             let dir = llama::converted_folder(&opts.smollm2_gguf)?;
             llama::lora_train(key, Some(&dir), &opts.lm_corpus, w, opts.base_steps)
