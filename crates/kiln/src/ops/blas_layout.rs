@@ -102,6 +102,85 @@ impl GemmCall {
     }
 }
 
+/// Where the matrices of one operand of a per-head product lie in its buffer: matrix `(b, head)`
+/// starts at element `offset + b·batch_stride + head·head_stride`, its stored rows `ld` apart,
+/// read transposed when `trans`. One head of a `[B, T, heads·D]` tensor (or of q, k or v inside
+/// one `[B, T, 3H]`) is `batch_stride = T·row`, `head_stride = D`, `ld = row`: no copy per head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadOperand {
+    pub offset: usize,
+    pub batch_stride: usize,
+    pub head_stride: usize,
+    pub ld: usize,
+    pub trans: bool,
+}
+
+/// Which head of an operand query head `h` reads: its own, or (grouped-query attention, keys
+/// and values) its key/value head `h / group`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadOf {
+    Query,
+    KeyValue,
+}
+
+/// One strided-batched `gemm` over the batch `b`: `C(b) = op(A(b)) · op(B(b))`, each matrix at
+/// its offset plus `b` times its stride; `accumulate` adds to `C` (β = 1) instead of writing it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchedCall {
+    pub call: GemmCall,
+    pub a_offset: usize,
+    pub b_offset: usize,
+    pub c_offset: usize,
+    pub stride_a: usize,
+    pub stride_b: usize,
+    pub stride_c: usize,
+    pub batch: usize,
+    pub accumulate: bool,
+}
+
+/// The calls computing the row-major `C(b, h)[m, n] = op(L(b, h)) · op(R(b, h))` for every batch
+/// `b < batch` and query head `h < heads`, one strided-batched call per query head (the batch
+/// folds into one stride per head, `(b, head)` does not). An operand marked [`HeadOf::KeyValue`]
+/// is read (or, for `C`, written) at key/value head `h / group`; when `C` is, the `group` query
+/// heads sharing it add into it in head order, the first writing it (grouped-query attention's
+/// key and value gradients: the sum over the group, with no copy per query head). `C` is never
+/// transposed.
+pub fn per_head_calls(
+    (m, n, k): (usize, usize, usize),
+    (batch, heads, group): (usize, usize, usize),
+    l: (HeadOperand, HeadOf),
+    r: (HeadOperand, HeadOf),
+    c: (HeadOperand, HeadOf),
+) -> Vec<BatchedCall> {
+    assert!(!c.0.trans, "the product is written as stored");
+    let at = |(o, of): (HeadOperand, HeadOf), h: usize| {
+        let head = match of {
+            HeadOf::Query => h,
+            HeadOf::KeyValue => h / group,
+        };
+        o.offset + head * o.head_stride
+    };
+    (0..heads)
+        .map(|h| {
+            let mut call =
+                row_major_gemm_strided(m, n, k, (l.0.trans, l.0.ld), (r.0.trans, r.0.ld));
+            call.ldc = c.0.ld;
+            BatchedCall {
+                call,
+                // BLAS's A is R's buffer, its B is L's (see [`row_major_gemm`]).
+                a_offset: at(r, h),
+                b_offset: at(l, h),
+                c_offset: at(c, h),
+                stride_a: r.0.batch_stride,
+                stride_b: l.0.batch_stride,
+                stride_c: c.0.batch_stride,
+                batch,
+                accumulate: c.1 == HeadOf::KeyValue && h % group != 0,
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -268,6 +347,174 @@ mod tests {
                 assert_eq!(got, want, "tl={tl} tr={tr}");
             }
         }
+    }
+
+    /// One strided-batched call as cuBLAS defines it, on whole buffers: each matrix read at its
+    /// offset plus `b` times its stride, `C` written (or added to) in place.
+    fn blas_batched(x: &BatchedCall, a: &[f64], b: &[f64], c: &mut [f64]) {
+        let call = &x.call;
+        for bi in 0..x.batch {
+            let (ao, bo, co) = (
+                x.a_offset + bi * x.stride_a,
+                x.b_offset + bi * x.stride_b,
+                x.c_offset + bi * x.stride_c,
+            );
+            for j in 0..call.n {
+                for i in 0..call.m {
+                    let s: f64 = (0..call.k)
+                        .map(|p| {
+                            let av = match call.transa {
+                                Op::N => a[ao + i + p * call.lda],
+                                Op::T => a[ao + p + i * call.lda],
+                            };
+                            let bv = match call.transb {
+                                Op::N => b[bo + p + j * call.ldb],
+                                Op::T => b[bo + j + p * call.ldb],
+                            };
+                            av * bv
+                        })
+                        .sum();
+                    let at = co + i + j * call.ldc;
+                    c[at] = if x.accumulate { c[at] + s } else { s };
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn per_head_products_read_and_write_heads_in_place() {
+        // Attention's products on q, k and v side by side in one [B, T, 3H] buffer (keys and
+        // values of `kv` heads, grouped-query when kv < heads): the scores q·kᵀ into
+        // [B, heads, T, T], the output p·v into [B, T, H], and dk = Σ_group dsᵀ·q into a
+        // [B, T, 3H] gradient buffer, against plain loops per (b, head).
+        let (b, t, d) = (2, 5, 3);
+        for (heads, kv) in [(4, 4), (4, 2), (3, 1)] {
+            let group = heads / kv;
+            let h = heads * d;
+            let row = h + 2 * kv * d; // q, k, v of one token side by side
+            let qkv: Vec<f64> = (0..b * t * row).map(|i| (i as f64 * 0.73).sin()).collect();
+            let q = |bi: usize, hd: usize, i: usize, c: usize| qkv[(bi * t + i) * row + hd * d + c];
+            let k =
+                |bi: usize, g: usize, j: usize, c: usize| qkv[(bi * t + j) * row + h + g * d + c];
+            let v = |bi: usize, g: usize, j: usize, c: usize| {
+                qkv[(bi * t + j) * row + h + kv * d + g * d + c]
+            };
+            let head = |offset, ld, trans| HeadOperand {
+                offset,
+                batch_stride: t * row,
+                head_stride: d,
+                ld,
+                trans,
+            };
+            let square = HeadOperand {
+                offset: 0,
+                batch_stride: heads * t * t,
+                head_stride: t * t,
+                ld: t,
+                trans: false,
+            };
+            // Scores.
+            let mut s = vec![f64::NAN; b * heads * t * t];
+            for x in per_head_calls(
+                (t, t, d),
+                (b, heads, group),
+                (head(0, row, false), HeadOf::Query),
+                (head(h, row, true), HeadOf::KeyValue),
+                (square, HeadOf::Query),
+            ) {
+                blas_batched(&x, &qkv, &qkv, &mut s);
+            }
+            for (bi, hd, i, j) in grid4(b, heads, t, t) {
+                let want: f64 = (0..d)
+                    .map(|c| q(bi, hd, i, c) * k(bi, hd / group, j, c))
+                    .sum();
+                let got = s[((bi * heads + hd) * t + i) * t + j];
+                assert!(
+                    (got - want).abs() < 1e-12,
+                    "scores {heads}/{kv}: {got} vs {want}"
+                );
+            }
+            // The output p·v, written into [B, T, H] (rows H apart).
+            let p: Vec<f64> = (0..b * heads * t * t)
+                .map(|i| (i as f64 * 0.31).cos())
+                .collect();
+            let mut out = vec![f64::NAN; b * t * h];
+            let into = HeadOperand {
+                offset: 0,
+                batch_stride: t * h,
+                head_stride: d,
+                ld: h,
+                trans: false,
+            };
+            for x in per_head_calls(
+                (t, d, t),
+                (b, heads, group),
+                (square, HeadOf::Query),
+                (head(h + kv * d, row, false), HeadOf::KeyValue),
+                (into, HeadOf::Query),
+            ) {
+                blas_batched(&x, &qkv, &p, &mut out);
+            }
+            for (bi, hd, i, c) in grid4(b, heads, t, d) {
+                let want: f64 = (0..t)
+                    .map(|j| p[((bi * heads + hd) * t + i) * t + j] * v(bi, hd / group, j, c))
+                    .sum();
+                let got = out[(bi * t + i) * h + hd * d + c];
+                assert!(
+                    (got - want).abs() < 1e-12,
+                    "output {heads}/{kv}: {got} vs {want}"
+                );
+            }
+            // dk(b, g) = Σ_{h in g's group} ds(b, h)ᵀ · q(b, h), into the gradient's k columns.
+            let ds = &p;
+            let mut grad = vec![f64::NAN; b * t * row];
+            for x in per_head_calls(
+                (t, d, t),
+                (b, heads, group),
+                (
+                    HeadOperand {
+                        trans: true,
+                        ..square
+                    },
+                    HeadOf::Query,
+                ),
+                (head(0, row, false), HeadOf::Query),
+                (head(h, row, false), HeadOf::KeyValue),
+            ) {
+                blas_batched(&x, &qkv, ds, &mut grad);
+            }
+            for (bi, g, j, c) in grid4(b, kv, t, d) {
+                let want: f64 = (g * group..(g + 1) * group)
+                    .flat_map(|hd| (0..t).map(move |i| (hd, i)))
+                    .map(|(hd, i)| ds[((bi * heads + hd) * t + i) * t + j] * q(bi, hd, i, c))
+                    .sum();
+                let got = grad[(bi * t + j) * row + h + g * d + c];
+                assert!(
+                    (got - want).abs() < 1e-12,
+                    "dk {heads}/{kv}: {got} vs {want}"
+                );
+            }
+            // Nothing outside the k columns was written.
+            for (i, x) in grad.iter().enumerate() {
+                let col = i % row;
+                assert_eq!(x.is_nan(), !(h..h + kv * d).contains(&col), "element {i}");
+            }
+        }
+    }
+
+    /// Every `(a, b, c, d)` below the four bounds, in order.
+    fn grid4(a: usize, b: usize, c: usize, d: usize) -> Vec<(usize, usize, usize, usize)> {
+        let mut v = Vec::new();
+        for i in 0..a {
+            for j in 0..b {
+                for k in 0..c {
+                    for l in 0..d {
+                        v.push((i, j, k, l));
+                    }
+                }
+            }
+        }
+        v
     }
 
     #[test]

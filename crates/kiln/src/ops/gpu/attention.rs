@@ -413,26 +413,26 @@ pub enum Qkv<R: CubeRuntime> {
 }
 
 /// The sizes one call runs on.
-struct Layout {
-    b: usize,
-    t: usize,
-    h: usize,
-    heads: usize,
+pub(super) struct Layout {
+    pub b: usize,
+    pub t: usize,
+    pub h: usize,
+    pub heads: usize,
     /// Row stride of q (and of k and v when fused): `H`, or `3H` fused.
-    rs: usize,
+    pub rs: usize,
     /// Key/value heads (grouped-query attention: fewer than `heads`), and their row stride.
-    kv_heads: usize,
-    krs: usize,
-    fused: bool,
+    pub kv_heads: usize,
+    pub krs: usize,
+    pub fused: bool,
 }
 
 impl Layout {
-    fn d(&self) -> usize {
+    pub fn d(&self) -> usize {
         self.h / self.heads
     }
 
     /// Query heads per key/value head.
-    fn group(&self) -> usize {
+    pub fn group(&self) -> usize {
         self.heads / self.kv_heads
     }
 
@@ -453,30 +453,50 @@ impl Layout {
     }
 }
 
-/// Above this many probabilities per call (`B · heads · T²`) the composed chain (cuBLAS batched
-/// products and the masked-softmax kernel) is faster than these scalar kernels, which read every
+/// Above this many probabilities per call (`B · heads · T²`) cuBLAS's products (on CUDA
+/// [`super::attention_blas`], elsewhere Burn's composed chain) are faster than these scalar kernels, which read every
 /// key from global memory once per query row. Measured on an H100 (BENCHMARKS.md, issue 32's
 /// fourth step), kernels against chain, ms per step: MiniLM training 16×128 (3.1 M) 21.4 / 25.3;
 /// BERT-base bf16 8×128 (1.6 M) 43.1 / 43.5 (medians); 32×128 (6.3 M) 106.6 / 58.7; 128×128
 /// (25 M) 398 / 107; MiniLM inference 32×128 (6.3 M) 13.9 / 4.9.
 const FUSED_MAX_PROBS: usize = 1 << 22;
 
-/// Which attention path runs: `KILN_GPU_ATTENTION=fused` or `composed` forces one (the A/B switch
-/// `scripts/gpu-checks` times them with, `GPU_ATTN_ROWS`); unset, the size rule above decides.
-fn forced() -> Option<bool> {
-    static CHOICE: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+/// An attention path forced by `KILN_GPU_ATTENTION`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path {
+    /// These kernels for every size they take (`fused`).
+    Fused,
+    /// cuBLAS's per-head products on CUDA for every size ([`super::attention_blas`], `blas`).
+    Blas,
+    /// Burn's composed chain, with its head copies (`composed`).
+    Composed,
+}
+
+/// Which attention path runs: `KILN_GPU_ATTENTION=fused`, `blas` or `composed` forces one (the A/B
+/// switch `scripts/gpu-checks` times them with, `GPU_ATTN_ROWS`); unset, the size rule above
+/// decides between these kernels and, above it, cuBLAS's products on CUDA (the composed chain
+/// elsewhere).
+fn forced() -> Option<Path> {
+    static CHOICE: std::sync::OnceLock<Option<Path>> = std::sync::OnceLock::new();
     *CHOICE.get_or_init(|| match std::env::var("KILN_GPU_ATTENTION").as_deref() {
-        Ok("fused") => Some(true),
-        Ok("composed") => Some(false),
+        Ok("fused") => Some(Path::Fused),
+        Ok("blas") => Some(Path::Blas),
+        Ok("composed") => Some(Path::Composed),
         Ok(other) => {
             // Read inside a kernel dispatch, where no error can be returned: one sentence, then stop.
             eprintln!(
-                "error: KILN_GPU_ATTENTION={other:?} is not an attention path (fused or composed)"
+                "error: KILN_GPU_ATTENTION={other:?} is not an attention path (fused, blas or composed)"
             );
             std::process::exit(2)
         }
         Err(_) => None,
     })
+}
+
+/// Whether attention the kernels do not take may run as cuBLAS's per-head products (CUDA only):
+/// unless `KILN_GPU_ATTENTION=composed`.
+pub fn blas_allowed() -> bool {
+    forced() != Some(Path::Composed)
 }
 
 /// Whether the kernels take attention over `[B, T, H]` with `heads` heads and keys/values of
@@ -485,7 +505,10 @@ fn forced() -> Option<bool> {
 /// most [`FUSED_MAX_PROBS`] probabilities. The forward and its backward see the same shapes, so
 /// they take the same path.
 pub fn takes([b, t, h]: [usize; 3], kv: usize, heads: usize) -> bool {
-    if forced() == Some(false) || heads == 0 || !h.is_multiple_of(heads) {
+    if matches!(forced(), Some(Path::Composed | Path::Blas))
+        || heads == 0
+        || !h.is_multiple_of(heads)
+    {
         return false;
     }
     let d = h / heads;
@@ -495,10 +518,10 @@ pub fn takes([b, t, h]: [usize; 3], kv: usize, heads: usize) -> bool {
         && kv.is_multiple_of(d)
         && heads.is_multiple_of(kv / d)
         && probs <= u32::MAX as usize
-        && (forced() == Some(true) || probs <= FUSED_MAX_PROBS)
+        && (forced() == Some(Path::Fused) || probs <= FUSED_MAX_PROBS)
 }
 
-fn layout<R: CubeRuntime>(x: &Qkv<R>, heads: usize) -> Layout {
+pub(super) fn layout<R: CubeRuntime>(x: &Qkv<R>, heads: usize) -> Layout {
     match x {
         Qkv::Separate([q, k, _]) => {
             let [b, t, h] = q.shape.dims::<3>();

@@ -28,7 +28,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use cudarc::cublas::{result as blas, sys};
 
-use crate::ops::blas_layout::{row_major_gemm_strided, Op};
+use crate::ops::blas_layout::{row_major_gemm_strided, BatchedCall, Op};
 
 /// One cuBLAS handle per thread (a handle must not be used by two threads at once); `None` when
 /// cuBLAS could not be loaded, after one warning.
@@ -89,6 +89,11 @@ fn with_handle<T>(f: impl FnOnce(sys::cublasHandle_t) -> T) -> Option<T> {
         });
         handle.as_ref().map(|h| f(h.0))
     })
+}
+
+/// Whether cuBLAS is on and loaded (made this thread's handle).
+pub(super) fn ready() -> bool {
+    with_handle(|_| ()).is_some()
 }
 
 /// The tensor as CUDA's, or `None` on another runtime.
@@ -306,5 +311,92 @@ pub(super) fn matmul<R: CubeRuntime>(
         }
         Some(Err(e)) => panic!("cuBLAS gemm of [{batch}× {m}, {k}] by [{k}, {n}] failed: {e:?}"),
         None => give_back(l, r),
+    }
+}
+
+/// Runs `calls` (f32 operands and result) over three buffers: BLAS's `A` operands in `a`, its `B`
+/// operands in `b`, the results in `c`, each at the offsets and strides its call names, in order
+/// on the stream that orders the three (so calls that add into one result see each other's sums).
+/// `false` when cuBLAS cannot take them (off or missing, not f32, a size past `i32`); nothing was
+/// queued then.
+pub(super) fn batched_calls(
+    a: &CubeTensor<CudaRuntime>,
+    b: &CubeTensor<CudaRuntime>,
+    c: &CubeTensor<CudaRuntime>,
+    calls: &[BatchedCall],
+    tf32: bool,
+) -> bool {
+    let f32s = [a, b, c].iter().all(|t| t.dtype == DType::F32);
+    let fits = calls.iter().all(|x| {
+        x.call.fits_i32()
+            && i32::try_from(x.batch).is_ok()
+            && [x.stride_a, x.stride_b, x.stride_c]
+                .iter()
+                .all(|&v| i64::try_from(v).is_ok())
+    });
+    if !f32s || !fits {
+        return false;
+    }
+    let f32t = sys::cudaDataType::CUDA_R_32F;
+    let compute = if tf32 {
+        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+    } else {
+        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+    };
+    let ares = a.client.get_resource(a.handle.clone().binding());
+    let bres = b.client.get_resource(b.handle.clone().binding());
+    let cres = c.client.get_resource(c.handle.clone().binding());
+    let stream = cres.resource().stream;
+    let elem = std::mem::size_of::<f32>() as u64;
+    let (pa, pb, pc) = (
+        ares.resource().ptr,
+        bres.resource().ptr,
+        cres.resource().ptr,
+    );
+    let (one, zero) = (1.0f32, 0.0f32);
+    let done = with_handle(|h| -> Result<(), blas::CublasError> {
+        // SAFETY: the caller's calls address only elements inside the three live buffers (their
+        // offsets, strides and leading dimensions are `ops::blas_layout::per_head_calls`'s,
+        // checked on the host against the shapes); each call is queued on the stream that orders
+        // the buffers, and α / β are host scalars read before each call returns.
+        unsafe {
+            blas::set_stream(h, stream as sys::cudaStream_t)?;
+            for x in calls {
+                let beta = if x.accumulate { &one } else { &zero };
+                let cl = &x.call;
+                blas::gemm_strided_batched_ex(
+                    h,
+                    op(cl.transa),
+                    op(cl.transb),
+                    cl.m as i32,
+                    cl.n as i32,
+                    cl.k as i32,
+                    (&one as *const f32).cast::<c_void>(),
+                    (pa + x.a_offset as u64 * elem) as *const c_void,
+                    f32t,
+                    cl.lda as i32,
+                    x.stride_a as i64,
+                    (pb + x.b_offset as u64 * elem) as *const c_void,
+                    f32t,
+                    cl.ldb as i32,
+                    x.stride_b as i64,
+                    (beta as *const f32).cast::<c_void>(),
+                    (pc + x.c_offset as u64 * elem) as *mut c_void,
+                    f32t,
+                    cl.ldc as i32,
+                    x.stride_c as i64,
+                    x.batch as i32,
+                    compute,
+                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )?;
+                count_call();
+            }
+        }
+        Ok(())
+    });
+    match done {
+        Some(Ok(())) => true,
+        Some(Err(e)) => panic!("cuBLAS per-head gemm failed: {e:?}"),
+        None => false,
     }
 }

@@ -14,6 +14,8 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use super::{KilnBackend, MatmulPrecision};
 
 mod attention;
+#[cfg(feature = "cuda")]
+mod attention_blas;
 mod columns;
 #[cfg(feature = "cuda")]
 mod cublas;
@@ -371,6 +373,13 @@ where
         with_probs: bool,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         if !attention::takes(q.shape.dims::<3>(), k.shape.dims::<3>()[2], heads) {
+            #[cfg(feature = "cuda")]
+            if attention_blas::takes(&[&q, &k, &v]) {
+                let x = attention::Qkv::Separate([q, k, v]);
+                return attention_blas::forward::<R, F, I, BT>(
+                    x, mask, heads, window, scale, dropout, seed, with_probs,
+                );
+            }
             return super::composed_attention::<Self>(
                 q, k, v, mask, heads, window, scale, dropout, seed, with_probs,
             );
@@ -391,6 +400,16 @@ where
         seed: u64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         if !attention::takes(q.shape.dims::<3>(), k.shape.dims::<3>()[2], heads) {
+            #[cfg(feature = "cuda")]
+            if attention_blas::takes(&[&q, &k, &v, &probs, &dout]) {
+                let x = attention::Qkv::Separate([q, k, v]);
+                let [dq, dk, dv]: [_; 3] = attention_blas::backward::<R, F, I, BT>(
+                    x, probs, dout, heads, scale, dropout, seed,
+                )
+                .try_into()
+                .expect("three gradients");
+                return (dq, dk, dv);
+            }
             return super::composed_attention_backward::<Self>(
                 q, k, v, probs, dout, heads, scale, dropout, seed,
             );
@@ -414,6 +433,20 @@ where
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let [b, t, h3] = qkv.shape.dims::<3>();
         if !attention::takes([b, t, h3 / 3], h3 / 3, heads) {
+            #[cfg(feature = "cuda")]
+            if attention_blas::takes(&[&qkv]) {
+                let x = attention::Qkv::Fused(qkv);
+                return attention_blas::forward::<R, F, I, BT>(
+                    x,
+                    mask,
+                    heads,
+                    super::Window::FULL,
+                    scale,
+                    dropout,
+                    seed,
+                    with_probs,
+                );
+            }
             let [q, k, v] = super::split_qkv::<Self>(qkv);
             return super::composed_attention::<Self>(
                 q,
@@ -452,6 +485,16 @@ where
     ) -> FloatTensor<Self> {
         let [b, t, h3] = qkv.shape.dims::<3>();
         if !attention::takes([b, t, h3 / 3], h3 / 3, heads) {
+            #[cfg(feature = "cuda")]
+            if attention_blas::takes(&[&qkv, &probs, &dout]) {
+                let x = attention::Qkv::Fused(qkv);
+                let [dqkv]: [_; 1] = attention_blas::backward::<R, F, I, BT>(
+                    x, probs, dout, heads, scale, dropout, seed,
+                )
+                .try_into()
+                .expect("one gradient");
+                return dqkv;
+            }
             let [q, k, v] = super::split_qkv::<Self>(qkv);
             let (dq, dk, dv) = super::composed_attention_backward::<Self>(
                 q, k, v, probs, dout, heads, scale, dropout, seed,
