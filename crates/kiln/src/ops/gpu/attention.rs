@@ -461,6 +461,16 @@ impl Layout {
 /// (25 M) 398 / 107; MiniLM inference 32×128 (6.3 M) 13.9 / 4.9.
 const FUSED_MAX_PROBS: usize = 1 << 22;
 
+/// Above this many probabilities per call, CUDA runs attention as cuBLAS's per-head products
+/// ([`super::attention_blas`]); between [`FUSED_MAX_PROBS`] and this, Burn's composed chain. The
+/// per-head products remove the chain's head copies but make `heads` library calls per product,
+/// and each costs host time: they win where the GPU's work decides and lose where the host's does.
+/// Measured on an H100 in one run (BENCHMARKS.md, issue 32's fifth step), per-head products
+/// against the chain, ms per step: BERT-base bf16 128×128 (25 M) 81.1 / 104.3; SmolLM2 bf16 8×512
+/// (18.9 M) 114.2 / 131.6; BERT-base bf16 32×128 (6.3 M) 66.6 / 44.7; MiniLM inference 32×128
+/// (6.3 M) 5.8 / 4.6.
+const BLAS_MIN_PROBS: usize = 1 << 24;
+
 /// An attention path forced by `KILN_GPU_ATTENTION`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Path {
@@ -493,10 +503,15 @@ fn forced() -> Option<Path> {
     })
 }
 
-/// Whether attention the kernels do not take may run as cuBLAS's per-head products (CUDA only):
-/// unless `KILN_GPU_ATTENTION=composed`.
-pub fn blas_allowed() -> bool {
-    forced() != Some(Path::Composed)
+/// Whether attention over `probs` probabilities per call (`B · heads · T²`) that the kernels do
+/// not take runs as cuBLAS's per-head products (CUDA only): above [`BLAS_MIN_PROBS`], or always
+/// under `KILN_GPU_ATTENTION=blas`, never under `composed`.
+pub fn blas_wanted(probs: usize) -> bool {
+    match forced() {
+        Some(Path::Blas) => true,
+        Some(Path::Composed) => false,
+        _ => probs > BLAS_MIN_PROBS,
+    }
 }
 
 /// Whether the kernels take attention over `[B, T, H]` with `heads` heads and keys/values of

@@ -65,10 +65,11 @@ fn transposed(o: HeadOperand) -> HeadOperand {
     HeadOperand { trans: true, ..o }
 }
 
-/// Whether this path takes a call: CUDA with cuBLAS, f32 operands, and not switched off
-/// (`KILN_GPU_ATTENTION=composed`).
-pub fn takes<R: CubeRuntime>(x: &[&CubeTensor<R>]) -> bool {
-    super::attention::blas_allowed()
+/// Whether this path takes a call over `[B, T, H]` with `heads` heads: CUDA with cuBLAS, f32
+/// operands, and a size the per-head products win at ([`super::attention::blas_wanted`]).
+pub fn takes<R: CubeRuntime>(x: &[&CubeTensor<R>], [b, t, _]: [usize; 3], heads: usize) -> bool {
+    let probs = b.saturating_mul(heads).saturating_mul(t).saturating_mul(t);
+    super::attention::blas_wanted(probs)
         && super::is_cuda::<R>()
         && x.iter().all(|t| t.dtype == DType::F32)
         && super::cublas::ready()

@@ -374,7 +374,7 @@ where
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         if !attention::takes(q.shape.dims::<3>(), k.shape.dims::<3>()[2], heads) {
             #[cfg(feature = "cuda")]
-            if attention_blas::takes(&[&q, &k, &v]) {
+            if attention_blas::takes(&[&q, &k, &v], q.shape.dims::<3>(), heads) {
                 let x = attention::Qkv::Separate([q, k, v]);
                 return attention_blas::forward::<R, F, I, BT>(
                     x, mask, heads, window, scale, dropout, seed, with_probs,
@@ -401,7 +401,7 @@ where
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         if !attention::takes(q.shape.dims::<3>(), k.shape.dims::<3>()[2], heads) {
             #[cfg(feature = "cuda")]
-            if attention_blas::takes(&[&q, &k, &v, &probs, &dout]) {
+            if attention_blas::takes(&[&q, &k, &v, &probs, &dout], q.shape.dims::<3>(), heads) {
                 let x = attention::Qkv::Separate([q, k, v]);
                 let [dq, dk, dv]: [_; 3] = attention_blas::backward::<R, F, I, BT>(
                     x, probs, dout, heads, scale, dropout, seed,
@@ -434,7 +434,7 @@ where
         let [b, t, h3] = qkv.shape.dims::<3>();
         if !attention::takes([b, t, h3 / 3], h3 / 3, heads) {
             #[cfg(feature = "cuda")]
-            if attention_blas::takes(&[&qkv]) {
+            if attention_blas::takes(&[&qkv], [b, t, h3 / 3], heads) {
                 let x = attention::Qkv::Fused(qkv);
                 return attention_blas::forward::<R, F, I, BT>(
                     x,
@@ -486,7 +486,7 @@ where
         let [b, t, h3] = qkv.shape.dims::<3>();
         if !attention::takes([b, t, h3 / 3], h3 / 3, heads) {
             #[cfg(feature = "cuda")]
-            if attention_blas::takes(&[&qkv, &probs, &dout]) {
+            if attention_blas::takes(&[&qkv, &probs, &dout], [b, t, h3 / 3], heads) {
                 let x = attention::Qkv::Fused(qkv);
                 let [dqkv]: [_; 1] = attention_blas::backward::<R, F, I, BT>(
                     x, probs, dout, heads, scale, dropout, seed,
