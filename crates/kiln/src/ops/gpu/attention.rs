@@ -469,6 +469,7 @@ const FUSED_MAX_PROBS: usize = 1 << 22;
 /// against the chain, ms per step: BERT-base bf16 128×128 (25 M) 81.1 / 104.3; SmolLM2 bf16 8×512
 /// (18.9 M) 114.2 / 131.6; BERT-base bf16 32×128 (6.3 M) 66.6 / 44.7; MiniLM inference 32×128
 /// (6.3 M) 5.8 / 4.6.
+#[cfg(feature = "cuda")]
 const BLAS_MIN_PROBS: usize = 1 << 24;
 
 /// An attention path forced by `KILN_GPU_ATTENTION`.
@@ -506,6 +507,7 @@ fn forced() -> Option<Path> {
 /// Whether attention over `probs` probabilities per call (`B · heads · T²`) that the kernels do
 /// not take runs as cuBLAS's per-head products (CUDA only): above [`BLAS_MIN_PROBS`], or always
 /// under `KILN_GPU_ATTENTION=blas`, never under `composed`.
+#[cfg(feature = "cuda")]
 pub fn blas_wanted(probs: usize) -> bool {
     match forced() {
         Some(Path::Blas) => true,
