@@ -134,13 +134,7 @@ pub fn family_train(key: &str, warmup: usize, steps: usize) -> Result<BenchResul
     let model = crate::ops::with_seeded_rng::<CpuTrain, _>(&device, 0, || {
         crate::models::llama::LlamaForCausalLM::<CpuTrain>::new(&config, &device)
     });
-    let (tb, targets) = random_blocks(batch, seq);
-    let work = StepWork {
-        samples: batch,
-        padded_seq: seq,
-        tokens: batch * seq,
-        flops: 3.0 * llama_forward_flops(&config, batch, seq),
-    };
+    let (tb, targets, work) = random_step(&config, batch, seq);
     let opt = super::rows::adamw();
     Ok(train_steps(
         &format!("{key}_fp32"),
@@ -175,6 +169,22 @@ fn random_blocks(batch: usize, seq: usize) -> (crate::data::lm::TokenBatch, Vec<
     (tb, targets)
 }
 
+/// [`random_blocks`] with the training step's work (3× the forward's FLOPs) for `config`.
+fn random_step(
+    config: &LlamaConfig,
+    batch: usize,
+    seq: usize,
+) -> (crate::data::lm::TokenBatch, Vec<i64>, StepWork) {
+    let (tb, targets) = random_blocks(batch, seq);
+    let work = StepWork {
+        samples: batch,
+        padded_seq: seq,
+        tokens: batch * seq,
+        flops: 3.0 * llama_forward_flops(config, batch, seq),
+    };
+    (tb, targets, work)
+}
+
 /// SmolLM2-135M's architecture (tied head, grouped-query attention) as published.
 pub fn smollm2_config() -> LlamaConfig {
     serde_json::from_value(serde_json::json!({
@@ -199,13 +209,7 @@ where
     let model = crate::ops::with_seeded_rng::<burn::backend::Autodiff<B>, _>(device, 0, || {
         crate::models::llama::LlamaForCausalLM::<burn::backend::Autodiff<B>>::new(&config, device)
     });
-    let (tb, targets) = random_blocks(batch, seq);
-    let work = StepWork {
-        samples: batch,
-        padded_seq: seq,
-        tokens: batch * seq,
-        flops: 3.0 * llama_forward_flops(&config, batch, seq),
-    };
+    let (tb, targets, work) = random_step(&config, batch, seq);
     crate::ops::set_matmul_precision(crate::ops::mixed_precision::<B>(true));
     let r = train_steps(
         "smollm2_train_bf16",
