@@ -88,6 +88,8 @@ pub struct Links {
     /// Every rank's `host:port`, in rank order.
     addresses: Vec<String>,
     outgoing: Mutex<HashMap<usize, Sender<Vec<f32>>>>,
+    /// The writer threads, waited for when the links go ([`Drop`]).
+    writers: Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// The first error of a writer thread, reported by the next send.
     send_error: Arc<Mutex<Option<String>>>,
     inbox: Arc<Inbox>,
@@ -131,6 +133,7 @@ impl Links {
             rank,
             addresses,
             outgoing: Mutex::new(HashMap::new()),
+            writers: Mutex::new(Vec::new()),
             send_error: Arc::new(Mutex::new(None)),
             inbox,
             timeout,
@@ -190,7 +193,7 @@ impl Links {
         let mut w = hello(stream).map_err(net(self.rank, &format!("cannot greet rank {to}")))?;
         let (tx, rx) = channel::<Vec<f32>>();
         let (me, error) = (self.rank, self.send_error.clone());
-        std::thread::Builder::new()
+        let writer = std::thread::Builder::new()
             .name("kiln-p2p-write".into())
             .spawn(move || {
                 for values in rx {
@@ -202,7 +205,35 @@ impl Links {
                 }
             })
             .map_err(net(self.rank, "cannot start a link writer"))?;
+        self.writers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(writer);
         Ok(tx)
+    }
+}
+
+impl Drop for Links {
+    /// A send only queues, so what is still queued is written before the links go: a rank that
+    /// hands over its last tensor (the last stage's final token under `kiln generate`) and exits
+    /// would otherwise take it along, and its peer would read a link that ended before the tensor
+    /// arrived. Closing the queues ends each writer once it has written them; the wait is bounded by
+    /// the job's timeout (a peer that stopped reading must not hang this rank's exit).
+    fn drop(&mut self) {
+        self.outgoing
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        let deadline = Instant::now() + self.timeout;
+        let writers = std::mem::take(self.writers.get_mut().unwrap_or_else(|e| e.into_inner()));
+        for w in writers {
+            while !w.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if w.is_finished() {
+                let _ = w.join();
+            }
+        }
     }
 }
 
