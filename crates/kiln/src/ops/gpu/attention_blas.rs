@@ -108,7 +108,6 @@ fn empty(like: &CubeTensor<CudaRuntime>, dims: &[usize]) -> CubeTensor<CudaRunti
 }
 
 /// Runs `C(b, h) = op(L(b, h)) · op(R(b, h))` over every batch and head (see [`per_head_calls`]).
-#[allow(clippy::too_many_arguments)]
 fn products(
     l: &Layout,
     (m, n, k): (usize, usize, usize),
@@ -125,7 +124,7 @@ fn products(
     );
 }
 
-type Backend<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+type Be<R, F, I, BT> = CubeBackend<R, F, I, BT>;
 
 /// `(out [B, T, H], probs [B, heads, T, T] if with_probs)`, as [`super::attention::forward`].
 /// Callers check [`takes`] first.
@@ -162,18 +161,17 @@ where
     let scores = if window.covers(l.t) {
         from_cuda(scores)
     } else {
-        type Be<R, F, I, BT> = Backend<R, F, I, BT>;
         let band = window.band::<Be<R, F, I, BT>>(l.t, &mask.device);
         let scores = crate::ops::t::<Be<R, F, I, BT>, 4>(from_cuda(scores));
         crate::ops::p(scores + band.unsqueeze::<4>())
     };
-    let probs = Backend::<R, F, I, BT>::kiln_masked_softmax(scores, mask, scale);
-    let dropped = crate::ops::attention_dropout::<Backend<R, F, I, BT>>(
-        crate::ops::t::<Backend<R, F, I, BT>, 4>(probs.clone()),
+    let probs = Be::<R, F, I, BT>::kiln_masked_softmax(scores, mask, scale);
+    let dropped = crate::ops::attention_dropout::<Be<R, F, I, BT>>(
+        crate::ops::t::<Be<R, F, I, BT>, 4>(probs.clone()),
         dropout,
         seed,
     );
-    let dropped = as_cuda(into_contiguous(crate::ops::p::<Backend<R, F, I, BT>, 4>(
+    let dropped = as_cuda(into_contiguous(crate::ops::p::<Be<R, F, I, BT>, 4>(
         dropped,
     )))
     .unwrap_or_else(|_| unreachable!("a CUDA tensor"));
@@ -206,7 +204,6 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    type Be<R, F, I, BT> = Backend<R, F, I, BT>;
     let l = layout(&x, heads);
     let fused = matches!(x, Qkv::Fused(_));
     let o = operands(x, &l);
