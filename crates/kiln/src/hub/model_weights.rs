@@ -5,26 +5,27 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use super::sharded::{read_layout, read_whole_model};
-use super::weights::{read_safetensors_with, HostTensor};
+use super::sharded::{read_layout, read_whole_model_where};
+use super::weights::{keep_all, read_safetensors_with, HostTensor, Keep};
 use crate::error::{KilnError, Result};
 
 /// Every weight of a model folder: `model.safetensors`, the shards listed in
 /// `model.safetensors.index.json` (transformers' layout for large models), or tensor-parallel
 /// shards put back together.
 pub fn read_model_weights(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
-    read_model_weights_with(dir, &mut |_, t| t)
+    read_model_weights_with(dir, &keep_all, &mut |_, t| t)
 }
 
-/// [`read_model_weights`], each tensor handed to `keep` as it is read (see
-/// [`read_safetensors_with`]).
+/// [`read_model_weights`] of the tensors `wanted` names only (a file or shard holding none of
+/// them is not opened), each handed to `keep` as it is read (see [`read_safetensors_with`]).
 pub fn read_model_weights_with(
     dir: &Path,
+    wanted: Keep,
     keep: &mut dyn FnMut(&str, HostTensor) -> HostTensor,
 ) -> Result<BTreeMap<String, HostTensor>> {
     // A tensor-parallel folder (`kiln convert --to-tp`, a sharded checkpoint) is put together.
     if let Some(layout) = read_layout(dir)? {
-        let whole = read_whole_model(dir, &layout)?;
+        let whole = read_whole_model_where(dir, &layout, wanted)?;
         return Ok(whole
             .into_iter()
             .map(|(n, t)| (n.clone(), keep(&n, t)))
@@ -32,7 +33,7 @@ pub fn read_model_weights_with(
     }
     let single = dir.join("model.safetensors");
     if single.exists() {
-        return read_safetensors_with(&single, keep);
+        return read_safetensors_with(&single, wanted, keep);
     }
     let index = dir.join("model.safetensors.index.json");
     if !index.exists() {
@@ -46,7 +47,7 @@ pub fn read_model_weights_with(
         KilnError::Config(format!("{}: no \"weight_map\" object", index.display()))
     })?;
     let mut shards: Vec<&str> = Vec::with_capacity(map.len());
-    for (name, v) in map {
+    for (name, v) in map.iter().filter(|(name, _)| wanted(name)) {
         let shard = v.as_str().ok_or_else(|| {
             KilnError::Config(format!(
                 "{}: weight_map[{name:?}] is not a file name",
@@ -70,9 +71,10 @@ pub fn read_model_weights_with(
     shards.dedup();
     let mut out = BTreeMap::new();
     for shard in shards {
-        out.extend(read_safetensors_with(&dir.join(shard), keep)?);
+        out.extend(read_safetensors_with(&dir.join(shard), wanted, keep)?);
     }
-    if let Some(name) = map.keys().find(|name| !out.contains_key(*name)) {
+    let mut listed = map.keys().filter(|name| wanted(name));
+    if let Some(name) = listed.find(|name| !out.contains_key(*name)) {
         return Err(KilnError::Weights(format!(
             "{}: {name} is listed but no shard holds it",
             index.display()

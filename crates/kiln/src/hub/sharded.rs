@@ -24,7 +24,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::weights::{read_safetensors, HostTensor};
+use super::weights::{keep_all, read_safetensors_with, HostTensor, Keep};
 use crate::task::ParamSplit;
 use crate::{KilnError, Result};
 
@@ -574,10 +574,30 @@ pub fn read_rank_model(
     layout: &ShardLayout,
     tp: usize,
 ) -> Result<BTreeMap<String, HostTensor>> {
+    read_rank_model_where(dir, layout, tp, &keep_all)
+}
+
+/// [`read_rank_model`] of the parameters `wanted` names only: a stage file holding none of them
+/// is not opened (a pipeline stage reads its own).
+pub fn read_rank_model_where(
+    dir: &Path,
+    layout: &ShardLayout,
+    tp: usize,
+    wanted: Keep,
+) -> Result<BTreeMap<String, HostTensor>> {
     let mut out = BTreeMap::new();
     for stage in 0..layout.pipeline_parallel_size {
+        let listed = layout
+            .params
+            .iter()
+            .any(|(n, p)| p.stage == stage && wanted(n));
+        if !listed {
+            continue;
+        }
         let file = dir.join(layout.model_file(tp, stage));
-        let mut t = read_safetensors(&file)?;
+        // q/k/v fused in one tensor are read whole and split (their names are not the file's).
+        let names = |n: &str| layout.coalesced_qkv || wanted(n);
+        let mut t = read_safetensors_with(&file, &names, &mut |_, t| t)?;
         if layout.coalesced_qkv {
             t = split_qkv(layout, tp, t)?;
         }
@@ -601,9 +621,10 @@ pub fn read_rank_model(
                 Some(_) => {}
             }
         }
+        t.retain(|n, _| wanted(n));
         out.append(&mut t);
     }
-    for (name, p) in &layout.params {
+    for (name, p) in layout.params.iter().filter(|(n, _)| wanted(n)) {
         if !out.contains_key(name) {
             return Err(KilnError::Weights(format!(
                 "{}: lacks {name}",
@@ -616,8 +637,17 @@ pub fn read_rank_model(
 
 /// The whole model of a sharded folder.
 pub fn read_whole_model(dir: &Path, layout: &ShardLayout) -> Result<BTreeMap<String, HostTensor>> {
+    read_whole_model_where(dir, layout, &keep_all)
+}
+
+/// [`read_whole_model`]'s parameters that `wanted` names.
+pub fn read_whole_model_where(
+    dir: &Path,
+    layout: &ShardLayout,
+    wanted: Keep,
+) -> Result<BTreeMap<String, HostTensor>> {
     let ranks = (0..layout.tensor_parallel_size)
-        .map(|tp| read_rank_model(dir, layout, tp))
+        .map(|tp| read_rank_model_where(dir, layout, tp, wanted))
         .collect::<Result<Vec<_>>>()?;
     // Shards of more ranks or stages than the layout names: its sizes are not the folder's.
     let (tp, pp) = (layout.tensor_parallel_size, layout.pipeline_parallel_size);
@@ -636,7 +666,7 @@ pub fn read_whole_model(dir: &Path, layout: &ShardLayout) -> Result<BTreeMap<Str
         }
     }
     let mut out = BTreeMap::new();
-    for name in layout.params.keys() {
+    for name in layout.params.keys().filter(|n| wanted(n)) {
         let pieces = ranks
             .iter()
             .map(|r| r.get(name).expect("read_rank_model checked every name"))
@@ -653,6 +683,17 @@ pub fn read_rank_optimizer(
     layout: &ShardLayout,
     tp: usize,
 ) -> Result<BTreeMap<String, HostTensor>> {
+    read_rank_optimizer_where(dir, layout, tp, &keep_all)
+}
+
+/// [`read_rank_optimizer`]'s moments of the parameters `wanted` names only (a file holding none
+/// of them is not opened).
+pub fn read_rank_optimizer_where(
+    dir: &Path,
+    layout: &ShardLayout,
+    tp: usize,
+    wanted: Keep,
+) -> Result<BTreeMap<String, HostTensor>> {
     let files = layout.optimizer.get(tp).ok_or_else(|| {
         KilnError::Checkpoint(format!(
             "{}: {LAYOUT_FILE} lists no optimizer files for tensor-parallel rank {tp}",
@@ -667,9 +708,12 @@ pub fn read_rank_optimizer(
                     let listed = layout
                         .params
                         .iter()
-                        .any(|(n, p)| p.stage == s && files[dp].contains_key(n));
+                        .any(|(n, p)| p.stage == s && files[dp].contains_key(n) && wanted(n));
                     if listed {
-                        read_safetensors(&dir.join(layout.optimizer_file(tp, s, dp)))
+                        let moment_of_wanted =
+                            |key: &str| key.rsplit_once('.').is_some_and(|(n, _)| wanted(n));
+                        let file = dir.join(layout.optimizer_file(tp, s, dp));
+                        read_safetensors_with(&file, &moment_of_wanted, &mut |_, t| t)
                     } else {
                         Ok(BTreeMap::new())
                     }
@@ -678,7 +722,7 @@ pub fn read_rank_optimizer(
         })
         .collect::<Result<Vec<_>>>()?;
     let mut out = BTreeMap::new();
-    for (name, p) in &layout.params {
+    for (name, p) in layout.params.iter().filter(|(n, _)| wanted(n)) {
         let shape = p.local_shape(tp);
         for moment in ["exp_avg", "exp_avg_sq"] {
             let key = format!("{name}.{moment}");
@@ -730,8 +774,17 @@ pub fn read_whole_optimizer(
     dir: &Path,
     layout: &ShardLayout,
 ) -> Result<BTreeMap<String, HostTensor>> {
+    read_whole_optimizer_where(dir, layout, &keep_all)
+}
+
+/// [`read_whole_optimizer`]'s moments of the parameters `wanted` names.
+pub fn read_whole_optimizer_where(
+    dir: &Path,
+    layout: &ShardLayout,
+    wanted: Keep,
+) -> Result<BTreeMap<String, HostTensor>> {
     let ranks = (0..layout.tensor_parallel_size)
-        .map(|tp| read_rank_optimizer(dir, layout, tp))
+        .map(|tp| read_rank_optimizer_where(dir, layout, tp, wanted))
         .collect::<Result<Vec<_>>>()?;
     let mut out = BTreeMap::new();
     for key in ranks[0].keys() {
@@ -855,6 +908,51 @@ mod tests {
             optimizer: vec![],
             coalesced_qkv: false,
         }
+    }
+
+    /// A pipeline stage reads the parameters it wants from the stage files that hold them and
+    /// never opens another stage's file (here a broken one, which a whole read refuses).
+    #[test]
+    fn a_stage_reads_only_the_files_holding_its_parameters() {
+        let dir = tempfile::tempdir().unwrap();
+        let whole = ParamLayout {
+            shape: vec![3, 2],
+            ranks: vec![None, None],
+            stage: 0,
+        };
+        let mut layout = two_ranks([0..3, 3..6]);
+        layout.params.insert("norm".into(), whole.clone());
+        layout.params.insert("head".into(), whole);
+        let layout = layout.with_stages(2, |n| usize::from(n == "head")).unwrap();
+        std::fs::create_dir_all(dir.path().join("model")).unwrap();
+        for tp in 0..2 {
+            let stage0: BTreeMap<String, HostTensor> = [
+                ("w".to_string(), t(&[3, 2])),
+                ("norm".to_string(), t(&[3, 2])),
+            ]
+            .into();
+            let file = dir.path().join(layout.model_file(tp, 0));
+            crate::hub::weights::write_safetensors(&file, &stage0).unwrap();
+            std::fs::write(
+                dir.path().join(layout.model_file(tp, 1)),
+                b"not safetensors",
+            )
+            .unwrap();
+        }
+        let first = |n: &str| n != "head";
+        let got = read_whole_model_where(dir.path(), &layout, &first).unwrap();
+        assert_eq!(got.keys().collect::<Vec<_>>(), ["norm", "w"]);
+        assert_eq!(got["w"].shape, [6, 2]);
+        let only_w = |n: &str| n == "w";
+        let got = read_rank_model_where(dir.path(), &layout, 1, &only_w).unwrap();
+        assert_eq!(got.keys().collect::<Vec<_>>(), ["w"]);
+        let err = read_whole_model(dir.path(), &layout)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("pp_rank_01") && err.contains("not a safetensors file"),
+            "{err}"
+        );
     }
 
     /// A stage outside the pipeline is refused; without a pipeline `shards.json` is written as

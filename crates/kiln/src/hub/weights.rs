@@ -9,6 +9,15 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::error::{KilnError, Result};
 
+/// Which parameters (by Hugging Face path) a process builds, reads and trains: a pipeline
+/// stage's own ([`keep_all`] without a pipeline).
+pub type Keep<'a> = &'a (dyn Fn(&str) -> bool + Sync);
+
+/// Every parameter: the [`Keep`] of a process that holds the whole model.
+pub fn keep_all(_: &str) -> bool {
+    true
+}
+
 /// A named, shaped f32 tensor on the host.
 #[derive(Debug, Clone)]
 pub struct HostTensor {
@@ -36,21 +45,24 @@ fn is_buffer_dtype(d: Dtype) -> bool {
 /// buffers such as `embeddings.position_ids` are skipped: they are not parameters). A float type
 /// kiln cannot read (FP8, ...) is an error, never a silently re-initialised weight.
 pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>> {
-    read_safetensors_with(path, &mut |_, t| t)
+    read_safetensors_with(path, &keep_all, &mut |_, t| t)
 }
 
-/// [`read_safetensors`], each tensor handed to `keep` as soon as it is converted (to cut it to a
-/// tensor-parallel shard before the next is made: the whole model is never held as f32).
+/// [`read_safetensors`] of the tensors `wanted` names only, each handed to `keep` as soon as it is
+/// converted (to cut it to a tensor-parallel shard before the next is made: the whole model is
+/// never held as f32). The file is mapped, not read: only the wanted tensors' bytes are ever
+/// brought into memory (a pipeline stage reads its own layers of a whole model's file).
 pub fn read_safetensors_with(
     path: &Path,
+    wanted: Keep,
     keep: &mut dyn FnMut(&str, HostTensor) -> HostTensor,
 ) -> Result<BTreeMap<String, HostTensor>> {
-    let bytes = crate::hub::files::read_regular(path, "safetensors file")?;
+    let bytes = map_regular(path)?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| {
         KilnError::Weights(format!("{}: not a safetensors file: {e}", path.display()))
     })?;
     let mut out = BTreeMap::new();
-    for (name, view) in st.tensors() {
+    for (name, view) in st.tensors().into_iter().filter(|(n, _)| wanted(n)) {
         let raw = view.data();
         let data: Vec<f32> = match view.dtype() {
             Dtype::F32 => raw
@@ -84,6 +96,17 @@ pub fn read_safetensors_with(
         out.insert(name.clone(), keep(&name, t));
     }
     Ok(out)
+}
+
+/// The bytes of the regular file `path`, mapped read-only. kiln replaces the files it writes
+/// (a new file renamed over the old), so a mapping never sees a file shrink under it.
+fn map_regular(path: &Path) -> Result<memmap2::Mmap> {
+    crate::hub::files::ensure_regular(path, "safetensors file")?;
+    let file = std::fs::File::open(path).map_err(|e| KilnError::io(path, e))?;
+    // SAFETY: the mapping is read-only and lives no longer than this read; a file truncated by
+    // another program while it is read is outside what any weights reader can guard against
+    // (safetensors' own Python loader maps files the same way).
+    unsafe { memmap2::Mmap::map(&file) }.map_err(|e| KilnError::io(path, e))
 }
 
 /// For an error about `missing` parameters: those the file does hold, under a dtype that is not a

@@ -111,7 +111,8 @@ pub fn load_causal_lm<A: DecoderArchitecture, B: KilnBackend>(
     device: &B::Device,
 ) -> Result<(A::Model<B>, A::Config)> {
     let config = read_causal_lm_config::<A>(&dir.join("config.json"))?;
-    Ok((A::load(dir, &config, device, None)?, config))
+    let model = A::load(dir, &config, device, None, &crate::models::params::keep_all)?;
+    Ok((model, config))
 }
 
 /// A sequence classifier's config, one variant per architecture.

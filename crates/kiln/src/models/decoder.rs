@@ -16,6 +16,7 @@ use burn::tensor::Tensor;
 
 use crate::data::lm::TokenBatch;
 use crate::error::Result;
+use crate::models::params::Keep;
 use crate::ops::{KilnBackend, TpComm, TrainBackend};
 use crate::task::{Model, ParamSplit};
 
@@ -32,6 +33,10 @@ pub trait DecoderConfig: Clone + Send + Sync + 'static {
     fn eos_ids(&self) -> Vec<u32>;
     /// `config.json` as saved beside trained weights.
     fn to_json(&self) -> String;
+    /// The decoder layers.
+    fn num_layers(&self) -> usize;
+    /// Every parameter's shape of the whole model, by Hugging Face name, without building it.
+    fn param_shapes(&self) -> BTreeMap<String, Vec<usize>>;
 }
 
 /// A causal LM: logits for every position of a token batch (the trainer's [`Model`]) and
@@ -77,19 +82,22 @@ pub trait DecoderArchitecture: 'static {
     fn plan_shard(c: &Self::Config, tp: TpComm) -> Result<Self::Shard>;
     /// A randomly initialised model (this rank's shard of it), the same on every backend for
     /// one seed.
+    /// It holds the parameters `keep` accepts (a pipeline stage's); the others are empty.
     fn fresh<B: KilnBackend>(
         c: &Self::Config,
         device: &B::Device,
         shard: Option<Self::Shard>,
         seed: u64,
+        keep: Keep,
     ) -> Result<Self::Model<B>>;
     /// The weights of a Hugging Face folder (whole, indexed shards or tensor-parallel), cut to
-    /// `shard`.
+    /// `shard`; only those `keep` accepts are read and held (a pipeline stage's).
     fn load<B: KilnBackend>(
         dir: &Path,
         c: &Self::Config,
         device: &B::Device,
         shard: Option<Self::Shard>,
+        keep: Keep,
     ) -> Result<Self::Model<B>>;
     /// A model as the trainer differentiates it (the same value: autodiff is the backend's).
     fn trainable<B: TrainBackend>(m: Self::Model<B>) -> Self::Trainable<B>;

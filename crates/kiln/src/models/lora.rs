@@ -602,21 +602,29 @@ pub fn load_adapter<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
     model: M,
     dir: &Path,
     device: &B::Device,
+    keep: crate::models::params::Keep,
 ) -> Result<(M, Adapter)> {
     let config = LoraConfig::from_adapter_dir(dir)?;
     // An adapter of another architecture fails here, naming its file.
     let source = format!("{}: target_modules", dir.join(ADAPTER_CONFIG).display());
     let (model, adapter) = attach_from(model, &config, 0, &source)?;
+    // A pipeline stage holds (and reads) the factors of its own layers only.
+    let model = crate::models::params::empty_where(model, "", keep);
     // Under tensor parallelism each rank takes its cut of the whole adapter.
     let tensors = read_adapter_tensors(dir)?
         .into_iter()
+        .filter(|(path, _)| keep(path))
         .map(|(path, t)| {
             let cut = crate::hub::sharded::cut_split(&t, &model.split_of(&path)).unwrap_or(t);
             (path, cut)
         })
         .collect();
     let (model, report) = crate::models::params::load_into(model, tensors, None, device)?;
-    let missing: Vec<&String> = report.missing.iter().filter(|p| adapter.owns(p)).collect();
+    let missing: Vec<&String> = report
+        .missing
+        .iter()
+        .filter(|p| adapter.owns(p) && keep(p))
+        .collect();
     if !report.unexpected.is_empty() || !missing.is_empty() {
         return Err(KilnError::Weights(format!(
             "{}: the adapter does not fit this model ({}{}): is it an adapter of another base \

@@ -14,6 +14,7 @@ use burn::tensor::{backend::Backend, Shape, Tensor, TensorMetadata, TensorPrimit
 
 use crate::error::{KilnError, Result};
 use crate::hub::weights::HostTensor;
+pub use crate::hub::weights::{keep_all, Keep};
 use crate::ops::KilnBackend;
 
 /// Tracks the current parameter path while walking a module.
@@ -155,6 +156,29 @@ pub fn map_params<B: Backend, M: Module<B>>(
     module.map(&mut m)
 }
 
+/// `module` with each float parameter that `keep` refuses (asked with its path under `prefix`)
+/// let go: an empty tensor of the same rank, its first dimension 0, takes its place. A pipeline
+/// stage keeps the other stages' parameters this way: the model's structure (and every walk over
+/// it) stays the same on every stage, and their memory is never held.
+pub fn empty_where<B: Backend, M: Module<B>>(module: M, prefix: &str, keep: Keep) -> M {
+    map_params(module, |info, value: FloatTensor<B>| {
+        let kept = match prefix {
+            "" => keep(info.path),
+            _ => keep(&format!("{prefix}.{}", info.path)),
+        };
+        if kept {
+            return value;
+        }
+        let mut empty = value.shape().dims;
+        empty[0] = 0;
+        let device = B::float_device(&value);
+        let zeros = Tensor::<B, 1>::zeros([0], &device)
+            .into_primitive()
+            .tensor();
+        B::float_reshape(zeros, Shape::from(empty))
+    })
+}
+
 /// Every float parameter's shape, keyed by Hugging Face path (no data is read).
 pub fn module_shapes<B: Backend, M: Module<B>>(module: &M) -> BTreeMap<String, Vec<usize>> {
     struct Shapes(PathTracker, BTreeMap<String, Vec<usize>>);
@@ -170,6 +194,31 @@ pub fn module_shapes<B: Backend, M: Module<B>>(module: &M) -> BTreeMap<String, V
         }
     }
     let mut v = Shapes(PathTracker::default(), BTreeMap::new());
+    module.visit(&mut v);
+    v.1
+}
+
+/// The paths of the float parameters `module` holds in bf16 (frozen LoRA bases under
+/// `--lora-base-dtype bf16`).
+pub fn module_bf16_params<B: Backend, M: Module<B>>(
+    module: &M,
+) -> std::collections::BTreeSet<String> {
+    struct Bf16(PathTracker, std::collections::BTreeSet<String>);
+    impl<B: Backend> ModuleVisitor<B> for Bf16 {
+        fn enter_module(&mut self, name: &str, container: &str) {
+            self.0.enter(name, container);
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.exit();
+        }
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            let dtype = p.val().dtype();
+            if matches!(dtype, burn::tensor::DType::U16 | burn::tensor::DType::BF16) {
+                self.1.insert(self.0.path());
+            }
+        }
+    }
+    let mut v = Bf16(PathTracker::default(), Default::default());
     module.visit(&mut v);
     v.1
 }

@@ -285,6 +285,10 @@ where
                 (inner, shape, held)
             }
         };
+        if shape.num_elements() == 0 {
+            // Another pipeline stage's parameter, empty on every rank of a data-parallel group.
+            return value;
+        }
         let flat = B::float_reshape(inner, Shape::new([shape.num_elements()]));
         match g.broadcast(
             Tensor::from_primitive(TensorPrimitive::Float(flat)),

@@ -32,11 +32,12 @@ pub fn with_adapter<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
     seed: u64,
     base_model: String,
     device: &B::Device,
+    keep: crate::models::params::Keep,
 ) -> Result<(M, AdapterFiles)> {
     let (model, adapter) = match setup {
         LoraSetup::Fresh(config) => crate::models::lora::attach(model, config, seed)?,
         LoraSetup::Continue(dir) => {
-            let loaded = crate::models::lora::load_adapter(model, dir, device)?;
+            let loaded = crate::models::lora::load_adapter(model, dir, device, keep)?;
             info!("{}: training this adapter further", dir.display());
             loaded
         }

@@ -29,7 +29,7 @@ use crate::tasks::sft::{SftData, SftSet, SftTokenization};
 use crate::train::checkpoint::ModelFiles;
 use crate::train::evaluate::evaluate_by;
 use crate::train::trainer::{evaluate, EvalOutput, Reported, TokenMetrics, TrainOutput};
-use crate::train::ParallelPlan;
+use crate::train::{ModelOutline, ParallelPlan};
 use crate::train::{Trainer, TrainingArguments};
 
 /// Token blocks as training examples: each block's targets are its tokens shifted left by one, the
@@ -332,12 +332,23 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
     };
     let tok_path = opts.tokenizer_path()?;
     let tok = load_tokenizer(&tok_path)?;
-    // Each rank holds only its shard from the start: a whole model is built (from the seed)
-    // layer by layer and cut, or loaded tensor by tensor and cut, so TP = N starts from exactly
-    // the weights of TP = 1.
+    // A pipeline is cut from the config before anything is built, so each stage builds and
+    // reads only its own layers.
+    let mut plan = ParallelPlan::new(parallel).with_pipeline(pp_group, pipeline);
+    let shapes = config.param_shapes();
+    plan.cut_before_building(&ModelOutline {
+        layers: Some(config.num_layers()),
+        tied: !shapes.contains_key("lm_head.weight"),
+        shapes,
+        embedding: vec![crate::models::decoder::DECODER_EMBEDDING.to_string()],
+    })?;
+    let keep = plan.keep();
+    // Each rank holds only its shard (and stage) from the start: a whole model is built (from
+    // the seed) layer by layer and cut, or loaded tensor by tensor and cut, so TP = N and PP = N
+    // start from exactly the weights of one process.
     let model = match (&opts.from_config, &opts.model_dir) {
         (Some(cfg), _) => {
-            let model = A::fresh::<B>(&config, device, shard, args.seed)?;
+            let model = A::fresh::<B>(&config, device, shard, args.seed, &keep)?;
             info!(
                 "{}: random initialisation (seed {})",
                 cfg.display(),
@@ -345,7 +356,7 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
             );
             model
         }
-        (None, Some(dir)) => A::load::<B>(dir, &config, device, shard)?,
+        (None, Some(dir)) => A::load::<B>(dir, &config, device, shard, &keep)?,
         (None, None) => unreachable!("checked by train"),
     };
     crate::data::tokenize::check_ids_fit(&tok, &tok_path, config.vocab_size())?;
@@ -389,12 +400,12 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
                 args.seed,
                 base,
                 device,
+                &keep,
             )?;
             files.adapter = Some(adapter);
             model
         }
     };
-    let plan = ParallelPlan::new(parallel).with_pipeline(pp_group, pipeline);
     let model = A::trainable(model);
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files, plan);
     trainer.token_metrics = metrics;
@@ -735,7 +746,8 @@ pub fn eval_layout<B: KilnBackend>(
             let (parallel, tp_group, pp_group) = DataParallel::<B>::join_mesh_pp(device, tp, pp)?;
             let tp_rank = tp_group.as_ref().map_or(0, |g| g.rank());
             let (shard, loss) = tensor_parallel_plan::<A, _>(&config, tp_group)?;
-            let model = A::load(dir, &config, device, shard)?;
+            let keep = inference_keep(&config, pp_group.as_deref(), layout)?;
+            let model = A::load(dir, &config, device, shard, &keep)?;
             crate::data::tokenize::check_ids_fit(&tok, &tok_path, config.vocab_size())?;
             warn_beyond_positions(&config, opts.block_size, "--block-size");
             let file = opts
@@ -776,6 +788,30 @@ struct EvalStage<'a, B: KilnBackend> {
     group: &'a dyn crate::parallel::Collectives<B>,
     index: usize,
     count: usize,
+}
+
+/// What this rank of an inference pipeline over `group` builds and reads of a model of `config`
+/// (every parameter without a pipeline): its stage's parameters, the stages cut as
+/// [`eval_stage`] cuts them.
+fn inference_keep<B: KilnBackend>(
+    config: &impl DecoderConfig,
+    group: Option<&dyn crate::parallel::Collectives<B>>,
+    layout: &InferenceLayout,
+) -> Result<impl Fn(&str) -> bool + Sync> {
+    let stage = match group {
+        None => None,
+        Some(g) => Some(crate::parallel::pipeline::StageHolds {
+            index: g.rank(),
+            cuts: crate::parallel::pipeline::cut_stages(
+                config.num_layers(),
+                g.size(),
+                layout.pipeline_cuts.as_deref(),
+            )?,
+            embedding: vec![crate::models::decoder::DECODER_EMBEDDING.to_string()],
+            tied: !config.param_shapes().contains_key("lm_head.weight"),
+        }),
+    };
+    Ok(move |path: &str| stage.as_ref().is_none_or(|s| s.holds(path)))
 }
 
 /// This rank's stage of `model` cut over the pipeline `group` as `layout` says.
@@ -1100,9 +1136,12 @@ pub fn generate_from_folder<B: KilnBackend>(
             let (tp, pp) = (layout.tensor_parallel_size, layout.pipeline_parallel_size);
             let (_, tp_group, pp_group) = DataParallel::<B>::join_mesh_pp(device, tp, pp)?;
             let (shard, _) = tensor_parallel_plan::<A, _>(&config, tp_group)?;
-            let model = A::load(dir, &config, device, shard)?;
+            let keep = inference_keep(&config, pp_group.as_deref(), layout)?;
+            let model = A::load(dir, &config, device, shard, &keep)?;
             let model = match &prompt.adapter {
-                Some(adapter) => crate::models::lora::load_adapter(model, adapter, device)?.0,
+                Some(adapter) => {
+                    crate::models::lora::load_adapter(model, adapter, device, &keep)?.0
+                }
                 None => model,
             };
             let model = model.for_inference();

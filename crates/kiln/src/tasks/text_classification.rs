@@ -356,6 +356,7 @@ pub fn train<B: TrainBackend, L: Loss>(
                 args.seed,
                 base,
                 device,
+                &crate::models::params::keep_all,
             )?;
             (model, Some(files))
         }

@@ -92,11 +92,21 @@ pub fn put_model_files(
 /// A checkpoint's (or an output folder's) weights by kiln's parameter paths: `model.safetensors`,
 /// or a LoRA run's adapter under PEFT's names.
 pub fn read_model_tensors(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
+    read_model_tensors_where(dir, &crate::hub::weights::keep_all)
+}
+
+/// [`read_model_tensors`] of the parameters `wanted` names (an adapter's are read whole: it is
+/// small).
+pub fn read_model_tensors_where(
+    dir: &Path,
+    wanted: crate::hub::weights::Keep,
+) -> Result<BTreeMap<String, HostTensor>> {
     let adapter = dir.join(crate::models::lora::ADAPTER_WEIGHTS);
     if adapter.exists() && !dir.join("model.safetensors").exists() {
         return crate::models::lora::read_adapter_tensors(dir);
     }
-    crate::hub::weights::read_safetensors(&dir.join("model.safetensors"))
+    let path = dir.join("model.safetensors");
+    crate::hub::weights::read_safetensors_with(&path, wanted, &mut |_, t| t)
 }
 
 /// The files of a model folder besides its weights: `config.json` (a LoRA run's

@@ -23,7 +23,7 @@ pub mod trainer;
 
 pub use args::{IntervalStrategy, PipelineOptions, SaveStrategy, TrainingArguments};
 pub use optim::OptimizerType;
-pub use parallel_plan::ParallelPlan;
+pub use parallel_plan::{ModelOutline, ParallelPlan};
 pub use reporters::RunOrigin;
 // The task contract, re-exported where library users of the trainer look for it.
 pub use crate::task::{

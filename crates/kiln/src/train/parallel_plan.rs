@@ -17,18 +17,18 @@ use std::collections::BTreeMap;
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Shape, Tensor, TensorMetadata};
+use burn::tensor::Shape;
 
 use super::args::{PipelineOptions, TrainingArguments};
 use super::grad_sync::{sync_and_clip, sync_and_clip_zero1, NormParts, Synced, SyncedGrads};
 use super::optim::{GradAccumulator, Optimizer};
 use super::pipeline_stage::Stage;
-use crate::models::params::{map_params, module_tensors_where};
+use crate::models::params::{empty_where, module_bf16_params, module_shapes, module_tensors_where};
 use crate::ops::KilnBackend;
 use crate::parallel::broadcast_module;
 use crate::parallel::pipeline::{
-    cut_by_work, cut_stages, owner_stage, Balance, MicroBatches, ScheduleKind, StageCut, Work,
+    cut_by_work, cut_stages, owner_stage, Balance, MicroBatches, ScheduleKind, StageCut,
+    StageHolds, Work,
 };
 use crate::parallel::{DataParallel, SharedCollectives, Zero1};
 use crate::task::TensorParallelLayout;
@@ -46,16 +46,22 @@ pub struct PipelinePlan<B: KilnBackend> {
     /// The ranks holding the stages of this rank's replica (and TP shard); stage `s` is rank `s`.
     group: SharedCollectives<B>,
     options: PipelineOptions,
-    /// Every stage's cut, and how a step splits into micro-batches, once training starts.
-    cuts: Vec<StageCut>,
+    /// Every stage's cut and what this one holds (once cut: before the model is built when the
+    /// task cuts it from its config, else when training starts).
+    holds: StageHolds,
+    /// How a step splits into micro-batches, once training starts.
     micro: MicroBatches,
-    /// The embedding's parameters: held by stage 0, and by the last stage too when tied.
-    embedding: Vec<String>,
-    /// Whether the head is the embedding's weight (no parameter of its own).
-    tied: bool,
-    /// The parameters of other stages this rank let go of: their whole shapes, and whether
-    /// they were held in bf16.
-    released: BTreeMap<String, (Shape, bool)>,
+}
+
+/// What a pipeline cuts a model by: its decoder layers (`None`: not split into layers), every
+/// parameter's whole shape (to weigh the stages), the embedding's parameters and whether the
+/// head is tied to them. A task gives it from the config before building the model; otherwise
+/// the trainer takes it from the model.
+pub struct ModelOutline {
+    pub layers: Option<usize>,
+    pub shapes: BTreeMap<String, Vec<usize>>,
+    pub embedding: Vec<String>,
+    pub tied: bool,
 }
 
 impl<B: KilnBackend> PipelinePlan<B> {
@@ -72,7 +78,7 @@ impl<B: KilnBackend> PipelinePlan<B> {
     }
 
     pub fn cuts(&self) -> &[StageCut] {
-        &self.cuts
+        &self.holds.cuts
     }
 
     /// This rank's stage, for the stage runner.
@@ -80,7 +86,7 @@ impl<B: KilnBackend> PipelinePlan<B> {
         Stage {
             index: self.index(),
             count: self.count(),
-            cut: self.cuts[self.index()].clone(),
+            cut: self.holds.cuts[self.index()].clone(),
             group: self.group.as_ref(),
         }
     }
@@ -88,6 +94,17 @@ impl<B: KilnBackend> PipelinePlan<B> {
     /// How a data-parallel rank's step splits into micro-batches.
     pub fn micro_batches(&self) -> MicroBatches {
         self.micro
+    }
+
+    /// Sums a count over the stages, exactly (as four 12-bit limbs of an f32 sum).
+    pub fn count_sum(&self, n: usize) -> Result<usize> {
+        let limbs = (0..4).map(|i| ((n >> (12 * i)) & 0xfff) as f32).collect();
+        let sums = self.group.sum_host(limbs)?;
+        Ok(sums
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| (v as usize) << (12 * i))
+            .sum())
     }
 
     /// Sums a step's loss over the stages (only the last computes it).
@@ -98,15 +115,36 @@ impl<B: KilnBackend> PipelinePlan<B> {
     /// Whether this stage runs with parameter `path`: its layers', the embedding on stage 0,
     /// the norm and head on the last (with a tied embedding, the embedding too).
     pub fn holds(&self, path: &str) -> bool {
-        let last = self.count() - 1;
-        owner_stage(path, &self.cuts, &self.embedding) == self.index()
-            || (self.tied && self.index() == last && self.embedding.iter().any(|e| e == path))
+        self.holds.holds(path)
     }
 
     /// Whether this stage owns `path`: it saves it, and the others receive it from it. A tied
     /// embedding is stage 0's.
     pub fn owns(&self, path: &str) -> bool {
-        owner_stage(path, &self.cuts, &self.embedding) == self.index()
+        self.holds.owns(path)
+    }
+
+    /// Cuts the model `outline` describes into this pipeline's stages (`--pipeline-cuts`, else
+    /// `--pipeline-balance`); a model not split into layers is one sentence.
+    fn cut(&mut self, outline: &ModelOutline) -> Result<()> {
+        let layers = outline.layers.ok_or_else(|| {
+            KilnError::Config(
+                "--pipeline-parallel-size cuts a model at its decoder layers, and this model \
+                 is not split into layers"
+                    .into(),
+            )
+        })?;
+        self.holds.cuts = match (&self.options.cuts, self.options.balance) {
+            (None, Balance::Compute) => {
+                let work =
+                    Work::of_shapes(&outline.shapes, layers, &outline.embedding, outline.tied);
+                cut_by_work(&work, self.options.size)?
+            }
+            (cuts, _) => cut_stages(layers, self.options.size, cuts.as_deref())?,
+        };
+        self.holds.embedding = outline.embedding.clone();
+        self.holds.tied = outline.tied;
+        Ok(())
     }
 
     /// With a tied embedding, checks that the first and last stages hold it equal bit for bit
@@ -117,13 +155,13 @@ impl<B: KilnBackend> PipelinePlan<B> {
         AB: AutodiffBackend<InnerBackend = B> + KilnBackend,
         M: AutodiffModule<AB>,
     {
-        if !self.tied {
+        if !self.holds.tied {
             return Ok(());
         }
         let last = self.count() - 1;
         let mut slots = vec![0f32; 4];
         if self.index() == 0 || self.index() == last {
-            let copies = module_tensors_where(model, |p| self.embedding.iter().any(|e| e == p));
+            let copies = module_tensors_where(model, |p| self.is_embedding(p));
             let hash = copies
                 .values()
                 .flat_map(|t| &t.data)
@@ -139,7 +177,7 @@ impl<B: KilnBackend> PipelinePlan<B> {
             return Err(KilnError::Checkpoint(format!(
                 "the tied embedding {} differs between pipeline stages 0 and {last} at step \
                  {step}: their summed gradients or updates went apart, so no checkpoint is written",
-                self.embedding.join(", ")
+                self.holds.embedding.join(", ")
             )));
         }
         Ok(())
@@ -148,7 +186,11 @@ impl<B: KilnBackend> PipelinePlan<B> {
     /// Whether another stage counts `name`'s gradient in the global norm: a tied embedding is
     /// counted on stage 0 only.
     pub(super) fn counted_elsewhere(&self, name: &str) -> bool {
-        self.index() > 0 && self.embedding.iter().any(|e| e == name)
+        self.index() > 0 && self.is_embedding(name)
+    }
+
+    fn is_embedding(&self, path: &str) -> bool {
+        self.holds.embedding.iter().any(|e| e == path)
     }
 }
 
@@ -171,18 +213,41 @@ impl<B: KilnBackend> ParallelPlan<B> {
         options: Option<PipelineOptions>,
     ) -> Self {
         self.pipeline = group.zip(options).map(|(group, options)| PipelinePlan {
+            holds: StageHolds {
+                index: group.rank(),
+                cuts: Vec::new(),
+                embedding: Vec::new(),
+                tied: false,
+            },
             group,
             options,
-            cuts: Vec::new(),
             micro: MicroBatches {
                 micro_batches: 1,
                 micro_batch_size: 1,
             },
-            embedding: Vec::new(),
-            tied: false,
-            released: BTreeMap::new(),
         });
         self
+    }
+
+    /// Cuts the model `outline` describes into the pipeline's stages before it is built, so
+    /// that each stage builds and reads only what [`Self::keep`] accepts; a no-op without a
+    /// pipeline.
+    pub fn cut_before_building(&mut self, outline: &ModelOutline) -> Result<()> {
+        match &mut self.pipeline {
+            Some(p) => p.cut(outline),
+            None => Ok(()),
+        }
+    }
+
+    /// What this rank builds, reads and trains of the model: its stage's parameters once
+    /// cut, else every one.
+    pub fn keep(&self) -> impl Fn(&str) -> bool + Send + Sync + 'static {
+        let stage = self
+            .pipeline
+            .as_ref()
+            .filter(|p| !p.holds.cuts.is_empty())
+            .map(|p| p.holds.clone());
+        move |path: &str| stage.as_ref().is_none_or(|s| s.holds(path))
     }
 
     pub fn pipeline(&self) -> Option<&PipelinePlan<B>> {
@@ -196,96 +261,90 @@ impl<B: KilnBackend> ParallelPlan<B> {
 
     /// Takes the model's tensor-parallel layout (if sharded) and, with `zero_1`, ZeRO-1 over the
     /// data-parallel group (none when that group is one rank).
-    /// With a pipeline, cuts the model's `layers` decoder layers (`None`: a model not split into
-    /// layers, which is an error) into its stages and splits a step into micro-batches;
-    /// `embedding` names the embedding's parameters, `tied` says whether the head uses them, and
-    /// `shapes` (every parameter's) weigh the stages under `--pipeline-balance compute`.
+    /// With a pipeline, cuts the model `outline` describes into its stages (unless the task cut
+    /// it before building it: [`Self::cut_before_building`]) and splits a step into
+    /// micro-batches.
     pub(super) fn settle(
         &mut self,
         tensor: Option<TensorParallelLayout>,
         a: &TrainingArguments,
-        (layers, shapes): (Option<usize>, &BTreeMap<String, Vec<usize>>),
-        (embedding, tied): (Vec<String>, bool),
+        outline: impl FnOnce() -> ModelOutline,
     ) -> Result<()> {
         self.tensor = tensor;
         self.zero = if a.zero_1 { self.data.zero1() } else { None };
         if let Some(p) = &mut self.pipeline {
-            let layers = layers.ok_or_else(|| {
-                KilnError::Config(
-                    "--pipeline-parallel-size cuts a model at its decoder layers, and this model \
-                     is not split into layers"
-                        .into(),
-                )
-            })?;
-            p.cuts = match (&p.options.cuts, p.options.balance) {
-                (None, Balance::Compute) => {
-                    let work = Work::of_shapes(shapes, layers, &embedding, tied);
-                    cut_by_work(&work, p.options.size)?
-                }
-                (cuts, _) => cut_stages(layers, p.options.size, cuts.as_deref())?,
-            };
+            if p.holds.cuts.is_empty() {
+                p.cut(&outline())?;
+            }
             p.micro = MicroBatches::settle(
                 a.per_device_train_batch_size,
                 a.gradient_accumulation_steps,
                 p.options.num_microbatches,
             )?;
-            p.embedding = embedding;
-            p.tied = tied;
         }
         Ok(())
     }
 
     /// Gives every stage the parameters every other stage trained, so each rank holds the whole
-    /// current model (for evaluation and the final save); a no-op without a pipeline.
+    /// current model (for evaluation and the final save); a no-op without a pipeline. A stage
+    /// holds the others' parameters as empty tensors: their shapes (and whether they are held
+    /// in bf16) come from their owners first, in one small sum over the group.
     pub(super) fn gather_stages<AB, M>(&mut self, model: M) -> Result<M>
     where
         AB: AutodiffBackend<InnerBackend = B>,
         M: AutodiffModule<AB>,
     {
-        let Some(p) = &mut self.pipeline else {
+        let Some(p) = &self.pipeline else {
             return Ok(model);
         };
-        let released = std::mem::take(&mut p.released);
+        let shapes = module_shapes(&model);
+        let bf16 = module_bf16_params(&model);
+        // Each dimension travels as two exact 12-bit halves of an f32 sum (any size below 2^36).
+        let mut slots = Vec::new();
+        for (path, dims) in &shapes {
+            let own = p.owns(path);
+            for &d in dims {
+                let d = if own { d } else { 0 };
+                slots.extend([(d >> 12) as f32, (d & 0xfff) as f32]);
+            }
+            slots.push(f32::from(u8::from(own && bf16.contains(path))));
+        }
+        let summed = p.group.sum_host(slots)?;
+        let mut at = 0;
+        let mut released = BTreeMap::new();
+        for (path, dims) in &shapes {
+            let whole: Vec<usize> = summed[at..at + 2 * dims.len()]
+                .chunks(2)
+                .map(|h| ((h[0] as usize) << 12) + h[1] as usize)
+                .collect();
+            let held = summed[at + 2 * dims.len()] > 0.5;
+            at += 2 * dims.len() + 1;
+            if !p.holds(path) {
+                released.insert(path.clone(), (Shape::from(whole), held));
+            }
+        }
         broadcast_module::<B, AB, M>(
             p.group.as_ref(),
             model,
-            |path| owner_stage(path, &p.cuts, &p.embedding),
+            |path| owner_stage(path, &p.holds.cuts, &p.holds.embedding),
             |path| released.get(path).cloned(),
         )
     }
 
     /// Lets go of the parameters this stage does not run with (each kept as an empty tensor of
-    /// its rank, its shape recorded for [`Self::gather_stages`]): a stage's memory holds its own
-    /// layers. A no-op without a pipeline.
+    /// its rank): a stage's memory holds its own layers. A model built for this stage
+    /// ([`Self::keep`]) holds nothing else already; a gathered one lets the others go again.
+    /// A no-op without a pipeline.
     pub(super) fn release_other_stages<AB, M>(&mut self, model: M) -> M
     where
         AB: AutodiffBackend<InnerBackend = B>,
         M: AutodiffModule<AB>,
     {
-        let Some(p) = &mut self.pipeline else {
+        let Some(p) = &self.pipeline else {
             return model;
         };
-        let mut released = BTreeMap::new();
-        let model = map_params(model, |info, value: FloatTensor<AB>| {
-            if p.holds(info.path) {
-                return value;
-            }
-            let held = matches!(
-                value.dtype(),
-                burn::tensor::DType::U16 | burn::tensor::DType::BF16
-            );
-            let shape = value.shape();
-            let mut empty = shape.dims.clone();
-            empty[0] = 0;
-            let device = B::float_device(&AB::inner(value));
-            let zeros = Tensor::<B, 1>::zeros([0], &device)
-                .into_primitive()
-                .tensor();
-            released.insert(info.path.to_string(), (shape, held));
-            AB::from_inner(B::float_reshape(zeros, Shape::from(empty)))
-        });
-        p.released = released;
-        model
+        let holds = p.holds.clone();
+        empty_where(model, "", &move |path| holds.holds(path))
     }
 
     pub fn tensor(&self) -> Option<&TensorParallelLayout> {
@@ -411,9 +470,13 @@ mod tests {
                                 .with_pipeline(Some(Arc::new(comm)), Some(options));
                             let embedding = vec!["model.embed_tokens.weight".to_string()];
                             let a = TrainingArguments::default();
-                            let shapes = BTreeMap::new();
-                            plan.settle(None, &a, (Some(5), &shapes), (embedding, tie))
-                                .unwrap();
+                            let outline = || ModelOutline {
+                                layers: Some(5),
+                                shapes: BTreeMap::new(),
+                                embedding,
+                                tied: tie,
+                            };
+                            plan.settle(None, &a, outline).unwrap();
                             // Different weights per stage, so where each came from shows.
                             let model = llama(tie, 10 + stage as u64);
                             let before = module_tensors(&model);

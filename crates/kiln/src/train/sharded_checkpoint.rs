@@ -21,10 +21,11 @@ use serde::{Deserialize, Serialize};
 use super::checkpoint::ensure_finite;
 use crate::hub::files::write_synced;
 use crate::hub::sharded::{
-    cut_split, model_file, optimizer_file, read_layout, read_rank_model, read_rank_optimizer,
-    read_whole_model, read_whole_optimizer, Cut, ParamLayout, ShardLayout, LAYOUT_FILE,
+    cut_split, model_file, optimizer_file, read_layout, read_rank_model_where,
+    read_rank_optimizer_where, read_whole_model_where, read_whole_optimizer_where, Cut,
+    ParamLayout, ShardLayout, LAYOUT_FILE,
 };
-use crate::hub::weights::{read_safetensors, safetensors_bytes, HostTensor, StoreDtype};
+use crate::hub::weights::{read_safetensors_with, safetensors_bytes, HostTensor, StoreDtype};
 use crate::parallel::ZeroPartition;
 use crate::task::ParamSplit;
 use crate::{KilnError, Result};
@@ -213,24 +214,33 @@ pub fn read_rank_state(
             split(name).cloned().unwrap_or(ParamSplit::Replicated)
         })
     });
+    // Only the parameters this rank trains are read (a pipeline stage's own).
+    let wanted = |name: &str| shapes.contains_key(name);
     let (model, moments) = match &layout {
         // The same tensor-parallel layout: this rank's own files only.
         Some(l) if same_cuts => (
-            read_rank_model(dir, l, place.tp)?,
-            read_rank_optimizer(dir, l, place.tp)?,
+            read_rank_model_where(dir, l, place.tp, &wanted)?,
+            read_rank_optimizer_where(dir, l, place.tp, &wanted)?,
         ),
         _ => {
             let (whole, moments) = match &layout {
-                Some(l) => (read_whole_model(dir, l)?, read_whole_optimizer(dir, l)?),
+                Some(l) => (
+                    read_whole_model_where(dir, l, &wanted)?,
+                    read_whole_optimizer_where(dir, l, &wanted)?,
+                ),
                 None => {
                     // save_only_model checkpoints have no optimizer file: resuming refuses them.
                     let opt = dir.join("optimizer.safetensors");
+                    let moment_of_wanted =
+                        |key: &str| key.rsplit_once('.').is_some_and(|(n, _)| wanted(n));
                     let moments = if opt.exists() {
-                        read_safetensors(&opt)?
+                        read_safetensors_with(&opt, &moment_of_wanted, &mut |_, t| t)?
                     } else {
                         BTreeMap::new()
                     };
-                    (super::checkpoint::read_model_tensors(dir)?, moments)
+                    let mut whole = super::checkpoint::read_model_tensors_where(dir, &wanted)?;
+                    whole.retain(|n, _| wanted(n));
+                    (whole, moments)
                 }
             };
             // A tensor of another shape than this model's stays whole: loading names it.

@@ -24,7 +24,7 @@ use super::evaluate::{round3, round4, targets_tensor};
 use super::grad_sync::Synced;
 use super::optim::{AdamWConfig, GradAccumulator, Optimizer, OptimizerType};
 use super::output_dir::{claim, resolve_resume_for, Claim, RunDir};
-use super::parallel_plan::ParallelPlan;
+use super::parallel_plan::{ModelOutline, ParallelPlan};
 use super::pipeline_stage::stage_loss_and_grads;
 use super::reporters::{write_run_summary, Reporters, RunOrigin};
 use super::schedule::{Plateau, Schedule, SchedulerType};
@@ -262,9 +262,12 @@ where
         let rank = self.rank_state(dir)?;
         let (model, report) = load_into(self.take_model(), rank.model, None, &self.device)?;
         // A LoRA run's checkpoints hold the adapter only: the frozen base comes from --model.
+        // A pipeline stage reads and holds its own parameters only.
+        let held = self.parallel.keep();
         let missing: Vec<&String> = report
             .missing
             .iter()
+            .filter(|p| held(p))
             .filter(|p| {
                 self.files
                     .adapter
@@ -550,13 +553,12 @@ where
     /// anything is written.
     fn settle_layout(&mut self, a: &TrainingArguments) -> Result<()> {
         let tensor = self.model().tensor_parallel();
-        let layers = self.model().segments().map(|s| s.num_layers());
-        let embedding = self.model().embedding_parameters();
-        // A decoder's head has a parameter of its own (`lm_head.weight`) unless it is tied.
-        let shapes = module_shapes(self.model());
-        let tied = !shapes.keys().any(|p| p.ends_with("lm_head.weight"));
+        let model = self
+            .model
+            .as_ref()
+            .expect("the model is held between steps");
         self.parallel
-            .settle(tensor, a, (layers, &shapes), (embedding, tied))?;
+            .settle(tensor, a, || model_outline::<B, M>(model))?;
         if a.pipeline_parallel_size > 1 && self.parallel.pipeline().is_none() {
             return Err(KilnError::Config(format!(
                 "--pipeline-parallel-size {} cuts causal LMs (--task causal-lm or sft) into \
@@ -569,7 +571,7 @@ where
 
     /// The run's plan (steps, batches, warmup) with the trainer state and the plateau scheduler it sets.
     fn make_plan<S: BatchSource>(&mut self, a: &TrainingArguments, train: &S) -> Result<Plan> {
-        self.flos_params = self.non_embedding_parameters() as f64;
+        self.flos_params = self.non_embedding_parameters()? as f64;
         self.current_flos = 0.0;
         if a.save_only_model && self.sharded() {
             return Err(KilnError::Config(
@@ -991,13 +993,22 @@ where
     }
 
     /// Parameters outside the embedding tables, over the whole model: a tensor-parallel shard
-    /// counts at its full size (transformers' `num_parameters(exclude_embeddings=True)`).
-    fn non_embedding_parameters(&self) -> usize {
+    /// counts at its full size (transformers' `num_parameters(exclude_embeddings=True)`), a
+    /// pipeline's stages each count what they own, summed over the stages.
+    fn non_embedding_parameters(&self) -> Result<usize> {
+        let own = self.non_embedding_parameters_owned();
+        match self.parallel.pipeline() {
+            Some(p) => p.count_sum(own),
+            None => Ok(own),
+        }
+    }
+
+    fn non_embedding_parameters_owned(&self) -> usize {
         let skip = self.model().embedding_parameters();
         let splits = self.parallel.tensor().map(|l| &l.splits);
         module_shapes(self.model())
             .into_iter()
-            .filter(|(name, _)| !skip.contains(name))
+            .filter(|(name, _)| !skip.contains(name) && self.parallel.saves(name))
             .map(|(name, mut shape)| {
                 if let Some(ParamSplit::Sharded { axis, full, .. }) =
                     splits.and_then(|s| s.get(&name))
@@ -1596,6 +1607,18 @@ impl RunProgress {
 }
 
 /// `name = value` pairs on one line, for logs.
+/// What a pipeline cuts `model` by, read from the built model.
+fn model_outline<B: Backend, M: Model<B>>(model: &M) -> ModelOutline {
+    let shapes = module_shapes(model);
+    ModelOutline {
+        layers: model.segments().map(|s| s.num_layers()),
+        embedding: model.embedding_parameters(),
+        // A decoder's head has a parameter of its own (`lm_head.weight`) unless it is tied.
+        tied: !shapes.keys().any(|p| p.ends_with("lm_head.weight")),
+        shapes,
+    }
+}
+
 pub fn format_metrics(m: &BTreeMap<String, f64>) -> String {
     m.iter()
         .map(|(k, v)| format!("{k} = {v:.4}"))

@@ -290,6 +290,46 @@ impl LlamaConfig {
         Ok(())
     }
 
+    /// Every parameter's shape of the whole `LlamaForCausalLM` (Hugging Face names, Linear
+    /// weights `[out, in]`), worked out without building it: a pipeline cuts the model into
+    /// stages from these before any stage builds or reads a weight.
+    pub fn param_shapes(&self) -> std::collections::BTreeMap<String, Vec<usize>> {
+        let (v, h, i) = (self.vocab_size, self.hidden_size, self.intermediate_size);
+        let (q, kv) = (
+            self.num_attention_heads * self.head_size(),
+            self.kv_heads() * self.head_size(),
+        );
+        let mut out = std::collections::BTreeMap::new();
+        let mut linear = |name: String, inp: usize, o: usize, bias: bool| {
+            if bias {
+                out.insert(format!("{name}.bias"), vec![o]);
+            }
+            out.insert(format!("{name}.weight"), vec![o, inp]);
+        };
+        let qkv_bias = self.qkv_bias();
+        for l in 0..self.num_hidden_layers {
+            let at = |part: &str| format!("model.layers.{l}.{part}");
+            linear(at("self_attn.q_proj"), h, q, qkv_bias);
+            linear(at("self_attn.k_proj"), h, kv, qkv_bias);
+            linear(at("self_attn.v_proj"), h, kv, qkv_bias);
+            linear(at("self_attn.o_proj"), q, h, self.attention_bias);
+            linear(at("mlp.gate_proj"), h, i, self.mlp_bias);
+            linear(at("mlp.up_proj"), h, i, self.mlp_bias);
+            linear(at("mlp.down_proj"), i, h, self.mlp_bias);
+        }
+        if !self.tie_word_embeddings {
+            linear("lm_head".into(), h, v, false);
+        }
+        for l in 0..self.num_hidden_layers {
+            for norm in ["input_layernorm", "post_attention_layernorm"] {
+                out.insert(format!("model.layers.{l}.{norm}.weight"), vec![h]);
+            }
+        }
+        out.insert("model.norm.weight".into(), vec![h]);
+        out.insert("model.embed_tokens.weight".into(), vec![v, h]);
+        out
+    }
+
     /// Parameters of `LlamaForCausalLM`, as a float: the sizes come from a file and their product
     /// may exceed any integer type.
     pub fn param_count(&self) -> f64 {
@@ -492,5 +532,37 @@ mod tests {
             err.contains("attention_dropout 0.1 is not supported"),
             "{err}"
         );
+    }
+
+    /// The shapes worked out from the config are the built model's, name for name: biases by
+    /// each flag and by Qwen2's rule, grouped-query heads, a tied or an own head.
+    #[test]
+    fn param_shapes_are_the_built_models() {
+        use crate::backend::{Cpu, CpuDevice};
+        let cases = [
+            (cfg(""), LayerRules::LLAMA, 1),
+            (
+                cfg(r#", "tie_word_embeddings": false, "mlp_bias": true"#),
+                LayerRules::LLAMA,
+                2,
+            ),
+            (
+                cfg(r#", "attention_bias": true, "head_dim": 6"#),
+                LayerRules::LLAMA,
+                1,
+            ),
+            (cfg(""), crate::models::qwen2::RULES, 2),
+        ];
+        for (mut c, rules, kv_heads) in cases {
+            c.rules = rules;
+            c.num_hidden_layers = 2;
+            c.num_key_value_heads = Some(kv_heads);
+            let model = super::super::LlamaForCausalLM::<Cpu>::new(&c, &CpuDevice::default());
+            assert_eq!(
+                c.param_shapes(),
+                crate::models::params::module_shapes(&model),
+                "{c:?}"
+            );
+        }
     }
 }

@@ -10,31 +10,34 @@ use tracing::info;
 use super::config::LlamaConfig;
 use super::{LlamaForCausalLM, LlamaShard};
 use crate::error::{KilnError, Result};
-use crate::hub::model_weights::{read_model_weights, read_model_weights_with};
-use crate::hub::sharded::{cut_split, read_layout, read_rank_model};
+use crate::hub::model_weights::read_model_weights_with;
+use crate::hub::sharded::{cut_split, read_layout, read_rank_model_where};
 use crate::hub::weights::HostTensor;
-use crate::models::params::load_into;
+use crate::models::params::{load_into, Keep};
 use crate::ops::KilnBackend;
 
 /// The model of the Hugging Face folder `dir`, whose config (already read and validated) is
-/// `config`, for tensor-parallel rank `shard` (whole without one), holding only its shard: a
+/// `config`, for tensor-parallel rank `shard` (whole without one), holding only its shard and
+/// the parameters `keep` accepts (a pipeline stage's; the others are never read): a
 /// tensor-parallel folder cut the same way is read from this rank's own file, any other folder
-/// tensor by tensor, each cut as it is read. Every parameter must be present.
+/// tensor by tensor, each cut as it is read. Every kept parameter must be present.
 pub fn load_shard_of<B: KilnBackend>(
     dir: &Path,
     config: &LlamaConfig,
     device: &B::Device,
     shard: Option<LlamaShard>,
+    keep: Keep,
 ) -> Result<LlamaForCausalLM<B>> {
     // The weights first: a corrupt file fails before the model is allocated.
     let tensors = match &shard {
-        None => read_model_weights(dir)?,
-        Some(s) => read_shard_weights(dir, s)?,
+        None => read_model_weights_with(dir, keep, &mut |_, t| t)?,
+        Some(s) => read_shard_weights(dir, s, keep)?,
     };
     let model = crate::ops::with_seeded_rng::<B, _>(device, 0, || {
-        LlamaForCausalLM::new_sharded(config, device, shard)
+        LlamaForCausalLM::new_stage(config, device, shard, keep)
     });
-    let (model, report) = load_into(model, tensors, None, device)?;
+    let (model, mut report) = load_into(model, tensors, None, device)?;
+    report.missing.retain(|p| keep(p));
     if !report.missing.is_empty() {
         return Err(KilnError::Weights(format!(
             "{}: weights missing for {} (is this a LlamaForCausalLM folder?)",
@@ -61,33 +64,38 @@ pub fn fresh_llama<B: KilnBackend>(
     device: &B::Device,
     shard: Option<LlamaShard>,
     seed: u64,
+    keep: Keep,
 ) -> Result<LlamaForCausalLM<B>> {
     use crate::backend::{Cpu, CpuDevice, CpuTrain};
     use std::any::TypeId;
     let on_cpu = [TypeId::of::<Cpu>(), TypeId::of::<CpuTrain>()].contains(&TypeId::of::<B>());
     let model = crate::ops::with_seeded_rng::<B, _>(device, seed, || {
-        LlamaForCausalLM::new_sharded(config, device, shard.clone())
+        LlamaForCausalLM::new_stage(config, device, shard.clone(), keep)
     });
     if on_cpu {
         return Ok(model);
     }
     let cpu = CpuDevice::default();
     let fresh = crate::ops::with_seeded_rng::<Cpu, _>(&cpu, seed, || {
-        LlamaForCausalLM::<Cpu>::new_sharded(config, &cpu, shard)
+        LlamaForCausalLM::<Cpu>::new_stage(config, &cpu, shard, keep)
     });
-    let tensors = crate::models::params::module_tensors(&fresh);
+    let tensors = crate::models::params::module_tensors_where(&fresh, keep);
     Ok(crate::models::params::load_into(model, tensors, None, device)?.0)
 }
 
-/// Tensor-parallel rank `s`'s weights of the model folder `dir`.
-fn read_shard_weights(dir: &Path, s: &LlamaShard) -> Result<BTreeMap<String, HostTensor>> {
+/// Tensor-parallel rank `s`'s weights of the model folder `dir`, those `keep` accepts.
+fn read_shard_weights(
+    dir: &Path,
+    s: &LlamaShard,
+    keep: Keep,
+) -> Result<BTreeMap<String, HostTensor>> {
     if let Some(layout) = read_layout(dir)? {
         if layout.same_cut(s.tp.rank(), s.tp.size(), |n| s.split_of(n)) {
-            return read_rank_model(dir, &layout, s.tp.rank());
+            return read_rank_model_where(dir, &layout, s.tp.rank(), keep);
         }
     }
     // A tensor of another shape than the config's stays whole: loading then names the mismatch.
-    read_model_weights_with(dir, &mut |name, t| {
+    read_model_weights_with(dir, keep, &mut |name, t| {
         cut_split(&t, &s.split_of(name)).unwrap_or(t)
     })
 }

@@ -19,6 +19,7 @@ pub use model::*;
 use self::config::LlamaConfig;
 use super::decoder::{CausalLm, DecoderArchitecture, DecoderConfig, DecoderFamily};
 use crate::error::Result;
+use crate::models::params::Keep;
 use crate::ops::{KilnBackend, TpComm, TrainBackend};
 use crate::task::ParamSplit;
 
@@ -47,8 +48,9 @@ impl DecoderArchitecture for Llama {
         device: &B::Device,
         shard: Option<LlamaShard>,
         seed: u64,
+        keep: Keep,
     ) -> Result<LlamaForCausalLM<B>> {
-        load::fresh_llama(c, device, shard, seed)
+        load::fresh_llama(c, device, shard, seed, keep)
     }
 
     fn load<B: KilnBackend>(
@@ -56,8 +58,9 @@ impl DecoderArchitecture for Llama {
         c: &LlamaConfig,
         device: &B::Device,
         shard: Option<LlamaShard>,
+        keep: Keep,
     ) -> Result<LlamaForCausalLM<B>> {
-        load::load_shard_of(dir, c, device, shard)
+        load::load_shard_of(dir, c, device, shard, keep)
     }
 
     fn trainable<B: TrainBackend>(m: LlamaForCausalLM<B>) -> LlamaForCausalLM<B> {
@@ -86,6 +89,12 @@ impl DecoderConfig for LlamaConfig {
     }
     fn to_json(&self) -> String {
         LlamaConfig::to_json(self)
+    }
+    fn num_layers(&self) -> usize {
+        self.num_hidden_layers
+    }
+    fn param_shapes(&self) -> BTreeMap<String, Vec<usize>> {
+        LlamaConfig::param_shapes(self)
     }
 }
 

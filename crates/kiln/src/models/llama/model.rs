@@ -328,6 +328,20 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
     /// (from the same random stream, so the weights equal [`Self::new`]'s cut by [`Self::shard`])
     /// and cut at once, so a rank never holds more than its shard and one whole layer.
     pub fn new_sharded(c: &LlamaConfig, device: &B::Device, shard: Option<LlamaShard>) -> Self {
+        Self::new_stage(c, device, shard, &crate::models::params::keep_all)
+    }
+
+    /// [`Self::new_sharded`] holding only the parameters `keep` accepts (a pipeline stage's):
+    /// every layer is still drawn, so the random stream and the kept weights are the whole
+    /// model's, but a layer `keep` refuses is let go as soon as it is drawn (see
+    /// [`crate::models::params::empty_where`]).
+    pub fn new_stage(
+        c: &LlamaConfig,
+        device: &B::Device,
+        shard: Option<LlamaShard>,
+        keep: crate::models::params::Keep,
+    ) -> Self {
+        use crate::models::params::empty_where;
         let (h, std) = (c.hidden_size, c.initializer_range);
         let mut embed = Embedding::new(c.vocab_size, h, std, device);
         if let Some(pad) = c
@@ -349,10 +363,11 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
                     post_attention_layernorm: RmsNorm::new(h, c.rms_norm_eps, device),
                     tp: Ignored(None),
                 };
-                match &shard {
+                let layer = match &shard {
                     Some(s) => shard_layer(layer, s),
                     None => layer,
-                }
+                };
+                empty_where(layer, &format!("model.layers.{i}"), keep)
             })
             .collect();
         let model = Self {
@@ -366,11 +381,17 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
                 .then(|| Linear::new(h, c.vocab_size, false, std, device)),
             shard: Ignored(None),
         };
-        match shard {
+        let mut model = match shard {
             // The layers are cut already; the embedding and head are cut now.
             Some(s) => model.shard_ends(s),
             None => model,
-        }
+        };
+        // The ends are let go after their cut (a cut of an empty tensor has no rows to take).
+        model.model.embed_tokens =
+            empty_where(model.model.embed_tokens, "model.embed_tokens", keep);
+        model.model.norm = empty_where(model.model.norm, "model.norm", keep);
+        model.lm_head = model.lm_head.map(|h| empty_where(h, "lm_head", keep));
+        model
     }
 
     pub fn num_layers(&self) -> usize {
@@ -783,6 +804,68 @@ mod tests {
         let std = (w.iter().map(|x| x * x).sum::<f32>() / w.len() as f32).sqrt();
         assert!((std - 0.5).abs() < 0.05, "std {std}");
         assert!(host(m.model.norm.weight.val()).iter().all(|&x| x == 1.0));
+    }
+
+    /// A stage's model holds exactly what `keep` accepts, each weight equal to the whole
+    /// model's of the same seed (every layer is still drawn), and nothing else; loading a folder
+    /// for that stage reads only its tensors.
+    #[test]
+    fn a_stage_builds_and_loads_only_its_parameters() {
+        use crate::models::params::{module_shapes, module_tensors};
+        let c = tiny();
+        let d = CpuDevice::default();
+        let whole =
+            crate::ops::with_seeded_rng::<Cpu, _>(&d, 4, || LlamaForCausalLM::<Cpu>::new(&c, &d));
+        let whole = module_tensors(&whole);
+        // The last stage of two: layer 1, the norm and the (tied) embedding.
+        let keep = |p: &str| !p.starts_with("model.layers.0.");
+        let stage = crate::ops::with_seeded_rng::<Cpu, _>(&d, 4, || {
+            LlamaForCausalLM::<Cpu>::new_stage(&c, &d, None, &keep)
+        });
+        let check = |stage: &LlamaForCausalLM<Cpu>| {
+            let shapes = module_shapes(stage);
+            assert_eq!(shapes.len(), whole.len());
+            for (path, t) in module_tensors(stage) {
+                match keep(&path) {
+                    true => assert_eq!(t.data, whole[&path].data, "{path}"),
+                    false => assert_eq!(shapes[&path][0], 0, "{path} is held"),
+                }
+            }
+        };
+        check(&stage);
+        // A folder of the whole model, its layer-0 tensors made unreadable (a wrong dtype):
+        // the stage never reads them; the whole model does, and fails.
+        let dir = tempfile::tempdir().unwrap();
+        let mut tensors: Vec<(String, safetensors::tensor::TensorView<'_>)> = Vec::new();
+        let bytes: Vec<(String, Vec<u8>, Vec<usize>, safetensors::Dtype)> = whole
+            .iter()
+            .map(|(p, t)| match keep(p) {
+                true => (
+                    p.clone(),
+                    t.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    t.shape.clone(),
+                    safetensors::Dtype::F32,
+                ),
+                false => (p.clone(), vec![0; 1], vec![1], safetensors::Dtype::F8_E4M3),
+            })
+            .collect();
+        for (p, b, shape, dtype) in &bytes {
+            tensors.push((
+                p.clone(),
+                safetensors::tensor::TensorView::new(*dtype, shape.clone(), b).unwrap(),
+            ));
+        }
+        safetensors::serialize_to_file(tensors, None, &dir.path().join("model.safetensors"))
+            .unwrap();
+        let loaded =
+            super::super::load::load_shard_of::<Cpu>(dir.path(), &c, &d, None, &keep).unwrap();
+        check(&loaded);
+        let all = &crate::models::params::keep_all;
+        let err = super::super::load::load_shard_of::<Cpu>(dir.path(), &c, &d, None, all)
+            .err()
+            .expect("the whole model reads layer 0")
+            .to_string();
+        assert!(err.contains("model.layers.0."), "{err}");
     }
 
     /// Decoding token by token with the cache gives the logits of one forward over the whole

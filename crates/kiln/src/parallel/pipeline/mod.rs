@@ -12,5 +12,6 @@ pub mod stages;
 pub use batches::MicroBatches;
 pub use schedule::{bubble_formula, simulate, stage_actions, Action, ScheduleKind, Timeline};
 pub use stages::{
-    cut_by_work, cut_stages, layer_index, owner_stage, parse_cuts, Balance, StageCut, Work,
+    cut_by_work, cut_stages, layer_index, owner_stage, parse_cuts, Balance, StageCut, StageHolds,
+    Work,
 };

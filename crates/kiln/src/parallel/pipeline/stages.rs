@@ -184,6 +184,34 @@ pub fn owner_stage(path: &str, cuts: &[StageCut], embedding: &[String]) -> usize
     }
 }
 
+/// What one pipeline stage holds of a model cut at `cuts`: the parameters it builds, reads and
+/// trains (its layers', the embedding on stage 0, the norm and head on the last; a tied embedding
+/// on both), and the ones it owns (saves, and gives the others when the stages are gathered).
+#[derive(Debug, Clone)]
+pub struct StageHolds {
+    pub index: usize,
+    pub cuts: Vec<StageCut>,
+    /// The embedding's parameters.
+    pub embedding: Vec<String>,
+    /// Whether the head is the embedding's weight (no parameter of its own).
+    pub tied: bool,
+}
+
+impl StageHolds {
+    /// Whether this stage runs with parameter `path`.
+    pub fn holds(&self, path: &str) -> bool {
+        self.owns(path)
+            || (self.tied
+                && self.index + 1 == self.cuts.len()
+                && self.embedding.iter().any(|e| e == path))
+    }
+
+    /// Whether this stage owns `path` (a tied embedding is stage 0's).
+    pub fn owns(&self, path: &str) -> bool {
+        owner_stage(path, &self.cuts, &self.embedding) == self.index
+    }
+}
+
 /// Where each stage begins under the default cut (`[0, …]`, one entry per stage).
 fn balanced_starts(layers: usize, stages: usize) -> Vec<usize> {
     let mut counts = vec![1usize; stages];
