@@ -646,7 +646,7 @@ pub fn read_whole_model_where(
     layout: &ShardLayout,
     wanted: Keep,
 ) -> Result<BTreeMap<String, HostTensor>> {
-    let ranks = (0..layout.tensor_parallel_size)
+    let mut ranks = (0..layout.tensor_parallel_size)
         .map(|tp| read_rank_model_where(dir, layout, tp, wanted))
         .collect::<Result<Vec<_>>>()?;
     // Shards of more ranks or stages than the layout names: its sizes are not the folder's.
@@ -666,12 +666,16 @@ pub fn read_whole_model_where(
         }
     }
     let mut out = BTreeMap::new();
+    // Each tensor's pieces go as soon as it is put together: the model is held once, not twice.
     for name in layout.params.keys().filter(|n| wanted(n)) {
         let pieces = ranks
-            .iter()
-            .map(|r| r.get(name).expect("read_rank_model checked every name"))
+            .iter_mut()
+            .map(|r| r.remove(name).expect("read_rank_model checked every name"))
             .collect::<Vec<_>>();
-        out.insert(name.clone(), layout.join(name, &pieces)?);
+        out.insert(
+            name.clone(),
+            layout.join(name, &pieces.iter().collect::<Vec<_>>())?,
+        );
     }
     Ok(out)
 }
@@ -701,7 +705,7 @@ pub fn read_rank_optimizer_where(
         ))
     })?;
     // Per data-parallel file, per stage: a stage's file holds its own parameters' moments.
-    let parts = (0..files.len())
+    let mut parts = (0..files.len())
         .map(|dp| {
             (0..layout.pipeline_parallel_size)
                 .map(|s| {
@@ -729,10 +733,11 @@ pub fn read_rank_optimizer_where(
             // Each file's piece is checked against its range before anything is allocated; the
             // ranges tile the local values exactly once (`ShardLayout::check`).
             let mut pieces = Vec::new();
-            for (dp, (ranges, tensors)) in files.iter().zip(&parts).enumerate() {
+            // Each piece is taken out of what was read: the moments are held once, not twice.
+            for (dp, (ranges, tensors)) in files.iter().zip(&mut parts).enumerate() {
                 let Some(r) = ranges.get(name) else { continue };
-                let tensors = &tensors[p.stage];
-                let Some(t) = tensors.get(&key).filter(|t| t.data.len() == r.len()) else {
+                let tensors = &mut tensors[p.stage];
+                let Some(t) = tensors.remove(&key).filter(|t| t.data.len() == r.len()) else {
                     return Err(KilnError::Checkpoint(format!(
                         "{}: lacks {key} over values {r:?}",
                         dir.join(layout.optimizer_file(tp, p.stage, dp)).display()
@@ -753,10 +758,17 @@ pub fn read_rank_optimizer_where(
                     shape.iter().product::<usize>()
                 )));
             }
-            let mut data = vec![0.0; n];
-            for (r, t) in pieces {
-                data[r].copy_from_slice(&t.data);
-            }
+            let data = match pieces.len() {
+                // One file covers the whole shard (no ZeRO-1): its values are the shard's.
+                1 => pieces.pop().expect("one piece").1.data,
+                _ => {
+                    let mut data = vec![0.0; n];
+                    for (r, t) in pieces {
+                        data[r].copy_from_slice(&t.data);
+                    }
+                    data
+                }
+            };
             out.insert(
                 key,
                 HostTensor {
@@ -783,19 +795,20 @@ pub fn read_whole_optimizer_where(
     layout: &ShardLayout,
     wanted: Keep,
 ) -> Result<BTreeMap<String, HostTensor>> {
-    let ranks = (0..layout.tensor_parallel_size)
+    let mut ranks = (0..layout.tensor_parallel_size)
         .map(|tp| read_rank_optimizer_where(dir, layout, tp, wanted))
         .collect::<Result<Vec<_>>>()?;
     let mut out = BTreeMap::new();
-    for key in ranks[0].keys() {
+    let keys: Vec<String> = ranks[0].keys().cloned().collect();
+    for key in &keys {
         let name = key
             .rsplit_once('.')
             .map(|(n, _)| n)
             .expect("moment keys end in .exp_avg or .exp_avg_sq");
         let pieces = ranks
-            .iter()
+            .iter_mut()
             .map(|r| {
-                r.get(key).ok_or_else(|| {
+                r.remove(key).ok_or_else(|| {
                     KilnError::Checkpoint(format!(
                         "{}: {key} is missing on some rank",
                         dir.display()
@@ -803,7 +816,10 @@ pub fn read_whole_optimizer_where(
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        out.insert(key.clone(), layout.join(name, &pieces)?);
+        out.insert(
+            key.clone(),
+            layout.join(name, &pieces.iter().collect::<Vec<_>>())?,
+        );
     }
     Ok(out)
 }

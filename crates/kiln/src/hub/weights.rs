@@ -94,8 +94,28 @@ pub fn read_safetensors_with(
             data,
         };
         out.insert(name.clone(), keep(&name, t));
+        let at = raw.as_ptr() as usize - bytes.as_ptr() as usize;
+        release_pages(&bytes, at..at + raw.len());
     }
     Ok(out)
+}
+
+/// Lets the kernel drop the mapped pages wholly inside `range` of `map` (a tensor already
+/// converted), so a file's pages do not pile up in the process's memory as it is read: at most
+/// one tensor's bytes are resident at a time.
+fn release_pages(map: &memmap2::Mmap, range: std::ops::Range<usize>) {
+    // SAFETY: sysconf has no preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+    let start = range.start.div_ceil(page) * page;
+    let end = range.end / page * page;
+    if end > start {
+        // SAFETY: the mapping is a read-only view of a file: dropped pages are read again from
+        // the file if touched, with the same bytes, so no reference into them changes. A
+        // failure only leaves the pages resident.
+        let _ = unsafe {
+            map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+        };
+    }
 }
 
 /// The bytes of the regular file `path`, mapped read-only. kiln replaces the files it writes

@@ -243,25 +243,21 @@ pub fn read_rank_state(
                     (whole, moments)
                 }
             };
-            // A tensor of another shape than this model's stays whole: loading names it.
-            let local = |name: &str, t: &HostTensor| match split(name) {
-                Some(sp) => cut_split(t, sp).unwrap_or_else(|| t.clone()),
-                None => t.clone(),
+            // A tensor of another shape than this model's stays whole: loading names it. Each
+            // whole tensor goes as soon as this rank's cut of it is taken.
+            let local = |name: &str, t: HostTensor| match split(name) {
+                Some(sp) => cut_split(&t, sp).unwrap_or(t),
+                None => t,
             };
             let mut cut_moments = BTreeMap::new();
-            for (key, m) in &moments {
+            for (key, m) in moments {
                 let (name, slot) = key.rsplit_once('.').unwrap_or((key.as_str(), ""));
                 if FACTORED_SLOTS.contains(&slot) {
                     // Adafactor's row and column statistics are not shaped like the parameter.
-                    cut_moments.insert(key.clone(), m.clone());
+                    cut_moments.insert(key, m);
                     continue;
                 }
                 let Some(w) = whole.get(name) else { continue };
-                // A plain checkpoint keeps moments flat: they take their parameter's shape.
-                let m = HostTensor {
-                    shape: w.shape.clone(),
-                    data: m.data.clone(),
-                };
                 if m.data.len() != w.data.len() {
                     return Err(KilnError::Checkpoint(format!(
                         "{}: {key} has {} values, {name} has {}",
@@ -270,11 +266,20 @@ pub fn read_rank_state(
                         w.data.len()
                     )));
                 }
-                cut_moments.insert(key.clone(), local(name, &m));
+                // A plain checkpoint keeps moments flat: they take their parameter's shape.
+                let m = HostTensor {
+                    shape: w.shape.clone(),
+                    data: m.data,
+                };
+                let m = local(name, m);
+                cut_moments.insert(key, m);
             }
             let model = whole
-                .iter()
-                .map(|(n, t)| (n.clone(), local(n, t)))
+                .into_iter()
+                .map(|(n, t)| {
+                    let t = local(&n, t);
+                    (n, t)
+                })
                 .collect();
             (model, cut_moments)
         }
