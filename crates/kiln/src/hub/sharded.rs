@@ -714,10 +714,8 @@ pub fn read_rank_optimizer_where(
                         .iter()
                         .any(|(n, p)| p.stage == s && files[dp].contains_key(n) && wanted(n));
                     if listed {
-                        let moment_of_wanted =
-                            |key: &str| key.rsplit_once('.').is_some_and(|(n, _)| wanted(n));
                         let file = dir.join(layout.optimizer_file(tp, s, dp));
-                        read_safetensors_with(&file, &moment_of_wanted, &mut |_, t| t)
+                        read_safetensors_with(&file, &moments_of(wanted), &mut |_, t| t)
                     } else {
                         Ok(BTreeMap::new())
                     }
@@ -779,6 +777,11 @@ pub fn read_rank_optimizer_where(
         }
     }
     Ok(out)
+}
+
+/// Which optimizer tensors (`<name>.<slot>`) belong to the parameters `wanted` names.
+pub fn moments_of(wanted: Keep<'_>) -> impl Fn(&str) -> bool + Sync + '_ {
+    move |key: &str| key.rsplit_once('.').is_some_and(|(name, _)| wanted(name))
 }
 
 /// The whole model's moments (whole shapes) of a sharded folder.

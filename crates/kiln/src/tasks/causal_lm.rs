@@ -335,13 +335,7 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
     // A pipeline is cut from the config before anything is built, so each stage builds and
     // reads only its own layers.
     let mut plan = ParallelPlan::new(parallel).with_pipeline(pp_group, pipeline);
-    let shapes = config.param_shapes();
-    plan.cut_before_building(&ModelOutline {
-        layers: Some(config.num_layers()),
-        tied: !shapes.contains_key("lm_head.weight"),
-        shapes,
-        embedding: vec![crate::models::decoder::DECODER_EMBEDDING.to_string()],
-    })?;
+    plan.cut_before_building(&decoder_outline(&config))?;
     let keep = plan.keep();
     // Each rank holds only its shard (and stage) from the start: a whole model is built (from
     // the seed) layer by layer and cut, or loaded tensor by tensor and cut, so TP = N and PP = N
@@ -800,18 +794,34 @@ fn inference_keep<B: KilnBackend>(
 ) -> Result<impl Fn(&str) -> bool + Sync> {
     let stage = match group {
         None => None,
-        Some(g) => Some(crate::parallel::pipeline::StageHolds {
-            index: g.rank(),
-            cuts: crate::parallel::pipeline::cut_stages(
-                config.num_layers(),
-                g.size(),
-                layout.pipeline_cuts.as_deref(),
-            )?,
-            embedding: vec![crate::models::decoder::DECODER_EMBEDDING.to_string()],
-            tied: !config.param_shapes().contains_key("lm_head.weight"),
-        }),
+        Some(g) => {
+            let outline = decoder_outline(config);
+            Some(crate::parallel::pipeline::StageHolds {
+                index: g.rank(),
+                cuts: crate::parallel::pipeline::cut_stages(
+                    config.num_layers(),
+                    g.size(),
+                    layout.pipeline_cuts.as_deref(),
+                )?,
+                embedding: outline.embedding,
+                tied: outline.tied,
+            })
+        }
     };
     Ok(move |path: &str| stage.as_ref().is_none_or(|s| s.holds(path)))
+}
+
+/// What a pipeline cuts a decoder of `config` by, worked out without building it: its layers,
+/// every parameter's whole shape, the embedding, and whether the head is tied to it (it has no
+/// `lm_head.weight` of its own).
+fn decoder_outline(config: &impl DecoderConfig) -> ModelOutline {
+    let shapes = config.param_shapes();
+    ModelOutline {
+        layers: Some(config.num_layers()),
+        tied: !shapes.contains_key("lm_head.weight"),
+        shapes,
+        embedding: vec![crate::models::decoder::DECODER_EMBEDDING.to_string()],
+    }
 }
 
 /// This rank's stage of `model` cut over the pipeline `group` as `layout` says.

@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use super::checkpoint::ensure_finite;
 use crate::hub::files::write_synced;
 use crate::hub::sharded::{
-    cut_split, model_file, optimizer_file, read_layout, read_rank_model_where,
+    cut_split, model_file, moments_of, optimizer_file, read_layout, read_rank_model_where,
     read_rank_optimizer_where, read_whole_model_where, read_whole_optimizer_where, Cut,
     ParamLayout, ShardLayout, LAYOUT_FILE,
 };
@@ -231,10 +231,8 @@ pub fn read_rank_state(
                 None => {
                     // save_only_model checkpoints have no optimizer file: resuming refuses them.
                     let opt = dir.join("optimizer.safetensors");
-                    let moment_of_wanted =
-                        |key: &str| key.rsplit_once('.').is_some_and(|(n, _)| wanted(n));
                     let moments = if opt.exists() {
-                        read_safetensors_with(&opt, &moment_of_wanted, &mut |_, t| t)?
+                        read_safetensors_with(&opt, &moments_of(&wanted), &mut |_, t| t)?
                     } else {
                         BTreeMap::new()
                     };
