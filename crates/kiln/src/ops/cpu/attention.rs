@@ -3,7 +3,9 @@
 
 use rayon::prelude::*;
 
-use super::{has_avx512, simd, small_gemm, softmax_backward_row, softmax_row, uniform, SharedMut};
+use super::{
+    exp_row, has_avx512, simd, small_gemm, softmax_backward_row, softmax_row, uniform, SharedMut,
+};
 use crate::ops::Window;
 
 /// One multi-head attention call on the CPU: `[B, T, H]` activations whose q, k and v rows lie `rs`
@@ -60,6 +62,16 @@ impl Attn {
         softmax_row(&mut row[seen.clone()], &m[seen.clone()], self.scale);
         row[..seen.start].fill(0.0);
         row[seen.end..].fill(0.0);
+    }
+
+    /// [`Self::softmax`] without the division by the sum, which it returns: e^{s − max} for the
+    /// keys query `i` sees, 0 for the others.
+    fn softmax_unnormalised(&self, row: &mut [f32], i: usize, m: &[f32]) -> f32 {
+        let seen = self.window.keys(i, self.t);
+        let sum = exp_row(&mut row[seen.clone()], &m[seen.clone()], self.scale);
+        row[..seen.start].fill(0.0);
+        row[seen.end..].fill(0.0);
+        sum
     }
 
     /// Keys `0..end` hold every key a query of `rows` sees (the tiles compute scores from 0).
@@ -132,26 +144,32 @@ impl Attn {
         let blocks = t.div_ceil(rows_per_task);
         let tp = t.div_ceil(NR) * NR;
         (0..b * heads * blocks).into_par_iter().for_each_init(
-            // Scores of one tile of rows and Kᵀ for the tiles; for `gemm`, one head's
+            // Scores of one tile of rows, Kᵀ and V packed for the tiles; for `gemm`, one head's
             // probabilities and, under dropout, their dropped copy.
             || match tiles {
-                Some(tiles) => (vec![0f32; tiles.rows() * tp], vec![0f32; d * tp]),
+                Some(tiles) => (
+                    vec![0f32; tiles.rows() * tp],
+                    vec![0f32; d * tp],
+                    vec![0f32; t * d],
+                ),
                 None => (
                     vec![0f32; t * t],
                     vec![0f32; if keep < 1.0 { t * t } else { 0 }],
+                    vec![],
                 ),
             },
-            |(scratch, kt), task| {
+            |(scratch, kt, vp), task| {
                 let (bh, blk) = (task / blocks, task % blocks);
                 let rows = blk * rows_per_task..((blk + 1) * rows_per_task).min(t);
                 // SAFETY: rows `rows` of head `bh`'s probabilities belong to this task alone.
                 let p = probs_ptr.map(|pp| unsafe {
                     std::slice::from_raw_parts_mut(pp.at((bh * t + rows.start) * t), rows.len() * t)
                 });
-                let scratch = (&mut scratch[..], &mut kt[..]);
                 if let Some(tiles) = tiles {
+                    let scratch = (&mut scratch[..], &mut kt[..], &mut vp[..]);
                     self.head_tiled(tiles, bh, rows, qkv, mask, out_ptr, p, scratch);
                 } else {
+                    let scratch = (&mut scratch[..], &mut kt[..]);
                     self.head_gemm(bh, qkv, mask, out_ptr, p, scratch);
                 }
             },
@@ -159,9 +177,11 @@ impl Attn {
         (out, probs)
     }
 
-    /// Query rows `rows` of head `bh` on kiln's register tiles: Kᵀ packed once (the keys these
-    /// rows see), then per tile of rows the scores, their softmax (stored to `probs` if given: these
-    /// rows' probabilities, T per row; and dropped out), and those rows' output, written to `out`.
+    /// Query rows `rows` of head `bh` on kiln's register tiles: Kᵀ and V packed once (the keys
+    /// these rows see), then per tile of rows the scores, their softmax (stored to `probs` if given:
+    /// these rows' probabilities, T per row; and dropped out), and those rows' output, written to
+    /// `out`. Without `probs` or dropout (inference) the probabilities stay unnormalised and each
+    /// output row is divided by its sum instead: d divisions per row rather than T.
     #[allow(clippy::too_many_arguments)]
     fn head_tiled(
         &self,
@@ -172,7 +192,7 @@ impl Attn {
         mask: &[f32],
         out: SharedMut,
         mut probs: Option<&mut [f32]>,
-        (s, kt): (&mut [f32], &mut [f32]),
+        (s, kt, vp): (&mut [f32], &mut [f32], &mut [f32]),
     ) {
         let Self {
             t,
@@ -188,16 +208,26 @@ impl Attn {
         let (off, out_off) = self.offsets(bh);
         let m = self.key_mask(mask, bh);
         let keys = self.keys_end(rows.clone());
-        // Kᵀ as d rows of `tp` keys (the padding stays 0 from the allocation).
-        for j in 0..keys {
-            let k = &ks[off + j * rs..off + j * rs + d];
-            for (c, &v) in k.iter().enumerate() {
-                kt[c * tp + j] = v;
-            }
-        }
+        // Kᵀ as d rows of `tp` keys (the padding stays 0 from the allocation), and V as `keys`
+        // rows of d: read a head's block in place, V's rows lie 3H floats apart, a stride that
+        // folds them onto a few L1 sets, and every tile of rows reads all of them again.
+        pack_transposed(&ks[off..], rs, (keys, d), kt, tp);
+        simd(
+            #[inline(always)]
+            || {
+                // An element loop, not `copy_from_slice`: a `memcpy` call per 128-byte row cost
+                // more than the copy.
+                for (j, row) in vp[..keys * d].chunks_exact_mut(d).enumerate() {
+                    let src = &vs[off + j * rs..off + j * rs + d];
+                    row.iter_mut().zip(src).for_each(|(o, &v)| *o = v);
+                }
+            },
+        );
         let mr = tiles.rows();
+        let normalise_later = probs.is_none() && keep >= 1.0;
+        let mut sums = [0f32; MAX_TILE_ROWS];
         // The tiles below write through raw pointers: these bound every address they form.
-        assert!(s.len() >= mr * tp && kt.len() >= d * tp && rows.end <= t);
+        assert!(s.len() >= mr * tp && kt.len() >= d * tp && vp.len() >= keys * d && rows.end <= t);
         for i0 in rows.clone().step_by(mr) {
             let n = mr.min(rows.end - i0);
             let kend = self.keys_end(i0..i0 + n);
@@ -217,6 +247,10 @@ impl Attn {
             for r in 0..n {
                 let i = i0 + r;
                 let row = &mut s[r * tp..r * tp + kend];
+                if normalise_later {
+                    sums[r] = self.softmax_unnormalised(row, i, m);
+                    continue;
+                }
                 self.softmax(row, i, m);
                 if let Some(p) = probs.as_deref_mut() {
                     let pr = &mut p[(i - rows.start) * t..(i - rows.start + 1) * t];
@@ -227,16 +261,22 @@ impl Attn {
                     dropout_row(row, ((bh * t + i) * t) as u64, keep, seed);
                 }
             }
-            // SAFETY: P rows live in `s` (stride tp, kend ≤ tp columns); V rows 0..kend of this
-            // head are inside `vs`; output rows i0..i0+n, columns of head `hi`, are this task's.
+            // SAFETY: P rows live in `s` (stride tp, kend ≤ tp columns); V's kend ≤ keys rows lie
+            // packed in `vp`; output rows i0..i0+n, columns of head `hi`, are this task's.
             unsafe {
                 for cb in (0..d).step_by(NR) {
                     tiles.run(
                         kend,
                         (s.as_ptr(), tp, n),
-                        (vs.as_ptr().add(off + cb), rs),
+                        (vp.as_ptr().add(cb), d),
                         (out.at(out_off + i0 * h + cb), h),
                     );
+                }
+                if normalise_later {
+                    for (r, &sum) in sums[..n].iter().enumerate() {
+                        let o = std::slice::from_raw_parts_mut(out.at(out_off + (i0 + r) * h), d);
+                        scale_by(o, 1.0 / sum);
+                    }
                 }
             }
         }
@@ -430,8 +470,61 @@ fn dropout_block(block: &mut [f32], bh: usize, t: usize, keep: f32, seed: u64) {
 /// Columns of a register tile: two AVX-512 registers, four AVX2 ones.
 const NR: usize = 32;
 
+/// The most query rows a register tile holds ([`Tiles::rows`]).
+const MAX_TILE_ROWS: usize = 8;
+
+/// `dst[c·drs + j] = src[j·srs + c]` for `j < rows`, `c < cols`: `rows` rows of `cols` floats
+/// (lying `srs` apart) written as `cols` rows of `rows` (lying `drs` apart), Kᵀ for the tiles.
+/// 8 × 8 blocks go through AVX2 registers; a scalar copy, a strided store per element, took a
+/// sixth of MiniLM's attention.
+fn pack_transposed(
+    src: &[f32],
+    srs: usize,
+    (rows, cols): (usize, usize),
+    dst: &mut [f32],
+    drs: usize,
+) {
+    assert!(rows == 0 || src.len() >= (rows - 1) * srs + cols);
+    assert!(cols == 0 || dst.len() >= (cols - 1) * drs + rows);
+    let (mut r8, mut c8) = (0, 0);
+    #[cfg(target_arch = "x86_64")]
+    if crate::ops::isa::cpu_isa().level >= crate::ops::isa::IsaLevel::Avx2 {
+        (r8, c8) = (rows / 8 * 8, cols / 8 * 8);
+        for j in (0..r8).step_by(8) {
+            for c in (0..c8).step_by(8) {
+                // SAFETY: rows j..j+8 ≤ rows and columns c..c+8 ≤ cols of both sides are inside
+                // the slices (asserted above); the CPU has AVX2 (checked above).
+                unsafe {
+                    x86::transpose8(
+                        src.as_ptr().add(j * srs + c),
+                        srs,
+                        dst.as_mut_ptr().add(c * drs + j),
+                        drs,
+                    )
+                };
+            }
+        }
+    }
+    // What the blocks left: the last columns of every row, then the last rows.
+    for j in 0..rows {
+        let from = if j < r8 { c8 } else { 0 };
+        for c in from..cols {
+            dst[c * drs + j] = src[j * srs + c];
+        }
+    }
+}
+
+/// `x ← x · f`, element-wise.
+#[inline]
+fn scale_by(x: &mut [f32], f: f32) {
+    simd(
+        #[inline(always)]
+        || x.iter_mut().for_each(|v| *v *= f),
+    )
+}
+
 /// Which register tile this CPU runs, if any: 8 rows × 32 columns in 16 AVX-512 accumulators, or
-/// 4 rows × 16 columns (twice) in 8 AVX2 ones. Without either, heads go through `gemm`.
+/// 6 rows × 16 columns (twice) in 12 AVX2 ones. Without either, heads go through `gemm`.
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Tiles {
     Avx512,
@@ -456,7 +549,9 @@ impl Tiles {
     fn rows(self) -> usize {
         match self {
             Self::Avx512 => 8,
-            Self::Avx2 => 4,
+            // Six rows keep 12 of the 16 AVX2 registers summing: with four (8 accumulators), two
+            // FMA units with a 4-cycle latency had no slack (Zen 3/4).
+            Self::Avx2 => 6,
         }
     }
 
@@ -525,7 +620,53 @@ mod x86 {
         }
     }
 
-    /// [`super::Tiles::run`] on AVX2: 4 rows × 2 registers, for each half of the 32 columns.
+    /// [`super::pack_transposed`]'s 8 × 8 block: `dst[c·drs + r] = src[r·srs + c]`.
+    ///
+    /// # Safety
+    /// The 8 rows of 8 floats at `src` (`srs` apart) and at `dst` (`drs` apart) lie inside their
+    /// buffers; the CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn transpose8(src: *const f32, srs: usize, dst: *mut f32, drs: usize) {
+        unsafe {
+            let r: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(src.add(i * srs)));
+            // Pairs of rows interleaved, then pairs of pairs: each 128-bit half then holds four
+            // rows of one column (columns c and c + 4 share a register).
+            let lo = |a, b| _mm256_unpacklo_ps(a, b);
+            let hi = |a, b| _mm256_unpackhi_ps(a, b);
+            let t = [
+                lo(r[0], r[1]),
+                hi(r[0], r[1]),
+                lo(r[2], r[3]),
+                hi(r[2], r[3]),
+                lo(r[4], r[5]),
+                hi(r[4], r[5]),
+                lo(r[6], r[7]),
+                hi(r[6], r[7]),
+            ];
+            let q = [
+                _mm256_shuffle_ps::<0x44>(t[0], t[2]),
+                _mm256_shuffle_ps::<0xEE>(t[0], t[2]),
+                _mm256_shuffle_ps::<0x44>(t[1], t[3]),
+                _mm256_shuffle_ps::<0xEE>(t[1], t[3]),
+                _mm256_shuffle_ps::<0x44>(t[4], t[6]),
+                _mm256_shuffle_ps::<0xEE>(t[4], t[6]),
+                _mm256_shuffle_ps::<0x44>(t[5], t[7]),
+                _mm256_shuffle_ps::<0xEE>(t[5], t[7]),
+            ];
+            for c in 0..4 {
+                _mm256_storeu_ps(
+                    dst.add(c * drs),
+                    _mm256_permute2f128_ps::<0x20>(q[c], q[c + 4]),
+                );
+                _mm256_storeu_ps(
+                    dst.add((c + 4) * drs),
+                    _mm256_permute2f128_ps::<0x31>(q[c], q[c + 4]),
+                );
+            }
+        }
+    }
+
+    /// [`super::Tiles::run`] on AVX2: 6 rows × 2 registers, for each half of the 32 columns.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn tile_avx2(
         kk: usize,
@@ -533,7 +674,7 @@ mod x86 {
         (b, brs): (*const f32, usize),
         (c, crs): (*mut f32, usize),
     ) {
-        const R: usize = 4;
+        const R: usize = 6;
         unsafe {
             let rows: [*const f32; R] = std::array::from_fn(|r| a.add(r.min(n - 1) * ars));
             for half in [0, 16] {
@@ -604,9 +745,14 @@ mod tests {
                 let (want, want_p) = a.forward_on(None, x, &mask, true);
                 for &tiles in &kinds {
                     let (got, got_p) = a.forward_on(Some(tiles), x, &mask, true);
+                    // Without probabilities to keep (inference), the tiles divide each output
+                    // row by its sum instead of normalising the probabilities.
+                    let (inferred, none) = a.forward_on(Some(tiles), x, &mask, false);
+                    assert!(none.is_none());
                     let what = format!("{tiles:?} {b}x{t}x{h}/{heads} {window:?} p={dropout}");
                     for (name, g, w) in [
                         ("out", &got, &want),
+                        ("out without probs", &inferred, &want),
                         ("probs", got_p.as_ref().unwrap(), want_p.as_ref().unwrap()),
                     ] {
                         let err = g

@@ -128,6 +128,18 @@ pub(super) fn class_indices(
 /// In place: `row ← softmax(row·scale + mask)` (one attention row; `mask` is additive, per key).
 #[inline(always)]
 pub(super) fn softmax_row(row: &mut [f32], mask: &[f32], scale: f32) {
+    let inv = 1.0 / exp_row(row, mask, scale);
+    simd(
+        #[inline(always)]
+        || row.iter_mut().for_each(|x| *x *= inv),
+    )
+}
+
+/// In place: `row ← e^{row·scale + mask − max}`, returning the sum ([`softmax_row`] before its
+/// division). The exponentials are summed as they are made, in the lanes of [`sum_map`] and in
+/// its order, so the sum is the one a separate pass would give.
+#[inline(always)]
+pub(super) fn exp_row(row: &mut [f32], mask: &[f32], scale: f32) -> f32 {
     simd(
         #[inline(always)]
         || {
@@ -135,11 +147,21 @@ pub(super) fn softmax_row(row: &mut [f32], mask: &[f32], scale: f32) {
                 *x = *x * scale + mv;
             }
             let max = max_of(row);
-            for x in row.iter_mut() {
-                *x = exp_fast(*x - max);
+            let mut acc = [0f32; LANES];
+            let mut chunks = row.chunks_exact_mut(LANES);
+            for c in &mut chunks {
+                let c: &mut [f32; LANES] = c.try_into().expect("LANES");
+                for l in 0..LANES {
+                    c[l] = exp_fast(c[l] - max);
+                    acc[l] += c[l];
+                }
             }
-            let inv = 1.0 / sum_map(row, |x| x);
-            row.iter_mut().for_each(|x| *x *= inv);
+            let mut tail = 0.0;
+            for x in chunks.into_remainder() {
+                *x = exp_fast(*x - max);
+                tail += *x;
+            }
+            acc.iter().sum::<f32>() + tail
         },
     )
 }
