@@ -211,12 +211,16 @@ pub(super) fn normalize_row(
 #[inline(always)]
 pub(super) fn erf_and_gauss(z: f32) -> (f32, f32) {
     let a = z.abs();
-    let t = 1.0 / (1.0 + 0.327_591_1 * a);
-    let poly = t
-        * (0.254_829_6
-            + t * (-0.284_496_74 + t * (1.421_413_7 + t * (-1.453_152_1 + t * 1.061_405_4))));
+    let t = 1.0 / 0.327_591_1f32.mul_add(a, 1.0);
+    // Horner's rule in fused multiply-adds, as in [`exp_fast`].
+    let mut poly = 1.061_405_4f32;
+    poly = poly.mul_add(t, -1.453_152_1);
+    poly = poly.mul_add(t, 1.421_413_7);
+    poly = poly.mul_add(t, -0.284_496_74);
+    poly = poly.mul_add(t, 0.254_829_6);
+    poly *= t;
     let g = exp_fast(-a * a);
-    let e = 1.0 - poly * g;
+    let e = (-poly).mul_add(g, 1.0);
     (if z < 0.0 { -e } else { e }, g)
 }
 
