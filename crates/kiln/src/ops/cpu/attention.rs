@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 
 use super::{
-    exp_row, has_avx512, simd, small_gemm, softmax_backward_row, softmax_row, uniform, SharedMut,
+    exp_row, has_avx512, scale_by, simd, small_gemm, softmax_backward_row, uniform, SharedMut,
 };
 use crate::ops::Window;
 
@@ -58,10 +58,8 @@ impl Attn {
     /// keys query `i` sees). Keys outside the window get probability 0, and so no gradient: the
     /// backward needs no mask of its own.
     fn softmax(&self, row: &mut [f32], i: usize, m: &[f32]) {
-        let seen = self.window.keys(i, self.t);
-        softmax_row(&mut row[seen.clone()], &m[seen.clone()], self.scale);
-        row[..seen.start].fill(0.0);
-        row[seen.end..].fill(0.0);
+        let inv = 1.0 / self.softmax_unnormalised(row, i, m);
+        scale_by(&mut row[self.window.keys(i, self.t)], inv);
     }
 
     /// [`Self::softmax`] without the division by the sum, which it returns: e^{s − max} for the
@@ -512,15 +510,6 @@ fn pack_transposed(
             dst[c * drs + j] = src[j * srs + c];
         }
     }
-}
-
-/// `x ← x · f`, element-wise.
-#[inline]
-fn scale_by(x: &mut [f32], f: f32) {
-    simd(
-        #[inline(always)]
-        || x.iter_mut().for_each(|v| *v *= f),
-    )
 }
 
 /// Which register tile this CPU runs, if any: 8 rows × 32 columns in 16 AVX-512 accumulators, or

@@ -129,9 +129,15 @@ pub(super) fn class_indices(
 #[inline(always)]
 pub(super) fn softmax_row(row: &mut [f32], mask: &[f32], scale: f32) {
     let inv = 1.0 / exp_row(row, mask, scale);
+    scale_by(row, inv);
+}
+
+/// `x ← x · f`, element-wise.
+#[inline]
+pub(super) fn scale_by(x: &mut [f32], f: f32) {
     simd(
         #[inline(always)]
-        || row.iter_mut().for_each(|x| *x *= inv),
+        || x.iter_mut().for_each(|v| *v *= f),
     )
 }
 
