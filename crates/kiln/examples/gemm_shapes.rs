@@ -1,5 +1,6 @@
-//! GFLOP/s of the bf16 GEMM against matrixmultiply's f32 GEMM on the Linear shapes of a MiniLM
-//! training step (b16×128 tokens): `cargo run --release --example gemm_shapes`.
+//! GFLOP/s of each bf16 GEMM kernel this CPU has (AMX tiles, AVX512-BF16 dot products, rounded
+//! copies) against matrixmultiply's f32 GEMM on the Linear shapes of a MiniLM training step
+//! (b16×128 tokens): `cargo run --release --example gemm_shapes`.
 use std::time::Instant;
 
 /// (label, m, k, n, A, A strides, B, B strides)
@@ -73,23 +74,30 @@ fn main() {
                 flops * 5.0 / t0.elapsed().as_secs_f64() / 1e9
             };
             let g32 = time(&mut |c| f32_gemm(m, k, n, a, sa, b, sb, c));
-            let g16 = time(&mut |c| {
-                kiln::ops::bf16::gemm_bf16(
-                    (m, k, n),
-                    a,
-                    sa,
-                    b,
-                    sb,
-                    0.0,
-                    c,
-                    |m, k, n, a, b, beta, c| {
-                        let _ = beta;
-                        f32_gemm(m, k, n, a, (k, 1), b, (n, 1), c)
-                    },
-                )
-            });
+            let mut line = format!("f32 1 thread {g32:6.1}");
+            // `gemm_shapes Amx` times only the kernels named.
+            let only: Vec<String> = std::env::args().skip(1).collect();
+            for kernel in kiln::ops::bf16::Bf16Kernel::available()
+                .into_iter()
+                .filter(|k| only.is_empty() || only.contains(&format!("{k:?}")))
+            {
+                let g = time(&mut |c| {
+                    kiln::ops::bf16::gemm_bf16_with(
+                        kernel,
+                        (m, k, n),
+                        a,
+                        sa,
+                        b,
+                        sb,
+                        0.0,
+                        c,
+                        |m, k, n, a, b, _, c| f32_gemm(m, k, n, a, (k, 1), b, (n, 1), c),
+                    )
+                });
+                line += &format!("  {kernel:?} {g:7.1}");
+            }
             c[0] = 0.0;
-            println!("{name:14} {label:10} {m:5}×{k:5}×{n:5}: f32 single-thread {g32:6.1}  bf16 (all threads) {g16:6.1} GFLOP/s");
+            println!("{name:14} {label:10} {m:5}×{k:5}×{n:5}: {line} GFLOP/s");
         }
     }
 }

@@ -803,7 +803,7 @@ where
     }
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let machine_peak = match opts.device {
-        crate::backend::DeviceSpec::Cpu => peak::measure(&cpu_flags(&cpuinfo)),
+        crate::backend::DeviceSpec::Cpu => peak::measure(),
         _ => None,
     };
     if let Some(p) = &machine_peak {

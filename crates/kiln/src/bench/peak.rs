@@ -20,12 +20,12 @@ pub struct MachinePeak {
 /// Independent accumulator chains: enough to hide a 4-cycle FMA latency on two FMA ports.
 const CHAINS: usize = 12;
 
-/// The peak on every thread of the current rayon pool at once; `cpu_flags` is /proc/cpuinfo's
-/// `flags` line (AMX is read from it). `None` where no vector unit kiln knows is present.
-pub fn measure(cpu_flags: &str) -> Option<MachinePeak> {
+/// The peak on every thread of the current rayon pool at once, of the instructions kiln's kernels
+/// may use ([`crate::ops::isa`]). `None` where no vector unit kiln knows is present.
+pub fn measure() -> Option<MachinePeak> {
     #[cfg(target_arch = "x86_64")]
     {
-        use crate::ops::isa::{cpu_isa, IsaCap, IsaLevel};
+        use crate::ops::isa::{cpu_isa, IsaLevel};
         // The peak of the instructions kiln may use (`KILN_CPU_ISA` lowers it with the kernels).
         let isa = cpu_isa();
         let (fp32_per_iter, fp32_isa, fp32): (f64, &str, fn(u64) -> f32) = match isa.level {
@@ -38,13 +38,13 @@ pub fn measure(cpu_flags: &str) -> Option<MachinePeak> {
             IsaLevel::Portable => return None,
         };
         let fp32_gflops = rate(fp32_per_iter, fp32);
-        let has = |f: &str| cpu_flags.split_whitespace().any(|x| x == f);
-        let amx = isa.cap == IsaCap::Native && has("amx_bf16") && has("amx_tile");
-        let (bf16_gflops, bf16_how) = if amx {
-            // One AMX tile multiply-add does 1024 bf16 FLOP per cycle per core where AVX-512's two
-            // FMA ports do 64 fp32 FLOP: a 16× ceiling, derived rather than run (kiln has no AMX
-            // kernel to measure yet).
-            (16.0 * fp32_gflops, "AMX: 16× the fp32 FMA loop".to_string())
+        let (bf16_gflops, bf16_how) = if isa.amx {
+            (
+                rate(crate::ops::amx::PEAK_FLOP_PER_ROUND, |n| unsafe {
+                    crate::ops::amx::peak_loop(n)
+                }),
+                "a register-only AMX tile loop (tdpbf16ps)".to_string(),
+            )
         } else if isa.bf16_dot {
             (
                 rate(CHAINS as f64 * 64.0, |n| unsafe { x86::dpbf16(n) }),
@@ -66,10 +66,7 @@ pub fn measure(cpu_flags: &str) -> Option<MachinePeak> {
         })
     }
     #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = cpu_flags;
-        None
-    }
+    None
 }
 
 /// GFLOP/s of `kernel` (doing `flop_per_iter` per iteration) run on every pool thread at once: the
@@ -175,7 +172,13 @@ mod tests {
                 let want = super::CHAINS as f32 * 16.0 * (1.0 + 100.0 * 0.5);
                 assert_eq!(got, want);
             }
-            let peak = super::measure("").expect("x86 CI machines have AVX2");
+            if crate::ops::isa::cpu_isa().amx {
+                // SAFETY: the tiles were granted (`amx`); each round adds 32 × 1 × 0.5.
+                assert_eq!(unsafe { crate::ops::amx::peak_loop(100) }, 1600.0);
+            } else {
+                eprintln!("no amx_bf16 on this CPU (or KILN_CPU_ISA caps it): AMX loop not run");
+            }
+            let peak = super::measure().expect("x86 CI machines have AVX2");
             assert!(peak.fp32_gflops > 0.0 && peak.bf16_gflops > 0.0);
         }
     }

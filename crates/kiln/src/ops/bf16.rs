@@ -2,10 +2,12 @@
 //!
 //! Both operands are rounded to bf16 (round to nearest, ties to even, as PyTorch's casts) and the
 //! products are summed in f32: the numerics of a bf16 autocast GEMM with f32 accumulation. On CPUs
-//! with AVX512-BF16 (`vdpbf16ps`: 32 bf16 multiply-adds per instruction, twice the f32 FMA rate) the
-//! operands are packed as bf16 pairs and multiplied by the kernel below; elsewhere they are rounded
-//! into f32 copies and multiplied by the f32 GEMM, which gives the same products (a product of two
-//! bf16 values is exact in f32), so every machine trains with the same numerics.
+//! with AMX (Intel Sapphire Rapids on) the operands are packed for tiles and multiplied by
+//! [`super::amx`]; on CPUs with AVX512-BF16 only (AMD Zen 4 / Zen 5; `vdpbf16ps`: 32 bf16
+//! multiply-adds per instruction) they are packed as bf16 pairs and multiplied by the kernel below;
+//! elsewhere they are rounded into f32 copies and multiplied by the f32 GEMM, which gives the same
+//! products (a product of two bf16 values is exact in f32), so every machine trains with the same
+//! numerics up to the order of the f32 sums. [`Bf16Kernel`] names the three.
 
 use rayon::prelude::*;
 
@@ -27,15 +29,49 @@ pub fn round_bf16(x: f32) -> f32 {
     f32::from_bits(u32::from(bf16_bits(x)) << 16)
 }
 
-/// Whether the bf16 dot-product instruction the packed kernel needs may be used: the CPU has
-/// AVX512-BF16 and `KILN_CPU_ISA` does not cap it away ([`super::isa`]).
+/// Whether `--bf16` has bf16 arithmetic to run on: AVX512-BF16 dot products (and AMX tiles,
+/// which come with them), unless `KILN_CPU_ISA` caps them away ([`super::isa`]).
 pub fn has_bf16_dot() -> bool {
     super::isa::cpu_isa().bf16_dot
 }
 
+/// Which kernel multiplies bf16 operands, narrowest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Bf16Kernel {
+    /// Operands rounded into f32 copies and multiplied by the f32 GEMM (no bf16 arithmetic).
+    Rounded,
+    /// AVX512-BF16 `vdpbf16ps` register tiles.
+    Dot,
+    /// AMX tiles ([`super::amx`]).
+    Amx,
+}
+
+impl Bf16Kernel {
+    /// The fastest kernel this process may use ([`super::isa`]).
+    pub fn best() -> Self {
+        let isa = super::isa::cpu_isa();
+        if isa.amx {
+            Self::Amx
+        } else if isa.bf16_dot {
+            Self::Dot
+        } else {
+            Self::Rounded
+        }
+    }
+
+    /// Every kernel this process may use, narrowest first (what the tests compare).
+    pub fn available() -> Vec<Self> {
+        let best = Self::best();
+        [Self::Rounded, Self::Dot, Self::Amx]
+            .into_iter()
+            .filter(|k| *k <= best)
+            .collect()
+    }
+}
+
 /// Rows of C per micro-kernel call.
 const MR: usize = 12;
-/// Columns of C per micro-kernel call: two 16-lane vectors.
+/// Columns of C per micro-kernel call (and per packed panel of B): two 16-lane vectors.
 const NR: usize = 32;
 /// K pairs per cache block.
 const KCP: usize = 128;
@@ -53,15 +89,105 @@ fn pair(lo: f32, hi: f32) -> u32 {
 /// The CPU must have AVX-512 F/BW (every CPU with AVX512-BF16 has).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn pack_pairs(lo: &[f32], hi: &[f32], out: &mut [u32]) {
+pub(super) unsafe fn pack_pairs(lo: &[f32], hi: &[f32], out: &mut [u32]) {
     for ((o, &l), &h) in out.iter_mut().zip(lo).zip(hi) {
         *o = pair(l, h);
     }
 }
 
-/// C[m×n] (row stride `n`) = A·B + β·C with A and B rounded to bf16 and f32 accumulation. Operands
-/// are given by (row, column) element strides, as for the f32 GEMM; `f32_gemm` multiplies row-major
-/// rounded copies where the CPU has no bf16 instructions.
+/// `out[p] = pair(src[2p], src[2p + 1])` for consecutive values (zero past the end of `src`):
+/// a row of A, or a column of a transposed B, as the bf16 pairs a tile row holds. Converted 32
+/// values at a time by `vcvtne2ps2bf16`, which rounds as [`bf16_bits`] does (nearest, ties to
+/// even) except that it flushes subnormal inputs to zero, as the tile and dot-product instructions
+/// themselves treat them.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW and AVX512-BF16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub(super) unsafe fn pairs_of(src: &[f32], out: &mut [u32]) {
+    use std::arch::x86_64::*;
+    let whole = (src.len() / 32).min(out.len() / 16);
+    for i in 0..whole {
+        let lo = _mm512_loadu_ps(src.as_ptr().add(32 * i));
+        let hi = _mm512_loadu_ps(src.as_ptr().add(32 * i + 16));
+        let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+        _mm512_storeu_si512(out.as_mut_ptr().add(16 * i).cast(), v);
+    }
+    let at = |i: usize| src.get(i).copied().unwrap_or(0.0);
+    for (p, o) in out.iter_mut().enumerate().skip(16 * whole) {
+        *o = pair(at(2 * p), at(2 * p + 1));
+    }
+}
+
+/// B (`k×n`, element `(kk, col)` at `kk·rsb + col·csb`) rounded to bf16 and packed as panels of
+/// [`NR`] columns, each `[kp_pad][NR]` pairs of consecutive K values (the layout both the
+/// `vdpbf16ps` kernel and AMX's B tiles read); pairs past K and columns past `n` are zero.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW and AVX512-BF16.
+#[cfg(target_arch = "x86_64")]
+pub(super) unsafe fn pack_b(
+    (k, n): (usize, usize),
+    b: &[f32],
+    (rsb, csb): (usize, usize),
+    kp_pad: usize,
+) -> Vec<u32> {
+    let bt = |kk: usize, col: usize| {
+        if kk < k && col < n {
+            b[kk * rsb + col * csb]
+        } else {
+            0.0
+        }
+    };
+    let mut bp = vec![0u32; n.div_ceil(NR) * kp_pad * NR];
+    let zeros = [0f32; NR];
+    // A transposed B (the forward's wᵀ): each column's K values are contiguous.
+    let by_columns = rsb == 1 && csb != 1;
+    bp.par_chunks_mut(kp_pad * NR)
+        .enumerate()
+        .for_each(|(j, panel)| {
+            let col = j * NR;
+            let pairs = k.div_ceil(2);
+            if by_columns {
+                // Convert a column at a time and lay its pairs down the panel.
+                let mut column = vec![0u32; pairs];
+                for l in 0..NR.min(n - col) {
+                    // SAFETY: the caller's CPU has AVX512-BF16.
+                    unsafe { pairs_of(&b[(col + l) * csb..][..k], &mut column) };
+                    for (p, &v) in column.iter().enumerate() {
+                        panel[p * NR + l] = v;
+                    }
+                }
+                return;
+            }
+            // Pairs from k on are K's zero padding.
+            for (p, lanes) in panel.chunks_mut(NR).take(pairs).enumerate() {
+                if csb == 1 && col + NR <= n {
+                    // Row-major B: two contiguous row pieces per pair of k.
+                    let row = |kk: usize| {
+                        if kk < k {
+                            &b[kk * rsb + col..][..NR]
+                        } else {
+                            &zeros[..]
+                        }
+                    };
+                    // SAFETY: the caller's CPU has AVX-512 F/BW.
+                    unsafe { pack_pairs(row(2 * p), row(2 * p + 1), lanes) };
+                } else {
+                    for (l, v) in lanes.iter_mut().enumerate() {
+                        *v = pair(bt(2 * p, col + l), bt(2 * p + 1, col + l));
+                    }
+                }
+            }
+        });
+    bp
+}
+
+/// C[m×n] (row stride `n`) = A·B + β·C (β 0 or 1) with A and B rounded to bf16 and f32
+/// accumulation, on [`Bf16Kernel::best`]. Operands are given by (row, column) element strides, as
+/// for the f32 GEMM; `f32_gemm` multiplies row-major rounded copies where the CPU has no bf16
+/// instructions.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_bf16(
     mkn: (usize, usize, usize),
@@ -73,13 +199,14 @@ pub fn gemm_bf16(
     c: &mut [f32],
     f32_gemm: impl Fn(usize, usize, usize, &[f32], &[f32], f32, &mut [f32]),
 ) {
-    let packed = has_bf16_dot();
-    gemm_bf16_with(packed, mkn, a, a_strides, b, b_strides, beta, c, f32_gemm)
+    let kernel = Bf16Kernel::best();
+    gemm_bf16_with(kernel, mkn, a, a_strides, b, b_strides, beta, c, f32_gemm)
 }
 
+/// [`gemm_bf16`] on the given kernel, one of [`Bf16Kernel::available`].
 #[allow(clippy::too_many_arguments)]
-fn gemm_bf16_with(
-    packed: bool,
+pub fn gemm_bf16_with(
+    kernel: Bf16Kernel,
     (m, k, n): (usize, usize, usize),
     a: &[f32],
     (rsa, csa): (usize, usize),
@@ -95,7 +222,19 @@ fn gemm_bf16_with(
     assert!(k == 0 || a.len() > (m - 1) * rsa + (k - 1) * csa);
     assert!(k == 0 || b.len() > (k - 1) * rsb + (n - 1) * csb);
     assert!(c.len() >= m * n);
-    if !packed {
+    assert!(
+        beta == 0.0 || beta == 1.0,
+        "β is 0 (overwrite C) or 1 (add to C)"
+    );
+    assert!(
+        kernel <= Bf16Kernel::best(),
+        "{kernel:?} is not available on this CPU"
+    );
+    if k == 0 {
+        c[..m * n].iter_mut().for_each(|v| *v *= beta);
+        return;
+    }
+    if kernel == Bf16Kernel::Rounded {
         // Same products through the f32 GEMM on rounded, row-major copies.
         let ar: Vec<f32> = (0..m * k)
             .into_par_iter()
@@ -110,42 +249,24 @@ fn gemm_bf16_with(
     }
     #[cfg(target_arch = "x86_64")]
     {
+        if kernel == Bf16Kernel::Amx {
+            // K padded to whole tiles: 32 values, 16 pairs.
+            let kp_pad = k.div_ceil(32) * 16;
+            // SAFETY: AMX is available (asserted above), and with it AVX-512 F/BW; the asserts
+            // above bound every element the strides address.
+            unsafe {
+                let bp = pack_b((k, n), b, (rsb, csb), kp_pad);
+                super::amx::gemm((m, k, n), a, (rsa, csa), &bp, kp_pad, beta, c);
+            }
+            return;
+        }
         let kp = k.div_ceil(2);
         let at = |row: usize, kk: usize| if kk < k { a[row * rsa + kk * csa] } else { 0.0 };
-        let bt = |kk: usize, col: usize| {
-            if kk < k && col < n {
-                b[kk * rsb + col * csb]
-            } else {
-                0.0
-            }
-        };
-        // B packed once, shared by every task: panel j holds columns j·NR.. as [kp][NR] pairs.
-        let panels = n.div_ceil(NR);
-        let mut bp = vec![0u32; panels * kp * NR];
         let zeros = [0f32; NR];
-        bp.par_chunks_mut(kp * NR)
-            .enumerate()
-            .for_each(|(j, panel)| {
-                for (p, lanes) in panel.chunks_mut(NR).enumerate() {
-                    let col = j * NR;
-                    if csb == 1 && col + NR <= n {
-                        // Row-major B: two contiguous row pieces per pair of k.
-                        let row = |kk: usize| {
-                            if kk < k {
-                                &b[kk * rsb + col..][..NR]
-                            } else {
-                                &zeros[..]
-                            }
-                        };
-                        // SAFETY: packed path only on CPUs with AVX-512 (see `has_bf16_dot`).
-                        unsafe { pack_pairs(row(2 * p), row(2 * p + 1), lanes) };
-                    } else {
-                        for (l, v) in lanes.iter_mut().enumerate() {
-                            *v = pair(bt(2 * p, col + l), bt(2 * p + 1, col + l));
-                        }
-                    }
-                }
-            });
+        // B packed once, shared by every task: panel j holds columns j·NR.. as [kp][NR] pairs.
+        // SAFETY: the dot-product kernel runs only where AVX-512 is (asserted above).
+        let bp = unsafe { pack_b((k, n), b, (rsb, csb), kp) };
+        let panels = n.div_ceil(NR);
         let parts = rayon::current_num_threads().max(1);
         let rows = m.div_ceil(parts).div_ceil(MR) * MR;
         c[..m * n]
@@ -193,7 +314,7 @@ fn gemm_bf16_with(
                             // kc·MR values and panel j from pair kb holds kc·NR; the tile written
                             // is rows rb..rb+live, columns j·NR..j·NR+cols of this task's part of C.
                             unsafe {
-                                kernel(
+                                dot_tile(
                                     kc,
                                     ap.as_ptr(),
                                     bp.as_ptr().add((j * kp + kb) * NR),
@@ -216,7 +337,7 @@ fn gemm_bf16_with(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn kernel(
+unsafe fn dot_tile(
     kp: usize,
     a: *const u32,
     b: *const u32,
@@ -290,30 +411,36 @@ mod tests {
         assert_eq!(bf16_bits(f32::from_bits(0x3F81_8000)), 0x3F82);
     }
 
-    /// f64 reference of the product of bf16-rounded operands.
-    fn reference(m: usize, k: usize, n: usize, a: &[f32], b: &[f32]) -> Vec<f64> {
-        let mut c = vec![0f64; m * n];
+    /// f64 reference of the product of bf16-rounded operands (row-major), and the sum of the
+    /// products' magnitudes that bounds an f32 summation's error.
+    fn reference(m: usize, k: usize, n: usize, a: &[f32], b: &[f32]) -> (Vec<f64>, Vec<f64>) {
+        let r = |v: f32| f64::from(half::bf16::from_f32(v).to_f32());
+        let (mut c, mut mag) = (vec![0f64; m * n], vec![0f64; m * n]);
         for i in 0..m {
             for j in 0..n {
-                c[i * n + j] = (0..k)
-                    .map(|p| {
-                        f64::from(half::bf16::from_f32(a[i * k + p]).to_f32())
-                            * f64::from(half::bf16::from_f32(b[p * n + j]).to_f32())
-                    })
-                    .sum();
+                for p in 0..k {
+                    let t = r(a[i * k + p]) * r(b[p * n + j]);
+                    c[i * n + j] += t;
+                    mag[i * n + j] += t.abs();
+                }
             }
         }
-        c
+        (c, mag)
     }
 
-    /// The rounded-copy path always; the packed kernel too where the CPU has it.
-    fn paths() -> Vec<bool> {
-        if has_bf16_dot() {
-            vec![false, true]
-        } else {
-            eprintln!("no AVX512-BF16 on this CPU: only the rounded-copy path is tested");
-            vec![false]
+    /// Every kernel this CPU runs (AMX, AVX512-BF16 dot products, rounded copies), named once
+    /// when some are missing so a run on a narrower CPU says what it did not test.
+    fn kernels() -> Vec<Bf16Kernel> {
+        let kernels = Bf16Kernel::available();
+        if !kernels.contains(&Bf16Kernel::Amx) {
+            eprintln!(
+                "no amx_bf16 on this CPU (or KILN_CPU_ISA caps it): the AMX kernel is not tested"
+            );
         }
+        if !kernels.contains(&Bf16Kernel::Dot) {
+            eprintln!("no avx512_bf16 on this CPU (or KILN_CPU_ISA caps it): vdpbf16ps not tested");
+        }
+        kernels
     }
 
     fn naive_f32(m: usize, k: usize, n: usize, a: &[f32], b: &[f32], beta: f32, c: &mut [f32]) {
@@ -325,65 +452,122 @@ mod tests {
         }
     }
 
+    /// Every shape class of the tiled kernels: rows and columns below, at and past a tile (16) and
+    /// a block (32); K below, at and past a 32-value tile step and a 512-value K block, odd K; a
+    /// product big enough to split across threads. Each operand read row-major and transposed
+    /// (the backward products' layouts), β 0 and 1, on every kernel; the error bound is f32
+    /// summation's, (K + 2)·2⁻²⁴ times the products' magnitudes (the products of bf16 values are
+    /// exact in f32).
     #[test]
-    fn products_match_a_bf16_reference_at_awkward_sizes() {
-        // Odd k, rows and columns that are not multiples of the tile, and β = 1.
-        for &(m, k, n) in &[(1, 1, 1), (13, 7, 33), (29, 64, 70), (50, 129, 96)] {
+    fn products_match_a_bf16_reference_at_every_shape_class() {
+        let shapes = [
+            (1, 1, 1),
+            (13, 7, 33),
+            (16, 32, 16),
+            (29, 64, 70),
+            (32, 33, 32),
+            (50, 129, 96),
+            (64, 512, 64),
+            (33, 1100, 17),
+            (100, 600, 150),
+        ];
+        for &(m, k, n) in &shapes {
             let a: Vec<f32> = (0..m * k)
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
                 .collect();
             let b: Vec<f32> = (0..k * n)
                 .map(|i| ((i * 53 % 97) as f32 - 48.0) / 23.0)
                 .collect();
-            let init: Vec<f32> = (0..m * n).map(|i| (i % 5) as f32).collect();
-            let want = reference(m, k, n, &a, &b);
-            for (packed, beta) in paths().into_iter().flat_map(|p| [(p, 0.0), (p, 1.0)]) {
-                let mut c = init.clone();
-                let (ab, bb) = ((k, 1), (n, 1));
-                gemm_bf16_with(packed, (m, k, n), &a, ab, &b, bb, beta, &mut c, naive_f32);
-                for (i, (&got, &w)) in c.iter().zip(&want).enumerate() {
-                    let w = w + f64::from(beta * init[i]);
-                    let tol = 1e-5 * (1.0 + w.abs()) * (k as f64).sqrt();
-                    assert!(
-                        (f64::from(got) - w).abs() <= tol,
-                        "{m}x{k}x{n} [{i}]: {got} vs {w}"
-                    );
+            // The same matrices stored transposed: Aᵀ as [k×m], Bᵀ as [n×k].
+            let at: Vec<f32> = (0..k * m).map(|i| a[(i % m) * k + i / m]).collect();
+            let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
+            let init: Vec<f32> = (0..m * n).map(|i| (i % 5) as f32 - 2.0).collect();
+            let (want, mag) = reference(m, k, n, &a, &b);
+            let bound = |i: usize, beta: f32| {
+                (k as f64 + 2.0) * f64::from(f32::EPSILON) / 2.0
+                    * (mag[i] + f64::from(beta * init[i]).abs())
+            };
+            for kernel in kernels() {
+                for beta in [0.0, 1.0] {
+                    for (a_op, a_strides, b_op, b_strides) in [
+                        (&a, (k, 1), &b, (n, 1)),
+                        (&at, (1, m), &b, (n, 1)),
+                        (&a, (k, 1), &bt, (1, k)),
+                        (&at, (1, m), &bt, (1, k)),
+                    ] {
+                        let mut c = init.clone();
+                        let mkn = (m, k, n);
+                        gemm_bf16_with(
+                            kernel, mkn, a_op, a_strides, b_op, b_strides, beta, &mut c, naive_f32,
+                        );
+                        for (i, (&got, &w)) in c.iter().zip(&want).enumerate() {
+                            let w = w + f64::from(beta * init[i]);
+                            assert!(
+                                (f64::from(got) - w).abs() <= bound(i, beta),
+                                "{kernel:?} {m}x{k}x{n} A{a_strides:?} B{b_strides:?} β={beta} \
+                                 [{i}]: {got} vs {w} (bound {})",
+                                bound(i, beta)
+                            );
+                        }
+                    }
                 }
-                // Not the f32 product: the operands really were rounded.
-                let mut f = init.clone();
-                naive_f32(m, k, n, &a, &b, beta, &mut f);
-                if k > 1 {
-                    assert!(c.iter().zip(&f).any(|(x, y)| (x - y).abs() > 1e-4));
-                }
+            }
+            // The control: the f32 product of the unrounded operands breaks the bound, so a
+            // kernel that skipped the rounding (or dropped a K term) would fail above.
+            if k > 1 {
+                let mut f = vec![0f32; m * n];
+                naive_f32(m, k, n, &a, &b, 0.0, &mut f);
+                assert!(
+                    f.iter()
+                        .zip(&want)
+                        .enumerate()
+                        .any(|(i, (&x, &w))| (f64::from(x) - w).abs() > bound(i, 0.0)),
+                    "{m}x{k}x{n}: the control is within the bound"
+                );
             }
         }
     }
 
+    /// Values a training step meets besides ordinary numbers: zeros, infinities and NaN propagate
+    /// as in the f32 product, and sums near f32's range do not lose it.
     #[test]
-    fn transposed_operands_by_strides() {
-        let (m, k, n) = (17, 40, 35);
-        let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
-        let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
-        let want = reference(m, k, n, &a, &b);
-        // The same matrices stored transposed: Aᵀ as [k×m], Bᵀ as [n×k].
-        let at: Vec<f32> = (0..k * m).map(|i| a[(i % m) * k + i / m]).collect();
-        let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
-        for packed in paths() {
+    fn special_values_propagate_on_every_kernel() {
+        let (m, k, n) = (20, 40, 20);
+        let mut a = vec![0.5f32; m * k];
+        let b = vec![0.25f32; k * n];
+        a[3 * k + 5] = f32::INFINITY;
+        a[7 * k + 1] = f32::NAN;
+        a[9 * k..10 * k].fill(1e30);
+        for kernel in kernels() {
             let mut c = vec![0f32; m * n];
             gemm_bf16_with(
-                packed,
+                kernel,
                 (m, k, n),
-                &at,
-                (1, m),
-                &bt,
-                (1, k),
+                &a,
+                (k, 1),
+                &b,
+                (n, 1),
                 0.0,
                 &mut c,
                 naive_f32,
             );
-            for (&got, &w) in c.iter().zip(&want) {
-                assert!((f64::from(got) - w).abs() < 1e-4, "{got} vs {w}");
-            }
+            assert!(
+                c[3 * n..4 * n].iter().all(|v| *v == f32::INFINITY),
+                "{kernel:?}"
+            );
+            assert!(c[7 * n..8 * n].iter().all(|v| v.is_nan()), "{kernel:?}");
+            let big = f64::from(round_bf16(1e30)) * 0.25 * k as f64;
+            assert!(
+                c[9 * n..10 * n]
+                    .iter()
+                    .all(|v| (f64::from(*v) - big).abs() < 1e-5 * big),
+                "{kernel:?}: {}",
+                c[9 * n]
+            );
+            assert!(
+                c[0..n].iter().all(|v| *v == 0.5 * 0.25 * k as f32),
+                "{kernel:?}"
+            );
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Which x86 vector instructions kiln's CPU kernels may use: the widest this CPU has, or fewer when
 //! `KILN_CPU_ISA` caps them. One decision for every kernel — kiln's own loops ([`super::cpu`]'s
-//! `simd`), the attention register tiles, the bf16 dot-product GEMM and the `gemm` crate's f32
-//! kernels (through the patched `gemm-common`, third_party/gemm-common/PATCHES.md) — so a run capped
+//! `simd`), the attention register tiles, the bf16 GEMMs (AMX tiles, AVX512-BF16 dot products)
+//! and the `gemm` crate's f32 kernels (through the patched `gemm-common`, third_party/gemm-common/PATCHES.md) — so a run capped
 //! to `avx2` on an AVX-512 machine takes the code paths, and so the summation orders, of an AVX2-only
 //! CPU such as AMD Zen 3. The cap is read once per process.
 
@@ -28,6 +28,9 @@ pub enum IsaLevel {
 pub enum IsaCap {
     /// Everything the CPU has (the default).
     Native,
+    /// AVX-512 with AVX512-BF16 dot products, no AMX tiles (oneDNN's `AVX512_CORE_BF16`): an AMD
+    /// Zen 4 / Zen 5's bf16 path, on an AMX machine.
+    Avx512Bf16,
     /// At most AVX-512 F/DQ/BW/VL: no bf16 dot products (oneDNN's `AVX512_CORE`).
     Avx512,
     /// At most AVX2 + FMA (oneDNN's `AVX2`, ATen's `avx2`).
@@ -39,6 +42,7 @@ impl IsaCap {
     pub fn name(self) -> &'static str {
         match self {
             Self::Native => "native",
+            Self::Avx512Bf16 => "avx512bf16",
             Self::Avx512 => "avx512",
             Self::Avx2 => "avx2",
         }
@@ -52,10 +56,16 @@ impl IsaCap {
     /// (`ONEDNN_MAX_CPU_ISA`: its verbose log names the ISA it runs) and MKL's GEMM
     /// (`MKL_ENABLE_INSTRUCTIONS`; MKL on AMD CPUs takes its own path and may ignore it, see
     /// BENCHMARKS.md). The AVX-512 cap leaves out bf16 dot products, as kiln's does
-    /// (oneDNN's `AVX512_CORE`). Empty for `native`.
+    /// (oneDNN's `AVX512_CORE`), and the `avx512bf16` cap leaves out AMX (`AVX512_CORE_BF16`).
+    /// Empty for `native`.
     pub fn pytorch_env(self) -> &'static [(&'static str, &'static str)] {
         match self {
             Self::Native => &[],
+            Self::Avx512Bf16 => &[
+                ("ATEN_CPU_CAPABILITY", "avx512"),
+                ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16"),
+                ("MKL_ENABLE_INSTRUCTIONS", "AVX512"),
+            ],
             Self::Avx512 => &[
                 ("ATEN_CPU_CAPABILITY", "avx512"),
                 ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE"),
@@ -75,11 +85,10 @@ impl std::str::FromStr for IsaCap {
     fn from_str(s: &str) -> Result<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "" | "native" => Ok(Self::Native),
+            "avx512bf16" => Ok(Self::Avx512Bf16),
             "avx512" => Ok(Self::Avx512),
             "avx2" => Ok(Self::Avx2),
-            _ => Err(KilnError::Config(format!(
-                "{ENV}={s:?} is not an instruction level kiln dispatches to: use avx2, avx512 or native"
-            ))),
+            _ => Err(not_a_level(s)),
         }
     }
 }
@@ -94,21 +103,26 @@ pub struct CpuIsa {
     /// Whether the bf16 GEMM may use AVX512-BF16's `vdpbf16ps` (else it rounds operands to bf16
     /// and multiplies them in f32).
     pub bf16_dot: bool,
+    /// Whether the bf16 GEMM runs on AMX tiles (`TDPBF16PS`): the CPU has AMX-BF16, the kernel
+    /// let this process use the tile registers, and the cap allows it.
+    pub amx: bool,
 }
 
 impl CpuIsa {
     /// What this CPU has, lowered to `cap`.
     pub fn capped(cap: IsaCap) -> Self {
-        let (level, bf16_dot) = detected();
-        let (level, bf16_dot) = match cap {
-            IsaCap::Native => (level, bf16_dot),
-            IsaCap::Avx512 => (level, false),
-            IsaCap::Avx2 => (level.min(IsaLevel::Avx2), false),
+        let (level, bf16_dot, amx) = detected();
+        let (level, bf16_dot, amx) = match cap {
+            IsaCap::Native => (level, bf16_dot, amx),
+            IsaCap::Avx512Bf16 => (level, bf16_dot, false),
+            IsaCap::Avx512 => (level, false, false),
+            IsaCap::Avx2 => (level.min(IsaLevel::Avx2), false, false),
         };
         Self {
             cap,
             level,
             bf16_dot,
+            amx,
         }
     }
 
@@ -117,6 +131,7 @@ impl CpuIsa {
         let level = match self.level {
             IsaLevel::Portable => "portable",
             IsaLevel::Avx2 => "avx2",
+            IsaLevel::Avx512 if self.amx => "avx512 + avx512_bf16 + amx",
             IsaLevel::Avx512 if self.bf16_dot => "avx512 + avx512_bf16",
             IsaLevel::Avx512 => "avx512",
         };
@@ -127,8 +142,9 @@ impl CpuIsa {
     }
 }
 
-/// The CPU's own level and whether it has AVX512-BF16.
-fn detected() -> (IsaLevel, bool) {
+/// The CPU's own level, whether it has AVX512-BF16, and whether this process may use AMX-BF16
+/// tiles (the CPU has them and Linux granted the tile state, [`super::amx::request_tiles`]).
+fn detected() -> (IsaLevel, bool, bool) {
     #[cfg(target_arch = "x86_64")]
     {
         let avx512 = std::is_x86_feature_detected!("avx512f")
@@ -141,13 +157,13 @@ fn detected() -> (IsaLevel, bool) {
             (false, true) => IsaLevel::Avx2,
             _ => IsaLevel::Portable,
         };
-        (
-            level,
-            level == IsaLevel::Avx512 && std::is_x86_feature_detected!("avx512bf16"),
-        )
+        let bf16_dot = level == IsaLevel::Avx512 && std::is_x86_feature_detected!("avx512bf16");
+        // The AMX kernel packs its operands with AVX512-BF16 conversions (every AMX CPU has them).
+        let amx = bf16_dot && super::amx::request_tiles();
+        (level, bf16_dot, amx)
     }
     #[cfg(not(target_arch = "x86_64"))]
-    (IsaLevel::Portable, false)
+    (IsaLevel::Portable, false, false)
 }
 
 /// `KILN_CPU_ISA` from the environment.
@@ -155,10 +171,14 @@ pub fn cap_from_env() -> Result<IsaCap> {
     match std::env::var(ENV) {
         Ok(v) => v.parse(),
         Err(std::env::VarError::NotPresent) => Ok(IsaCap::Native),
-        Err(std::env::VarError::NotUnicode(v)) => Err(KilnError::Config(format!(
-            "{ENV}={v:?} is not an instruction level kiln dispatches to: use avx2, avx512 or native"
-        ))),
+        Err(std::env::VarError::NotUnicode(v)) => Err(not_a_level(&v.to_string_lossy())),
     }
+}
+
+fn not_a_level(value: &str) -> KilnError {
+    KilnError::Config(format!(
+        "{ENV}={value:?} is not an instruction level kiln dispatches to: use avx2, avx512, avx512bf16 or native"
+    ))
 }
 
 static ISA: OnceLock<CpuIsa> = OnceLock::new();
@@ -199,14 +219,27 @@ mod tests {
         assert_eq!("".parse::<IsaCap>().unwrap(), IsaCap::Native);
         let e = "sse4".parse::<IsaCap>().unwrap_err().to_string();
         assert!(
-            e.contains("KILN_CPU_ISA=\"sse4\"") && e.contains("avx2, avx512 or native"),
+            e.contains("KILN_CPU_ISA=\"sse4\"") && e.contains("avx2, avx512, avx512bf16 or native"),
             "{e}"
         );
-        let (native, bf16) = detected();
+        assert_eq!("AVX512BF16".parse::<IsaCap>().unwrap(), IsaCap::Avx512Bf16);
+        let (native, bf16, amx) = detected();
         let avx2 = CpuIsa::capped(IsaCap::Avx2);
         assert_eq!(avx2.level, native.min(IsaLevel::Avx2));
         assert!(!avx2.bf16_dot && !CpuIsa::capped(IsaCap::Avx512).bf16_dot);
+        assert!(!avx2.amx && !CpuIsa::capped(IsaCap::Avx512).amx);
+        let dot = CpuIsa::capped(IsaCap::Avx512Bf16);
+        assert_eq!((dot.bf16_dot, dot.amx), (bf16, false));
         assert_eq!(CpuIsa::capped(IsaCap::Native).bf16_dot, bf16);
+        assert_eq!(CpuIsa::capped(IsaCap::Native).amx, amx);
+        // AMX is there exactly when the CPU lists it (and Linux grants it: every kernel since 5.16).
+        let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let listed = flags
+            .lines()
+            .any(|l| l.starts_with("flags") && l.split_whitespace().any(|f| f == "amx_bf16"));
+        if cfg!(target_arch = "x86_64") && !flags.is_empty() {
+            assert_eq!(amx, listed && bf16, "AMX detected {amx}, listed {listed}");
+        }
         assert!(avx2.describe().ends_with("(KILN_CPU_ISA=avx2)"));
         // The kernels follow this process's KILN_CPU_ISA (scripts/test runs the suite capped).
         assert_eq!(cpu_isa(), CpuIsa::capped(cap_from_env().unwrap()));
@@ -228,7 +261,7 @@ mod tests {
             print('aten', torch.backends.cpu.get_cpu_capability(), flush=True)\n\
             x = torch.randn(8, 64, 32, 32)\n\
             y = torch.nn.functional.conv2d(x, torch.randn(64, 64, 3, 3))\n";
-        let (native, _) = detected();
+        let (native, _, _) = detected();
         for (cap, level, aten, onednn) in [
             (IsaCap::Avx2, IsaLevel::Avx2, "aten AVX2", "isa:Intel AVX2"),
             (

@@ -6,6 +6,7 @@
 //! ([`cpu`]); `Autodiff<B>` records one graph node per fused op and calls `B`'s backward kernels
 //! ([`autodiff`]). Tests check fused == composed, values and gradients.
 
+pub(crate) mod amx;
 mod autodiff;
 pub mod bf16;
 pub mod blas_layout;

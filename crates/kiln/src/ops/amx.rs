@@ -1,0 +1,354 @@
+//! The bf16 GEMM on AMX tiles (Intel Sapphire Rapids and later): `TDPBF16PS` multiplies a 16×32
+//! bf16 tile of A by a 32×16 bf16 tile of B (stored as 16 rows of bf16 pairs, the "VNNI" layout)
+//! into a 16×16 f32 tile of C, 16 times the multiply-adds of an AVX-512 FMA per instruction. The
+//! numerics are those of [`super::bf16`]'s other kernels: operands rounded to bf16 (nearest, ties
+//! to even), products summed in f32.
+//!
+//! Blocking, after oneDNN's brgemm and Intel's AMX guide: the eight tile registers hold a 2×2 grid
+//! of C tiles (a 32×32 block of C), two A tiles and two B tiles, so each step loads four tiles for
+//! four tile products. A is packed per task as 32-row blocks, one contiguous 2 KB piece per 32
+//! values of K (rows 0–15, then 16–31, 64 bytes a row); B is packed once, shared, as the 32-column
+//! panels of bf16 pairs the AVX512-BF16 kernel reads. K is cut into blocks of [`KSTEPS`] steps so
+//! a block of A stays in L1 while B's panels stream from L2. Edges are zero padding: rows of A to
+//! 32, columns of B to 32, K to a multiple of 32; an edge block of C is stored to a scratch tile and
+//! only its live part added to C.
+//!
+//! Rust has no stable AMX intrinsics, so the tile instructions are written with `asm!`. Linux
+//! hands the tile registers' state only to a process that asks for it ([`request_tiles`]).
+
+/// Steps of 32 K values per block of K: a 32-row block of A is then 32 KB, held in L1 across
+/// every panel of B.
+const KSTEPS: usize = 16;
+/// bf16 pairs (u32) in one row of an A or B tile: 64 bytes.
+const PAIRS: usize = 16;
+/// Rows of A (and of C) per block: two tiles.
+const ROWS: usize = 32;
+/// u32s in one K step of a packed A block: 32 rows × 16 pairs.
+const A_STEP: usize = ROWS * PAIRS;
+
+/// Asks Linux for the AMX tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`,
+/// needed since kernel 5.16 before the first tile instruction) once per process, after checking that
+/// the CPU has AMX-TILE and AMX-BF16. False on other CPUs and systems, or when the kernel refuses.
+pub(super) fn request_tiles() -> bool {
+    static GRANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *GRANTED.get_or_init(|| {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        {
+            // CPUID leaf 7, subleaf 0: EDX bit 22 is AMX-BF16, bit 24 AMX-TILE.
+            // CPUID exists on every x86_64 CPU; leaf 7 on every one with AVX2.
+            let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
+            let has = |bit: u32| leaf7.edx & (1 << bit) != 0;
+            if !(has(22) && has(24)) {
+                return false;
+            }
+            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+            const XFEATURE_XTILEDATA: libc::c_long = 18;
+            // SAFETY: arch_prctl with these arguments only changes this process's permissions.
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_arch_prctl,
+                    ARCH_REQ_XCOMP_PERM,
+                    XFEATURE_XTILEDATA,
+                )
+            };
+            rc == 0
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        false
+    })
+}
+
+/// The 64-byte `LDTILECFG` operand: palette 1, eight tiles of 16 rows × 64 bytes.
+#[cfg(target_arch = "x86_64")]
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    bytes_per_row: [u16; 16],
+    rows: [u8; 16],
+}
+
+#[cfg(target_arch = "x86_64")]
+impl TileConfig {
+    fn full() -> Self {
+        let mut cfg = Self {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            bytes_per_row: [0; 16],
+            rows: [0; 16],
+        };
+        cfg.bytes_per_row[..8].fill(64);
+        cfg.rows[..8].fill(16);
+        cfg
+    }
+}
+
+/// The tile registers configured for this thread while it lives; released on drop (a configured
+/// tile state makes every context switch save 8 KB more).
+#[cfg(target_arch = "x86_64")]
+struct Tiles;
+
+#[cfg(target_arch = "x86_64")]
+impl Tiles {
+    /// # Safety
+    /// [`request_tiles`] must have returned true.
+    unsafe fn configure() -> Self {
+        let cfg = TileConfig::full();
+        std::arch::asm!("ldtilecfg [{}]", in(reg) &cfg, options(nostack, readonly));
+        Tiles
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Drop for Tiles {
+    fn drop(&mut self) {
+        // SAFETY: a configured tile state exists (made by `configure`).
+        unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) };
+    }
+}
+
+/// C[m×n] (row stride `n`) = A·B + β·C with A and B rounded to bf16 and f32 accumulation, on AMX
+/// tiles; `bp` is B packed by [`super::bf16::pack_b`] with `kp_pad` pairs per panel.
+///
+/// # Safety
+/// [`request_tiles`] must have returned true and the CPU must have AVX512-F/BW. `a` holds every
+/// element `(row, kk)` at `row·rsa + kk·csa` for row < m, kk < k; `c` holds m·n values.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn gemm(
+    (m, k, n): (usize, usize, usize),
+    a: &[f32],
+    (rsa, csa): (usize, usize),
+    bp: &[u32],
+    kp_pad: usize,
+    beta: f32,
+    c: &mut [f32],
+) {
+    use rayon::prelude::*;
+    let steps = kp_pad / PAIRS;
+    let (tm, tn) = super::cpu::gemm::gemm_grid(m, n, k, rayon::current_num_threads());
+    let rows = m.div_ceil(tm).div_ceil(ROWS) * ROWS;
+    let cols = n.div_ceil(tn).div_ceil(32) * 32;
+    let cp = c.as_mut_ptr() as usize;
+    let task = |t: usize| {
+        let (i0, j0) = ((t / tn) * rows, (t % tn) * cols);
+        if i0 >= m || j0 >= n {
+            return;
+        }
+        let (mr, nc) = (rows.min(m - i0), cols.min(n - j0));
+        let blocks = mr.div_ceil(ROWS);
+        let mut ap = vec![0u32; blocks * steps * A_STEP];
+        for (blk, packed) in ap.chunks_mut(steps * A_STEP).enumerate() {
+            let r0 = i0 + blk * ROWS;
+            // SAFETY: the caller's CPU has AMX, and with it AVX-512 and AVX512-BF16.
+            unsafe { pack_a_block(&a[r0 * rsa..], (rsa, csa), ROWS.min(m - r0), k, packed) };
+        }
+        let _tiles = Tiles::configure();
+        let mut scratch = Scratch([0f32; ROWS * 32]);
+        for kb in (0..steps).step_by(KSTEPS) {
+            let ks = KSTEPS.min(steps - kb);
+            let add_to_c = kb > 0 || beta != 0.0;
+            for blk in 0..blocks {
+                let r0 = i0 + blk * ROWS;
+                let live_rows = ROWS.min(m - r0);
+                let a_blk = ap.as_ptr().add((blk * steps + kb) * A_STEP);
+                for j in (j0..j0 + nc).step_by(32) {
+                    let live_cols = 32.min(n - j);
+                    let b_blk = bp.as_ptr().add(((j / 32) * kp_pad + kb * PAIRS) * 32);
+                    let dst = (cp as *mut f32).add(r0 * n + j);
+                    if live_rows == ROWS && live_cols == 32 {
+                        block(ks, a_blk, b_blk, dst, n, add_to_c);
+                    } else {
+                        let s = scratch.0.as_mut_ptr();
+                        block(ks, a_blk, b_blk, s, 32, false);
+                        for r in 0..live_rows {
+                            for col in 0..live_cols {
+                                let d = dst.add(r * n + col);
+                                let v = *s.add(r * 32 + col);
+                                *d = if add_to_c { *d + v } else { v };
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    };
+    assert!(beta == 0.0 || beta == 1.0, "the AMX GEMM takes β = 0 or 1");
+    match tm * tn {
+        1 => task(0),
+        tasks => (0..tasks).into_par_iter().for_each(task),
+    }
+}
+
+/// A 32×32 f32 block, aligned for tile stores.
+#[cfg(target_arch = "x86_64")]
+#[repr(C, align(64))]
+struct Scratch([f32; ROWS * 32]);
+
+/// `rows` (≤ 32) rows of A from `a` (row `r`, value `kk` at `r·rsa + kk·csa`) rounded to bf16 and
+/// packed as pieces of [32 rows][16 pairs], one per 32 values of K; rows past `rows` and pairs
+/// past K are zero.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW and AVX512-BF16.
+#[cfg(target_arch = "x86_64")]
+unsafe fn pack_a_block(
+    a: &[f32],
+    (rsa, csa): (usize, usize),
+    rows: usize,
+    k: usize,
+    out: &mut [u32],
+) {
+    use super::bf16::{pack_pairs, pairs_of};
+    out.fill(0);
+    if csa == 1 {
+        // Row-major: a row's 32 values of one K step are one tile row.
+        for r in 0..rows {
+            let row = &a[r * rsa..][..k];
+            for (s, piece) in row.chunks(32).zip(out.chunks_mut(A_STEP)) {
+                pairs_of(s, &mut piece[r * PAIRS..][..PAIRS]);
+            }
+        }
+    } else if rsa == 1 {
+        // Column-major (the weight gradient's transposed operand): 32 rows of one K value are
+        // contiguous. Pair two K values across the rows, then turn [pair][row] into [row][pair].
+        let zeros = [0f32; ROWS];
+        let mut across = [0u32; PAIRS * ROWS];
+        for (s, piece) in out.chunks_mut(A_STEP).enumerate() {
+            let column = |kk: usize| {
+                if kk < k {
+                    &a[kk * csa..][..rows]
+                } else {
+                    &zeros[..rows]
+                }
+            };
+            for (q, lanes) in across.chunks_mut(ROWS).enumerate() {
+                let kk = s * 32 + 2 * q;
+                pack_pairs(column(kk), column(kk + 1), &mut lanes[..rows]);
+            }
+            for r in 0..rows {
+                for q in 0..PAIRS {
+                    piece[r * PAIRS + q] = across[q * ROWS + r];
+                }
+            }
+        }
+    } else {
+        // Any other strides: element by element.
+        use super::bf16::bf16_bits;
+        for kk in 0..k {
+            let (s, q, half) = (kk / 32, (kk % 32) / 2, (kk % 2) * 16);
+            for r in 0..rows {
+                out[s * A_STEP + r * PAIRS + q] |=
+                    u32::from(bf16_bits(a[r * rsa + kk * csa])) << half;
+            }
+        }
+    }
+}
+
+/// One 32×32 block of C over `steps` steps of 32 K values: C tiles loaded from `c` when
+/// `accumulate` (else zero), four tile products a step, stored back to `c` (row stride `ldc`).
+///
+/// # Safety
+/// Tiles configured ([`Tiles::configure`]); `a` holds `steps` packed A pieces, `b` a B panel
+/// from the block's first pair with `steps · 16` pair rows of 32 columns; `c` a 32×32 block.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn block(
+    steps: usize,
+    a: *const u32,
+    b: *const u32,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
+    use std::arch::asm;
+    let ldc_bytes = ldc * 4;
+    let c_lo = c.add(16 * ldc);
+    if accumulate {
+        asm!(
+            "tileloadd tmm0, [{c} + {s}*1]",
+            "tileloadd tmm1, [{c} + {s}*1 + 64]",
+            "tileloadd tmm2, [{c2} + {s}*1]",
+            "tileloadd tmm3, [{c2} + {s}*1 + 64]",
+            c = in(reg) c, c2 = in(reg) c_lo, s = in(reg) ldc_bytes,
+            options(nostack, readonly),
+        );
+    } else {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            options(nostack, nomem),
+        );
+    }
+    // A: two 16-row tiles a step, 1 KB apart, rows 64 bytes apart; B: the panel's left and right
+    // 16 columns, rows (pairs of K) 128 bytes apart, 2 KB per step.
+    asm!(
+        "2:",
+        "tileloadd tmm4, [{a} + {sa}*1]",
+        "tileloadd tmm6, [{b} + {sb}*1]",
+        "tileloadd tmm7, [{b} + {sb}*1 + 64]",
+        "tdpbf16ps tmm0, tmm4, tmm6",
+        "tileloadd tmm5, [{a} + {sa}*1 + 1024]",
+        "tdpbf16ps tmm1, tmm4, tmm7",
+        "tdpbf16ps tmm2, tmm5, tmm6",
+        "tdpbf16ps tmm3, tmm5, tmm7",
+        "add {a}, 2048",
+        "add {b}, 2048",
+        "dec {n}",
+        "jnz 2b",
+        a = inout(reg) a => _, b = inout(reg) b => _, n = inout(reg) steps => _,
+        sa = in(reg) 64usize, sb = in(reg) 128usize,
+        options(nostack, readonly),
+    );
+    asm!(
+        "tilestored [{c} + {s}*1], tmm0",
+        "tilestored [{c} + {s}*1 + 64], tmm1",
+        "tilestored [{c2} + {s}*1], tmm2",
+        "tilestored [{c2} + {s}*1 + 64], tmm3",
+        c = in(reg) c, c2 = in(reg) c_lo, s = in(reg) ldc_bytes,
+        options(nostack),
+    );
+}
+
+/// FLOP one round of [`peak_loop`] does: four 16×16 outputs, 32 multiply-adds each.
+pub const PEAK_FLOP_PER_ROUND: f64 = 4.0 * 16.0 * 16.0 * 32.0 * 2.0;
+
+/// The machine's AMX peak: `n` rounds of four independent tile products on tiles already in
+/// registers (no memory traffic), the AMX counterpart of the bench's FMA loop. A and B tiles hold
+/// 1.0 and 0.5, so every round adds 16 to each output; returns the first one (16·n).
+///
+/// # Safety
+/// [`request_tiles`] must have returned true.
+#[cfg(target_arch = "x86_64")]
+pub unsafe fn peak_loop(n: u64) -> f32 {
+    use std::arch::asm;
+    #[repr(C, align(64))]
+    struct Tile([u32; 256]);
+    let _tiles = Tiles::configure();
+    let ones = Tile([0x3F80_3F80; 256]);
+    let halves = Tile([0x3F00_3F00; 256]);
+    let mut out = Scratch([0f32; ROWS * 32]);
+    asm!(
+        "tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3",
+        "tileloadd tmm4, [{a} + {s}*1]",
+        "tileloadd tmm5, [{a} + {s}*1]",
+        "tileloadd tmm6, [{b} + {s}*1]",
+        "tileloadd tmm7, [{b} + {s}*1]",
+        "2:",
+        "tdpbf16ps tmm0, tmm4, tmm6",
+        "tdpbf16ps tmm1, tmm4, tmm7",
+        "tdpbf16ps tmm2, tmm5, tmm6",
+        "tdpbf16ps tmm3, tmm5, tmm7",
+        "dec {n}",
+        "jnz 2b",
+        "tilestored [{o} + {s}*1], tmm0",
+        a = in(reg) ones.0.as_ptr(), b = in(reg) halves.0.as_ptr(), o = in(reg) out.0.as_mut_ptr(),
+        s = in(reg) 64usize, n = inout(reg) n.max(1) => _,
+        options(nostack),
+    );
+    out.0[0]
+}
