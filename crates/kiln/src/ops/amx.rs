@@ -188,8 +188,8 @@ pub(super) unsafe fn gemm(
 struct Scratch([f32; ROWS * 32]);
 
 /// `rows` (≤ 32) rows of A from `a` (row `r`, value `kk` at `r·rsa + kk·csa`) rounded to bf16 and
-/// packed as pieces of [32 rows][16 pairs], one per 32 values of K; rows past `rows` and pairs
-/// past K are zero.
+/// packed as pieces of [32 rows][16 pairs], one per 32 values of K, into `out`, which is zero
+/// (rows past `rows` and pairs past K stay so).
 ///
 /// # Safety
 /// The CPU must have AVX-512 F/BW and AVX512-BF16.
@@ -202,7 +202,6 @@ unsafe fn pack_a_block(
     out: &mut [u32],
 ) {
     use super::bf16::{pack_pairs, pairs_of};
-    out.fill(0);
     if csa == 1 {
         // Row-major: a row's 32 values of one K step are one tile row.
         for r in 0..rows {
@@ -285,7 +284,8 @@ unsafe fn block(
         );
     }
     // A: two 16-row tiles a step, 1 KB apart, rows 64 bytes apart; B: the panel's left and right
-    // 16 columns, rows (pairs of K) 128 bytes apart, 2 KB per step.
+    // 16 columns, rows (pairs of K) 128 bytes apart, 2 KB per step. A block of A stays in L1
+    // across the panels of B, which come from L2: the step after next is prefetched.
     asm!(
         "2:",
         "tileloadd tmm4, [{a} + {sa}*1]",
@@ -296,6 +296,38 @@ unsafe fn block(
         "tdpbf16ps tmm1, tmm4, tmm7",
         "tdpbf16ps tmm2, tmm5, tmm6",
         "tdpbf16ps tmm3, tmm5, tmm7",
+        "prefetcht0 [{b} + 4096]",
+        "prefetcht0 [{b} + 4160]",
+        "prefetcht0 [{b} + 4224]",
+        "prefetcht0 [{b} + 4288]",
+        "prefetcht0 [{b} + 4352]",
+        "prefetcht0 [{b} + 4416]",
+        "prefetcht0 [{b} + 4480]",
+        "prefetcht0 [{b} + 4544]",
+        "prefetcht0 [{b} + 4608]",
+        "prefetcht0 [{b} + 4672]",
+        "prefetcht0 [{b} + 4736]",
+        "prefetcht0 [{b} + 4800]",
+        "prefetcht0 [{b} + 4864]",
+        "prefetcht0 [{b} + 4928]",
+        "prefetcht0 [{b} + 4992]",
+        "prefetcht0 [{b} + 5056]",
+        "prefetcht0 [{b} + 5120]",
+        "prefetcht0 [{b} + 5184]",
+        "prefetcht0 [{b} + 5248]",
+        "prefetcht0 [{b} + 5312]",
+        "prefetcht0 [{b} + 5376]",
+        "prefetcht0 [{b} + 5440]",
+        "prefetcht0 [{b} + 5504]",
+        "prefetcht0 [{b} + 5568]",
+        "prefetcht0 [{b} + 5632]",
+        "prefetcht0 [{b} + 5696]",
+        "prefetcht0 [{b} + 5760]",
+        "prefetcht0 [{b} + 5824]",
+        "prefetcht0 [{b} + 5888]",
+        "prefetcht0 [{b} + 5952]",
+        "prefetcht0 [{b} + 6016]",
+        "prefetcht0 [{b} + 6080]",
         "add {a}, 2048",
         "add {b}, 2048",
         "dec {n}",
