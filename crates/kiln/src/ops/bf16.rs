@@ -108,7 +108,11 @@ pub(super) unsafe fn pack_pairs(lo: &[f32], hi: &[f32], out: &mut [u32]) {
         _mm512_storeu_si512(out.as_mut_ptr().add(16 * i).cast(), pairs);
     }
     let rest = 16 * whole..len;
-    for ((o, &l), &h) in out[rest.clone()].iter_mut().zip(&lo[rest.clone()]).zip(&hi[rest]) {
+    for ((o, &l), &h) in out[rest.clone()]
+        .iter_mut()
+        .zip(&lo[rest.clone()])
+        .zip(&hi[rest])
+    {
         *o = pair(l, h);
     }
 }
