@@ -109,8 +109,8 @@ impl Drop for Tiles {
     }
 }
 
-/// C[m×n] (row stride `n`) = A·B + β·C with A and B rounded to bf16 and f32 accumulation, on AMX
-/// tiles; `bp` is B packed by [`super::bf16::pack_b`] with `kp_pad` pairs per panel.
+/// C[m×n] (row stride `n`) = A·B + β·C (β 0 or 1, as [`super::bf16::gemm_bf16_with`] asserts)
+/// with A and B rounded to bf16 and f32 accumulation, on AMX tiles; `bp` is B packed by [`super::bf16::pack_b`] with `kp_pad` pairs per panel.
 ///
 /// # Safety
 /// [`request_tiles`] must have returned true and the CPU must have AVX512-F/BW. `a` holds every
@@ -175,7 +175,6 @@ pub(super) unsafe fn gemm(
             }
         }
     };
-    assert!(beta == 0.0 || beta == 1.0, "the AMX GEMM takes β = 0 or 1");
     match tm * tn {
         1 => task(0),
         tasks => (0..tasks).into_par_iter().for_each(task),
