@@ -9,8 +9,40 @@ use crate::{hf_flags, Cli};
 /// transformers flags `train` took that clap does not parse (see hf_flags.rs).
 pub static HF_FLAGS: std::sync::OnceLock<hf_flags::HfFlags> = std::sync::OnceLock::new();
 
-/// The program's arguments (`std::env::args()`) as clap is to parse them; the transformers flags
-/// taken out of them are left in [`HF_FLAGS`].
+/// The program's arguments (`std::env::args_os()`) as clap is to parse them; the transformers
+/// flags taken out of them are left in [`HF_FLAGS`]. An argument that is not UTF-8 (a file name
+/// in another encoding) passes through as it is: clap takes it as a path, or says in one
+/// sentence that the option needs UTF-8.
+pub fn prepare_os(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    // Each non-UTF-8 argument stands in the string pass as a placeholder no real argument holds
+    // (U+E002 is private-use), and is put back after it.
+    let mut raw = Vec::new();
+    let strings: Vec<String> = args
+        .into_iter()
+        .map(|a| match a.into_string() {
+            Ok(s) => s,
+            Err(os) => {
+                raw.push(os);
+                format!("\u{E002}kiln-raw-arg-{}", raw.len() - 1)
+            }
+        })
+        .collect();
+    prepare(strings)
+        .into_iter()
+        .map(|a| {
+            match a
+                .strip_prefix("\u{E002}kiln-raw-arg-")
+                .and_then(|i| i.parse::<usize>().ok())
+                .and_then(|i| raw.get(i))
+            {
+                Some(os) => os.clone(),
+                None => a.into(),
+            }
+        })
+        .collect()
+}
+
+/// [`prepare_os`] on arguments that are UTF-8.
 pub fn prepare(args: Vec<String>) -> Vec<String> {
     // Flags before a `--` are normalised; a launched worker's own arguments pass through untouched.
     let mut after_dashes = false;

@@ -117,6 +117,21 @@ fn run(mut cli: Cli, matches: &ArgMatches) -> Result<()> {
             | Command::Generate(_)
             | Command::Bench(_)
     ) {
+        // merge and convert compute on the host whatever --device says: a GPU asked for is
+        // refused rather than silently unused. launch hands it to its workers.
+        if spec != DeviceSpec::Cpu && matches!(cli.command, Command::Merge(_) | Command::Convert(_))
+        {
+            anyhow::bail!(
+                "--device {}: `kiln {}` runs on the CPU only (it reads, adds and writes weights); \
+                 leave --device out",
+                cli.device,
+                if matches!(cli.command, Command::Merge(_)) {
+                    "merge"
+                } else {
+                    "convert"
+                }
+            );
+        }
         return run_on::<Cpu>(cli, matches, &CpuDevice::default());
     }
     spec.check_available()?;
@@ -160,7 +175,7 @@ where
         Command::Train(cmd) => train::run::<B>(&cmd, matches, &cli.device, device),
         Command::Eval(cmd) => eval::run::<B>(cmd, &cli.device, device),
         Command::Bench(cmd) => bench::run::<B>(cmd, cli.threads, &cli.device, device),
-        Command::Launch(cmd) => launch::run(cmd),
+        Command::Launch(cmd) => launch::run(cmd, &cli.device),
         Command::Precompile(cmd) => precompile::run(&cli.device, cli.threads, &cmd),
         Command::Convert(cmd) => convert::run(cmd),
         Command::Merge(cmd) => merge::run(cmd),
@@ -194,7 +209,7 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_target(false)
         .init();
-    let argv = argv::prepare(std::env::args().collect());
+    let argv = argv::prepare_os(std::env::args_os().collect());
     let matches = Cli::command().get_matches_from(argv);
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(c) => c,

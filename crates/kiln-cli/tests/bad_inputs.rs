@@ -83,7 +83,8 @@ fn tiny_llama(dir: &Path, minilm: &Path) {
     .unwrap();
 }
 
-/// A copy of a model folder with a case's `patch` applied: `config` keys merged into config.json,
+/// A copy of a model folder with a case's `patch` applied: `config` keys merged into config.json
+/// (`adapter_config` keys into adapter_config.json),
 /// `remove` files deleted, `write` files written (text), `nan_weights` (one tensor made NaN),
 /// `rename_prefix` [from, to] on every tensor name.
 fn patched_model(base: &Path, patch: &Value, into: &Path) -> PathBuf {
@@ -94,6 +95,14 @@ fn patched_model(base: &Path, patch: &Value, into: &Path) -> PathBuf {
     }
     if let Some(cfg) = patch.get("config").and_then(Value::as_object) {
         let path = into.join("config.json");
+        let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        for (k, v) in cfg {
+            c[k] = v.clone();
+        }
+        std::fs::write(&path, c.to_string()).unwrap();
+    }
+    if let Some(cfg) = patch.get("adapter_config").and_then(Value::as_object) {
+        let path = into.join("adapter_config.json");
         let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         for (k, v) in cfg {
             c[k] = v.clone();
@@ -319,11 +328,13 @@ impl Fixture {
     }
 
     /// The model folder a case's `patch` starts from (its `base`).
-    fn base(&self, name: &str) -> &Path {
+    fn base(&self, name: &str) -> PathBuf {
         match name {
-            "tiny_bert" => &self.tiny_bert,
-            "tiny_llama" => &self.tiny_llama,
-            "minilm" => &self.minilm,
+            "tiny_bert" => self.tiny_bert.clone(),
+            "tiny_llama" => self.tiny_llama.clone(),
+            "minilm" => self.minilm.clone(),
+            // A PEFT folder (a BERT classifier's adapter, written by PEFT 0.21).
+            "peft_adapter" => self.corpus.join("data/adapter_other_model"),
             other => panic!("unknown base model {other}"),
         }
     }
@@ -354,7 +365,7 @@ impl Fixture {
         std::fs::create_dir_all(&dir).unwrap();
         let base = case
             .get("patch")
-            .map(|p| self.base(p["base"].as_str().unwrap()).to_path_buf());
+            .map(|p| self.base(p["base"].as_str().unwrap()));
         let model = case
             .get("patch")
             .map(|p| patched_model(base.as_deref().unwrap(), p, &dir.join("model")));
@@ -637,4 +648,59 @@ fn every_bad_input_ends_in_one_clear_sentence() {
         "the corpus shrank to {} cases",
         t.cases
     );
+}
+
+/// Arguments that are not UTF-8 (a file name in Latin-1, a prompt cut mid-character) end in one
+/// sentence, never a panic: a path is taken as the bytes it is and named lossily when missing; an
+/// option that needs text says so.
+#[test]
+fn arguments_that_are_not_utf8_end_in_one_sentence() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+    let dir = tempfile::tempdir().unwrap();
+    let latin1 = dir.path().join(OsStr::from_bytes(b"caf\xe9.csv"));
+    let cases: Vec<(Vec<&OsStr>, &str)> = vec![
+        (
+            vec![
+                OsStr::new("train"),
+                OsStr::new("--model"),
+                latin1.as_os_str(),
+                OsStr::new("--train-file"),
+                latin1.as_os_str(),
+            ],
+            "caf\u{FFFD}.csv",
+        ),
+        (
+            vec![
+                OsStr::new("generate"),
+                OsStr::new("--model"),
+                OsStr::new("nowhere"),
+                OsStr::new("--prompt"),
+                OsStr::from_bytes(b"caf\xe9"),
+            ],
+            "invalid UTF-8",
+        ),
+        (
+            vec![
+                OsStr::new("merge"),
+                OsStr::new("--model"),
+                latin1.as_os_str(),
+                OsStr::new("--adapter"),
+                latin1.as_os_str(),
+                OsStr::new("--out"),
+                OsStr::from_bytes(b"out\xff"),
+            ],
+            "caf\u{FFFD}.csv",
+        ),
+    ];
+    for (args, expect) in cases {
+        let o = kiln().args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            matches!(o.status.code(), Some(1 | 2)) && !err.contains("panicked"),
+            "{args:?}: exit {:?}\n{err}",
+            o.status
+        );
+        assert!(err.contains(expect), "{args:?}: {err}");
+    }
 }

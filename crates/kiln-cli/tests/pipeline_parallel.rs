@@ -570,7 +570,7 @@ fn checkpointing_inside_a_stage_changes_nothing() {
 
 /// `kiln eval --task causal-lm` under a pipeline gives one process's loss and perplexity on a
 /// trained model: PP = 2 (default and uneven cuts), TP = 2 × PP = 2 and PP = 2 × DP = 2; the last
-/// stage computes the result and writes it. `kiln generate` under a pipeline decodes one
+/// stage computes the result, and rank 0 shows and writes it. `kiln generate` under a pipeline decodes one
 /// process's tokens, greedy and sampled.
 #[test]
 fn evaluation_and_generation_under_a_pipeline_equal_one_process() {
@@ -593,6 +593,13 @@ fn evaluation_and_generation_under_a_pipeline_equal_one_process() {
         let o = c.output().unwrap();
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(o.status.success(), "{name}: {err}");
+        // The metrics are shown too: the launcher shows rank 0's output, and under a pipeline
+        // the last stage hands them to the first.
+        let shown = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            shown.contains("\"eval_loss\""),
+            "{name}: no metrics shown: {shown}"
+        );
         serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap()
     };
     let one = eval("one", kiln_one_thread(), &[]);

@@ -181,6 +181,11 @@ pub fn kernel_compilations() -> Option<(u64, u64)> {
 
 /// Size in bytes and file count of the kernel cache.
 pub fn kernel_cache_usage() -> (u64, usize) {
+    folder_usage(&kernel_cache_dir())
+}
+
+/// Size in bytes and file count of the files under `dir` (symlinks not followed).
+fn folder_usage(dir: &std::path::Path) -> (u64, usize) {
     fn walk(p: &std::path::Path, acc: &mut (u64, usize)) {
         let Ok(entries) = std::fs::read_dir(p) else {
             return;
@@ -197,19 +202,60 @@ pub fn kernel_cache_usage() -> (u64, usize) {
         }
     }
     let mut acc = (0, 0);
-    walk(&kernel_cache_dir(), &mut acc);
+    walk(dir, &mut acc);
     acc
 }
 
-/// Empties the kernel cache; returns what it held.
-pub fn clean_kernel_cache() -> Result<(u64, usize)> {
-    let usage = kernel_cache_usage();
-    let dir = kernel_cache_dir();
-    match std::fs::remove_dir_all(&dir) {
-        Ok(()) => Ok(usage),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok((0, 0)),
-        Err(e) => Err(KilnError::io(&dir, e)),
+/// Whether a name in the cache folder is one of kiln's build folders (`kiln-<version>-<16 hex
+/// digits>`, see `build_key`): `KILN_CACHE_DIR` may point at a folder that holds other things.
+fn is_build_folder(name: &str) -> bool {
+    name.strip_prefix("kiln-")
+        .and_then(|rest| rest.rsplit_once('-'))
+        .is_some_and(|(version, hash)| {
+            !version.is_empty() && hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit())
+        })
+}
+
+/// What [`clean_kernel_cache`] did.
+#[derive(Debug, Default)]
+pub struct CacheCleaned {
+    /// Bytes and files removed.
+    pub bytes: u64,
+    pub files: usize,
+    /// Entries of the cache folder that are not kiln's, left as they were.
+    pub kept: Vec<String>,
+}
+
+/// Deletes kiln's compiled kernels and autotune results: the build folders kiln wrote in
+/// [`kernel_cache_dir`], nothing else there (the folder may be a user's, through `KILN_CACHE_DIR`).
+pub fn clean_kernel_cache() -> Result<CacheCleaned> {
+    clean_cache_folder(&kernel_cache_dir())
+}
+
+fn clean_cache_folder(dir: &std::path::Path) -> Result<CacheCleaned> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(CacheCleaned::default()),
+        Err(e) => return Err(KilnError::io(dir, e)),
+    };
+    let mut done = CacheCleaned::default();
+    for entry in entries {
+        let entry = entry.map_err(|e| KilnError::io(dir, e))?;
+        let name = entry.file_name().to_string_lossy().to_string();
+        let path = entry.path();
+        // A symlink is never followed out of the cache, even when it has a build folder's name.
+        let real_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+        if !(real_dir && is_build_folder(&name)) {
+            done.kept.push(name);
+            continue;
+        }
+        let (bytes, files) = folder_usage(&path);
+        std::fs::remove_dir_all(&path).map_err(|e| KilnError::io(&path, e))?;
+        done.bytes += bytes;
+        done.files += files;
     }
+    done.kept.sort();
+    Ok(done)
 }
 
 /// How long CubeCL itself lets a cache lock stand before it takes it over (`cubecl-common`'s
@@ -266,6 +312,38 @@ pub fn clear_kernel_cache_locks(min_age: std::time::Duration) -> Result<(usize, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cleaning_the_cache_removes_only_kilns_build_folders() {
+        let dir = tempfile::tempdir().unwrap();
+        let build = dir.path().join("kiln-0.1.0-0123456789abcdef");
+        std::fs::create_dir_all(build.join("compiled")).unwrap();
+        std::fs::write(build.join("compiled/k.ptx"), b"ptx").unwrap();
+        // What a user keeps in the folder KILN_CACHE_DIR names, kiln-like names included.
+        std::fs::write(dir.path().join("notes.txt"), b"mine").unwrap();
+        std::fs::create_dir(dir.path().join("kiln-data")).unwrap();
+        std::fs::create_dir(dir.path().join("outside")).unwrap();
+        std::fs::write(dir.path().join("outside/keep"), b"mine").unwrap();
+        std::os::unix::fs::symlink(
+            dir.path().join("outside"),
+            dir.path().join("kiln-0.2.0-fedcba9876543210"),
+        )
+        .unwrap();
+        let done = clean_cache_folder(dir.path()).unwrap();
+        assert_eq!((done.files, done.bytes), (1, 3));
+        assert!(!build.exists());
+        assert_eq!(
+            done.kept,
+            [
+                "kiln-0.2.0-fedcba9876543210",
+                "kiln-data",
+                "notes.txt",
+                "outside"
+            ]
+        );
+        assert!(dir.path().join("outside/keep").exists());
+        assert!(dir.path().join("notes.txt").exists());
+    }
 
     #[test]
     fn device_specs_parse() {

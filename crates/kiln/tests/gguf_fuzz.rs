@@ -440,6 +440,8 @@ fn survives(dir: &Path, bytes: Vec<u8>) {
             "{e}"
         );
     }
+    // A fresh --out each time: a folder a conversion filled is refused before parsing.
+    let _ = std::fs::remove_dir_all(dir.join("out"));
     let converted = gguf_to_hf(&path, &dir.join("out"), StoreDtype::BF16);
     if let Err(e) = &converted {
         assert!(
@@ -489,6 +491,8 @@ fn every_field_at_every_extreme() {
             b[*at..at + width].copy_from_slice(&v.to_le_bytes()[..*width]);
             let path = write(dir.path(), "m.gguf", &b);
             let r = std::panic::catch_unwind(|| {
+                // A fresh --out each time: a folder a conversion filled is refused before parsing.
+                let _ = std::fs::remove_dir_all(dir.path().join("out"));
                 let _ = gguf_to_hf(&path, &dir.path().join("out"), StoreDtype::F32);
             });
             assert!(r.is_ok(), "{label} = {v} panicked");

@@ -79,7 +79,9 @@ where
     let threads =
         threads_flag.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     // Each row re-runs this binary with the same options plus `--row KEY`.
-    let mut row_command: Vec<String> = std::env::args().collect();
+    let mut row_command: Vec<String> = std::env::args_os()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
     row_command[0] = std::env::current_exe()?.display().to_string();
     if threads_flag.is_none() {
         row_command.insert(1, format!("--threads={threads}"));

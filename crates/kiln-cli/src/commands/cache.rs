@@ -7,7 +7,7 @@ use clap::Subcommand;
 pub enum CacheAction {
     /// Where the cache is and how much it holds.
     Info,
-    /// Delete every cached kernel and autotune result.
+    /// Delete the compiled kernels and autotune results kiln cached (only kiln's own folders).
     Clean,
     /// Remove lock files left by killed runs (older than --older-than seconds), which make later
     /// runs wait.
@@ -29,16 +29,25 @@ pub fn run(action: CacheAction) -> Result<()> {
         );
         return Ok(());
     }
-    let (bytes, files) = match action {
-        CacheAction::Clean => kiln::backend::clean_kernel_cache()?,
-        _ => kiln::backend::kernel_cache_usage(),
-    };
-    let verb = match action {
-        CacheAction::Clean => "removed",
-        _ => "holds",
-    };
+    if let CacheAction::Clean = action {
+        let done = kiln::backend::clean_kernel_cache()?;
+        println!(
+            "{}: removed {} files, {:.1} MiB of compiled kernels and autotune results",
+            dir.display(),
+            done.files,
+            done.bytes as f64 / (1 << 20) as f64
+        );
+        if !done.kept.is_empty() {
+            tracing::info!(
+                "kept what kiln did not write there: {}",
+                done.kept.join(", ")
+            );
+        }
+        return Ok(());
+    }
+    let (bytes, files) = kiln::backend::kernel_cache_usage();
     println!(
-        "{}: {verb} {files} files, {:.1} MiB",
+        "{}: holds {files} files, {:.1} MiB",
         dir.display(),
         bytes as f64 / (1 << 20) as f64
     );

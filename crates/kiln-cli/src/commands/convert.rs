@@ -106,11 +106,17 @@ fn model_config(model: &std::path::Path) -> Result<std::path::PathBuf> {
     let v: serde_json::Value = serde_json::from_slice(&bytes)
         .with_context(|| format!("{}: not valid JSON", adapter_config.display()))?;
     let base = v["base_model_name_or_path"].as_str().unwrap_or_default();
-    let base_config = std::path::Path::new(base).join("config.json");
+    // A Hub id (as PEFT records a base from the Hub) is looked up in the Hub cache, or fetched.
+    let base_dir = if base.is_empty() {
+        std::path::PathBuf::new()
+    } else {
+        kiln::hub::remote::resolve(std::path::Path::new(base), kiln::hub::remote::Need::Config)?
+    };
+    let base_config = base_dir.join("config.json");
     if base.is_empty() || !base_config.exists() {
         bail!(
-            "{}: base_model_name_or_path {base:?} is not a local model folder, so the adapter's \
-             cut is unknown; copy the base model's config.json into {}",
+            "{}: base_model_name_or_path {base:?} is neither a local model folder nor a Hub \
+             model, so the adapter's cut is unknown; copy the base model's config.json into {}",
             adapter_config.display(),
             model.display()
         );

@@ -69,7 +69,7 @@ pub fn run<B: kiln::ops::KilnBackend>(
         )?;
         let (out, reports) =
             causal_lm::eval_layout::<B>(&opts, cmd.per_device_eval_batch_size, &layout, device)?;
-        // The rank that computed the result writes it (under a pipeline, the last stage's).
+        // The world's first rank writes the result (under a pipeline, the last stage sent it there).
         if !reports {
             return Ok(());
         }

@@ -79,12 +79,34 @@ pub enum LaunchBackend {
     Mpi,
 }
 
-pub fn run(cmd: LaunchCmd) -> Result<()> {
+/// Runs the workers; `device` is the launcher's global `--device`, which kiln workers take too
+/// (`kiln --device cuda launch ... -- train ...` trains on GPUs). Threads are not passed on: the
+/// launcher gives each worker its share of the cores.
+pub fn run(cmd: LaunchCmd, device: &str) -> Result<()> {
     // A kiln subcommand (`train ...`) runs this binary; anything else is a program.
     let is_subcommand = Cli::command().find_subcommand(&cmd.command[0]).is_some();
     let (program, args) = if is_subcommand {
-        (std::env::current_exe()?, cmd.command.clone())
+        let mut args = Vec::new();
+        let worker_sets = |flag: &str| {
+            cmd.command
+                .iter()
+                .take_while(|a| *a != "--")
+                .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
+        };
+        // The worker's own --device wins (clap takes it once).
+        if device != "cpu" && !worker_sets("--device") {
+            args.push(format!("--device={device}"));
+        }
+        args.extend(cmd.command.iter().cloned());
+        (std::env::current_exe()?, args)
     } else {
+        if device != "cpu" {
+            bail!(
+                "--device {device}: the launcher passes it to kiln's own workers (`train ...`), \
+                 not to {}; give the program its own device option",
+                cmd.command[0]
+            );
+        }
         (PathBuf::from(&cmd.command[0]), cmd.command[1..].to_vec())
     };
     let backend = cmd.backend;

@@ -65,6 +65,10 @@ pub enum ChatTemplateError {
     /// The messages, tools or template variables cannot be given to the template.
     #[error("{0}")]
     Input(String),
+    /// The rendered text grew past the cap on text kiln tokenizes (a template that expands
+    /// without end would otherwise take all memory, or abort the tokenizer).
+    #[error("the chat template{} rendered more than {cap} bytes for one conversation, the cap on text kiln tokenizes in one piece; set {var}=N to raise it", origin.as_ref().map_or(String::new(), |p| format!(" of {}", p.display())), var = crate::data::tokenize::MAX_TEXT_BYTES_VAR)]
+    TooLong { origin: Option<PathBuf>, cap: usize },
 }
 
 /// One chat message: its role, its content and any other keys (`tool_calls`, `name`,
@@ -127,6 +131,8 @@ impl Rendered {
 pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,
+    /// The file the template was read from, named in errors.
+    origin: Option<PathBuf>,
     has_generation: bool,
     variables: BTreeMap<String, Json>,
 }
@@ -212,6 +218,7 @@ impl ChatTemplate {
         let template = ChatTemplate {
             env,
             source: source.to_string(),
+            origin: None,
             has_generation: generation_tags > 0,
             variables,
         };
@@ -269,6 +276,11 @@ impl ChatTemplate {
         };
         let tokens = special_tokens(dir)?;
         let mut template = ChatTemplate::new(&source, None, None)?;
+        template.origin = Some(if jinja_path.is_file() {
+            jinja_path
+        } else {
+            config_path
+        });
         for (name, value) in tokens {
             template = template.with_variable(&name, Json::String(value))?;
         }
@@ -352,13 +364,27 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| ChatTemplateError::Compile(describe(&e)))?;
-        let raw =
-            template
-                .render(Value::from_pairs(ctx))
-                .map_err(|e| ChatTemplateError::Render {
-                    line: e.line(),
-                    message: describe(&e),
-                })?;
+        let cap = crate::data::tokenize::max_text_bytes();
+        let mut out = CappedText {
+            text: Vec::new(),
+            cap,
+            over: false,
+        };
+        let rendered = template.render_captured_to(Value::from_pairs(ctx), &mut out);
+        if out.over {
+            return Err(ChatTemplateError::TooLong {
+                origin: self.origin.clone(),
+                cap,
+            });
+        }
+        rendered.map_err(|e| ChatTemplateError::Render {
+            line: e.line(),
+            message: describe(&e),
+        })?;
+        let raw = String::from_utf8(out.text).map_err(|_| ChatTemplateError::Render {
+            line: None,
+            message: "the rendered text is not UTF-8".into(),
+        })?;
         split_generation_spans(&raw)
     }
 
@@ -367,6 +393,29 @@ impl ChatTemplate {
         if contains_sentinel(&all) {
             return Err(sentinel_error("a special token"));
         }
+        Ok(())
+    }
+}
+
+/// The rendered text, refused past `cap` bytes: a write that would pass it fails, which stops
+/// the render there.
+struct CappedText {
+    text: Vec<u8>,
+    cap: usize,
+    over: bool,
+}
+
+impl std::io::Write for CappedText {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.text.len() + buf.len() > self.cap {
+            self.over = true;
+            return Err(std::io::Error::other("over the cap"));
+        }
+        self.text.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
 }

@@ -85,6 +85,9 @@ impl LmBlocks {
 
     /// `docs` tokenized and concatenated, each followed by `eos` (unless it already ends with it).
     pub fn token_stream(tok: &Tokenizer, docs: &[String], eos: Option<u32>) -> Result<Vec<u32>> {
+        for doc in docs {
+            crate::data::tokenize::check_text_size(doc, "a document")?;
+        }
         let enc = tok
             .encode_batch(docs.iter().map(String::as_str).collect::<Vec<_>>(), true)
             .map_err(|e| KilnError::Data(format!("tokenization failed: {e}")))?;

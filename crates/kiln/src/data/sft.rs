@@ -496,6 +496,14 @@ fn encode(
     text: &str,
     add_special_tokens: bool,
 ) -> Result<Vec<u32>, SftError> {
+    let cap = crate::data::tokenize::max_text_bytes();
+    if text.len() > cap {
+        return Err(SftError::Tokenizer(crate::data::tokenize::too_long(
+            "the example's text",
+            text.len(),
+            cap,
+        )));
+    }
     tokenizer
         .encode(text, add_special_tokens)
         .map(|e| e.get_ids().to_vec())

@@ -6,6 +6,40 @@ use tokenizers::{Tokenizer, TruncationDirection, TruncationParams, TruncationStr
 
 use crate::error::{KilnError, Result};
 
+/// The largest text kiln renders or tokenizes in one piece by default: 16 MiB, over 30 times a
+/// 128K-token context, far below what makes the tokenizer's regex engine abort (gigabytes).
+pub const DEFAULT_MAX_TEXT_BYTES: usize = 16 << 20;
+
+/// The environment variable that raises (or lowers) [`DEFAULT_MAX_TEXT_BYTES`].
+pub const MAX_TEXT_BYTES_VAR: &str = "KILN_MAX_TEXT_BYTES";
+
+/// The largest text one chat-template render may produce and one tokenizer call may take, in
+/// bytes: `KILN_MAX_TEXT_BYTES` where set to a number, else [`DEFAULT_MAX_TEXT_BYTES`].
+pub fn max_text_bytes() -> usize {
+    std::env::var(MAX_TEXT_BYTES_VAR)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(DEFAULT_MAX_TEXT_BYTES)
+}
+
+/// An error unless `text` (what `what` names: "the prompt", "a conversation") fits under
+/// [`max_text_bytes`], checked before it reaches the tokenizer.
+pub fn check_text_size(text: &str, what: &str) -> Result<()> {
+    let cap = max_text_bytes();
+    if text.len() > cap {
+        return Err(KilnError::Data(too_long(what, text.len(), cap)));
+    }
+    Ok(())
+}
+
+/// The sentence of a text over the cap (shared by the template renderer).
+pub fn too_long(what: &str, bytes: usize, cap: usize) -> String {
+    format!(
+        "{what} is {bytes} bytes, over the {cap}-byte cap on text kiln tokenizes in one piece; \
+         set {MAX_TEXT_BYTES_VAR}=N to raise it"
+    )
+}
+
 /// The largest id `tok` can produce (its vocabulary and added tokens).
 pub fn max_token_id(tok: &Tokenizer) -> Option<u32> {
     tok.get_vocab(true).into_values().max()
@@ -75,6 +109,12 @@ impl TextTokenizer {
 
     /// Encodes a batch of texts (or text pairs) with special tokens, in parallel.
     pub fn encode(&self, texts: &[(String, Option<String>)]) -> Result<Vec<Encoded>> {
+        for (a, b) in texts {
+            check_text_size(a, "a text")?;
+            if let Some(b) = b {
+                check_text_size(b, "a text")?;
+            }
+        }
         let inputs: Vec<tokenizers::EncodeInput> = texts
             .iter()
             .map(|(a, b)| match b {

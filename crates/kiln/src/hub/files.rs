@@ -161,6 +161,97 @@ pub fn remove_leftovers(dir: &Path, prefixes: &[&str]) -> Result<Vec<String>> {
     Ok(removed)
 }
 
+/// `path` with its symlinks, `.` and `..` resolved, whether or not it exists yet: the deepest
+/// existing ancestor is resolved by the file system and the rest appended, so two spellings of one
+/// folder (relative and absolute, through a symlink, with `..`) give the same path.
+pub fn real_path(path: &Path) -> PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut existing = absolute.as_path();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(real) = existing.canonicalize() {
+            return rest.iter().rev().fold(real, |p: PathBuf, part| match part {
+                std::path::Component::ParentDir => p.parent().map_or(p.clone(), Path::to_path_buf),
+                std::path::Component::CurDir => p,
+                other => p.join(other),
+            });
+        }
+        match (existing.parent(), existing.components().next_back()) {
+            (Some(parent), Some(last)) => {
+                rest.push(last);
+                existing = parent;
+            }
+            _ => return absolute,
+        }
+    }
+}
+
+/// Whether `a` and `b` name the same file or folder (see [`real_path`]).
+pub fn same_path(a: &Path, b: &Path) -> bool {
+    real_path(a) == real_path(b)
+}
+
+/// [`write_new_folder`]'s refusals, for a command to make before its slow part.
+pub fn check_new_folder(out: &Path, flag: &str, inputs: &[(&str, &Path)]) -> Result<()> {
+    for (role, input) in inputs {
+        if same_path(out, input) {
+            return Err(KilnError::Config(format!(
+                "{flag} {}: that is the {role} ({}), which this command reads; writing there \
+                 would destroy it: give a new folder",
+                out.display(),
+                input.display()
+            )));
+        }
+    }
+    if out.exists() {
+        let mut entries = std::fs::read_dir(out).map_err(|e| KilnError::io(out, e))?;
+        if entries.next().is_some() {
+            return Err(KilnError::Config(format!(
+                "{flag} {}: the folder exists and is not empty, and nothing in it is replaced; \
+                 choose a new folder",
+                out.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The rule of every command that writes a new folder from input folders (`kiln merge`, `kiln
+/// convert`): `out` may not be one of `inputs` (`(role, path)`, compared by real path) nor a
+/// folder that already holds files (a training run, another model), and the folder appears whole
+/// or not at all: `write` fills a temporary folder beside `out`, renamed into place once complete.
+pub fn write_new_folder(
+    out: &Path,
+    flag: &str,
+    inputs: &[(&str, &Path)],
+    write: impl FnOnce(&Path) -> Result<()>,
+) -> Result<()> {
+    check_new_folder(out, flag, inputs)?;
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|e| KilnError::io(parent, e))?;
+    let name = out
+        .file_name()
+        .map_or("out".into(), |n| n.to_string_lossy());
+    let tmp = parent.join(format!("{TEMP_PREFIX}{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir(&tmp).map_err(|e| KilnError::io(&tmp, e))?;
+    if let Err(e) = write(&tmp) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if out.exists() {
+        std::fs::remove_dir(out).map_err(|e| KilnError::io(out, e))?;
+    }
+    if let Err(e) = std::fs::rename(&tmp, out) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(KilnError::io(out, e));
+    }
+    sync_dir(parent)
+}
+
 /// Reads a whole file that must be a regular file (not a device such as `/dev/zero`, a pipe or a
 /// folder, which could make the read endless). `what` names the file's role in the error.
 pub fn read_regular(path: &Path, what: &str) -> Result<Vec<u8>> {
@@ -246,6 +337,59 @@ mod tests {
             .filter(|n| n.starts_with(&format!("{TEMP_PREFIX}a")))
             .collect();
         assert!(names.is_empty(), "temporary files left: {names:?}");
+    }
+
+    #[test]
+    fn a_new_folder_is_never_an_input_by_another_spelling_nor_a_full_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("base");
+        std::fs::create_dir_all(base.join("sub")).unwrap();
+        std::fs::write(base.join("model.safetensors"), b"weights").unwrap();
+        std::os::unix::fs::symlink(&base, dir.path().join("link")).unwrap();
+        let write = |out: &Path| {
+            write_new_folder(out, "--out", &[("base model", &base)], |tmp| {
+                std::fs::write(tmp.join("model.safetensors"), b"merged")
+                    .map_err(|e| KilnError::io(tmp, e))
+            })
+        };
+        // The base named through a symlink, with `..`, with `.`: each is the base.
+        for spelling in [
+            dir.path().join("link"),
+            base.join("sub/.."),
+            base.join("."),
+            dir.path().join("nothing/../base"),
+        ] {
+            let e = write(&spelling).unwrap_err().to_string();
+            assert!(e.contains("that is the base model"), "{spelling:?}: {e}");
+        }
+        assert_eq!(
+            std::fs::read(base.join("model.safetensors")).unwrap(),
+            b"weights"
+        );
+        // A folder holding files is refused; an empty or new one is written whole.
+        std::fs::create_dir(dir.path().join("run")).unwrap();
+        std::fs::write(dir.path().join("run/trainer_state.json"), b"{}").unwrap();
+        let e = write(&dir.path().join("run")).unwrap_err().to_string();
+        assert!(e.contains("not empty"), "{e}");
+        std::fs::create_dir(dir.path().join("empty")).unwrap();
+        for out in ["empty", "new/deeper"] {
+            write(&dir.path().join(out)).unwrap();
+            assert_eq!(
+                std::fs::read(dir.path().join(out).join("model.safetensors")).unwrap(),
+                b"merged"
+            );
+        }
+        // A failed write leaves nothing behind.
+        let failed = write_new_folder(&dir.path().join("failed"), "--out", &[], |_| {
+            Err(KilnError::Config("disk full".into()))
+        });
+        assert!(failed.is_err());
+        let left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+            .filter(|n| n.starts_with(TEMP_PREFIX) || n == "failed")
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
     }
 
     #[test]

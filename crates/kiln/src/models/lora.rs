@@ -29,6 +29,9 @@ use crate::task::ParamSplit;
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 
+/// The `task_type`s of the models kiln adapts (PEFT's `TaskType` names; `null` is a bare model).
+const KNOWN_TASK_TYPES: [&str; 3] = ["CAUSAL_LM", "SEQ_CLS", "FEATURE_EXTRACTION"];
+
 /// The largest LoRA rank kiln accepts (adapters use 4–256).
 const MAX_RANK: usize = 65_536;
 
@@ -137,6 +140,68 @@ impl LoraConfig {
                 return Err(bad(field, "is not empty, which kiln does not support"));
             }
         }
+        // Fields that change which layers are adapted, or how, beyond what kiln builds: PEFT
+        // would build another model from them, so they are refused rather than ignored (and
+        // dropped when training writes the adapter back).
+        for (field, what) in [
+            ("layers_to_transform", "adapts only some layers' modules"),
+            (
+                "layers_pattern",
+                "names the layers that layers_to_transform counts",
+            ),
+            ("layer_replication", "repeats layers of the base"),
+            ("exclude_modules", "leaves modules out of target_modules"),
+            ("target_parameters", "adapts parameters rather than modules"),
+            ("trainable_token_indices", "trains some embedding rows"),
+        ] {
+            let set = match &v[field] {
+                Value::Null => false,
+                Value::Array(a) => !a.is_empty(),
+                Value::Object(m) => !m.is_empty(),
+                Value::String(s) => !s.is_empty(),
+                _ => true,
+            };
+            if set {
+                return Err(bad(
+                    field,
+                    &format!(
+                        "is {}, which {what}; kiln does not implement it and would build a \
+                         different model than PEFT does",
+                        v[field]
+                    ),
+                ));
+            }
+        }
+        for field in ["lora_bias", "use_qalora"] {
+            if v[field].as_bool().unwrap_or(false) {
+                return Err(bad(field, "is true, which kiln does not support"));
+            }
+        }
+        match &v["task_type"] {
+            Value::Null => {}
+            Value::String(t) if KNOWN_TASK_TYPES.contains(&t.as_str()) => {}
+            other => {
+                return Err(bad(
+                    "task_type",
+                    &format!(
+                        "is {other}; kiln reads adapters of {}",
+                        KNOWN_TASK_TYPES.join(", ")
+                    ),
+                ))
+            }
+        }
+        let dropout = match &v["lora_dropout"] {
+            Value::Null => 0.0,
+            d => d
+                .as_f64()
+                .filter(|d| (0.0..1.0).contains(d))
+                .ok_or_else(|| {
+                    bad(
+                        "lora_dropout",
+                        &format!("is {d}; it must be at least 0 and below 1"),
+                    )
+                })?,
+        };
         let r = v["r"]
             .as_u64()
             .filter(|&r| r > 0)
@@ -171,7 +236,7 @@ impl LoraConfig {
             alpha: v["lora_alpha"]
                 .as_f64()
                 .ok_or_else(|| bad("lora_alpha", "must be a number"))?,
-            dropout: v["lora_dropout"].as_f64().unwrap_or(0.0),
+            dropout,
             target_modules,
             use_rslora: v["use_rslora"].as_bool().unwrap_or(false),
             modules_to_save,
@@ -188,6 +253,11 @@ pub trait LoraTarget<B: Backend> {
     fn output_layers(&self) -> Vec<String>;
     /// The layers LoRA adapts when no target modules are given (PEFT's per-model defaults).
     fn default_target_modules(&self) -> &'static [&'static str];
+    /// Modules that share their parameter with another (a tied embedding and output head),
+    /// which `modules_to_save` cannot hold as PEFT loads them.
+    fn tied_modules(&self) -> Vec<String> {
+        Vec::new()
+    }
     /// PEFT's `task_type` for this model (`CAUSAL_LM`, `SEQ_CLS`).
     fn peft_task_type(&self) -> &'static str;
     /// Modules PEFT trains whole for this task whatever the config says (a sequence
@@ -361,6 +431,25 @@ fn attach_from<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
         return Err(KilnError::Config(format!(
             "LoRA rank r = {}: must be between 1 and {MAX_RANK}",
             config.r
+        )));
+    }
+    // PEFT wraps a saved module apart from the head tied to it: loaded, its head would keep the
+    // original embedding while kiln trained them as one. Refused rather than saved that way.
+    let tied = model.tied_modules();
+    if let Some(m) = config.modules_to_save.iter().find(|m| {
+        tied.iter()
+            .any(|t| suffix_match(t, m) || module_under(t, m))
+    }) {
+        let flag = if source == "--lora-target-modules" {
+            "--lora-modules-to-save".to_string()
+        } else {
+            source.replace("target_modules", "modules_to_save")
+        };
+        return Err(KilnError::Config(format!(
+            "{flag} {m}: this model ties its output head to its input embedding \
+             (tie_word_embeddings), and PEFT saves and loads such a module apart from the head, \
+             so the trained adapter would load as another model; adapt {m} with LoRA \
+             (--lora-target-modules) or use a model that does not tie them"
         )));
     }
     let output = model.output_layers();
@@ -579,11 +668,14 @@ fn thousands(n: usize) -> String {
     out
 }
 
-/// A PEFT folder's tensors under kiln's paths, checked against the adapter it should hold.
+/// A PEFT folder's tensors under kiln's paths, checked against the adapter its
+/// `adapter_config.json` describes (see [`check_tensors`]): every reader of an adapter (training
+/// on it, merging, resharding, resuming) goes through here.
 pub fn read_adapter_tensors(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
+    let config = LoraConfig::from_adapter_dir(dir)?;
     let path = dir.join(ADAPTER_WEIGHTS);
     let tensors = crate::hub::weights::read_safetensors(&path)?;
-    tensors
+    let tensors = tensors
         .into_iter()
         .map(|(key, t)| match internal_key(&key) {
             Some(p) => Ok((p, t)),
@@ -592,7 +684,64 @@ pub fn read_adapter_tensors(dir: &Path) -> Result<BTreeMap<String, HostTensor>> 
                 path.display()
             ))),
         })
-        .collect()
+        .collect::<Result<BTreeMap<_, _>>>()?;
+    check_tensors(&config, &tensors).map_err(|why| {
+        KilnError::Config(format!(
+            "{}: {why} (adapter_config.json beside it says r = {}{})",
+            path.display(),
+            config.r,
+            if config.modules_to_save.is_empty() {
+                String::new()
+            } else {
+                format!(", modules_to_save {:?}", config.modules_to_save)
+            }
+        ))
+    })?;
+    Ok(tensors)
+}
+
+/// The adapter's tensors agree with its config as PEFT builds it: each factor pair of rank `r`
+/// (`A` `[r, in]`, `B` `[out, r]`; the merge scale `alpha / r` depends on it), and each
+/// `modules_to_save` entry saved (a sequence classifier's `classifier` / `score`, which PEFT lists
+/// for every model, need only one of them).
+fn check_tensors(
+    config: &LoraConfig,
+    tensors: &BTreeMap<String, HostTensor>,
+) -> std::result::Result<(), String> {
+    for (path, t) in tensors.iter().filter(|(p, _)| is_lora_param(p)) {
+        let key = peft_key(path);
+        let a = path.ends_with(".lora_a.weight");
+        let rank = match (t.shape.as_slice(), a) {
+            ([r, _], true) | ([_, r], false) => *r,
+            (shape, _) => return Err(format!("`{key}` is {shape:?}, not a matrix")),
+        };
+        if rank != config.r {
+            return Err(format!("`{key}` {:?} has rank {rank}", t.shape));
+        }
+        let layer = path
+            .trim_end_matches(".lora_a.weight")
+            .trim_end_matches(".lora_b.weight");
+        let other = format!("{layer}.lora_{}.weight", if a { 'b' } else { 'a' });
+        if !tensors.contains_key(&other) {
+            return Err(format!("`{key}` has no {} beside it", peft_key(&other)));
+        }
+    }
+    let saved = |m: &str| {
+        tensors.keys().filter(|p| !is_lora_param(p)).any(|p| {
+            let module = p.rsplit_once('.').map_or("", |(m, _)| m);
+            suffix_match(module, m) || module_under(module, m)
+        })
+    };
+    let heads = ["classifier", "score"];
+    for m in &config.modules_to_save {
+        let head_saved = heads.contains(&m.as_str()) && heads.iter().any(|h| saved(h));
+        if !saved(m) && !head_saved {
+            return Err(format!(
+                "modules_to_save names `{m}`, but no tensor of it is saved"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `model` with the PEFT adapter of folder `dir` attached (its `adapter_config.json` and

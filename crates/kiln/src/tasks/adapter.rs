@@ -30,10 +30,15 @@ pub fn with_adapter<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
     setup: &LoraSetup,
     base_dtype: BaseDtype,
     seed: u64,
-    base_model: String,
+    base_dir: Option<&std::path::Path>,
     device: &B::Device,
     keep: crate::models::params::Keep,
 ) -> Result<(M, AdapterFiles)> {
+    // PEFT records the base as it was named: a Hub id where the base came from the Hub (its
+    // files then lie in the local cache, whose path means nothing on another machine).
+    let base_model = base_dir.map_or_else(String::new, |d| {
+        crate::hub::remote::cached_repo_id(d).unwrap_or_else(|| d.display().to_string())
+    });
     let (model, adapter) = match setup {
         LoraSetup::Fresh(config) => crate::models::lora::attach(model, config, seed)?,
         LoraSetup::Continue(dir) => {

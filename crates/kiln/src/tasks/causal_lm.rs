@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{Int, Tensor, TensorData};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use tokenizers::Tokenizer;
 use tracing::info;
@@ -382,17 +382,12 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
     let model = match &opts.lora {
         None => model,
         Some(lora) => {
-            let base = opts
-                .model_dir
-                .as_ref()
-                .map(|d| d.display().to_string())
-                .unwrap_or_default();
             let (model, adapter) = crate::tasks::adapter::with_adapter(
                 model,
                 lora,
                 opts.lora_base_dtype,
                 args.seed,
-                base,
+                opts.model_dir.as_deref(),
                 device,
                 &keep,
             )?;
@@ -706,9 +701,8 @@ pub fn eval<B: KilnBackend>(
     Ok(eval_layout::<B>(opts, batch_size, &layout, device)?.0)
 }
 
-/// [`eval`] at `layout`; also says whether this rank reports the result: the world's first
-/// rank, or under a pipeline the last stage's first rank (the one that computed it; the other
-/// stages only run their layers and hand them on).
+/// [`eval`] at `layout`; also says whether this rank reports the result: the world's first rank
+/// (under a pipeline the last stage computes it and hands it to the first).
 pub fn eval_layout<B: KilnBackend>(
     opts: &CausalLmOptions,
     batch_size: usize,
@@ -757,11 +751,16 @@ pub fn eval_layout<B: KilnBackend>(
                 }
                 Some(group) => {
                     let stage = eval_stage(&model, group.as_ref(), layout)?;
-                    let last = stage.index + 1 == stage.count;
                     let logits = |batch: &TokenBatch| stage.logits(batch);
                     let r = Reported::default();
-                    let out = evaluate_by(logits, device, &set, batch_size, &loss, r, &parallel)?;
-                    (out, last && parallel.rank() == 0 && tp_rank == 0)
+                    let mut out =
+                        evaluate_by(logits, device, &set, batch_size, &loss, r, &parallel)?;
+                    // The result is reported by the first stage, where a launcher shows it.
+                    stage.metrics_to_first_stage(&mut out, device)?;
+                    (
+                        out,
+                        stage.index == 0 && parallel.rank() == 0 && tp_rank == 0,
+                    )
                 }
             };
             out.metrics.insert(
@@ -852,6 +851,52 @@ fn eval_stage<'a, B: KilnBackend, M: crate::task::Model<B, Batch = TokenBatch>>(
 }
 
 impl<B: KilnBackend> EvalStage<'_, B> {
+    /// Hands the last stage's metrics (the only ones computed from logits) to the first stage,
+    /// which reports them: `kiln launch` shows rank 0's output, as torchrun's filter does. Each
+    /// value travels as its f64 bits in four 16-bit pieces (exact in f32), its name as bytes.
+    fn metrics_to_first_stage(&self, out: &mut EvalOutput, device: &B::Device) -> Result<()> {
+        if self.count < 2 {
+            return Ok(());
+        }
+        if self.index + 1 == self.count {
+            let mut payload = vec![out.metrics.len() as f32];
+            for (name, value) in &out.metrics {
+                payload.push(name.len() as f32);
+                payload.extend(name.bytes().map(f32::from));
+                let bits = value.to_bits();
+                payload.extend((0..4).map(|i| ((bits >> (16 * i)) & 0xffff) as f32));
+            }
+            let n = payload.len();
+            let t = Tensor::<B, 1>::from_data(TensorData::new(payload, [n]), device);
+            self.group.send(t, 0)?;
+        } else if self.index == 0 {
+            let got = self.group.recv(self.count - 1)?;
+            let payload: Vec<f32> =
+                got.into_data().convert::<f32>().to_vec().map_err(|e| {
+                    KilnError::Distributed(format!("the last stage's metrics: {e:?}"))
+                })?;
+            let mut at = payload.iter().map(|&v| v as usize);
+            let bad =
+                || KilnError::Distributed("the last stage's metrics arrived cut short".into());
+            let mut metrics = std::collections::BTreeMap::new();
+            for _ in 0..at.next().ok_or_else(bad)? {
+                let len = at.next().ok_or_else(bad)?;
+                let name: Vec<u8> = at.by_ref().take(len).map(|b| b as u8).collect();
+                let pieces: Vec<u64> = at.by_ref().take(4).map(|p| p as u64).collect();
+                if name.len() != len || pieces.len() != 4 {
+                    return Err(bad());
+                }
+                let bits = pieces.iter().rev().fold(0u64, |acc, p| (acc << 16) | p);
+                metrics.insert(
+                    String::from_utf8_lossy(&name).into_owned(),
+                    f64::from_bits(bits),
+                );
+            }
+            out.metrics = metrics;
+        }
+        Ok(())
+    }
+
     /// A batch through this stage, forward only: from the embedding or the previous stage's
     /// hidden states, through its layers, to the next stage (`None`) or, on the last stage, to
     /// the logits.
@@ -1205,6 +1250,7 @@ impl Prompt {
         } else {
             (self.text.clone(), true)
         };
+        crate::data::tokenize::check_text_size(&text, "the prompt")?;
         let enc = tok
             .encode(text, special)
             .map_err(|e| KilnError::Data(format!("tokenizing the prompt: {e}")))?;

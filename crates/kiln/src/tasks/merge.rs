@@ -24,12 +24,9 @@ const COPIED: [&str; 4] = [
 /// Writes `base` with the adapter of `adapter` folded into its weights to `out`; returns how many
 /// layers were merged.
 pub fn merge_folder(base: &Path, adapter: &Path, out: &Path) -> Result<usize> {
-    if out == base || out == adapter {
-        return Err(KilnError::Config(format!(
-            "--out {}: would write over an input folder; give a new folder",
-            out.display()
-        )));
-    }
+    // Refused before the slow part: --out naming an input by any spelling, or a full folder.
+    let inputs = [("base model folder", base), ("adapter folder", adapter)];
+    crate::hub::files::check_new_folder(out, "--out", &inputs)?;
     let config = LoraConfig::from_adapter_dir(adapter)?;
     let tensors = lora::read_adapter_tensors(adapter)?;
     let mut weights = crate::hub::model_weights::read_model_weights(base)?;
@@ -67,7 +64,9 @@ pub fn merge_folder(base: &Path, adapter: &Path, out: &Path) -> Result<usize> {
         source_dir: Some(base.to_path_buf()),
         adapter: None,
     };
-    write_model_dir(out, &weights, &files)?;
+    crate::hub::files::write_new_folder(out, "--out", &inputs, |tmp| {
+        write_model_dir(tmp, &weights, &files)
+    })?;
     info!(
         "{} + {} → {}: {merged} layers merged (scaling {})",
         base.display(),

@@ -348,13 +348,12 @@ pub fn train<B: TrainBackend, L: Loss>(
     let (model, adapter) = match &opts.lora {
         None => (model, None),
         Some(lora) => {
-            let base = md.dir.display().to_string();
             let (model, files) = crate::tasks::adapter::with_adapter(
                 model,
                 lora,
                 opts.lora_base_dtype,
                 args.seed,
-                base,
+                Some(&md.dir),
                 device,
                 &crate::models::params::keep_all,
             )?;

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use super::checkpoint::{write_marker, Marker, MARKER};
-use crate::hub::files::{sync_dir, write_synced, TEMP_PREFIX};
+use crate::hub::files::{sync_dir, write_synced};
 use crate::hub::model_weights::read_model_weights;
 use crate::hub::sharded::{
     read_layout, read_whole_model, read_whole_optimizer, ShardLayout, LAYOUT_FILE,
@@ -160,38 +160,13 @@ pub fn reshard(
     out: &Path,
     target: impl FnOnce(&WholeFolder) -> Result<Target>,
 ) -> Result<()> {
-    if out.exists()
-        && std::fs::read_dir(out)
-            .map_err(|e| KilnError::io(out, e))?
-            .next()
-            .is_some()
-    {
-        return Err(KilnError::Config(format!(
-            "--out {}: the folder exists and is not empty; choose a new one",
-            out.display()
-        )));
-    }
+    let inputs = [("model folder", src)];
+    crate::hub::files::check_new_folder(out, "--out", &inputs)?;
     let whole = read_whole_folder(src)?;
     let target = target(&whole)?;
-    let parent = out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).map_err(|e| KilnError::io(parent, e))?;
-    let name = out
-        .file_name()
-        .map_or("out".into(), |n| n.to_string_lossy());
-    let tmp = parent.join(format!("{TEMP_PREFIX}{name}-{}", std::process::id()));
-    let written = write_folder(&tmp, &whole, &target);
-    if let Err(e) = written {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
-    }
-    if out.exists() {
-        std::fs::remove_dir(out).map_err(|e| KilnError::io(out, e))?;
-    }
-    std::fs::rename(&tmp, out).map_err(|e| KilnError::io(out, e))?;
-    sync_dir(parent)
+    crate::hub::files::write_new_folder(out, "--out", &inputs, |tmp| {
+        write_folder(tmp, &whole, &target)
+    })
 }
 
 fn put(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {

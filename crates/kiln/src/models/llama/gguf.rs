@@ -522,6 +522,7 @@ fn write_tokenizer_files(g: &GgufFile, out: &Path, tok: &Json, tok_cfg: &Json) -
 
 /// Converts `gguf` into a Hugging Face folder `out`, weights stored as `dtype`.
 pub fn gguf_to_hf(gguf: &Path, out: &Path, dtype: StoreDtype) -> Result<ConvertReport> {
+    crate::hub::files::check_new_folder(out, "--out", &[("GGUF file", gguf)])?;
     let g = GgufFile::open(gguf)?;
     let cfg = llama_config(&g)?;
     // Everything that reads only metadata first, so a bad file fails before the slow part.
@@ -551,18 +552,19 @@ pub fn gguf_to_hf(gguf: &Path, out: &Path, dtype: StoreDtype) -> Result<ConvertR
             StoreDtype::BF16 => "bfloat16",
         }),
     );
-    std::fs::create_dir_all(out).map_err(|e| KilnError::io(out, e))?;
     // Serialising a `serde_json::Value` cannot fail; mapped rather than unwrapped all the same.
     let pretty = |v: &Json| {
         serde_json::to_string_pretty(v).map_err(|e| bad(&g, format!("writing JSON: {e}")))
     };
-    crate::hub::atomic_write(&out.join("config.json"), cfg_out.to_json().as_bytes())?;
-    write_tokenizer_files(&g, out, &tok, &tok_cfg)?;
-    crate::hub::atomic_write(
-        &out.join("generation_config.json"),
-        pretty(&gen)?.as_bytes(),
-    )?;
-    write_safetensors_as(&out.join("model.safetensors"), &tensors, dtype)?;
+    crate::hub::files::write_new_folder(out, "--out", &[("GGUF file", gguf)], |out| {
+        crate::hub::atomic_write(&out.join("config.json"), cfg_out.to_json().as_bytes())?;
+        write_tokenizer_files(&g, out, &tok, &tok_cfg)?;
+        crate::hub::atomic_write(
+            &out.join("generation_config.json"),
+            pretty(&gen)?.as_bytes(),
+        )?;
+        write_safetensors_as(&out.join("model.safetensors"), &tensors, dtype)
+    })?;
     Ok(ConvertReport {
         tensors: tensors.len(),
         parameters: tensors.values().map(|t| t.data.len()).sum(),

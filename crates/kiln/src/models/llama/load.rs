@@ -50,6 +50,26 @@ pub fn load_shard_of<B: KilnBackend>(
         .iter()
         .filter(|k| !(config.tie_word_embeddings && *k == "lm_head.weight"))
         .collect();
+    // Weights of layers past the config's count: the config does not describe this model, and
+    // running the layers it names would silently drop the rest.
+    let past = unexpected.iter().find_map(|k| {
+        let layer: usize = k
+            .strip_prefix("model.layers.")?
+            .split('.')
+            .next()?
+            .parse()
+            .ok()?;
+        (layer >= config.num_hidden_layers).then_some((layer, k))
+    });
+    if let Some((layer, name)) = past {
+        return Err(KilnError::Config(format!(
+            "{}: num_hidden_layers is {}, but the weights in {} hold layer {layer} too ({name}): \
+             the config does not describe these weights",
+            dir.join("config.json").display(),
+            config.num_hidden_layers,
+            dir.display()
+        )));
+    }
     if !unexpected.is_empty() {
         info!("unused tensors in {}: {unexpected:?}", dir.display());
     }

@@ -707,6 +707,13 @@ impl<B: Backend> crate::models::lora::LoraTarget<B> for LlamaForCausalLM<B> {
         &["q_proj", "v_proj"]
     }
 
+    fn tied_modules(&self) -> Vec<String> {
+        match self.lm_head {
+            None => vec!["model.embed_tokens".to_string(), "lm_head".to_string()],
+            Some(_) => Vec::new(),
+        }
+    }
+
     fn peft_task_type(&self) -> &'static str {
         "CAUSAL_LM"
     }
