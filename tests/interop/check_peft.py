@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Loads a LoRA adapter that kiln trained (`kiln train --use-peft`) onto its base model with peft's
 `PeftModel.from_pretrained`, and checks it against `kiln generate --adapter DIR --json`: the same
-greedy tokens from the same prompt ids.
+greedy tokens from the same prompt ids. With MERGED_DIR (`kiln merge`'s folder of the same base
+and adapter), also that kiln's merged weights are peft's `merge_and_unload()` and that the merged
+folder alone gives the adapter's logits, each within 1e-5.
 
-  python3 check_peft.py BASE_DIR ADAPTER_DIR GENERATION.json
+  python3 check_peft.py BASE_DIR ADAPTER_DIR GENERATION.json [MERGED_DIR]
 """
 import json
 import os
@@ -32,3 +34,29 @@ print(f"kiln: {kiln['text']!r}")
 if new != kiln["new_ids"]:
     sys.exit(f"FAIL: greedy tokens differ: peft {new} vs kiln {kiln['new_ids']}")
 print(f"interop OK: peft loads kiln's LoRA adapter and decodes the same {len(new)} tokens")
+
+if len(sys.argv) > 4:
+    from safetensors.torch import load_file
+
+    merged_dir = sys.argv[4]
+    alone = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        adapted_logits = model(input_ids=out).logits
+        merged_logits = alone(input_ids=out).logits
+    scale = adapted_logits.abs().max().item()
+    diff = (adapted_logits - merged_logits).abs().max().item()
+    print(f"merged folder alone: max |logits - peft's adapter logits| = {diff:.2e} (logits up to {scale:.1f})")
+    if diff > 1e-5 * max(1.0, scale):
+        sys.exit("FAIL: kiln's merged folder does not give the adapter's logits")
+    kiln_merged = load_file(os.path.join(merged_dir, "model.safetensors"))
+    worst = 0.0
+    for name, w in model.merge_and_unload().state_dict().items():
+        if name == "lm_head.weight" and name not in kiln_merged:
+            continue  # a tied head is the embedding, saved once
+        if name not in kiln_merged:
+            sys.exit(f"FAIL: kiln's merged folder lacks {name}")
+        worst = max(worst, (kiln_merged[name].float() - w.float()).abs().max().item())
+    print(f"merged weights: max |kiln merge - peft merge_and_unload| = {worst:.2e}")
+    if worst > 1e-5:
+        sys.exit("FAIL: kiln's merged weights are not peft's merge_and_unload()")
+    print("interop OK: kiln's merge is peft's merge_and_unload(), and gives the adapter's logits")

