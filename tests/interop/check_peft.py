@@ -36,7 +36,7 @@ if new != kiln["new_ids"]:
 print(f"interop OK: peft loads kiln's LoRA adapter and decodes the same {len(new)} tokens")
 
 if len(sys.argv) > 4:
-    from safetensors.torch import load_file
+    from merge_check import check_merged_weights
 
     merged_dir = sys.argv[4]
     alone = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
@@ -48,15 +48,5 @@ if len(sys.argv) > 4:
     print(f"merged folder alone: max |logits - peft's adapter logits| = {diff:.2e} (logits up to {scale:.1f})")
     if diff > 1e-5 * max(1.0, scale):
         sys.exit("FAIL: kiln's merged folder does not give the adapter's logits")
-    kiln_merged = load_file(os.path.join(merged_dir, "model.safetensors"))
-    worst = 0.0
-    for name, w in model.merge_and_unload().state_dict().items():
-        if name == "lm_head.weight" and name not in kiln_merged:
-            continue  # a tied head is the embedding, saved once
-        if name not in kiln_merged:
-            sys.exit(f"FAIL: kiln's merged folder lacks {name}")
-        worst = max(worst, (kiln_merged[name].float() - w.float()).abs().max().item())
-    print(f"merged weights: max |kiln merge - peft merge_and_unload| = {worst:.2e}")
-    if worst > 1e-5:
-        sys.exit("FAIL: kiln's merged weights are not peft's merge_and_unload()")
+    check_merged_weights(model, merged_dir)
     print("interop OK: kiln's merge is peft's merge_and_unload(), and gives the adapter's logits")

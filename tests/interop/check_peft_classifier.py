@@ -51,18 +51,9 @@ if abs(accuracy - kiln["eval_accuracy"]) > 0.5 / len(rows):  # one row decides a
 print(f"interop OK: peft loads kiln's classifier adapter and scores {len(rows)} rows as kiln does")
 
 if merged_dir:
-    from safetensors.torch import load_file
+    from merge_check import check_merged_weights
 
-    peft_merged = model.merge_and_unload().state_dict()
-    kiln_merged = load_file(os.path.join(merged_dir, "model.safetensors"))
-    worst = 0.0
-    for name, w in peft_merged.items():
-        if name not in kiln_merged:
-            sys.exit(f"FAIL: kiln's merged folder lacks {name}")
-        worst = max(worst, (kiln_merged[name].float() - w.float()).abs().max().item())
-    print(f"merged: {len(peft_merged)} tensors, max |kiln - peft merge_and_unload| = {worst:.2e}")
-    if worst > 1e-5:
-        sys.exit("FAIL: kiln's merged weights are not peft's merge_and_unload()")
+    check_merged_weights(model, merged_dir)
     alone = AutoModelForSequenceClassification.from_pretrained(merged_dir, dtype=torch.float32).eval()
     if alone.config.id2label != id2label:
         sys.exit(f"FAIL: the merged folder's labels {alone.config.id2label} are not {id2label}")

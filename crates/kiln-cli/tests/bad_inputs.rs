@@ -93,21 +93,19 @@ fn patched_model(base: &Path, patch: &Value, into: &Path) -> PathBuf {
         let e = e.unwrap();
         std::fs::copy(e.path(), into.join(e.file_name())).unwrap();
     }
-    if let Some(cfg) = patch.get("config").and_then(Value::as_object) {
-        let path = into.join("config.json");
-        let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        for (k, v) in cfg {
-            c[k] = v.clone();
+    for (key, file) in [
+        ("config", "config.json"),
+        ("adapter_config", "adapter_config.json"),
+    ] {
+        if let Some(keys) = patch.get(key).and_then(Value::as_object) {
+            let path = into.join(file);
+            let mut c: Value =
+                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            for (k, v) in keys {
+                c[k] = v.clone();
+            }
+            std::fs::write(&path, c.to_string()).unwrap();
         }
-        std::fs::write(&path, c.to_string()).unwrap();
-    }
-    if let Some(cfg) = patch.get("adapter_config").and_then(Value::as_object) {
-        let path = into.join("adapter_config.json");
-        let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        for (k, v) in cfg {
-            c[k] = v.clone();
-        }
-        std::fs::write(&path, c.to_string()).unwrap();
     }
     let weights = into.join("model.safetensors");
     if patch.get("nan_weights").is_some() {
