@@ -81,10 +81,7 @@ pub fn claim(c: &Claim) -> Result<RunDir> {
     std::fs::create_dir_all(dir).map_err(|e| KilnError::io(dir, e))?;
     let lock = lock_dir(dir)?;
     if let Some(src) = c.source_dir {
-        let same = match (dir.canonicalize(), src.canonicalize()) {
-            (Ok(a), Ok(b)) => a == b,
-            _ => false,
-        };
+        let same = crate::hub::files::same_path(dir, src);
         if same && !c.overwrite {
             return Err(KilnError::Config(format!(
                 "--output-dir {} is the model folder training reads: the run would overwrite its own \
