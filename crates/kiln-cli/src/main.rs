@@ -147,7 +147,7 @@ fn run(mut cli: Cli, matches: &ArgMatches) -> Result<()> {
                 Ok(r) if !cli.device.contains(':') => r.trim().parse().unwrap_or(index),
                 _ => index,
             };
-            kiln::backend::init_kernel_cache();
+            kiln::backend::init_kernel_cache()?;
             kiln::report::live::set_gpu_index(index as u32);
             let device = kiln::backend::CudaDevice::new(index);
             run_on::<kiln::backend::Cuda>(cli, matches, &device)
@@ -156,7 +156,7 @@ fn run(mut cli: Cli, matches: &ArgMatches) -> Result<()> {
         DeviceSpec::Cuda(_) => unreachable!("check_available rejects CUDA in this build"),
         #[cfg(feature = "wgpu")]
         DeviceSpec::Wgpu => {
-            kiln::backend::init_kernel_cache();
+            kiln::backend::init_kernel_cache()?;
             let device = kiln::backend::WgpuDevice::default();
             run_on::<kiln::backend::Wgpu>(cli, matches, &device)
         }

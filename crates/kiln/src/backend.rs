@@ -129,11 +129,45 @@ pub fn kernel_cache_dir() -> PathBuf {
     base.join("kiln").join("kernels")
 }
 
-/// Points CubeCL's compiled-kernel (PTX) cache and autotune cache at [`kernel_cache_dir`]. Must run
-/// before the first GPU kernel; later calls do nothing.
+/// How CubeCL finds memory for each new GPU buffer (`KILN_GPU_MEMORY`).
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
-pub fn init_kernel_cache() {
-    use burn_cubecl::cubecl::config::{cache::CacheConfig, GlobalConfig};
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuMemory {
+    /// CubeCL's default (`pooled`): buffers cut from large pages, free neighbours merged. Each new
+    /// buffer scans and re-indexes its pool's pages, which a host profile of a BERT-base step on an
+    /// H200 found to be most of the step's host time (BENCHMARKS.md).
+    Pooled,
+    /// Buffers kept per exact size and reused whole (`persistent`): a lookup by size, no merging.
+    /// Memory for a size is never given back, so many distinct shapes (dynamic padding without
+    /// `--pad-to-multiple-of`) hold more of it.
+    Persistent,
+}
+
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+impl GpuMemory {
+    /// From `KILN_GPU_MEMORY` (`pooled` when unset).
+    pub fn from_env() -> Result<Self> {
+        Self::parse(std::env::var("KILN_GPU_MEMORY").ok().as_deref())
+    }
+
+    /// `KILN_GPU_MEMORY`'s value (`None`: unset).
+    pub fn parse(value: Option<&str>) -> Result<Self> {
+        match value {
+            None | Some("pooled") => Ok(Self::Pooled),
+            Some("persistent") => Ok(Self::Persistent),
+            Some(other) => Err(KilnError::Config(format!(
+                "KILN_GPU_MEMORY={other:?} is not one of `pooled`, `persistent`"
+            ))),
+        }
+    }
+}
+
+/// Points CubeCL's compiled-kernel (PTX) cache and autotune cache at [`kernel_cache_dir`] and sets
+/// its memory mode ([`GpuMemory`]). Must run before the first GPU kernel; later calls do nothing.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+pub fn init_kernel_cache() -> Result<()> {
+    use burn_cubecl::cubecl::config::{cache::CacheConfig, memory::PersistentMemory, GlobalConfig};
+    let memory = GpuMemory::from_env()?;
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         let dir = kernel_cache_dir().join(build_key());
@@ -143,9 +177,13 @@ pub fn init_kernel_cache() {
         // CubeCL adds its version, and (kiln's cubecl-cuda patch) the GPU architecture and the
         // driver's version, below this.
         config.compilation.cache = Some(CacheConfig::File(dir.join("compiled")));
+        if memory == GpuMemory::Persistent {
+            config.memory.persistent_memory = PersistentMemory::Enforced;
+        }
         GlobalConfig::set(config);
-        tracing::info!("GPU kernel cache: {}", dir.display());
+        tracing::info!("GPU kernel cache: {}; memory {memory:?}", dir.display());
     });
+    Ok(())
 }
 
 /// The cache folder of this build of kiln: CubeCL keys a compiled kernel by its name and
@@ -343,6 +381,19 @@ mod tests {
         );
         assert!(dir.path().join("outside/keep").exists());
         assert!(dir.path().join("notes.txt").exists());
+    }
+
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    #[test]
+    fn gpu_memory_modes_parse_and_anything_else_is_named() {
+        assert_eq!(GpuMemory::parse(None).unwrap(), GpuMemory::Pooled);
+        assert_eq!(GpuMemory::parse(Some("pooled")).unwrap(), GpuMemory::Pooled);
+        assert_eq!(
+            GpuMemory::parse(Some("persistent")).unwrap(),
+            GpuMemory::Persistent
+        );
+        let e = GpuMemory::parse(Some("exclusive")).unwrap_err().to_string();
+        assert!(e.contains("KILN_GPU_MEMORY=\"exclusive\""), "{e}");
     }
 
     #[test]

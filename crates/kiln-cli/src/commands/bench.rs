@@ -59,6 +59,11 @@ pub struct BenchCmd {
     /// Break each step down by fused kernel.
     #[arg(long)]
     profile: bool,
+    /// Sample the host's call stacks during each kiln row's timed steps and write them as folded
+    /// stacks to DIR/ROW.folded (`scripts/host_profile_summary.py` sums them); needs a kiln built
+    /// with `--features host-profile`. Sampling slows the rows it samples.
+    #[arg(long, value_name = "DIR")]
+    host_profile: Option<PathBuf>,
     /// Run only this row, in this process, and print its result as one `RESULT {json}` line (the
     /// suite runs each row this way in a child process to measure its peak memory).
     #[arg(long, hide = true)]
@@ -76,6 +81,9 @@ where
     B: kiln::ops::KilnBackend,
     Autodiff<B>: kiln::ops::TrainBackend<InnerBackend = B, Device = B::Device>,
 {
+    if cmd.host_profile.is_some() && !kiln::bench::host_profile::AVAILABLE {
+        anyhow::bail!("`--host-profile` needs a kiln built with `--features host-profile`");
+    }
     let threads =
         threads_flag.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     // Each row re-runs this binary with the same options plus `--row KEY`.
@@ -105,6 +113,7 @@ where
         device: device_arg.parse()?,
         threads,
         profile: cmd.profile,
+        host_profile: cmd.host_profile,
         row_command: Some(row_command),
     };
     if let Some(key) = &cmd.row {

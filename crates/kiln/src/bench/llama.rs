@@ -337,7 +337,7 @@ pub fn prefill(dir: &Path, corpus: &Path, warmup: usize, steps: usize) -> Result
     let mut times = Vec::new();
     for i in 0..warmup + steps {
         if i == warmup {
-            let _ = crate::ops::profile::take(); // the profile covers the timed steps only
+            super::timed_steps_begin();
         }
         let input =
             Tensor::<Cpu, 2, Int>::from_data(TensorData::new(ids.clone(), [1, seq]), &device);
@@ -375,7 +375,7 @@ pub fn generate(dir: &Path, warmup: usize, tokens: usize) -> Result<BenchResult>
     let mut work = Vec::new();
     for i in 0..=warmup + tokens {
         if i == warmup + 1 {
-            let _ = crate::ops::profile::take(); // the profile covers the timed steps only
+            super::timed_steps_begin();
         }
         let past = cache.len();
         let t0 = Instant::now();

@@ -4,6 +4,7 @@
 
 mod device;
 pub mod dp;
+pub mod host_profile;
 pub mod live_state;
 pub mod llama;
 pub mod measure;
@@ -98,11 +99,33 @@ impl BenchResult {
     }
 }
 
-/// Runs `f`, and if `profile` attaches the per-kernel breakdown of its timed steps.
-fn profiled(profile: bool, f: impl FnOnce() -> Result<BenchResult>) -> Result<BenchResult> {
+/// Where a row's timed steps begin: the profiles (`--profile`, `--host-profile`) cover them only.
+pub(crate) fn timed_steps_begin() {
+    let _ = crate::ops::profile::take();
+    if let Err(e) = host_profile::start() {
+        tracing::warn!("{e}; the row runs unsampled");
+    }
+}
+
+/// Runs row `key` through `f`; with `profile` attaches the per-kernel breakdown of its timed steps,
+/// and with `host_profile` writes their sampled host stacks into that folder.
+fn profiled(
+    key: &str,
+    profile: bool,
+    host_profile: Option<&Path>,
+    f: impl FnOnce() -> Result<BenchResult>,
+) -> Result<BenchResult> {
+    if let Some(dir) = host_profile {
+        host_profile::arm(dir, key)?;
+    }
     crate::ops::profile::enable(profile);
     let _ = crate::ops::profile::take();
-    let mut r = f()?;
+    let r = f();
+    let written = host_profile::finish();
+    let mut r = r?;
+    if let Some(path) = written? {
+        eprintln!("host profile of {key}: {}", path.display());
+    }
     crate::ops::profile::enable(false);
     let rows = crate::ops::profile::take();
     if profile {
@@ -350,6 +373,9 @@ pub struct SuiteOptions {
     pub threads: usize,
     /// Break each step down by fused kernel.
     pub profile: bool,
+    /// Sample the host's call stacks during each kiln row's timed steps into this folder
+    /// (`host_profile`).
+    pub host_profile: Option<PathBuf>,
     /// The command that runs one kiln row in a child process (`kiln … bench … --row`); the key is
     /// appended. Without it rows run in this process and peak memory is not measured.
     pub row_command: Option<Vec<String>>,
@@ -399,130 +425,135 @@ where
         Ok((cfg, weights))
     };
     let (w, s) = (opts.warmup, opts.steps);
-    profiled(opts.profile, || match key {
-        "minilm_train" | "minilm_train_bf16" => {
-            let (cfg, weights) = minilm()?;
-            let m = BertForSequenceClassification::<Autodiff<B>>::new(&cfg, 6, &device);
-            let (m, _) = load_into(m, weights, Some("bert"), &device)?;
-            // What `--bf16` does on this CPU (f32 where it has no bf16 arithmetic).
-            let bf16 = key.ends_with("bf16");
-            crate::ops::set_matmul_precision(crate::ops::mixed_precision::<B>(bf16));
-            let name = if bf16 {
-                "minilm_train_bf16"
-            } else {
-                "minilm_train_fp32"
-            };
-            let r = rows::bert_train(name, m, &cfg, (16, 128), w, s);
-            crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::F32);
-            Ok(r)
-        }
-        "minilm_infer" => {
-            let (cfg, weights) = minilm()?;
-            let m = BertForSequenceClassification::<B>::new(&cfg, 6, &device);
-            let (m, _) = load_into(m, weights, Some("bert"), &device)?;
-            Ok(rows::bert_infer(
-                "minilm_infer_fp32",
-                &m,
-                &cfg,
-                (32, 128),
-                w,
-                s,
-            ))
-        }
-        "bertbase_train"
-        | "bertbase_train_bf16"
-        | "bertbase_train_bf16_b32"
-        | "bertbase_train_bf16_b128" => {
-            let cfg: BertConfig = serde_json::from_value(serde_json::json!({
+    profiled(
+        key,
+        opts.profile,
+        opts.host_profile.as_deref(),
+        || match key {
+            "minilm_train" | "minilm_train_bf16" => {
+                let (cfg, weights) = minilm()?;
+                let m = BertForSequenceClassification::<Autodiff<B>>::new(&cfg, 6, &device);
+                let (m, _) = load_into(m, weights, Some("bert"), &device)?;
+                // What `--bf16` does on this CPU (f32 where it has no bf16 arithmetic).
+                let bf16 = key.ends_with("bf16");
+                crate::ops::set_matmul_precision(crate::ops::mixed_precision::<B>(bf16));
+                let name = if bf16 {
+                    "minilm_train_bf16"
+                } else {
+                    "minilm_train_fp32"
+                };
+                let r = rows::bert_train(name, m, &cfg, (16, 128), w, s);
+                crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::F32);
+                Ok(r)
+            }
+            "minilm_infer" => {
+                let (cfg, weights) = minilm()?;
+                let m = BertForSequenceClassification::<B>::new(&cfg, 6, &device);
+                let (m, _) = load_into(m, weights, Some("bert"), &device)?;
+                Ok(rows::bert_infer(
+                    "minilm_infer_fp32",
+                    &m,
+                    &cfg,
+                    (32, 128),
+                    w,
+                    s,
+                ))
+            }
+            "bertbase_train"
+            | "bertbase_train_bf16"
+            | "bertbase_train_bf16_b32"
+            | "bertbase_train_bf16_b128" => {
+                let cfg: BertConfig = serde_json::from_value(serde_json::json!({
                 "vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12,
                 "num_attention_heads": 12, "intermediate_size": 3072}))
-            .expect("valid config");
-            let m = BertForSequenceClassification::<Autodiff<B>>::new(&cfg, 6, &device);
-            let (name, batch) = match key {
-                "bertbase_train_bf16" => (key, 8),
-                "bertbase_train_bf16_b32" => (key, 32),
-                "bertbase_train_bf16_b128" => (key, 128),
-                _ => ("bertbase_train_fp32", 8),
-            };
-            let bf16 = key.contains("bf16");
-            crate::ops::set_matmul_precision(crate::ops::mixed_precision::<B>(bf16));
-            let r = rows::bert_train(name, m, &cfg, (batch, 128), w, opts.base_steps);
-            crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::F32);
-            Ok(r)
-        }
-        "roberta_train" | "distilbert_train" | "modernbert_train" => {
-            rows::family_train::<Autodiff<B>>(key, (8, 128), w, opts.base_steps, &device)
-        }
-        "mnist_train" => Ok(rows::mnist_train::<Autodiff<B>>(
-            32,
-            w.max(5),
-            opts.mnist_steps,
-            &device,
-        )),
-        "tweets_train" => rows::tweets_train::<Autodiff<B>>(
-            &opts.minilm_dir,
-            &opts.tweets_file,
-            16,
-            w,
-            s,
-            &device,
-        ),
-        "live_state" => live_state::live_state_overhead::<Autodiff<B>>(
-            &opts.minilm_dir,
-            &opts.tweets_file,
-            (16, s.max(10), 8),
-            &device,
-        ),
-        "qwen2_train" | "mistral_train" => llama::family_train(key, w, opts.base_steps),
-        "smollm2_train" => {
-            let dir = llama::converted_folder(&opts.smollm2_gguf)?;
-            llama::train(&dir, &opts.lm_corpus, w, opts.base_steps)
-        }
-        "smollm2_train_bf16" => Ok(llama::smollm2_train_bf16::<B>(w, opts.base_steps, &device)),
-        "smollm2_lora_train" | "smollm2_lora_bf16base_train" => {
-            let dir = llama::converted_folder(&opts.smollm2_gguf)?;
-            llama::lora_train(key, Some(&dir), &opts.lm_corpus, w, opts.base_steps)
-        }
-        "qwen2_lora_train"
-        | "deepseek1b3_lora_train"
-        | "qwen2_lora_bf16base_train"
-        | "deepseek1b3_lora_bf16base_train" => {
-            llama::lora_train(key, None, &opts.lm_corpus, w, opts.base_steps)
-        }
-        "smollm2_prefill" => {
-            let dir = llama::converted_folder(&opts.smollm2_gguf)?;
-            llama::prefill(&dir, &opts.lm_corpus, w, s)
-        }
-        "smollm2_generate" => {
-            let dir = llama::converted_folder(&opts.smollm2_gguf)?;
-            llama::generate(&dir, w, opts.generate_tokens)
-        }
-        "dp_allreduce_mnist" => dp::collective(
-            "dp_allreduce_mnist",
-            dp::Op::AllReduce,
-            crate::parallel::Engine::Burn,
-            dp::mnist_gradient_len(),
-            w.max(5),
-            opts.mnist_steps,
-        ),
-        key if key.starts_with("dp_") && ROWS.iter().any(|r| r.key == key) => {
-            use crate::parallel::Engine;
-            let op = if key.starts_with("dp_allgather") {
-                dp::Op::AllGather
-            } else if key.starts_with("dp_reducescatter") {
-                dp::Op::ReduceScatter
-            } else {
-                dp::Op::AllReduce
-            };
-            let engine = if key.ends_with("_mpi") {
-                Engine::Mpi
-            } else {
-                Engine::Burn
-            };
-            dp::collective(key, op, engine, crate::parallel::BUCKET_ELEMENTS, w, s)
-        }
-        other => Err(unknown_row(other)),
-    })
+                .expect("valid config");
+                let m = BertForSequenceClassification::<Autodiff<B>>::new(&cfg, 6, &device);
+                let (name, batch) = match key {
+                    "bertbase_train_bf16" => (key, 8),
+                    "bertbase_train_bf16_b32" => (key, 32),
+                    "bertbase_train_bf16_b128" => (key, 128),
+                    _ => ("bertbase_train_fp32", 8),
+                };
+                let bf16 = key.contains("bf16");
+                crate::ops::set_matmul_precision(crate::ops::mixed_precision::<B>(bf16));
+                let r = rows::bert_train(name, m, &cfg, (batch, 128), w, opts.base_steps);
+                crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::F32);
+                Ok(r)
+            }
+            "roberta_train" | "distilbert_train" | "modernbert_train" => {
+                rows::family_train::<Autodiff<B>>(key, (8, 128), w, opts.base_steps, &device)
+            }
+            "mnist_train" => Ok(rows::mnist_train::<Autodiff<B>>(
+                32,
+                w.max(5),
+                opts.mnist_steps,
+                &device,
+            )),
+            "tweets_train" => rows::tweets_train::<Autodiff<B>>(
+                &opts.minilm_dir,
+                &opts.tweets_file,
+                16,
+                w,
+                s,
+                &device,
+            ),
+            "live_state" => live_state::live_state_overhead::<Autodiff<B>>(
+                &opts.minilm_dir,
+                &opts.tweets_file,
+                (16, s.max(10), 8),
+                &device,
+            ),
+            "qwen2_train" | "mistral_train" => llama::family_train(key, w, opts.base_steps),
+            "smollm2_train" => {
+                let dir = llama::converted_folder(&opts.smollm2_gguf)?;
+                llama::train(&dir, &opts.lm_corpus, w, opts.base_steps)
+            }
+            "smollm2_train_bf16" => Ok(llama::smollm2_train_bf16::<B>(w, opts.base_steps, &device)),
+            "smollm2_lora_train" | "smollm2_lora_bf16base_train" => {
+                let dir = llama::converted_folder(&opts.smollm2_gguf)?;
+                llama::lora_train(key, Some(&dir), &opts.lm_corpus, w, opts.base_steps)
+            }
+            "qwen2_lora_train"
+            | "deepseek1b3_lora_train"
+            | "qwen2_lora_bf16base_train"
+            | "deepseek1b3_lora_bf16base_train" => {
+                llama::lora_train(key, None, &opts.lm_corpus, w, opts.base_steps)
+            }
+            "smollm2_prefill" => {
+                let dir = llama::converted_folder(&opts.smollm2_gguf)?;
+                llama::prefill(&dir, &opts.lm_corpus, w, s)
+            }
+            "smollm2_generate" => {
+                let dir = llama::converted_folder(&opts.smollm2_gguf)?;
+                llama::generate(&dir, w, opts.generate_tokens)
+            }
+            "dp_allreduce_mnist" => dp::collective(
+                "dp_allreduce_mnist",
+                dp::Op::AllReduce,
+                crate::parallel::Engine::Burn,
+                dp::mnist_gradient_len(),
+                w.max(5),
+                opts.mnist_steps,
+            ),
+            key if key.starts_with("dp_") && ROWS.iter().any(|r| r.key == key) => {
+                use crate::parallel::Engine;
+                let op = if key.starts_with("dp_allgather") {
+                    dp::Op::AllGather
+                } else if key.starts_with("dp_reducescatter") {
+                    dp::Op::ReduceScatter
+                } else {
+                    dp::Op::AllReduce
+                };
+                let engine = if key.ends_with("_mpi") {
+                    Engine::Mpi
+                } else {
+                    Engine::Burn
+                };
+                dp::collective(key, op, engine, crate::parallel::BUCKET_ELEMENTS, w, s)
+            }
+            other => Err(unknown_row(other)),
+        },
+    )
 }
 
 /// An error for a CPU-only row asked for on a GPU.

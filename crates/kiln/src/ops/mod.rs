@@ -1290,17 +1290,50 @@ impl Window {
 
     /// The additive `[T, T]` mask of the window: 0 inside, a large finite negative outside (not
     /// -inf: it is scaled before the softmax, and a padding query whose keys are all hidden must
-    /// stay finite).
+    /// stay finite). Made once per window, length, backend and device on a thread and then shared
+    /// ([`BANDS`]): every layer of a step asks for the same one.
     pub fn band<B: Backend>(&self, t: usize, device: &B::Device) -> Tensor<B, 2> {
-        let band: Vec<f32> = (0..t)
+        let key = (std::any::TypeId::of::<B>(), *self, t);
+        let cached = BANDS.with(|bands| {
+            bands.borrow().iter().find_map(|(k, band)| {
+                let band = band.downcast_ref::<Tensor<B, 2>>()?;
+                (*k == key && band.device() == *device).then(|| band.clone())
+            })
+        });
+        if let Some(band) = cached {
+            return band;
+        }
+        let values: Vec<f32> = (0..t)
             .flat_map(|i| {
                 let seen = self.keys(i, t);
                 (0..t).map(move |j| if seen.contains(&j) { 0.0 } else { -1e30 })
             })
             .collect();
-        Tensor::from_data(burn::tensor::TensorData::new(band, [t, t]), device)
+        let band = Tensor::<B, 2>::from_data(burn::tensor::TensorData::new(values, [t, t]), device);
+        BANDS.with(|bands| {
+            let mut bands = bands.borrow_mut();
+            if bands.len() == BANDS_KEPT {
+                bands.remove(0);
+            }
+            bands.push((key, Box::new(band.clone())));
+        });
+        band
     }
 }
+
+/// How many bands [`BANDS`] keeps: a few lengths (dynamic padding) of a model's one or two windows.
+const BANDS_KEPT: usize = 8;
+
+thread_local! {
+    /// The bands [`Window::band`] made last on this thread, oldest first, keyed by backend, window
+    /// and length (the tensor holds its device). A host profile of a SmolLM2 step on an H200 found
+    /// a quarter of the step's host time building the causal band again for each of its 30 layers
+    /// (and each uploaded 1 MiB). A shared tensor is never changed in place: Burn writes in place
+    /// only into a tensor nothing else holds.
+    static BANDS: std::cell::RefCell<Vec<BandEntry>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+type BandEntry = ((std::any::TypeId, Window, usize), Box<dyn std::any::Any>);
 
 /// Multi-head self-attention of `q, k, v [B, T, H]` within `window` under the additive key mask
 /// `[B, T]`, on the fused kernel (dropout in training only).

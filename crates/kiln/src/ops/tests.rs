@@ -994,3 +994,48 @@ fn a_weight_held_in_bf16_multiplies_as_its_rounded_f32_values() {
         "an embedding lookup widens its rows exactly"
     );
 }
+
+/// Window bands are kept per thread and shared between calls: a kept band must still be the
+/// band its window and length ask for, whichever was made before it and however many were made.
+#[test]
+fn window_bands_reused_from_the_cache_stay_right() {
+    let device = Default::default();
+    let slide = Window {
+        before: 2,
+        after: 1,
+    };
+    // Which key j query i sees, written out here rather than through `Window::keys`.
+    let sees = |w: Window, i: usize, j: usize| {
+        if w == Window::CAUSAL {
+            j <= i
+        } else {
+            j + 2 >= i && j <= i + 1
+        }
+    };
+    let check = |w: Window, t: usize| {
+        let band = w.band::<Cpu>(t, &device);
+        assert_eq!(band.dims(), [t, t]);
+        let values = band.into_data().to_vec::<f32>().unwrap();
+        for i in 0..t {
+            for j in 0..t {
+                let want = if sees(w, i, j) { 0.0 } else { -1e30 };
+                assert_eq!(values[i * t + j], want, "{w:?} t={t} ({i}, {j})");
+            }
+        }
+    };
+    // Twice: made, then from the cache.
+    for _ in 0..2 {
+        for (w, t) in [
+            (Window::CAUSAL, 5),
+            (slide, 5),
+            (Window::CAUSAL, 3),
+            (slide, 7),
+        ] {
+            check(w, t);
+        }
+    }
+    // More lengths than are kept: the oldest are made again.
+    for t in (1..=BANDS_KEPT + 3).chain(1..=3) {
+        check(Window::CAUSAL, t);
+    }
+}
