@@ -81,8 +81,9 @@ where
     B: kiln::ops::KilnBackend,
     Autodiff<B>: kiln::ops::TrainBackend<InnerBackend = B, Device = B::Device>,
 {
-    if cmd.host_profile.is_some() && !kiln::bench::host_profile::AVAILABLE {
-        anyhow::bail!("`--host-profile` needs a kiln built with `--features host-profile`");
+    if cmd.host_profile.is_some() {
+        // Before any row's process starts.
+        kiln::bench::host_profile::require()?;
     }
     let threads =
         threads_flag.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));

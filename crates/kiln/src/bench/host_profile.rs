@@ -19,6 +19,8 @@ pub const AVAILABLE: bool = cfg!(feature = "host-profile");
 const FREQUENCY_HZ: i32 = 997;
 
 struct Armed {
+    // Without the feature `arm` refuses, so nothing is ever written to it.
+    #[cfg_attr(not(feature = "host-profile"), allow(dead_code))]
     path: PathBuf,
     #[cfg(feature = "host-profile")]
     guard: Option<pprof::ProfilerGuard<'static>>,
@@ -29,13 +31,20 @@ thread_local! {
     static ARMED: RefCell<Option<Armed>> = const { RefCell::new(None) };
 }
 
+/// Refuses `--host-profile` in one sentence where this build cannot sample.
+pub fn require() -> Result<()> {
+    if AVAILABLE {
+        Ok(())
+    } else {
+        Err(KilnError::Config(
+            "`--host-profile` needs a kiln built with `--features host-profile`".into(),
+        ))
+    }
+}
+
 /// Prepares sampling of row `key` into `dir/key.folded`; sampling starts at [`start`].
 pub fn arm(dir: &Path, key: &str) -> Result<()> {
-    if !AVAILABLE {
-        return Err(KilnError::Config(
-            "`--host-profile` needs a kiln built with `--features host-profile`".into(),
-        ));
-    }
+    require()?;
     std::fs::create_dir_all(dir)
         .map_err(|e| KilnError::Config(format!("--host-profile {}: {e}", dir.display())))?;
     let path = dir.join(format!("{key}.folded"));
@@ -94,7 +103,8 @@ pub fn finish() -> Result<Option<PathBuf>> {
         crate::hub::files::atomic_write(&armed.path, text.as_bytes())?;
         return Ok(Some(armed.path));
     }
-    let _ = armed.path;
+    #[cfg(not(feature = "host-profile"))]
+    let _ = armed;
     Ok(None)
 }
 
