@@ -6,10 +6,10 @@
 //!
 //! Blocking, after oneDNN's brgemm and Intel's AMX guide: the eight tile registers hold a 2×2 grid
 //! of C tiles (a 32×32 block of C), two A tiles and two B tiles, so each step loads four tiles for
-//! four tile products. A is packed per task as 32-row blocks, one contiguous 2 KB piece per 32
-//! values of K (rows 0–15, then 16–31, 64 bytes a row); B is packed once, shared, as the 32-column
-//! panels of bf16 pairs the AVX512-BF16 kernel reads. K is cut into blocks of [`KSTEPS`] steps so
-//! a block of A stays in L1 while B's panels stream from L2. Edges are zero padding: rows of A to
+//! four tile products. B is packed once, shared, as the 32-column panels of bf16 pairs the
+//! AVX512-BF16 kernel reads. K is cut into blocks of [`KSTEPS`] steps; a block of A (32 rows, one
+//! block of K: one contiguous 2 KB piece per 32 values of K, rows 0–15 then 16–31, 64 bytes a row)
+//! is packed just before it meets every panel of B, and stays in L1 while they stream from L2. Edges are zero padding: rows of A to
 //! 32, columns of B to 32, K to a multiple of 32; an edge block of C is stored to a scratch tile and
 //! only its live part added to C.
 //!
@@ -128,7 +128,12 @@ pub(super) unsafe fn gemm(
 ) {
     use rayon::prelude::*;
     let steps = kp_pad / PAIRS;
-    let (tm, tn) = super::cpu::gemm::gemm_grid(m, n, k, rayon::current_num_threads());
+    // Tasks split the rows while each gets whole blocks: every task packs its own rows of A
+    // (B is packed once, shared), so a split of the columns would pack all of A in every task.
+    let (tm, tn) = match super::cpu::gemm::gemm_grid(m, n, k, rayon::current_num_threads()) {
+        (tm, tn) if m.div_ceil(ROWS) >= tm * tn => (tm * tn, 1),
+        grid => grid,
+    };
     let rows = m.div_ceil(tm).div_ceil(ROWS) * ROWS;
     let cols = n.div_ceil(tn).div_ceil(32) * 32;
     let cp = c.as_mut_ptr() as usize;
@@ -138,22 +143,33 @@ pub(super) unsafe fn gemm(
             return;
         }
         let (mr, nc) = (rows.min(m - i0), cols.min(n - j0));
-        let blocks = mr.div_ceil(ROWS);
-        let mut ap = vec![0u32; blocks * steps * A_STEP];
-        for (blk, packed) in ap.chunks_mut(steps * A_STEP).enumerate() {
-            let r0 = i0 + blk * ROWS;
-            // SAFETY: the caller's CPU has AMX, and with it AVX-512 and AVX512-BF16.
-            unsafe { pack_a_block(&a[r0 * rsa..], (rsa, csa), ROWS.min(m - r0), k, packed) };
-        }
+        // One block of A (32 rows, one block of K) packed right before every panel of B meets
+        // it, so it is still in L1: packing all of a task's A first sent it through L2 and back.
+        let mut ap = APiece([0u32; KSTEPS * A_STEP]);
         let _tiles = Tiles::configure();
         let mut scratch = Scratch([0f32; ROWS * 32]);
         for kb in (0..steps).step_by(KSTEPS) {
             let ks = KSTEPS.min(steps - kb);
+            let (k0, k1) = (kb * 32, ((kb + ks) * 32).min(k));
             let add_to_c = kb > 0 || beta != 0.0;
-            for blk in 0..blocks {
-                let r0 = i0 + blk * ROWS;
+            for r0 in (i0..i0 + mr).step_by(ROWS) {
                 let live_rows = ROWS.min(m - r0);
-                let a_blk = ap.as_ptr().add((blk * steps + kb) * A_STEP);
+                let piece = &mut ap.0[..ks * A_STEP];
+                if live_rows < ROWS || k1 - k0 < ks * 32 {
+                    // Zero padding past the last row or K value (the buffer holds the last block's).
+                    piece.fill(0);
+                }
+                // SAFETY: the caller's CPU has AMX, and with it AVX-512 and AVX512-BF16.
+                unsafe {
+                    pack_a_block(
+                        &a[r0 * rsa + k0 * csa..],
+                        (rsa, csa),
+                        live_rows,
+                        k1 - k0,
+                        piece,
+                    )
+                };
+                let a_blk = piece.as_ptr();
                 for j in (j0..j0 + nc).step_by(32) {
                     let live_cols = 32.min(n - j);
                     let b_blk = bp.as_ptr().add(((j / 32) * kp_pad + kb * PAIRS) * 32);
@@ -181,14 +197,19 @@ pub(super) unsafe fn gemm(
     }
 }
 
+/// One packed block of A: [`KSTEPS`] pieces of 32 rows × 16 pairs, aligned for tile loads.
+#[cfg(target_arch = "x86_64")]
+#[repr(C, align(64))]
+struct APiece([u32; KSTEPS * A_STEP]);
+
 /// A 32×32 f32 block, aligned for tile stores.
 #[cfg(target_arch = "x86_64")]
 #[repr(C, align(64))]
 struct Scratch([f32; ROWS * 32]);
 
 /// `rows` (≤ 32) rows of A from `a` (row `r`, value `kk` at `r·rsa + kk·csa`) rounded to bf16 and
-/// packed as pieces of [32 rows][16 pairs], one per 32 values of K, into `out`, which is zero
-/// (rows past `rows` and pairs past K stay so).
+/// packed as pieces of [32 rows][16 pairs], one per 32 values of K, into `out`, whose rows past
+/// `rows` and pairs past K must be zero (they are left as they are).
 ///
 /// # Safety
 /// The CPU must have AVX-512 F/BW and AVX512-BF16.
@@ -211,10 +232,12 @@ unsafe fn pack_a_block(
         }
     } else if rsa == 1 {
         // Column-major (the weight gradient's transposed operand): 32 rows of one K value are
-        // contiguous. Pair two K values across the rows, then turn [pair][row] into [row][pair].
+        // contiguous. Pair two K values across the rows ([pair][row]), then transpose that into
+        // the tile's [row][pair] 16×16 at a time.
+        use super::bf16::transpose16;
         let zeros = [0f32; ROWS];
         let mut across = [0u32; PAIRS * ROWS];
-        for (s, piece) in out.chunks_mut(A_STEP).enumerate() {
+        for (s, piece) in out.chunks_mut(A_STEP).enumerate().take(k.div_ceil(32)) {
             let column = |kk: usize| {
                 if kk < k {
                     &a[kk * csa..][..rows]
@@ -226,15 +249,19 @@ unsafe fn pack_a_block(
                 let kk = s * 32 + 2 * q;
                 pack_pairs(column(kk), column(kk + 1), &mut lanes[..rows]);
             }
-            for r in 0..rows {
-                for q in 0..PAIRS {
-                    piece[r * PAIRS + q] = across[q * ROWS + r];
-                }
+            for half in 0..rows.div_ceil(16) {
+                transpose16(
+                    across.as_ptr().add(16 * half),
+                    ROWS,
+                    piece.as_mut_ptr().add(16 * half * PAIRS),
+                    PAIRS,
+                );
             }
         }
     } else {
-        // Any other strides: element by element.
+        // Any other strides: element by element, into halves of zeroed pairs.
         use super::bf16::bf16_bits;
+        out.fill(0);
         for kk in 0..k {
             let (s, q, half) = (kk / 32, (kk % 32) / 2, (kk % 2) * 16);
             for r in 0..rows {

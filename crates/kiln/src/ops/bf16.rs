@@ -142,6 +142,61 @@ pub(super) unsafe fn pairs_of(src: &[f32], out: &mut [u32]) {
     }
 }
 
+/// A 16×16 block of 32-bit values transposed: row `r` of `dst` (rows `dst_stride` apart) is
+/// column `r` of `src` (rows `src_stride` apart). Packing an operand whose K values run down its
+/// columns (a transposed weight, the weight gradient's dyᵀ) is a transpose of bf16 pairs; done
+/// one value at a time it took as long as the tile products it fed.
+///
+/// # Safety
+/// The CPU must have AVX-512 F; `src` and `dst` must address 16 rows of 16 values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn transpose16(
+    src: *const u32,
+    src_stride: usize,
+    dst: *mut u32,
+    dst_stride: usize,
+) {
+    use std::arch::x86_64::*;
+    let r: [__m512i; 16] =
+        std::array::from_fn(|i| _mm512_loadu_si512(src.add(i * src_stride).cast()));
+    // Within each 128-bit lane: pairs of rows interleaved by 32 bits, then by 64 bits, so lane L
+    // of u[4i + j] holds column 4L + j of rows 4i..4i + 4.
+    let t: [__m512i; 16] = std::array::from_fn(|i| {
+        let (x, y) = (r[i & !1], r[i | 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_epi32(x, y)
+        } else {
+            _mm512_unpackhi_epi32(x, y)
+        }
+    });
+    let u: [__m512i; 16] = std::array::from_fn(|i| {
+        let (g, j) = (i & !3, i % 4);
+        let (x, y) = (t[g + (j >> 1)], t[g + 2 + (j >> 1)]);
+        if j % 2 == 0 {
+            _mm512_unpacklo_epi64(x, y)
+        } else {
+            _mm512_unpackhi_epi64(x, y)
+        }
+    });
+    // Then the four lanes L of u[j], u[4 + j], u[8 + j], u[12 + j] make row 4L + j.
+    for j in 0..4 {
+        let w0 = _mm512_shuffle_i32x4::<0x88>(u[j], u[4 + j]);
+        let w1 = _mm512_shuffle_i32x4::<0xDD>(u[j], u[4 + j]);
+        let w2 = _mm512_shuffle_i32x4::<0x88>(u[8 + j], u[12 + j]);
+        let w3 = _mm512_shuffle_i32x4::<0xDD>(u[8 + j], u[12 + j]);
+        let rows = [
+            _mm512_shuffle_i32x4::<0x88>(w0, w2),
+            _mm512_shuffle_i32x4::<0x88>(w1, w3),
+            _mm512_shuffle_i32x4::<0xDD>(w0, w2),
+            _mm512_shuffle_i32x4::<0xDD>(w1, w3),
+        ];
+        for (l, row) in rows.into_iter().enumerate() {
+            _mm512_storeu_si512(dst.add((4 * l + j) * dst_stride).cast(), row);
+        }
+    }
+}
+
 /// B (`k×n`, element `(kk, col)` at `kk·rsb + col·csb`) rounded to bf16 and packed as panels of
 /// [`NR`] columns, each `[kp_pad][NR]` pairs of consecutive K values (the layout both the
 /// `vdpbf16ps` kernel and AMX's B tiles read); pairs past K and columns past `n` are zero.
@@ -172,13 +227,41 @@ pub(super) unsafe fn pack_b(
             let col = j * NR;
             let pairs = k.div_ceil(2);
             if by_columns {
-                // Convert a column at a time and lay its pairs down the panel.
-                let mut column = vec![0u32; pairs];
-                for l in 0..NR.min(n - col) {
-                    // SAFETY: the caller's CPU has AVX512-BF16.
-                    unsafe { pairs_of(&b[(col + l) * csb..][..k], &mut column) };
-                    for (p, &v) in column.iter().enumerate() {
-                        panel[p * NR + l] = v;
+                // 16 columns × 16 pairs at a time: each column's 32 K values converted into a row
+                // of `block`, then the block transposed into the panel's [pair][column] layout.
+                let live = NR.min(n - col);
+                let mut block = [0u32; 256];
+                for l0 in (0..live).step_by(16) {
+                    for p0 in (0..pairs).step_by(16) {
+                        let width = 16.min(live - l0);
+                        for (l, row) in block.chunks_mut(16).enumerate() {
+                            if l < width {
+                                let start = (col + l0 + l) * csb + 2 * p0;
+                                let values = &b[start..][..(k - 2 * p0).min(32)];
+                                // SAFETY: the caller's CPU has AVX512-BF16.
+                                unsafe { pairs_of(values, row) };
+                            } else {
+                                row.fill(0);
+                            }
+                        }
+                        if p0 + 16 <= kp_pad {
+                            // SAFETY: as above; the panel holds kp_pad rows of NR pairs.
+                            unsafe {
+                                transpose16(
+                                    block.as_ptr(),
+                                    16,
+                                    panel.as_mut_ptr().add(p0 * NR + l0),
+                                    NR,
+                                )
+                            };
+                        } else {
+                            // The last rows of a panel whose pair count is no multiple of 16.
+                            for p in p0..kp_pad {
+                                for l in 0..16 {
+                                    panel[p * NR + l0 + l] = block[l * 16 + p - p0];
+                                }
+                            }
+                        }
                     }
                 }
                 return;
@@ -546,6 +629,33 @@ mod tests {
                         .any(|(i, (&x, &w))| (f64::from(x) - w).abs() > bound(i, 0.0)),
                     "{m}x{k}x{n}: the control is within the bound"
                 );
+            }
+        }
+    }
+
+    /// The 16×16 transpose of 32-bit values that packs transposed operands, against the
+    /// definition, between rows of different strides.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn transpose16_transposes() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            eprintln!("no avx512f on this CPU: transpose16 not tested");
+            return;
+        }
+        let src: Vec<u32> = (0..16 * 21u32)
+            .map(|i| i.wrapping_mul(2_654_435_761))
+            .collect();
+        let mut dst = vec![7u32; 16 * 37];
+        // SAFETY: AVX-512 F is present; 16 rows of 21 and of 37 values hold each block.
+        unsafe { transpose16(src.as_ptr().add(3), 21, dst.as_mut_ptr().add(5), 37) };
+        for r in 0..16 {
+            for c in 0..37 {
+                let want = if (5..21).contains(&c) {
+                    src[(c - 5) * 21 + 3 + r]
+                } else {
+                    7
+                };
+                assert_eq!(dst[r * 37 + c], want, "row {r} column {c}");
             }
         }
     }
