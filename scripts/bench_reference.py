@@ -19,6 +19,11 @@
                 config, and Mistral's architecture at SmolLM2's 135M scale with a 64-token
                 sliding window (kiln's crates/kiln/src/bench/llama.rs has the same configs).
 
+  bertbase_train_bf16  BERT-base's config with random weights (bench_hf.py's bertbase_train: batch
+                    8 × 128, AdamW lr 5e-5) with the forward under torch.autocast("cpu", bfloat16).
+  smollm2_train_bf16  SmolLM2-135M's architecture with random weights, AdamW lr 1e-4 on 8 random
+                    512-token blocks, under autocast (the GPU script's row, on the CPU).
+
   smollm2_train     SmolLM2-135M (the folder `kiln convert --from-gguf` wrote; $SMOLLM2_DIR)
                     continued pretraining: AdamW lr 1e-4, batches of 4 blocks of 128 tokens, the
                     first blocks of the corpus packed as kiln does (documents + EOS, concatenated).
@@ -200,12 +205,15 @@ def family_train(key, warmup, steps, batch=8, seq=128):
                 warmup, steps)
 
 
-def timed_steps(key, model, opt, inputs, batch, seq, warmup, steps):
-    """Optimizer steps on one fixed batch, the first `warmup` untimed; reports `{key}_fp32`."""
+def timed_steps(key, model, opt, inputs, batch, seq, warmup, steps, bf16=False):
+    """Optimizer steps on one fixed batch, the first `warmup` untimed; reports `{key}_fp32`, or
+    with `bf16` (the forward under torch.autocast("cpu", bfloat16), as HF's Trainer runs --bf16)
+    `{key}_autocast`."""
     times, losses = [], []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
-        out = model(**inputs)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = model(**inputs)
         out.loss.backward()
         opt.step()
         opt.zero_grad()
@@ -213,7 +221,7 @@ def timed_steps(key, model, opt, inputs, batch, seq, warmup, steps):
         losses.append(float(out.loss.detach()))
         if i >= warmup:
             times.append(dt)
-    report(f"{key}_fp32", times, batch, seq, [batch * seq] * len(times),
+    report(f"{key}_autocast" if bf16 else f"{key}_fp32", times, batch, seq, [batch * seq] * len(times),
            {"loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
             "attn_implementation": model.config._attn_implementation})
 
@@ -241,6 +249,42 @@ def causal_family_train(key, warmup, steps, batch=4, seq=128):
     gen = torch.Generator().manual_seed(1234)
     ids = torch.randint(1000, 30000, (batch, seq), generator=gen, dtype=torch.long)
     timed_steps(key, model, opt, dict(input_ids=ids, labels=ids), batch, seq, warmup, steps)
+
+
+def bertbase_train_bf16(warmup, steps, batch=8, seq=128):
+    """BERT-base's shape with random weights (as bench_hf.py's bertbase_train) under autocast."""
+    from transformers import BertConfig
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                     intermediate_size=3072, vocab_size=30522, num_labels=6)
+    model = BertForSequenceClassification(cfg)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(1234)
+    ids = torch.randint(1000, 30000, (batch, seq), generator=gen, dtype=torch.long)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    labels = torch.randint(0, 6, (batch,), generator=gen, dtype=torch.long)
+    timed_steps("bertbase_train_bf16", model, opt,
+                dict(input_ids=ids, attention_mask=mask, labels=labels), batch, seq, warmup, steps,
+                bf16=True)
+
+
+def smollm2_train_bf16(warmup, steps, batch=8, seq=512):
+    """SmolLM2-135M's architecture with random weights (the GPU row's shape, kiln's
+    bench/llama.rs smollm2_config) under autocast: AdamW lr 1e-4, 8 random 512-token blocks."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                      max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                      tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(1234)
+    ids = torch.randint(1000, 30000, (batch, seq), generator=gen, dtype=torch.long)
+    timed_steps("smollm2_train_bf16", model, opt, dict(input_ids=ids, labels=ids), batch, seq,
+                warmup, steps, bf16=True)
 
 
 def smollm2_blocks(model_dir, corpus, block, needed):
@@ -337,7 +381,7 @@ def lora_train(key, model_dir, corpus, warmup, steps, seq=128):
         losses.append(out.loss.item())
         if i >= warmup:
             times.append(dt)
-    report(f"{key}_fp32", times, batch, seq, [batch * seq] * len(times),
+    report(f"{key}_autocast" if bf16 else f"{key}_fp32", times, batch, seq, [batch * seq] * len(times),
            {"loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
             "trainable_params": sum(p.numel() for p in trainable),
             "all_params": sum(p.numel() for p in model.parameters())})
@@ -464,6 +508,10 @@ def main():
     for key in CAUSAL_CONFIGS:
         if key in which:
             causal_family_train(key, args.warmup, args.base_steps)
+    if "bertbase_train_bf16" in which:
+        bertbase_train_bf16(args.warmup, args.base_steps)
+    if "smollm2_train_bf16" in which:
+        smollm2_train_bf16(args.warmup, args.base_steps)
     smollm2 = os.environ.get("SMOLLM2_DIR", "assets/smollm2/hf")
     if "smollm2_train" in which:
         smollm2_train(smollm2, args.lm_corpus, args.warmup, args.base_steps)

@@ -1,6 +1,8 @@
 //! GFLOP/s of each bf16 GEMM kernel this CPU has (AMX tiles, AVX512-BF16 dot products, rounded
 //! copies) against matrixmultiply's f32 GEMM on the Linear shapes of a MiniLM training step
-//! (b16×128 tokens): `cargo run --release --example gemm_shapes`.
+//! (b16×128 tokens; `KILN_SHAPES=bertbase`: BERT-base at b8×128; `KILN_SHAPES=smollm2_head`:
+//! SmolLM2's LM head at b8×512):
+//! `cargo run --release --example gemm_shapes [Amx Dot Rounded]`.
 use std::time::Instant;
 
 /// (label, m, k, n, A, A strides, B, B strides)
@@ -50,12 +52,25 @@ fn main() {
     if let Some(peak) = kiln::bench::peak::measure() {
         println!("{}", peak.how);
     }
-    let t = 2048;
-    for (name, din, dout) in [
-        ("qkvo 384→384", 384, 384),
-        ("up 384→1536", 384, 1536),
-        ("down 1536→384", 1536, 384),
-    ] {
+    // `KILN_SHAPES=bertbase`: BERT-base's Linear shapes at b8×128 tokens instead of MiniLM's.
+    // `KILN_SHAPES=smollm2_head`: SmolLM2's tied LM head at b8×512 tokens (49152 columns).
+    let shapes = std::env::var("KILN_SHAPES").unwrap_or_default();
+    let (t, h, ffn) = match shapes.as_str() {
+        "bertbase" => (1024, 768, 3072),
+        "smollm2_head" => (4096, 576, 49152),
+        _ => (2048, 384, 1536),
+    };
+    let products = [
+        (format!("qkvo {h}→{h}"), h, h),
+        (format!("up {h}→{ffn}"), h, ffn),
+        (format!("down {ffn}→{h}"), ffn, h),
+    ];
+    let products = if shapes == "smollm2_head" {
+        &products[1..2]
+    } else {
+        &products[..]
+    };
+    for (name, din, dout) in products.iter().cloned() {
         let x: Vec<f32> = (0..t * din).map(|i| (i as f32 * 0.37).sin()).collect();
         let w: Vec<f32> = (0..dout * din).map(|i| (i as f32 * 0.11).cos()).collect();
         let dy: Vec<f32> = (0..t * dout).map(|i| (i as f32 * 0.07).sin()).collect();

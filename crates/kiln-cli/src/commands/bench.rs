@@ -12,9 +12,10 @@ pub struct BenchCmd {
     /// mnist_train, tweets_train, smollm2_train, smollm2_prefill, smollm2_generate,
     /// dp_allreduce_mnist, dp_allreduce_64mib, dp_allgather_64mib, dp_reducescatter_64mib (two
     /// processes on this machine), and with --features mpi the same three 64 MiB rows on MPI
-    /// (dp_allreduce_64mib_mpi, dp_allgather_64mib_mpi, dp_reducescatter_64mib_mpi). On a GPU
-    /// (`--device cuda`) also bertbase_train_bf16, bertbase_train_bf16_b32, bertbase_train_bf16_b128
-    /// and smollm2_train_bf16 (SmolLM2-135M's architecture with random weights, 8 × 512).
+    /// (dp_allreduce_64mib_mpi, dp_allgather_64mib_mpi, dp_reducescatter_64mib_mpi). Also
+    /// bertbase_train_bf16 (batch 8 × 128) and smollm2_train_bf16 (SmolLM2-135M's architecture with
+    /// random weights, 8 × 512), beside autocast; on a GPU (`--device cuda`) bertbase_train_bf16_b32
+    /// and bertbase_train_bf16_b128 as well.
     #[arg(
         long,
         default_value = "minilm_train,minilm_train_bf16,minilm_infer,bertbase_train,mnist_train,tweets_train,smollm2_train,smollm2_prefill,smollm2_generate,dp_allreduce_mnist,dp_allreduce_64mib,dp_allgather_64mib,dp_reducescatter_64mib"

@@ -7,9 +7,11 @@
 //! Blocking, after oneDNN's brgemm and Intel's AMX guide: the eight tile registers hold a 2×2 grid
 //! of C tiles (a 32×32 block of C), two A tiles and two B tiles, so each step loads four tiles for
 //! four tile products. B is packed once, shared, as the 32-column panels of bf16 pairs the
-//! AVX512-BF16 kernel reads. K is cut into blocks of [`KSTEPS`] steps; a block of A (32 rows, one
-//! block of K: one contiguous 2 KB piece per 32 values of K, rows 0–15 then 16–31, 64 bytes a row)
-//! is packed just before it meets every panel of B, and stays in L1 while they stream from L2. Edges are zero padding: rows of A to
+//! AVX512-BF16 kernel reads. K is cut into blocks of [`KSTEPS`] steps; per block of K a task packs
+//! its rows of A a chunk of [`CHUNK_ROWS`] at a time (each 32-row block one contiguous 2 KB piece
+//! per 32 values of K, rows 0–15 then 16–31, 64 bytes a row) and runs them against B a chunk of
+//! [`CHUNK_COLS`] columns at a time: both chunks stay in L2, and a block of A stays in L1 while
+//! the chunk's panels of B stream past it. Edges are zero padding: rows of A to
 //! 32, columns of B to 32, K to a multiple of 32; an edge block of C is stored to a scratch tile and
 //! only its live part added to C.
 //!
@@ -19,6 +21,10 @@
 /// Steps of 32 K values per block of K: a 32-row block of A is then 32 KB, held in L1 across
 /// every panel of B.
 const KSTEPS: usize = 16;
+/// Rows of A packed per chunk (512 KB of bf16 per block of K), and columns of B met per chunk
+/// (512 KB likewise): together they stay in a 2 MB L2 (Sapphire Rapids' per core).
+const CHUNK_ROWS: usize = 512;
+const CHUNK_COLS: usize = 512;
 /// bf16 pairs (u32) in one row of an A or B tile: 64 bytes.
 const PAIRS: usize = 16;
 /// Rows of A (and of C) per block: two tiles.
@@ -143,47 +149,60 @@ pub(super) unsafe fn gemm(
             return;
         }
         let (mr, nc) = (rows.min(m - i0), cols.min(n - j0));
-        // One block of A (32 rows, one block of K) packed right before every panel of B meets
-        // it, so it is still in L1: packing all of a task's A first sent it through L2 and back.
-        let mut ap = APiece([0u32; KSTEPS * A_STEP]);
+        // Per block of K, the task's rows of A are packed a chunk of rows at a time, and the chunk
+        // meets B a chunk of columns at a time: both chunks stay in L2 while every 32-row block
+        // of A (in L1) meets the chunk's 32-column panels. Without the column chunks a wide B
+        // (BERT-base's 3072-wide up projection: 3 MB a block of K) streamed from L3 per block of A.
+        let mut ap: Vec<APiece> = (0..mr.min(CHUNK_ROWS).div_ceil(ROWS))
+            .map(|_| APiece([0u32; KSTEPS * A_STEP]))
+            .collect();
         let _tiles = Tiles::configure();
         let mut scratch = Scratch([0f32; ROWS * 32]);
         for kb in (0..steps).step_by(KSTEPS) {
             let ks = KSTEPS.min(steps - kb);
             let (k0, k1) = (kb * 32, ((kb + ks) * 32).min(k));
             let add_to_c = kb > 0 || beta != 0.0;
-            for r0 in (i0..i0 + mr).step_by(ROWS) {
-                let live_rows = ROWS.min(m - r0);
-                let piece = &mut ap.0[..ks * A_STEP];
-                if live_rows < ROWS || k1 - k0 < ks * 32 {
-                    // Zero padding past the last row or K value (the buffer holds the last block's).
-                    piece.fill(0);
+            for rc in (i0..i0 + mr).step_by(CHUNK_ROWS) {
+                let chunk_rows = rc..(rc + CHUNK_ROWS).min(i0 + mr);
+                for (piece, r0) in ap.iter_mut().zip(chunk_rows.clone().step_by(ROWS)) {
+                    let live_rows = ROWS.min(m - r0);
+                    let piece = &mut piece.0[..ks * A_STEP];
+                    if live_rows < ROWS || k1 - k0 < ks * 32 {
+                        // Zero padding past the last row or K value (the buffer holds older rows).
+                        piece.fill(0);
+                    }
+                    // SAFETY: the caller's CPU has AMX, and with it AVX-512 and AVX512-BF16.
+                    unsafe {
+                        pack_a_block(
+                            &a[r0 * rsa + k0 * csa..],
+                            (rsa, csa),
+                            live_rows,
+                            k1 - k0,
+                            piece,
+                        )
+                    };
                 }
-                // SAFETY: the caller's CPU has AMX, and with it AVX-512 and AVX512-BF16.
-                unsafe {
-                    pack_a_block(
-                        &a[r0 * rsa + k0 * csa..],
-                        (rsa, csa),
-                        live_rows,
-                        k1 - k0,
-                        piece,
-                    )
-                };
-                let a_blk = piece.as_ptr();
-                for j in (j0..j0 + nc).step_by(32) {
-                    let live_cols = 32.min(n - j);
-                    let b_blk = bp.as_ptr().add(((j / 32) * kp_pad + kb * PAIRS) * 32);
-                    let dst = (cp as *mut f32).add(r0 * n + j);
-                    if live_rows == ROWS && live_cols == 32 {
-                        block(ks, a_blk, b_blk, dst, n, add_to_c);
-                    } else {
-                        let s = scratch.0.as_mut_ptr();
-                        block(ks, a_blk, b_blk, s, 32, false);
-                        for r in 0..live_rows {
-                            for col in 0..live_cols {
-                                let d = dst.add(r * n + col);
-                                let v = *s.add(r * 32 + col);
-                                *d = if add_to_c { *d + v } else { v };
+                for cc in (j0..j0 + nc).step_by(CHUNK_COLS) {
+                    let chunk_cols = cc..(cc + CHUNK_COLS).min(j0 + nc);
+                    for (piece, r0) in ap.iter().zip(chunk_rows.clone().step_by(ROWS)) {
+                        let live_rows = ROWS.min(m - r0);
+                        let a_blk = piece.0.as_ptr();
+                        for j in chunk_cols.clone().step_by(32) {
+                            let live_cols = 32.min(n - j);
+                            let b_blk = bp.as_ptr().add(((j / 32) * kp_pad + kb * PAIRS) * 32);
+                            let dst = (cp as *mut f32).add(r0 * n + j);
+                            if live_rows == ROWS && live_cols == 32 {
+                                block(ks, a_blk, b_blk, dst, n, add_to_c);
+                            } else {
+                                let s = scratch.0.as_mut_ptr();
+                                block(ks, a_blk, b_blk, s, 32, false);
+                                for r in 0..live_rows {
+                                    for col in 0..live_cols {
+                                        let d = dst.add(r * n + col);
+                                        let v = *s.add(r * 32 + col);
+                                        *d = if add_to_c { *d + v } else { v };
+                                    }
+                                }
                             }
                         }
                     }

@@ -559,7 +559,7 @@ mod tests {
 
     /// Every shape class of the tiled kernels: rows and columns below, at and past a tile (16) and
     /// a block (32); K below, at and past a 32-value tile step and a 512-value K block, odd K; a
-    /// product big enough to split across threads. Each operand read row-major and transposed
+    /// product big enough to split across threads, and one past the AMX kernel's L2 chunks. Each operand read row-major and transposed
     /// (the backward products' layouts), β 0 and 1, on every kernel; the error bound is f32
     /// summation's, (K + 2)·2⁻²⁴ times the products' magnitudes (the products of bf16 values are
     /// exact in f32).
@@ -575,6 +575,9 @@ mod tests {
             (64, 512, 64),
             (33, 1100, 17),
             (100, 600, 150),
+            // More rows per task and more columns than the AMX kernel's L2 chunks (512), with
+            // edges in both.
+            (1060, 40, 530),
         ];
         for &(m, k, n) in &shapes {
             let a: Vec<f32> = (0..m * k)
