@@ -194,7 +194,13 @@ def family_train(key, warmup, steps, batch=8, seq=128):
     kw = dict(FAMILY_CONFIGS[key])
     cfg = AutoConfig.for_model(kw.pop("model_type"), num_labels=6, **kw)
     torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_config(cfg)
+    classifier_steps(key, AutoModelForSequenceClassification.from_config(cfg), warmup, steps, batch,
+                     seq)
+
+
+def classifier_steps(key, model, warmup, steps, batch, seq, bf16=False):
+    """AdamW (lr 5e-5, no weight decay) steps of a sequence classifier on bench_hf.py's random
+    batch: ids in [1000, 30000), full mask, 6 labels."""
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.0)
     gen = torch.Generator().manual_seed(1234)
@@ -202,7 +208,7 @@ def family_train(key, warmup, steps, batch=8, seq=128):
     mask = torch.ones(batch, seq, dtype=torch.long)
     labels = torch.randint(0, 6, (batch,), generator=gen, dtype=torch.long)
     timed_steps(key, model, opt, dict(input_ids=ids, attention_mask=mask, labels=labels), batch, seq,
-                warmup, steps)
+                warmup, steps, bf16=bf16)
 
 
 def timed_steps(key, model, opt, inputs, batch, seq, warmup, steps, bf16=False):
@@ -257,16 +263,8 @@ def bertbase_train_bf16(warmup, steps, batch=8, seq=128):
     torch.manual_seed(0)
     cfg = BertConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                      intermediate_size=3072, vocab_size=30522, num_labels=6)
-    model = BertForSequenceClassification(cfg)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(1234)
-    ids = torch.randint(1000, 30000, (batch, seq), generator=gen, dtype=torch.long)
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    labels = torch.randint(0, 6, (batch,), generator=gen, dtype=torch.long)
-    timed_steps("bertbase_train_bf16", model, opt,
-                dict(input_ids=ids, attention_mask=mask, labels=labels), batch, seq, warmup, steps,
-                bf16=True)
+    classifier_steps("bertbase_train_bf16", BertForSequenceClassification(cfg), warmup, steps,
+                     batch, seq, bf16=True)
 
 
 def smollm2_train_bf16(warmup, steps, batch=8, seq=512):
