@@ -153,9 +153,16 @@ pub(super) unsafe fn gemm(
         // meets B a chunk of columns at a time: both chunks stay in L2 while every 32-row block
         // of A (in L1) meets the chunk's 32-column panels. Without the column chunks a wide B
         // (BERT-base's 3072-wide up projection: 3 MB a block of K) streamed from L3 per block of A.
-        let mut ap: Vec<APiece> = (0..mr.min(CHUNK_ROWS).div_ceil(ROWS))
-            .map(|_| APiece([0u32; KSTEPS * A_STEP]))
-            .collect();
+        let mut ap = APieces::new(mr.min(CHUNK_ROWS).div_ceil(ROWS), KSTEPS.min(steps));
+        // A column-major A (the weight gradient's dyᵀ) is packed a chunk at a time, through its
+        // pairs across the chunk's rows ([pair][row], one K step at a time).
+        let by_columns = rsa == 1 && csa != 1;
+        let mut across = if by_columns {
+            // Rows rounded to 16: the transposes read whole groups of 16.
+            vec![0u32; PAIRS * mr.min(CHUNK_ROWS).div_ceil(16) * 16]
+        } else {
+            vec![]
+        };
         let _tiles = Tiles::configure();
         let mut scratch = Scratch([0f32; ROWS * 32]);
         for kb in (0..steps).step_by(KSTEPS) {
@@ -164,29 +171,44 @@ pub(super) unsafe fn gemm(
             let add_to_c = kb > 0 || beta != 0.0;
             for rc in (i0..i0 + mr).step_by(CHUNK_ROWS) {
                 let chunk_rows = rc..(rc + CHUNK_ROWS).min(i0 + mr);
-                for (piece, r0) in ap.iter_mut().zip(chunk_rows.clone().step_by(ROWS)) {
-                    let live_rows = ROWS.min(m - r0);
-                    let piece = &mut piece.0[..ks * A_STEP];
-                    if live_rows < ROWS || k1 - k0 < ks * 32 {
-                        // Zero padding past the last row or K value (the buffer holds older rows).
-                        piece.fill(0);
-                    }
+                if by_columns {
                     // SAFETY: the caller's CPU has AMX, and with it AVX-512 and AVX512-BF16.
                     unsafe {
-                        pack_a_block(
-                            &a[r0 * rsa + k0 * csa..],
-                            (rsa, csa),
-                            live_rows,
+                        pack_a_chunk_by_columns(
+                            &a[rc + k0 * csa..],
+                            csa,
+                            chunk_rows.len(),
                             k1 - k0,
-                            piece,
+                            &mut across,
+                            &mut ap,
                         )
                     };
+                } else {
+                    for (p, r0) in chunk_rows.clone().step_by(ROWS).enumerate() {
+                        let live_rows = ROWS.min(m - r0);
+                        let piece = &mut ap.piece_mut(p)[..ks * A_STEP];
+                        if live_rows < ROWS || k1 - k0 < ks * 32 {
+                            // Zero padding past the last row or K value (the buffer holds older
+                            // rows).
+                            piece.fill(0);
+                        }
+                        // SAFETY: as above.
+                        unsafe {
+                            pack_a_block(
+                                &a[r0 * rsa + k0 * csa..],
+                                (rsa, csa),
+                                live_rows,
+                                k1 - k0,
+                                piece,
+                            )
+                        };
+                    }
                 }
                 for cc in (j0..j0 + nc).step_by(CHUNK_COLS) {
                     let chunk_cols = cc..(cc + CHUNK_COLS).min(j0 + nc);
-                    for (piece, r0) in ap.iter().zip(chunk_rows.clone().step_by(ROWS)) {
+                    for (p, r0) in chunk_rows.clone().step_by(ROWS).enumerate() {
                         let live_rows = ROWS.min(m - r0);
-                        let a_blk = piece.0.as_ptr();
+                        let a_blk = ap.piece_mut(p).as_ptr();
                         for j in chunk_cols.clone().step_by(32) {
                             let live_cols = 32.min(n - j);
                             let b_blk = bp.as_ptr().add(((j / 32) * kp_pad + kb * PAIRS) * 32);
@@ -216,18 +238,44 @@ pub(super) unsafe fn gemm(
     }
 }
 
-/// One packed block of A: [`KSTEPS`] pieces of 32 rows × 16 pairs, aligned for tile loads.
+/// One K step of a packed block of A: 32 rows × 16 pairs, aligned for tile loads.
 #[cfg(target_arch = "x86_64")]
 #[repr(C, align(64))]
-struct APiece([u32; KSTEPS * A_STEP]);
+#[derive(Clone, Copy)]
+struct AStep([u32; A_STEP]);
+
+/// A chunk's packed blocks of A, each `steps` K steps long (a block of K, or all of a shorter K:
+/// attention's products have K = 64, and zeroing whole blocks of K cost more than their tiles).
+#[cfg(target_arch = "x86_64")]
+struct APieces {
+    steps: usize,
+    buf: Vec<AStep>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl APieces {
+    fn new(pieces: usize, steps: usize) -> Self {
+        Self {
+            steps,
+            buf: vec![AStep([0; A_STEP]); pieces * steps],
+        }
+    }
+
+    /// Block `i`'s steps as `steps · A_STEP` values.
+    fn piece_mut(&mut self, i: usize) -> &mut [u32] {
+        let steps = &mut self.buf[i * self.steps..(i + 1) * self.steps];
+        // SAFETY: `AStep` is `repr(C)` around `[u32; A_STEP]`, so its slice is these values in a row.
+        unsafe { std::slice::from_raw_parts_mut(steps.as_mut_ptr().cast(), steps.len() * A_STEP) }
+    }
+}
 
 /// A 32×32 f32 block, aligned for tile stores.
 #[cfg(target_arch = "x86_64")]
 #[repr(C, align(64))]
 struct Scratch([f32; ROWS * 32]);
 
-/// `rows` (≤ 32) rows of A from `a` (row `r`, value `kk` at `r·rsa + kk·csa`) rounded to bf16 and
-/// packed as pieces of [32 rows][16 pairs], one per 32 values of K, into `out`, whose rows past
+/// `rows` (≤ 32) rows of A from `a` (row `r`, value `kk` at `r·rsa + kk·csa`; a column-major A
+/// goes through [`pack_a_chunk_by_columns`]) rounded to bf16 and packed as pieces of [32 rows][16 pairs], one per 32 values of K, into `out`, whose rows past
 /// `rows` and pairs past K must be zero (they are left as they are).
 ///
 /// # Safety
@@ -240,41 +288,13 @@ unsafe fn pack_a_block(
     k: usize,
     out: &mut [u32],
 ) {
-    use super::bf16::{pack_pairs, pairs_of};
+    use super::bf16::pairs_of;
     if csa == 1 {
         // Row-major: a row's 32 values of one K step are one tile row.
         for r in 0..rows {
             let row = &a[r * rsa..][..k];
             for (s, piece) in row.chunks(32).zip(out.chunks_mut(A_STEP)) {
                 pairs_of(s, &mut piece[r * PAIRS..][..PAIRS]);
-            }
-        }
-    } else if rsa == 1 {
-        // Column-major (the weight gradient's transposed operand): 32 rows of one K value are
-        // contiguous. Pair two K values across the rows ([pair][row]), then transpose that into
-        // the tile's [row][pair] 16×16 at a time.
-        use super::bf16::transpose16;
-        let zeros = [0f32; ROWS];
-        let mut across = [0u32; PAIRS * ROWS];
-        for (s, piece) in out.chunks_mut(A_STEP).enumerate().take(k.div_ceil(32)) {
-            let column = |kk: usize| {
-                if kk < k {
-                    &a[kk * csa..][..rows]
-                } else {
-                    &zeros[..rows]
-                }
-            };
-            for (q, lanes) in across.chunks_mut(ROWS).enumerate() {
-                let kk = s * 32 + 2 * q;
-                pack_pairs(column(kk), column(kk + 1), &mut lanes[..rows]);
-            }
-            for half in 0..rows.div_ceil(16) {
-                transpose16(
-                    across.as_ptr().add(16 * half),
-                    ROWS,
-                    piece.as_mut_ptr().add(16 * half * PAIRS),
-                    PAIRS,
-                );
             }
         }
     } else {
@@ -287,6 +307,54 @@ unsafe fn pack_a_block(
                 out[s * A_STEP + r * PAIRS + q] |=
                     u32::from(bf16_bits(a[r * rsa + kk * csa])) << half;
             }
+        }
+    }
+}
+
+/// `rows` rows of a column-major A (value `kk` of row `r` at `kk·csa + r`; the weight gradient's
+/// dyᵀ) rounded to bf16 and packed into the pieces of a chunk, K values `0..k` (≤ one block of
+/// K): per step of 32 values, 16 pairs across all the chunk's rows into `across` ([pair][row]),
+/// then transposed 16×16 at a time into each piece's [row][pair]. A row of `across` reads 2 KB
+/// of one row of dy in sequence; packed 32 rows at a time it read 128 bytes from each of 512
+/// rows that lie a row of dy apart (196 KB for SmolLM2's LM head), which the prefetchers do not
+/// follow. Pairs past `k` are zero; rows past `rows` in the last piece are left as they are
+/// (they only reach C's padding rows, which are never stored).
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW and AVX512-BF16.
+#[cfg(target_arch = "x86_64")]
+unsafe fn pack_a_chunk_by_columns(
+    a: &[f32],
+    csa: usize,
+    rows: usize,
+    k: usize,
+    across: &mut [u32],
+    pieces: &mut APieces,
+) {
+    use super::bf16::{pack_pairs, transpose16};
+    let zeros = [0f32; CHUNK_ROWS];
+    let stride = across.len() / PAIRS;
+    let column = |kk: usize| {
+        if kk < k {
+            &a[kk * csa..][..rows]
+        } else {
+            &zeros[..rows]
+        }
+    };
+    let groups = rows.div_ceil(16);
+    for s in 0..k.div_ceil(32) {
+        for (q, lanes) in across.chunks_mut(stride).enumerate() {
+            let kk = s * 32 + 2 * q;
+            pack_pairs(column(kk), column(kk + 1), &mut lanes[..rows]);
+        }
+        for g in 0..groups {
+            let piece = pieces.piece_mut(g / 2);
+            transpose16(
+                across.as_ptr().add(16 * g),
+                stride,
+                piece.as_mut_ptr().add(s * A_STEP + 16 * (g % 2) * PAIRS),
+                PAIRS,
+            );
         }
     }
 }

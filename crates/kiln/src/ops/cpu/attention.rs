@@ -1,15 +1,19 @@
 //! The attention core on the CPU: forward on kiln's register tiles (or `gemm` per head), backward
-//! on `gemm`, dropout regenerated from a seed.
+//! on `gemm`, dropout regenerated from a seed. Under `--bf16` ([`MatmulPrecision::Bf16`], which
+//! only CPUs with bf16 instructions get) its four kinds of product run on the bf16 kernels instead,
+//! as PyTorch's autocast runs attention on bf16 q, k and v; softmax and its backward stay f32.
 
 use rayon::prelude::*;
 
 use super::{
     exp_row, has_avx512, scale_by, simd, small_gemm, softmax_backward_row, uniform, SharedMut,
 };
-use crate::ops::Window;
+use crate::ops::bf16::{gemm_bf16_with, Bf16Kernel};
+use crate::ops::{MatmulPrecision, Window};
 
 /// One multi-head attention call on the CPU: `[B, T, H]` activations whose q, k and v rows lie `rs`
 /// floats apart — `H` when they are three tensors, `3H` when one Linear made them side by side.
+#[derive(Clone)]
 pub(super) struct Attn {
     b: usize,
     t: usize,
@@ -21,6 +25,9 @@ pub(super) struct Attn {
     scale: f32,
     keep: f32,
     seed: u64,
+    /// The kernel the products run on in bf16 (operands rounded to bf16, f32 sums), or `None`
+    /// for f32.
+    bf16: Option<Bf16Kernel>,
 }
 
 impl Attn {
@@ -45,6 +52,18 @@ impl Attn {
             scale,
             keep,
             seed,
+            // Read on the calling thread: the precision is the thread's, as for Linear layers.
+            bf16: (crate::ops::matmul_precision() == MatmulPrecision::Bf16).then(Bf16Kernel::best),
+        }
+    }
+
+    /// The same attention with its products on `kernel` (bf16) or in f32 (`None`), so tests
+    /// can run each kind the CPU has.
+    #[cfg(test)]
+    fn with_bf16(self, kernel: Option<Bf16Kernel>) -> Self {
+        Self {
+            bf16: kernel,
+            ..self
         }
     }
 
@@ -101,9 +120,115 @@ impl Attn {
         mask: &[f32],
         with_probs: bool,
     ) -> (Vec<f32>, Option<Vec<f32>>) {
+        if let Some(kernel) = self.bf16 {
+            return self.forward_bf16(kernel, qkv, mask, with_probs);
+        }
         let d = self.h / self.heads;
         let tiles = Tiles::detect().filter(|_| d.is_multiple_of(NR));
         self.forward_on(tiles, qkv, mask, with_probs)
+    }
+
+    /// [`Self::forward`] with bf16 products on `kernel`, a block of [`BF16_ROWS`] query rows a
+    /// task: the block's scores (against the keys its rows see: causal blocks skip the rest),
+    /// their softmax in f32, and the block's output.
+    fn forward_bf16(
+        &self,
+        kernel: Bf16Kernel,
+        qkv: [&[f32]; 3],
+        mask: &[f32],
+        with_probs: bool,
+    ) -> (Vec<f32>, Option<Vec<f32>>) {
+        let Self {
+            b, t, h, heads, rs, ..
+        } = *self;
+        let d = h / heads;
+        assert!(qkv.iter().all(|x| x.len() >= (b * t - 1) * rs + h));
+        assert!(mask.len() >= b * t);
+        let mut out = vec![0f32; b * t * h];
+        let mut probs = with_probs.then(|| vec![0f32; b * heads * t * t]);
+        let out_ptr = SharedMut(out.as_mut_ptr());
+        let probs_ptr = probs.as_mut().map(|p| SharedMut(p.as_mut_ptr()));
+        let blocks = t.div_ceil(BF16_ROWS);
+        (0..b * heads * blocks).into_par_iter().for_each_init(
+            || (vec![0f32; BF16_ROWS * t], vec![0f32; BF16_ROWS * d]),
+            |(s, o), task| {
+                let (bh, blk) = (task / blocks, task % blocks);
+                let rows = blk * BF16_ROWS..((blk + 1) * BF16_ROWS).min(t);
+                // SAFETY: rows `rows` of head `bh`'s probabilities belong to this task alone.
+                let p = probs_ptr.map(|pp| unsafe {
+                    std::slice::from_raw_parts_mut(pp.at((bh * t + rows.start) * t), rows.len() * t)
+                });
+                self.rows_bf16(kernel, bh, rows, qkv, mask, out_ptr, p, (s, o));
+            },
+        );
+        (out, probs)
+    }
+
+    /// Query rows `rows` of head `bh` with bf16 products: S = Q·Kᵀ over the keys the rows see,
+    /// softmax (stored to `probs`, T per row, if given; then dropped out), P·V written to `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn rows_bf16(
+        &self,
+        kernel: Bf16Kernel,
+        bh: usize,
+        rows: std::ops::Range<usize>,
+        [qs, ks, vs]: [&[f32]; 3],
+        mask: &[f32],
+        out: SharedMut,
+        mut probs: Option<&mut [f32]>,
+        (s, o): (&mut [f32], &mut [f32]),
+    ) {
+        let Self {
+            t,
+            h,
+            heads,
+            rs,
+            keep,
+            seed,
+            ..
+        } = *self;
+        let d = h / heads;
+        let (off, out_off) = self.offsets(bh);
+        let m = self.key_mask(mask, bh);
+        let (n, kend) = (rows.len(), self.keys_end(rows.clone()));
+        let (s, o) = (&mut s[..n * kend], &mut o[..n * d]);
+        // Kᵀ is K read with its strides swapped: (value, key) at key·rs + value.
+        let q = &qs[off + rows.start * rs..];
+        gemm_bf16_with(
+            kernel,
+            (n, d, kend),
+            q,
+            (rs, 1),
+            &ks[off..],
+            (1, rs),
+            0.0,
+            s,
+            f32_gemm,
+        );
+        for (r, row) in s.chunks_mut(kend).enumerate() {
+            let i = rows.start + r;
+            self.softmax(row, i, m);
+            if let Some(p) = probs.as_deref_mut() {
+                // Keys past `kend` keep the allocation's zeros.
+                p[r * t..r * t + kend].copy_from_slice(row);
+            }
+            if keep < 1.0 {
+                dropout_row(row, ((bh * t + i) * t) as u64, keep, seed);
+            }
+        }
+        gemm_bf16_with(
+            kernel,
+            (n, kend, d),
+            s,
+            (kend, 1),
+            &vs[off..],
+            (rs, 1),
+            0.0,
+            o,
+            f32_gemm,
+        );
+        // SAFETY: output rows `rows`, columns of head `bh`, belong to this task alone.
+        unsafe { store_rows(o, d, out.at(out_off + rows.start * h), h) };
     }
 
     /// [`Self::forward`] on the given tiles (`None`: `gemm` per head), so tests can run each kind
@@ -369,6 +494,9 @@ impl Attn {
         let d = h / heads;
         assert!(qs.len().min(ks.len()).min(vs.len()) >= (b * t - 1) * rs + h);
         assert!(probs.len() >= b * heads * t * t && dout.len() >= b * t * h);
+        if let Some(kernel) = self.bf16 {
+            return self.backward_bf16(kernel, [qs, ks, vs], probs, dout, [dq, dk, dv], gs);
+        }
         (0..b * heads).into_par_iter().for_each_init(
             || (vec![0f32; t * t], vec![0f32; t * t]),
             |(pd, dp), bh| {
@@ -433,6 +561,173 @@ impl Attn {
                 }
             },
         );
+    }
+    /// [`Self::backward`] with bf16 products on `kernel` (the checks are the caller's), per head a
+    /// block of [`BF16_BACKWARD_ROWS`] query rows at a time against the keys up to the block's
+    /// last nonzero probability: a key whose probability is 0 for every row of the block (after a
+    /// causal block's last row, or a padded key) adds nothing to dV, dK or dQ, and its dP is
+    /// never read, so causal heads do about half the products and half the element-wise passes.
+    /// dQ's rows are stored per block; dK and dV are summed over the blocks.
+    #[allow(clippy::too_many_arguments)]
+    fn backward_bf16(
+        &self,
+        kernel: Bf16Kernel,
+        [qs, ks, vs]: [&[f32]; 3],
+        probs: &[f32],
+        dout: &[f32],
+        [dq, dk, dv]: [SharedMut; 3],
+        gs: usize,
+    ) {
+        let Self {
+            b,
+            t,
+            h,
+            heads,
+            rs,
+            scale,
+            keep,
+            seed,
+            ..
+        } = *self;
+        let d = h / heads;
+        const R: usize = BF16_BACKWARD_ROWS;
+        (0..b * heads).into_par_iter().for_each_init(
+            || {
+                // A block's dropped probabilities and dP (then dS), [R, keys]; dQ's block rows;
+                // dK and dV summed over the blocks.
+                let block = vec![0f32; R.min(t) * t];
+                (
+                    block.clone(),
+                    block,
+                    vec![0f32; R * d],
+                    vec![0f32; 2 * t * d],
+                )
+            },
+            |(dropped, dp, gq, gkv), bh| {
+                let (off, out_off) = self.offsets(bh);
+                let g_off = (bh / heads) * t * gs + (bh % heads) * d;
+                let p = &probs[bh * t * t..(bh + 1) * t * t];
+                let dout = &dout[out_off..];
+                let (gk, gv) = gkv.split_at_mut(t * d);
+                gk.fill(0.0);
+                gv.fill(0.0);
+                for i0 in (0..t).step_by(R) {
+                    let n = R.min(t - i0);
+                    let rows = &p[i0 * t..(i0 + n) * t];
+                    // Keys 0..kend hold every nonzero probability of the block's rows.
+                    let kend = rows
+                        .chunks(t)
+                        .map(|r| r.iter().rposition(|&v| v != 0.0).map_or(0, |j| j + 1))
+                        .max()
+                        .unwrap_or(0);
+                    let (q_rows, dout_rows) = (&qs[off + i0 * rs..], &dout[i0 * h..]);
+                    if kend == 0 {
+                        // Every probability 0: no gradient reaches these rows' q.
+                        gq[..n * d].fill(0.0);
+                    } else {
+                        // The dropped probabilities, regenerated from the seed.
+                        let (pd, pd_rs): (&[f32], usize) = if keep < 1.0 {
+                            let pd = &mut dropped[..n * kend];
+                            for (r, row) in pd.chunks_mut(kend).enumerate() {
+                                row.copy_from_slice(&rows[r * t..r * t + kend]);
+                                let i = i0 + r;
+                                dropout_row(row, ((bh * t + i) * t) as u64, keep, seed);
+                            }
+                            (pd, kend)
+                        } else {
+                            (rows, t)
+                        };
+                        // dV[..kend] += P_dropᵀ · dO (the block's rows)
+                        let gv = &mut gv[..kend * d];
+                        gemm_bf16_with(
+                            kernel,
+                            (kend, n, d),
+                            pd,
+                            (1, pd_rs),
+                            dout_rows,
+                            (h, 1),
+                            1.0,
+                            gv,
+                            f32_gemm,
+                        );
+                        // dP_drop = dO · Vᵀ, then dS
+                        let dp = &mut dp[..n * kend];
+                        gemm_bf16_with(
+                            kernel,
+                            (n, d, kend),
+                            dout_rows,
+                            (h, 1),
+                            &vs[off..],
+                            (1, rs),
+                            0.0,
+                            dp,
+                            f32_gemm,
+                        );
+                        for (r, (dr, pr)) in dp.chunks_mut(kend).zip(rows.chunks(t)).enumerate() {
+                            if keep < 1.0 {
+                                dropout_row(dr, ((bh * t + i0 + r) * t) as u64, keep, seed);
+                            }
+                            softmax_backward_row(dr, &pr[..kend], scale);
+                        }
+                        // dQ = dS · K,  dK[..kend] += dSᵀ · Q (the block's rows)
+                        let gq = &mut gq[..n * d];
+                        gemm_bf16_with(
+                            kernel,
+                            (n, kend, d),
+                            dp,
+                            (kend, 1),
+                            &ks[off..],
+                            (rs, 1),
+                            0.0,
+                            gq,
+                            f32_gemm,
+                        );
+                        let gk = &mut gk[..kend * d];
+                        gemm_bf16_with(
+                            kernel,
+                            (kend, n, d),
+                            dp,
+                            (1, kend),
+                            q_rows,
+                            (rs, 1),
+                            1.0,
+                            gk,
+                            f32_gemm,
+                        );
+                    }
+                    // SAFETY: this task writes only head `bh`'s rows and columns of the
+                    // gradients, which hold B·T rows of stride `gs`.
+                    unsafe { store_rows(&gq[..n * d], d, dq.at(g_off + i0 * gs), gs) };
+                }
+                // SAFETY: as above.
+                unsafe {
+                    store_rows(gk, d, dk.at(g_off), gs);
+                    store_rows(gv, d, dv.at(g_off), gs);
+                }
+            },
+        );
+    }
+}
+
+/// Query rows per task of the bf16 forward: causal blocks skip the keys after their last row.
+const BF16_ROWS: usize = 64;
+/// Query rows per block of the bf16 backward: dK and dV sum a product of this many rows per
+/// block, so more rows than the forward's (AMX loads and stores C once per product).
+const BF16_BACKWARD_ROWS: usize = 128;
+
+/// The f32 GEMM the bf16 products fall back on where the kernel is [`Bf16Kernel::Rounded`].
+fn f32_gemm(m: usize, k: usize, n: usize, a: &[f32], b: &[f32], beta: f32, c: &mut [f32]) {
+    super::gemm::sgemm(m, k, n, a, (k, 1), b, (n, 1), beta, None, c)
+}
+
+/// Copies the rows of `src` (`width` values each) to rows `dst_stride` apart from `dst`.
+///
+/// # Safety
+/// `dst` must address `src.len() / width` rows of `width` values, `dst_stride` apart, that
+/// nothing else reads or writes meanwhile.
+unsafe fn store_rows(src: &[f32], width: usize, dst: *mut f32, dst_stride: usize) {
+    for (r, row) in src.chunks_exact(width).enumerate() {
+        std::slice::from_raw_parts_mut(dst.add(r * dst_stride), width).copy_from_slice(row);
     }
 }
 
@@ -752,6 +1047,195 @@ mod tests {
                         assert!(err < 1e-5, "{what} {name}: max |Δ| {err}");
                     }
                 }
+            }
+        }
+    }
+
+    /// bf16's unit roundoff (8 significant bits), and the relative error of a product of two
+    /// rounded operands: (1 + u)² − 1, with room for the f32 sums.
+    const U: f64 = 1.0 / 256.0;
+    const PRODUCT: f64 = 2.0 * U + U * U + 1e-4;
+
+    /// Q, K, V and dO of head `bh` as f64 rows of d values: q/k/v rows `rs` apart, dO's `h`.
+    fn head_f64(a: &Attn, bh: usize, x: [&[f32]; 3], dout: &[f32]) -> [Vec<Vec<f64>>; 4] {
+        let d = a.h / a.heads;
+        let (off, out_off) = a.offsets(bh);
+        let rows = |src: &[f32], start: usize, stride: usize| -> Vec<Vec<f64>> {
+            (0..a.t)
+                .map(|i| (0..d).map(|c| src[start + i * stride + c] as f64).collect())
+                .collect()
+        };
+        [
+            rows(x[0], off, a.rs),
+            rows(x[1], off, a.rs),
+            rows(x[2], off, a.rs),
+            rows(dout, out_off, a.h),
+        ]
+    }
+
+    /// Indices `(bh, i, c)` where bf16 attention (forward and backward, on `kernel`) differs
+    /// from the f32 attention by more than bf16 rounding explains: a bound derived, per element,
+    /// from the operands' magnitudes and bf16's unit roundoff ([`U`]): the scores' error moves
+    /// each probability by at most a factor e^{±2E} (E the row's largest score error), the
+    /// rounded P, V, dO, dS, K and Q add [`PRODUCT`] per product.
+    /// `bf16_x` is what the bf16 side is fed (`x` but for the control).
+    fn bf16_violations(
+        a: &Attn,
+        kernel: Bf16Kernel,
+        x: [&[f32]; 3],
+        bf16_x: [&[f32]; 3],
+        mask: &[f32],
+    ) -> usize {
+        let (b, t, h, heads) = (a.b, a.t, a.h, a.heads);
+        let d = h / heads;
+        let f32_attn = a.clone().with_bf16(None);
+        let bf16_attn = a.clone().with_bf16(Some(kernel));
+        let (want, want_p) = f32_attn.forward(x, mask, true);
+        let (got, got_p) = bf16_attn.forward(bf16_x, mask, true);
+        let (want_p, got_p) = (want_p.unwrap(), got_p.unwrap());
+        let dout: Vec<f32> = (0..b * t * h)
+            .map(|i| ((i * 4099 % 1000) as f32 - 500.0) / 500.0)
+            .collect();
+        let backward = |attn: &Attn, x: [&[f32]; 3]| {
+            let mut grads = [
+                vec![0f32; b * t * h],
+                vec![0f32; b * t * h],
+                vec![0f32; b * t * h],
+            ];
+            let ptrs = grads.each_mut().map(|g| SharedMut(g.as_mut_ptr()));
+            // The f32 probabilities for both, so only the backward's own products differ.
+            attn.backward(x, &want_p, &dout, ptrs, h);
+            grads
+        };
+        let (want_g, got_g) = (backward(&f32_attn, x), backward(&bf16_attn, bf16_x));
+        let keep = a.keep as f64;
+        let mut bad = 0;
+        let mut check = |got: f32, want: f32, bound: f64| {
+            if (got as f64 - want as f64).abs() > bound + 1e-6 {
+                bad += 1;
+            }
+        };
+        let dot = |x: &[f64], y: &[f64]| x.iter().zip(y).map(|(p, q)| (p * q).abs()).sum::<f64>();
+        for bh in 0..b * heads {
+            let [q, k, v, dof] = head_f64(a, bh, x, &dout);
+            let (_, out_off) = a.offsets(bh);
+            let g_off = (bh / heads) * t * h + (bh % heads) * d;
+            let p = |i: usize, j: usize| want_p[(bh * t + i) * t + j] as f64;
+            // Forward: scores' error E per row, then probabilities and output.
+            for i in 0..t {
+                let seen = a.window.keys(i, t);
+                let e = seen
+                    .clone()
+                    .map(|j| a.scale as f64 * PRODUCT * dot(&q[i], &k[j]))
+                    .fold(0f64, f64::max);
+                let factor = (2.0 * e).exp() * (1.0 + U) - 1.0;
+                for j in 0..t {
+                    let at = (bh * t + i) * t + j;
+                    check(got_p[at], want_p[at], factor * p(i, j));
+                }
+                for c in 0..d {
+                    let mag: f64 = seen.clone().map(|j| p(i, j) / keep * v[j][c].abs()).sum();
+                    let at = out_off + i * h + c;
+                    check(
+                        got[at],
+                        want[at],
+                        ((1.0 + factor) * (1.0 + PRODUCT) - 1.0) * mag,
+                    );
+                }
+            }
+            // Backward: dP = dO·Vᵀ (|dP| ≤ a/keep), dS = scale·P∘(dP − Σ P dP), then dQ, dK, dV.
+            let mag_dp: Vec<Vec<f64>> = (0..t)
+                .map(|i| (0..t).map(|j| dot(&dof[i], &v[j]) / keep).collect())
+                .collect();
+            let mut err_ds = vec![vec![0f64; t]; t];
+            let mut mag_ds = vec![vec![0f64; t]; t];
+            for i in 0..t {
+                let row_err: f64 = (0..t).map(|l| p(i, l) * PRODUCT * mag_dp[i][l]).sum();
+                let row_mag: f64 = (0..t).map(|l| p(i, l) * mag_dp[i][l]).sum();
+                for j in 0..t {
+                    let s = a.scale as f64 * p(i, j);
+                    err_ds[i][j] = s * (PRODUCT * mag_dp[i][j] + row_err);
+                    mag_ds[i][j] = s * (mag_dp[i][j] + row_mag);
+                }
+            }
+            let [dq, dk, dv] = [0, 1, 2].map(|n| (&got_g[n], &want_g[n]));
+            for r in 0..t {
+                for c in 0..d {
+                    let at = g_off + r * h + c;
+                    let ds =
+                        |i: usize, j: usize| err_ds[i][j] + PRODUCT * (mag_ds[i][j] + err_ds[i][j]);
+                    let bq: f64 = (0..t).map(|j| ds(r, j) * k[j][c].abs()).sum();
+                    let bk: f64 = (0..t).map(|i| ds(i, r) * q[i][c].abs()).sum();
+                    let bv: f64 = (0..t)
+                        .map(|i| PRODUCT * p(i, r) / keep * dof[i][c].abs())
+                        .sum();
+                    check(dq.0[at], dq.1[at], bq);
+                    check(dk.0[at], dk.1[at], bk);
+                    check(dv.0[at], dv.1[at], bv);
+                }
+            }
+        }
+        bad
+    }
+
+    /// Under `--bf16` the products run on every bf16 kernel this CPU has (the rounded-copy one
+    /// on every CPU): forward and backward within bf16 rounding of the f32 attention — whole,
+    /// causal and windowed, with dropout, q/k/v side by side and apart, head sizes that are no
+    /// multiple of 32 and sequences that end inside a row block. The control: the same kernel
+    /// fed heads whose last two values (one bf16 pair: a kernel dropping K's last pair) are
+    /// zero fails the bound.
+    #[test]
+    fn bf16_products_within_rounding_of_f32() {
+        let val = |i: usize| ((i * 7919 % 2000) as f32 - 1000.0) / 1000.0;
+        let band = Window {
+            before: 5,
+            after: 3,
+        };
+        for kernel in Bf16Kernel::available() {
+            for (b, t, h, heads, window, dropout, packed) in [
+                (2, 70, 96, 2, Window::CAUSAL, 0.0, true),
+                (1, 130, 128, 2, Window::FULL, 0.0, false),
+                (1, 70, 64, 1, band, 0.2, true),
+                (2, 33, 96, 3, Window::CAUSAL, 0.1, false),
+                (1, 200, 64, 1, Window::CAUSAL, 0.1, true),
+            ] {
+                let rs = if packed { 3 * h } else { h };
+                let parts: Vec<Vec<f32>> = if packed {
+                    vec![(0..b * t * 3 * h).map(val).collect()]
+                } else {
+                    (0..3)
+                        .map(|n| (0..b * t * h).map(|i| val(i + n * 7)).collect())
+                        .collect()
+                };
+                let x: [&[f32]; 3] = if packed {
+                    [&parts[0][..], &parts[0][h..], &parts[0][2 * h..]]
+                } else {
+                    [&parts[0][..], &parts[1][..], &parts[2][..]]
+                };
+                // The last two keys padded: their probabilities are 0 for every query.
+                let mut mask = vec![0f32; b * t];
+                mask[b * t - 2..].fill(f32::MIN);
+                let a = Attn::new((b, t, h), rs, heads, window, 0.2, dropout, 9);
+                let what = format!("{kernel:?} {b}x{t}x{h}/{heads} {window:?} p={dropout}");
+                let bad = bf16_violations(&a, kernel, x, x, &mask);
+                assert_eq!(
+                    bad, 0,
+                    "{what}: {bad} values outside the bf16 rounding bound"
+                );
+                if !packed {
+                    continue;
+                }
+                // Control: every head's last pair of values zeroed in what bf16 sees.
+                let d = h / heads;
+                let mut cut = parts[0].clone();
+                for (i, v) in cut.iter_mut().enumerate() {
+                    if (i % h) % d >= d - 2 {
+                        *v = 0.0;
+                    }
+                }
+                let cut_x = [&cut[..], &cut[h..], &cut[2 * h..]];
+                let bad = bf16_violations(&a, kernel, x, cut_x, &mask);
+                assert!(bad > 0, "{what}: the control stayed inside the bound");
             }
         }
     }
