@@ -26,9 +26,10 @@ fn p<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
 }
 use p as p_;
 
-/// How Linear layers multiply: in f32, or with bf16 operands and f32 accumulation (`--bf16`: the
-/// numerics of PyTorch's bf16 autocast for matmuls). Everything else — LayerNorm, softmax, GELU,
-/// the loss, master weights, optimizer state — stays f32 either way.
+/// How Linear layers (and, on the CPU, attention's products) multiply: in f32, or with bf16
+/// operands and f32 accumulation (`--bf16`: the numerics of PyTorch's bf16 autocast for matmuls).
+/// Everything else — LayerNorm, softmax, GELU, the loss, master weights, optimizer state — stays
+/// f32 either way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MatmulPrecision {
     #[default]

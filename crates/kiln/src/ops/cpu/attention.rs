@@ -1079,6 +1079,8 @@ mod tests {
     /// each probability by at most a factor e^{±2E} (E the row's largest score error), the
     /// rounded P, V, dO, dS, K and Q add [`PRODUCT`] per product.
     /// `bf16_x` is what the bf16 side is fed (`x` but for the control).
+    // Indices, as the bound is written: rows i, keys j, values c.
+    #[allow(clippy::needless_range_loop)]
     fn bf16_violations(
         a: &Attn,
         kernel: Bf16Kernel,
