@@ -29,33 +29,26 @@ fn main() {
                 rand([b, t, h]),
                 rand([b, t, h]),
             );
+            // The forward, keeping the probabilities for a backward or not (inference).
+            let attend = |with_probs| {
+                Cpu::kiln_attention(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    mask.clone(),
+                    heads,
+                    Window::CAUSAL,
+                    0.125,
+                    0.0,
+                    0,
+                    with_probs,
+                )
+            };
             let start = Instant::now();
-            let (_, probs) = Cpu::kiln_attention(
-                q.clone(),
-                k.clone(),
-                v.clone(),
-                mask.clone(),
-                heads,
-                Window::CAUSAL,
-                0.125,
-                0.0,
-                0,
-                true,
-            );
+            let (_, probs) = attend(true);
             fwd = fwd.min(start.elapsed().as_secs_f64());
             let start = Instant::now();
-            let _ = Cpu::kiln_attention(
-                q.clone(),
-                k.clone(),
-                v.clone(),
-                mask.clone(),
-                heads,
-                Window::CAUSAL,
-                0.125,
-                0.0,
-                0,
-                false,
-            );
+            attend(false);
             infer = infer.min(start.elapsed().as_secs_f64());
             let start = Instant::now();
             let grads =
