@@ -379,7 +379,7 @@ def lora_train(key, model_dir, corpus, warmup, steps, seq=128):
         losses.append(out.loss.item())
         if i >= warmup:
             times.append(dt)
-    report(f"{key}_autocast" if bf16 else f"{key}_fp32", times, batch, seq, [batch * seq] * len(times),
+    report(f"{key}_fp32", times, batch, seq, [batch * seq] * len(times),
            {"loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
             "trainable_params": sum(p.numel() for p in trainable),
             "all_params": sum(p.numel() for p in model.parameters())})

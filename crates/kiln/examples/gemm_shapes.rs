@@ -1,7 +1,8 @@
 //! GFLOP/s of each bf16 GEMM kernel this CPU has (AMX tiles, AVX512-BF16 dot products, rounded
 //! copies) against matrixmultiply's f32 GEMM on the Linear shapes of a MiniLM training step
 //! (b16×128 tokens; `KILN_SHAPES=bertbase`: BERT-base at b8×128; `KILN_SHAPES=smollm2_head`:
-//! SmolLM2's LM head at b8×512):
+//! SmolLM2's LM head at b8×512; `KILN_SHAPES=lora`: a rank-16 LoRA adapter on SmolLM2's q at
+//! b4×128; `KILN_SHAPES=smollm2`: SmolLM2's layer at b4×128, the LoRA rows' base):
 //! `cargo run --release --example gemm_shapes [Amx Dot Rounded]`.
 use std::time::Instant;
 
@@ -55,9 +56,13 @@ fn main() {
     // `KILN_SHAPES=bertbase`: BERT-base's Linear shapes at b8×128 tokens instead of MiniLM's.
     // `KILN_SHAPES=smollm2_head`: SmolLM2's tied LM head at b8×512 tokens (49152 columns).
     let shapes = std::env::var("KILN_SHAPES").unwrap_or_default();
+    // `KILN_SHAPES=lora`: lora_A (576→16) and lora_B (16→576) at b4×128 tokens.
     let (t, h, ffn) = match shapes.as_str() {
         "bertbase" => (1024, 768, 3072),
         "smollm2_head" => (4096, 576, 49152),
+        "lora" => (512, 576, 16),
+        "smollm2" => (512, 576, 1536),
+        "smollm2_head_b4" => (512, 576, 49152),
         _ => (2048, 384, 1536),
     };
     let products = [
@@ -65,10 +70,10 @@ fn main() {
         (format!("up {h}→{ffn}"), h, ffn),
         (format!("down {ffn}→{h}"), ffn, h),
     ];
-    let products = if shapes == "smollm2_head" {
-        &products[1..2]
-    } else {
-        &products[..]
+    let products = match shapes.as_str() {
+        "smollm2_head" | "smollm2_head_b4" => &products[1..2],
+        "lora" => &products[1..],
+        _ => &products[..],
     };
     for (name, din, dout) in products.iter().cloned() {
         let x: Vec<f32> = (0..t * din).map(|i| (i as f32 * 0.37).sin()).collect();
@@ -121,6 +126,24 @@ fn main() {
                     )
                 });
                 line += &format!("  {kernel:?} {g:7.1}");
+                // B as held bf16 bits (a frozen base under `--base-dtype bf16`): w's products.
+                if label != "dw dyᵀ·x" {
+                    let bits: Vec<u16> = b.iter().map(|&v| kiln::ops::bf16::bf16_bits(v)).collect();
+                    let g = time(&mut |c| {
+                        kiln::ops::bf16::gemm_bf16_held_b(
+                            kernel,
+                            (m, k, n),
+                            a,
+                            sa,
+                            &bits,
+                            sb,
+                            0.0,
+                            c,
+                            |m, k, n, a, b, _, c| f32_gemm(m, k, n, a, (k, 1), b, (n, 1), c),
+                        )
+                    });
+                    line += &format!(" held {g:7.1}");
+                }
             }
             c[0] = 0.0;
             println!("{name:14} {label:10} {m:5}×{k:5}×{n:5}: {line} GFLOP/s");

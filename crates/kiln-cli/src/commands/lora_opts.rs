@@ -43,8 +43,10 @@ pub struct LoraOpts {
     adapter: Option<PathBuf>,
     /// Hold the frozen base in bf16 (half its memory; as loading it with
     /// torch_dtype=torch.bfloat16 for PEFT): its Linear weights and embeddings are rounded to
-    /// bf16 and widened a panel at a time in each product. The adapter and its optimizer state
-    /// stay f32. CPU only so far.
+    /// bf16. Their products widen the weight a panel at a time and multiply in f32, or, with
+    /// --bf16 on a CPU with bf16 arithmetic, read the bf16 weight as it is on the bf16 kernels
+    /// (AMX tiles where the CPU has them). The adapter and its optimizer state stay f32. CPU only
+    /// so far.
     #[arg(long, value_enum, value_name = "DTYPE", default_value = "f32")]
     base_dtype: BaseDtypeArg,
 }

@@ -254,7 +254,7 @@ pub fn deepseek_1b3_config() -> LlamaConfig {
 }
 
 /// LoRA steps (AdamW lr 1e-4 on the adapter; the base frozen, in f32 or, for the `_bf16base`
-/// keys, held in bf16): SmolLM2 on the corpus' blocks (4 × 128), Qwen2-0.5B's config (4 × 128
+/// keys, held in bf16 with `--bf16`'s products): SmolLM2 on the corpus' blocks (4 × 128), Qwen2-0.5B's config (4 × 128
 /// random ids) or deepseek-coder-1.3B's (1 × 128), the last two with random weights. A step's FLOPs: the forward and the input gradients, twice the
 /// forward (the frozen weights' gradient products are not computed).
 pub fn lora_train(
@@ -290,8 +290,10 @@ pub fn lora_train(
         }
     };
     let (model, adapter) = crate::models::lora::attach(model, &bench_lora(), 0)?;
-    // The `_bf16base` rows hold the frozen base in bf16 (`--base-dtype bf16`).
-    let model = match key.contains("_bf16base") {
+    // The `_bf16base` rows hold the frozen base in bf16 and multiply in bf16 (`--base-dtype bf16
+    // --bf16`), as PyTorch multiplies a base loaded in bf16.
+    let bf16_base = key.contains("_bf16base");
+    let model = match bf16_base {
         true => crate::models::lora::hold_base_in_bf16(model, &adapter)?,
         false => model,
     };
@@ -308,8 +310,9 @@ pub fn lora_train(
         })
         .collect();
     let opt = super::rows::adamw();
-    Ok(train_steps(
-        &format!("{key}_fp32"),
+    crate::ops::set_matmul_precision(crate::ops::mixed_precision::<Cpu>(bf16_base));
+    let r = train_steps(
+        &format!("{key}_{}", if bf16_base { "bf16" } else { "fp32" }),
         model,
         opt,
         1e-4,
@@ -317,7 +320,9 @@ pub fn lora_train(
         warmup,
         steps,
         &device,
-    ))
+    );
+    crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::F32);
+    Ok(r)
 }
 
 /// Forward passes over one 128-token block of the corpus (prompt processing).

@@ -82,6 +82,102 @@ fn pair(lo: f32, hi: f32) -> u32 {
     u32::from(bf16_bits(lo)) | (u32::from(bf16_bits(hi)) << 16)
 }
 
+/// B's values as the kernels read them: f32 (rounded to bf16 as they are packed) or bf16 bits
+/// held as they are (a frozen base under `--base-dtype bf16`), so a held weight is never widened.
+#[derive(Clone, Copy)]
+pub enum Values<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+impl Values<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::Bf16(b) => b.len(),
+        }
+    }
+
+    /// Element `i` as bf16 bits (rounded from f32 as [`bf16_bits`]).
+    #[inline(always)]
+    fn bits(&self, i: usize) -> u16 {
+        match self {
+            Self::F32(v) => bf16_bits(v[i]),
+            Self::Bf16(b) => b[i],
+        }
+    }
+
+    /// `out[p]` = the pair of elements `start + 2p` and `start + 2p + 1`, for the `len` elements
+    /// from `start` (zero past them): [`pairs_of`] for f32 values.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW and AVX512-BF16.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn pairs_from(&self, start: usize, len: usize, out: &mut [u32]) {
+        match self {
+            // SAFETY: the caller's CPU has AVX512-BF16.
+            Self::F32(v) => unsafe { pairs_of(&v[start..][..len], out) },
+            Self::Bf16(b) => {
+                let b = &b[start..][..len.min(2 * out.len())];
+                let (whole, rest) = out.split_at_mut(b.len() / 2);
+                // Two consecutive bf16 values are one pair, the first in the low half: on a
+                // little-endian CPU the bits' bytes are the pairs' bytes.
+                let pairs = b.chunks_exact(2).map(|p| u32::from(p[0]) | (u32::from(p[1]) << 16));
+                whole.iter_mut().zip(pairs).for_each(|(o, p)| *o = p);
+                rest.fill(0);
+                if b.len() % 2 == 1 {
+                    rest[0] = u32::from(b[b.len() - 1]);
+                }
+            }
+        }
+    }
+
+    /// `out[i]` = the pair of elements `lo + i` and `hi + i` (two rows of B): [`pack_pairs`] for
+    /// f32 values.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW and AVX512-BF16.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn pairs_across(&self, lo: usize, hi: usize, out: &mut [u32]) {
+        let len = out.len();
+        match self {
+            // SAFETY: the caller's CPU has AVX512-BF16.
+            Self::F32(v) => unsafe { pack_pairs(&v[lo..][..len], &v[hi..][..len], out) },
+            // SAFETY: the caller's CPU has AVX-512 F/BW.
+            Self::Bf16(b) => unsafe { interleave_bits(&b[lo..][..len], &b[hi..][..len], out) },
+        }
+    }
+}
+
+/// `out[i]` = `lo[i]` in the low half and `hi[i]` in the high half: two rows of held bf16 bits
+/// as the pairs a row of B holds, 16 at a time.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn interleave_bits(lo: &[u16], hi: &[u16], out: &mut [u32]) {
+    use std::arch::x86_64::*;
+    let len = out.len().min(lo.len()).min(hi.len());
+    let whole = len / 16;
+    for i in 0..whole {
+        let l = _mm512_cvtepu16_epi32(_mm256_loadu_si256(lo.as_ptr().add(16 * i).cast()));
+        let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(hi.as_ptr().add(16 * i).cast()));
+        let pairs = _mm512_or_si512(l, _mm512_slli_epi32::<16>(h));
+        _mm512_storeu_si512(out.as_mut_ptr().add(16 * i).cast(), pairs);
+    }
+    let rest = 16 * whole..len;
+    for ((o, &l), &h) in out[rest.clone()]
+        .iter_mut()
+        .zip(&lo[rest.clone()])
+        .zip(&hi[rest])
+    {
+        *o = u32::from(l) | (u32::from(h) << 16);
+    }
+}
+
 /// `out[i] = pair(lo[i], hi[i])`: two rows of values as the pairs a row of B (or a transposed
 /// A) holds, 16 at a time by `vcvtne2ps2bf16` and one 16-bit interleave (packing is a sizeable
 /// share of a GEMM's time when K is long, as in the weight gradient). Rounds as [`pairs_of`].
@@ -197,7 +293,8 @@ pub(super) unsafe fn transpose16(
     }
 }
 
-/// B (`k×n`, element `(kk, col)` at `kk·rsb + col·csb`) rounded to bf16 and packed as panels of
+/// B (`k×n`, element `(kk, col)` at `kk·rsb + col·csb`) as bf16 (f32 values rounded, held bits
+/// as they are) packed as panels of
 /// [`NR`] columns, each `[kp_pad][NR]` pairs of consecutive K values (the layout both the
 /// `vdpbf16ps` kernel and AMX's B tiles read); pairs past K and columns past `n` are zero.
 ///
@@ -206,19 +303,18 @@ pub(super) unsafe fn transpose16(
 #[cfg(target_arch = "x86_64")]
 pub(super) unsafe fn pack_b(
     (k, n): (usize, usize),
-    b: &[f32],
+    b: Values,
     (rsb, csb): (usize, usize),
     kp_pad: usize,
 ) -> Vec<u32> {
     let bt = |kk: usize, col: usize| {
         if kk < k && col < n {
-            b[kk * rsb + col * csb]
+            u32::from(b.bits(kk * rsb + col * csb))
         } else {
-            0.0
+            0
         }
     };
     let mut bp = vec![0u32; n.div_ceil(NR) * kp_pad * NR];
-    let zeros = [0f32; NR];
     // A transposed B (the forward's wᵀ): each column's K values are contiguous.
     let by_columns = rsb == 1 && csb != 1;
     bp.par_chunks_mut(kp_pad * NR)
@@ -237,9 +333,8 @@ pub(super) unsafe fn pack_b(
                         for (l, row) in block.chunks_mut(16).enumerate() {
                             if l < width {
                                 let start = (col + l0 + l) * csb + 2 * p0;
-                                let values = &b[start..][..(k - 2 * p0).min(32)];
                                 // SAFETY: the caller's CPU has AVX512-BF16.
-                                unsafe { pairs_of(values, row) };
+                                unsafe { b.pairs_from(start, (k - 2 * p0).min(32), row) };
                             } else {
                                 row.fill(0);
                             }
@@ -268,20 +363,14 @@ pub(super) unsafe fn pack_b(
             }
             // Pairs from k on are K's zero padding.
             for (p, lanes) in panel.chunks_mut(NR).take(pairs).enumerate() {
-                if csb == 1 && col + NR <= n {
+                if csb == 1 && col + NR <= n && 2 * p + 1 < k {
                     // Row-major B: two contiguous row pieces per pair of k.
-                    let row = |kk: usize| {
-                        if kk < k {
-                            &b[kk * rsb + col..][..NR]
-                        } else {
-                            &zeros[..]
-                        }
-                    };
-                    // SAFETY: the caller's CPU has AVX-512 F/BW.
-                    unsafe { pack_pairs(row(2 * p), row(2 * p + 1), lanes) };
+                    let (lo, hi) = (2 * p * rsb + col, (2 * p + 1) * rsb + col);
+                    // SAFETY: the caller's CPU has AVX-512 F/BW and AVX512-BF16.
+                    unsafe { b.pairs_across(lo, hi, lanes) };
                 } else {
                     for (l, v) in lanes.iter_mut().enumerate() {
-                        *v = pair(bt(2 * p, col + l), bt(2 * p + 1, col + l));
+                        *v = bt(2 * p, col + l) | (bt(2 * p + 1, col + l) << 16);
                     }
                 }
             }
@@ -312,10 +401,44 @@ pub fn gemm_bf16(
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_bf16_with(
     kernel: Bf16Kernel,
+    mkn: (usize, usize, usize),
+    a: &[f32],
+    a_strides: (usize, usize),
+    b: &[f32],
+    b_strides: (usize, usize),
+    beta: f32,
+    c: &mut [f32],
+    f32_gemm: impl Fn(usize, usize, usize, &[f32], &[f32], f32, &mut [f32]),
+) {
+    let b = Values::F32(b);
+    gemm_values(kernel, mkn, a, a_strides, b, b_strides, beta, c, f32_gemm)
+}
+
+/// [`gemm_bf16_with`] for a B given as bf16 bits (a weight held in bf16), read as they are: the
+/// same packed panels, so the same products and sums, as for B's values widened to f32.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_bf16_held_b(
+    kernel: Bf16Kernel,
+    mkn: (usize, usize, usize),
+    a: &[f32],
+    a_strides: (usize, usize),
+    b: &[u16],
+    b_strides: (usize, usize),
+    beta: f32,
+    c: &mut [f32],
+    f32_gemm: impl Fn(usize, usize, usize, &[f32], &[f32], f32, &mut [f32]),
+) {
+    let b = Values::Bf16(b);
+    gemm_values(kernel, mkn, a, a_strides, b, b_strides, beta, c, f32_gemm)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_values(
+    kernel: Bf16Kernel,
     (m, k, n): (usize, usize, usize),
     a: &[f32],
     (rsa, csa): (usize, usize),
-    b: &[f32],
+    b: Values,
     (rsb, csb): (usize, usize),
     beta: f32,
     c: &mut [f32],
@@ -347,7 +470,7 @@ pub fn gemm_bf16_with(
             .collect();
         let br: Vec<f32> = (0..k * n)
             .into_par_iter()
-            .map(|i| round_bf16(b[(i / n) * rsb + (i % n) * csb]))
+            .map(|i| f32::from_bits(u32::from(b.bits((i / n) * rsb + (i % n) * csb)) << 16))
             .collect();
         f32_gemm(m, k, n, &ar, &br, beta, c);
         return;
@@ -360,7 +483,10 @@ pub fn gemm_bf16_with(
             // SAFETY: AMX is available (asserted above), and with it AVX-512 F/BW; the asserts
             // above bound every element the strides address.
             unsafe {
-                let bp = pack_b((k, n), b, (rsb, csb), kp_pad);
+                let bp = {
+                    let _p = super::profile::scope("part: bf16 B packed");
+                    pack_b((k, n), b, (rsb, csb), kp_pad)
+                };
                 super::amx::gemm((m, k, n), a, (rsa, csa), &bp, kp_pad, beta, c);
             }
             return;
@@ -560,7 +686,7 @@ mod tests {
     /// Every shape class of the tiled kernels: rows and columns below, at and past a tile (16) and
     /// a block (32); K below, at and past a 32-value tile step and a 512-value K block, odd K; a
     /// product big enough to split across threads, and one past the AMX kernel's L2 chunks. Each operand read row-major and transposed
-    /// (the backward products' layouts), β 0 and 1, on every kernel; the error bound is f32
+    /// (the backward products' layouts), β 0 and 1, on every kernel, B also as held bf16 bits; the error bound is f32
     /// summation's, (K + 2)·2⁻²⁴ times the products' magnitudes (the products of bf16 values are
     /// exact in f32).
     #[test]
@@ -607,6 +733,18 @@ mod tests {
                         let mkn = (m, k, n);
                         gemm_bf16_with(
                             kernel, mkn, a_op, a_strides, b_op, b_strides, beta, &mut c, naive_f32,
+                        );
+                        // B held as bf16 bits (a frozen base) packs to the same pairs: the same
+                        // products and sums, bit for bit.
+                        let bits: Vec<u16> = b_op.iter().map(|&v| bf16_bits(v)).collect();
+                        let mut held = init.clone();
+                        gemm_bf16_held_b(
+                            kernel, mkn, a_op, a_strides, &bits, b_strides, beta, &mut held,
+                            naive_f32,
+                        );
+                        assert!(
+                            held.iter().zip(&c).all(|(h, c)| h.to_bits() == c.to_bits()),
+                            "{kernel:?} {m}x{k}x{n} B{b_strides:?} β={beta}: held bits differ"
                         );
                         for (i, (&got, &w)) in c.iter().zip(&want).enumerate() {
                             let w = w + f64::from(beta * init[i]);

@@ -995,6 +995,44 @@ fn a_weight_held_in_bf16_multiplies_as_its_rounded_f32_values() {
     );
 }
 
+/// `--base-dtype bf16` with `--bf16`: a held weight multiplies on the bf16 kernels, its bits read
+/// as they are, giving the products those kernels give for its values in f32 (x rounded to bf16
+/// too, as PyTorch multiplies a bf16 base), across the 4096-row pieces a held product is cut into
+/// on the output side (forward) and the summed side (the input's gradient); an odd K.
+#[test]
+fn a_weight_held_in_bf16_multiplies_on_the_bf16_kernels_under_bf16() {
+    if mixed_precision::<Cpu>(true) != MatmulPrecision::Bf16 {
+        eprintln!("skipped: no AVX512-BF16 on this CPU (or KILN_CPU_ISA caps it): --bf16 is f32");
+        return;
+    }
+    let (n, k) = (4100, 131);
+    let w = rand([n, k], 71).inner();
+    let rounded: Vec<f32> = host(w.clone()).into_iter().map(bf16::round_bf16).collect();
+    let w_r =
+        Tensor::<CpuTrain, 2>::from_data(TensorData::new(rounded, [n, k]), &Default::default());
+    let held = to_bf16_store(Tensor::<CpuTrain, 2>::from_inner(w)).expect("the CPU holds bf16");
+    for m in [3, 37] {
+        let x = rand([m, k], 72 + m as u64);
+        let b = rand([n], 73);
+        let upstream = Tensor::<CpuTrain, 2>::from_inner(rand([m, n], 74).inner());
+        let run = |w: Tensor<CpuTrain, 2>, precision: MatmulPrecision| {
+            set_matmul_precision(precision);
+            let y = linear(x.clone(), w, Some(b.clone()));
+            let grads = (y.clone() * upstream.clone()).sum().backward();
+            set_matmul_precision(MatmulPrecision::F32);
+            (host(y.inner()), host(x.grad(&grads).unwrap()))
+        };
+        let (y, dx) = run(held.clone(), MatmulPrecision::Bf16);
+        let (y_r, dx_r) = run(w_r.clone(), MatmulPrecision::Bf16);
+        assert_close(&format!("held forward m={m}"), y.clone(), y_r, 1e-6);
+        assert_close(&format!("held dx m={m}"), dx.clone(), dx_r, 1e-6);
+        // Control: the held weight's f32 products (x not rounded) are measurably others.
+        let (y_f32, dx_f32) = run(held.clone(), MatmulPrecision::F32);
+        assert!(rel_err(&y, &y_f32) > 1e-4, "x's rounding shows in y");
+        assert!(rel_err(&dx, &dx_f32) > 1e-4, "dy's rounding shows in dx");
+    }
+}
+
 /// Window bands are kept per thread and shared between calls: a kept band must still be the
 /// band its window and length ask for, whichever was made before it and however many were made.
 #[test]

@@ -150,7 +150,7 @@ pub(super) fn matmul(
                 b_strides,
                 beta,
                 c,
-                |m, k, n, a, b, beta, c| sgemm(m, k, n, a, (k, 1), b, (n, 1), beta, None, c),
+                rounded_sgemm,
             )
         }
     }
@@ -363,15 +363,30 @@ pub(super) fn widen_bf16(bits: &[u16], out: &mut [f32]) {
         .for_each(|(o, &b)| *o = f32::from_bits(u32::from(b) << 16));
 }
 
-/// `x wᵀ + b` for `x [m, k]` and a weight `w [n, k]` held as bf16 bits: [`matmul`] on f32
-/// panels of `w`'s rows, each panel's columns of `y` copied into place. The products are those
-/// of the f32 path on the same (rounded) weight.
+/// Rows of a held weight per bf16 product under `--bf16` ([`held_forward`], [`held_dx`]): packed,
+/// a piece is at most 4096 × K bf16 pairs' worth (4.7 MB at K = 576), so no product packs a whole
+/// 150k-row output layer at once.
+const HELD_PIECE: usize = 4096;
+
+/// The f32 GEMM the bf16 kernels fall back on for row-major rounded copies (CPUs without bf16
+/// instructions; under `--bf16` those run in f32 anyway, see [`crate::ops::mixed_precision`]).
+fn rounded_sgemm(m: usize, k: usize, n: usize, a: &[f32], b: &[f32], beta: f32, c: &mut [f32]) {
+    sgemm(m, k, n, a, (k, 1), b, (n, 1), beta, None, c)
+}
+
+/// `x wᵀ + b` for `x [m, k]` and a weight `w [n, k]` held as bf16 bits. Under `--bf16` the bits
+/// are read as they are by the bf16 kernels ([`held_forward`]: x rounded to bf16, as PyTorch
+/// multiplies a bf16 base). Otherwise [`matmul`] runs on f32 panels of `w`'s rows, each panel's
+/// columns of `y` copied into place: the products of the f32 path on the same (rounded) weight.
 pub(super) fn linear_forward_bf16(
     (m, k, n): (usize, usize, usize),
     x: &[f32],
     w: &[u16],
     bias: Option<&[f32]>,
 ) -> Vec<f32> {
+    if crate::ops::matmul_precision() == crate::ops::MatmulPrecision::Bf16 {
+        return held_forward((m, k, n), x, w, bias);
+    }
     let mut y = vec![0f32; m * n];
     let nb_max = BF16_PANEL.min(n);
     let (mut panel, mut part) = (vec![0f32; nb_max * k], vec![0f32; m * nb_max]);
@@ -390,10 +405,85 @@ pub(super) fn linear_forward_bf16(
     y
 }
 
-/// `dy · w` (`[m, k]`) for `dy [m, n]` and a weight `w [n, k]` held as bf16 bits: panels of
-/// `w`'s columns, so each output element is summed over all of `n` in one product, as on the f32
-/// path.
+/// `x wᵀ + b` on the bf16 kernels, the held bits read as they are: pieces of [`HELD_PIECE`] rows
+/// of `w`, each piece's columns of `y` copied into place when there is more than one.
+fn held_forward(
+    (m, k, n): (usize, usize, usize),
+    x: &[f32],
+    w: &[u16],
+    bias: Option<&[f32]>,
+) -> Vec<f32> {
+    let _p = crate::ops::profile::scope("part: bf16 GEMMs, held base (inside linear_*)");
+    let kernel = crate::ops::bf16::Bf16Kernel::best();
+    let mut y = vec![0f32; m * n];
+    let piece = HELD_PIECE.min(n);
+    let mut part = vec![0f32; if piece < n { m * piece } else { 0 }];
+    for j0 in (0..n).step_by(piece) {
+        let nb = piece.min(n - j0);
+        let out = if nb == n {
+            &mut y[..]
+        } else {
+            &mut part[..m * nb]
+        };
+        // The kernel accumulates onto the broadcast bias (β = 1).
+        let beta = match bias {
+            Some(b) => {
+                out.par_chunks_mut(nb)
+                    .for_each(|row| row.copy_from_slice(&b[j0..j0 + nb]));
+                1.0
+            }
+            None => 0.0,
+        };
+        crate::ops::bf16::gemm_bf16_held_b(
+            kernel,
+            (m, k, nb),
+            x,
+            (k, 1),
+            &w[j0 * k..(j0 + nb) * k],
+            (1, k),
+            beta,
+            out,
+            rounded_sgemm,
+        );
+        if nb < n {
+            y.par_chunks_mut(n)
+                .zip(part[..m * nb].par_chunks(nb))
+                .for_each(|(row, p)| row[j0..j0 + nb].copy_from_slice(p));
+        }
+    }
+    y
+}
+
+/// `dy · w` on the bf16 kernels, the held bits read as they are: `w`'s rows (the sum's index) in
+/// pieces of [`HELD_PIECE`], each added onto the last.
+fn held_dx((m, k, n): (usize, usize, usize), dy: &[f32], w: &[u16]) -> Vec<f32> {
+    let _p = crate::ops::profile::scope("part: bf16 GEMMs, held base (inside linear_*)");
+    let kernel = crate::ops::bf16::Bf16Kernel::best();
+    let mut dx = vec![0f32; m * k];
+    for r0 in (0..n).step_by(HELD_PIECE) {
+        let rb = HELD_PIECE.min(n - r0);
+        crate::ops::bf16::gemm_bf16_held_b(
+            kernel,
+            (m, rb, k),
+            &dy[r0..],
+            (n, 1),
+            &w[r0 * k..(r0 + rb) * k],
+            (k, 1),
+            if r0 == 0 { 0.0 } else { 1.0 },
+            &mut dx,
+            rounded_sgemm,
+        );
+    }
+    dx
+}
+
+/// `dy · w` (`[m, k]`) for `dy [m, n]` and a weight `w [n, k]` held as bf16 bits. Under `--bf16`
+/// on the bf16 kernels ([`held_dx`]); otherwise panels of `w`'s columns widened to f32, so each
+/// output element is summed over all of `n` in one product, as on the f32 path.
 pub(super) fn linear_dx_bf16((m, k, n): (usize, usize, usize), dy: &[f32], w: &[u16]) -> Vec<f32> {
+    if crate::ops::matmul_precision() == crate::ops::MatmulPrecision::Bf16 {
+        return held_dx((m, k, n), dy, w);
+    }
     let mut dx = vec![0f32; m * k];
     let kb_max = BF16_PANEL.min(k);
     let (mut panel, mut part) = (vec![0f32; n * kb_max], vec![0f32; m * kb_max]);
