@@ -121,9 +121,10 @@ impl Values<'_> {
             Self::Bf16(b) => {
                 let b = &b[start..][..len.min(2 * out.len())];
                 let (whole, rest) = out.split_at_mut(b.len() / 2);
-                // Two consecutive bf16 values are one pair, the first in the low half: on a
-                // little-endian CPU the bits' bytes are the pairs' bytes.
-                let pairs = b.chunks_exact(2).map(|p| u32::from(p[0]) | (u32::from(p[1]) << 16));
+                // Two consecutive bf16 values are one pair, the first in the low half.
+                let pairs = b
+                    .chunks_exact(2)
+                    .map(|p| u32::from(p[0]) | (u32::from(p[1]) << 16));
                 whole.iter_mut().zip(pairs).for_each(|(o, p)| *o = p);
                 rest.fill(0);
                 if b.len() % 2 == 1 {
