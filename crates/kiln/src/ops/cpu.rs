@@ -11,10 +11,12 @@ use super::KilnBackend;
 
 mod attention;
 pub(super) mod gemm;
+mod narrow;
 mod rows;
 mod vector;
 use attention::Attn;
 use gemm::*;
+use narrow::*;
 use rows::*;
 use vector::*;
 

@@ -4,7 +4,8 @@
 use super::*;
 
 /// C = A·B (+ C when `beta` is 1) (+ `bias` on every row) for row-major C `[m, n]`; A and B are given by
-/// (row stride, column stride) so either may be read transposed. Runs on the `gemm` crate's kernels
+/// (row stride, column stride) so either may be read transposed. A side of at most 16 runs on
+/// [`narrow_gemm`]; the rest on the `gemm` crate's kernels
 /// (AVX-512 where the CPU has it — the `x86-v4` feature — else AVX2/FMA); matrixmultiply, used
 /// before, has no AVX-512 kernel and is 1.2–2.1× slower on AVX-512 machines (docs/DESIGN.md "CPU
 /// GEMM", `examples/gemm_crates.rs`).
@@ -38,6 +39,24 @@ pub(super) fn sgemm(
         beta == 0.0 || beta == 1.0,
         "β is 0 (overwrite C) or 1 (add to C)"
     );
+    // A side of at most 16 (LoRA's rank, a classifier's labels): the narrow kernel, on C or Cᵀ.
+    if n <= NARROW {
+        return narrow_gemm((m, k, n), a, (rsa, csa), b, (rsb, csb), beta, bias, c);
+    }
+    if m <= NARROW && bias.is_none() {
+        // Cᵀ = Bᵀ·Aᵀ: n rows of m columns, through a transposed copy of C.
+        let mut ct = vec![0f32; n * m];
+        if beta != 0.0 {
+            for (i, row) in c[..m * n].chunks(n).enumerate() {
+                row.iter().enumerate().for_each(|(j, &v)| ct[j * m + i] = v);
+            }
+        }
+        narrow_gemm((n, k, m), b, (csb, rsb), a, (csa, rsa), beta, None, &mut ct);
+        for (i, row) in c[..m * n].chunks_mut(n).enumerate() {
+            row.iter_mut().enumerate().for_each(|(j, v)| *v = ct[j * m + i]);
+        }
+        return;
+    }
     let (tm, tn) = gemm_grid(m, n, k, rayon::current_num_threads());
     // Tile edges: rows in multiples of 8, columns in multiples of 16 (one AVX-512 register).
     let (rows, cols) = (

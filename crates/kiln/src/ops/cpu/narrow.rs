@@ -1,0 +1,191 @@
+//! f32 products with a side of at most 16: a rank-16 LoRA adapter's (x·Aᵀ, dy·B, and the weight
+//! gradients dA and dB), a classifier head's. The `gemm` crate packs for wide tiles and ran these
+//! at 4–25 GFLOP/s on an AVX-512 Xeon (`examples/thin_products`). Here each row of C is one
+//! 16-lane register: a block of rows of C is held in registers while K streams past, every step
+//! one row of B (packed once, zero past `n`) against one value of A broadcast per row: one load
+//! per multiply-add, no packing of A.
+
+use super::*;
+
+/// The widest C this kernel takes: one 16-lane row per register.
+pub(super) const NARROW: usize = 16;
+
+/// C = A·B (+ C when `beta` is 1) (+ `bias` on every row) for row-major C `[m, n]` with
+/// `n ≤ NARROW`, A and B given by (row stride, column stride). Each element is summed over K in
+/// order, so the bits do not depend on the thread count.
+///
+/// # Panics
+/// When `n > NARROW` or an operand is shorter than its strides address.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn narrow_gemm(
+    (m, k, n): (usize, usize, usize),
+    a: &[f32],
+    (rsa, csa): (usize, usize),
+    b: &[f32],
+    (rsb, csb): (usize, usize),
+    beta: f32,
+    bias: Option<&[f32]>,
+    c: &mut [f32],
+) {
+    assert!(n <= NARROW);
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(k == 0 || a.len() > (m - 1) * rsa + (k - 1) * csa);
+    assert!(k == 0 || b.len() > (k - 1) * rsb + (n - 1) * csb);
+    assert!(c.len() >= m * n && bias.is_none_or(|b| b.len() >= n));
+    // B as [k][NARROW], zero past column n.
+    let mut bp = vec![0f32; k * NARROW];
+    for (p, row) in bp.chunks_mut(NARROW).enumerate() {
+        for (j, v) in row[..n].iter_mut().enumerate() {
+            *v = b[p * rsb + j * csb];
+        }
+    }
+    // Tasks of whole blocks of rows, each at least GEMM_TASK_MIN multiply-adds.
+    let tasks = (m * n * k / GEMM_TASK_MIN).clamp(1, rayon::current_num_threads().max(1));
+    let rows = m.div_ceil(tasks).div_ceil(8) * 8;
+    let run = |(t, cpart): (usize, &mut [f32])| {
+        let i0 = t * rows;
+        if has_avx512() {
+            simd(
+                #[inline(always)]
+                || rows_of::<8>(i0, cpart, (k, n), a, (rsa, csa), &bp, beta, bias),
+            )
+        } else {
+            // 16 lanes are two AVX2 registers: 4 rows fill 8 of the 16.
+            simd(
+                #[inline(always)]
+                || rows_of::<4>(i0, cpart, (k, n), a, (rsa, csa), &bp, beta, bias),
+            )
+        }
+    };
+    let c = &mut c[..m * n];
+    if tasks == 1 {
+        run((0, c));
+    } else {
+        c.par_chunks_mut(rows * n).enumerate().for_each(run);
+    }
+}
+
+/// Rows `i0..` of C (as many as `c` holds, row stride `n`), `R` rows per register block.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn rows_of<const R: usize>(
+    i0: usize,
+    c: &mut [f32],
+    (k, n): (usize, usize),
+    a: &[f32],
+    (rsa, csa): (usize, usize),
+    bp: &[f32],
+    beta: f32,
+    bias: Option<&[f32]>,
+) {
+    let m = c.len() / n;
+    for r0 in (0..m).step_by(R) {
+        let live = R.min(m - r0);
+        // Rows past the last repeat it (their sums are not stored), so the block is always R.
+        let row_at: [usize; R] = std::array::from_fn(|r| (i0 + r0 + r.min(live - 1)) * rsa);
+        let mut acc = [[0f32; NARROW]; R];
+        for (p, bv) in bp.chunks_exact(NARROW).enumerate().take(k) {
+            let bv: &[f32; NARROW] = bv.try_into().expect("a row of NARROW");
+            for (row, &at) in acc.iter_mut().zip(&row_at) {
+                let av = a[at + p * csa];
+                for (s, &bj) in row.iter_mut().zip(bv) {
+                    *s = av.mul_add(bj, *s);
+                }
+            }
+        }
+        for (r, sums) in acc.iter().enumerate().take(live) {
+            let out = &mut c[(r0 + r) * n..][..n];
+            for (j, (o, &s)) in out.iter_mut().zip(sums).enumerate() {
+                let base = if beta != 0.0 { *o } else { 0.0 };
+                *o = base + s + bias.map_or(0.0, |b| b[j]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every product `sgemm` sends here — C narrow (n ≤ 16) or A short (m ≤ 16, through Cᵀ) —
+    /// against an f64 reference, within f32 summation's bound ((K + 2)·2⁻²⁴ times the sum of
+    /// the products' magnitudes): rows below, at and past a register block (8) and a task, K
+    /// from 1 to past a LoRA layer's, both layouts of each operand, β 0 and 1, with and without
+    /// a bias. The control (the last K term dropped) must break the bound.
+    #[test]
+    fn narrow_products_match_an_f64_reference() {
+        let shapes = [
+            (1, 1, 1),
+            (7, 33, 5),
+            (8, 16, 16),
+            (9, 64, 16),
+            (600, 576, 16),
+            (37, 100, 3),
+            (16, 512, 40),
+            (3, 7, 100),
+        ];
+        for &(m, k, n) in &shapes {
+            let a: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
+                .collect();
+            let b: Vec<f32> = (0..k * n)
+                .map(|i| ((i * 53 % 97) as f32 - 48.0) / 23.0)
+                .collect();
+            let at: Vec<f32> = (0..k * m).map(|i| a[(i % m) * k + i / m]).collect();
+            let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
+            let init: Vec<f32> = (0..m * n).map(|i| (i % 5) as f32 - 2.0).collect();
+            let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.25 - 1.0).collect();
+            let (mut want, mut mag) = (vec![0f64; m * n], vec![0f64; m * n]);
+            for i in 0..m {
+                for j in 0..n {
+                    for p in 0..k {
+                        let x = f64::from(a[i * k + p]) * f64::from(b[p * n + j]);
+                        want[i * n + j] += x;
+                        mag[i * n + j] += x.abs();
+                    }
+                }
+            }
+            for beta in [0.0, 1.0] {
+                for with_bias in [false, true] {
+                    for (a_op, sa, b_op, sb) in [
+                        (&a, (k, 1), &b, (n, 1)),
+                        (&at, (1, m), &b, (n, 1)),
+                        (&a, (k, 1), &bt, (1, k)),
+                        (&at, (1, m), &bt, (1, k)),
+                    ] {
+                        let mut c = init.clone();
+                        let bias = with_bias.then_some(&bias[..]);
+                        sgemm(m, k, n, a_op, sa, b_op, sb, beta, bias, &mut c);
+                        for (i, &got) in c.iter().enumerate() {
+                            let extra = f64::from(beta * init[i])
+                                + bias.map_or(0.0, |b| f64::from(b[i % n]));
+                            let w = want[i] + extra;
+                            let bound = (k as f64 + 2.0) * f64::from(f32::EPSILON) / 2.0
+                                * (mag[i] + extra.abs());
+                            assert!(
+                                (f64::from(got) - w).abs() <= bound,
+                                "{m}x{k}x{n} A{sa:?} B{sb:?} β={beta} bias={with_bias} [{i}]: \
+                                 {got} vs {w} (bound {bound})"
+                            );
+                        }
+                    }
+                }
+            }
+            // The control: the product without its last K term breaks the bound.
+            let mut short = vec![0f32; m * n];
+            let b_short = &b[..(k - 1) * n];
+            if k > 1 {
+                sgemm(m, k - 1, n, &a, (k, 1), b_short, (n, 1), 0.0, None, &mut short);
+                assert!(
+                    short.iter().enumerate().any(|(i, &x)| {
+                        (f64::from(x) - want[i]).abs()
+                            > (k as f64 + 2.0) * f64::from(f32::EPSILON) / 2.0 * mag[i]
+                    }),
+                    "{m}x{k}x{n}: the control is within the bound"
+                );
+            }
+        }
+    }
+}
