@@ -53,7 +53,9 @@ pub(super) fn sgemm(
         }
         narrow_gemm((n, k, m), b, (csb, rsb), a, (csa, rsa), beta, None, &mut ct);
         for (i, row) in c[..m * n].chunks_mut(n).enumerate() {
-            row.iter_mut().enumerate().for_each(|(j, v)| *v = ct[j * m + i]);
+            row.iter_mut()
+                .enumerate()
+                .for_each(|(j, v)| *v = ct[j * m + i]);
         }
         return;
     }

@@ -177,7 +177,18 @@ mod tests {
             let mut short = vec![0f32; m * n];
             let b_short = &b[..(k - 1) * n];
             if k > 1 {
-                sgemm(m, k - 1, n, &a, (k, 1), b_short, (n, 1), 0.0, None, &mut short);
+                sgemm(
+                    m,
+                    k - 1,
+                    n,
+                    &a,
+                    (k, 1),
+                    b_short,
+                    (n, 1),
+                    0.0,
+                    None,
+                    &mut short,
+                );
                 assert!(
                     short.iter().enumerate().any(|(i, &x)| {
                         (f64::from(x) - want[i]).abs()
