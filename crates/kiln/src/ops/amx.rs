@@ -238,6 +238,70 @@ pub(super) unsafe fn gemm(
     }
 }
 
+/// C[m×n] = x·Wᵀ (+ C when `beta` is 1) for x `[m, k]` (rounded to bf16) and a weight W `[n, k]`
+/// held as bf16 bits, on AMX tiles that load W's rows where they lie: C is computed as its
+/// transpose W·xᵀ, whose A tiles are 16 rows of W 64 bytes (32 values of K) wide at W's row
+/// stride, a 32×32 block at a time, each block transposed into place. The weight is never
+/// packed: a frozen base's forward read each weight twice (packing, then tiles) every step. Only x
+/// is packed, as B, once. Tasks take whole 32-row blocks of W; within one, a block of W (36 KB at
+/// K = 576) stays in L1 while the panels of x (all of them in L2) pass it.
+///
+/// # Safety
+/// [`request_tiles`] must have returned true; `k` and `n` are multiples of 32; `x` holds m·k
+/// values, `w` n·k and `c` m·n.
+#[cfg(target_arch = "x86_64")]
+pub(super) unsafe fn gemm_held_rows(
+    (m, k, n): (usize, usize, usize),
+    x: &[f32],
+    w: &[u16],
+    beta: f32,
+    c: &mut [f32],
+) {
+    use rayon::prelude::*;
+    debug_assert!(k % 32 == 0 && n % ROWS == 0);
+    debug_assert!(x.len() >= m * k && w.len() >= n * k && c.len() >= m * n);
+    let kp = k / 2;
+    // SAFETY: AMX implies AVX-512 F/BW and AVX512-BF16.
+    let bp = unsafe {
+        let _p = super::profile::scope("part: bf16 B packed");
+        super::bf16::pack_b((k, m), super::bf16::Values::F32(x), (1, k), kp)
+    };
+    let blocks = n / ROWS;
+    let tasks = rayon::current_num_threads().clamp(1, blocks.max(1));
+    let per = blocks.div_ceil(tasks);
+    let (cp, wp, bpp) = (
+        c.as_mut_ptr() as usize,
+        w.as_ptr() as usize,
+        bp.as_ptr() as usize,
+    );
+    let w_layout: ALayout = (2 * k, 16 * 2 * k, 64);
+    let task = |t: usize| {
+        let _tiles = Tiles::configure();
+        let mut scratch = Scratch([0f32; ROWS * 32]);
+        let s = scratch.0.as_mut_ptr();
+        for blk in t * per..((t + 1) * per).min(blocks) {
+            let j0 = blk * ROWS;
+            let a = (wp as *const u16).add(j0 * k).cast::<u32>();
+            for (p, i0) in (0..m).step_by(32).enumerate() {
+                let b = (bpp as *const u32).add(p * kp * 32);
+                block_strided(k / 32, (a, w_layout), b, s, 32, false);
+                // Row r of the block is W's row j0 + r against x's rows i0..: column j0 + r of C.
+                for i in 0..32.min(m - i0) {
+                    let dst = (cp as *mut f32).add((i0 + i) * n + j0);
+                    for r in 0..ROWS {
+                        let v = *s.add(r * 32 + i);
+                        *dst.add(r) = if beta != 0.0 { *dst.add(r) + v } else { v };
+                    }
+                }
+            }
+        }
+    };
+    match tasks {
+        1 => task(0),
+        _ => (0..tasks).into_par_iter().for_each(task),
+    }
+}
+
 /// One K step of a packed block of A: 32 rows × 16 pairs, aligned for tile loads.
 #[cfg(target_arch = "x86_64")]
 #[repr(C, align(64))]
@@ -375,6 +439,32 @@ unsafe fn block(
     ldc: usize,
     accumulate: bool,
 ) {
+    block_strided(steps, (a, PACKED_A), b, c, ldc, accumulate)
+}
+
+/// Where a block's two A tiles lie, in bytes: (row stride, offset of rows 16–31, advance per K
+/// step).
+#[cfg(target_arch = "x86_64")]
+type ALayout = (usize, usize, usize);
+
+/// A packed block of A: 64-byte rows, rows 16–31 1 KB on, 2 KB a step.
+#[cfg(target_arch = "x86_64")]
+const PACKED_A: ALayout = (64, 1024, 2048);
+
+/// [`block`] with A's tiles read at `layout`: packed, or rows of a held weight where they lie.
+///
+/// # Safety
+/// As [`block`], with `steps` K steps of both A tiles at `layout`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn block_strided(
+    steps: usize,
+    (a, (a_rs, a_hi, a_step)): (*const u32, ALayout),
+    b: *const u32,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
     use std::arch::asm;
     let ldc_bytes = ldc * 4;
     let c_lo = c.add(16 * ldc);
@@ -396,7 +486,7 @@ unsafe fn block(
             options(nostack, nomem),
         );
     }
-    // A: two 16-row tiles a step, 1 KB apart, rows 64 bytes apart; B: the panel's left and right
+    // A: two 16-row tiles a step (packed: 1 KB apart, rows 64 bytes apart); B: the panel's left and right
     // 16 columns, rows (pairs of K) 128 bytes apart, 2 KB per step. A block of A stays in L1
     // across the panels of B, which come from L2: the step after next is prefetched.
     asm!(
@@ -405,7 +495,7 @@ unsafe fn block(
         "tileloadd tmm6, [{b} + {sb}*1]",
         "tileloadd tmm7, [{b} + {sb}*1 + 64]",
         "tdpbf16ps tmm0, tmm4, tmm6",
-        "tileloadd tmm5, [{a} + {sa}*1 + 1024]",
+        "tileloadd tmm5, [{a2} + {sa}*1]",
         "tdpbf16ps tmm1, tmm4, tmm7",
         "tdpbf16ps tmm2, tmm5, tmm6",
         "tdpbf16ps tmm3, tmm5, tmm7",
@@ -441,12 +531,14 @@ unsafe fn block(
         "prefetcht0 [{b} + 5952]",
         "prefetcht0 [{b} + 6016]",
         "prefetcht0 [{b} + 6080]",
-        "add {a}, 2048",
+        "add {a}, {astep}",
+        "add {a2}, {astep}",
         "add {b}, 2048",
         "dec {n}",
         "jnz 2b",
-        a = inout(reg) a => _, b = inout(reg) b => _, n = inout(reg) steps => _,
-        sa = in(reg) 64usize, sb = in(reg) 128usize,
+        a = inout(reg) a => _, a2 = inout(reg) (a as *const u8).add(a_hi) => _,
+        b = inout(reg) b => _, n = inout(reg) steps => _,
+        sa = in(reg) a_rs, astep = in(reg) a_step, sb = in(reg) 128usize,
         options(nostack, readonly),
     );
     asm!(

@@ -307,7 +307,7 @@ pub(super) unsafe fn pack_b(
     b: Values,
     (rsb, csb): (usize, usize),
     kp_pad: usize,
-) -> Vec<u32> {
+) -> PackedB {
     let bt = |kk: usize, col: usize| {
         if kk < k && col < n {
             u32::from(b.bits(kk * rsb + col * csb))
@@ -315,7 +315,18 @@ pub(super) unsafe fn pack_b(
             0
         }
     };
-    let mut bp = vec![0u32; n.div_ceil(NR) * kp_pad * NR];
+    let len = n.div_ceil(NR) * kp_pad * NR;
+    let mut bp = PACKED_B.with(|kept| std::mem::take(&mut *kept.borrow_mut()));
+    if bp.len() >= len {
+        bp.truncate(len);
+        // Every element is written below unless K or the columns leave padding, which is zero.
+        if kp_pad != k.div_ceil(2) || n % NR != 0 {
+            bp.fill(0);
+        }
+    } else {
+        bp.fill(0);
+        bp.resize(len, 0);
+    }
     // A transposed B (the forward's wᵀ): each column's K values are contiguous.
     let by_columns = rsb == 1 && csb != 1;
     bp.par_chunks_mut(kp_pad * NR)
@@ -376,7 +387,37 @@ pub(super) unsafe fn pack_b(
                 }
             }
         });
-    bp
+    PackedB(bp)
+}
+
+thread_local! {
+    /// The buffer of this thread's last packed B, for its next: a fresh one costs a page fault per
+    /// 4 KB, and a held base's input gradient packs a 16 MB piece of weight per product
+    /// (deepseek-1.3B's layers), thousands a step.
+    static PACKED_B: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// B packed by [`pack_b`]; its buffer goes back to the thread's [`PACKED_B`] when dropped.
+pub(super) struct PackedB(Vec<u32>);
+
+impl std::ops::Deref for PackedB {
+    type Target = [u32];
+    fn deref(&self) -> &[u32] {
+        &self.0
+    }
+}
+
+impl Drop for PackedB {
+    fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.0);
+        // Kept if larger than what the thread keeps (a nested pack on the same thread).
+        let _ = PACKED_B.try_with(|kept| {
+            let mut kept = kept.borrow_mut();
+            if buf.capacity() > kept.capacity() {
+                *kept = buf;
+            }
+        });
+    }
 }
 
 /// C[m×n] (row stride `n`) = A·B + β·C (β 0 or 1) with A and B rounded to bf16 and f32

@@ -998,20 +998,24 @@ fn a_weight_held_in_bf16_multiplies_as_its_rounded_f32_values() {
 /// `--base-dtype bf16` with `--bf16`: a held weight multiplies on the bf16 kernels, its bits read
 /// as they are, giving the products those kernels give for its values in f32 (x rounded to bf16
 /// too, as PyTorch multiplies a bf16 base), across the 4096-row pieces a held product is cut into
-/// on the output side (forward) and the summed side (the input's gradient); an odd K.
+/// on the output side (forward) and the summed side (the input's gradient); an odd K, and whole
+/// tiles, where AMX reads the weight's rows in place.
 #[test]
 fn a_weight_held_in_bf16_multiplies_on_the_bf16_kernels_under_bf16() {
     if mixed_precision::<Cpu>(true) != MatmulPrecision::Bf16 {
         eprintln!("skipped: no AVX512-BF16 on this CPU (or KILN_CPU_ISA caps it): --bf16 is f32");
         return;
     }
-    let (n, k) = (4100, 131);
-    let w = rand([n, k], 71).inner();
-    let rounded: Vec<f32> = host(w.clone()).into_iter().map(bf16::round_bf16).collect();
-    let w_r =
-        Tensor::<CpuTrain, 2>::from_data(TensorData::new(rounded, [n, k]), &Default::default());
-    let held = to_bf16_store(Tensor::<CpuTrain, 2>::from_inner(w)).expect("the CPU holds bf16");
-    for m in [3, 37] {
+    // An odd K (packed pieces); whole tiles (AMX reads the weight's rows where they lie).
+    for ((n, k), m) in [(4100, 131), (1088, 192)]
+        .into_iter()
+        .flat_map(|nk| [(nk, 3), (nk, 37)])
+    {
+        let w = rand([n, k], 71).inner();
+        let rounded: Vec<f32> = host(w.clone()).into_iter().map(bf16::round_bf16).collect();
+        let w_r =
+            Tensor::<CpuTrain, 2>::from_data(TensorData::new(rounded, [n, k]), &Default::default());
+        let held = to_bf16_store(Tensor::<CpuTrain, 2>::from_inner(w)).expect("the CPU holds bf16");
         let x = rand([m, k], 72 + m as u64);
         let b = rand([n], 73);
         let upstream = Tensor::<CpuTrain, 2>::from_inner(rand([m, n], 74).inner());
@@ -1024,8 +1028,8 @@ fn a_weight_held_in_bf16_multiplies_on_the_bf16_kernels_under_bf16() {
         };
         let (y, dx) = run(held.clone(), MatmulPrecision::Bf16);
         let (y_r, dx_r) = run(w_r.clone(), MatmulPrecision::Bf16);
-        assert_close(&format!("held forward m={m}"), y.clone(), y_r, 1e-6);
-        assert_close(&format!("held dx m={m}"), dx.clone(), dx_r, 1e-6);
+        assert_close(&format!("held forward {m}x{k}x{n}"), y.clone(), y_r, 1e-6);
+        assert_close(&format!("held dx {m}x{k}x{n}"), dx.clone(), dx_r, 1e-6);
         // Control: the held weight's f32 products (x not rounded) are measurably others.
         let (y_f32, dx_f32) = run(held.clone(), MatmulPrecision::F32);
         assert!(rel_err(&y, &y_f32) > 1e-4, "x's rounding shows in y");

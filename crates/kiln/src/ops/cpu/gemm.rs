@@ -437,6 +437,22 @@ fn held_forward(
     let _p = crate::ops::profile::scope("part: bf16 GEMMs, held base (inside linear_*)");
     let kernel = crate::ops::bf16::Bf16Kernel::best();
     let mut y = vec![0f32; m * n];
+    #[cfg(target_arch = "x86_64")]
+    if kernel == crate::ops::bf16::Bf16Kernel::Amx && k % 32 == 0 && n % 32 == 0 {
+        // AMX loads the weight's rows where they lie: no piece of it is packed.
+        let beta = match bias {
+            Some(b) => {
+                y.par_chunks_mut(n).for_each(|row| row.copy_from_slice(b));
+                1.0
+            }
+            None => 0.0,
+        };
+        assert!(x.len() >= m * k && w.len() >= n * k);
+        // SAFETY: the kernel is AMX (so the tiles were granted); the shapes are whole tiles and
+        // the lengths were checked just now.
+        unsafe { crate::ops::amx::gemm_held_rows((m, k, n), x, w, beta, &mut y) };
+        return y;
+    }
     let piece = HELD_PIECE.min(n);
     let mut part = vec![0f32; if piece < n { m * piece } else { 0 }];
     for j0 in (0..n).step_by(piece) {
