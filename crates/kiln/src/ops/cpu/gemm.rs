@@ -153,16 +153,7 @@ pub(super) fn matmul(
         crate::ops::MatmulPrecision::Bf16 => {
             let _p = crate::ops::profile::scope("part: bf16 GEMMs (inside linear_*)");
             // The bf16 kernel accumulates into C (β = 1) on top of the broadcast bias.
-            let beta = match bias {
-                Some(bias) => {
-                    let chunk = rows_per_task(n) * n;
-                    c[..m * n]
-                        .par_chunks_mut(chunk)
-                        .for_each(|rows| rows.chunks_mut(n).for_each(|r| r.copy_from_slice(bias)));
-                    1.0
-                }
-                None => 0.0,
-            };
+            let beta = bias_as_start(&mut c[..m * n], bias);
             crate::ops::bf16::gemm_bf16(
                 (m, k, n),
                 a,
@@ -175,6 +166,16 @@ pub(super) fn matmul(
             )
         }
     }
+}
+
+/// The β for a bf16 kernel that adds onto C: with a bias, C's rows (`bias.len()` wide) start as
+/// the bias and the kernel accumulates (1); without one, it overwrites (0).
+fn bias_as_start(c: &mut [f32], bias: Option<&[f32]>) -> f32 {
+    let Some(bias) = bias else { return 0.0 };
+    let n = bias.len();
+    c.par_chunks_mut(rows_per_task(n) * n)
+        .for_each(|rows| rows.chunks_mut(n).for_each(|r| r.copy_from_slice(bias)));
+    1.0
 }
 
 /// `x · w` for two equal-length slices, in 16 independent lanes (so it vectorises).
@@ -440,13 +441,7 @@ fn held_forward(
     #[cfg(target_arch = "x86_64")]
     if kernel == crate::ops::bf16::Bf16Kernel::Amx && k % 32 == 0 && n % 32 == 0 {
         // AMX loads the weight's rows where they lie: no piece of it is packed.
-        let beta = match bias {
-            Some(b) => {
-                y.par_chunks_mut(n).for_each(|row| row.copy_from_slice(b));
-                1.0
-            }
-            None => 0.0,
-        };
+        let beta = bias_as_start(&mut y, bias);
         assert!(x.len() >= m * k && w.len() >= n * k);
         // SAFETY: the kernel is AMX (so the tiles were granted); the shapes are whole tiles and
         // the lengths were checked just now.
@@ -463,14 +458,7 @@ fn held_forward(
             &mut part[..m * nb]
         };
         // The kernel accumulates onto the broadcast bias (β = 1).
-        let beta = match bias {
-            Some(b) => {
-                out.par_chunks_mut(nb)
-                    .for_each(|row| row.copy_from_slice(&b[j0..j0 + nb]));
-                1.0
-            }
-            None => 0.0,
-        };
+        let beta = bias_as_start(out, bias.map(|b| &b[j0..j0 + nb]));
         crate::ops::bf16::gemm_bf16_held_b(
             kernel,
             (m, k, nb),
