@@ -2,7 +2,9 @@
 //! copies) against matrixmultiply's f32 GEMM on the Linear shapes of a MiniLM training step
 //! (b16×128 tokens; `KILN_SHAPES=bertbase`: BERT-base at b8×128; `KILN_SHAPES=smollm2_head`:
 //! SmolLM2's LM head at b8×512; `KILN_SHAPES=lora`: a rank-16 LoRA adapter on SmolLM2's q at
-//! b4×128; `KILN_SHAPES=smollm2`: SmolLM2's layer at b4×128, the LoRA rows' base):
+//! b4×128; `KILN_SHAPES=smollm2`: SmolLM2's layer at b4×128, the LoRA rows' base;
+//! `KILN_SHAPES=deepseek`: deepseek-coder-1.3B's layer at 1×128, its held weights cycled through
+//! copies larger than L3, as a step reads them from memory):
 //! `cargo run --release --example gemm_shapes [Amx Dot Rounded]`.
 use std::time::Instant;
 
@@ -63,6 +65,7 @@ fn main() {
         "lora" => (512, 576, 16),
         "smollm2" => (512, 576, 1536),
         "smollm2_head_b4" => (512, 576, 49152),
+        "deepseek" => (128, 2048, 5504),
         _ => (2048, 384, 1536),
     };
     let products = [
@@ -84,7 +87,12 @@ fn main() {
             ("dx dy·w", t, dout, din, &dy, (dout, 1), &w, (din, 1)),
             ("dw dyᵀ·x", dout, t, din, &dy, (1, dout), &x, (din, 1)),
         ];
+        // `KILN_PRODUCT=dx` (or fwd, dw) times that product alone, for a profiler.
+        let product = std::env::var("KILN_PRODUCT").unwrap_or_default();
         for (label, m, k, n, a, sa, b, sb) in cases {
+            if !label.starts_with(product.as_str()) {
+                continue;
+            }
             let mut c = vec![0f32; m * n];
             let flops = 2.0 * (m * k * n) as f64;
             let time = |f: &mut dyn FnMut(&mut [f32])| {
@@ -128,14 +136,21 @@ fn main() {
                 line += &format!("  {kernel:?} {g:7.1}");
                 // B as held bf16 bits (a frozen base under `--base-dtype bf16`): w's products.
                 if label != "dw dyᵀ·x" {
-                    let bits: Vec<u16> = b.iter().map(|&v| kiln::ops::bf16::bf16_bits(v)).collect();
+                    // Enough copies of the weight that each call reads one from memory, not L3
+                    // (deepseek-1.3B's step reads 2.6 GB of weights).
+                    let copies = if shapes == "deepseek" { 12 } else { 1 };
+                    let bits: Vec<Vec<u16>> = (0..copies)
+                        .map(|_| b.iter().map(|&v| kiln::ops::bf16::bf16_bits(v)).collect())
+                        .collect();
+                    let mut call = 0;
                     let g = time(&mut |c| {
+                        call += 1;
                         kiln::ops::bf16::gemm_bf16_held_b(
                             kernel,
                             (m, k, n),
                             a,
                             sa,
-                            &bits,
+                            &bits[call % copies],
                             sb,
                             0.0,
                             c,

@@ -116,32 +116,56 @@ impl Drop for Tiles {
 }
 
 /// C[m×n] (row stride `n`) = A·B + β·C (β 0 or 1, as [`super::bf16::gemm_bf16_with`] asserts)
-/// with A and B rounded to bf16 and f32 accumulation, on AMX tiles; `bp` is B packed by [`super::bf16::pack_b`] with `kp_pad` pairs per panel.
+/// with A and B rounded to bf16 and f32 accumulation, on AMX tiles.
+///
+/// B is packed into the panels of [`super::bf16::pack_b`] either whole, once, shared by tasks
+/// that split the rows, or — where the tasks split the columns and each meets its rows of A in
+/// one chunk — by each task a block of K and a chunk of its columns at a time, just before its
+/// tiles read them ([`super::bf16::pack_b_chunk`]). Packed whole, a large B went through memory
+/// twice more (written, then read back): a held weight's input gradient at 1×128 tokens packs 16
+/// MB of weight per product for 128 rows of A.
 ///
 /// # Safety
 /// [`request_tiles`] must have returned true and the CPU must have AVX512-F/BW. `a` holds every
-/// element `(row, kk)` at `row·rsa + kk·csa` for row < m, kk < k; `c` holds m·n values.
+/// element `(row, kk)` at `row·rsa + kk·csa` for row < m, kk < k; `b` every element `(kk, col)`
+/// at `kk·rsb + col·csb`; `c` holds m·n values.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn gemm(
     (m, k, n): (usize, usize, usize),
     a: &[f32],
     (rsa, csa): (usize, usize),
-    bp: &[u32],
-    kp_pad: usize,
+    b: super::bf16::Values,
+    (rsb, csb): (usize, usize),
     beta: f32,
     c: &mut [f32],
 ) {
     use rayon::prelude::*;
-    let steps = kp_pad / PAIRS;
-    // Tasks split the rows while each gets whole blocks: every task packs its own rows of A
-    // (B is packed once, shared), so a split of the columns would pack all of A in every task.
+    // K padded to whole tiles: 32 values, 16 pairs.
+    let steps = k.div_ceil(32);
+    let kp_pad = steps * PAIRS;
+    // Tasks split the longer side while each gets whole blocks. Every task packs its own rows of
+    // A, and B (packed once, shared) streams past them from L3 or memory, so split rows a task
+    // reads all of B and 1/T of A, split columns all of A and 1/T of B: rows when m ≥ n. A held
+    // weight's input gradient at 1×128 tokens (deepseek-1.3B: 128 rows, 2048–5504 columns)
+    // read its 22 MB of packed weight in both tasks.
     let (tm, tn) = match super::cpu::gemm::gemm_grid(m, n, k, rayon::current_num_threads()) {
-        (tm, tn) if m.div_ceil(ROWS) >= tm * tn => (tm * tn, 1),
+        (tm, tn) if m >= n && m.div_ceil(ROWS) >= tm * tn => (tm * tn, 1),
+        (tm, tn) if m < n && n.div_ceil(32) >= tm * tn => (1, tm * tn),
         grid => grid,
     };
     let rows = m.div_ceil(tm).div_ceil(ROWS) * ROWS;
     let cols = n.div_ceil(tn).div_ceil(32) * 32;
+    // Chunks where B is row-major (the input gradient's weight): a transposed B packs fastest
+    // whole, 16×16 values at a time through a transpose.
+    let in_chunks = tm == 1 && m <= CHUNK_ROWS && csb == 1;
+    let whole = if in_chunks {
+        None
+    } else {
+        let _p = super::profile::scope("part: bf16 B packed");
+        // SAFETY: as this function's.
+        Some(unsafe { super::bf16::pack_b((k, n), b, (rsb, csb), kp_pad) })
+    };
     let cp = c.as_mut_ptr() as usize;
     let task = |t: usize| {
         let (i0, j0) = ((t / tn) * rows, (t % tn) * cols);
@@ -163,6 +187,15 @@ pub(super) unsafe fn gemm(
         } else {
             vec![]
         };
+        // This task's B, a block of K and a chunk of columns at a time (`in_chunks`).
+        let mut b_chunk = vec![
+            0u32;
+            if in_chunks {
+                KSTEPS.min(steps) * PAIRS * nc.min(CHUNK_COLS).div_ceil(32) * 32
+            } else {
+                0
+            }
+        ];
         let _tiles = Tiles::configure();
         let mut scratch = Scratch([0f32; ROWS * 32]);
         for kb in (0..steps).step_by(KSTEPS) {
@@ -206,12 +239,36 @@ pub(super) unsafe fn gemm(
                 }
                 for cc in (j0..j0 + nc).step_by(CHUNK_COLS) {
                     let chunk_cols = cc..(cc + CHUNK_COLS).min(j0 + nc);
+                    // Where the panel of column `first` starts at this block of K, and the values
+                    // from one panel to the next: B's own panels, or this task's chunk of them.
+                    let (b_first, first, panel_stride) = match &whole {
+                        Some(bp) => (bp.as_ptr().add(kb * PAIRS * 32), 0, kp_pad * 32),
+                        None => {
+                            let _p =
+                                super::profile::scope("part: bf16 B packed in tasks (thread time)");
+                            let width = chunk_cols.len().div_ceil(32) * 32;
+                            // SAFETY: as this function's; the chunk holds `width` columns of
+                            // `ks` steps.
+                            unsafe {
+                                super::bf16::pack_b_chunk(
+                                    (k, n),
+                                    b,
+                                    (rsb, csb),
+                                    kb * PAIRS,
+                                    ks,
+                                    (cc, width),
+                                    &mut b_chunk,
+                                )
+                            };
+                            (b_chunk.as_ptr(), cc, ks * PAIRS * 32)
+                        }
+                    };
                     for (p, r0) in chunk_rows.clone().step_by(ROWS).enumerate() {
                         let live_rows = ROWS.min(m - r0);
                         let a_blk = ap.piece_mut(p).as_ptr();
                         for j in chunk_cols.clone().step_by(32) {
                             let live_cols = 32.min(n - j);
-                            let b_blk = bp.as_ptr().add(((j / 32) * kp_pad + kb * PAIRS) * 32);
+                            let b_blk = b_first.add(((j - first) / 32) * panel_stride);
                             let dst = (cp as *mut f32).add(r0 * n + j);
                             if live_rows == ROWS && live_cols == 32 {
                                 block(ks, a_blk, b_blk, dst, n, add_to_c);
@@ -267,6 +324,8 @@ pub(super) unsafe fn gemm_held_rows(
         super::bf16::pack_b((k, m), super::bf16::Values::F32(x), (1, k), kp)
     };
     let blocks = n / ROWS;
+    // A tiles of 16 rows of W, 64 bytes a step; rows 16–31 16 rows on.
+    let w_layout: ALayout = (2 * k, 16 * 2 * k, 64);
     let tasks = rayon::current_num_threads().clamp(1, blocks.max(1));
     let per = blocks.div_ceil(tasks);
     let (cp, wp, bpp) = (
@@ -274,7 +333,6 @@ pub(super) unsafe fn gemm_held_rows(
         w.as_ptr() as usize,
         bp.as_ptr() as usize,
     );
-    let w_layout: ALayout = (2 * k, 16 * 2 * k, 64);
     let task = |t: usize| {
         let _tiles = Tiles::configure();
         let mut scratch = Scratch([0f32; ROWS * 32]);
@@ -284,13 +342,23 @@ pub(super) unsafe fn gemm_held_rows(
             let a = (wp as *const u16).add(j0 * k).cast::<u32>();
             for (p, i0) in (0..m).step_by(32).enumerate() {
                 let b = (bpp as *const u32).add(p * kp * 32);
-                block_strided(k / 32, (a, w_layout), b, s, 32, false);
+                let live = 32.min(m - i0);
                 // Row r of the block is W's row j0 + r against x's rows i0..: column j0 + r of C.
-                for i in 0..32.min(m - i0) {
+                // With β = 1 the tiles start from C's block, transposed in, so each sum is
+                // C + products in the order of the packed kernel (bit for bit the same C).
+                if beta != 0.0 {
+                    for i in 0..32 {
+                        let src = (cp as *const f32).add((i0 + i) * n + j0);
+                        for r in 0..ROWS {
+                            *s.add(r * 32 + i) = if i < live { *src.add(r) } else { 0.0 };
+                        }
+                    }
+                }
+                block_strided(k / 32, (a, w_layout), b, s, 32, beta != 0.0);
+                for i in 0..live {
                     let dst = (cp as *mut f32).add((i0 + i) * n + j0);
                     for r in 0..ROWS {
-                        let v = *s.add(r * 32 + i);
-                        *dst.add(r) = if beta != 0.0 { *dst.add(r) + v } else { v };
+                        *dst.add(r) = *s.add(r * 32 + i);
                     }
                 }
             }

@@ -390,6 +390,81 @@ pub(super) unsafe fn pack_b(
     PackedB(bp)
 }
 
+/// Pairs `p0..p0 + steps·16` of B's columns `c0..c0 + cols` (`k×n`, element `(kk, col)` at
+/// `kk·rsb + col·csb`) packed into `out` as [`pack_b`]'s panels, each `steps·16` pairs long
+/// (`cols` a multiple of [`NR`]): one block of K of one chunk of columns, as a task of the AMX
+/// GEMM packs B just before its tiles read it. Every element of `out`'s panels is written: zero
+/// past K and past `n`.
+///
+/// A pair of rows at a time, across every panel (the chunk is in L2, so writes across it are
+/// cheap), with the rows [`PREFETCH_PAIRS`] pairs on prefetched: each row is read for 1–2 KB
+/// only, too short a run for the hardware's prefetchers, and a held weight comes from memory.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW and AVX512-BF16; `out` holds `cols · steps · 16` values.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn pack_b_chunk(
+    (k, n): (usize, usize),
+    b: Values,
+    (rsb, csb): (usize, usize),
+    p0: usize,
+    steps: usize,
+    (c0, cols): (usize, usize),
+    out: &mut [u32],
+) {
+    let rows = steps * 16;
+    let panels = cols / NR;
+    assert!(cols % NR == 0 && out.len() >= cols * rows);
+    let (base, bytes) = match b {
+        Values::F32(v) => (v.as_ptr().cast::<u8>(), 4),
+        Values::Bf16(v) => (v.as_ptr().cast::<u8>(), 2),
+    };
+    for p in 0..rows {
+        let kk = 2 * (p0 + p);
+        if csb == 1 {
+            // The two rows PREFETCH_PAIRS pairs on, this chunk's columns, a line at a time.
+            let ahead = kk + 2 * PREFETCH_PAIRS;
+            let live = n.saturating_sub(c0).min(cols) * bytes;
+            for r in [ahead, ahead + 1].into_iter().filter(|&r| r < k) {
+                let row = base.wrapping_add((r * rsb + c0) * bytes);
+                for off in (0..live).step_by(64) {
+                    // SAFETY: a prefetch of an address inside B's row r; it never faults.
+                    unsafe {
+                        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                            row.wrapping_add(off).cast(),
+                        )
+                    };
+                }
+            }
+        }
+        for j in 0..panels {
+            let lanes = &mut out[(j * rows + p) * NR..][..NR];
+            let col = c0 + j * NR;
+            if csb == 1 && col + NR <= n && kk + 1 < k {
+                // Row-major B: two contiguous row pieces per pair of K.
+                // SAFETY: the caller's CPU has AVX-512 F/BW and AVX512-BF16.
+                unsafe { b.pairs_across(kk * rsb + col, (kk + 1) * rsb + col, lanes) };
+            } else {
+                for (l, v) in lanes.iter_mut().enumerate() {
+                    let bits = |kk: usize| {
+                        if kk < k && col + l < n {
+                            u32::from(b.bits(kk * rsb + (col + l) * csb))
+                        } else {
+                            0
+                        }
+                    };
+                    *v = bits(kk) | (bits(kk + 1) << 16);
+                }
+            }
+        }
+    }
+}
+
+/// How many pairs of rows ahead [`pack_b_chunk`] prefetches: 8 rows of 1–2 KB, about what
+/// memory's latency covers while a pair is packed.
+const PREFETCH_PAIRS: usize = 4;
+
 thread_local! {
     /// The buffer of this thread's last packed B, for its next: a fresh one costs a page fault per
     /// 4 KB, and a held base's input gradient packs a 16 MB piece of weight per product
@@ -520,17 +595,19 @@ fn gemm_values(
     #[cfg(target_arch = "x86_64")]
     {
         if kernel == Bf16Kernel::Amx {
-            // K padded to whole tiles: 32 values, 16 pairs.
-            let kp_pad = k.div_ceil(32) * 16;
+            if let Values::Bf16(w) = b {
+                if (rsa, csa) == (k, 1) && (rsb, csb) == (1, k) && k % 32 == 0 && n % 32 == 0 {
+                    // A held weight's forward, x·Wᵀ in whole tiles: W's rows are A tiles where
+                    // they lie, never packed.
+                    // SAFETY: as below; the shapes are whole tiles and the asserts above bound
+                    // x, W and C.
+                    unsafe { super::amx::gemm_held_rows((m, k, n), a, w, beta, c) };
+                    return;
+                }
+            }
             // SAFETY: AMX is available (asserted above), and with it AVX-512 F/BW; the asserts
             // above bound every element the strides address.
-            unsafe {
-                let bp = {
-                    let _p = super::profile::scope("part: bf16 B packed");
-                    pack_b((k, n), b, (rsb, csb), kp_pad)
-                };
-                super::amx::gemm((m, k, n), a, (rsa, csa), &bp, kp_pad, beta, c);
-            }
+            unsafe { super::amx::gemm((m, k, n), a, (rsa, csa), b, (rsb, csb), beta, c) };
             return;
         }
         let kp = k.div_ceil(2);

@@ -428,7 +428,8 @@ pub(super) fn linear_forward_bf16(
 }
 
 /// `x wᵀ + b` on the bf16 kernels, the held bits read as they are: pieces of [`HELD_PIECE`] rows
-/// of `w`, each piece's columns of `y` copied into place when there is more than one.
+/// of `w` (all of them at once where AMX reads them in place), each piece's columns of `y` copied
+/// into place when there is more than one.
 fn held_forward(
     (m, k, n): (usize, usize, usize),
     x: &[f32],
@@ -438,17 +439,9 @@ fn held_forward(
     let _p = crate::ops::profile::scope("part: bf16 GEMMs, held base (inside linear_*)");
     let kernel = crate::ops::bf16::Bf16Kernel::best();
     let mut y = vec![0f32; m * n];
-    #[cfg(target_arch = "x86_64")]
-    if kernel == crate::ops::bf16::Bf16Kernel::Amx && k % 32 == 0 && n % 32 == 0 {
-        // AMX loads the weight's rows where they lie: no piece of it is packed.
-        let beta = bias_as_start(&mut y, bias);
-        assert!(x.len() >= m * k && w.len() >= n * k);
-        // SAFETY: the kernel is AMX (so the tiles were granted); the shapes are whole tiles and
-        // the lengths were checked just now.
-        unsafe { crate::ops::amx::gemm_held_rows((m, k, n), x, w, beta, &mut y) };
-        return y;
-    }
-    let piece = HELD_PIECE.min(n);
+    // AMX reads a weight in whole tiles where it lies (no piece of it is packed): all of it at once.
+    let whole = kernel == crate::ops::bf16::Bf16Kernel::Amx && k % 32 == 0 && n % 32 == 0;
+    let piece = if whole { n } else { HELD_PIECE.min(n) };
     let mut part = vec![0f32; if piece < n { m * piece } else { 0 }];
     for j0 in (0..n).step_by(piece) {
         let nb = piece.min(n - j0);
