@@ -253,9 +253,8 @@ pub(super) unsafe fn gemm(
                                 super::bf16::pack_b_chunk(
                                     (k, n),
                                     b,
-                                    (rsb, csb),
-                                    kb * PAIRS,
-                                    ks,
+                                    rsb,
+                                    (kb * PAIRS, ks),
                                     (cc, width),
                                     &mut b_chunk,
                                 )

@@ -308,13 +308,6 @@ pub(super) unsafe fn pack_b(
     (rsb, csb): (usize, usize),
     kp_pad: usize,
 ) -> PackedB {
-    let bt = |kk: usize, col: usize| {
-        if kk < k && col < n {
-            u32::from(b.bits(kk * rsb + col * csb))
-        } else {
-            0
-        }
-    };
     let len = n.div_ceil(NR) * kp_pad * NR;
     let mut bp = PACKED_B.with(|kept| std::mem::take(&mut *kept.borrow_mut()));
     if bp.len() >= len {
@@ -375,26 +368,51 @@ pub(super) unsafe fn pack_b(
             }
             // Pairs from k on are K's zero padding.
             for (p, lanes) in panel.chunks_mut(NR).take(pairs).enumerate() {
-                if csb == 1 && col + NR <= n && 2 * p + 1 < k {
-                    // Row-major B: two contiguous row pieces per pair of k.
-                    let (lo, hi) = (2 * p * rsb + col, (2 * p + 1) * rsb + col);
-                    // SAFETY: the caller's CPU has AVX-512 F/BW and AVX512-BF16.
-                    unsafe { b.pairs_across(lo, hi, lanes) };
-                } else {
-                    for (l, v) in lanes.iter_mut().enumerate() {
-                        *v = bt(2 * p, col + l) | (bt(2 * p + 1, col + l) << 16);
-                    }
-                }
+                // SAFETY: the caller's CPU has AVX-512 F/BW and AVX512-BF16.
+                unsafe { pack_pair_row((k, n), b, (rsb, csb), 2 * p, col, lanes) };
             }
         });
     PackedB(bp)
 }
 
-/// Pairs `p0..p0 + steps·16` of B's columns `c0..c0 + cols` (`k×n`, element `(kk, col)` at
-/// `kk·rsb + col·csb`) packed into `out` as [`pack_b`]'s panels, each `steps·16` pairs long
-/// (`cols` a multiple of [`NR`]): one block of K of one chunk of columns, as a task of the AMX
-/// GEMM packs B just before its tiles read it. Every element of `out`'s panels is written: zero
-/// past K and past `n`.
+/// One row of a panel: the pairs of B's values `(kk, col + l)` and `(kk + 1, col + l)` for the
+/// panel's [`NR`] columns `l`, zero past K and past `n` — two contiguous row pieces where B is
+/// row-major and the panel is whole, else value by value.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW and AVX512-BF16; `lanes` holds NR values.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn pack_pair_row(
+    (k, n): (usize, usize),
+    b: Values,
+    (rsb, csb): (usize, usize),
+    kk: usize,
+    col: usize,
+    lanes: &mut [u32],
+) {
+    if csb == 1 && col + NR <= n && kk + 1 < k {
+        // SAFETY: the caller's CPU has AVX-512 F/BW and AVX512-BF16.
+        unsafe { b.pairs_across(kk * rsb + col, (kk + 1) * rsb + col, lanes) };
+        return;
+    }
+    let bits = |kk: usize, col: usize| {
+        if kk < k && col < n {
+            u32::from(b.bits(kk * rsb + col * csb))
+        } else {
+            0
+        }
+    };
+    for (l, v) in lanes.iter_mut().enumerate() {
+        *v = bits(kk, col + l) | (bits(kk + 1, col + l) << 16);
+    }
+}
+
+/// Pairs `p0..p0 + steps·16` of a row-major B's columns `c0..c0 + cols` (`k×n`, element
+/// `(kk, col)` at `kk·rsb + col`) packed into `out` as [`pack_b`]'s panels, each `steps·16`
+/// pairs long (`cols` a multiple of [`NR`]): one block of K of one chunk of columns, as a task of
+/// the AMX GEMM packs B just before its tiles read it. Every element of `out`'s panels is
+/// written: zero past K and past `n`.
 ///
 /// A pair of rows at a time, across every panel (the chunk is in L2, so writes across it are
 /// cheap), with the rows [`PREFETCH_PAIRS`] pairs on prefetched: each row is read for 1–2 KB
@@ -403,60 +421,49 @@ pub(super) unsafe fn pack_b(
 /// # Safety
 /// The CPU must have AVX-512 F/BW and AVX512-BF16; `out` holds `cols · steps · 16` values.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn pack_b_chunk(
     (k, n): (usize, usize),
     b: Values,
-    (rsb, csb): (usize, usize),
-    p0: usize,
-    steps: usize,
+    rsb: usize,
+    (p0, steps): (usize, usize),
     (c0, cols): (usize, usize),
     out: &mut [u32],
 ) {
     let rows = steps * 16;
-    let panels = cols / NR;
     assert!(cols % NR == 0 && out.len() >= cols * rows);
     let (base, bytes) = match b {
         Values::F32(v) => (v.as_ptr().cast::<u8>(), 4),
         Values::Bf16(v) => (v.as_ptr().cast::<u8>(), 2),
     };
+    // Bytes of a row this chunk reads.
+    let live = n.saturating_sub(c0).min(cols) * bytes;
     for p in 0..rows {
         let kk = 2 * (p0 + p);
-        if csb == 1 {
-            // The two rows PREFETCH_PAIRS pairs on, this chunk's columns, a line at a time.
-            let ahead = kk + 2 * PREFETCH_PAIRS;
-            let live = n.saturating_sub(c0).min(cols) * bytes;
-            for r in [ahead, ahead + 1].into_iter().filter(|&r| r < k) {
-                let row = base.wrapping_add((r * rsb + c0) * bytes);
-                for off in (0..live).step_by(64) {
-                    // SAFETY: a prefetch of an address inside B's row r; it never faults.
-                    unsafe {
-                        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                            row.wrapping_add(off).cast(),
-                        )
-                    };
-                }
+        // The two rows PREFETCH_PAIRS pairs on, this chunk's columns, a line at a time.
+        let ahead = kk + 2 * PREFETCH_PAIRS;
+        for r in [ahead, ahead + 1].into_iter().filter(|&r| r < k) {
+            let row = base.wrapping_add((r * rsb + c0) * bytes);
+            for off in (0..live).step_by(64) {
+                // SAFETY: a prefetch of an address inside B's row r; it never faults.
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                        row.wrapping_add(off).cast(),
+                    )
+                };
             }
         }
-        for j in 0..panels {
-            let lanes = &mut out[(j * rows + p) * NR..][..NR];
-            let col = c0 + j * NR;
-            if csb == 1 && col + NR <= n && kk + 1 < k {
-                // Row-major B: two contiguous row pieces per pair of K.
-                // SAFETY: the caller's CPU has AVX-512 F/BW and AVX512-BF16.
-                unsafe { b.pairs_across(kk * rsb + col, (kk + 1) * rsb + col, lanes) };
-            } else {
-                for (l, v) in lanes.iter_mut().enumerate() {
-                    let bits = |kk: usize| {
-                        if kk < k && col + l < n {
-                            u32::from(b.bits(kk * rsb + (col + l) * csb))
-                        } else {
-                            0
-                        }
-                    };
-                    *v = bits(kk) | (bits(kk + 1) << 16);
-                }
-            }
+        for (j, panel) in out.chunks_mut(rows * NR).take(cols / NR).enumerate() {
+            // SAFETY: the caller's CPU has AVX-512 F/BW and AVX512-BF16.
+            unsafe {
+                pack_pair_row(
+                    (k, n),
+                    b,
+                    (rsb, 1),
+                    kk,
+                    c0 + j * NR,
+                    &mut panel[p * NR..][..NR],
+                )
+            };
         }
     }
 }
