@@ -206,6 +206,12 @@ impl<B: Backend, P: Protocol> TensorDataService<B, P> {
         transfer_id: TensorTransferId,
     ) -> Option<bytes::Bytes> {
         loop {
+            // kiln patch (PATCHES.md, 4): the waiter is registered before the map is read.
+            // `notify_waiters` keeps no permit, so a tensor exposed between the read and a later
+            // `notified()` woke nobody, and this download (and the collective) waited forever.
+            let notified = self.new_tensor_notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
             {
                 let mut exposed_tensors = self.exposed_tensors.lock().await;
                 // take the tensor out of the hashmap while we download
@@ -222,7 +228,7 @@ impl<B: Backend, P: Protocol> TensorDataService<B, P> {
                 }
             }
             // No matching tensor, wait for a new one to come in.
-            self.new_tensor_notify.notified().await;
+            notified.await;
         }
     }
 
