@@ -633,6 +633,7 @@ fn gemm_values(
                 let r0 = i * rows;
                 let mrows = cpart.len() / n;
                 let mut ap = vec![0u32; KCP * MR];
+                let mut row_pairs = [0u32; KCP];
                 // K in blocks of KCP pairs, so the A block stays in L1 and the B block (all panels,
                 // KCP pairs each) in L2 while every row block of this task streams past it.
                 for kb in (0..kp).step_by(KCP) {
@@ -640,10 +641,27 @@ fn gemm_values(
                     let beta = if kb == 0 { beta } else { 1.0 };
                     for rb in (0..mrows).step_by(MR) {
                         let live = MR.min(mrows - rb);
+                        let row0 = r0 + rb;
+                        let rows_whole = csa == 1 && live == MR;
+                        if rows_whole {
+                            // Row-major A (the forward's x, the input gradient's dy): each row's
+                            // pairs are contiguous, converted 32 values at a time, then laid out
+                            // as [kc][MR]. Gathered value by value, packing took a fifth of the
+                            // products' time where B has few panels (768 columns).
+                            let (lo, hi) = (2 * kb, (2 * (kb + kc)).min(k));
+                            for r in 0..MR {
+                                let row = &a[(row0 + r) * rsa..];
+                                // SAFETY: as above.
+                                unsafe { pairs_of(&row[lo..hi], &mut row_pairs[..kc]) };
+                                for (p, &v) in row_pairs[..kc].iter().enumerate() {
+                                    ap[p * MR + r] = v;
+                                }
+                            }
+                        }
                         // A's rows rb.., pairs kb.. as [kc][MR] (rows past the end are zero).
-                        for (p, lanes) in ap.chunks_mut(MR).take(kc).enumerate() {
+                        let gathered = if rows_whole { 0 } else { kc };
+                        for (p, lanes) in ap.chunks_mut(MR).take(gathered).enumerate() {
                             let kk = 2 * (kb + p);
-                            let row0 = r0 + rb;
                             if rsa == 1 && live == MR {
                                 // Column-major A (the weight gradient's dyᵀ): rows are contiguous.
                                 let col = |kk: usize| {
