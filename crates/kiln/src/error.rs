@@ -66,6 +66,19 @@ pub fn escape_for_terminal(s: &str) -> String {
         .collect()
 }
 
+/// What a JSON value is, for messages ("expected a string, not an array"), in JSON's own names:
+/// one spelling for every file kiln reads (configs, chat data, `trainer_state.json`).
+pub(crate) fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -28,6 +28,8 @@ use minijinja::{Environment, Error as JinjaError, ErrorKind, Value};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
 
+use crate::error::json_kind;
+
 /// Opens a `{% generation %}` span in the rendered text before it is taken apart.
 const GEN_OPEN: char = '\u{E000}';
 /// Closes a `{% generation %}` span.
@@ -506,17 +508,6 @@ fn default_of_named(list: &[Json], path: &Path) -> Result<String, ChatTemplateEr
             names.join(", ")
         ),
     })
-}
-
-fn json_kind(v: &Json) -> &'static str {
-    match v {
-        Json::Null => "null",
-        Json::Bool(_) => "a boolean",
-        Json::Number(_) => "a number",
-        Json::String(_) => "a string",
-        Json::Array(_) => "a list",
-        Json::Object(_) => "an object",
-    }
 }
 
 /// transformers' message clean-up: keys whose value is `None` are dropped, and a reasoning given as

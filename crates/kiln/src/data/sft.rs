@@ -33,9 +33,9 @@ use serde_json::{Map, Value as Json};
 use tokenizers::Tokenizer;
 
 use super::chat_template::{ChatTemplate, ChatTemplateError, Message, RenderOptions};
-
-/// The label of a token that is not a target (PyTorch's `ignore_index`).
-pub const IGNORE_INDEX: i64 = -100;
+use crate::error::json_kind;
+/// The label of a token that is not a target: the loss's own constant, so the two cannot drift.
+pub use crate::task::IGNORE_INDEX;
 
 /// The roles a message may have.
 pub const ROLES: [&str; 7] = [
@@ -167,8 +167,8 @@ pub fn detect_format(
             _ => Err(SftError::Row(format!(
                 "\"prompt\" and \"completion\" must both be strings or both lists of messages, \
                  not {} and {}",
-                kind(prompt),
-                kind(completion)
+                json_kind(prompt),
+                json_kind(completion)
             ))),
         };
     }
@@ -179,7 +179,7 @@ pub fn detect_format(
         Some(Json::String(_)) => Ok(SftFormat::Text),
         Some(other) => Err(SftError::Row(format!(
             "\"{dataset_text_field}\" must be a string, not {}",
-            kind(other)
+            json_kind(other)
         ))),
         None => Err(SftError::Row(format!(
             "the row has none of the fields \"{dataset_text_field}\", \"prompt\" + \
@@ -269,7 +269,7 @@ pub fn prepare_row(
                 Some(other) => {
                     return Err(SftError::Row(format!(
                         "\"chat_template_kwargs\" must be an object, not {}",
-                        kind(other)
+                        json_kind(other)
                     )))
                 }
             };
@@ -564,7 +564,7 @@ fn parse_messages(field: &str, value: &Json) -> Result<Vec<Message>, SftError> {
     let Json::Array(items) = value else {
         return Err(SftError::Row(format!(
             "\"{field}\" must be a list of messages, not {}",
-            kind(value)
+            json_kind(value)
         )));
     };
     if items.is_empty() {
@@ -579,7 +579,7 @@ fn parse_messages(field: &str, value: &Json) -> Result<Vec<Message>, SftError> {
             let Json::Object(obj) = item else {
                 return Err(SftError::Row(format!(
                     "{field}[{i}] must be an object with \"role\" and \"content\", not {}",
-                    kind(item)
+                    json_kind(item)
                 )));
             };
             let role = match obj.get("role") {
@@ -593,7 +593,7 @@ fn parse_messages(field: &str, value: &Json) -> Result<Vec<Message>, SftError> {
                 Some(other) => {
                     return Err(SftError::Row(format!(
                         "{field}[{i}].role must be a string, not {}",
-                        kind(other)
+                        json_kind(other)
                     )))
                 }
                 None => {
@@ -604,7 +604,7 @@ fn parse_messages(field: &str, value: &Json) -> Result<Vec<Message>, SftError> {
             if !matches!(content, Json::String(_) | Json::Array(_) | Json::Null) {
                 return Err(SftError::Row(format!(
                     "{field}[{i}].content must be a string or a list of content parts, not {}",
-                    kind(&content)
+                    json_kind(&content)
                 )));
             }
             let extra = obj
@@ -635,19 +635,8 @@ fn tools(row: &Map<String, Json>) -> Result<Option<Vec<Json>>, SftError> {
         },
         Some(other) => Err(SftError::Row(format!(
             "\"tools\" must be a list of tool schemas, not {}",
-            kind(other)
+            json_kind(other)
         ))),
-    }
-}
-
-fn kind(v: &Json) -> &'static str {
-    match v {
-        Json::Null => "null",
-        Json::Bool(_) => "a boolean",
-        Json::Number(_) => "a number",
-        Json::String(_) => "a string",
-        Json::Array(_) => "a list",
-        Json::Object(_) => "an object",
     }
 }
 

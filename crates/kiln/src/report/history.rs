@@ -17,7 +17,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::live::{open_regular, read_regular};
-use crate::error::{KilnError, Result};
+use crate::error::{json_kind, KilnError, Result};
 
 /// Points kept per quantity. Beyond it, each run of consecutive points keeps its first, last,
 /// lowest and highest: 2,048 runs per curve, several per pixel of a 600-pixel-wide panel, so the
@@ -311,19 +311,8 @@ fn parse_line(line: &[u8]) -> std::result::Result<Option<Map<String, Value>>, St
     }
     match serde_json::from_str::<Value>(text) {
         Ok(Value::Object(m)) => Ok(Some(m)),
-        Ok(other) => Err(format!("not a JSON object: found {}", kind(&other))),
+        Ok(other) => Err(format!("not a JSON object: found {}", json_kind(&other))),
         Err(e) => Err(format!("not a JSON object: {e}")),
-    }
-}
-
-fn kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
     }
 }
 

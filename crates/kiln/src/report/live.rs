@@ -236,13 +236,23 @@ pub fn unix_now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
+/// This machine's name, as gethostname(2) gives it ("localhost" when it has none): the one source
+/// the live files, `kiln top` and TensorBoard's event file names all read.
 pub fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .ok()
-        .filter(|s| !s.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "localhost".into())
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for `buf.len()` bytes; gethostname writes at most that many.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    let name = if rc == 0 {
+        String::from_utf8_lossy(&buf[..end]).trim().to_string()
+    } else {
+        String::new()
+    };
+    if name.is_empty() {
+        "localhost".into()
+    } else {
+        name
+    }
 }
 
 impl LivePublisher {

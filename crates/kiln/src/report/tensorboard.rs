@@ -146,23 +146,6 @@ fn now_secs() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer is valid for `buf.len()` bytes; gethostname writes at most that many.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    let name = if rc == 0 {
-        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-        String::from_utf8_lossy(&buf[..end]).into_owned()
-    } else {
-        String::new()
-    };
-    if name.is_empty() {
-        "localhost".into()
-    } else {
-        name
-    }
-}
-
 /// The `{n}` of the file names this process creates, as tensorboard's writer counts them.
 static FILE_COUNTER: AtomicU64 = AtomicU64::new(0);
 
@@ -183,7 +166,7 @@ impl EventWriter {
             let name = format!(
                 "events.out.tfevents.{:010}.{}.{}.{}",
                 now_secs() as u64,
-                hostname(),
+                super::live::hostname(),
                 std::process::id(),
                 FILE_COUNTER.fetch_add(1, Ordering::Relaxed)
             );

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use super::hf_values::{hf_bool, line_of_key};
 use super::optim::OptimizerType;
 use super::schedule::SchedulerType;
-use crate::error::{KilnError, Result};
+use crate::error::{json_kind, KilnError, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -422,18 +422,6 @@ fn steps_value(s: &str) -> std::result::Result<f64, String> {
         ));
     }
     Ok(v)
-}
-
-/// What a JSON value is, for messages: `a list`, `a string`, ...
-fn json_kind(v: &serde_json::Value) -> &'static str {
-    match v {
-        serde_json::Value::Null => "null",
-        serde_json::Value::Bool(_) => "a boolean",
-        serde_json::Value::Number(_) => "a number",
-        serde_json::Value::String(_) => "a string",
-        serde_json::Value::Array(_) => "a list",
-        serde_json::Value::Object(_) => "a mapping",
-    }
 }
 
 /// A JSON object given on the command line (`--lr-scheduler-kwargs '{"num_cycles": 2}'`).
