@@ -339,6 +339,7 @@ fn sft_loss_equals_trl() {
             pad_id: 0,
             targets: 0,
             packed: None,
+            pad_to_multiple_of: None,
         };
         let all: Vec<usize> = (0..set.examples.len()).collect();
         let (batch, targets) = kiln::task::BatchSource::batch(&set, &all);

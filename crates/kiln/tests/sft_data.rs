@@ -324,6 +324,7 @@ fn packing_is_trls_best_fit_decreasing() {
         pad_id: pad,
         targets: 0,
         packed: None,
+        pad_to_multiple_of: None,
     }
     .pack(capacity);
     let want = case["prepared"].as_array().unwrap();

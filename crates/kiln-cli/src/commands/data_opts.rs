@@ -101,6 +101,11 @@ impl DataOpts {
         self.max_length
     }
 
+    /// `--pad-to-multiple-of`, as given.
+    pub fn pad_to_multiple_of(&self) -> Option<usize> {
+        self.pad_to_multiple_of.map(|n| n as usize)
+    }
+
     /// `--text-column` (`--dataset-text-field`).
     pub fn text_column(&self) -> &str {
         &self.text_column

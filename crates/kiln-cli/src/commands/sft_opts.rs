@@ -17,15 +17,21 @@ pub struct SftOpts {
     assistant_only_loss: bool,
     /// Pack rows best-fit-decreasing into sequences of at most --max-length tokens, a batch's
     /// sequences in one row with no attention and no positions crossing from one row to the
-    /// next (TRL's packing with padding_free): no padding at all.
+    /// next (TRL's packing with padding_free): no padding, unless --pad-to-multiple-of asks
+    /// for it.
     #[arg(long)]
     packing: bool,
 }
 
 impl SftOpts {
     /// `max_length`: `--max-length` when given, else TRL's 1024. `text_field`: the column of
-    /// plain-text rows (`--dataset-text-field`).
-    pub fn data(&self, max_length: Option<usize>, text_field: &str) -> Result<SftData> {
+    /// plain-text rows (`--dataset-text-field`). `pad_to_multiple_of`: `--pad-to-multiple-of`.
+    pub fn data(
+        &self,
+        max_length: Option<usize>,
+        text_field: &str,
+        pad_to_multiple_of: Option<usize>,
+    ) -> Result<SftData> {
         let max_length = max_length.unwrap_or(1024);
         if max_length < 2 {
             bail!("--max-length {max_length}: a row needs at least two tokens to have a target");
@@ -39,6 +45,7 @@ impl SftOpts {
                 eos_token: None,
             },
             packing: self.packing,
+            pad_to_multiple_of,
         })
     }
 

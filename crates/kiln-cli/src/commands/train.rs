@@ -122,7 +122,13 @@ where
             let given =
                 sub.value_source("max_length") == Some(clap::parser::ValueSource::CommandLine);
             let max_length = given.then(|| cmd.data.max_length());
-            opts.sft = Some(cmd.sft.data(max_length, cmd.data.text_column())?);
+            opts.sft = Some(cmd.sft.data(
+                max_length,
+                cmd.data.text_column(),
+                cmd.data.pad_to_multiple_of(),
+            )?);
+        } else if cmd.data.pad_to_multiple_of().is_some() {
+            bail!("--pad-to-multiple-of: --task causal-lm cuts its corpus into --block-size blocks, so nothing is padded (it is an option of text-classification and sft)");
         }
         let (out, eval) = causal_lm::train::<Autodiff<B>>(&opts, args, device)?;
         if is_main {

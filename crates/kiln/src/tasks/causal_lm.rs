@@ -445,9 +445,15 @@ fn sft_sets(
         options: &options,
         model_dir: dir,
     };
-    let pack = |set: SftSet| match (sft.packing, options.max_length) {
-        (true, Some(capacity)) => set.pack(capacity),
-        _ => set,
+    let pack = |set: SftSet| {
+        let set = SftSet {
+            pad_to_multiple_of: sft.pad_to_multiple_of,
+            ..set
+        };
+        match (sft.packing, options.max_length) {
+            (true, Some(capacity)) => set.pack(capacity),
+            _ => set,
+        }
     };
     let train = SftSet::read(
         train_file,

@@ -17,7 +17,7 @@ use crate::data::chat_template::ChatTemplate;
 use crate::data::lm::TokenBatch;
 use crate::data::records::read_records;
 use crate::data::rows::{ReadReport, Skipped};
-use crate::data::sft::{prepare_labelled_row, LabelledExample, SftError, SftOptions};
+use crate::data::sft::{collate, prepare_labelled_row, LabelledExample, SftError, SftOptions};
 use crate::error::{KilnError, Result};
 use crate::task::{BatchSource, IGNORE_INDEX};
 
@@ -29,6 +29,9 @@ pub struct SftData {
     /// of at most `max_length` tokens, a batch's sequences laid end to end in one row with no
     /// attention and no positions crossing from one example to the next ([`SftSet::pack`]).
     pub packing: bool,
+    /// Round each batch's padded length up to a multiple of this (TRL's `pad_to_multiple_of`;
+    /// packed, the one row's length); `None` or 1: no rounding.
+    pub pad_to_multiple_of: Option<usize>,
 }
 
 /// What preparing rows needs besides the rows: the tokenizer, the chat template (if the model
@@ -50,6 +53,8 @@ pub struct SftSet {
     pub targets: usize,
     /// Packed: the examples of each packed sequence (the set's items are these sequences).
     pub packed: Option<Vec<Vec<usize>>>,
+    /// Batches padded to a multiple of this (TRL's `pad_to_multiple_of`).
+    pub pad_to_multiple_of: Option<usize>,
 }
 
 impl SftSet {
@@ -110,6 +115,7 @@ impl SftSet {
             pad_id,
             targets,
             packed: None,
+            pad_to_multiple_of: None,
         })
     }
 
@@ -197,55 +203,47 @@ impl BatchSource for SftSet {
             Some(bins) => bins.iter().map(|b| b.iter().map(len).sum()).collect(),
         }
     }
-    /// TRL's collator: right padding with the pad token, labels −100 there; then each position's
-    /// target is the next label (transformers' shift inside the model's loss). Packed: the
-    /// examples laid end to end in one row (`padding_free`), each one's last position without a
-    /// target (TRL sets the label at every sequence start to −100).
+    /// TRL's collator ([`collate`], the one its tests hold to TRL's): right padding with the
+    /// pad token to the longest example rounded up to `pad_to_multiple_of`, labels −100 there;
+    /// packed, the examples laid end to end in one row (`padding_free`), each one's first label
+    /// −100. Then each position's target is the next label (transformers' shift inside the
+    /// model's loss), so no target crosses from one packed example to the next.
     fn batch(&self, indices: &[usize]) -> (TokenBatch, Vec<i64>) {
-        if self.packed.is_some() {
-            let members = self.members(indices);
-            let mut ids = Vec::new();
-            let mut targets = Vec::new();
-            let mut segments = Vec::new();
-            for i in members {
-                let e = &self.examples[i];
-                ids.extend(e.input_ids.iter().map(|&t| t as i64));
-                targets.extend(e.labels.iter().skip(1).copied());
-                targets.push(IGNORE_INDEX);
-                segments.push(e.input_ids.len());
-            }
-            let seq = ids.len();
-            return (
-                TokenBatch {
-                    ids,
-                    batch: 1,
-                    seq,
-                    segments,
-                },
-                targets,
-            );
-        }
-        let seq = indices
+        let packed = self.packed.is_some();
+        let examples: Vec<LabelledExample> = self
+            .members(indices)
+            .into_iter()
+            .map(|i| self.examples[i].clone())
+            .collect();
+        let b = collate(&examples, self.pad_id, packed, self.pad_to_multiple_of);
+        let seq = b.input_ids.first().map_or(0, Vec::len);
+        let ids = b
+            .input_ids
             .iter()
-            .map(|&i| self.examples[i].input_ids.len())
-            .max()
-            .unwrap_or(0);
-        let mut ids = Vec::with_capacity(indices.len() * seq);
-        let mut targets = Vec::with_capacity(indices.len() * seq);
-        for &i in indices {
-            let e = &self.examples[i];
-            let n = e.input_ids.len();
-            ids.extend(e.input_ids.iter().map(|&t| t as i64));
-            ids.extend(std::iter::repeat_n(self.pad_id as i64, seq - n));
-            targets.extend(e.labels.iter().skip(1).copied());
-            targets.extend(std::iter::repeat_n(IGNORE_INDEX, seq - n + 1));
+            .flatten()
+            .map(|&t| i64::from(t))
+            .collect();
+        let targets = b
+            .labels
+            .iter()
+            .flat_map(|row| row.iter().skip(1).copied().chain([IGNORE_INDEX]))
+            .collect();
+        // Packed: each example is a segment (positions and attention restart), and so is the
+        // padding after them.
+        let mut segments = Vec::new();
+        if packed {
+            segments.extend(examples.iter().map(|e| e.input_ids.len()));
+            let padding = seq - segments.iter().sum::<usize>();
+            if padding > 0 {
+                segments.push(padding);
+            }
         }
         (
             TokenBatch {
                 ids,
-                batch: indices.len(),
+                batch: b.input_ids.len(),
                 seq,
-                segments: Vec::new(),
+                segments,
             },
             targets,
         )
@@ -272,6 +270,7 @@ mod tests {
             pad_id: 2,
             targets: 4,
             packed: None,
+            pad_to_multiple_of: None,
         };
         let (b, t) = set.batch(&[0, 1]);
         assert_eq!((b.batch, b.seq), (2, 3));
@@ -280,13 +279,29 @@ mod tests {
         assert_eq!(set.lengths(), vec![3, 2]);
 
         // Packed (capacity 5): both in one sequence, no padding, no target across the seam.
-        let packed = set.pack(5);
+        let packed = set.clone().pack(5);
         assert_eq!(packed.len(), 1);
         let (b, t) = packed.batch(&[0]);
         assert_eq!((b.batch, b.seq), (1, 5));
         assert_eq!(b.ids, vec![5, 6, 7, 8, 9]);
         assert_eq!(b.segments, vec![3, 2]);
         assert_eq!(t, vec![6, 7, -100, 9, -100]);
+
+        // --pad-to-multiple-of 4: the longest (3) rounds up to 4, padded as above.
+        let multiple = SftSet {
+            pad_to_multiple_of: Some(4),
+            ..set.clone()
+        };
+        let (b, t) = multiple.batch(&[0, 1]);
+        assert_eq!((b.batch, b.seq), (2, 4));
+        assert_eq!(b.ids, vec![5, 6, 7, 2, 8, 9, 2, 2]);
+        assert_eq!(t, vec![6, 7, -100, -100, 9, -100, -100, -100]);
+        // Packed, the row of 5 rounds up to 8; the padding is a segment of its own, untrained.
+        let (b, t) = multiple.pack(5).batch(&[0]);
+        assert_eq!((b.batch, b.seq), (1, 8));
+        assert_eq!(b.ids, vec![5, 6, 7, 8, 9, 2, 2, 2]);
+        assert_eq!(b.segments, vec![3, 2, 3]);
+        assert_eq!(t, vec![6, 7, -100, 9, -100, -100, -100, -100]);
     }
 
     #[test]
@@ -300,6 +315,7 @@ mod tests {
             pad_id: 0,
             targets: 0,
             packed: None,
+            pad_to_multiple_of: None,
         }
         .pack(8);
         // 6 opens a sequence, 5 another; 4 fits neither (10, 9) and opens a third; 3 best fits
