@@ -19,6 +19,18 @@ pub enum IntervalStrategy {
     Epoch,
 }
 
+impl IntervalStrategy {
+    /// Whether a log, an evaluation or a save with this strategy is due after global step
+    /// `step`: every `every` steps (never when `every` is 0), or at each epoch's end.
+    pub fn due(self, every: u64, step: u64, epoch_end: bool) -> bool {
+        match self {
+            IntervalStrategy::No => false,
+            IntervalStrategy::Steps => every > 0 && step.is_multiple_of(every),
+            IntervalStrategy::Epoch => epoch_end,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, clap::Args)]
 #[serde(default)]
 #[command(next_help_heading = "Training")]

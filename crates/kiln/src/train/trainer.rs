@@ -394,7 +394,9 @@ where
                 let mut improved = false;
                 if let Some(ev) = eval {
                     let every = a.eval_interval(plan.total);
-                    if self.due(a.eval_strategy, every, epoch_end) {
+                    if a.eval_strategy
+                        .due(every, self.state.global_step, epoch_end)
+                    {
                         self.gather_stages()?;
                         let out = run.bar.suspend(|| self.evaluate_phase(ev))?;
                         let model = self.take_model();
@@ -408,9 +410,9 @@ where
                 let last = self.state.global_step >= plan.total;
                 let save = match a.save_strategy {
                     SaveStrategy::No => false,
-                    SaveStrategy::Steps => self.due(
-                        IntervalStrategy::Steps,
+                    SaveStrategy::Steps => IntervalStrategy::Steps.due(
                         a.save_interval(plan.total),
+                        self.state.global_step,
                         epoch_end,
                     ),
                     SaveStrategy::Epoch => epoch_end,
@@ -908,15 +910,6 @@ where
         Ok(counts.iter().map(|c| c * ranks / total.max(1.0)).collect())
     }
 
-    /// Whether an evaluation or a save with this strategy is due after the step just taken.
-    fn due(&self, strategy: IntervalStrategy, every: u64, epoch_end: bool) -> bool {
-        match strategy {
-            IntervalStrategy::No => false,
-            IntervalStrategy::Steps => self.state.global_step.is_multiple_of(every.max(1)),
-            IntervalStrategy::Epoch => epoch_end,
-        }
-    }
-
     /// Whether these evaluation metrics beat the best so far (metric_for_best_model).
     fn improves_best(&self, metrics: &BTreeMap<String, f64>) -> bool {
         let (name, greater) = self.args.best_metric();
@@ -945,11 +938,7 @@ where
         ));
         let global = self.state.global_step;
         let every = self.args.logging_interval(plan.total);
-        let due = match self.args.logging_strategy {
-            IntervalStrategy::No => false,
-            IntervalStrategy::Steps => every > 0 && global.is_multiple_of(every),
-            IntervalStrategy::Epoch => epoch_end,
-        };
+        let due = self.args.logging_strategy.due(every, global, epoch_end);
         if !(due || (global == 1 && self.args.logging_first_step)) {
             return Ok(());
         }
