@@ -27,6 +27,7 @@
 //! ([`SftError::NoTarget`]; TRL drops it from the dataset). Without `max_length` nothing is cut or
 //! refused, as in TRL.
 
+use std::borrow::Borrow;
 use std::ops::Range;
 
 use serde_json::{Map, Value as Json};
@@ -409,8 +410,8 @@ pub struct SftBatch {
 /// Pads `examples` to the longest (rounded up to `pad_to_multiple_of`), or with `padding_free`
 /// concatenates them into one row with per-row position ids, the first token of each row taken out
 /// of the loss so no row learns to predict the next one.
-pub fn collate(
-    examples: &[LabelledExample],
+pub fn collate<E: Borrow<LabelledExample>>(
+    examples: &[E],
     pad_token_id: u32,
     padding_free: bool,
     pad_to_multiple_of: Option<usize>,
@@ -423,7 +424,7 @@ pub fn collate(
         let mut ids = Vec::new();
         let mut labels = Vec::new();
         let mut positions = Vec::new();
-        for e in examples {
+        for e in examples.iter().map(Borrow::borrow) {
             ids.extend_from_slice(&e.input_ids);
             labels.extend_from_slice(&e.labels);
             positions.extend(0..e.input_ids.len() as u32);
@@ -447,7 +448,7 @@ pub fn collate(
     let len = round(
         examples
             .iter()
-            .map(|e| e.input_ids.len())
+            .map(|e| e.borrow().input_ids.len())
             .max()
             .unwrap_or(0),
     );
@@ -457,7 +458,7 @@ pub fn collate(
         attention_mask: Some(Vec::with_capacity(examples.len())),
         position_ids: None,
     };
-    for e in examples {
+    for e in examples.iter().map(Borrow::borrow) {
         let n = e.input_ids.len();
         let mut ids = e.input_ids.clone();
         ids.resize(len, pad_token_id);

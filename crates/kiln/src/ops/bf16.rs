@@ -642,8 +642,7 @@ fn gemm_values(
                     for rb in (0..mrows).step_by(MR) {
                         let live = MR.min(mrows - rb);
                         let row0 = r0 + rb;
-                        let rows_whole = csa == 1 && live == MR;
-                        if rows_whole {
+                        if csa == 1 && live == MR {
                             // Row-major A (the forward's x, the input gradient's dy): each row's
                             // pairs are contiguous, converted 32 values at a time, then laid out
                             // as [kc][MR]. Gathered value by value, packing took a fifth of the
@@ -657,30 +656,30 @@ fn gemm_values(
                                     ap[p * MR + r] = v;
                                 }
                             }
-                        }
-                        // A's rows rb.., pairs kb.. as [kc][MR] (rows past the end are zero).
-                        let gathered = if rows_whole { 0 } else { kc };
-                        for (p, lanes) in ap.chunks_mut(MR).take(gathered).enumerate() {
-                            let kk = 2 * (kb + p);
-                            if rsa == 1 && live == MR {
-                                // Column-major A (the weight gradient's dyᵀ): rows are contiguous.
-                                let col = |kk: usize| {
-                                    if kk < k {
-                                        &a[kk * csa + row0..][..MR]
+                        } else {
+                            // A's rows rb.., pairs kb.. as [kc][MR] (rows past the end are zero).
+                            for (p, lanes) in ap.chunks_mut(MR).take(kc).enumerate() {
+                                let kk = 2 * (kb + p);
+                                if rsa == 1 && live == MR {
+                                    // Column-major A (the weight gradient's dyᵀ): rows are contiguous.
+                                    let col = |kk: usize| {
+                                        if kk < k {
+                                            &a[kk * csa + row0..][..MR]
+                                        } else {
+                                            &zeros[..MR]
+                                        }
+                                    };
+                                    // SAFETY: as above.
+                                    unsafe { pack_pairs(col(kk), col(kk + 1), lanes) };
+                                    continue;
+                                }
+                                for (r, v) in lanes.iter_mut().enumerate() {
+                                    *v = if r < live {
+                                        pair(at(row0 + r, kk), at(row0 + r, kk + 1))
                                     } else {
-                                        &zeros[..MR]
-                                    }
-                                };
-                                // SAFETY: as above.
-                                unsafe { pack_pairs(col(kk), col(kk + 1), lanes) };
-                                continue;
-                            }
-                            for (r, v) in lanes.iter_mut().enumerate() {
-                                *v = if r < live {
-                                    pair(at(row0 + r, kk), at(row0 + r, kk + 1))
-                                } else {
-                                    0
-                                };
+                                        0
+                                    };
+                                }
                             }
                         }
                         for j in 0..panels {

@@ -210,10 +210,10 @@ impl BatchSource for SftSet {
     /// model's loss), so no target crosses from one packed example to the next.
     fn batch(&self, indices: &[usize]) -> (TokenBatch, Vec<i64>) {
         let packed = self.packed.is_some();
-        let examples: Vec<LabelledExample> = self
+        let examples: Vec<&LabelledExample> = self
             .members(indices)
             .into_iter()
-            .map(|i| self.examples[i].clone())
+            .map(|i| &self.examples[i])
             .collect();
         let b = collate(&examples, self.pad_id, packed, self.pad_to_multiple_of);
         let seq = b.input_ids.first().map_or(0, Vec::len);
