@@ -32,38 +32,6 @@ const ROWS: usize = 32;
 /// u32s in one K step of a packed A block: 32 rows × 16 pairs.
 const A_STEP: usize = ROWS * PAIRS;
 
-/// Asks Linux for the AMX tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`,
-/// needed since kernel 5.16 before the first tile instruction) once per process, after checking that
-/// the CPU has AMX-TILE and AMX-BF16. False on other CPUs and systems, or when the kernel refuses.
-pub(super) fn request_tiles() -> bool {
-    static GRANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *GRANTED.get_or_init(|| {
-        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-        {
-            // CPUID leaf 7, subleaf 0: EDX bit 22 is AMX-BF16, bit 24 AMX-TILE.
-            // CPUID exists on every x86_64 CPU; leaf 7 on every one with AVX2.
-            let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
-            let has = |bit: u32| leaf7.edx & (1 << bit) != 0;
-            if !(has(22) && has(24)) {
-                return false;
-            }
-            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
-            const XFEATURE_XTILEDATA: libc::c_long = 18;
-            // SAFETY: arch_prctl with these arguments only changes this process's permissions.
-            let rc = unsafe {
-                libc::syscall(
-                    libc::SYS_arch_prctl,
-                    ARCH_REQ_XCOMP_PERM,
-                    XFEATURE_XTILEDATA,
-                )
-            };
-            rc == 0
-        }
-        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-        false
-    })
-}
-
 /// The 64-byte `LDTILECFG` operand: palette 1, eight tiles of 16 rows × 64 bytes.
 #[cfg(target_arch = "x86_64")]
 #[repr(C, align(64))]
@@ -115,13 +83,13 @@ impl Drop for Tiles {
     }
 }
 
-/// C[m×n] (row stride `n`) = A·B + β·C (β 0 or 1, as [`super::bf16::gemm_bf16_with`] asserts)
+/// C[m×n] (row stride `n`) = A·B + β·C (β 0 or 1, as [`super::bf16_pack::gemm_bf16_with`] asserts)
 /// with A and B rounded to bf16 and f32 accumulation, on AMX tiles.
 ///
-/// B is packed into the panels of [`super::bf16::pack_b`] either whole, once, shared by tasks
+/// B is packed into the panels of [`super::bf16_pack::pack_b`] either whole, once, shared by tasks
 /// that split the rows, or — where the tasks split the columns and each meets its rows of A in
 /// one chunk — by each task a block of K and a chunk of its columns at a time, just before its
-/// tiles read them ([`super::bf16::pack_b_chunk`]). Packed whole, a large B went through memory
+/// tiles read them ([`super::bf16_pack::pack_b_chunk`]). Packed whole, a large B went through memory
 /// twice more (written, then read back): a held weight's input gradient at 1×128 tokens packs 16
 /// MB of weight per product for 128 rows of A.
 ///
@@ -135,7 +103,7 @@ pub(super) unsafe fn gemm(
     (m, k, n): (usize, usize, usize),
     a: &[f32],
     (rsa, csa): (usize, usize),
-    b: super::bf16::Values,
+    b: super::bf16_pack::Values,
     (rsb, csb): (usize, usize),
     beta: f32,
     c: &mut [f32],
@@ -149,7 +117,7 @@ pub(super) unsafe fn gemm(
     // reads all of B and 1/T of A, split columns all of A and 1/T of B: rows when m ≥ n. A held
     // weight's input gradient at 1×128 tokens (deepseek-1.3B: 128 rows, 2048–5504 columns)
     // read its 22 MB of packed weight in both tasks.
-    let (tm, tn) = match super::cpu::gemm::gemm_grid(m, n, k, rayon::current_num_threads()) {
+    let (tm, tn) = match super::split::gemm_grid(m, n, k, rayon::current_num_threads()) {
         (tm, tn) if m >= n && m.div_ceil(ROWS) >= tm * tn => (tm * tn, 1),
         (tm, tn) if m < n && n.div_ceil(32) >= tm * tn => (1, tm * tn),
         grid => grid,
@@ -164,7 +132,7 @@ pub(super) unsafe fn gemm(
     } else {
         let _p = super::profile::scope("part: bf16 B packed");
         // SAFETY: as this function's.
-        Some(unsafe { super::bf16::pack_b((k, n), b, (rsb, csb), kp_pad) })
+        Some(unsafe { super::bf16_pack::pack_b((k, n), b, (rsb, csb), kp_pad) })
     };
     let cp = c.as_mut_ptr() as usize;
     let task = |t: usize| {
@@ -250,7 +218,7 @@ pub(super) unsafe fn gemm(
                             // SAFETY: as this function's; the chunk holds `width` columns of
                             // `ks` steps.
                             unsafe {
-                                super::bf16::pack_b_chunk(
+                                super::bf16_pack::pack_b_chunk(
                                     (k, n),
                                     b,
                                     rsb,
@@ -320,7 +288,7 @@ pub(super) unsafe fn gemm_held_rows(
     // SAFETY: AMX implies AVX-512 F/BW and AVX512-BF16.
     let bp = unsafe {
         let _p = super::profile::scope("part: bf16 B packed");
-        super::bf16::pack_b((k, m), super::bf16::Values::F32(x), (1, k), kp)
+        super::bf16_pack::pack_b((k, m), super::bf16_pack::Values::F32(x), (1, k), kp)
     };
     let blocks = n / ROWS;
     // A tiles of 16 rows of W, 64 bytes a step; rows 16–31 16 rows on.
@@ -419,7 +387,7 @@ unsafe fn pack_a_block(
     k: usize,
     out: &mut [u32],
 ) {
-    use super::bf16::pairs_of;
+    use super::bf16_pack::pairs_of;
     if csa == 1 {
         // Row-major: a row's 32 values of one K step are one tile row.
         for r in 0..rows {
@@ -430,7 +398,7 @@ unsafe fn pack_a_block(
         }
     } else {
         // Any other strides: element by element, into halves of zeroed pairs.
-        use super::bf16::bf16_bits;
+        use super::bf16_pack::bf16_bits;
         out.fill(0);
         for kk in 0..k {
             let (s, q, half) = (kk / 32, (kk % 32) / 2, (kk % 2) * 16);
@@ -462,7 +430,7 @@ unsafe fn pack_a_chunk_by_columns(
     across: &mut [u32],
     pieces: &mut APieces,
 ) {
-    use super::bf16::{pack_pairs, transpose16};
+    use super::bf16_pack::{pack_pairs, transpose16};
     let zeros = [0f32; CHUNK_ROWS];
     let stride = across.len() / PAIRS;
     let column = |kk: usize| {

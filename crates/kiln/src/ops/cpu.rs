@@ -7,6 +7,7 @@ use burn::tensor::{Shape, TensorMetadata};
 use ndarray::{ArcArray, IxDyn};
 use rayon::prelude::*;
 
+use super::split::{gemm_grid, GEMM_TASK_MIN};
 use super::KilnBackend;
 
 mod attention;

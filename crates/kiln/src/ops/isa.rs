@@ -143,7 +143,7 @@ impl CpuIsa {
 }
 
 /// The CPU's own level, whether it has AVX512-BF16, and whether this process may use AMX-BF16
-/// tiles (the CPU has them and Linux granted the tile state, [`super::amx::request_tiles`]).
+/// tiles (the CPU has them and Linux granted the tile state, [`request_tiles`]).
 fn detected() -> (IsaLevel, bool, bool) {
     #[cfg(target_arch = "x86_64")]
     {
@@ -159,7 +159,7 @@ fn detected() -> (IsaLevel, bool, bool) {
         };
         let bf16_dot = level == IsaLevel::Avx512 && std::is_x86_feature_detected!("avx512bf16");
         // The AMX kernel packs its operands with AVX512-BF16 conversions (every AMX CPU has them).
-        let amx = bf16_dot && super::amx::request_tiles();
+        let amx = bf16_dot && request_tiles();
         (level, bf16_dot, amx)
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -206,6 +206,38 @@ pub fn cpu_isa() -> CpuIsa {
         Some(isa) => *isa,
         None => init().unwrap_or_else(|e| panic!("{e}")),
     }
+}
+
+/// Asks Linux for the AMX tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`,
+/// needed since kernel 5.16 before the first tile instruction) once per process, after checking that
+/// the CPU has AMX-TILE and AMX-BF16. False on other CPUs and systems, or when the kernel refuses.
+fn request_tiles() -> bool {
+    static GRANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *GRANTED.get_or_init(|| {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        {
+            // CPUID leaf 7, subleaf 0: EDX bit 22 is AMX-BF16, bit 24 AMX-TILE.
+            // CPUID exists on every x86_64 CPU; leaf 7 on every one with AVX2.
+            let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
+            let has = |bit: u32| leaf7.edx & (1 << bit) != 0;
+            if !(has(22) && has(24)) {
+                return false;
+            }
+            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+            const XFEATURE_XTILEDATA: libc::c_long = 18;
+            // SAFETY: arch_prctl with these arguments only changes this process's permissions.
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_arch_prctl,
+                    ARCH_REQ_XCOMP_PERM,
+                    XFEATURE_XTILEDATA,
+                )
+            };
+            rc == 0
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        false
+    })
 }
 
 #[cfg(test)]

@@ -9,10 +9,12 @@
 pub(crate) mod amx;
 mod autodiff;
 pub mod bf16;
+mod bf16_pack;
 pub mod blas_layout;
 mod cpu;
 pub mod isa;
 pub mod profile;
+mod split;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};

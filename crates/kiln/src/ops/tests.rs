@@ -265,7 +265,7 @@ fn linear_of_data_gives_parameter_gradients_only() {
 
 #[test]
 fn gemm_tiles_are_one_per_thread_and_as_square_as_they_divide() {
-    use super::cpu::gemm::gemm_grid;
+    use super::split::gemm_grid;
     assert_eq!(
         gemm_grid(32, 120, 84, 2),
         (1, 1),

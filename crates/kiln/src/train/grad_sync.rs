@@ -6,7 +6,6 @@
 use burn::tensor::Tensor;
 
 use super::optim::{clip_coefficient, GradAccumulator};
-use super::parallel_plan::PipelinePlan;
 use crate::ops::KilnBackend;
 use crate::parallel::{DataParallel, Zero1, ZeroPartition};
 use crate::task::{ParamSplit, TensorParallelLayout};
@@ -37,12 +36,21 @@ pub struct Synced<B: KilnBackend> {
 /// What a global norm's sums of squares are put together over: a tensor-parallel layout's shards
 /// are summed over its group; a pipeline's stages each add their own parameters, a tied weight
 /// counted on one stage only.
-pub struct NormParts<'a, B: KilnBackend> {
+pub struct NormParts<'a> {
     pub tp: Option<&'a TensorParallelLayout>,
-    pub stages: Option<&'a PipelinePlan<B>>,
+    pub stages: Option<&'a dyn StageNorm>,
 }
 
-impl<B: KilnBackend> NormParts<'_, B> {
+/// What a global norm needs of a pipeline: which parameters another stage counts, and the sum of
+/// one value over the stages. The pipeline's plan gives it, so gradient syncing need not know it.
+pub trait StageNorm {
+    /// Whether another stage counts parameter `name` (a tied embedding, counted on stage 0).
+    fn counted_elsewhere(&self, name: &str) -> bool;
+    /// `v` summed over the stages.
+    fn stage_sum(&self, v: f64) -> Result<f64>;
+}
+
+impl NormParts<'_> {
     /// Whether parameter `name` is a tensor-parallel shard (its squares are summed over the group).
     fn is_shard(&self, name: &str) -> bool {
         self.tp
@@ -75,7 +83,7 @@ pub fn sync_and_clip<B: KilnBackend>(
     loss_sum: f64,
     device: &B::Device,
     parallel: &DataParallel<B>,
-    parts: &NormParts<'_, B>,
+    parts: &NormParts<'_>,
     max_norm: f64,
 ) -> Result<Synced<B>> {
     let loss = if parallel.size() > 1 {
@@ -100,7 +108,7 @@ pub fn sync_and_clip_zero1<B: KilnBackend>(
     acc: GradAccumulator<B>,
     loss_sum: f64,
     zero: &Zero1<B>,
-    parts: &NormParts<'_, B>,
+    parts: &NormParts<'_>,
     max_norm: f64,
 ) -> Result<Synced<B>> {
     let partition = ZeroPartition::new(

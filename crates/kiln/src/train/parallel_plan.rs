@@ -20,7 +20,9 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Shape;
 
 use super::args::{PipelineOptions, TrainingArguments};
-use super::grad_sync::{sync_and_clip, sync_and_clip_zero1, NormParts, Synced, SyncedGrads};
+use super::grad_sync::{
+    sync_and_clip, sync_and_clip_zero1, NormParts, StageNorm, Synced, SyncedGrads,
+};
 use super::optim::{GradAccumulator, Optimizer};
 use super::pipeline_stage::Stage;
 use crate::models::params::{empty_where, module_bf16_params, module_shapes, module_tensors_where};
@@ -191,6 +193,15 @@ impl<B: KilnBackend> PipelinePlan<B> {
 
     fn is_embedding(&self, path: &str) -> bool {
         self.holds.embedding.iter().any(|e| e == path)
+    }
+}
+
+impl<B: KilnBackend> StageNorm for PipelinePlan<B> {
+    fn counted_elsewhere(&self, name: &str) -> bool {
+        PipelinePlan::counted_elsewhere(self, name)
+    }
+    fn stage_sum(&self, v: f64) -> Result<f64> {
+        PipelinePlan::stage_sum(self, v)
     }
 }
 
@@ -388,7 +399,7 @@ impl<B: KilnBackend> ParallelPlan<B> {
     ) -> Result<Synced<B>> {
         let parts = NormParts {
             tp: self.tensor.as_ref(),
-            stages: self.pipeline.as_ref(),
+            stages: self.pipeline.as_ref().map(|p| p as &dyn StageNorm),
         };
         match &self.zero {
             Some(zero) => sync_and_clip_zero1(acc, loss_sum, zero, &parts, max_norm),
