@@ -113,12 +113,12 @@ fn patched_model(base: &Path, patch: &Value, into: &Path) -> PathBuf {
     }
     if let Some(r) = patch.get("rename_prefix").and_then(Value::as_array) {
         let (from, to) = (r[0].as_str().unwrap(), r[1].as_str().unwrap());
-        let t: BTreeMap<_, _> = kiln::hub::weights::read_safetensors(&weights)
+        let t: BTreeMap<_, _> = kiln::formats::safetensors::read_safetensors(&weights)
             .unwrap()
             .into_iter()
             .map(|(k, v)| (k.replacen(from, to, 1), v))
             .collect();
-        kiln::hub::weights::write_safetensors(&weights, &t).unwrap();
+        kiln::formats::safetensors::write_safetensors(&weights, &t).unwrap();
     }
     for f in patch
         .get("remove")

@@ -303,14 +303,14 @@ fn from_config_two_workers_equal_one_process() {
             .status()
             .unwrap();
         assert!(st.success(), "{name} failed");
-        kiln::hub::weights::read_safetensors(&out.join("model.safetensors")).unwrap()
+        kiln::formats::safetensors::read_safetensors(&out.join("model.safetensors")).unwrap()
     };
     let single = run(8, 1, "single8");
     let ddp = run(4, 2, "ddp2x4");
     let control = run(4, 1, "single4");
     let diff =
-        |a: &std::collections::BTreeMap<String, kiln::hub::weights::HostTensor>,
-         b: &std::collections::BTreeMap<String, kiln::hub::weights::HostTensor>| {
+        |a: &std::collections::BTreeMap<String, kiln::formats::safetensors::HostTensor>,
+         b: &std::collections::BTreeMap<String, kiln::formats::safetensors::HostTensor>| {
             assert_eq!(a.len(), b.len());
             a.iter()
                 .flat_map(|(k, t)| t.data.iter().zip(&b[k].data).map(|(x, y)| (x - y).abs()))
@@ -401,11 +401,12 @@ fn sft_loss_is_the_mean_over_the_steps_target_tokens() {
             .status()
             .unwrap();
         assert!(st.success(), "{name} failed");
-        kiln::hub::weights::read_safetensors(&out.join("adapter_model.safetensors")).unwrap()
+        kiln::formats::safetensors::read_safetensors(&out.join("adapter_model.safetensors"))
+            .unwrap()
     };
     let max_diff =
-        |a: &std::collections::BTreeMap<String, kiln::hub::weights::HostTensor>,
-         b: &std::collections::BTreeMap<String, kiln::hub::weights::HostTensor>| {
+        |a: &std::collections::BTreeMap<String, kiln::formats::safetensors::HostTensor>,
+         b: &std::collections::BTreeMap<String, kiln::formats::safetensors::HostTensor>| {
             a.iter()
                 .flat_map(|(k, t)| t.data.iter().zip(&b[k].data).map(|(x, y)| (x - y).abs()))
                 .fold(0f32, f32::max)
@@ -480,11 +481,12 @@ fn sft_lora_data_parallel_and_resume() {
         run_with(batch, procs, name, extra, "")
     };
     let adapter = |dir: &Path| {
-        kiln::hub::weights::read_safetensors(&dir.join("adapter_model.safetensors")).unwrap()
+        kiln::formats::safetensors::read_safetensors(&dir.join("adapter_model.safetensors"))
+            .unwrap()
     };
     let max_diff =
-        |a: &std::collections::BTreeMap<String, kiln::hub::weights::HostTensor>,
-         b: &std::collections::BTreeMap<String, kiln::hub::weights::HostTensor>| {
+        |a: &std::collections::BTreeMap<String, kiln::formats::safetensors::HostTensor>,
+         b: &std::collections::BTreeMap<String, kiln::formats::safetensors::HostTensor>| {
             assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
             a.iter()
                 .flat_map(|(k, t)| t.data.iter().zip(&b[k].data).map(|(x, y)| (x - y).abs()))
@@ -535,7 +537,7 @@ fn sft_lora_data_parallel_and_resume() {
     );
     assert_eq!(c, 0.0, "--bf16 without bf16 arithmetic is not the fp32 run");
     let bf16 = adapter(&run(8, 1, "bf16", &with_bf16));
-    let flat = |a: &std::collections::BTreeMap<String, kiln::hub::weights::HostTensor>| {
+    let flat = |a: &std::collections::BTreeMap<String, kiln::formats::safetensors::HostTensor>| {
         a.values()
             .flat_map(|t| t.data.clone())
             .collect::<Vec<f32>>()
@@ -563,7 +565,8 @@ fn sft_lora_data_parallel_and_resume() {
     let unbroken = run(8, 1, "unbroken", &save);
     let ck = unbroken.join("checkpoint-2");
     assert!(ck.join("adapter_config.json").exists() && !ck.join("model.safetensors").exists());
-    let moments = kiln::hub::weights::read_safetensors(&ck.join("optimizer.safetensors")).unwrap();
+    let moments =
+        kiln::formats::safetensors::read_safetensors(&ck.join("optimizer.safetensors")).unwrap();
     assert!(
         moments
             .keys()
@@ -622,7 +625,8 @@ fn sft_lora_adapter_trains_further() {
     };
     let adapter = |dir: &Path| {
         let t =
-            kiln::hub::weights::read_safetensors(&dir.join("adapter_model.safetensors")).unwrap();
+            kiln::formats::safetensors::read_safetensors(&dir.join("adapter_model.safetensors"))
+                .unwrap();
         t.into_values().flat_map(|t| t.data).collect::<Vec<f32>>()
     };
     let fresh = [
@@ -714,7 +718,8 @@ fn sft_lora_on_a_base_held_in_bf16() {
             .status()
             .unwrap();
         assert!(st.success(), "{name} failed");
-        let t = kiln::hub::weights::read_safetensors(&out.join("adapter_model.safetensors"));
+        let t =
+            kiln::formats::safetensors::read_safetensors(&out.join("adapter_model.safetensors"));
         t.unwrap()
             .into_values()
             .flat_map(|t| t.data)

@@ -49,11 +49,11 @@ fn damaged_checkpoints(out: &Path) -> Vec<String> {
             continue;
         }
         for f in ["model.safetensors", "optimizer.safetensors"] {
-            if let Err(e) = kiln::hub::weights::read_safetensors(&c.path.join(f)) {
+            if let Err(e) = kiln::formats::safetensors::read_safetensors(&c.path.join(f)) {
                 bad.push(format!("{name}: {e}"));
             }
         }
-        match kiln::hub::read_json::<kiln::train::checkpoint::TrainerState>(
+        match kiln::io::read_json::<kiln::train::checkpoint::TrainerState>(
             &c.path.join("trainer_state.json"),
         ) {
             Ok(s) if s.global_step == c.step => {}

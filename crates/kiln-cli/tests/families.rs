@@ -7,7 +7,7 @@ mod kiln_bin;
 
 use std::path::Path;
 
-use kiln::hub::weights::read_safetensors;
+use kiln::formats::safetensors::read_safetensors;
 use kiln_bin::kiln;
 use kiln_testkit::common::{self, asset, repo_root};
 

@@ -38,7 +38,7 @@ fn sharded_repo() -> FakeRepo {
     let tmp = tempfile::tempdir().unwrap();
     let whole = tmp.path().join("model.safetensors");
     std::fs::write(&whole, &weights).unwrap();
-    let tensors = kiln::hub::weights::read_safetensors(&whole).unwrap();
+    let tensors = kiln::formats::safetensors::read_safetensors(&whole).unwrap();
     let mut shards = [BTreeMap::new(), BTreeMap::new()];
     let mut map = serde_json::Map::new();
     for (i, (name, t)) in tensors.into_iter().enumerate() {
@@ -47,8 +47,11 @@ fn sharded_repo() -> FakeRepo {
         shards[i % 2].insert(name, t);
     }
     for (i, s) in shards.iter().enumerate() {
-        let bytes =
-            kiln::hub::weights::safetensors_bytes(s, kiln::hub::weights::StoreDtype::F32).unwrap();
+        let bytes = kiln::formats::safetensors::safetensors_bytes(
+            s,
+            kiln::formats::safetensors::StoreDtype::F32,
+        )
+        .unwrap();
         repo.files
             .insert(format!("model-0000{}-of-00002.safetensors", i + 1), bytes);
     }

@@ -18,7 +18,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kiln::hub::weights::HostTensor;
+use kiln::formats::safetensors::HostTensor;
 use kiln_bin::{kiln_one_thread, launched};
 use llm_runs::{copy_dir, losses, max_diff, setup, weights};
 
@@ -431,7 +431,7 @@ fn pipeline_checkpoints_resume_at_any_layout() {
     // Each stage holds its own layers; the tied embedding is stored once, by stage 0.
     let stage = |s: usize| {
         let f = ck.join(format!("model/tp_rank_00_pp_rank_{s:02}.safetensors"));
-        kiln::hub::weights::read_safetensors(&f).unwrap()
+        kiln::formats::safetensors::read_safetensors(&f).unwrap()
     };
     let (s0, s1) = (stage(0), stage(1));
     assert!(s0.contains_key("model.embed_tokens.weight"));
@@ -476,13 +476,16 @@ fn pipeline_checkpoints_resume_at_any_layout() {
     let bad = dir("bad-stage");
     copy_dir(&ck, &bad);
     let moved = bad.join("model/tp_rank_00_pp_rank_01.safetensors");
-    let mut t = kiln::hub::weights::read_safetensors(&moved).unwrap();
+    let mut t = kiln::formats::safetensors::read_safetensors(&moved).unwrap();
     t.insert(
         "model.layers.0.mlp.up_proj.weight".into(),
         s0["model.layers.0.mlp.up_proj.weight"].clone(),
     );
-    let bytes =
-        kiln::hub::weights::safetensors_bytes(&t, kiln::hub::weights::StoreDtype::F32).unwrap();
+    let bytes = kiln::formats::safetensors::safetensors_bytes(
+        &t,
+        kiln::formats::safetensors::StoreDtype::F32,
+    )
+    .unwrap();
     std::fs::write(&moved, bytes).unwrap();
     let (ok, err) = convert(&["--to-full"], &bad, &dir("bad-out"));
     assert!(!ok && err.contains("puts on pipeline stage 0"), "{err}");

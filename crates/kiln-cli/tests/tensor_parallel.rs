@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
-use kiln::hub::weights::{read_safetensors, HostTensor};
+use kiln::formats::safetensors::{read_safetensors, HostTensor};
 use kiln_bin::{kiln_one_thread, launched};
 use kiln_testkit::common::{self, asset};
 use llm_runs::{copy_dir, corpus, losses, max_diff, setup, weights};

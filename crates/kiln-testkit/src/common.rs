@@ -131,18 +131,18 @@ pub fn bf16_rounded_copy(model: &std::path::Path, out: &std::path::Path) {
         }
     }
     let weights = out.join("model.safetensors");
-    let mut tensors = kiln::hub::weights::read_safetensors(&weights).unwrap();
+    let mut tensors = kiln::formats::safetensors::read_safetensors(&weights).unwrap();
     for t in tensors.values_mut().filter(|t| t.shape.len() == 2) {
         t.data
             .iter_mut()
             .for_each(|v| *v = kiln::ops::bf16::round_bf16(*v));
     }
-    kiln::hub::weights::write_safetensors(&weights, &tensors).unwrap();
+    kiln::formats::safetensors::write_safetensors(&weights, &tensors).unwrap();
 }
 
 /// A saved model folder's weights as (name, values), in name order.
 pub fn model_weights(dir: &std::path::Path) -> Vec<(String, Vec<f32>)> {
-    kiln::hub::weights::read_safetensors(&dir.join("model.safetensors"))
+    kiln::formats::safetensors::read_safetensors(&dir.join("model.safetensors"))
         .unwrap()
         .into_iter()
         .map(|(k, t)| (k, t.data))

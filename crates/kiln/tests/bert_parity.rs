@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use burn::tensor::{Int, Tensor, TensorData};
 use kiln::backend::{Cpu, CpuDevice, CpuTrain};
 use kiln::data::TextTokenizer;
-use kiln::hub::weights::{read_safetensors, HostTensor};
+use kiln::formats::safetensors::{read_safetensors, HostTensor};
 use kiln::models::bert::config::BertConfig;
 use kiln::models::bert::{BertForSequenceClassification, BertInput, Unpadded};
 use kiln::models::encoder::EncoderClassifier;

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use burn::tensor::{Int, Tensor};
 use kiln::backend::{Cpu, CpuDevice, CpuTrain};
-use kiln::hub::weights::{read_safetensors, HostTensor};
+use kiln::formats::safetensors::{read_safetensors, HostTensor};
 use kiln::ops::KilnBackend;
 use kiln::parallel::DistEnv;
 use kiln::task::{Loss, IGNORE_INDEX};

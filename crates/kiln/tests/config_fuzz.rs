@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use kiln::hub::weights::{read_safetensors, write_safetensors, HostTensor};
+use kiln::formats::safetensors::{read_safetensors, write_safetensors, HostTensor};
 use kiln::models::bert::config::BertConfig;
 use kiln::models::llama::config::LlamaConfig;
 use kiln::train::TrainingArguments;

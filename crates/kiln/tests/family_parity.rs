@@ -11,7 +11,7 @@ use kiln::backend::{Cpu, CpuTrain};
 use kiln::data::batch::{collate, TextBatch};
 use kiln::data::lm::TokenBatch;
 use kiln::data::{Padding, TextTokenizer};
-use kiln::hub::weights::{read_safetensors, HostTensor};
+use kiln::formats::safetensors::{read_safetensors, HostTensor};
 use kiln::models::auto::load_causal_lm;
 use kiln::models::auto::EncoderConfig;
 use kiln::models::classifier::SequenceClassifier;

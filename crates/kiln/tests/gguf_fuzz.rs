@@ -14,8 +14,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use half::f16;
-use kiln::hub::gguf::GgufFile;
-use kiln::hub::weights::{read_safetensors, StoreDtype};
+use kiln::formats::gguf::GgufFile;
+use kiln::formats::safetensors::{read_safetensors, StoreDtype};
 use kiln::models::llama::gguf::gguf_to_hf;
 use kiln_testkit::common::repo_root;
 use proptest::prelude::*;

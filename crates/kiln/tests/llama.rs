@@ -9,8 +9,8 @@ use std::sync::OnceLock;
 
 use burn::tensor::{Int, Tensor, TensorData};
 use kiln::backend::{Cpu, CpuDevice, CpuTrain};
-use kiln::hub::gguf::{dequantize, GgmlType};
-use kiln::hub::weights::{read_safetensors, StoreDtype};
+use kiln::formats::gguf::{dequantize, GgmlType};
+use kiln::formats::safetensors::{read_safetensors, StoreDtype};
 use kiln::tasks::causal_lm::{self, GenerateOptions};
 use kiln::train::optim::GradAccumulator;
 use kiln::train::{CrossEntropy, Loss, IGNORE_INDEX};
@@ -71,7 +71,7 @@ fn converted() -> Option<&'static Path> {
 
 fn fixture() -> (
     serde_json::Value,
-    std::collections::BTreeMap<String, kiln::hub::weights::HostTensor>,
+    std::collections::BTreeMap<String, kiln::formats::safetensors::HostTensor>,
 ) {
     let json =
         std::fs::read_to_string(repo_root().join("tests/fixtures/llama_parity.json")).unwrap();
@@ -204,7 +204,7 @@ fn smollm2_loss_and_gradients_match_transformers() {
 /// (`model.safetensors.index.json` + shards) loads like the single-file one.
 #[test]
 fn sharded_folders_load() {
-    use kiln::hub::weights::write_safetensors;
+    use kiln::formats::safetensors::write_safetensors;
     use kiln::models::llama::config::LlamaConfig;
     use kiln::models::llama::LlamaForCausalLM;
     use kiln::models::params::module_tensors;

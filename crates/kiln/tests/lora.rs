@@ -13,7 +13,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use kiln::backend::{Cpu, CpuTrain};
 use kiln::data::batch::TextBatch;
 use kiln::data::lm::TokenBatch;
-use kiln::hub::weights::{read_safetensors, HostTensor};
+use kiln::formats::safetensors::{read_safetensors, HostTensor};
 use kiln::models::auto::{load_causal_lm, EncoderConfig};
 use kiln::models::classifier::SequenceClassifier;
 use kiln::models::llama::Llama;

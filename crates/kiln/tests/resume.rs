@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use kiln::backend::{CpuDevice, CpuTrain};
-use kiln::hub::weights::read_safetensors;
+use kiln::formats::safetensors::read_safetensors;
 use kiln::tasks::text_classification::{train, ClassificationOptions};
 use kiln::train::{CrossEntropy, SaveStrategy, TrainingArguments};
 use kiln_testkit::common::{asset, tiny_model, tweet_options};
@@ -137,8 +137,8 @@ fn every_optimizers_state_resumes_exactly() {
     // (eps 1e-30) and Lion (sign) turn into full-size steps, as they do in PyTorch. An exact resume
     // reproduces that noise too.
     let max_diff =
-        |a: &std::collections::BTreeMap<String, kiln::hub::weights::HostTensor>,
-         b: &std::collections::BTreeMap<String, kiln::hub::weights::HostTensor>| {
+        |a: &std::collections::BTreeMap<String, kiln::formats::safetensors::HostTensor>,
+         b: &std::collections::BTreeMap<String, kiln::formats::safetensors::HostTensor>| {
             a.iter()
                 .flat_map(|(k, t)| t.data.iter().zip(&b[k].data).map(|(x, y)| (x - y).abs()))
                 .fold(0f32, f32::max)

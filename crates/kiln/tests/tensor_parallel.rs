@@ -12,7 +12,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 use kiln::backend::{Cpu, CpuDevice, CpuTrain};
 use kiln::data::lm::TokenBatch;
-use kiln::hub::weights::HostTensor;
+use kiln::formats::safetensors::HostTensor;
 use kiln::models::llama::config::LlamaConfig;
 use kiln::models::llama::{LlamaForCausalLM, LlamaShard};
 use kiln::models::params::{map_params, module_tensors};

@@ -4,7 +4,7 @@
 
 use burn::tensor::{Int, Tensor};
 use kiln::backend::{CpuDevice, CpuTrain};
-use kiln::hub::weights::read_safetensors;
+use kiln::formats::safetensors::read_safetensors;
 use kiln::ops::KilnBackend;
 use kiln::tasks::text_classification::train;
 use kiln::train::checkpoint::list_checkpoints;

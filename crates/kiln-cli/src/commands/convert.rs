@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kiln::hub::weights::StoreDtype;
+use kiln::formats::safetensors::StoreDtype;
 
 #[derive(Args)]
 #[command(group(clap::ArgGroup::new("mode").required(true).args(["from_gguf", "to_tp", "to_full"])))]

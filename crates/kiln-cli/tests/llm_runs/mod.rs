@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use kiln::hub::weights::{read_safetensors, HostTensor};
+use kiln::formats::safetensors::{read_safetensors, HostTensor};
 use kiln_testkit::common::asset;
 
 use crate::kiln_bin::kiln_one_thread;

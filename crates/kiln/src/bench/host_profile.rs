@@ -100,7 +100,7 @@ pub fn finish() -> Result<Option<PathBuf>> {
             (frames.thread_name_or_id(), names, count)
         });
         let text = folded(stacks);
-        crate::hub::files::atomic_write(&armed.path, text.as_bytes())?;
+        crate::io::files::atomic_write(&armed.path, text.as_bytes())?;
         return Ok(Some(armed.path));
     }
     #[cfg(not(feature = "host-profile"))]

@@ -31,7 +31,11 @@ pub fn converted_folder(gguf: &Path) -> Result<PathBuf> {
         tracing::info!("converting {} → {}", gguf.display(), dir.display());
         // What an interrupted conversion by an older kiln left (convert writes new folders only).
         let _ = std::fs::remove_dir_all(&dir);
-        crate::models::llama::gguf::gguf_to_hf(gguf, &dir, crate::hub::weights::StoreDtype::F32)?;
+        crate::models::llama::gguf::gguf_to_hf(
+            gguf,
+            &dir,
+            crate::formats::safetensors::StoreDtype::F32,
+        )?;
     }
     Ok(dir)
 }

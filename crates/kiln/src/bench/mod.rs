@@ -409,7 +409,7 @@ where
     B: crate::ops::KilnBackend,
     Autodiff<B>: crate::ops::TrainBackend<InnerBackend = B, Device = B::Device>,
 {
-    use crate::hub::weights::read_safetensors;
+    use crate::formats::safetensors::read_safetensors;
     use crate::models::bert::config::BertConfig;
     use crate::models::bert::BertForSequenceClassification;
     use crate::models::params::load_into;

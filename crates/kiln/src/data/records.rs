@@ -164,7 +164,7 @@ fn read_jsonl(path: &Path, c: &mut Rows) -> Result<()> {
 
 /// One JSON array of objects; an element that is not an object is a skipped row.
 fn read_json_array(path: &Path, c: &mut Rows) -> Result<()> {
-    let bytes = crate::hub::files::read_regular(path, "data file")?;
+    let bytes = crate::io::files::read_regular(path, "data file")?;
     let rows: Vec<Value> = serde_json::from_slice(&bytes).map_err(|e| KilnError::Parse {
         path: path.to_path_buf(),
         line: e.line(),

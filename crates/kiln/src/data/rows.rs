@@ -165,10 +165,10 @@ fn check_row(
     Ok((text, pair, label))
 }
 
-/// Data is read only from regular files (see [`crate::hub::files::ensure_regular`]), checked
+/// Data is read only from regular files (see [`crate::io::files::ensure_regular`]), checked
 /// before anything is opened.
 pub(crate) fn check_regular_file(path: &Path) -> Result<()> {
-    crate::hub::files::ensure_regular(path, "data file")
+    crate::io::files::ensure_regular(path, "data file")
 }
 
 pub(crate) fn missing_column(path: &Path, col: &str, have: &[String]) -> KilnError {

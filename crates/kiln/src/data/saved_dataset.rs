@@ -43,7 +43,7 @@ pub fn dict_split_names(dir: &Path) -> Result<Vec<String>> {
         splits: Vec<String>,
     }
     let path = dir.join("dataset_dict.json");
-    let d: Dict = crate::hub::read_json(&path)?;
+    let d: Dict = crate::io::read_json(&path)?;
     // Split names become folder paths: only plain names are splits.
     if let Some(bad) = d
         .splits
@@ -113,7 +113,7 @@ fn features(path: &Path) -> Result<Option<(PathBuf, serde_json::Value)>> {
         if !info.exists() {
             return Ok(None);
         }
-        let v: serde_json::Value = crate::hub::read_json(&info)?;
+        let v: serde_json::Value = crate::io::read_json(&info)?;
         return Ok(v.get("features").cloned().map(|f| (info, f)));
     }
     let file = if path.is_dir() {
@@ -259,7 +259,7 @@ pub(super) fn data_files(dir: &Path) -> Result<Vec<PathBuf>> {
     if !state.exists() {
         return arrow_files_in(dir).map_err(|e| KilnError::io(dir, e));
     }
-    let v: serde_json::Value = crate::hub::read_json(&state)?;
+    let v: serde_json::Value = crate::io::read_json(&state)?;
     let files = v["_data_files"]
         .as_array()
         .ok_or_else(|| KilnError::Data(format!("{}: no \"_data_files\" list", state.display())))?;

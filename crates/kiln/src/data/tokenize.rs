@@ -81,7 +81,7 @@ impl TextTokenizer {
                 "--max-length must be at least 1 (0 would mean no truncation at all)".into(),
             ));
         }
-        crate::hub::files::ensure_regular(path, "tokenizer")?;
+        crate::io::files::ensure_regular(path, "tokenizer")?;
         let mut inner = Tokenizer::from_file(path).map_err(|e| {
             KilnError::Config(format!("{}: cannot load tokenizer: {e}", path.display()))
         })?;

@@ -209,7 +209,7 @@ impl Hub {
                 "Hub model {id} has no model.safetensors or model.safetensors.index.json{pickle}"
             )));
         };
-        let json: serde_json::Value = super::read_json(&index)?;
+        let json: serde_json::Value = crate::io::read_json(&index)?;
         let mut shards: Vec<&str> = json["weight_map"]
             .as_object()
             .ok_or_else(|| {

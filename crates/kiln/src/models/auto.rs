@@ -30,15 +30,15 @@ macro_rules! causal_lm_families {
         /// `model_type`, else the one `architectures` names, else `llama` (as kiln always read
         /// such configs); one that is no causal LM is one sentence.
         pub fn with_causal_lm<V: DecoderVisitor>(path: &Path, v: V) -> Result<V::Output> {
-            let bytes = crate::hub::files::read_regular(path, "JSON file")?;
-            let json: serde_json::Value = crate::hub::parse_json(path, &bytes)?;
+            let bytes = crate::io::files::read_regular(path, "JSON file")?;
+            let json: serde_json::Value = crate::io::parse_json(path, &bytes)?;
             let t = declared_model_type(&json).unwrap_or_else(|| "llama".into());
             $(if t == $family.model_type {
                 let config = ($family.read_config)(path, &bytes)?;
                 return Ok(v.visit(&$family, config));
             })+
             let types: Vec<_> = causal_lms().iter().map(|(t, _)| *t).collect();
-            let refused = crate::hub::limits::model_type(Some(&t), &types).unwrap_err();
+            let refused = crate::io::limits::model_type(Some(&t), &types).unwrap_err();
             Err(KilnError::Config(format!("{}: {refused}", path.display())))
         }
     };
@@ -152,7 +152,7 @@ impl EncoderConfig {
     /// Reads `config.json` as the family its `model_type` names (a config with neither
     /// `model_type` nor `architectures` is read as BERT, as kiln always has).
     pub fn from_file(path: &Path) -> Result<Self> {
-        let json: serde_json::Value = crate::hub::read_json(path)?;
+        let json: serde_json::Value = crate::io::read_json(path)?;
         let t = declared_model_type(&json).unwrap_or_else(|| "bert".into());
         match t.as_str() {
             "bert" | "roberta" | "xlm-roberta" | "camembert" => {

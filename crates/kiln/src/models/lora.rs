@@ -19,7 +19,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
 use crate::error::{KilnError, Result};
-use crate::hub::weights::HostTensor;
+use crate::formats::safetensors::HostTensor;
 use crate::models::layers::{Linear, LoraFactor, LoraScale};
 use crate::models::params::PathTracker;
 use crate::ops::KilnBackend;
@@ -113,8 +113,8 @@ impl LoraConfig {
     /// Reads a PEFT folder's `adapter_config.json` (a LoRA one).
     pub fn from_adapter_dir(dir: &Path) -> Result<Self> {
         let path = dir.join(ADAPTER_CONFIG);
-        let bytes = crate::hub::files::read_regular(&path, "adapter config")?;
-        let v: Value = crate::hub::parse_json(&path, &bytes)?;
+        let bytes = crate::io::files::read_regular(&path, "adapter config")?;
+        let v: Value = crate::io::parse_json(&path, &bytes)?;
         let bad = |field: &str, why: &str| {
             KilnError::Config(format!("{}: field `{field}` {why}", path.display()))
         };
@@ -353,7 +353,7 @@ impl Adapter {
             "use_rslora": c.use_rslora,
         });
         // PEFT writes the file with sorted keys.
-        crate::hub::to_sorted_json_pretty(&v)
+        crate::io::to_sorted_json_pretty(&v)
     }
 
     /// This adapter's tensors from all of a model's, under PEFT's names.
@@ -674,7 +674,7 @@ fn thousands(n: usize) -> String {
 pub fn read_adapter_tensors(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
     let config = LoraConfig::from_adapter_dir(dir)?;
     let path = dir.join(ADAPTER_WEIGHTS);
-    let tensors = crate::hub::weights::read_safetensors(&path)?;
+    let tensors = crate::formats::safetensors::read_safetensors(&path)?;
     let tensors = tensors
         .into_iter()
         .map(|(key, t)| match internal_key(&key) {
@@ -764,7 +764,7 @@ pub fn load_adapter<B: KilnBackend, M: LoraTarget<B> + Module<B>>(
         .into_iter()
         .filter(|(path, _)| keep(path))
         .map(|(path, t)| {
-            let cut = crate::hub::sharded::cut_split(&t, &model.split_of(&path)).unwrap_or(t);
+            let cut = crate::formats::sharded::cut_split(&t, &model.split_of(&path)).unwrap_or(t);
             (path, cut)
         })
         .collect();

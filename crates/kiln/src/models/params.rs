@@ -13,8 +13,8 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, Shape, Tensor, TensorMetadata, TensorPrimitive};
 
 use crate::error::{KilnError, Result};
-use crate::hub::weights::HostTensor;
-pub use crate::hub::weights::{keep_all, Keep};
+use crate::formats::safetensors::HostTensor;
+pub use crate::formats::safetensors::{keep_all, Keep};
 use crate::ops::KilnBackend;
 
 /// Tracks the current parameter path while walking a module.

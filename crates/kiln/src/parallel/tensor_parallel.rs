@@ -10,8 +10,8 @@ use burn::tensor::{Int, Tensor, TensorData};
 use std::collections::BTreeMap;
 
 use super::collectives::{chunk_range, host, Collectives, ReduceOp};
-use crate::hub::sharded::place_axis;
-use crate::hub::weights::HostTensor;
+use crate::formats::safetensors::HostTensor;
+use crate::formats::sharded::place_axis;
 use crate::ops::{tp_sum, KilnBackend, TpComm, TpReduce};
 use crate::task::{Loss, ParamSplit, TensorParallelLayout, IGNORE_INDEX};
 use crate::{KilnError, Result};

@@ -89,7 +89,7 @@ pub fn plot_runs(runs: &[RunHistory], out: &Path) -> Result<()> {
                     .map_err(|e| drawing_error(e.to_string()))?;
                 root.present().map_err(|e| drawing_error(e.to_string()))?;
             }
-            crate::hub::atomic_write(out, svg.as_bytes())
+            crate::io::atomic_write(out, svg.as_bytes())
         }
         Format::Png => {
             let dir = match out.parent() {
@@ -157,7 +157,7 @@ fn temp_png(out: &Path, dir: &Path) -> PathBuf {
     let name = name.unwrap_or_else(|| "plot.png".into());
     dir.join(format!(
         "{}{}-{name}",
-        crate::hub::files::TEMP_PREFIX,
+        crate::io::files::TEMP_PREFIX,
         std::process::id()
     ))
 }

@@ -7,7 +7,7 @@ use std::path::Path;
 use tracing::info;
 
 use crate::error::{KilnError, Result};
-use crate::hub::weights::HostTensor;
+use crate::formats::safetensors::HostTensor;
 use crate::models::lora::{self, LoraConfig};
 use crate::train::checkpoint::{write_model_dir, ModelFiles};
 
@@ -26,10 +26,10 @@ const COPIED: [&str; 4] = [
 pub fn merge_folder(base: &Path, adapter: &Path, out: &Path) -> Result<usize> {
     // Refused before the slow part: --out naming an input by any spelling, or a full folder.
     let inputs = [("base model folder", base), ("adapter folder", adapter)];
-    crate::hub::files::check_new_folder(out, "--out", &inputs)?;
+    crate::io::files::check_new_folder(out, "--out", &inputs)?;
     let config = LoraConfig::from_adapter_dir(adapter)?;
     let tensors = lora::read_adapter_tensors(adapter)?;
-    let mut weights = crate::hub::model_weights::read_model_weights(base)?;
+    let mut weights = crate::formats::model_weights::read_model_weights(base)?;
     // A classifier's adapter on a headless base (`BertModel`, as sentence encoders ship): the
     // base's parameters take the classifier's prefix (`bert.`), and the head, which the base
     // lacks, comes whole from the adapter (PEFT's `modules_to_save`).
@@ -64,7 +64,7 @@ pub fn merge_folder(base: &Path, adapter: &Path, out: &Path) -> Result<usize> {
         source_dir: Some(base.to_path_buf()),
         adapter: None,
     };
-    crate::hub::files::write_new_folder(out, "--out", &inputs, |tmp| {
+    crate::io::files::write_new_folder(out, "--out", &inputs, |tmp| {
         write_model_dir(tmp, &weights, &files)
     })?;
     info!(
@@ -80,8 +80,8 @@ pub fn merge_folder(base: &Path, adapter: &Path, out: &Path) -> Result<usize> {
 /// `adapter_config.json`'s `task_type`.
 fn task_type(adapter: &Path) -> Result<String> {
     let path = adapter.join(lora::ADAPTER_CONFIG);
-    let bytes = crate::hub::files::read_regular(&path, "adapter config")?;
-    let v: serde_json::Value = crate::hub::parse_json(&path, &bytes)?;
+    let bytes = crate::io::files::read_regular(&path, "adapter config")?;
+    let v: serde_json::Value = crate::io::parse_json(&path, &bytes)?;
     Ok(v["task_type"].as_str().unwrap_or_default().to_string())
 }
 

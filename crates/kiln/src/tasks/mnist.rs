@@ -7,7 +7,7 @@ use std::path::Path;
 use serde_json::json;
 
 use crate::data::idx::read_idx;
-use crate::hub::weights::read_safetensors;
+use crate::formats::safetensors::read_safetensors;
 use crate::models::mlp::{MnistMlp, PixelBatch, CLASSES, INPUT};
 use crate::models::params::load_into;
 use crate::ops::{KilnBackend, TrainBackend};

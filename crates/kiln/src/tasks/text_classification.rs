@@ -10,7 +10,7 @@ use tracing::{info, warn};
 use crate::data::batch::{collate, TextBatch};
 use crate::data::{self, DataArgs, LabelSet, Padding, TextClassificationSet, TextTokenizer};
 use crate::error::{KilnError, Result};
-use crate::hub::model_weights::read_model_weights;
+use crate::formats::model_weights::read_model_weights;
 use crate::models::auto::EncoderConfig;
 use crate::models::classifier::SequenceClassifier;
 use crate::models::params::load_into;
@@ -131,7 +131,7 @@ fn load_classifier_of<B: KilnBackend>(
     device: &B::Device,
 ) -> Result<(SequenceClassifier<B>, EncoderConfig, LabelSet)> {
     let saved = config.labels().map(LabelSet::new);
-    crate::hub::limits::ensure_params_fit(
+    crate::io::limits::ensure_params_fit(
         &md.dir.join("config.json"),
         config.param_count(labels.map_or(2, |l| l.len())),
     )?;
@@ -179,7 +179,7 @@ fn load_classifier_of<B: KilnBackend>(
             path.display(),
             rest.len(),
             rest.iter().take(3).map(|s| s.as_str()).collect::<Vec<_>>().join(", "),
-            crate::hub::weights::stored_as_other_dtype(&path, &rest),
+            crate::formats::safetensors::stored_as_other_dtype(&path, &rest),
             config.model_type()
         )));
     }

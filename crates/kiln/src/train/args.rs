@@ -541,7 +541,7 @@ impl TrainingArguments {
         for (k, val) in &self.recorded {
             m.entry(k.clone()).or_insert_with(|| val.clone());
         }
-        crate::hub::to_sorted_json_pretty(&v)
+        crate::io::to_sorted_json_pretty(&v)
     }
 
     /// The names of kiln's fields (as a file or transformers spells them).

@@ -20,8 +20,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{KilnError, Result};
-use crate::hub::files::{crash_point, remove_dir, sync_dir, write_synced, TEMP_PREFIX};
-use crate::hub::weights::{safetensors_bytes, HostTensor, StoreDtype};
+use crate::formats::safetensors::{safetensors_bytes, HostTensor, StoreDtype};
+use crate::io::files::{crash_point, remove_dir, sync_dir, write_synced, TEMP_PREFIX};
 
 /// The marker file inside every checkpoint kiln writes.
 pub const MARKER: &str = "kiln_checkpoint.json";
@@ -92,21 +92,21 @@ pub fn put_model_files(
 /// A checkpoint's (or an output folder's) weights by kiln's parameter paths: `model.safetensors`,
 /// or a LoRA run's adapter under PEFT's names.
 pub fn read_model_tensors(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
-    read_model_tensors_where(dir, &crate::hub::weights::keep_all)
+    read_model_tensors_where(dir, &crate::formats::safetensors::keep_all)
 }
 
 /// [`read_model_tensors`] of the parameters `wanted` names (an adapter's are read whole: it is
 /// small).
 pub fn read_model_tensors_where(
     dir: &Path,
-    wanted: crate::hub::weights::Keep,
+    wanted: crate::formats::safetensors::Keep,
 ) -> Result<BTreeMap<String, HostTensor>> {
     let adapter = dir.join(crate::models::lora::ADAPTER_WEIGHTS);
     if adapter.exists() && !dir.join("model.safetensors").exists() {
         return crate::models::lora::read_adapter_tensors(dir);
     }
     let path = dir.join("model.safetensors");
-    crate::hub::weights::read_safetensors_with(&path, wanted, &mut |_, t| t)
+    crate::formats::safetensors::read_safetensors_with(&path, wanted, &mut |_, t| t)
 }
 
 /// The files of a model folder besides its weights: `config.json` (a LoRA run's
@@ -129,7 +129,7 @@ pub fn put_config_files(
         put("config.json", stamped_config(&files.config_json).as_bytes())?;
     }
     let read =
-        |src: &Path| crate::hub::files::read_regular(src, "file to copy into the model folder");
+        |src: &Path| crate::io::files::read_regular(src, "file to copy into the model folder");
     if let Some(tok) = &files.tokenizer_json {
         put("tokenizer.json", &read(tok)?)?;
     }
@@ -165,7 +165,7 @@ fn stamped_config(config_json: &str) -> String {
             m.insert("transformers_version".into(), TRANSFORMERS_FORMAT.into());
             m.insert("kiln_version".into(), env!("CARGO_PKG_VERSION").into());
             // transformers writes config.json with sorted keys.
-            crate::hub::to_sorted_json_pretty(&serde_json::Value::Object(m))
+            crate::io::to_sorted_json_pretty(&serde_json::Value::Object(m))
         }
         _ => config_json.to_string(),
     }
@@ -178,7 +178,7 @@ pub fn write_model_dir(
     tensors: &BTreeMap<String, HostTensor>,
     files: &ModelFiles,
 ) -> Result<()> {
-    let mut group = crate::hub::files::FileGroup::new(dir)?;
+    let mut group = crate::io::files::FileGroup::new(dir)?;
     put_model_files(tensors, files, |name, bytes| group.add(name, bytes))?;
     group.commit()
 }
@@ -245,7 +245,7 @@ pub struct Marker {
 
 impl Marker {
     fn read(dir: &Path) -> Option<Self> {
-        crate::hub::read_json(&dir.join(MARKER)).ok()
+        crate::io::read_json(&dir.join(MARKER)).ok()
     }
 
     /// The first listed file that is missing or has another size.
@@ -300,7 +300,7 @@ pub fn publish(output_dir: &Path, tmp: &Path, step: u64) -> Result<PathBuf> {
     let old = final_dir.exists().then(|| {
         output_dir.join(format!(
             "{}checkpoint-{step}-{}",
-            crate::hub::files::TRASH_PREFIX,
+            crate::io::files::TRASH_PREFIX,
             std::process::id()
         ))
     });
@@ -497,7 +497,7 @@ pub fn rotate_checkpoints(
     Ok(())
 }
 
-pub use crate::hub::read_json;
+pub use crate::io::read_json;
 
 #[cfg(test)]
 mod tests {

@@ -15,7 +15,7 @@ use burn::tensor::{ElementConversion, Shape, Tensor, TensorData, TensorMetadata,
 use crate::ops::{AdamWStep, KilnBackend};
 
 use super::optimizers::{Rule, RuleOptimizer};
-use crate::hub::weights::HostTensor;
+use crate::formats::safetensors::HostTensor;
 use crate::models::params::{map_params, ParamInfo, PathTracker};
 use crate::parallel::zero::{OwnedSegment, ZeroPartition};
 

@@ -14,7 +14,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
 use crate::error::{KilnError, Result};
-use crate::hub::weights::HostTensor;
+use crate::formats::safetensors::HostTensor;
 use crate::ops::{recip_exact, KilnBackend, SgdStep};
 
 /// An update rule besides AdamW, with its hyper-parameters.

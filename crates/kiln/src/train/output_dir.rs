@@ -17,7 +17,7 @@ use tracing::{info, warn};
 
 use super::checkpoint::{list_checkpoints, resolve_resume, Marker};
 use crate::error::{KilnError, Result};
-use crate::hub::files::{remove_leftovers, TEMP_PREFIX, TRASH_PREFIX};
+use crate::io::files::{remove_leftovers, TEMP_PREFIX, TRASH_PREFIX};
 use crate::parallel::launch::Attempt;
 
 /// The run record kept in the output folder.
@@ -62,7 +62,7 @@ fn recorded(output_dir: &Path) -> Option<RunRecord> {
     if !path.exists() {
         return None;
     }
-    crate::hub::read_json::<RunRecord>(&path).ok()
+    crate::io::read_json::<RunRecord>(&path).ok()
 }
 
 /// The run id recorded in `output_dir`, if any.
@@ -81,7 +81,7 @@ pub fn claim(c: &Claim) -> Result<RunDir> {
     std::fs::create_dir_all(dir).map_err(|e| KilnError::io(dir, e))?;
     let lock = lock_dir(dir)?;
     if let Some(src) = c.source_dir {
-        let same = crate::hub::files::same_path(dir, src);
+        let same = crate::io::files::same_path(dir, src);
         if same && !c.overwrite {
             return Err(KilnError::Config(format!(
                 "--output-dir {} is the model folder training reads: the run would overwrite its own \
@@ -128,7 +128,7 @@ pub fn claim(c: &Claim) -> Result<RunDir> {
         Some(spec) => {
             let path = resolve_resume(spec, dir, recorded.as_deref())?;
             // The run continues: it keeps the id of the checkpoint it resumes.
-            let id = crate::hub::read_json::<Marker>(&path.join(super::checkpoint::MARKER))
+            let id = crate::io::read_json::<Marker>(&path.join(super::checkpoint::MARKER))
                 .ok()
                 .map(|m| m.run_id)
                 .or(recorded)
@@ -189,7 +189,7 @@ pub fn trim_log(dir: &Path, step: u64) -> Result<()> {
         .map(|l| format!("{l}\n"))
         .collect();
     if kept.len() != text.len() {
-        crate::hub::files::replace_files(dir, &[("log.jsonl", kept.as_bytes())])?;
+        crate::io::files::replace_files(dir, &[("log.jsonl", kept.as_bytes())])?;
     }
     Ok(())
 }
@@ -208,7 +208,7 @@ fn finish_claim(
         job,
     })
     .expect("plain data serialises");
-    crate::hub::atomic_write(&dir.join(RUN_FILE), &record)?;
+    crate::io::atomic_write(&dir.join(RUN_FILE), &record)?;
     Ok(RunDir {
         run_id,
         resume,

@@ -232,7 +232,7 @@ pub(crate) fn hand_over<B: burn::tensor::backend::Backend>(
         &device,
     );
     group.send(Tensor::cat(vec![head, t.reshape([n])], 0), to)?;
-    crate::hub::files::crash_point("pipeline:hand-over");
+    crate::io::files::crash_point("pipeline:hand-over");
     Ok(())
 }
 

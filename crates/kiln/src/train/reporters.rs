@@ -217,7 +217,7 @@ pub fn write_run_summary(
         log_history,
     });
     let path = dir.join("README.md");
-    if let Err(e) = crate::hub::atomic_write(&path, card.as_bytes()) {
+    if let Err(e) = crate::io::atomic_write(&path, card.as_bytes()) {
         tracing::warn!("model card not written: {e}");
     }
 }

@@ -11,12 +11,12 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use super::checkpoint::{write_marker, Marker, MARKER};
-use crate::hub::files::{sync_dir, write_synced};
-use crate::hub::model_weights::read_model_weights;
-use crate::hub::sharded::{
+use crate::formats::model_weights::read_model_weights;
+use crate::formats::safetensors::{read_safetensors, safetensors_bytes, HostTensor, StoreDtype};
+use crate::formats::sharded::{
     read_layout, read_whole_model, read_whole_optimizer, ShardLayout, LAYOUT_FILE,
 };
-use crate::hub::weights::{read_safetensors, safetensors_bytes, HostTensor, StoreDtype};
+use crate::io::files::{sync_dir, write_synced};
 use crate::models::decoder::DECODER_EMBEDDING;
 use crate::models::lora::{ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 use crate::parallel::pipeline::{cut_stages, layer_index, owner_stage};
@@ -143,7 +143,7 @@ pub fn read_whole_folder(dir: &Path) -> Result<WholeFolder> {
         }
     }
     others.sort();
-    let marker = crate::hub::read_json(&dir.join(MARKER)).ok();
+    let marker = crate::io::read_json(&dir.join(MARKER)).ok();
     Ok(WholeFolder {
         model,
         moments,
@@ -161,10 +161,10 @@ pub fn reshard(
     target: impl FnOnce(&WholeFolder) -> Result<Target>,
 ) -> Result<()> {
     let inputs = [("model folder", src)];
-    crate::hub::files::check_new_folder(out, "--out", &inputs)?;
+    crate::io::files::check_new_folder(out, "--out", &inputs)?;
     let whole = read_whole_folder(src)?;
     let target = target(&whole)?;
-    crate::hub::files::write_new_folder(out, "--out", &inputs, |tmp| {
+    crate::io::files::write_new_folder(out, "--out", &inputs, |tmp| {
         write_folder(tmp, &whole, &target)
     })
 }
@@ -245,7 +245,7 @@ fn write_folder(tmp: &Path, whole: &WholeFolder, target: &Target) -> Result<()> 
                 for s in 0..layout.pipeline_parallel_size {
                     let model = cut(&whole.model, |k| k, s)?;
                     let stored = if *coalesce_qkv {
-                        crate::hub::sharded::coalesce_qkv(model.clone())
+                        crate::formats::sharded::coalesce_qkv(model.clone())
                     } else {
                         model.clone()
                     };

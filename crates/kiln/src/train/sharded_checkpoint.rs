@@ -1,6 +1,6 @@
 //! Checkpoints of a sharded run (tensor or pipeline parallelism, ZeRO-1): every rank writes its own
 //! files into the checkpoint's staging folder, rank 0 adds the shared files, composes the layout
-//! (`shards.json`, see [`crate::hub::sharded`]) and the marker, and moves the folder into place —
+//! (`shards.json`, see [`crate::formats::sharded`]) and the marker, and moves the folder into place —
 //! the same atomic life as a plain checkpoint. The output folder must be one filesystem for all
 //! ranks (as NxD's checkpoints need a shared one across nodes).
 //!
@@ -19,13 +19,15 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::checkpoint::ensure_finite;
-use crate::hub::files::write_synced;
-use crate::hub::sharded::{
+use crate::formats::safetensors::{
+    read_safetensors_with, safetensors_bytes, HostTensor, StoreDtype,
+};
+use crate::formats::sharded::{
     cut_split, model_file, moments_of, optimizer_file, read_layout, read_rank_model_where,
     read_rank_optimizer_where, read_whole_model_where, read_whole_optimizer_where, Cut,
     ParamLayout, ShardLayout, LAYOUT_FILE,
 };
-use crate::hub::weights::{read_safetensors_with, safetensors_bytes, HostTensor, StoreDtype};
+use crate::io::files::write_synced;
 use crate::parallel::ZeroPartition;
 use crate::task::ParamSplit;
 use crate::{KilnError, Result};

@@ -33,8 +33,8 @@ use super::sharded_checkpoint::{
 };
 use crate::data::batch::epoch_order;
 use crate::error::{KilnError, Result};
-use crate::hub::files::write_synced;
-use crate::hub::sharded::LAYOUT_FILE;
+use crate::formats::sharded::LAYOUT_FILE;
+use crate::io::files::write_synced;
 use crate::models::params::{load_into, module_shapes, module_tensors, module_tensors_where};
 use crate::ops::{profile, TrainBackend};
 use crate::parallel::launch::Attempt;
@@ -426,7 +426,7 @@ where
                     run.bar.suspend(|| self.save_checkpoint(&sched, pending))?;
                     self.reporters.phase(Phase::Training);
                 }
-                crate::hub::files::crash_point("train:step");
+                crate::io::files::crash_point("train:step");
                 if last {
                     break 'epochs;
                 }
@@ -1212,7 +1212,7 @@ where
         let out = self.args.output_dir.clone();
         let tmp = out.join(format!(
             "{}checkpoint-{step}",
-            crate::hub::files::TEMP_PREFIX
+            crate::io::files::TEMP_PREFIX
         ));
         if self.is_main() {
             staging_dir(&out, step)?;
@@ -1298,7 +1298,9 @@ where
 
     /// The model's parameters, whole: a tensor-parallel model's shards are put together (every
     /// rank of its group must call this; only rank 0 receives them, the others an empty map).
-    fn whole_model_tensors(&self) -> Result<BTreeMap<String, crate::hub::weights::HostTensor>> {
+    fn whole_model_tensors(
+        &self,
+    ) -> Result<BTreeMap<String, crate::formats::safetensors::HostTensor>> {
         let local = self.saved_tensors();
         match self.parallel.tensor() {
             None => Ok(local),
@@ -1310,7 +1312,7 @@ where
 
     /// The parameters a saved folder holds: all of them, or a LoRA run's adapter (its factors and
     /// `modules_to_save`): the frozen base is never copied into checkpoints.
-    fn saved_tensors(&self) -> BTreeMap<String, crate::hub::weights::HostTensor> {
+    fn saved_tensors(&self) -> BTreeMap<String, crate::formats::safetensors::HostTensor> {
         match &self.files.adapter {
             Some(a) => module_tensors_where(self.model(), |path| a.adapter.owns(path)),
             None => module_tensors(self.model()),
@@ -1320,10 +1322,10 @@ where
     fn write_model(
         &self,
         dir: &Path,
-        tensors: BTreeMap<String, crate::hub::weights::HostTensor>,
+        tensors: BTreeMap<String, crate::formats::safetensors::HostTensor>,
     ) -> Result<()> {
         ensure_finite(&tensors, &format!("saving the model to {}", dir.display()))?;
-        let mut group = crate::hub::files::FileGroup::new(dir)?;
+        let mut group = crate::io::files::FileGroup::new(dir)?;
         put_model_files(&tensors, &self.files, |name, bytes| group.add(name, bytes))?;
         group.add(
             "trainer_state.json",
@@ -1616,7 +1618,7 @@ pub fn format_metrics(m: &BTreeMap<String, f64>) -> String {
 }
 
 pub fn write_json<T: serde::Serialize>(path: &Path, v: &T) -> Result<()> {
-    crate::hub::atomic_write(path, &serde_json::to_vec_pretty(v).expect("json"))
+    crate::io::atomic_write(path, &serde_json::to_vec_pretty(v).expect("json"))
 }
 /// AdamW's settings from the arguments (Lion takes the betas, every optimizer the weight decay).
 fn adamw_config(a: &TrainingArguments) -> AdamWConfig {

@@ -110,16 +110,16 @@ impl BertConfig {
     /// Reads and validates a `config.json` (sizes, ranges, model type, and whether the parameters
     /// can fit in memory at all), naming the file in every error.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let cfg: Self = crate::hub::read_json(path)?;
+        let cfg: Self = crate::io::read_json(path)?;
         cfg.validate()
             .map_err(|m| KilnError::Config(format!("{}: {m}", path.display())))?;
-        crate::hub::limits::ensure_params_fit(path, cfg.param_count(2))?;
+        crate::io::limits::ensure_params_fit(path, cfg.param_count(2))?;
         Ok(cfg)
     }
 
     /// Ranges as transformers and torch enforce them (and what kiln's BERT supports).
     pub fn validate(&self) -> std::result::Result<(), String> {
-        use crate::hub::limits::{model_type, non_negative, positive, probability};
+        use crate::io::limits::{model_type, non_negative, positive, probability};
         model_type(
             self.head.model_type.as_deref(),
             &["bert", "roberta", "xlm-roberta", "camembert"],
@@ -157,7 +157,7 @@ impl BertConfig {
         }
         non_negative("layer_norm_eps", self.layer_norm_eps, true)?;
         non_negative("initializer_range", self.initializer_range, false)?;
-        crate::hub::limits::token_in_vocab("pad_token_id", self.pad_token_id, self.vocab_size)?;
+        crate::io::limits::token_in_vocab("pad_token_id", self.pad_token_id, self.vocab_size)?;
         // RoBERTa's positions start after the padding id's row: the table needs rows beyond it.
         if self.is_roberta() && self.max_length() == 0 {
             return Err(format!(

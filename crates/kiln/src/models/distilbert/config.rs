@@ -76,15 +76,15 @@ pub struct DistilBertConfig {
 
 impl DistilBertConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let cfg: Self = crate::hub::read_json(path)?;
+        let cfg: Self = crate::io::read_json(path)?;
         cfg.validate()
             .map_err(|m| KilnError::Config(format!("{}: {m}", path.display())))?;
-        crate::hub::limits::ensure_params_fit(path, cfg.param_count(2))?;
+        crate::io::limits::ensure_params_fit(path, cfg.param_count(2))?;
         Ok(cfg)
     }
 
     pub fn validate(&self) -> std::result::Result<(), String> {
-        use crate::hub::limits::{model_type, non_negative, positive, probability};
+        use crate::io::limits::{model_type, non_negative, positive, probability};
         model_type(self.head.model_type.as_deref(), &["distilbert"])?;
         for (name, v) in [
             ("vocab_size", self.vocab_size),
@@ -117,7 +117,7 @@ impl DistilBertConfig {
         probability("attention_dropout", self.attention_dropout)?;
         probability("seq_classif_dropout", self.seq_classif_dropout)?;
         non_negative("initializer_range", self.initializer_range, false)?;
-        crate::hub::limits::token_in_vocab("pad_token_id", self.pad_token_id, self.vocab_size)?;
+        crate::io::limits::token_in_vocab("pad_token_id", self.pad_token_id, self.vocab_size)?;
         Ok(())
     }
 

@@ -140,9 +140,9 @@ impl LlamaConfig {
     /// parameters can fit in memory at all), naming the file in every error. Another family's
     /// config is read by that family (`models::auto::read_causal_lm_config`).
     pub fn from_file(path: &Path) -> Result<Self> {
-        let bytes = crate::hub::files::read_regular(path, "JSON file")?;
+        let bytes = crate::io::files::read_regular(path, "JSON file")?;
         let cfg = Self::from_bytes(path, &bytes, LayerRules::LLAMA)?;
-        crate::hub::limits::model_type(cfg.model_type.as_deref(), &["llama"])
+        crate::io::limits::model_type(cfg.model_type.as_deref(), &["llama"])
             .map_err(|m| KilnError::Config(format!("{}: {m}", path.display())))?;
         Ok(cfg)
     }
@@ -150,17 +150,17 @@ impl LlamaConfig {
     /// The `config.json` text `bytes` (read from `path`) as a config whose family builds its
     /// layers by `rules`, validated; every error names `path`.
     pub fn from_bytes(path: &Path, bytes: &[u8], rules: LayerRules) -> Result<Self> {
-        let mut cfg: Self = crate::hub::parse_json(path, bytes)?;
+        let mut cfg: Self = crate::io::parse_json(path, bytes)?;
         cfg.rules = rules;
         cfg.validate()
             .map_err(|m| KilnError::Config(format!("{}: {m}", path.display())))?;
-        crate::hub::limits::ensure_params_fit(path, cfg.param_count())?;
+        crate::io::limits::ensure_params_fit(path, cfg.param_count())?;
         Ok(cfg)
     }
 
     /// Ranges as transformers and torch enforce them (and what kiln's Llama supports).
     pub fn validate(&self) -> std::result::Result<(), String> {
-        use crate::hub::limits::{non_negative, positive};
+        use crate::io::limits::{non_negative, positive};
         for (name, v) in [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -224,7 +224,7 @@ impl LlamaConfig {
                 }
             },
         }
-        crate::hub::limits::layer_types(self.layer_types.as_deref(), self.num_hidden_layers)?;
+        crate::io::limits::layer_types(self.layer_types.as_deref(), self.num_hidden_layers)?;
         let sliding_layers = self
             .layer_types
             .iter()

@@ -13,8 +13,8 @@ use serde_json::{json, Value as Json};
 
 use super::config::LlamaConfig;
 use crate::error::{KilnError, Result};
-use crate::hub::gguf::{short, unpermute_qk, GgufFile, Value};
-use crate::hub::weights::{write_safetensors_as, HostTensor, StoreDtype};
+use crate::formats::gguf::{short, unpermute_qk, GgufFile, Value};
+use crate::formats::safetensors::{write_safetensors_as, HostTensor, StoreDtype};
 
 /// What [`gguf_to_hf`] wrote.
 #[derive(Debug)]
@@ -516,13 +516,13 @@ pub fn tokenizer_to_hf(gguf: &Path, out: &Path) -> Result<()> {
 fn write_tokenizer_files(g: &GgufFile, out: &Path, tok: &Json, tok_cfg: &Json) -> Result<()> {
     let pretty =
         serde_json::to_string_pretty(tok_cfg).map_err(|e| bad(g, format!("writing JSON: {e}")))?;
-    crate::hub::atomic_write(&out.join("tokenizer.json"), tok.to_string().as_bytes())?;
-    crate::hub::atomic_write(&out.join("tokenizer_config.json"), pretty.as_bytes())
+    crate::io::atomic_write(&out.join("tokenizer.json"), tok.to_string().as_bytes())?;
+    crate::io::atomic_write(&out.join("tokenizer_config.json"), pretty.as_bytes())
 }
 
 /// Converts `gguf` into a Hugging Face folder `out`, weights stored as `dtype`.
 pub fn gguf_to_hf(gguf: &Path, out: &Path, dtype: StoreDtype) -> Result<ConvertReport> {
-    crate::hub::files::check_new_folder(out, "--out", &[("GGUF file", gguf)])?;
+    crate::io::files::check_new_folder(out, "--out", &[("GGUF file", gguf)])?;
     let g = GgufFile::open(gguf)?;
     let cfg = llama_config(&g)?;
     // Everything that reads only metadata first, so a bad file fails before the slow part.
@@ -556,10 +556,10 @@ pub fn gguf_to_hf(gguf: &Path, out: &Path, dtype: StoreDtype) -> Result<ConvertR
     let pretty = |v: &Json| {
         serde_json::to_string_pretty(v).map_err(|e| bad(&g, format!("writing JSON: {e}")))
     };
-    crate::hub::files::write_new_folder(out, "--out", &[("GGUF file", gguf)], |out| {
-        crate::hub::atomic_write(&out.join("config.json"), cfg_out.to_json().as_bytes())?;
+    crate::io::files::write_new_folder(out, "--out", &[("GGUF file", gguf)], |out| {
+        crate::io::atomic_write(&out.join("config.json"), cfg_out.to_json().as_bytes())?;
         write_tokenizer_files(&g, out, &tok, &tok_cfg)?;
-        crate::hub::atomic_write(
+        crate::io::atomic_write(
             &out.join("generation_config.json"),
             pretty(&gen)?.as_bytes(),
         )?;
@@ -576,7 +576,7 @@ pub fn gguf_to_hf(gguf: &Path, out: &Path, dtype: StoreDtype) -> Result<ConvertR
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hub::gguf::testing::Writer;
+    use crate::formats::gguf::testing::Writer;
 
     #[test]
     fn names_map_to_transformers() {

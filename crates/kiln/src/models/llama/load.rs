@@ -10,9 +10,9 @@ use tracing::info;
 use super::config::LlamaConfig;
 use super::{LlamaForCausalLM, LlamaShard};
 use crate::error::{KilnError, Result};
-use crate::hub::model_weights::read_model_weights_with;
-use crate::hub::sharded::{cut_split, read_layout, read_rank_model_where};
-use crate::hub::weights::HostTensor;
+use crate::formats::model_weights::read_model_weights_with;
+use crate::formats::safetensors::HostTensor;
+use crate::formats::sharded::{cut_split, read_layout, read_rank_model_where};
 use crate::models::params::{load_into, Keep};
 use crate::ops::KilnBackend;
 

@@ -115,15 +115,15 @@ pub struct ModernBertConfig {
 
 impl ModernBertConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let cfg: Self = crate::hub::read_json(path)?;
+        let cfg: Self = crate::io::read_json(path)?;
         cfg.validate()
             .map_err(|m| KilnError::Config(format!("{}: {m}", path.display())))?;
-        crate::hub::limits::ensure_params_fit(path, cfg.param_count(2))?;
+        crate::io::limits::ensure_params_fit(path, cfg.param_count(2))?;
         Ok(cfg)
     }
 
     pub fn validate(&self) -> std::result::Result<(), String> {
-        use crate::hub::limits::{model_type, non_negative, positive, probability};
+        use crate::io::limits::{model_type, non_negative, positive, probability};
         model_type(self.head.model_type.as_deref(), &["modernbert"])?;
         for (name, v) in [
             ("vocab_size", self.vocab_size),
@@ -161,7 +161,7 @@ impl ModernBertConfig {
                 self.classifier_pooling
             ));
         }
-        crate::hub::limits::layer_types(self.layer_types.as_deref(), self.num_hidden_layers)?;
+        crate::io::limits::layer_types(self.layer_types.as_deref(), self.num_hidden_layers)?;
         if let Some(n) = self.global_attn_every_n_layers {
             positive("global_attn_every_n_layers", n)?;
         }
@@ -192,7 +192,7 @@ impl ModernBertConfig {
         }
         non_negative("norm_eps", self.norm_eps, true)?;
         non_negative("initializer_range", self.initializer_range, false)?;
-        crate::hub::limits::token_in_vocab("pad_token_id", self.pad_token_id, self.vocab_size)?;
+        crate::io::limits::token_in_vocab("pad_token_id", self.pad_token_id, self.vocab_size)?;
         Ok(())
     }
 

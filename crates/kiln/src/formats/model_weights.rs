@@ -1,13 +1,13 @@
 //! Reading a model folder's weights, whichever of transformers' and kiln's layouts it has: one
-//! `model.safetensors`, the shards an index lists, or tensor-parallel shards ([`super::sharded`])
+//! `model.safetensors`, the shards an index lists, or tensor-parallel shards ([`crate::formats::sharded`])
 //! put back together.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use super::sharded::{read_layout, read_whole_model_where};
-use super::weights::{keep_all, read_safetensors_with, HostTensor, Keep};
 use crate::error::{KilnError, Result};
+use crate::formats::safetensors::{keep_all, read_safetensors_with, HostTensor, Keep};
+use crate::formats::sharded::{read_layout, read_whole_model_where};
 
 /// Every weight of a model folder: `model.safetensors`, the shards listed in
 /// `model.safetensors.index.json` (transformers' layout for large models), or tensor-parallel
@@ -42,7 +42,7 @@ pub fn read_model_weights_with(
             dir.display()
         )));
     }
-    let json: serde_json::Value = super::read_json(&index)?;
+    let json: serde_json::Value = crate::io::read_json(&index)?;
     let map = json["weight_map"].as_object().ok_or_else(|| {
         KilnError::Config(format!("{}: no \"weight_map\" object", index.display()))
     })?;

@@ -121,7 +121,7 @@ fn release_pages(map: &memmap2::Mmap, range: std::ops::Range<usize>) {
 /// The bytes of the regular file `path`, mapped read-only. kiln replaces the files it writes
 /// (a new file renamed over the old), so a mapping never sees a file shrink under it.
 fn map_regular(path: &Path) -> Result<memmap2::Mmap> {
-    crate::hub::files::ensure_regular(path, "safetensors file")?;
+    crate::io::files::ensure_regular(path, "safetensors file")?;
     let file = std::fs::File::open(path).map_err(|e| KilnError::io(path, e))?;
     // SAFETY: the mapping is read-only and lives no longer than this read; a file truncated by
     // another program while it is read is outside what any weights reader can guard against
@@ -132,7 +132,7 @@ fn map_regular(path: &Path) -> Result<memmap2::Mmap> {
 /// For an error about `missing` parameters: those the file does hold, under a dtype that is not a
 /// float (`" (stored as I64: a, b)"`), or an empty string.
 pub fn stored_as_other_dtype(path: &Path, missing: &[&String]) -> String {
-    let Ok(bytes) = crate::hub::files::read_regular(path, "safetensors file") else {
+    let Ok(bytes) = crate::io::files::read_regular(path, "safetensors file") else {
         return String::new();
     };
     let Ok((_, meta)) = SafeTensors::read_metadata(&bytes) else {
@@ -172,7 +172,7 @@ pub fn write_safetensors_as(
     tensors: &BTreeMap<String, HostTensor>,
     dtype: StoreDtype,
 ) -> Result<()> {
-    crate::hub::atomic_write(path, &safetensors_bytes(tensors, dtype)?)
+    crate::io::atomic_write(path, &safetensors_bytes(tensors, dtype)?)
 }
 
 /// The bytes of a safetensors file holding `tensors` as `dtype` (metadata `format: pt`).

@@ -24,7 +24,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::weights::{keep_all, read_safetensors_with, HostTensor, Keep};
+use crate::formats::safetensors::{keep_all, read_safetensors_with, HostTensor, Keep};
 use crate::task::ParamSplit;
 use crate::{KilnError, Result};
 
@@ -560,7 +560,7 @@ pub fn read_layout(dir: &Path) -> Result<Option<ShardLayout>> {
     if !path.exists() {
         return Ok(None);
     }
-    let layout: ShardLayout = super::read_json(&path)?;
+    let layout: ShardLayout = crate::io::read_json(&path)?;
     layout
         .check()
         .map_err(|msg| KilnError::Config(format!("{}: {msg}", path.display())))?;
@@ -951,7 +951,7 @@ mod tests {
             ]
             .into();
             let file = dir.path().join(layout.model_file(tp, 0));
-            crate::hub::weights::write_safetensors(&file, &stage0).unwrap();
+            crate::formats::safetensors::write_safetensors(&file, &stage0).unwrap();
             std::fs::write(
                 dir.path().join(layout.model_file(tp, 1)),
                 b"not safetensors",
