@@ -826,7 +826,7 @@ impl TrainingArguments {
         let stateful = match self.optim {
             OptimizerType::AdamwTorch => false,
             OptimizerType::Sgd => {
-                super::optimizers::Rule::sgd_from_optim_args(self.optim_args.as_deref())?
+                super::optim::rules::Rule::sgd_from_optim_args(self.optim_args.as_deref())?
                     .keeps_state()
             }
             OptimizerType::Adafactor | OptimizerType::Lion32bit => true,

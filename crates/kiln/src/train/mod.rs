@@ -10,7 +10,6 @@ pub mod hf_fields;
 pub mod hf_values;
 pub mod metrics;
 pub mod optim;
-pub mod optimizers;
 pub mod output_dir;
 pub mod parallel_plan;
 pub mod pipeline_stage;

@@ -1,7 +1,9 @@
-//! SGD (momentum, dampening, Nesterov), Lion and Adafactor, each as transformers' Trainer builds
-//! it for `optim` = `sgd` (+ `optim_args`), `lion_32bit` and `adafactor`; AdamW, the default, is
-//! `optim.rs`'s fused kernel. Every rule works on one parameter at a time, flat, with its state
-//! kept under `<parameter path>.<slot>` (torch's state names), so it saves and resumes exactly.
+//! The optimizers besides AdamW as one [`Rule`] each — SGD (momentum, dampening, Nesterov), Lion
+//! and Adafactor, as transformers' Trainer builds them for `optim` = `sgd` (+ `optim_args`),
+//! `lion_32bit` and `adafactor` — and the [`RuleOptimizer`] that drives them. Each rule's step is
+//! its own file ([`super::sgd`], [`super::lion`], [`super::adafactor`]); every rule works on one
+//! parameter at a time, flat, with its state kept under `<parameter path>.<slot>` (torch's state
+//! names), so it saves and resumes exactly.
 //!
 //! Weight decay follows the Trainer's two parameter groups (none for biases and LayerNorm
 //! weights) and each optimizer's own convention: SGD adds `wd·p` to the gradient (torch), Lion and
@@ -13,9 +15,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
-use crate::error::{KilnError, Result};
 use crate::formats::safetensors::HostTensor;
-use crate::ops::{recip_exact, KilnBackend, SgdStep};
+use crate::ops::{KilnBackend, SgdStep};
 
 /// An update rule besides AdamW, with its hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -34,64 +35,7 @@ pub enum Rule {
     Adafactor { beta1: Option<f64> },
 }
 
-/// Adafactor's defaults in transformers.
-const ADAFACTOR_EPS: f64 = 1e-30;
-const ADAFACTOR_CLIP: f64 = 1.0;
-const ADAFACTOR_DECAY_RATE: f64 = -0.8;
-
 impl Rule {
-    /// SGD's options from transformers' `optim_args` string (`momentum=0.9,nesterov=True`), as
-    /// its `_get_sgd` reads them; any other key is an error naming it.
-    pub fn sgd_from_optim_args(optim_args: Option<&str>) -> Result<Self> {
-        let (mut momentum, mut dampening, mut nesterov) = (0.0, 0.0, false);
-        for pair in optim_args
-            .unwrap_or("")
-            .split(',')
-            .map(|p| p.replace(' ', ""))
-            .filter(|p| !p.is_empty())
-        {
-            let bad = |why: &str| KilnError::Config(format!("optim_args {pair:?}: {why}"));
-            let (key, value) = pair
-                .split_once('=')
-                .ok_or_else(|| bad("write key=value pairs separated by commas"))?;
-            let number = || -> Result<f64> {
-                value
-                    .parse::<f64>()
-                    .ok()
-                    .filter(|v| v.is_finite() && *v >= 0.0)
-                    .ok_or_else(|| bad("not a non-negative number"))
-            };
-            match key {
-                "momentum" => momentum = number()?,
-                "dampening" => dampening = number()?,
-                "nesterov" => {
-                    nesterov = crate::train::hf_values::hf_bool(value).map_err(|e| bad(&e))?
-                }
-                "weight_decay" => {
-                    return Err(bad(
-                        "the Trainer's parameter groups set the weight decay (use --weight-decay)",
-                    ))
-                }
-                other => {
-                    return Err(bad(&format!(
-                        "sgd takes momentum, dampening and nesterov, not `{other}`"
-                    )))
-                }
-            }
-        }
-        if nesterov && (momentum <= 0.0 || dampening != 0.0) {
-            return Err(KilnError::Config(
-                "optim_args: Nesterov momentum needs momentum above 0 and dampening 0 (as torch.optim.SGD)"
-                    .into(),
-            ));
-        }
-        Ok(Self::Sgd {
-            momentum,
-            dampening,
-            nesterov,
-        })
-    }
-
     /// Whether the rule keeps state between steps (all but plain SGD).
     pub fn keeps_state(&self) -> bool {
         !matches!(self, Self::Sgd { momentum, .. } if *momentum == 0.0)
@@ -103,53 +47,22 @@ impl Rule {
         match *self {
             Self::Sgd { momentum, .. } => usize::from(momentum != 0.0) * n,
             Self::Lion { .. } => n,
-            Self::Adafactor { beta1 } => {
-                let second = match factored(dims) {
-                    Some((l, r, c)) => l * (r + c),
-                    None => n,
-                };
-                second + usize::from(beta1.is_some()) * n
-            }
+            Self::Adafactor { beta1 } => super::adafactor::state_len(dims, beta1),
         }
     }
 }
 
-/// A parameter of 2 or more dimensions as Adafactor factors it: (leading, rows, columns).
-fn factored(dims: &[usize]) -> Option<(usize, usize, usize)> {
-    let k = dims.len();
-    (k >= 2).then(|| (dims[..k - 2].iter().product(), dims[k - 2], dims[k - 1]))
+/// One parameter's state slots, stored under `<path>.<slot>` (torch's state names), as a rule's
+/// step reads and writes them.
+pub(super) struct Slots<'a, B: Backend> {
+    state: &'a mut BTreeMap<String, Tensor<B, 1>>,
+    path: &'a str,
 }
 
-/// The state of a [`Rule`] for every parameter.
-pub struct RuleOptimizer<B: Backend> {
-    pub rule: Rule,
-    pub weight_decay: f64,
-    /// Optimizer steps taken.
-    pub step: u64,
-    state: BTreeMap<String, Tensor<B, 1>>,
-}
-
-/// The backend's float tensor inside `t`, for the fused kernels.
-fn prim<B: Backend>(t: Tensor<B, 1>) -> FloatTensor<B> {
-    t.into_primitive().tensor()
-}
-
-fn tensor<B: Backend>(p: FloatTensor<B>) -> Tensor<B, 1> {
-    Tensor::from_primitive(TensorPrimitive::Float(p))
-}
-
-impl<B: KilnBackend> RuleOptimizer<B> {
-    pub fn new(rule: Rule, weight_decay: f64) -> Self {
-        Self {
-            rule,
-            weight_decay,
-            step: 0,
-            state: BTreeMap::new(),
-        }
-    }
-
-    /// The state slot `slot` of parameter `path`, or zeros like `like`.
-    fn take(&mut self, path: &str, slot: &str, len: usize, like: &Tensor<B, 1>) -> Tensor<B, 1> {
+impl<B: Backend> Slots<'_, B> {
+    /// Slot `slot`, or zeros like `like` (of `len` values) on the first step.
+    pub(super) fn take(&mut self, slot: &str, len: usize, like: &Tensor<B, 1>) -> Tensor<B, 1> {
+        let path = self.path;
         match self.state.remove(&format!("{path}.{slot}")) {
             Some(t) => {
                 assert_eq!(
@@ -163,8 +76,50 @@ impl<B: KilnBackend> RuleOptimizer<B> {
         }
     }
 
-    fn put(&mut self, path: &str, slot: &str, t: Tensor<B, 1>) {
-        self.state.insert(format!("{path}.{slot}"), t);
+    /// Slot `slot` if the parameter has it (a buffer some steps never make).
+    pub(super) fn remove(&mut self, slot: &str) -> Option<Tensor<B, 1>> {
+        self.state.remove(&format!("{}.{slot}", self.path))
+    }
+
+    pub(super) fn put(&mut self, slot: &str, t: Tensor<B, 1>) {
+        self.state.insert(format!("{}.{slot}", self.path), t);
+    }
+}
+
+/// The learning rate of a step and the weight decay that applies to the parameter (0 when it does
+/// not decay).
+#[derive(Clone, Copy)]
+pub(super) struct At {
+    pub lr: f64,
+    pub weight_decay: f64,
+}
+
+/// The state of a [`Rule`] for every parameter.
+pub struct RuleOptimizer<B: Backend> {
+    pub rule: Rule,
+    pub weight_decay: f64,
+    /// Optimizer steps taken.
+    pub step: u64,
+    state: BTreeMap<String, Tensor<B, 1>>,
+}
+
+/// The backend's float tensor inside `t`, for the fused kernels.
+pub(super) fn prim<B: Backend>(t: Tensor<B, 1>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+pub(super) fn tensor<B: Backend>(p: FloatTensor<B>) -> Tensor<B, 1> {
+    Tensor::from_primitive(TensorPrimitive::Float(p))
+}
+
+impl<B: KilnBackend> RuleOptimizer<B> {
+    pub fn new(rule: Rule, weight_decay: f64) -> Self {
+        Self {
+            rule,
+            weight_decay,
+            step: 0,
+            state: BTreeMap::new(),
+        }
     }
 
     /// Updates parameter `path` (flat values `p` of shape `dims`, its gradient `g` times
@@ -181,12 +136,20 @@ impl<B: KilnBackend> RuleOptimizer<B> {
         decay: bool,
     ) -> Tensor<B, 1> {
         let wd = if decay { self.weight_decay } else { 0.0 };
-        let n = g.dims()[0];
+        let _n = g.dims()[0];
         // SGD's fused kernel scales the gradient as it reads it; the other rules take it first.
         let g = match self.rule {
             Rule::Sgd { .. } if grad_scale != 1.0 => g,
             _ if grad_scale != 1.0 => g * grad_scale,
             _ => g,
+        };
+        let mut slots = Slots {
+            state: &mut self.state,
+            path,
+        };
+        let at = At {
+            lr,
+            weight_decay: wd,
         };
         match self.rule {
             Rule::Sgd {
@@ -194,7 +157,6 @@ impl<B: KilnBackend> RuleOptimizer<B> {
                 dampening,
                 nesterov,
             } => {
-                let buf = self.state.remove(&format!("{path}.momentum_buffer"));
                 let h = SgdStep {
                     lr,
                     weight_decay: wd,
@@ -203,61 +165,11 @@ impl<B: KilnBackend> RuleOptimizer<B> {
                     nesterov,
                     grad_scale,
                 };
-                let (p, buf) = B::kiln_sgd(prim(p), prim(g), buf.map(prim), h);
-                if let Some(buf) = buf {
-                    self.put(path, "momentum_buffer", tensor(buf));
-                }
-                tensor(p)
+                super::sgd::step(&mut slots, p, g, h)
             }
-            Rule::Lion { beta1, beta2 } => {
-                let p = if wd != 0.0 { p * (1.0 - lr * wd) } else { p };
-                let m = self.take(path, "exp_avg", n, &g);
-                let c = m.clone() * beta1 + g.clone() * (1.0 - beta1);
-                let p = p - c.sign() * lr;
-                self.put(path, "exp_avg", m * beta2 + g * (1.0 - beta2));
-                p
-            }
+            Rule::Lion { beta1, beta2 } => super::lion::step(&mut slots, p, g, at, (beta1, beta2)),
             Rule::Adafactor { beta1 } => {
-                let beta2t = 1.0 - (self.step as f64).powf(ADAFACTOR_DECAY_RATE);
-                let sq = g.clone() * g.clone() + ADAFACTOR_EPS;
-                let update = match factored(dims) {
-                    Some((l, r, c)) => {
-                        let sq = sq.reshape([l, r, c]);
-                        let row = self.take(path, "exp_avg_sq_row", l * r, &g) * beta2t
-                            + sq.clone().mean_dim(2).reshape([l * r]) * (1.0 - beta2t);
-                        let col = self.take(path, "exp_avg_sq_col", l * c, &g) * beta2t
-                            + sq.mean_dim(1).reshape([l * c]) * (1.0 - beta2t);
-                        let row3 = row.clone().reshape([l, r, 1]);
-                        // 1/√x as torch's rsqrt rounds it (a root, then a true division).
-                        let r_factor = recip_exact((row3.clone() / row3.mean_dim(1)).sqrt());
-                        let c_factor = recip_exact(col.clone().reshape([l, 1, c]).sqrt());
-                        self.put(path, "exp_avg_sq_row", row);
-                        self.put(path, "exp_avg_sq_col", col);
-                        (r_factor * c_factor * g.reshape([l, r, c])).reshape([n])
-                    }
-                    None => {
-                        let v = self.take(path, "exp_avg_sq", n, &g) * beta2t + sq * (1.0 - beta2t);
-                        self.put(path, "exp_avg_sq", v.clone());
-                        recip_exact(v.sqrt()) * g
-                    }
-                };
-                // Clip the update's RMS to clip_threshold, on the device (no host round trip).
-                let rms = (update.clone() * update.clone()).mean().sqrt();
-                let update = update / (rms / ADAFACTOR_CLIP).clamp_min(1.0) * lr;
-                let update = match beta1 {
-                    Some(b1) => {
-                        let m = self.take(path, "exp_avg", n, &update) * b1 + update * (1.0 - b1);
-                        self.put(path, "exp_avg", m.clone());
-                        m
-                    }
-                    None => update,
-                };
-                let p = if wd != 0.0 {
-                    p.clone() + p * (-wd * lr)
-                } else {
-                    p
-                };
-                p - update
+                super::adafactor::step(&mut slots, dims, p, g, at, (beta1, self.step))
             }
         }
     }
