@@ -109,7 +109,7 @@ pub fn tweet_options(
         data: kiln::data::DataArgs {
             eval_split,
             seed: 3,
-            ..kiln::bench::rows::tweets_data(&tweets, max_train)
+            ..kiln::bench::workloads::tweets_data(&tweets, max_train)
         },
         max_length: 48,
         pad_to_max_length: false,

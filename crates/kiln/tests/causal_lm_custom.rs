@@ -17,10 +17,10 @@ use std::sync::Arc;
 
 use burn::tensor::{Int, Tensor};
 use kiln::backend::{Cpu, CpuDevice, CpuTrain};
+use kiln::contract::{Loss, IGNORE_INDEX};
 use kiln::formats::safetensors::{read_safetensors, HostTensor};
 use kiln::ops::KilnBackend;
 use kiln::parallel::DistEnv;
-use kiln::task::{Loss, IGNORE_INDEX};
 use kiln::tasks::causal_lm::{self, CausalLmOptions};
 use kiln::train::{SaveStrategy, TokenMetrics, TrainingArguments};
 use kiln_testkit::common::{self, asset};

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 
 use burn::tensor::{Int, Tensor, TensorData};
 use kiln::backend::{Cpu, CpuTrain};
+use kiln::contract::Model;
 use kiln::data::batch::{collate, TextBatch};
 use kiln::data::lm::TokenBatch;
 use kiln::data::{Padding, TextTokenizer};
@@ -18,7 +19,6 @@ use kiln::models::classifier::SequenceClassifier;
 use kiln::models::llama::KvCache;
 use kiln::models::llama::Llama;
 use kiln::models::params::load_into;
-use kiln::task::Model;
 use kiln::tasks::text_classification::{load_classifier, ModelDir};
 use kiln::train::optim::GradAccumulator;
 use kiln::train::{CrossEntropy, Loss};
@@ -192,7 +192,12 @@ fn lm_batch(fx: &Fixture) -> (TokenBatch, Vec<i64>) {
     let (shape, ids) = read_i64(&fx.path, "input_ids");
     let targets = ids
         .chunks(shape[1])
-        .flat_map(|row| row[1..].iter().copied().chain([kiln::task::IGNORE_INDEX]))
+        .flat_map(|row| {
+            row[1..]
+                .iter()
+                .copied()
+                .chain([kiln::contract::IGNORE_INDEX])
+        })
         .collect();
     let b = TokenBatch {
         ids,

@@ -168,7 +168,7 @@ fn smollm2_loss_and_gradients_match_transformers() {
     let batch = kiln::data::lm::LmBlocks::pack(ids.clone(), n, 1);
     let (tb, targets) = kiln::train::BatchSource::batch(&batch, &[0]);
     assert_eq!(targets[n - 1], IGNORE_INDEX);
-    let logits = kiln::task::Model::logits(&model, &tb);
+    let logits = kiln::contract::Model::logits(&model, &tb);
     let t = Tensor::<CpuTrain, 1, Int>::from_data(TensorData::new(targets, [n]), &device);
     let loss = CrossEntropy.loss(logits, t);
     let l = host(loss.clone())[0] as f64;

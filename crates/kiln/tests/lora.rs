@@ -11,6 +11,7 @@ use std::path::PathBuf;
 
 use burn::tensor::{Int, Tensor, TensorData};
 use kiln::backend::{Cpu, CpuTrain};
+use kiln::contract::Model;
 use kiln::data::batch::TextBatch;
 use kiln::data::lm::TokenBatch;
 use kiln::formats::safetensors::{read_safetensors, HostTensor};
@@ -19,7 +20,6 @@ use kiln::models::classifier::SequenceClassifier;
 use kiln::models::llama::Llama;
 use kiln::models::lora::{self, internal_key, LoraConfig, TargetModules};
 use kiln::models::params::{load_into, module_tensors};
-use kiln::task::Model;
 use kiln::train::optim::GradAccumulator;
 use kiln::train::{CrossEntropy, Loss};
 use kiln_testkit::common::{read_i64, rel_err, repo_root};
@@ -155,7 +155,12 @@ fn llama_adapters_match_peft() {
         }
         let targets: Vec<i64> = labels
             .chunks(t)
-            .flat_map(|row| row[1..].iter().copied().chain([kiln::task::IGNORE_INDEX]))
+            .flat_map(|row| {
+                row[1..]
+                    .iter()
+                    .copied()
+                    .chain([kiln::contract::IGNORE_INDEX])
+            })
             .collect();
         let n = targets.len();
         let targets = Tensor::<CpuTrain, 1, Int>::from_data(TensorData::new(targets, [n]), &device);
@@ -342,10 +347,10 @@ fn sft_loss_equals_trl() {
             pad_to_multiple_of: None,
         };
         let all: Vec<usize> = (0..set.examples.len()).collect();
-        let (batch, targets) = kiln::task::BatchSource::batch(&set, &all);
+        let (batch, targets) = kiln::contract::BatchSource::batch(&set, &all);
         let counted = targets
             .iter()
-            .filter(|&&t| t != kiln::task::IGNORE_INDEX)
+            .filter(|&&t| t != kiln::contract::IGNORE_INDEX)
             .count();
         assert_eq!(
             counted as u64,
@@ -357,7 +362,7 @@ fn sft_loss_equals_trl() {
         // Packed, padding-free: the rows end to end in one sequence (longest first), positions
         // restarting and attention kept inside each row.
         let packed = set.clone().pack(usize::MAX);
-        let (batch, targets) = kiln::task::BatchSource::batch(&packed, &[0]);
+        let (batch, targets) = kiln::contract::BatchSource::batch(&packed, &[0]);
         assert_eq!((batch.batch, batch.segments.len()), (1, set.examples.len()));
         let n = targets.len();
         let targets = Tensor::<Cpu, 1, Int>::from_data(TensorData::new(targets, [n]), &device);

@@ -306,7 +306,7 @@ fn dropped_rows_are_those_trl_drops() {
 /// each position's target the next label and no target across a sequence boundary.
 #[test]
 fn packing_is_trls_best_fit_decreasing() {
-    use kiln::task::BatchSource;
+    use kiln::contract::BatchSource;
     use kiln::tasks::sft::SftSet;
     let Some((tok, dir)) = smollm2() else { return };
     let fx = fixture("sft_masks.json");

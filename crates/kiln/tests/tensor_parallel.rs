@@ -11,6 +11,7 @@ use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 use kiln::backend::{Cpu, CpuDevice, CpuTrain};
+use kiln::contract::{CrossEntropy, Loss, Model, IGNORE_INDEX};
 use kiln::data::lm::TokenBatch;
 use kiln::formats::safetensors::HostTensor;
 use kiln::models::llama::config::LlamaConfig;
@@ -18,7 +19,6 @@ use kiln::models::llama::{LlamaForCausalLM, LlamaShard};
 use kiln::models::params::{map_params, module_tensors};
 use kiln::parallel::threads::ThreadComm;
 use kiln::parallel::{TpGroup, VocabParallelCrossEntropy};
-use kiln::task::{CrossEntropy, Loss, Model, IGNORE_INDEX};
 use kiln::train::optim::GradAccumulator;
 
 fn config(heads: usize, kv: usize, vocab: usize, tied: bool, bias: bool) -> LlamaConfig {

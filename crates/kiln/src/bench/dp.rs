@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::{Shape, Tensor, TensorPrimitive};
 
-use super::rows::StepWork;
+use super::workloads::StepWork;
 use super::BenchResult;
 use crate::backend::Cpu;
 use crate::models::mlp;

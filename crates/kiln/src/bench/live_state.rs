@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use super::rows::StepWork;
+use super::workloads::StepWork;
 use super::BenchResult;
 use crate::error::{KilnError, Result};
 use crate::ops::TrainBackend;
@@ -22,7 +22,7 @@ pub fn live_state_overhead<B: TrainBackend>(
 ) -> Result<BenchResult> {
     let opts = ClassificationOptions {
         model_dir: model_dir.to_path_buf(),
-        data: super::rows::tweets_data(tweets, steps * batch),
+        data: super::workloads::tweets_data(tweets, steps * batch),
         max_length: 128,
         pad_to_max_length: false,
         pad_to_multiple_of: None,

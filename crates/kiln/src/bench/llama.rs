@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use burn::tensor::{Int, Tensor, TensorData};
 
-use super::rows::{train_steps, StepWork};
+use super::workloads::{train_steps, StepWork};
 use super::BenchResult;
 use crate::backend::{Cpu, CpuTrain};
 use crate::data::lm::{read_documents, LmBlocks};
@@ -98,7 +98,7 @@ pub fn train(dir: &Path, corpus: &Path, warmup: usize, steps: usize) -> Result<B
             (tb, targets, work)
         })
         .collect();
-    let opt = super::rows::adamw();
+    let opt = super::workloads::adamw();
     Ok(train_steps(
         "smollm2_train_fp32",
         model,
@@ -141,7 +141,7 @@ pub fn family_train(key: &str, warmup: usize, steps: usize) -> Result<BenchResul
         crate::models::llama::LlamaForCausalLM::<CpuTrain>::new(&config, &device)
     });
     let (tb, targets, work) = random_step(&config, batch, seq);
-    let opt = super::rows::adamw();
+    let opt = super::workloads::adamw();
     Ok(train_steps(
         &format!("{key}_fp32"),
         model,
@@ -164,7 +164,12 @@ fn random_blocks(batch: usize, seq: usize) -> (crate::data::lm::TokenBatch, Vec<
         .collect();
     let targets = ids
         .chunks(seq)
-        .flat_map(|row| row[1..].iter().copied().chain([crate::task::IGNORE_INDEX]))
+        .flat_map(|row| {
+            row[1..]
+                .iter()
+                .copied()
+                .chain([crate::contract::IGNORE_INDEX])
+        })
         .collect();
     let tb = crate::data::lm::TokenBatch {
         ids,
@@ -220,7 +225,7 @@ where
     let r = train_steps(
         "smollm2_train_bf16",
         model,
-        super::rows::adamw(),
+        super::workloads::adamw(),
         1e-4,
         &[(tb, targets, work)],
         warmup,
@@ -313,7 +318,7 @@ pub fn lora_train(
             (tb, targets, work)
         })
         .collect();
-    let opt = super::rows::adamw();
+    let opt = super::workloads::adamw();
     crate::ops::set_matmul_precision(crate::ops::mixed_precision::<Cpu>(bf16_base));
     let r = train_steps(
         &format!("{key}_{}", if bf16_base { "bf16" } else { "fp32" }),

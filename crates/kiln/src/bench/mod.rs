@@ -9,7 +9,7 @@ pub mod live_state;
 pub mod llama;
 pub mod measure;
 pub mod peak;
-pub mod rows;
+pub mod workloads;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -18,7 +18,7 @@ use burn::backend::Autodiff;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{KilnError, Result};
-use rows::StepWork;
+use workloads::StepWork;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BenchResult {
@@ -438,7 +438,7 @@ where
                 } else {
                     "minilm_train_fp32"
                 };
-                let r = rows::bert_train(name, m, &cfg, (16, 128), w, s);
+                let r = workloads::bert_train(name, m, &cfg, (16, 128), w, s);
                 crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::F32);
                 Ok(r)
             }
@@ -446,7 +446,7 @@ where
                 let (cfg, weights) = minilm()?;
                 let m = BertForSequenceClassification::<B>::new(&cfg, 6, &device);
                 let (m, _) = load_into(m, weights, Some("bert"), &device)?;
-                Ok(rows::bert_infer(
+                Ok(workloads::bert_infer(
                     "minilm_infer_fp32",
                     &m,
                     &cfg,
@@ -472,20 +472,20 @@ where
                 };
                 let bf16 = key.contains("bf16");
                 crate::ops::set_matmul_precision(crate::ops::mixed_precision::<B>(bf16));
-                let r = rows::bert_train(name, m, &cfg, (batch, 128), w, opts.base_steps);
+                let r = workloads::bert_train(name, m, &cfg, (batch, 128), w, opts.base_steps);
                 crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::F32);
                 Ok(r)
             }
             "roberta_train" | "distilbert_train" | "modernbert_train" => {
-                rows::family_train::<Autodiff<B>>(key, (8, 128), w, opts.base_steps, &device)
+                workloads::family_train::<Autodiff<B>>(key, (8, 128), w, opts.base_steps, &device)
             }
-            "mnist_train" => Ok(rows::mnist_train::<Autodiff<B>>(
+            "mnist_train" => Ok(workloads::mnist_train::<Autodiff<B>>(
                 32,
                 w.max(5),
                 opts.mnist_steps,
                 &device,
             )),
-            "tweets_train" => rows::tweets_train::<Autodiff<B>>(
+            "tweets_train" => workloads::tweets_train::<Autodiff<B>>(
                 &opts.minilm_dir,
                 &opts.tweets_file,
                 16,
@@ -836,7 +836,7 @@ where
     if let Some(p) = &machine_peak {
         tracing::info!("{}", p.how);
     }
-    let gemm = rows::gemm_gflops::<B>(device);
+    let gemm = workloads::gemm_gflops::<B>(device);
     tracing::info!("kiln sgemm 1024: {gemm:.1} GFLOP/s");
     let mut out = Vec::new();
     let mut header = Vec::new();

@@ -140,7 +140,7 @@ pub struct TokenBatch {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::task::{BatchSource, IGNORE_INDEX};
+    use crate::contract::{BatchSource, IGNORE_INDEX};
 
     #[test]
     fn packing_drops_the_tail_and_shifts_targets() {

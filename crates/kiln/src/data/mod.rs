@@ -3,13 +3,13 @@
 
 pub mod batch;
 pub mod chat_template;
+pub mod collector;
 mod csv_quotes;
 pub mod idx;
 pub mod labels;
 pub mod lm;
 pub mod reader;
 pub mod records;
-pub mod rows;
 pub mod saved_dataset;
 pub mod sft;
 pub mod tokenize;

@@ -14,10 +14,10 @@ use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
+pub(crate) use super::collector::check_regular_file;
+use super::collector::{catch_reader_panics, missing_column, Cell, Collector};
+pub use super::collector::{Columns, RawExample, ReadReport, Skipped};
 use super::csv_quotes::{blank, find_bad_quotes};
-pub(crate) use super::rows::check_regular_file;
-use super::rows::{catch_reader_panics, missing_column, Cell, Collector};
-pub use super::rows::{Columns, RawExample, ReadReport, Skipped};
 use crate::error::{KilnError, Result};
 
 /// Text encodings for CSV/TSV input (JSONL and Parquet are UTF-8 by definition).

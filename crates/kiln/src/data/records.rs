@@ -40,11 +40,11 @@ use arrow_array::{Array, RecordBatch};
 use arrow_schema::{DataType, TimeUnit};
 use serde_json::{Map, Value};
 
+use super::collector::{catch_reader_panics, ReadReport, Skipped};
 use super::csv_quotes::{blank, find_bad_quotes};
 use super::reader::{
     check_regular_file, is_json_array, read_text, record_line, source, Source, TextEncoding,
 };
-use super::rows::{catch_reader_panics, ReadReport, Skipped};
 use crate::error::{KilnError, Result};
 
 /// One row of a data file.
@@ -99,7 +99,7 @@ pub fn read_records_with_encoding(
     Ok((c.records, c.report))
 }
 
-/// The rows read so far from one file and its report (what [`super::rows::Collector`] is to
+/// The rows read so far from one file and its report (what [`super::collector::Collector`] is to
 /// typed rows).
 struct Rows<'a> {
     path: &'a Path,

@@ -14,7 +14,7 @@ use arrow_array::types::{
 use arrow_array::{Array, RecordBatch};
 use arrow_schema::DataType;
 
-use super::rows::{
+use super::collector::{
     catch_reader_panics, check_regular_file, missing_column, Cell, Collector, Columns, RawExample,
     ReadReport, Skipped,
 };

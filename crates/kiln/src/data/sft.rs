@@ -34,9 +34,9 @@ use serde_json::{Map, Value as Json};
 use tokenizers::Tokenizer;
 
 use super::chat_template::{ChatTemplate, ChatTemplateError, Message, RenderOptions};
-use crate::error::json_kind;
 /// The label of a token that is not a target: the loss's own constant, so the two cannot drift.
-pub use crate::task::IGNORE_INDEX;
+pub use crate::contract::IGNORE_INDEX;
+use crate::error::json_kind;
 
 /// The roles a message may have.
 pub const ROLES: [&str; 7] = [

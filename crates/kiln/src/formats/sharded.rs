@@ -24,8 +24,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::contract::ParamSplit;
 use crate::formats::safetensors::{keep_all, read_safetensors_with, HostTensor, Keep};
-use crate::task::ParamSplit;
 use crate::{KilnError, Result};
 
 /// The layout file of a sharded folder.

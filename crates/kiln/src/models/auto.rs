@@ -9,9 +9,9 @@ use super::bert::config::{BertConfig, ClassifierFields};
 use super::decoder::{DecoderArchitecture, DecoderFamily, DecoderVisitor};
 use super::distilbert::config::DistilBertConfig;
 use super::modernbert::config::ModernBertConfig;
+use crate::contract::ParamSplit;
 use crate::error::{KilnError, Result};
 use crate::ops::KilnBackend;
-use crate::task::ParamSplit;
 
 /// The `model_type`s kiln classifies with, for error messages.
 pub const CLASSIFIER_TYPES: &str = "bert, roberta, xlm-roberta, camembert, distilbert, modernbert";

@@ -14,11 +14,11 @@ use std::path::Path;
 use burn::module::AutodiffModule;
 use burn::tensor::Tensor;
 
+use crate::contract::{Model, ParamSplit};
 use crate::data::lm::TokenBatch;
 use crate::error::Result;
 use crate::models::params::Keep;
 use crate::ops::{KilnBackend, TpComm, TrainBackend};
-use crate::task::{Model, ParamSplit};
 
 /// The token embedding's parameter in every decoder family kiln builds (Hugging Face's name):
 /// the pipeline's stage 0 holds it, and a tied head reads it.

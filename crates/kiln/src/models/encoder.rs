@@ -137,8 +137,8 @@ pub trait EncoderClassifier<B: KilnBackend> {
 /// kiln's `Model` and `Segments` for a type that is an [`EncoderClassifier`].
 macro_rules! encoder_model {
     ($ty:ident) => {
-        impl<B: $crate::ops::KilnBackend> $crate::task::Segments<B, $crate::data::batch::TextBatch>
-            for $ty<B>
+        impl<B: $crate::ops::KilnBackend>
+            $crate::contract::Segments<B, $crate::data::batch::TextBatch> for $ty<B>
         {
             fn num_layers(&self) -> usize {
                 $crate::models::encoder::EncoderClassifier::num_layers(self)
@@ -169,7 +169,7 @@ macro_rules! encoder_model {
             }
         }
 
-        impl<B: $crate::ops::KilnBackend> $crate::task::Model<B> for $ty<B> {
+        impl<B: $crate::ops::KilnBackend> $crate::contract::Model<B> for $ty<B> {
             type Batch = $crate::data::batch::TextBatch;
 
             fn logits(&self, batch: &Self::Batch) -> burn::tensor::Tensor<B, 2> {
@@ -177,7 +177,7 @@ macro_rules! encoder_model {
                 E::forward(self, &E::input(self, batch))
             }
 
-            fn segments(&self) -> Option<&dyn $crate::task::Segments<B, Self::Batch>> {
+            fn segments(&self) -> Option<&dyn $crate::contract::Segments<B, Self::Batch>> {
                 Some(self)
             }
 

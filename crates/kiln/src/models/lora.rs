@@ -18,12 +18,12 @@ use burn::tensor::{Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
+use crate::contract::ParamSplit;
 use crate::error::{KilnError, Result};
 use crate::formats::safetensors::HostTensor;
 use crate::models::layers::{Linear, LoraFactor, LoraScale};
 use crate::models::params::PathTracker;
 use crate::ops::KilnBackend;
-use crate::task::ParamSplit;
 
 /// The adapter files' names in a PEFT folder.
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";

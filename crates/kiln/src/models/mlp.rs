@@ -5,8 +5,8 @@ use burn::module::{Module, Param};
 use burn::tensor::{activation::relu, backend::Backend, Distribution, Tensor, TensorData};
 
 use super::layers::Linear;
+use crate::contract::Model;
 use crate::ops::{self, KilnBackend};
-use crate::task::Model;
 
 pub const INPUT: usize = 28 * 28;
 pub const CLASSES: usize = 10;

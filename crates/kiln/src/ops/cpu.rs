@@ -13,12 +13,12 @@ use super::KilnBackend;
 mod attention;
 pub(super) mod gemm;
 mod narrow;
-mod rows;
+mod row_kernels;
 mod vector;
 use attention::Attn;
 use gemm::*;
 use narrow::*;
-use rows::*;
+use row_kernels::*;
 use vector::*;
 
 type Cpu = NdArray<f32>;

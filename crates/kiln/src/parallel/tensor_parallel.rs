@@ -10,10 +10,10 @@ use burn::tensor::{Int, Tensor, TensorData};
 use std::collections::BTreeMap;
 
 use super::collectives::{chunk_range, host, Collectives, ReduceOp};
+use crate::contract::{Loss, ParamSplit, TensorParallelLayout, IGNORE_INDEX};
 use crate::formats::safetensors::HostTensor;
 use crate::formats::sharded::place_axis;
 use crate::ops::{tp_sum, KilnBackend, TpComm, TpReduce};
-use crate::task::{Loss, ParamSplit, TensorParallelLayout, IGNORE_INDEX};
 use crate::{KilnError, Result};
 
 /// A tensor-parallel group (any engine) as the ops' [`TpReduce`].
@@ -138,7 +138,7 @@ pub fn consolidate(
     Ok(out)
 }
 
-/// Mean cross-entropy over the non-ignored targets (as [`crate::task::CrossEntropy`]) of logits
+/// Mean cross-entropy over the non-ignored targets (as [`crate::contract::CrossEntropy`]) of logits
 /// split by vocabulary over a tensor-parallel group: rank `r` holds columns
 /// `chunk_range(vocab, size, r)`. Per row, three sums cross the group — the max (a shift, no
 /// gradient), the sum of exponentials and the target's logit (from the rank that holds it) — so
@@ -189,8 +189,8 @@ impl Loss for VocabParallelCrossEntropy {
 mod tests {
     use super::*;
     use crate::backend::{Cpu, CpuTrain};
+    use crate::contract::CrossEntropy;
     use crate::parallel::threads::ThreadComm;
-    use crate::task::CrossEntropy;
     use burn::tensor::Distribution;
 
     fn vec2(t: Tensor<Cpu, 2>) -> Vec<f32> {

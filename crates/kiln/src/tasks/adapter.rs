@@ -7,10 +7,10 @@ use std::path::PathBuf;
 use burn::module::Module;
 use tracing::info;
 
+use crate::contract::ParamSplit;
 use crate::error::Result;
 use crate::models::lora::{Adapter, BaseDtype, LoraConfig, LoraTarget};
 use crate::ops::KilnBackend;
-use crate::task::ParamSplit;
 use crate::train::checkpoint::AdapterFiles;
 
 /// Which adapter a run trains.

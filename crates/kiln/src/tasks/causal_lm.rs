@@ -13,6 +13,7 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use tokenizers::Tokenizer;
 use tracing::info;
 
+use crate::contract::{BatchSource, CrossEntropy, Loss, IGNORE_INDEX};
 use crate::data::chat_template::ChatTemplate;
 use crate::data::lm::{read_documents, LmBlocks, TokenBatch};
 use crate::data::TextEncoding;
@@ -23,7 +24,6 @@ use crate::models::decoder::{
 };
 use crate::ops::{KilnBackend, TrainBackend};
 use crate::parallel::{DataParallel, SharedCollectives, TpGroup, VocabParallelCrossEntropy};
-use crate::task::{BatchSource, CrossEntropy, Loss, IGNORE_INDEX};
 use crate::tasks::adapter::LoraSetup;
 use crate::tasks::sft::{SftData, SftSet, SftTokenization};
 use crate::train::checkpoint::ModelFiles;
@@ -782,7 +782,7 @@ pub fn eval_layout<B: KilnBackend>(
 
 /// One pipeline stage of an evaluation: its model's segments and its cut.
 struct EvalStage<'a, B: KilnBackend> {
-    segments: &'a dyn crate::task::Segments<B, TokenBatch>,
+    segments: &'a dyn crate::contract::Segments<B, TokenBatch>,
     cut: crate::parallel::pipeline::StageCut,
     group: &'a dyn crate::parallel::Collectives<B>,
     index: usize,
@@ -830,7 +830,7 @@ fn decoder_outline(config: &impl DecoderConfig) -> ModelOutline {
 }
 
 /// This rank's stage of `model` cut over the pipeline `group` as `layout` says.
-fn eval_stage<'a, B: KilnBackend, M: crate::task::Model<B, Batch = TokenBatch>>(
+fn eval_stage<'a, B: KilnBackend, M: crate::contract::Model<B, Batch = TokenBatch>>(
     model: &'a M,
     group: &'a dyn crate::parallel::Collectives<B>,
     layout: &InferenceLayout,

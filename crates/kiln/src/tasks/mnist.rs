@@ -6,12 +6,12 @@ use std::path::Path;
 
 use serde_json::json;
 
+use crate::contract::BatchSource;
 use crate::data::idx::read_idx;
 use crate::formats::safetensors::read_safetensors;
 use crate::models::mlp::{MnistMlp, PixelBatch, CLASSES, INPUT};
 use crate::models::params::load_into;
 use crate::ops::{KilnBackend, TrainBackend};
-use crate::task::BatchSource;
 use crate::train::checkpoint::ModelFiles;
 use crate::train::schedule::SchedulerType;
 use crate::train::trainer::{evaluate, EvalOutput, Reported, TrainOutput, Trainer};

@@ -13,13 +13,13 @@ use std::path::{Path, PathBuf};
 use tokenizers::Tokenizer;
 use tracing::info;
 
+use crate::contract::{BatchSource, IGNORE_INDEX};
 use crate::data::chat_template::ChatTemplate;
+use crate::data::collector::{ReadReport, Skipped};
 use crate::data::lm::TokenBatch;
 use crate::data::records::read_records;
-use crate::data::rows::{ReadReport, Skipped};
 use crate::data::sft::{collate, prepare_labelled_row, LabelledExample, SftError, SftOptions};
 use crate::error::{KilnError, Result};
-use crate::task::{BatchSource, IGNORE_INDEX};
 
 /// How SFT rows become examples and batches: TRL's options, and whether they are packed.
 #[derive(Debug, Clone, Default)]

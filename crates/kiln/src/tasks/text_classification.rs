@@ -7,6 +7,7 @@ use crate::ops::{KilnBackend, TrainBackend};
 use burn::tensor::activation::softmax;
 use tracing::{info, warn};
 
+use crate::contract::{BatchSource, CrossEntropy, Loss, Model};
 use crate::data::batch::{collate, TextBatch};
 use crate::data::{self, DataArgs, LabelSet, Padding, TextClassificationSet, TextTokenizer};
 use crate::error::{KilnError, Result};
@@ -15,7 +16,6 @@ use crate::models::auto::EncoderConfig;
 use crate::models::classifier::SequenceClassifier;
 use crate::models::params::load_into;
 use crate::parallel::DataParallel;
-use crate::task::{BatchSource, CrossEntropy, Loss, Model};
 use crate::tasks::adapter::LoraSetup;
 use crate::train::checkpoint::ModelFiles;
 use crate::train::metrics::argmax;

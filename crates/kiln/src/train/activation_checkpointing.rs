@@ -20,8 +20,8 @@ use burn::module::AutodiffModule;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 
 use super::optim::GradAccumulator;
+use crate::contract::{Loss, Model};
 use crate::ops::{dropout_position, set_dropout_position, TrainBackend};
-use crate::task::{Loss, Model};
 
 /// Loss × `scale` and gradients of `model` on one batch, segment by segment; `None` when the model
 /// is not split into segments (it then trains without checkpointing).
@@ -92,13 +92,13 @@ where
 mod tests {
     use super::*;
     use crate::backend::{Cpu, CpuDevice, CpuTrain};
+    use crate::contract::{BatchSource, CrossEntropy};
     use crate::data::batch::TextBatch;
     use crate::models::bert::config::BertConfig;
     use crate::models::bert::BertForSequenceClassification;
     use crate::models::llama::config::LlamaConfig;
     use crate::models::llama::LlamaForCausalLM;
     use crate::ops::reseed_dropout;
-    use crate::task::{BatchSource, CrossEntropy};
 
     fn host<const D: usize>(t: Tensor<Cpu, D>) -> Vec<f32> {
         t.into_data().into_vec().unwrap()

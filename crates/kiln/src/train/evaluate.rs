@@ -9,9 +9,9 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 
 use super::metrics::{classification_report, ClassificationReport, Predictions};
+use crate::contract::{BatchSource, Loss, Model};
 use crate::error::{KilnError, Result};
 use crate::parallel::DataParallel;
-use crate::task::{BatchSource, Loss, Model};
 
 /// A user metric: extra `(name, value)` pairs computed from an evaluation's predictions.
 pub type MetricFn = Box<dyn Fn(&Predictions) -> Vec<(String, f64)> + Send + Sync>;
@@ -124,7 +124,7 @@ where
         let (batch, targets) = eval.batch(idx);
         let counted = targets
             .iter()
-            .filter(|&&t| t != crate::task::IGNORE_INDEX)
+            .filter(|&&t| t != crate::contract::IGNORE_INDEX)
             .count();
         let Some(logits) = logits_of(&batch)? else {
             continue;

@@ -6,9 +6,9 @@
 use burn::tensor::Tensor;
 
 use super::optim::{clip_coefficient, GradAccumulator};
+use crate::contract::{ParamSplit, TensorParallelLayout};
 use crate::ops::KilnBackend;
 use crate::parallel::{DataParallel, Zero1, ZeroPartition};
-use crate::task::{ParamSplit, TensorParallelLayout};
 use crate::Result;
 
 /// The gradients an update applies.

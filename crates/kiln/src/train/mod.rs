@@ -16,6 +16,7 @@ pub mod pipeline_stage;
 pub mod precompile;
 pub mod reporters;
 pub mod reshard;
+pub mod run_sizes;
 pub mod schedule;
 pub mod sharded_checkpoint;
 pub mod trainer;
@@ -25,7 +26,7 @@ pub use optim::OptimizerType;
 pub use parallel_plan::{ModelOutline, ParallelPlan};
 pub use reporters::RunOrigin;
 // The task contract, re-exported where library users of the trainer look for it.
-pub use crate::task::{
+pub use crate::contract::{
     BatchSource, CrossEntropy, LabelSmoothedCrossEntropy, Loss, Model, IGNORE_INDEX,
 };
 pub use trainer::{EvalOutput, MetricFn, TokenMetrics, TrainOutput, Trainer};

@@ -25,6 +25,7 @@ use super::grad_sync::{
 };
 use super::optim::{GradAccumulator, Optimizer};
 use super::pipeline_stage::Stage;
+use crate::contract::TensorParallelLayout;
 use crate::models::params::{empty_where, module_bf16_params, module_shapes, module_tensors_where};
 use crate::ops::KilnBackend;
 use crate::parallel::broadcast_module;
@@ -33,7 +34,6 @@ use crate::parallel::pipeline::{
     StageHolds, Work,
 };
 use crate::parallel::{DataParallel, SharedCollectives, Zero1};
-use crate::task::TensorParallelLayout;
 use crate::{KilnError, Result};
 
 pub struct ParallelPlan<B: KilnBackend> {

@@ -28,10 +28,10 @@ use burn::module::AutodiffModule;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 
 use super::optim::GradAccumulator;
+use crate::contract::{Loss, Model, Segments};
 use crate::ops::{dropout_position, set_dropout_position, TrainBackend};
 use crate::parallel::pipeline::{stage_actions, Action, ScheduleKind, StageCut};
 use crate::parallel::Collectives;
-use crate::task::{Loss, Model, Segments};
 use crate::{KilnError, Result};
 
 /// This rank's place in its pipeline: stage `index` of `count`, the layers (and the embedding or
@@ -314,11 +314,11 @@ fn sum_tied_gradients<B: burn::tensor::backend::Backend>(
 mod tests {
     use super::*;
     use crate::backend::{Cpu, CpuDevice, CpuTrain};
+    use crate::contract::{BatchSource, CrossEntropy};
     use crate::models::llama::config::LlamaConfig;
     use crate::models::llama::LlamaForCausalLM;
     use crate::parallel::pipeline::cut_stages;
     use crate::parallel::threads::ThreadComm;
-    use crate::task::{BatchSource, CrossEntropy};
     use std::collections::BTreeMap;
 
     fn llama(layers: usize, tie: bool) -> LlamaForCausalLM<CpuTrain> {

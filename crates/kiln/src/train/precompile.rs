@@ -18,9 +18,9 @@ use tracing::info;
 
 pub use super::trainer::set_shapes_only;
 use super::trainer::{evaluate, write_json, EvalOutput, Reported, TrainOutput, Trainer};
+use crate::contract::{BatchSource, Loss, Model};
 use crate::error::Result;
 use crate::ops::TrainBackend;
-use crate::task::{BatchSource, Loss, Model};
 
 /// The file the precompile run writes its [`PrecompileSummary`] to, in its output folder.
 pub const SUMMARY_FILE: &str = "precompile.json";

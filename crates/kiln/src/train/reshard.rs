@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use super::checkpoint::{write_marker, Marker, MARKER};
+use crate::contract::ParamSplit;
 use crate::formats::model_weights::read_model_weights;
 use crate::formats::safetensors::{read_safetensors, safetensors_bytes, HostTensor, StoreDtype};
 use crate::formats::sharded::{
@@ -20,7 +21,6 @@ use crate::io::files::{sync_dir, write_synced};
 use crate::models::decoder::DECODER_EMBEDDING;
 use crate::models::lora::{ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 use crate::parallel::pipeline::{cut_stages, layer_index, owner_stage};
-use crate::task::ParamSplit;
 use crate::{KilnError, Result};
 
 /// What to write.

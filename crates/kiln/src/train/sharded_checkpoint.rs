@@ -19,6 +19,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::checkpoint::ensure_finite;
+use crate::contract::ParamSplit;
 use crate::formats::safetensors::{
     read_safetensors_with, safetensors_bytes, HostTensor, StoreDtype,
 };
@@ -28,28 +29,23 @@ use crate::formats::sharded::{
     ParamLayout, ShardLayout, LAYOUT_FILE,
 };
 use crate::io::files::write_synced;
+use crate::parallel::mesh::{Coords, Mesh};
 use crate::parallel::ZeroPartition;
-use crate::task::ParamSplit;
 use crate::{KilnError, Result};
 
-/// Where a rank sits in a sharded run.
+/// Where a rank sits in a sharded run: the mesh, the rank's coordinates on it, and whether
+/// AdamW's moments are split over the data-parallel ranks (ZeRO-1).
 #[derive(Debug, Clone, Copy)]
-pub struct Place {
-    pub tp: usize,
-    pub tp_size: usize,
-    /// This rank's pipeline stage, of `pp_size` (1: no pipeline).
-    pub pp: usize,
-    pub pp_size: usize,
-    pub dp: usize,
-    pub dp_size: usize,
-    /// Whether AdamW's moments are split over the data-parallel ranks.
+pub struct ShardedRank {
+    pub mesh: Mesh,
+    pub at: Coords,
     pub zero: bool,
 }
 
-impl Place {
+impl ShardedRank {
     /// The stage part of this rank's file names (`None` without a pipeline).
     fn stage(&self) -> Option<usize> {
-        (self.pp_size > 1).then_some(self.pp)
+        (self.mesh.pp > 1).then_some(self.at.pp)
     }
 }
 
@@ -99,14 +95,14 @@ fn whole_shape(local: &[usize], split: Option<&ParamSplit>) -> Vec<usize> {
 /// `model`, `moments` and `covers` are this stage's own parameters' only.
 pub fn write_rank_files(
     tmp: &Path,
-    place: Place,
+    place: ShardedRank,
     model: &BTreeMap<String, HostTensor>,
     splits: Option<&BTreeMap<String, ParamSplit>>,
     moments: &BTreeMap<String, HostTensor>,
     covers: &BTreeMap<String, Range<usize>>,
 ) -> Result<()> {
-    let (tp, pp) = (place.tp, place.stage());
-    if place.dp == 0 {
+    let (tp, pp) = (place.at.tp, place.stage());
+    if place.at.dp == 0 {
         ensure_finite(model, &format!("saving {}", model_file(tp, pp)))?;
         write_tensors(tmp, &model_file(tp, pp), model)?;
         let params = model
@@ -118,17 +114,17 @@ pub fn write_rank_files(
             .collect();
         write_json_file(tmp, &cuts_file(tp, pp), &RankCuts { params })?;
     }
-    if place.zero || place.dp == 0 {
-        write_tensors(tmp, &optimizer_file(tp, pp, place.dp), moments)?;
-        write_json_file(tmp, &covers_file(tp, pp, place.dp), covers)?;
+    if place.zero || place.at.dp == 0 {
+        write_tensors(tmp, &optimizer_file(tp, pp, place.at.dp), moments)?;
+        write_json_file(tmp, &covers_file(tp, pp, place.at.dp), covers)?;
     }
     Ok(())
 }
 
 /// Rank 0, once every rank wrote its files: composes `shards.json` from their pieces (`place`
 /// gives the run's sizes).
-pub fn write_layout(tmp: &Path, place: Place) -> Result<()> {
-    let (tp_size, pp_size, dp_size) = (place.tp_size, place.pp_size, place.dp_size);
+pub fn write_layout(tmp: &Path, place: ShardedRank) -> Result<()> {
+    let (tp_size, pp_size, dp_size) = (place.mesh.tp, place.mesh.pp, place.mesh.dp);
     let stage = |pp: usize| (pp_size > 1).then_some(pp);
     let read = |name: String| -> Result<Vec<u8>> {
         let p = tmp.join(&name);
@@ -205,14 +201,14 @@ pub struct RankState {
 /// tensor-parallel cuts (`None` without tensor parallelism), `shapes` its parameters' local shapes.
 pub fn read_rank_state(
     dir: &Path,
-    place: Place,
+    place: ShardedRank,
     splits: Option<&BTreeMap<String, ParamSplit>>,
     shapes: &BTreeMap<String, Vec<usize>>,
 ) -> Result<RankState> {
     let split = |name: &str| splits.and_then(|s| s.get(name));
     let layout = read_layout(dir)?;
     let same_cuts = layout.as_ref().is_some_and(|l| {
-        l.same_cut(place.tp, place.tp_size, |name| {
+        l.same_cut(place.at.tp, place.mesh.tp, |name| {
             split(name).cloned().unwrap_or(ParamSplit::Replicated)
         })
     });
@@ -221,8 +217,8 @@ pub fn read_rank_state(
     let (model, moments) = match &layout {
         // The same tensor-parallel layout: this rank's own files only.
         Some(l) if same_cuts => (
-            read_rank_model_where(dir, l, place.tp, &wanted)?,
-            read_rank_optimizer_where(dir, l, place.tp, &wanted)?,
+            read_rank_model_where(dir, l, place.at.tp, &wanted)?,
+            read_rank_optimizer_where(dir, l, place.at.tp, &wanted)?,
         ),
         _ => {
             let (whole, moments) = match &layout {
@@ -285,11 +281,11 @@ pub fn read_rank_state(
         }
     };
     // ZeRO-1: keep the moments of the values this data-parallel rank updates.
-    let partition = (place.zero && place.dp_size > 1).then(|| {
+    let partition = (place.zero && place.mesh.dp > 1).then(|| {
         ZeroPartition::new(
             shapes.iter().map(|(p, s)| (p.as_str(), s.iter().product())),
-            place.dp,
-            place.dp_size,
+            place.at.dp,
+            place.mesh.dp,
         )
     });
     let mut covers = BTreeMap::new();

@@ -27,10 +27,12 @@ use super::output_dir::{claim, resolve_resume_for, Claim, RunDir};
 use super::parallel_plan::{ModelOutline, ParallelPlan};
 use super::pipeline_stage::stage_loss_and_grads;
 use super::reporters::{write_run_summary, Reporters, RunOrigin};
-use super::schedule::{Plateau, Schedule, SchedulerType};
+use super::run_sizes::RunSizes;
+use super::schedule::{Plateau, SchedulerType};
 use super::sharded_checkpoint::{
-    read_rank_state, write_layout, write_rank_files, Place, RankState,
+    read_rank_state, write_layout, write_rank_files, RankState, ShardedRank,
 };
+use crate::contract::{BatchSource, CrossEntropy, Loss, Model, ParamSplit};
 use crate::data::batch::epoch_order;
 use crate::error::{KilnError, Result};
 use crate::formats::sharded::LAYOUT_FILE;
@@ -38,10 +40,8 @@ use crate::io::files::write_synced;
 use crate::models::params::{load_into, module_shapes, module_tensors, module_tensors_where};
 use crate::ops::{profile, TrainBackend};
 use crate::parallel::launch::Attempt;
-use crate::parallel::pipeline::MicroBatches;
-use crate::parallel::DataParallel;
+use crate::parallel::mesh::{Coords, Mesh};
 use crate::report::live::{Phase, StepReport};
-use crate::task::{BatchSource, CrossEntropy, Loss, Model, ParamSplit};
 
 /// Set in `kiln precompile`'s child process: the next [`Trainer::train`] or
 /// [`Trainer::train_and_evaluate`] runs one step per batch shape instead of training
@@ -189,14 +189,20 @@ where
     }
 
     /// Where this rank sits in a sharded run (tensor-parallel and data-parallel ranks).
-    fn place(&self) -> Place {
-        Place {
-            tp: self.parallel.tensor().map_or(0, |l| l.tp.rank()),
-            tp_size: self.parallel.tensor().map_or(1, |l| l.tp.size()),
-            pp: self.parallel.pipeline().map_or(0, |p| p.index()),
-            pp_size: self.parallel.pipeline().map_or(1, |p| p.count()),
-            dp: self.parallel.data.rank(),
-            dp_size: self.parallel.data.size(),
+    fn place(&self) -> ShardedRank {
+        let tensor = self.parallel.tensor();
+        let pipeline = self.parallel.pipeline();
+        ShardedRank {
+            mesh: Mesh {
+                tp: tensor.map_or(1, |l| l.tp.size()),
+                dp: self.parallel.data.size(),
+                pp: pipeline.map_or(1, |p| p.count()),
+            },
+            at: Coords {
+                tp: tensor.map_or(0, |l| l.tp.rank()),
+                dp: self.parallel.data.rank(),
+                pp: pipeline.map_or(0, |p| p.index()),
+            },
             zero: self.parallel.zero().is_some(),
         }
     }
@@ -438,7 +444,7 @@ where
     /// Starts training, step by step: the arguments validated, the output folder claimed and the
     /// checkpoint to resume agreed, the plan (and the parallel layout) made, the checkpoint
     /// resumed, the reporters opened, every rank given rank 0's weights, the banner printed.
-    pub(super) fn start<S: BatchSource>(&mut self, train: &S, has_eval: bool) -> Result<Plan> {
+    pub(super) fn start<S: BatchSource>(&mut self, train: &S, has_eval: bool) -> Result<RunSizes> {
         let a = self.validated_args(has_eval)?;
         self.settle_layout(&a)?;
         let resume_dir = self.claim_output(&a)?;
@@ -572,7 +578,7 @@ where
     }
 
     /// The run's plan (steps, batches, warmup) with the trainer state and the plateau scheduler it sets.
-    fn make_plan<S: BatchSource>(&mut self, a: &TrainingArguments, train: &S) -> Result<Plan> {
+    fn make_plan<S: BatchSource>(&mut self, a: &TrainingArguments, train: &S) -> Result<RunSizes> {
         self.flos_params = self.non_embedding_parameters()? as f64;
         self.current_flos = 0.0;
         if a.save_only_model && self.sharded() {
@@ -581,7 +587,7 @@ where
             ));
         }
         let micro = self.parallel.pipeline().map(|p| p.micro_batches());
-        let plan = Plan::new(a, train.len(), &self.parallel.data, micro)?;
+        let plan = RunSizes::new(a, train.len(), &self.parallel.data, micro)?;
         self.state = TrainerState {
             max_steps: plan.total,
             num_train_epochs: plan.total as f64 / plan.updates_per_epoch as f64,
@@ -605,7 +611,12 @@ where
     }
 
     /// Resumes checkpoint `dir` into the state `plan` set (the plateau state too, when saved).
-    fn resume_into_plan(&mut self, a: &TrainingArguments, dir: &Path, plan: &Plan) -> Result<()> {
+    fn resume_into_plan(
+        &mut self,
+        a: &TrainingArguments,
+        dir: &Path,
+        plan: &RunSizes,
+    ) -> Result<()> {
         let sched = self.resume(dir)?;
         if self.is_main() {
             super::output_dir::trim_log(&a.output_dir, self.state.global_step)?;
@@ -649,7 +660,7 @@ where
 
     /// transformers' "***** Running training *****" block, with the parallel layout and what
     /// each rank keeps between steps.
-    fn banner(&self, a: &TrainingArguments, plan: &Plan) {
+    fn banner(&self, a: &TrainingArguments, plan: &RunSizes) {
         let world = self.parallel.data.size();
         info!("***** Running training *****");
         info!("  Num examples = {}", plan.examples);
@@ -733,7 +744,7 @@ where
         );
     }
 
-    fn progress_bar(&self, plan: &Plan) -> ProgressBar {
+    fn progress_bar(&self, plan: &RunSizes) -> ProgressBar {
         if !(self.progress && self.is_main()) {
             return ProgressBar::hidden();
         }
@@ -755,7 +766,7 @@ where
         &mut self,
         train: &S,
         group: &[&[usize]],
-        plan: &Plan,
+        plan: &RunSizes,
     ) -> Result<StepOutcome>
     where
         S: BatchSource<Batch = M::Batch>,
@@ -891,7 +902,7 @@ where
         let counts: Vec<f64> = targets
             .map(|t| {
                 t.iter()
-                    .filter(|&&x| x != crate::task::IGNORE_INDEX)
+                    .filter(|&&x| x != crate::contract::IGNORE_INDEX)
                     .count() as f64
             })
             .collect();
@@ -924,7 +935,7 @@ where
     /// logging_steps, or at each epoch's end), and after the first step with logging_first_step.
     fn maybe_log(
         &mut self,
-        plan: &Plan,
+        plan: &RunSizes,
         step: &StepOutcome,
         run: &mut RunProgress,
         epoch_end: bool,
@@ -968,7 +979,7 @@ where
         Ok(())
     }
 
-    fn scheduler_state(&self, plan: &Plan) -> SchedulerState {
+    fn scheduler_state(&self, plan: &RunSizes) -> SchedulerState {
         SchedulerState {
             step: self.optimizer.steps(),
             last_lr: self.lr(plan),
@@ -1027,7 +1038,7 @@ where
     }
 
     /// The learning rate of the next update: the schedule's at this step, or reduce_lr_on_plateau's.
-    fn lr(&self, plan: &Plan) -> f64 {
+    fn lr(&self, plan: &RunSizes) -> f64 {
         match &self.plateau {
             Some(p) => p.lr,
             None => plan.lr(&self.args, self.state.global_step),
@@ -1036,7 +1047,7 @@ where
 
     /// reduce_lr_on_plateau: one evaluation's metric_for_best_model (default loss) steps it, as
     /// transformers' Trainer does after every evaluation but eval_on_start's.
-    fn step_plateau(&mut self, metrics: &BTreeMap<String, f64>, plan: &Plan) -> Result<()> {
+    fn step_plateau(&mut self, metrics: &BTreeMap<String, f64>, plan: &RunSizes) -> Result<()> {
         let main = self.is_main();
         let Some(p) = self.plateau.as_mut() else {
             return Ok(());
@@ -1465,74 +1476,6 @@ where
             },
             &self.parallel.data,
         )
-    }
-}
-
-/// The sizes of a run, derived once from the data, the arguments and the world.
-pub(super) struct Plan {
-    examples: usize,
-    /// Examples per micro-batch, and micro-batches per optimizer step (the accumulation steps,
-    /// or under pipeline parallelism its micro-batches).
-    pub(super) batch_size: usize,
-    pub(super) accumulation: usize,
-    updates_per_epoch: u64,
-    total: u64,
-    warmup: u64,
-    schedule: Schedule,
-}
-
-impl Plan {
-    fn new<B: Backend>(
-        a: &TrainingArguments,
-        n: usize,
-        parallel: &DataParallel<B>,
-        micro: Option<MicroBatches>,
-    ) -> Result<Self> {
-        // Each rank trains on its shard of every epoch: equal counts on all ranks.
-        let n_rank = parallel.examples_per_rank(n, a.dataloader_drop_last);
-        let (bs, accumulation) = match micro {
-            Some(m) => (m.micro_batch_size, m.micro_batches),
-            None => (a.per_device_train_batch_size, a.gradient_accumulation_steps),
-        };
-        let batches_per_epoch = if a.dataloader_drop_last {
-            n_rank / bs
-        } else {
-            n_rank.div_ceil(bs)
-        };
-        if batches_per_epoch == 0 {
-            return Err(KilnError::Data(format!(
-                "{n} training examples make no full batch of {bs} (dataloader_drop_last)"
-            )));
-        }
-        let updates_per_epoch = batches_per_epoch.div_ceil(accumulation) as u64;
-        let total = if a.max_steps > 0 {
-            a.max_steps as u64
-        } else {
-            (a.num_train_epochs * updates_per_epoch as f64).ceil() as u64
-        };
-        // Ratios of eval_steps / save_steps become step counts only now.
-        a.check_best_checkpoints(total)?;
-        let warmup = a.warmup_of(total);
-        let schedule = Schedule::new(
-            a.lr_scheduler_type,
-            a.lr_scheduler_kwargs.as_ref(),
-            a.learning_rate,
-        )
-        .map_err(KilnError::Config)?;
-        Ok(Self {
-            examples: n,
-            batch_size: bs,
-            accumulation,
-            updates_per_epoch,
-            total,
-            warmup,
-            schedule,
-        })
-    }
-
-    /// The learning rate of the update after `step` updates.
-    fn lr(&self, a: &TrainingArguments, step: u64) -> f64 {
-        a.learning_rate * self.schedule.factor(step, self.warmup, self.total)
     }
 }
 

@@ -18,10 +18,10 @@ pub use model::*;
 
 use self::config::LlamaConfig;
 use super::decoder::{CausalLm, DecoderArchitecture, DecoderConfig, DecoderFamily};
+use crate::contract::ParamSplit;
 use crate::error::Result;
 use crate::models::params::Keep;
 use crate::ops::{KilnBackend, TpComm, TrainBackend};
-use crate::task::ParamSplit;
 
 /// `model_type: "llama"`.
 pub static FAMILY: DecoderFamily<Llama> = DecoderFamily {

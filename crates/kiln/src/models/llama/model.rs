@@ -12,11 +12,11 @@ use burn::tensor::activation::softmax;
 use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 
 pub use super::parallel::LlamaShard;
+use crate::contract::{Model, Segments, TensorParallelLayout};
 use crate::data::lm::TokenBatch;
 use crate::models::layers::{packed_rope_tables, rope_tables, Embedding, Linear, RmsNorm};
 use crate::models::llama::config::LlamaConfig;
 use crate::ops::{self, tp_enter, tp_sum, KilnBackend, TpComm};
-use crate::task::{Model, Segments, TensorParallelLayout};
 
 #[derive(Module, Debug)]
 pub struct LlamaAttention<B: Backend> {
@@ -718,10 +718,12 @@ impl<B: Backend> crate::models::lora::LoraTarget<B> for LlamaForCausalLM<B> {
         "CAUSAL_LM"
     }
 
-    fn split_of(&self, path: &str) -> crate::task::ParamSplit {
+    fn split_of(&self, path: &str) -> crate::contract::ParamSplit {
         self.shard
             .as_ref()
-            .map_or(crate::task::ParamSplit::Replicated, |s| s.split_of(path))
+            .map_or(crate::contract::ParamSplit::Replicated, |s| {
+                s.split_of(path)
+            })
     }
 }
 

@@ -13,9 +13,9 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
+use crate::contract::ParamSplit;
 use crate::models::llama::config::LlamaConfig;
 use crate::ops::{chunk_range as chunk, TpComm};
-use crate::task::ParamSplit;
 use crate::{KilnError, Result};
 
 /// What one tensor-parallel rank holds of a Llama.

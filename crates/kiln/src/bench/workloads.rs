@@ -11,6 +11,7 @@ use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use super::BenchResult;
+use crate::contract::{CrossEntropy, Loss, Model};
 use crate::data::batch::{collate, TextBatch};
 use crate::data::{self, Columns, DataArgs, Padding, TextEncoding, TextTokenizer};
 use crate::models::auto::EncoderConfig;
@@ -19,7 +20,6 @@ use crate::models::bert::BertForSequenceClassification;
 use crate::models::classifier::SequenceClassifier;
 use crate::models::mlp::{self, MnistMlp, PixelBatch};
 use crate::ops::{KilnBackend, TrainBackend};
-use crate::task::{CrossEntropy, Loss, Model};
 use crate::train::optim::{AdamWConfig, GradAccumulator, Optimizer, OptimizerType};
 
 /// Work and size of one step's batch, for the throughput columns.
