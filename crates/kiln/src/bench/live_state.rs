@@ -41,8 +41,8 @@ pub fn live_state_overhead<B: TrainBackend>(
             ..TrainingArguments::default()
         };
         let (out, _) = tc::train::<B, _>(&opts, args, device, CrossEntropy, |t| {
-            t.live_state = live;
-            t.progress = false;
+            t.reporting.live_state = live;
+            t.reporting.progress = false;
         })?;
         out.metrics
             .get("train_runtime")

@@ -95,6 +95,61 @@ pub trait Collectives<B: Backend>: Send + Sync {
         let t = Tensor::from_data(TensorData::new(values, [n]), self.device());
         Ok(host(self.all_reduce(t, ReduceOp::Sum)?))
     }
+
+    /// Sums integers over the set exactly (counts, shapes, hashes, steps), each below
+    /// [`EXACT_MAX`], on up to [`EXACT_MAX_RANKS`] ranks. The collectives add f32, which holds
+    /// integers exactly only below 2²⁴, so every value travels as [`LIMBS`] limbs of
+    /// [`LIMB_BITS`] bits: a limb is below 2¹², and the sum of 4,096 of them below 2²⁴.
+    fn sum_exact(&self, values: &[u64]) -> Result<Vec<u64>> {
+        check_exact(values, self.size())?;
+        let limbs: Vec<f32> = values.iter().flat_map(|&v| to_limbs(v)).collect();
+        Ok(self
+            .sum_host(limbs)?
+            .chunks(LIMBS)
+            .map(from_limbs)
+            .collect())
+    }
+}
+
+/// Bits per limb of [`Collectives::sum_exact`]: 12, so that 4,096 ranks' limbs sum below 2²⁴.
+pub const LIMB_BITS: u32 = 12;
+/// Limbs per value of [`Collectives::sum_exact`].
+pub const LIMBS: usize = 4;
+/// The largest value [`Collectives::sum_exact`] sums: 2⁴⁸ − 1 (any count or shape kiln meets).
+pub const EXACT_MAX: u64 = (1 << (LIMB_BITS as usize * LIMBS)) - 1;
+/// The most ranks [`Collectives::sum_exact`] is exact over: 2²⁴ / 2¹².
+pub const EXACT_MAX_RANKS: usize = 1 << (24 - LIMB_BITS);
+
+/// A value as [`LIMBS`] f32 limbs, lowest first.
+fn to_limbs(v: u64) -> impl Iterator<Item = f32> {
+    let mask = (1u64 << LIMB_BITS) - 1;
+    (0..LIMBS).map(move |i| ((v >> (LIMB_BITS as usize * i)) & mask) as f32)
+}
+
+/// The sum of values from the sums of their limbs (each an exact integer in f32); the carries
+/// between limbs are added here, in u64.
+fn from_limbs(limbs: &[f32]) -> u64 {
+    limbs
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| (s as u64) << (LIMB_BITS as usize * i))
+        .sum()
+}
+
+/// Refuses a sum [`Collectives::sum_exact`] could not make exact.
+fn check_exact(values: &[u64], ranks: usize) -> Result<()> {
+    if ranks > EXACT_MAX_RANKS {
+        return Err(crate::KilnError::Distributed(format!(
+            "an exact integer sum over {ranks} ranks: kiln's collectives add integers exactly over \
+             at most {EXACT_MAX_RANKS} ranks"
+        )));
+    }
+    if let Some(v) = values.iter().find(|&&v| v > EXACT_MAX) {
+        return Err(crate::KilnError::Distributed(format!(
+            "an exact integer sum of {v}: kiln's collectives add integers exactly up to {EXACT_MAX}"
+        )));
+    }
+    Ok(())
 }
 
 fn no_links() -> crate::KilnError {
@@ -444,5 +499,45 @@ mod tests {
         assert_eq!(chunk_range(9, 2, 0), 0..5);
         assert_eq!(chunk_range(9, 2, 1), 5..9);
         assert_eq!(chunk_range(1, 3, 2), 1..1);
+    }
+
+    /// Sums an f32 all-reduce could not hold (above 2²⁴, and carries between limbs) come out
+    /// exact, against the same sum in u64; values past the limit are refused.
+    #[test]
+    fn sum_exact_adds_integers_an_f32_sum_would_round() {
+        type B = burn::backend::NdArray<f32>;
+        let device = Default::default();
+        let ranks = crate::parallel::threads::ThreadComm::<B>::group(3, &device);
+        let per_rank: [[u64; 4]; 3] = [
+            [(1 << 24) + 1, EXACT_MAX, 0, 4095],
+            [(1 << 40) + 3, 0, 7, 4095],
+            [123_456_789_012, 0, 1, 1],
+        ];
+        let want: Vec<u64> = (0..4)
+            .map(|i| per_rank.iter().map(|r| r[i]).sum())
+            .collect();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = ranks
+                .into_iter()
+                .zip(per_rank)
+                .map(|(c, v)| s.spawn(move || c.sum_exact(&v).unwrap()))
+                .collect();
+            for h in handles {
+                assert_eq!(h.join().unwrap(), want);
+            }
+        });
+        // Rounded by f32, the first sum loses its low bits.
+        assert_ne!(
+            ((1u64 << 24) + 1 + (1 << 40) + 3) as f32 as u64,
+            want[0] - 123_456_789_012
+        );
+        let alone = crate::parallel::threads::ThreadComm::<B>::group(1, &device);
+        let err = alone[0]
+            .sum_exact(&[EXACT_MAX + 1])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("exactly up to 281474976710655"), "{err}");
+        assert!(check_exact(&[1], EXACT_MAX_RANKS + 1).is_err());
+        assert!(check_exact(&[EXACT_MAX], EXACT_MAX_RANKS).is_ok());
     }
 }

@@ -216,6 +216,14 @@ impl<B: Backend> DataParallel<B> {
         }
     }
 
+    /// Integers summed exactly over the whole job ([`Collectives::sum_exact`]).
+    pub fn sum_exact_world(&self, values: &[u64]) -> Result<Vec<u64>> {
+        match &self.world {
+            Some(w) => w.sum_exact(values),
+            None => Ok(values.to_vec()),
+        }
+    }
+
     /// The number of processes of the whole job (1 alone).
     pub fn world_size(&self) -> usize {
         self.world.as_ref().map_or(1, |w| w.size())

@@ -137,14 +137,14 @@ pub fn train<B: TrainBackend>(
     let plan = ParallelPlan::new(crate::parallel::DataParallel::join(device)?);
     let mut trainer =
         Trainer::<B, _, _>::new(args, model, device.clone(), CrossEntropy, files(), plan);
-    trainer.label_names = Some(digits());
+    trainer.metrics.label_names = Some(digits());
     let out = trainer.train(&train, None::<&MnistSplit>)?;
     if trainer.is_main() {
         println!(
             "Train throughput (iter/sec): {}",
             out.metrics["train_steps_per_second"]
         );
-        println!("Final loss is {:.4}", trainer.last_step_loss);
+        println!("Final loss is {:.4}", trainer.last_step_loss());
         println!("----------End Training ---------------");
     }
     Ok(out)

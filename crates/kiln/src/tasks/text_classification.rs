@@ -380,8 +380,8 @@ pub fn train<B: TrainBackend, L: Loss>(
     };
     let plan = ParallelPlan::new(parallel);
     let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files, plan);
-    trainer.label_names = Some(labels.names().to_vec());
-    trainer.origin = crate::train::RunOrigin::from_paths(
+    trainer.metrics.label_names = Some(labels.names().to_vec());
+    trainer.reporting.origin = crate::train::RunOrigin::from_paths(
         Some(&opts.model_dir),
         opts.data.train_file.as_deref(),
         opts.data.eval_file.as_deref(),

@@ -40,6 +40,29 @@ pub struct EvalOutput {
     pub predictions: Predictions,
 }
 
+/// What the trainer's evaluations report besides the loss, held for the run ([`Reported`]
+/// borrows it for one evaluation).
+#[derive(Default)]
+pub struct EvalMetrics {
+    /// Class names: a classification report (`None`: perplexity instead).
+    pub label_names: Option<Vec<String>>,
+    /// The user's metric over all predictions (classification).
+    pub compute_metrics: Option<MetricFn>,
+    /// The user's metric streamed per batch (causal LM).
+    pub token_metrics: Option<std::sync::Arc<dyn TokenMetrics>>,
+}
+
+impl EvalMetrics {
+    /// The metrics for one evaluation.
+    pub fn reported(&self) -> Reported<'_> {
+        Reported {
+            label_names: self.label_names.as_deref(),
+            compute_metrics: self.compute_metrics.as_ref(),
+            token_metrics: self.token_metrics.as_deref(),
+        }
+    }
+}
+
 /// What an evaluation reports besides the loss.
 #[derive(Default, Clone, Copy)]
 pub struct Reported<'a> {

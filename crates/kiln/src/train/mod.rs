@@ -18,13 +18,13 @@ pub mod reporters;
 pub mod reshard;
 pub mod run_sizes;
 pub mod schedule;
-pub mod sharded_checkpoint;
 pub mod trainer;
 
 pub use args::{IntervalStrategy, PipelineOptions, SaveStrategy, TrainingArguments};
+pub use evaluate::EvalMetrics;
 pub use optim::OptimizerType;
 pub use parallel_plan::{ModelOutline, ParallelPlan};
-pub use reporters::RunOrigin;
+pub use reporters::{Reporting, RunOrigin};
 // The task contract, re-exported where library users of the trainer look for it.
 pub use crate::contract::{
     BatchSource, CrossEntropy, LabelSmoothedCrossEntropy, Loss, Model, IGNORE_INDEX,

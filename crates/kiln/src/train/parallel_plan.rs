@@ -98,15 +98,9 @@ impl<B: KilnBackend> PipelinePlan<B> {
         self.micro
     }
 
-    /// Sums a count over the stages, exactly (as four 12-bit limbs of an f32 sum).
+    /// Sums a count over the stages, exactly ([`Collectives::sum_exact`]).
     pub fn count_sum(&self, n: usize) -> Result<usize> {
-        let limbs = (0..4).map(|i| ((n >> (12 * i)) & 0xfff) as f32).collect();
-        let sums = self.group.sum_host(limbs)?;
-        Ok(sums
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| (v as usize) << (12 * i))
-            .sum())
+        Ok(self.group.sum_exact(&[n as u64])?[0] as usize)
     }
 
     /// Sums a step's loss over the stages (only the last computes it).
@@ -150,8 +144,8 @@ impl<B: KilnBackend> PipelinePlan<B> {
     }
 
     /// With a tied embedding, checks that the first and last stages hold it equal bit for bit
-    /// (every stage of the group takes part): each puts a 32-bit hash of its copy, as two exact
-    /// 16-bit halves, into its slots of a sum over the group.
+    /// (every stage of the group takes part): each puts a 32-bit hash of its copy into its slot
+    /// of an exact sum over the group.
     pub(super) fn check_tied_copies<AB, M>(&self, model: &M, step: u64) -> Result<()>
     where
         AB: AutodiffBackend<InnerBackend = B> + KilnBackend,
@@ -161,7 +155,7 @@ impl<B: KilnBackend> PipelinePlan<B> {
             return Ok(());
         }
         let last = self.count() - 1;
-        let mut slots = vec![0f32; 4];
+        let mut slots = [0u64; 2];
         if self.index() == 0 || self.index() == last {
             let copies = module_tensors_where(model, |p| self.is_embedding(p));
             let hash = copies
@@ -170,12 +164,10 @@ impl<B: KilnBackend> PipelinePlan<B> {
                 .fold(0x811c_9dc5u32, |h, v| {
                     (h ^ v.to_bits()).wrapping_mul(0x0100_0193)
                 });
-            let at = if self.index() == 0 { 0 } else { 2 };
-            slots[at] = (hash >> 16) as f32;
-            slots[at + 1] = (hash & 0xffff) as f32;
+            slots[usize::from(self.index() != 0)] = u64::from(hash);
         }
-        let all = self.group.sum_host(slots)?;
-        if all[..2] != all[2..] {
+        let all = self.group.sum_exact(&slots)?;
+        if all[0] != all[1] {
             return Err(KilnError::Checkpoint(format!(
                 "the tied embedding {} differs between pipeline stages 0 and {last} at step \
                  {step}: their summed gradients or updates went apart, so no checkpoint is written",
@@ -310,26 +302,23 @@ impl<B: KilnBackend> ParallelPlan<B> {
         };
         let shapes = module_shapes(&model);
         let bf16 = module_bf16_params(&model);
-        // Each dimension travels as two exact 12-bit halves of an f32 sum (any size below 2^36).
+        // Each dimension, and whether the owner holds it in bf16, in one exact sum.
         let mut slots = Vec::new();
         for (path, dims) in &shapes {
             let own = p.owns(path);
-            for &d in dims {
-                let d = if own { d } else { 0 };
-                slots.extend([(d >> 12) as f32, (d & 0xfff) as f32]);
-            }
-            slots.push(f32::from(u8::from(own && bf16.contains(path))));
+            slots.extend(dims.iter().map(|&d| if own { d as u64 } else { 0 }));
+            slots.push(u64::from(own && bf16.contains(path)));
         }
-        let summed = p.group.sum_host(slots)?;
+        let summed = p.group.sum_exact(&slots)?;
         let mut at = 0;
         let mut released = BTreeMap::new();
         for (path, dims) in &shapes {
-            let whole: Vec<usize> = summed[at..at + 2 * dims.len()]
-                .chunks(2)
-                .map(|h| ((h[0] as usize) << 12) + h[1] as usize)
+            let whole: Vec<usize> = summed[at..at + dims.len()]
+                .iter()
+                .map(|&d| d as usize)
                 .collect();
-            let held = summed[at + 2 * dims.len()] > 0.5;
-            at += 2 * dims.len() + 1;
+            let held = summed[at + dims.len()] > 0;
+            at += dims.len() + 1;
             if !p.holds(path) {
                 released.insert(path.clone(), (Shape::from(whole), held));
             }

@@ -172,7 +172,7 @@ where
                         p.shape.0,
                         &self.loss,
                         Reported {
-                            label_names: self.label_names.as_deref(),
+                            label_names: self.metrics.label_names.as_deref(),
                             ..Reported::default()
                         },
                         &crate::parallel::DataParallel::single(),

@@ -11,6 +11,31 @@ use crate::report::live::{LivePublisher, Phase, StepReport};
 use crate::report::model_card::{model_card, CardInput, CardTask};
 use crate::report::tensorboard::{hf_scalars, EventWriter};
 
+/// How a run reports besides its logs: the progress bar, `kiln top`'s live state, and where the
+/// model and data came from (for the model card).
+#[derive(Debug, Clone)]
+pub struct Reporting {
+    /// Whether to show a progress bar (rank 0, interactive).
+    pub progress: bool,
+    /// Whether every rank publishes its live state for `kiln top` (on by default).
+    pub live_state: bool,
+    /// The index of the GPU this rank trains on, for the live state's GPU figures (default: the
+    /// one given to [`crate::report::live::set_gpu_index`]).
+    pub gpu_index: Option<u32>,
+    pub origin: RunOrigin,
+}
+
+impl Default for Reporting {
+    fn default() -> Self {
+        Self {
+            progress: true,
+            live_state: true,
+            gpu_index: None,
+            origin: RunOrigin::default(),
+        }
+    }
+}
+
 /// What the caller knows of a run's origin, for the model card.
 #[derive(Debug, Clone, Default)]
 pub struct RunOrigin {

@@ -13,30 +13,26 @@ use serde_json::{json, Map, Value};
 use tracing::info;
 
 use super::activation_checkpointing::loss_and_grads_by_segment;
-use super::args::{IntervalStrategy, SaveStrategy, TrainingArguments};
+use super::args::TrainingArguments;
+use super::checkpoint::sharded::{read_rank_state, RankState, ShardedRank};
 use super::checkpoint::{
-    ensure_finite, publish, put_config_files, put_model_files, read_json, rotate_checkpoints,
-    save_checkpoint, staging_dir, write_marker, Checkpoint, ModelFiles, SchedulerState,
+    ensure_finite, put_model_files, read_json, Checkpointer, ModelFiles, SchedulerState, Snapshot,
     TrainerState,
 };
 pub use super::evaluate::{evaluate, EvalOutput, MetricFn, Reported, TokenMetrics};
-use super::evaluate::{round3, round4, targets_tensor};
+use super::evaluate::{round3, round4, targets_tensor, EvalMetrics};
 use super::grad_sync::Synced;
 use super::optim::{AdamWConfig, GradAccumulator, Optimizer, OptimizerType};
 use super::output_dir::{claim, resolve_resume_for, Claim, RunDir};
 use super::parallel_plan::{ModelOutline, ParallelPlan};
 use super::pipeline_stage::stage_loss_and_grads;
-use super::reporters::{write_run_summary, Reporters, RunOrigin};
+use super::reporters::{write_run_summary, Reporters, Reporting};
 use super::run_sizes::RunSizes;
 use super::schedule::{Plateau, SchedulerType};
-use super::sharded_checkpoint::{
-    read_rank_state, write_layout, write_rank_files, RankState, ShardedRank,
-};
 use crate::contract::{BatchSource, CrossEntropy, Loss, Model, ParamSplit};
 use crate::data::batch::epoch_order;
 use crate::error::{KilnError, Result};
 use crate::formats::sharded::LAYOUT_FILE;
-use crate::io::files::write_synced;
 use crate::models::params::{load_into, module_shapes, module_tensors, module_tensors_where};
 use crate::ops::{profile, TrainBackend};
 use crate::parallel::launch::Attempt;
@@ -71,47 +67,24 @@ pub struct Trainer<B: TrainBackend, M, L = CrossEntropy> {
     model: Option<M>,
     pub device: B::Device,
     pub loss: L,
-    /// Class names for classification metrics; `None` for language modelling (perplexity instead).
-    pub label_names: Option<Vec<String>>,
-    pub compute_metrics: Option<MetricFn>,
-    /// A causal LM's metrics, streamed per evaluation batch.
-    pub token_metrics: Option<std::sync::Arc<dyn TokenMetrics>>,
+    /// What evaluations report besides the loss (class names, the user's metrics).
+    pub metrics: EvalMetrics,
     pub files: ModelFiles,
     pub state: TrainerState,
     optimizer: Optimizer<B::InnerBackend>,
-    /// Whether to show a progress bar (rank 0, interactive).
-    pub progress: bool,
     /// The run's parallelism, given to [`Self::new`]: data parallelism, and the tensor-parallel
     /// layout and ZeRO-1 settled when training starts.
     pub(super) parallel: ParallelPlan<B::InnerBackend>,
-    /// The loss of the last optimizer step (averaged over ranks), as the MNIST sample prints it.
-    pub last_step_loss: f64,
-    /// This run's id (its checkpoints carry it) and, on rank 0, the lock on the output folder.
-    run: Option<RunDir>,
-    run_id: String,
-    /// Steps skipped so far for a non-finite loss or gradient norm (`--skip-nonfinite-steps`).
-    skipped_nonfinite: u64,
-    /// The resumed checkpoint's sum of step losses since step 1 (`None`: a checkpoint that did
-    /// not record it, or no resume — then 0 at step 0).
-    resumed_loss_sum: Option<f64>,
+    /// Decides when a checkpoint is due, saves and rotates them, keeps the best metric.
+    checkpointer: Checkpointer,
     /// reduce_lr_on_plateau's state: the rate follows the evaluations instead of the step.
     plateau: Option<Plateau>,
-    /// Non-embedding parameters of the whole model (all tensor-parallel shards), and this rank's
-    /// floating-point operations since they were last added to `state.total_flos`.
-    flos_params: f64,
-    current_flos: f64,
     /// log.jsonl, TensorBoard and the live state (opened when training starts).
     reporters: Reporters,
-    /// Whether every rank publishes its live state for `kiln top` (on by default).
-    pub live_state: bool,
-    /// The index of the GPU this rank trains on, for the live state's GPU figures (default: the
-    /// one given to [`crate::report::live::set_gpu_index`]).
-    pub gpu_index: Option<u32>,
-    /// Where the model and data came from, for the model card.
-    pub origin: RunOrigin,
-    /// Under pipeline parallelism: the seconds this stage waited for its neighbours, and the
-    /// seconds its share of the steps took.
-    pipeline_seconds: (f64, f64),
+    /// The progress bar, `kiln top`'s live state, the run's origin for the model card.
+    pub reporting: Reporting,
+    /// What the run has counted so far (skipped steps, FLOs, pipeline waits, the last loss).
+    counters: Counters,
 }
 
 impl<B, M, L> Trainer<B, M, L>
@@ -136,28 +109,22 @@ where
             model: Some(model),
             device,
             loss,
-            label_names: None,
-            compute_metrics: None,
-            token_metrics: None,
+            metrics: EvalMetrics::default(),
             files,
             state: TrainerState::default(),
             optimizer,
-            progress: true,
             parallel,
-            last_step_loss: f64::NAN,
-            run: None,
-            run_id: String::new(),
-            skipped_nonfinite: 0,
-            resumed_loss_sum: None,
+            checkpointer: Checkpointer::default(),
             plateau: None,
-            flos_params: 0.0,
-            current_flos: 0.0,
             reporters: Reporters::default(),
-            live_state: true,
-            gpu_index: None,
-            origin: RunOrigin::default(),
-            pipeline_seconds: (0.0, 0.0),
+            reporting: Reporting::default(),
+            counters: Counters::default(),
         }
+    }
+
+    /// The loss of the last optimizer step, averaged over the ranks (NaN before the first).
+    pub fn last_step_loss(&self) -> f64 {
+        self.counters.last_step_loss
     }
 
     /// The model being trained.
@@ -293,8 +260,8 @@ where
         let sched: SchedulerState = read_json(&dir.join("scheduler.json"))?;
         self.optimizer
             .load_state(sched.step, &rank.moments, Some(&rank.covers), &self.device);
-        self.skipped_nonfinite = sched.skipped_nonfinite;
-        self.resumed_loss_sum = sched.train_loss_sum;
+        self.counters.skipped_nonfinite = sched.skipped_nonfinite;
+        self.counters.resumed_loss_sum = sched.train_loss_sum;
         info!(
             "resumed from {} at step {} (epoch {:.2})",
             dir.display(),
@@ -344,7 +311,7 @@ where
         let a = self.args.clone();
         let mut run = RunProgress::new(self.state.global_step, self.progress_bar(&plan));
         // The loss sum goes on from step 1 when the resumed checkpoint recorded it.
-        let from_step_1 = match (run.start_step, self.resumed_loss_sum) {
+        let from_step_1 = match (run.start_step, self.counters.resumed_loss_sum) {
             (0, _) => Some(0.0),
             (_, sum) => sum,
         };
@@ -409,22 +376,15 @@ where
                         self.model = Some(self.parallel.release_other_stages::<B, M>(model));
                         self.log_eval(&out)?;
                         self.step_plateau(&out.metrics, &plan)?;
-                        improved = self.improves_best(&out.metrics);
+                        improved = self
+                            .checkpointer
+                            .improves(&out.metrics, self.state.best_metric);
                         run.pending_eval = Some(out.metrics);
                     }
                 }
                 let last = self.state.global_step >= plan.total;
-                let save = match a.save_strategy {
-                    SaveStrategy::No => false,
-                    SaveStrategy::Steps => IntervalStrategy::Steps.due(
-                        a.save_interval(plan.total),
-                        self.state.global_step,
-                        epoch_end,
-                    ),
-                    SaveStrategy::Epoch => epoch_end,
-                    SaveStrategy::Best => improved,
-                };
-                if save || (last && a.load_best_model_at_end) {
+                let step = self.state.global_step;
+                if self.checkpointer.due(step, epoch_end, improved, last) {
                     let mut sched = self.scheduler_state(&plan);
                     sched.train_loss_sum = run.counts_from_step_1.then_some(run.loss_sum);
                     let pending = run.pending_eval.take();
@@ -447,8 +407,9 @@ where
     pub(super) fn start<S: BatchSource>(&mut self, train: &S, has_eval: bool) -> Result<RunSizes> {
         let a = self.validated_args(has_eval)?;
         self.settle_layout(&a)?;
-        let resume_dir = self.claim_output(&a)?;
+        let (resume_dir, run) = self.claim_output(&a)?;
         let plan = self.make_plan(&a, train)?;
+        self.checkpointer = Checkpointer::new(&a, plan.total, run);
         if let Some(dir) = &resume_dir {
             self.resume_into_plan(&a, dir, &plan)?;
         }
@@ -501,11 +462,11 @@ where
     }
 
     /// Rank 0 claims the output folder; every rank agrees on the checkpoint to resume, if any.
-    fn claim_output(&mut self, a: &TrainingArguments) -> Result<Option<PathBuf>> {
+    fn claim_output(&mut self, a: &TrainingArguments) -> Result<(Option<PathBuf>, Option<RunDir>)> {
         // Rank 0 claims the output folder (lock, leftovers, another run's files); every rank
         // resumes from the same checkpoint.
         let attempt = Attempt::from_env()?;
-        let (mut resume_dir, mut restarted) = (None, false);
+        let (mut resume_dir, mut restarted, mut claimed) = (None, false, None);
         if self.is_main() {
             let run = claim(&Claim {
                 output_dir: &a.output_dir,
@@ -514,15 +475,13 @@ where
                 overwrite: a.overwrite_output_dir,
                 attempt: attempt.as_ref(),
             })?;
-            self.run_id = run.run_id.clone();
             (resume_dir, restarted) = (run.resume.clone(), run.restarted);
-            self.run = Some(run);
+            claimed = Some(run);
         }
         // A restarted job's ranks take rank 0's choice: only it reads the folder before
         // rewriting the run's record. Agreed over the whole job, not the data-parallel group:
         // under tensor parallelism rank 0's group may be itself alone, and a peer that started
-        // over from random weights would train a different model beside it. (Steps travel as
-        // f32: exact below 2^24.)
+        // over from random weights would train a different model beside it.
         if attempt.is_some_and(|a| a.restart > 0) && self.parallel.data.world_size() > 1 {
             let step = resume_dir
                 .as_deref()
@@ -533,18 +492,17 @@ where
                         .parse()
                         .ok()
                 })
-                .map_or(0.0, |s: u64| s as f32 + 1.0);
+                .map_or(0, |s: u64| s + 1);
             let mine = if self.is_main() {
-                vec![f32::from(u8::from(restarted)), step]
+                [u64::from(restarted), step]
             } else {
-                vec![0.0, 0.0]
+                [0, 0]
             };
-            let chosen = self.parallel.data.sum_host_world(mine)?;
-            restarted = chosen[0] > 0.0;
+            let chosen = self.parallel.data.sum_exact_world(&mine)?;
+            restarted = chosen[0] > 0;
             if restarted && !self.is_main() {
-                resume_dir = (chosen[1] > 0.0).then(|| {
-                    super::checkpoint::checkpoint_dir(&a.output_dir, chosen[1] as u64 - 1)
-                });
+                resume_dir = (chosen[1] > 0)
+                    .then(|| super::checkpoint::checkpoint_dir(&a.output_dir, chosen[1] - 1));
             }
         }
         if !self.is_main() && !restarted {
@@ -554,7 +512,7 @@ where
                 .map(|spec| resolve_resume_for(&a.output_dir, spec))
                 .transpose()?;
         }
-        Ok(resume_dir)
+        Ok((resume_dir, claimed))
     }
 
     /// The parallel layout settled from the model and checked against the arguments, before
@@ -579,8 +537,8 @@ where
 
     /// The run's plan (steps, batches, warmup) with the trainer state and the plateau scheduler it sets.
     fn make_plan<S: BatchSource>(&mut self, a: &TrainingArguments, train: &S) -> Result<RunSizes> {
-        self.flos_params = self.non_embedding_parameters()? as f64;
-        self.current_flos = 0.0;
+        self.counters.flos_params = self.non_embedding_parameters()? as f64;
+        self.counters.current_flos = 0.0;
         if a.save_only_model && self.sharded() {
             return Err(KilnError::Config(
                 "save_only_model is not implemented for sharded checkpoints (tensor parallelism or --zero-1)".into(),
@@ -652,8 +610,10 @@ where
             a,
             self.is_main(),
             (rank, world),
-            self.live_state,
-            self.gpu_index.or_else(crate::report::live::gpu_index),
+            self.reporting.live_state,
+            self.reporting
+                .gpu_index
+                .or_else(crate::report::live::gpu_index),
         )?;
         Ok(())
     }
@@ -745,7 +705,7 @@ where
     }
 
     fn progress_bar(&self, plan: &RunSizes) -> ProgressBar {
-        if !(self.progress && self.is_main()) {
+        if !(self.reporting.progress && self.is_main()) {
             return ProgressBar::hidden();
         }
         let pb = ProgressBar::new(plan.total);
@@ -796,7 +756,7 @@ where
                 samples += idx.len();
                 let numel = self.model().input_ids_numel(batch);
                 tokens += numel;
-                self.current_flos += 6.0 * numel as f64 * self.flos_params;
+                self.counters.current_flos += 6.0 * numel as f64 * self.counters.flos_params;
             }
             let got = stage_loss_and_grads(
                 self.model(),
@@ -809,15 +769,15 @@ where
             loss_sum = p.stage_sum(got.loss_sum)?;
             acc = got.grads;
             stage_wait = got.waited;
-            self.pipeline_seconds.0 += got.waited;
-            self.pipeline_seconds.1 += got.seconds;
+            self.counters.pipeline_seconds.0 += got.waited;
+            self.counters.pipeline_seconds.1 += got.seconds;
         } else {
             for ((idx, (batch, targets)), scale) in group.iter().zip(batches).zip(scales) {
                 let fwd = profile::scope("step: data + forward");
                 samples += idx.len();
                 let numel = self.model().input_ids_numel(&batch);
                 tokens += numel;
-                self.current_flos += 6.0 * numel as f64 * self.flos_params;
+                self.counters.current_flos += 6.0 * numel as f64 * self.counters.flos_params;
                 let by_segment = if checkpointing {
                     loss_and_grads_by_segment(self.model(), &batch, &targets, &self.loss, scale)
                 } else {
@@ -877,7 +837,7 @@ where
         }
         self.state.global_step += 1;
         self.state.epoch = self.state.global_step as f64 / plan.updates_per_epoch as f64;
-        self.last_step_loss = loss;
+        self.counters.last_step_loss = loss;
         Ok(StepOutcome {
             loss,
             grad_norm,
@@ -921,16 +881,6 @@ where
         Ok(counts.iter().map(|c| c * ranks / total.max(1.0)).collect())
     }
 
-    /// Whether these evaluation metrics beat the best so far (metric_for_best_model).
-    fn improves_best(&self, metrics: &BTreeMap<String, f64>) -> bool {
-        let (name, greater) = self.args.best_metric();
-        match (metrics.get(&name), self.state.best_metric) {
-            (None, _) => false,
-            (Some(_), None) => true,
-            (Some(&v), Some(b)) => (greater && v > b) || (!greater && v < b),
-        }
-    }
-
     /// The progress bar after every step; a `log.jsonl` line as logging_strategy says (every
     /// logging_steps, or at each epoch's end), and after the first step with logging_first_step.
     fn maybe_log(
@@ -963,8 +913,8 @@ where
         if step.grad_norm.is_finite() {
             entry["grad_norm"] = json!(step.grad_norm);
         }
-        if self.skipped_nonfinite > 0 {
-            entry["skipped_nonfinite_steps"] = json!(self.skipped_nonfinite);
+        if self.counters.skipped_nonfinite > 0 {
+            entry["skipped_nonfinite_steps"] = json!(self.counters.skipped_nonfinite);
         }
         if self.is_main() {
             run.bar.suspend(|| {
@@ -986,7 +936,7 @@ where
             warmup_steps: plan.warmup,
             total_steps: plan.total,
             seed: self.args.seed,
-            skipped_nonfinite: self.skipped_nonfinite,
+            skipped_nonfinite: self.counters.skipped_nonfinite,
             plateau: self.plateau.clone(),
             train_loss_sum: None,
         }
@@ -1028,12 +978,12 @@ where
             f64::from(
                 self.parallel
                     .data
-                    .sum_host(vec![self.current_flos as f32])?[0],
+                    .sum_host(vec![self.counters.current_flos as f32])?[0],
             )
         } else {
-            self.current_flos
+            self.counters.current_flos
         };
-        self.current_flos = 0.0;
+        self.counters.current_flos = 0.0;
         Ok(())
     }
 
@@ -1094,13 +1044,15 @@ where
         } else {
             steps_run
         };
-        let finite_steps = counted.saturating_sub(self.skipped_nonfinite).max(1);
+        let finite_steps = counted
+            .saturating_sub(self.counters.skipped_nonfinite)
+            .max(1);
         metrics.insert("train_loss".into(), run.loss_sum / finite_steps as f64);
         metrics.insert("epoch".into(), round4(self.state.epoch));
         self.store_flos()?;
         metrics.insert("total_flos".into(), self.state.total_flos);
         if let Some(p) = self.parallel.pipeline() {
-            let (waited, ran) = self.pipeline_seconds;
+            let (waited, ran) = self.counters.pipeline_seconds;
             let m = p.micro_batches().micro_batches;
             info!(
                 "pipeline stage {} of {}: waited for its neighbours {waited:.2} s of {ran:.2} s \
@@ -1159,121 +1111,32 @@ where
         self.log(entry)
     }
 
+    /// Checkpoint-`global_step`, with the evaluation it goes with (for the best model), through
+    /// the [`Checkpointer`].
     fn save_checkpoint(
         &mut self,
         sched: &SchedulerState,
         eval_metrics: Option<BTreeMap<String, f64>>,
     ) -> Result<()> {
         self.store_flos()?;
-        let a = &self.args;
-        let dir = super::checkpoint::checkpoint_dir(&a.output_dir, self.state.global_step);
-        if let Some(m) = eval_metrics {
-            let (name, greater) = a.best_metric();
-            if let Some(&v) = m.get(&name) {
-                let better = match self.state.best_metric {
-                    None => true,
-                    Some(b) => (greater && v > b) || (!greater && v < b),
-                };
-                if better {
-                    self.state.best_metric = Some(v);
-                    self.state.best_model_checkpoint = Some(dir.display().to_string());
+        self.checkpointer
+            .record_best(&mut self.state, eval_metrics.as_ref());
+        let sharded = self.sharded();
+        self.checkpointer
+            .save(self.state.global_step, &self.parallel, self.place(), || {
+                if sharded {
+                    self.check_tied_copies()?;
                 }
-            } else {
-                tracing::warn!("metric_for_best_model {name} is not among the eval metrics");
-            }
-        }
-        if self.sharded() {
-            return self.save_sharded_checkpoint(sched);
-        }
-        if !self.is_main() {
-            // Rank 0 writes; the others wait so that nobody reads a half-written checkpoint.
-            return self.parallel.data.barrier();
-        }
-        let model = self.saved_tensors();
-        ensure_finite(
-            &model,
-            &format!("saving checkpoint-{}", self.state.global_step),
-        )?;
-        let opt = self.optimizer.state_tensors();
-        let args_json = self.args.to_hf_json();
-        let path = save_checkpoint(
-            &self.args.output_dir,
-            &Checkpoint {
-                model: &model,
-                files: &self.files,
-                optimizer: (!self.args.save_only_model).then_some(&opt),
-                state: &self.state,
-                scheduler: sched,
-                training_args_json: &args_json,
-            },
-            &self.run_id,
-        )?;
-        info!("saved {}", path.display());
-        if let Some(limit) = self.args.save_total_limit {
-            let best = self.state.best_model_checkpoint.clone().map(PathBuf::from);
-            rotate_checkpoints(&self.args.output_dir, limit, best.as_deref(), &self.run_id)?;
-        }
-        self.parallel.data.barrier()
-    }
-
-    /// A checkpoint of a sharded run: every rank writes its shard into the staging folder, then
-    /// rank 0 adds the shared files, the layout and the marker, and moves it into place.
-    fn save_sharded_checkpoint(&mut self, sched: &SchedulerState) -> Result<()> {
-        let step = self.state.global_step;
-        let out = self.args.output_dir.clone();
-        let tmp = out.join(format!(
-            "{}checkpoint-{step}",
-            crate::io::files::TEMP_PREFIX
-        ));
-        if self.is_main() {
-            staging_dir(&out, step)?;
-        }
-        self.parallel.data.barrier()?;
-        let place = self.place();
-        self.check_tied_copies()?;
-        // Under a pipeline each stage writes what it owns: a tied embedding once, from stage 0.
-        let saves = |key: &String| {
-            let path = key.rsplit_once('.').map_or(key.as_str(), |(p, _)| p);
-            self.parallel.saves(path)
-        };
-        let mut model = self.saved_tensors();
-        model.retain(|k, _| self.parallel.saves(k));
-        let mut moments = self.optimizer.state_tensors();
-        moments.retain(|k, _| saves(k));
-        let mut covers = self.optimizer.covers();
-        covers.retain(|k, _| self.parallel.saves(k));
-        write_rank_files(
-            &tmp,
-            place,
-            &model,
-            self.parallel.tensor().map(|l| &l.splits),
-            &moments,
-            &covers,
-        )?;
-        self.parallel.data.barrier()?;
-        if self.is_main() {
-            let a = &self.args;
-            let mut put = |name: &str, bytes: &[u8]| write_synced(&tmp.join(name), bytes);
-            put_config_files(&self.files, &mut put)?;
-            put(
-                "trainer_state.json",
-                &serde_json::to_vec_pretty(&self.state).expect("json"),
-            )?;
-            put(
-                "scheduler.json",
-                &serde_json::to_vec_pretty(sched).expect("json"),
-            )?;
-            put("training_args.json", a.to_hf_json().as_bytes())?;
-            write_layout(&tmp, place)?;
-            write_marker(&tmp, &self.run_id, step)?;
-            let path = publish(&out, &tmp, step)?;
-            info!("saved {} (sharded: {LAYOUT_FILE})", path.display());
-            if let Some(limit) = a.save_total_limit {
-                let best = self.state.best_model_checkpoint.clone().map(PathBuf::from);
-                rotate_checkpoints(&out, limit, best.as_deref(), &self.run_id)?;
-            }
-        }
-        self.parallel.data.barrier()
+                Ok(Snapshot {
+                    model: self.saved_tensors(),
+                    optimizer: self.optimizer.state_tensors(),
+                    covers: self.optimizer.covers(),
+                    files: &self.files,
+                    state: &self.state,
+                    scheduler: sched,
+                    training_args_json: self.args.to_hf_json(),
+                })
+            })
     }
 
     /// Under a pipeline with a tied embedding: the first and last stages' copies must be equal
@@ -1353,12 +1216,12 @@ where
     fn skip_nonfinite_step(&mut self, loss: f64, grad_norm: f64, overflowed: bool) -> Result<()> {
         let step = self.state.global_step + 1;
         let budget = self.args.skip_nonfinite_steps;
-        if self.skipped_nonfinite < budget {
-            self.skipped_nonfinite += 1;
+        if self.counters.skipped_nonfinite < budget {
+            self.counters.skipped_nonfinite += 1;
             tracing::warn!(
                 "step {step}: loss {loss} / grad_norm {grad_norm} is not finite: update skipped \
                  ({} of --skip-nonfinite-steps {budget})",
-                self.skipped_nonfinite
+                self.counters.skipped_nonfinite
             );
             return Ok(());
         }
@@ -1446,7 +1309,7 @@ where
         write_run_summary(
             &self.args.output_dir,
             &self.args,
-            &self.origin,
+            &self.reporting.origin,
             self.parallel.data.size(),
             &history,
         );
@@ -1469,13 +1332,40 @@ where
             eval,
             self.args.per_device_eval_batch_size,
             &self.loss,
-            Reported {
-                label_names: self.label_names.as_deref(),
-                compute_metrics: self.compute_metrics.as_ref(),
-                token_metrics: self.token_metrics.as_deref(),
-            },
+            self.metrics.reported(),
             &self.parallel.data,
         )
+    }
+}
+
+/// What a run counts as it goes, besides the trainer state transformers saves.
+struct Counters {
+    /// The loss of the last optimizer step (averaged over ranks), as the MNIST sample prints it.
+    last_step_loss: f64,
+    /// Steps skipped so far for a non-finite loss or gradient norm (`--skip-nonfinite-steps`).
+    skipped_nonfinite: u64,
+    /// The resumed checkpoint's sum of step losses since step 1 (`None`: a checkpoint that did
+    /// not record it, or no resume — then 0 at step 0).
+    resumed_loss_sum: Option<f64>,
+    /// Non-embedding parameters of the whole model (all tensor-parallel shards), and this rank's
+    /// floating-point operations since they were last added to `state.total_flos`.
+    flos_params: f64,
+    current_flos: f64,
+    /// Under pipeline parallelism: the seconds this stage waited for its neighbours, and the
+    /// seconds its share of the steps took.
+    pipeline_seconds: (f64, f64),
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Self {
+            last_step_loss: f64::NAN,
+            skipped_nonfinite: 0,
+            resumed_loss_sum: None,
+            flos_params: 0.0,
+            current_flos: 0.0,
+            pipeline_seconds: (0.0, 0.0),
+        }
     }
 }
 

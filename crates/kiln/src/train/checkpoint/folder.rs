@@ -216,7 +216,7 @@ pub struct SchedulerState {
     pub skipped_nonfinite: u64,
     /// reduce_lr_on_plateau's rate, best metric and counters.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub plateau: Option<super::schedule::Plateau>,
+    pub plateau: Option<crate::train::schedule::Plateau>,
     /// The finite step losses summed from step 1 (in order, in f64), so a resumed or restarted
     /// run reports the very `train_loss` of an unbroken one. Absent in older checkpoints.
     #[serde(default, skip_serializing_if = "Option::is_none")]

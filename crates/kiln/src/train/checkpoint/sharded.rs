@@ -18,7 +18,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::checkpoint::ensure_finite;
+use super::folder::ensure_finite;
 use crate::contract::ParamSplit;
 use crate::formats::safetensors::{
     read_safetensors_with, safetensors_bytes, HostTensor, StoreDtype,
@@ -234,7 +234,7 @@ pub fn read_rank_state(
                     } else {
                         BTreeMap::new()
                     };
-                    let mut whole = super::checkpoint::read_model_tensors_where(dir, &wanted)?;
+                    let mut whole = super::folder::read_model_tensors_where(dir, &wanted)?;
                     whole.retain(|n, _| wanted(n));
                     (whole, moments)
                 }
