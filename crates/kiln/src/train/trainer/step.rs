@@ -1,0 +1,233 @@
+//! One optimizer step: each micro-batch's forward and backward (on this rank, or as a pipeline
+//! stage's share of the schedule), its loss weighted by its share of the step's targets, the
+//! gradients synced and clipped, the update applied, or the step skipped when it is not finite.
+
+use std::time::Instant;
+
+use burn::module::AutodiffModule;
+use burn::tensor::ElementConversion;
+
+use super::*;
+use crate::contract::{BatchSource, Loss, Model};
+use crate::error::{KilnError, Result};
+use crate::ops::{profile, TrainBackend};
+use crate::train::activation_checkpointing::loss_and_grads_by_segment;
+use crate::train::evaluate::targets_tensor;
+use crate::train::grad_sync::Synced;
+use crate::train::optim::GradAccumulator;
+use crate::train::pipeline_stage::stage_loss_and_grads;
+use crate::train::run_sizes::RunSizes;
+
+impl<B, M, L> Trainer<B, M, L>
+where
+    B: TrainBackend,
+    M: AutodiffModule<B> + Model<B> + Clone,
+    M::InnerModule: Model<B::InnerBackend, Batch = M::Batch>,
+    L: Loss,
+{
+    /// One optimizer step over the micro-batches of `group`: forward and backward of each
+    /// (accumulating gradients), the data-parallel average, global-norm clipping and the update —
+    /// or, for a non-finite loss or norm, the skip `--skip-nonfinite-steps` allows.
+    pub(in crate::train) fn optimizer_step<S>(
+        &mut self,
+        train: &S,
+        group: &[&[usize]],
+        plan: &RunSizes,
+    ) -> Result<StepOutcome>
+    where
+        S: BatchSource<Batch = M::Batch>,
+    {
+        let started = Instant::now();
+        let a = &self.args;
+        // Dropout masks come from a stream re-seeded per step: resuming is exact.
+        let step_seed = a
+            .seed
+            .wrapping_mul(1_000_003)
+            .wrapping_add(self.state.global_step);
+        crate::ops::reseed_dropout(step_seed);
+        let checkpointing = a.gradient_checkpointing;
+        let mut acc = GradAccumulator::default();
+        let mut loss_sum = 0.0;
+        let mut samples = 0;
+        let mut tokens = 0;
+        // Under pipeline parallelism: the time this stage waited for its neighbours.
+        let mut stage_wait = 0.0;
+        let batches: Vec<_> = group.iter().map(|idx| train.batch(idx)).collect();
+        let scales = self.micro_batch_scales(batches.iter().map(|(_, t)| t.as_slice()))?;
+        if let Some(p) = self.parallel.pipeline() {
+            // This stage's share of every micro-batch, in the schedule's order; the step's loss
+            // is the last stage's, summed to every stage.
+            let _fwd = profile::scope("step: pipeline stage");
+            for (idx, (batch, _)) in group.iter().zip(&batches) {
+                samples += idx.len();
+                let numel = self.model().input_ids_numel(batch);
+                tokens += numel;
+                self.counters.current_flos += 6.0 * numel as f64 * self.counters.flos_params;
+            }
+            let got = stage_loss_and_grads(
+                self.model(),
+                &batches,
+                &scales,
+                &self.loss,
+                (p.schedule(), self.args.gradient_checkpointing),
+                &p.stage(),
+            )?;
+            loss_sum = p.stage_sum(got.loss_sum)?;
+            acc = got.grads;
+            stage_wait = got.waited;
+            self.counters.pipeline_seconds.0 += got.waited;
+            self.counters.pipeline_seconds.1 += got.seconds;
+        } else {
+            for ((idx, (batch, targets)), scale) in group.iter().zip(batches).zip(scales) {
+                let fwd = profile::scope("step: data + forward");
+                samples += idx.len();
+                let numel = self.model().input_ids_numel(&batch);
+                tokens += numel;
+                self.counters.current_flos += 6.0 * numel as f64 * self.counters.flos_params;
+                let by_segment = if checkpointing {
+                    loss_and_grads_by_segment(self.model(), &batch, &targets, &self.loss, scale)
+                } else {
+                    None
+                };
+                if let Some((l, grads)) = by_segment {
+                    loss_sum += l;
+                    acc.merge(grads);
+                    continue;
+                }
+                let logits = self.model().logits(&batch);
+                let loss = self
+                    .loss
+                    .loss(logits, targets_tensor::<B>(targets, &self.device))
+                    * scale;
+                loss_sum += loss.clone().into_scalar().elem::<f64>();
+                drop(fwd);
+                let _bwd = profile::scope("step: backward");
+                let grads = loss.backward();
+                acc.accumulate::<B, M>(self.model(), &grads);
+            }
+        }
+        // Overflowed activations make a finite-looking loss meaningless (the outputs collapsed):
+        // the step counts as non-finite, on every rank through the average.
+        let overflowed = crate::ops::take_activation_overflow();
+        if overflowed {
+            loss_sum = f64::NAN;
+        }
+        // Average gradients (and the logged loss) over ranks before clipping.
+        let sync_start = Instant::now();
+        let Synced {
+            loss,
+            grad_norm,
+            grads,
+        } = self
+            .parallel
+            .sync_and_clip(acc, loss_sum, &self.device, self.args.max_grad_norm)?;
+        // Alone, the sync only adds up the norm: no waiting on peers.
+        let collective_seconds = if self.parallel.alone() {
+            0.0
+        } else {
+            stage_wait + sync_start.elapsed().as_secs_f64()
+        };
+        let _opt = profile::scope("step: clip + optimizer");
+        let lr = self.lr(plan);
+        // Every rank sees the same averaged loss and norm, so all decide alike.
+        let finite = loss.is_finite() && grad_norm.is_finite();
+        if finite {
+            let model = self.take_model();
+            self.model =
+                Some(
+                    self.parallel
+                        .update::<B, M>(&mut self.optimizer, model, lr, grads)?,
+                );
+        } else {
+            self.skip_nonfinite_step(loss, grad_norm, overflowed)?;
+        }
+        self.state.global_step += 1;
+        self.state.epoch = self.state.global_step as f64 / plan.updates_per_epoch as f64;
+        self.counters.last_step_loss = loss;
+        Ok(StepOutcome {
+            loss,
+            grad_norm,
+            lr,
+            finite,
+            // Every rank trains on as many examples.
+            samples: samples * self.parallel.data.size(),
+            rank_samples: samples,
+            tokens,
+            seconds: started.elapsed().as_secs_f64(),
+            collective_seconds,
+        })
+    }
+
+    /// What each micro-batch's mean loss is multiplied by in a step's loss. Most models: 1/n of
+    /// n micro-batches, whose means are then averaged over the data-parallel ranks. A causal LM
+    /// (as transformers' Trainer with `num_items_in_batch`): its micro-batch's share of the
+    /// step's target tokens, counted over all ranks with `average_tokens_across_devices` (the
+    /// scales are then multiplied by the ranks' number, which the ranks' average divides away),
+    /// so a step's loss is the mean over all its target tokens.
+    pub(super) fn micro_batch_scales<'t>(
+        &self,
+        targets: impl Iterator<Item = &'t [i64]>,
+    ) -> Result<Vec<f64>> {
+        let counts: Vec<f64> = targets
+            .map(|t| {
+                t.iter()
+                    .filter(|&&x| x != crate::contract::IGNORE_INDEX)
+                    .count() as f64
+            })
+            .collect();
+        if !self.model().loss_over_step_tokens() {
+            return Ok(vec![1.0 / counts.len().max(1) as f64; counts.len()]);
+        }
+        let local: f64 = counts.iter().sum();
+        let ranks = self.parallel.data.size();
+        let (total, ranks) = if self.args.average_tokens_across_devices && ranks > 1 {
+            let total = self.parallel.data.sum_host(vec![local as f32])?[0] as f64;
+            (total, ranks as f64)
+        } else {
+            (local, 1.0)
+        };
+        // A step without a target token (every one masked) adds nothing.
+        Ok(counts.iter().map(|c| c * ranks / total.max(1.0)).collect())
+    }
+
+    /// A step whose loss or gradient norm is NaN/inf: its update is skipped while the budget of
+    /// `--skip-nonfinite-steps` lasts; past it, training stops with an error naming the step.
+    pub(super) fn skip_nonfinite_step(
+        &mut self,
+        loss: f64,
+        grad_norm: f64,
+        overflowed: bool,
+    ) -> Result<()> {
+        let step = self.state.global_step + 1;
+        let budget = self.args.skip_nonfinite_steps;
+        if self.counters.skipped_nonfinite < budget {
+            self.counters.skipped_nonfinite += 1;
+            tracing::warn!(
+                "step {step}: loss {loss} / grad_norm {grad_norm} is not finite: update skipped \
+                 ({} of --skip-nonfinite-steps {budget})",
+                self.counters.skipped_nonfinite
+            );
+            return Ok(());
+        }
+        Err(KilnError::NonFinite(format!(
+            "step {step}: {}: training diverged and stopped before this update; nothing after \
+             step {} was saved (lower --learning-rate, check the data or the model, or let up to \
+             N such steps be skipped with --skip-nonfinite-steps N{})",
+            if overflowed {
+                "the activations are not finite (a LayerNorm/RMSNorm input overflowed f32 or \
+                 held NaN, and the layer's output collapsed)"
+                    .to_string()
+            } else if loss.is_finite() {
+                format!("the gradient norm is {grad_norm} (loss {loss})")
+            } else {
+                format!("the loss is {loss} (grad_norm {grad_norm})")
+            },
+            step - 1,
+            if budget > 0 {
+                format!("; {budget} were skipped already")
+            } else {
+                String::new()
+            }
+        )))
+    }
+}
