@@ -5,10 +5,13 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::hf_values::{hf_bool, line_of_key};
+use super::hf_values::hf_bool;
 use super::optim::OptimizerType;
 use super::schedule::SchedulerType;
-use crate::error::{json_kind, KilnError, Result};
+use crate::error::{KilnError, Result};
+
+mod file;
+mod validate;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -334,94 +337,6 @@ pub enum SaveStrategy {
     Best,
 }
 
-/// The deepest nesting of YAML flow collections (`[ ]`, `{ }`) a config file may have. The
-/// parser refuses depths past 128 anyway, but its scanner first spends time quadratic in the
-/// depth (minutes at 200,000), so deeper text is refused before it is parsed.
-const MAX_YAML_FLOW_DEPTH: usize = 128;
-
-/// The 1-based line where YAML flow collections first nest deeper than `max`, in one pass over
-/// the text. Brackets inside quoted scalars and comments do not count, nor, outside a flow
-/// collection, one that does not start a value (`a: b[c` is a plain scalar). Block scalars are
-/// not followed: a valid file would need over 128 bracket-led lines in one to be refused.
-fn flow_too_deep(text: &str, max: usize) -> Option<usize> {
-    let mut depth = 0usize;
-    // A quoted scalar may run over several lines.
-    let mut quote: Option<char> = None;
-    for (i, line) in text.lines().enumerate() {
-        let mut s = ScanState::default();
-        let mut chars = line.chars().peekable();
-        while let Some(c) = chars.next() {
-            if let Some(q) = quote {
-                // `\x` in double quotes and `''` in single quotes are a character, not the end.
-                let escaped = (q == '"' && c == '\\')
-                    || (q == '\'' && c == '\'' && chars.peek() == Some(&'\''));
-                if escaped {
-                    chars.next();
-                } else if c == q {
-                    quote = None;
-                }
-                s.saw(c);
-                continue;
-            }
-            let starts_value = s.starts_value(depth);
-            match c {
-                '#' if s.last.is_none_or(char::is_whitespace) => break,
-                '\'' | '"' if starts_value => quote = Some(c),
-                '[' | '{' if depth > 0 || starts_value => {
-                    depth += 1;
-                    if depth > max {
-                        return Some(i + 1);
-                    }
-                }
-                ']' | '}' if depth > 0 => depth -= 1,
-                _ => {}
-            }
-            s.saw(c);
-        }
-    }
-    None
-}
-
-/// What [`flow_too_deep`] remembers of a line so far.
-#[derive(Default)]
-struct ScanState {
-    /// The previous non-blank character.
-    prev: Option<char>,
-    /// The previous character (a `#` after a blank starts a comment).
-    last: Option<char>,
-    /// The first character of the word being read.
-    word: Option<char>,
-    /// The last word was an anchor (`&a`) or a tag (`!t`), which a value may follow.
-    after_property: bool,
-}
-
-impl ScanState {
-    fn saw(&mut self, c: char) {
-        if c.is_whitespace() {
-            if let Some(w) = self.word.take() {
-                self.after_property = matches!(w, '&' | '!');
-            }
-        } else {
-            self.word.get_or_insert(c);
-            self.after_property = false;
-            self.prev = Some(c);
-        }
-        self.last = Some(c);
-    }
-
-    /// Whether the next character starts a value (so a bracket there opens a collection): at
-    /// the start of the line, after `key:`, `- ` or `? ` (and `[`, `{`, `,` inside a flow
-    /// collection), or after an anchor or tag.
-    fn starts_value(&self, depth: usize) -> bool {
-        self.after_property
-            || match self.prev {
-                None | Some(':' | '-' | '?') => true,
-                Some('[' | '{' | ',') => depth > 0,
-                Some(_) => false,
-            }
-    }
-}
-
 /// A `*_steps` value: a count, or a ratio of the total steps below 1 (transformers 5.x).
 fn steps_value(s: &str) -> std::result::Result<f64, String> {
     let v = finite_f64(s)?;
@@ -478,175 +393,6 @@ impl Default for TrainingArguments {
 }
 
 impl TrainingArguments {
-    /// Reads a YAML or JSON file (by extension) of TrainingArguments keys; absent keys keep
-    /// defaults, transformers fields kiln does not act on are kept in `recorded`, and an unknown
-    /// key is an error naming it.
-    pub fn from_file(path: &Path) -> Result<Self> {
-        let sorted = Self::file_entries(path, false)?;
-        let mut args = Self::over_defaults(sorted.known, |key, e| {
-            KilnError::Config(format!("{}: key `{key}`: {e}", path.display()))
-        })?;
-        args.recorded = sorted.recorded;
-        Ok(args)
-    }
-
-    /// `training_args.json` as transformers writes it: only its field names (HfArgumentParser and
-    /// `TrainingArguments(**json)` read it back), kiln's 4.x fields in their 5.x form, and the
-    /// recorded fields as they were given. kiln's own settings (tensor parallelism, ZeRO-1, …)
-    /// are in the log and, for a sharded checkpoint, shards.json.
-    pub fn to_hf_json(&self) -> String {
-        let mut v = serde_json::to_value(self).expect("plain data serialises");
-        let m = v.as_object_mut().expect("a struct is an object");
-        for kiln_only in [
-            "skip_nonfinite_steps",
-            "tensor_parallel_size",
-            "global_batch_size",
-            "zero_1",
-            "pipeline_parallel_size",
-            "pipeline_parallel_num_microbatches",
-            "pipeline_schedule",
-            "pipeline_cuts",
-            "pipeline_balance",
-            "overwrite_output_dir",
-            // transformers 5 reads TENSORBOARD_LOGGING_DIR instead.
-            "logging_dir",
-        ] {
-            m.remove(kiln_only);
-        }
-        // transformers knows tensorboard, not kiln's log.jsonl.
-        let hf: Vec<&str> = self
-            .report_to
-            .names()
-            .into_iter()
-            .filter(|n| *n == "tensorboard")
-            .collect();
-        m.insert("report_to".into(), serde_json::json!(hf));
-        if let Some(ratio) = m.remove("warmup_ratio").and_then(|r| r.as_f64()) {
-            if self.warmup_steps == 0.0 && ratio > 0.0 {
-                m.insert(
-                    "warmup_steps".into(),
-                    serde_json::json!(ratio.min(0.999_999)),
-                );
-            }
-        }
-        if m.remove("group_by_length") == Some(serde_json::Value::Bool(true)) {
-            m.insert("train_sampling_strategy".into(), "group_by_length".into());
-        }
-        if self.resume_from_checkpoint.as_deref() == Some("latest") {
-            m.insert(
-                "resume_from_checkpoint".into(),
-                serde_json::Value::Bool(true),
-            );
-        }
-        for (k, val) in &self.recorded {
-            m.entry(k.clone()).or_insert_with(|| val.clone());
-        }
-        crate::io::to_sorted_json_pretty(&v)
-    }
-
-    /// The names of kiln's fields (as a file or transformers spells them).
-    pub fn field_names() -> Vec<String> {
-        match serde_json::to_value(Self::default()) {
-            Ok(serde_json::Value::Object(m)) => m.keys().cloned().collect(),
-            _ => Vec::new(),
-        }
-    }
-
-    /// `entries` laid over the defaults; a bad value is `bad(key, error)`.
-    pub fn over_defaults(
-        entries: serde_json::Map<String, serde_json::Value>,
-        bad: impl Fn(String, String) -> KilnError,
-    ) -> Result<Self> {
-        let mut base = serde_json::to_value(Self::default()).expect("plain data serialises");
-        if let Some(b) = base.as_object_mut() {
-            b.extend(entries);
-        }
-        serde_path_to_error::deserialize(base).map_err(|e| {
-            let key = e.path().to_string();
-            bad(key, e.into_inner().to_string())
-        })
-    }
-
-    /// A YAML/JSON file's keys sorted by [`super::hf_fields::sort_entries`] (an unknown key only
-    /// warns with `ignore_unknown`), their values checked: a bad one names its file, line and key.
-    pub fn file_entries(path: &Path, ignore_unknown: bool) -> Result<super::hf_fields::Sorted> {
-        use super::hf_fields::{sort_entries, Source};
-        let text = read_config_text(path)?;
-        let is_json = path.extension().and_then(|e| e.to_str()) == Some("json");
-        let value: serde_json::Value = if is_json {
-            serde_json::from_str(&text).map_err(|e| KilnError::Parse {
-                path: path.to_path_buf(),
-                line: e.line(),
-                msg: e.to_string(),
-            })?
-        } else {
-            if let Some(line) = flow_too_deep(&text, MAX_YAML_FLOW_DEPTH) {
-                return Err(KilnError::Parse {
-                    path: path.to_path_buf(),
-                    line,
-                    msg: format!(
-                        "YAML lists/mappings ([ ], {{ }}) nest deeper than {MAX_YAML_FLOW_DEPTH} levels here, far more than training arguments need"
-                    ),
-                });
-            }
-            let yaml: serde_yaml_ng::Value =
-                serde_yaml_ng::from_str(&text).map_err(|e| KilnError::Parse {
-                    path: path.to_path_buf(),
-                    line: e.location().map(|l| l.line()).unwrap_or(0),
-                    msg: e.to_string(),
-                })?;
-            // YAML has .nan and .inf, JSON values do not (they would become null): name them here.
-            if let serde_yaml_ng::Value::Mapping(m) = &yaml {
-                for (k, v) in m {
-                    if let (Some(k), Some(f)) = (k.as_str(), v.as_f64()) {
-                        if !f.is_finite() {
-                            return Err(KilnError::Parse {
-                                path: path.to_path_buf(),
-                                line: line_of_key(&text, k),
-                                msg: format!("{k} must be a finite number, got {f}"),
-                            });
-                        }
-                    }
-                }
-            }
-            serde_json::to_value(yaml).map_err(|e| KilnError::Parse {
-                path: path.to_path_buf(),
-                line: 0,
-                msg: e.to_string(),
-            })?
-        };
-        let entries = match value {
-            serde_json::Value::Object(m) => m,
-            serde_json::Value::Null => serde_json::Map::new(),
-            other => {
-                return Err(KilnError::Parse {
-                    path: path.to_path_buf(),
-                    line: 1,
-                    msg: format!(
-                        "training arguments must be a mapping of names to values, not {other}"
-                    ),
-                })
-            }
-        };
-        let source = Source {
-            name: path.display().to_string(),
-            text: Some(&text),
-        };
-        let sorted = sort_entries(entries, &Self::field_names(), &source, ignore_unknown)?;
-        // The values' types and ranges, checked now so that a bad one names this file.
-        let args = Self::over_defaults(sorted.known.clone(), |key, msg| KilnError::Parse {
-            path: path.to_path_buf(),
-            line: line_of_key(&text, &key),
-            msg: format!("key `{key}`: {msg}"),
-        })?;
-        args.check_values().map_err(|(key, msg)| KilnError::Parse {
-            path: path.to_path_buf(),
-            line: line_of_key(&text, key),
-            msg,
-        })?;
-        Ok(sorted)
-    }
-
     /// The metric that selects the best checkpoint, as `eval_<name>`, and whether higher is better.
     pub fn best_metric(&self) -> (String, bool) {
         let m = self
@@ -690,58 +436,6 @@ impl TrainingArguments {
     /// The seed of the data order: data_seed, else seed.
     pub fn shuffle_seed(&self) -> u64 {
         self.data_seed.unwrap_or(self.seed)
-    }
-
-    /// The checks of one value on its own (a bad one is wrong whatever else is given, so a file
-    /// holding it is named at its line): the error is the key and the sentence.
-    fn check_values(&self) -> std::result::Result<(), (&'static str, String)> {
-        self.check_finite()?;
-        // numpy's seeding, which transformers' set_seed calls, takes 0 ≤ seed < 2^32.
-        if self.seed > u64::from(u32::MAX) {
-            return Err((
-                "seed",
-                format!(
-                    "seed must be below 2^32 = 4294967296 (transformers seeds numpy with it), got {}",
-                    self.seed
-                ),
-            ));
-        }
-        // transformers passes it as `**lr_scheduler_kwargs`: only a mapping can be one (serde
-        // would otherwise read a list into the options by position).
-        match &self.lr_scheduler_kwargs {
-            None | Some(serde_json::Value::Null | serde_json::Value::Object(_)) => Ok(()),
-            Some(other) => Err((
-                "lr_scheduler_kwargs",
-                format!(
-                    "lr_scheduler_kwargs must be a mapping of option names to values, like \
-                     {{\"num_cycles\": 2}}, not {}",
-                    json_kind(other)
-                ),
-            )),
-        }
-    }
-
-    /// Every float argument finite (NaN in a YAML file would otherwise surface later, nameless).
-    fn check_finite(&self) -> std::result::Result<(), (&'static str, String)> {
-        let floats = [
-            ("num_train_epochs", self.num_train_epochs),
-            ("learning_rate", self.learning_rate),
-            ("weight_decay", self.weight_decay),
-            ("adam_beta1", self.adam_beta1),
-            ("adam_beta2", self.adam_beta2),
-            ("adam_epsilon", self.adam_epsilon),
-            ("max_grad_norm", self.max_grad_norm),
-            ("warmup_ratio", self.warmup_ratio),
-            ("warmup_steps", self.warmup_steps),
-            ("logging_steps", self.logging_steps),
-            ("save_steps", self.save_steps),
-            ("eval_steps", self.eval_steps.unwrap_or(0.0)),
-            ("label_smoothing_factor", self.label_smoothing_factor),
-        ];
-        match floats.iter().find(|(_, v)| !v.is_finite()) {
-            Some((name, v)) => Err((name, format!("{name} must be a finite number, got {v}"))),
-            None => Ok(()),
-        }
     }
 
     /// Derives the gradient accumulation steps from `--global-batch-size` for a job of
@@ -810,328 +504,6 @@ impl TrainingArguments {
             balance,
         }))
     }
-
-    /// Ranges as transformers and torch enforce them, checked before anything runs.
-    pub fn validate(&self) -> Result<()> {
-        self.check_values()
-            .map_err(|(_, msg)| KilnError::Config(msg))?;
-        let bad = |m: String| Err(KilnError::Config(m));
-        if self.tensor_parallel_size == 0 {
-            return bad("tensor_parallel_size must be at least 1".into());
-        }
-        self.pipeline()?;
-        if self.zero_1 && self.optim != OptimizerType::AdamwTorch {
-            return bad("--zero-1 shards AdamW's moments only; use --optim adamw_torch".into());
-        }
-        let stateful = match self.optim {
-            OptimizerType::AdamwTorch => false,
-            OptimizerType::Sgd => {
-                super::optim::rules::Rule::sgd_from_optim_args(self.optim_args.as_deref())?
-                    .keeps_state()
-            }
-            OptimizerType::Adafactor | OptimizerType::Lion32bit => true,
-        };
-        if stateful && self.tensor_parallel_size > 1 {
-            return bad(format!(
-                "--optim {:?} with state under --tensor-parallel-size {}: sharded checkpoints hold AdamW's moments only; use --optim adamw_torch",
-                self.optim, self.tensor_parallel_size
-            ));
-        }
-        super::schedule::Schedule::new(
-            self.lr_scheduler_type,
-            self.lr_scheduler_kwargs.as_ref(),
-            self.learning_rate,
-        )
-        .map_err(KilnError::Config)?;
-        if self.lr_scheduler_type == super::schedule::SchedulerType::ReduceLrOnPlateau
-            && self.eval_strategy == IntervalStrategy::No
-        {
-            return bad(
-                "lr_scheduler_type reduce_lr_on_plateau requires an eval strategy (--eval-strategy steps or epoch)"
-                    .into(),
-            );
-        }
-        if self.global_batch_size == Some(0) {
-            return bad("global_batch_size must be at least 1".into());
-        }
-
-        // torch.optim's own checks: a negative rate, decay or epsilon, or a beta outside [0, 1).
-        for (name, v) in [
-            ("learning_rate", self.learning_rate),
-            ("weight_decay", self.weight_decay),
-            ("adam_epsilon", self.adam_epsilon),
-            ("max_grad_norm", self.max_grad_norm),
-        ] {
-            if v < 0.0 {
-                return bad(format!("{name} must be at least 0, got {v}"));
-            }
-        }
-        for (name, v) in [
-            ("adam_beta1", self.adam_beta1),
-            ("adam_beta2", self.adam_beta2),
-        ] {
-            if !(0.0..1.0).contains(&v) {
-                return bad(format!("{name} must be in [0, 1), got {v}"));
-            }
-        }
-        if self.max_steps <= 0 && self.num_train_epochs <= 0.0 {
-            return bad(format!(
-                "num_train_epochs must be above 0 (or set max_steps), got {}",
-                self.num_train_epochs
-            ));
-        }
-        if self.per_device_train_batch_size == 0 || self.per_device_eval_batch_size == 0 {
-            return bad("batch sizes must be at least 1".into());
-        }
-        if self.gradient_accumulation_steps == 0 {
-            return bad("gradient_accumulation_steps must be at least 1".into());
-        }
-        if !(0.0..=1.0).contains(&self.warmup_ratio) {
-            return bad(format!(
-                "warmup_ratio must be in [0, 1], got {}",
-                self.warmup_ratio
-            ));
-        }
-        for (name, v) in [
-            ("warmup_steps", Some(self.warmup_steps)),
-            ("logging_steps", Some(self.logging_steps)),
-            ("save_steps", Some(self.save_steps)),
-            ("eval_steps", self.eval_steps),
-        ] {
-            if let Some(v) = v {
-                if let Err(m) = steps_value(&v.to_string()) {
-                    return bad(format!("{name}: {m}"));
-                }
-            }
-        }
-        if self.save_strategy == SaveStrategy::Steps && self.save_steps == 0.0 {
-            return bad("save_steps must be above 0 with save_strategy \"steps\"".into());
-        }
-        if self.eval_steps == Some(0.0) {
-            return bad("eval_steps must be above 0".into());
-        }
-        self.check_intervals().map_err(KilnError::Config)?;
-        if !(0.0..1.0).contains(&self.label_smoothing_factor) {
-            return bad(format!(
-                "label_smoothing_factor must be in [0, 1), got {}",
-                self.label_smoothing_factor
-            ));
-        }
-        if self.save_strategy == SaveStrategy::Best && self.eval_strategy == IntervalStrategy::No {
-            return bad("save_strategy \"best\" needs an eval_strategy (steps or epoch)".into());
-        }
-        if self.save_total_limit == Some(0) {
-            return bad(
-                "save_total_limit must be at least 1 (leave it unset to keep every checkpoint)"
-                    .into(),
-            );
-        }
-        let same = matches!(
-            (self.eval_strategy, self.save_strategy),
-            (IntervalStrategy::Steps, SaveStrategy::Steps)
-                | (IntervalStrategy::Epoch, SaveStrategy::Epoch)
-                | (
-                    IntervalStrategy::Steps | IntervalStrategy::Epoch,
-                    SaveStrategy::Best
-                )
-        );
-        if self.load_best_model_at_end && !same {
-            return bad(
-                "load_best_model_at_end needs eval_strategy equal to save_strategy (and not \"no\"), or save_strategy \"best\"".into(),
-            );
-        }
-        self.check_saves_follow_evals().map_err(KilnError::Config)
-    }
-
-    /// A `steps` schedule needs a step count: transformers refuses logging_steps 0 with
-    /// logging_strategy `steps`, and evaluates every logging_steps when eval_steps is unset.
-    fn check_intervals(&self) -> std::result::Result<(), String> {
-        if self.logging_strategy == IntervalStrategy::Steps && self.logging_steps == 0.0 {
-            return Err(
-                "logging_steps must be above 0 with logging_strategy \"steps\" (logging_strategy \"no\" logs nothing)"
-                    .into(),
-            );
-        }
-        if self.eval_strategy == IntervalStrategy::Steps
-            && self.eval_steps.is_none()
-            && self.logging_steps == 0.0
-        {
-            return Err(
-                "eval_strategy \"steps\" needs eval_steps, or a logging_steps above 0 to take it from"
-                    .into(),
-            );
-        }
-        Ok(())
-    }
-
-    /// With load_best_model_at_end and `steps`, each checkpoint must be saved at a step that was
-    /// evaluated, or the best metric is attached to a checkpoint of another step: save_steps a
-    /// multiple of eval_steps, with transformers' own test (a count and a ratio mix only where
-    /// the remainder is 0; two ratios compare in millionths, so 0.3 is a multiple of 0.1).
-    fn check_saves_follow_evals(&self) -> std::result::Result<(), String> {
-        if !self.saves_pick_the_best_by_steps() {
-            return Ok(());
-        }
-        let (eval, save) = (
-            self.eval_steps.unwrap_or(self.logging_steps),
-            self.save_steps,
-        );
-        let not_multiple = || {
-            format!(
-                "load_best_model_at_end needs save_steps ({save}) to be a multiple of eval_steps \
-                 ({eval}), so that every checkpoint is saved at an evaluated step"
-            )
-        };
-        if eval <= 0.0 {
-            return Err(not_multiple());
-        }
-        if save % eval == 0.0 {
-            return Ok(());
-        }
-        match (eval < 1.0, save < 1.0) {
-            (false, false) => Err(not_multiple()),
-            (true, true) => {
-                let millionths = |v: f64| (v * 1e6).round() as u64;
-                if millionths(save).is_multiple_of(millionths(eval).max(1)) {
-                    Ok(())
-                } else {
-                    Err(not_multiple())
-                }
-            }
-            _ => Err(format!(
-                "load_best_model_at_end needs save_steps ({save}) to be a multiple of eval_steps \
-                 ({eval}), which a ratio of the total steps and a count of steps cannot guarantee: \
-                 give both as counts or both as ratios"
-            )),
-        }
-    }
-
-    /// load_best_model_at_end with eval_strategy and save_strategy both `steps`.
-    fn saves_pick_the_best_by_steps(&self) -> bool {
-        self.load_best_model_at_end
-            && self.eval_strategy == IntervalStrategy::Steps
-            && self.save_strategy == SaveStrategy::Steps
-    }
-
-    /// [`Self::check_saves_follow_evals`] on the step counts of a run of `total` steps: ratios
-    /// that pass transformers' test can still resolve to intervals that do not divide (0.1 and
-    /// 0.3 of 25 steps are 3 and 8), which only the total shows.
-    pub fn check_best_checkpoints(&self, total: u64) -> Result<()> {
-        if !self.saves_pick_the_best_by_steps() {
-            return Ok(());
-        }
-        let (eval, save) = (self.eval_interval(total), self.save_interval(total));
-        if save.is_multiple_of(eval) {
-            return Ok(());
-        }
-        Err(KilnError::Config(format!(
-            "load_best_model_at_end: over {total} steps, eval_steps {} is every {eval} steps and \
-             save_steps {} every {save}, which is not a multiple, so some checkpoints would be \
-             saved at steps that were not evaluated",
-            self.eval_steps.unwrap_or(self.logging_steps),
-            self.save_steps
-        )))
-    }
-
-    /// Evaluation data is needed by eval_strategy `steps`/`epoch` and by eval_on_start, which
-    /// transformers' Trainer refuses to run without an eval_dataset.
-    pub fn check_eval_data(&self, has_eval: bool) -> Result<()> {
-        if has_eval {
-            return Ok(());
-        }
-        if self.eval_strategy != IntervalStrategy::No {
-            return Err(KilnError::Config(
-                "eval_strategy needs evaluation data (--eval-file or --eval-split)".into(),
-            ));
-        }
-        if self.eval_on_start {
-            return Err(KilnError::Config(
-                "eval_on_start needs evaluation data (--eval-file or --eval-split)".into(),
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// The most a `--config` file may hold: real configs are a few KB.
-const MAX_CONFIG_BYTES: u64 = 16 << 20;
-
-/// How long a `--config` pipe (`--config <(...)`) may stay silent before it is an error.
-const CONFIG_PIPE_WAIT_MS: i32 = 30_000;
-
-/// A `--config` file's text, read with bounds: at most [`MAX_CONFIG_BYTES`] (`/dev/zero` is an
-/// error, not an out-of-memory kill), and a pipe with no writer is an error after 30 s rather
-/// than a hang. Pipes stay allowed, so `--config <(generate-config)` works.
-fn read_config_text(path: &Path) -> Result<String> {
-    read_config_text_within(path, CONFIG_PIPE_WAIT_MS)
-}
-
-/// [`read_config_text`], waiting at most `wait_ms` for a pipe's first byte.
-fn read_config_text_within(path: &Path, wait_ms: i32) -> Result<String> {
-    use std::io::Read;
-    use std::os::fd::AsRawFd;
-    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
-    let io = |e: std::io::Error| KilnError::io(path, e);
-    // O_NONBLOCK: opening a FIFO without a writer returns at once instead of blocking.
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-        .map_err(io)?;
-    let kind = file.metadata().map_err(io)?.file_type();
-    if kind.is_dir() {
-        return Err(KilnError::Config(format!(
-            "--config {}: a folder, not a YAML or JSON file",
-            path.display()
-        )));
-    }
-    if !kind.is_file() && !kind.is_fifo() && !kind.is_char_device() {
-        return Err(KilnError::Config(format!(
-            "--config {}: not a file or a pipe",
-            path.display()
-        )));
-    }
-    let fd = file.as_raw_fd();
-    if kind.is_fifo() {
-        let mut poll = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd for the open descriptor `fd`.
-        let ready = unsafe { libc::poll(&mut poll, 1, wait_ms) };
-        if ready == 0 {
-            return Err(KilnError::Config(format!(
-                "--config {}: a pipe that nothing wrote to in {:.1} s",
-                path.display(),
-                wait_ms as f64 / 1000.0
-            )));
-        }
-    }
-    // Back to blocking reads: a pipe's writer may still be writing.
-    // SAFETY: fcntl on the open descriptor `fd`, clearing one status flag.
-    unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
-    }
-    let mut bytes = Vec::new();
-    file.take(MAX_CONFIG_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(io)?;
-    if bytes.len() as u64 > MAX_CONFIG_BYTES {
-        return Err(KilnError::Config(format!(
-            "--config {}: larger than {} MiB; a training config is a few KB",
-            path.display(),
-            MAX_CONFIG_BYTES >> 20
-        )));
-    }
-    String::from_utf8(bytes).map_err(|e| {
-        KilnError::Config(format!(
-            "--config {}: not UTF-8 text (byte {})",
-            path.display(),
-            e.utf8_error().valid_up_to()
-        ))
-    })
 }
 
 /// The pipeline options of a run with more than one stage, checked.
@@ -1152,7 +524,7 @@ mod tests {
     /// nobody writes to is an error after the wait, and a pipe that is written works.
     #[test]
     fn config_reads_are_bounded() {
-        let err = super::read_config_text_within(Path::new("/dev/zero"), 100)
+        let err = super::file::read_config_text_within(Path::new("/dev/zero"), 100)
             .unwrap_err()
             .to_string();
         assert!(err.contains("larger than 16 MiB"), "{err}");
@@ -1162,7 +534,7 @@ mod tests {
         // SAFETY: mkfifo with a valid C path.
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
         let t0 = std::time::Instant::now();
-        let err = super::read_config_text_within(&fifo, 200)
+        let err = super::file::read_config_text_within(&fifo, 200)
             .unwrap_err()
             .to_string();
         assert!(
@@ -1174,11 +546,12 @@ mod tests {
             let fifo = fifo.clone();
             move || std::fs::write(fifo, "max_steps: 3\n").unwrap()
         });
-        let text = super::read_config_text_within(&fifo, 10_000).unwrap();
+        let text = super::file::read_config_text_within(&fifo, 10_000).unwrap();
         writer.join().unwrap();
         assert_eq!(text, "max_steps: 3\n");
     }
 
+    use super::file::flow_too_deep;
     use super::*;
 
     #[test]
