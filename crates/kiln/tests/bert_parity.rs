@@ -267,15 +267,15 @@ fn packed_tokens_give_the_padded_layouts_results() {
 
 #[test]
 fn bf16_matmuls_stay_close_to_pytorch_fp32() {
-    use kiln::ops::{set_matmul_precision, MatmulPrecision};
+    use kiln::ops::{MatmulPrecision, MatmulPrecisionScope};
     let Some(dir) = asset("minilm") else { return };
     let fx = fixture();
     let m = model::<CpuTrain>(&fx, &dir);
     // Thread-local, so other tests in this binary keep f32.
-    set_matmul_precision(MatmulPrecision::Bf16);
+    let bf16 = MatmulPrecisionScope::set(MatmulPrecision::Bf16);
     let logits = host(m.forward(&input::<CpuTrain>(&fx)));
     let (loss, grads) = loss_and_grads(&m, &input::<CpuTrain>(&fx), &fx);
-    set_matmul_precision(MatmulPrecision::F32);
+    drop(bf16);
     // bf16 keeps 8 bits of mantissa: about 3e-3 relative per rounding, partly averaging out.
     let err = rel_err(&logits, &fx.tensors["logits"].data);
     assert!(err < 2e-2, "bf16 logits rel err {err:e}");

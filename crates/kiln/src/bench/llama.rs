@@ -221,8 +221,8 @@ where
         crate::models::llama::LlamaForCausalLM::<burn::backend::Autodiff<B>>::new(&config, device)
     });
     let (tb, targets, work) = random_step(&config, batch, seq);
-    crate::ops::set_matmul_precision(crate::ops::mixed_precision::<B>(true));
-    let r = train_steps(
+    let _precision = crate::ops::MatmulPrecisionScope::set(crate::ops::mixed_precision::<B>(true));
+    train_steps(
         "smollm2_train_bf16",
         model,
         super::workloads::adamw(),
@@ -231,9 +231,7 @@ where
         warmup,
         steps,
         device,
-    );
-    crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::F32);
-    r
+    )
 }
 
 /// The LoRA rows' adapter: r 16, alpha 32 (TRL's defaults), every Linear but the head (PEFT's
@@ -319,8 +317,9 @@ pub fn lora_train(
         })
         .collect();
     let opt = super::workloads::adamw();
-    crate::ops::set_matmul_precision(crate::ops::mixed_precision::<Cpu>(bf16_base));
-    let r = train_steps(
+    let _precision =
+        crate::ops::MatmulPrecisionScope::set(crate::ops::mixed_precision::<Cpu>(bf16_base));
+    Ok(train_steps(
         &format!("{key}_{}", if bf16_base { "bf16" } else { "fp32" }),
         model,
         opt,
@@ -329,9 +328,7 @@ pub fn lora_train(
         warmup,
         steps,
         &device,
-    );
-    crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::F32);
-    Ok(r)
+    ))
 }
 
 /// Forward passes over one 128-token block of the corpus (prompt processing).

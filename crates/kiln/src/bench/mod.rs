@@ -9,6 +9,7 @@ pub mod live_state;
 pub mod llama;
 pub mod measure;
 pub mod peak;
+pub mod table;
 pub mod workloads;
 
 use std::path::{Path, PathBuf};
@@ -18,6 +19,7 @@ use burn::backend::Autodiff;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{KilnError, Result};
+pub use table::{Devices, Elements, Reference, RowSpec, Work, ROWS};
 use workloads::StepWork;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -157,195 +159,6 @@ fn profiled(
     Ok(r)
 }
 
-/// A benchmark row: what kiln runs and which PyTorch rows it is compared with.
-pub struct RowSpec {
-    pub key: &'static str,
-    /// Which reference script has the PyTorch side, and the names of its RESULT rows.
-    pub reference: Reference,
-    pub pytorch_rows: &'static [&'static str],
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reference {
-    /// ../shared/reference/bench_hf.py
-    BenchHf,
-    /// scripts/bench_reference.py (rows bench_hf.py does not have)
-    Extra,
-    /// kiln itself with a feature off (the row's [`BenchResult::baseline`]): the row measures
-    /// what the feature costs, not kiln beside PyTorch.
-    KilnBaseline,
-}
-
-pub const ROWS: &[RowSpec] = &[
-    RowSpec {
-        key: "minilm_train",
-        reference: Reference::BenchHf,
-        pytorch_rows: &["minilm_train_fp32"],
-    },
-    RowSpec {
-        key: "minilm_train_bf16",
-        reference: Reference::BenchHf,
-        pytorch_rows: &["minilm_train_bf16_autocast"],
-    },
-    RowSpec {
-        key: "minilm_infer",
-        reference: Reference::BenchHf,
-        pytorch_rows: &["minilm_infer_fp32"],
-    },
-    RowSpec {
-        key: "bertbase_train",
-        reference: Reference::BenchHf,
-        pytorch_rows: &["bertbase_train_fp32"],
-    },
-    // BERT-base under --bf16 at three batch sizes (issue 32's done-means): where launches and host
-    // overhead decide (8, 32 sequences of 128) and where the kernels do (128). The larger two are
-    // GPU only: on a CPU they are minutes per step. On a CPU the first is compared with autocast
-    // in scripts/bench_reference.py (issue 56), which bench_hf.py lacks.
-    RowSpec {
-        key: "bertbase_train_bf16",
-        reference: Reference::Extra,
-        pytorch_rows: &["bertbase_train_bf16_autocast"],
-    },
-    RowSpec {
-        key: "bertbase_train_bf16_b32",
-        reference: Reference::BenchHf,
-        pytorch_rows: &["bertbase_train_bf16_b32_autocast"],
-    },
-    RowSpec {
-        key: "bertbase_train_bf16_b128",
-        reference: Reference::BenchHf,
-        pytorch_rows: &["bertbase_train_bf16_b128_autocast"],
-    },
-    RowSpec {
-        key: "roberta_train",
-        reference: Reference::Extra,
-        pytorch_rows: &["roberta_train_fp32"],
-    },
-    RowSpec {
-        key: "distilbert_train",
-        reference: Reference::Extra,
-        pytorch_rows: &["distilbert_train_fp32"],
-    },
-    RowSpec {
-        key: "modernbert_train",
-        reference: Reference::Extra,
-        pytorch_rows: &["modernbert_train_fp32"],
-    },
-    RowSpec {
-        key: "mnist_train",
-        reference: Reference::Extra,
-        pytorch_rows: &["mnist_train_fp32"],
-    },
-    RowSpec {
-        key: "tweets_train",
-        reference: Reference::Extra,
-        // The issue's target compares against PyTorch padding to 128 (what the tokenizer forces);
-        // PyTorch with the same dynamic padding is shown as well.
-        pytorch_rows: &["tweets_train_fixed128", "tweets_train_dynamic"],
-    },
-    RowSpec {
-        // The Trainer's step with and without publishing live state for `kiln top` (goal: ≤ 1 %).
-        key: "live_state",
-        reference: Reference::KilnBaseline,
-        pytorch_rows: &["live_state_off"],
-    },
-    RowSpec {
-        key: "qwen2_train",
-        reference: Reference::Extra,
-        pytorch_rows: &["qwen2_train_fp32"],
-    },
-    RowSpec {
-        key: "mistral_train",
-        reference: Reference::Extra,
-        pytorch_rows: &["mistral_train_fp32"],
-    },
-    RowSpec {
-        key: "smollm2_train",
-        reference: Reference::Extra,
-        pytorch_rows: &["smollm2_train_fp32"],
-    },
-    RowSpec {
-        key: "smollm2_train_bf16",
-        reference: Reference::Extra,
-        pytorch_rows: &["smollm2_train_bf16_autocast"],
-    },
-    RowSpec {
-        key: "smollm2_lora_train",
-        reference: Reference::Extra,
-        pytorch_rows: &["smollm2_lora_train_fp32"],
-    },
-    RowSpec {
-        key: "qwen2_lora_train",
-        reference: Reference::Extra,
-        pytorch_rows: &["qwen2_lora_train_fp32"],
-    },
-    RowSpec {
-        key: "deepseek1b3_lora_train",
-        reference: Reference::Extra,
-        pytorch_rows: &["deepseek1b3_lora_train_fp32"],
-    },
-    RowSpec {
-        key: "smollm2_lora_bf16base_train",
-        reference: Reference::Extra,
-        pytorch_rows: &["smollm2_lora_bf16base_train_fp32"],
-    },
-    RowSpec {
-        key: "qwen2_lora_bf16base_train",
-        reference: Reference::Extra,
-        pytorch_rows: &["qwen2_lora_bf16base_train_fp32"],
-    },
-    RowSpec {
-        key: "deepseek1b3_lora_bf16base_train",
-        reference: Reference::Extra,
-        pytorch_rows: &["deepseek1b3_lora_bf16base_train_fp32"],
-    },
-    RowSpec {
-        key: "smollm2_prefill",
-        reference: Reference::Extra,
-        pytorch_rows: &["smollm2_prefill_fp32"],
-    },
-    RowSpec {
-        key: "smollm2_generate",
-        reference: Reference::Extra,
-        pytorch_rows: &["smollm2_generate_fp32"],
-    },
-    RowSpec {
-        key: "dp_allreduce_mnist",
-        reference: Reference::Extra,
-        pytorch_rows: &["dp_allreduce_mnist_gloo"],
-    },
-    RowSpec {
-        key: "dp_allreduce_64mib",
-        reference: Reference::Extra,
-        pytorch_rows: &["dp_allreduce_64mib_gloo"],
-    },
-    RowSpec {
-        key: "dp_allreduce_64mib_mpi",
-        reference: Reference::Extra,
-        pytorch_rows: &["dp_allreduce_64mib_gloo"],
-    },
-    RowSpec {
-        key: "dp_allgather_64mib",
-        reference: Reference::Extra,
-        pytorch_rows: &["dp_allgather_64mib_gloo"],
-    },
-    RowSpec {
-        key: "dp_allgather_64mib_mpi",
-        reference: Reference::Extra,
-        pytorch_rows: &["dp_allgather_64mib_gloo"],
-    },
-    RowSpec {
-        key: "dp_reducescatter_64mib",
-        reference: Reference::Extra,
-        pytorch_rows: &["dp_reducescatter_64mib_gloo"],
-    },
-    RowSpec {
-        key: "dp_reducescatter_64mib_mpi",
-        reference: Reference::Extra,
-        pytorch_rows: &["dp_reducescatter_64mib_gloo"],
-    },
-];
-
 /// What `kiln bench` runs.
 #[derive(Debug, Clone)]
 pub struct SuiteOptions {
@@ -386,23 +199,6 @@ pub struct SuiteOptions {
     pub cuda_reference: PathBuf,
 }
 
-/// The rows that run on a GPU; the others (Llama, collectives) time CPU paths.
-pub const GPU_ROWS: &[&str] = &[
-    "minilm_train",
-    "minilm_train_bf16",
-    "minilm_infer",
-    "bertbase_train",
-    "bertbase_train_bf16",
-    "bertbase_train_bf16_b32",
-    "bertbase_train_bf16_b128",
-    "mnist_train",
-    "tweets_train",
-    "smollm2_train_bf16",
-];
-
-/// Rows that only a GPU runs (and only the GPU reference script has).
-const GPU_ONLY_ROWS: &[&str] = &["bertbase_train_bf16_b32", "bertbase_train_bf16_b128"];
-
 /// Runs one row in this process on backend `B` (training rows on `Autodiff<B>`).
 pub fn run_row<B>(key: &str, opts: &SuiteOptions, device: &B::Device) -> Result<BenchResult>
 where
@@ -413,7 +209,8 @@ where
     use crate::models::bert::config::BertConfig;
     use crate::models::bert::BertForSequenceClassification;
     use crate::models::params::load_into;
-    runs_on_device(key, opts)?;
+    let spec = table::row(key)?;
+    runs_on_device(spec, &opts.device)?;
     let device = device.clone();
     let minilm = || -> Result<_> {
         let cfg = BertConfig::from_file(&opts.minilm_dir.join("config.json"))?;
@@ -421,28 +218,23 @@ where
         Ok((cfg, weights))
     };
     let (w, s) = (opts.warmup, opts.steps);
+    // What `--bf16` does on this CPU (f32 where it has no bf16 arithmetic), for this row only.
+    let autocast =
+        |bf16: bool| crate::ops::MatmulPrecisionScope::set(crate::ops::mixed_precision::<B>(bf16));
     profiled(
         key,
         opts.profile,
         opts.host_profile.as_deref(),
-        || match key {
-            "minilm_train" | "minilm_train_bf16" => {
+        || match spec.work {
+            Work::MiniLmTrain { bf16 } => {
                 let (cfg, weights) = minilm()?;
                 let m = BertForSequenceClassification::<Autodiff<B>>::new(&cfg, 6, &device);
                 let (m, _) = load_into(m, weights, Some("bert"), &device)?;
-                // What `--bf16` does on this CPU (f32 where it has no bf16 arithmetic).
-                let bf16 = key.ends_with("bf16");
-                crate::ops::set_matmul_precision(crate::ops::mixed_precision::<B>(bf16));
-                let name = if bf16 {
-                    "minilm_train_bf16"
-                } else {
-                    "minilm_train_fp32"
-                };
-                let r = workloads::bert_train(name, m, &cfg, (16, 128), w, s);
-                crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::F32);
-                Ok(r)
+                let _precision = autocast(bf16);
+                let name = if bf16 { key } else { "minilm_train_fp32" };
+                Ok(workloads::bert_train(name, m, &cfg, (16, 128), w, s))
             }
-            "minilm_infer" => {
+            Work::MiniLmInfer => {
                 let (cfg, weights) = minilm()?;
                 let m = BertForSequenceClassification::<B>::new(&cfg, 6, &device);
                 let (m, _) = load_into(m, weights, Some("bert"), &device)?;
@@ -455,37 +247,33 @@ where
                     s,
                 ))
             }
-            "bertbase_train"
-            | "bertbase_train_bf16"
-            | "bertbase_train_bf16_b32"
-            | "bertbase_train_bf16_b128" => {
+            Work::BertBaseTrain { batch, bf16 } => {
                 let cfg: BertConfig = serde_json::from_value(serde_json::json!({
                 "vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12,
                 "num_attention_heads": 12, "intermediate_size": 3072}))
                 .expect("valid config");
                 let m = BertForSequenceClassification::<Autodiff<B>>::new(&cfg, 6, &device);
-                let (name, batch) = match key {
-                    "bertbase_train_bf16" => (key, 8),
-                    "bertbase_train_bf16_b32" => (key, 32),
-                    "bertbase_train_bf16_b128" => (key, 128),
-                    _ => ("bertbase_train_fp32", 8),
-                };
-                let bf16 = key.contains("bf16");
-                crate::ops::set_matmul_precision(crate::ops::mixed_precision::<B>(bf16));
-                let r = workloads::bert_train(name, m, &cfg, (batch, 128), w, opts.base_steps);
-                crate::ops::set_matmul_precision(crate::ops::MatmulPrecision::F32);
-                Ok(r)
+                let name = if bf16 { key } else { "bertbase_train_fp32" };
+                let _precision = autocast(bf16);
+                Ok(workloads::bert_train(
+                    name,
+                    m,
+                    &cfg,
+                    (batch, 128),
+                    w,
+                    opts.base_steps,
+                ))
             }
-            "roberta_train" | "distilbert_train" | "modernbert_train" => {
+            Work::EncoderFamilyTrain => {
                 workloads::family_train::<Autodiff<B>>(key, (8, 128), w, opts.base_steps, &device)
             }
-            "mnist_train" => Ok(workloads::mnist_train::<Autodiff<B>>(
+            Work::MnistTrain => Ok(workloads::mnist_train::<Autodiff<B>>(
                 32,
                 w.max(5),
                 opts.mnist_steps,
                 &device,
             )),
-            "tweets_train" => workloads::tweets_train::<Autodiff<B>>(
+            Work::TweetsTrain => workloads::tweets_train::<Autodiff<B>>(
                 &opts.minilm_dir,
                 &opts.tweets_file,
                 16,
@@ -493,87 +281,66 @@ where
                 s,
                 &device,
             ),
-            "live_state" => live_state::live_state_overhead::<Autodiff<B>>(
+            Work::LiveState => live_state::live_state_overhead::<Autodiff<B>>(
                 &opts.minilm_dir,
                 &opts.tweets_file,
                 (16, s.max(10), 8),
                 &device,
             ),
-            "qwen2_train" | "mistral_train" => llama::family_train(key, w, opts.base_steps),
-            "smollm2_train" => {
+            Work::DecoderFamilyTrain => llama::family_train(key, w, opts.base_steps),
+            Work::SmolLm2Train => {
                 let dir = llama::converted_folder(&opts.smollm2_gguf)?;
                 llama::train(&dir, &opts.lm_corpus, w, opts.base_steps)
             }
-            "smollm2_train_bf16" => Ok(llama::smollm2_train_bf16::<B>(w, opts.base_steps, &device)),
-            "smollm2_lora_train" | "smollm2_lora_bf16base_train" => {
-                let dir = llama::converted_folder(&opts.smollm2_gguf)?;
-                llama::lora_train(key, Some(&dir), &opts.lm_corpus, w, opts.base_steps)
+            Work::SmolLm2TrainBf16 => {
+                Ok(llama::smollm2_train_bf16::<B>(w, opts.base_steps, &device))
             }
-            "qwen2_lora_train"
-            | "deepseek1b3_lora_train"
-            | "qwen2_lora_bf16base_train"
-            | "deepseek1b3_lora_bf16base_train" => {
-                llama::lora_train(key, None, &opts.lm_corpus, w, opts.base_steps)
+            Work::LoraTrain { on_smollm2 } => {
+                let dir = on_smollm2
+                    .then(|| llama::converted_folder(&opts.smollm2_gguf))
+                    .transpose()?;
+                llama::lora_train(key, dir.as_deref(), &opts.lm_corpus, w, opts.base_steps)
             }
-            "smollm2_prefill" => {
+            Work::Prefill => {
                 let dir = llama::converted_folder(&opts.smollm2_gguf)?;
                 llama::prefill(&dir, &opts.lm_corpus, w, s)
             }
-            "smollm2_generate" => {
+            Work::Generate => {
                 let dir = llama::converted_folder(&opts.smollm2_gguf)?;
                 llama::generate(&dir, w, opts.generate_tokens)
             }
-            "dp_allreduce_mnist" => dp::collective(
-                "dp_allreduce_mnist",
-                dp::Op::AllReduce,
-                crate::parallel::Engine::Burn,
-                dp::mnist_gradient_len(),
-                w.max(5),
-                opts.mnist_steps,
-            ),
-            key if key.starts_with("dp_") && ROWS.iter().any(|r| r.key == key) => {
-                use crate::parallel::Engine;
-                let op = if key.starts_with("dp_allgather") {
-                    dp::Op::AllGather
-                } else if key.starts_with("dp_reducescatter") {
-                    dp::Op::ReduceScatter
-                } else {
-                    dp::Op::AllReduce
+            Work::Collective {
+                op,
+                engine,
+                elements,
+            } => {
+                let (n, w, s) = match elements {
+                    Elements::MnistGradient => {
+                        (dp::mnist_gradient_len(), w.max(5), opts.mnist_steps)
+                    }
+                    Elements::Bucket => (crate::parallel::BUCKET_ELEMENTS, w, s),
                 };
-                let engine = if key.ends_with("_mpi") {
-                    Engine::Mpi
-                } else {
-                    Engine::Burn
-                };
-                dp::collective(key, op, engine, crate::parallel::BUCKET_ELEMENTS, w, s)
+                dp::collective(key, op, engine, n, w, s)
             }
-            other => Err(unknown_row(other)),
         },
     )
 }
 
-/// An error for a CPU-only row asked for on a GPU.
-fn runs_on_device(key: &str, opts: &SuiteOptions) -> Result<()> {
-    if opts.device == crate::backend::DeviceSpec::Cpu && GPU_ONLY_ROWS.contains(&key) {
-        return Err(KilnError::Config(format!(
-            "benchmark {key} runs on a GPU only (use --device cuda or --device wgpu)"
-        )));
+/// An error for a row asked for on a device it does not run on.
+fn runs_on_device(spec: &RowSpec, device: &crate::backend::DeviceSpec) -> Result<()> {
+    let cpu = *device == crate::backend::DeviceSpec::Cpu;
+    match (spec.devices, cpu) {
+        (Devices::GpuOnly, true) => Err(KilnError::Config(format!(
+            "benchmark {} runs on a GPU only (use --device cuda or --device wgpu)",
+            spec.key
+        ))),
+        (Devices::Cpu, false) => Err(KilnError::Config(format!(
+            "benchmark {} runs on the CPU only (rows on a GPU: {})",
+            spec.key,
+            table::gpu_rows().join(", ")
+        ))),
+        _ => Ok(()),
     }
-    if opts.device == crate::backend::DeviceSpec::Cpu || GPU_ROWS.contains(&key) {
-        return Ok(());
-    }
-    Err(KilnError::Config(format!(
-        "benchmark {key} runs on the CPU only (rows on a GPU: {})",
-        GPU_ROWS.join(", ")
-    )))
-}
-
-fn unknown_row(key: &str) -> KilnError {
-    let known: Vec<_> = ROWS.iter().map(|r| r.key).collect();
-    KilnError::Config(format!(
-        "unknown benchmark {key:?} (known: {})",
-        known.join(", ")
-    ))
 }
 
 /// One PyTorch result with the peak memory of the process that produced it.
@@ -823,10 +590,7 @@ where
     Autodiff<B>: crate::ops::TrainBackend<InnerBackend = B, Device = B::Device>,
 {
     for key in &opts.only {
-        if !ROWS.iter().any(|r| r.key == key) {
-            return Err(unknown_row(key));
-        }
-        runs_on_device(key, opts)?;
+        runs_on_device(table::row(key)?, &opts.device)?;
     }
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let machine_peak = match opts.device {
@@ -1045,6 +809,45 @@ impl SuiteReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One table says what each row runs and where: keys are unique, a row's parameters are
+    /// typed, and a row asked for on a device it does not run on is one sentence.
+    #[test]
+    fn the_row_table_types_each_rows_work_and_devices() {
+        let mut keys: Vec<_> = ROWS.iter().map(|r| r.key).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        assert_eq!(keys.len(), ROWS.len());
+        assert_eq!(
+            table::row("dp_allgather_64mib_mpi").unwrap().work,
+            Work::Collective {
+                op: dp::Op::AllGather,
+                engine: crate::parallel::Engine::Mpi,
+                elements: Elements::Bucket
+            }
+        );
+        assert_eq!(
+            table::row("bertbase_train_bf16_b32").unwrap().work,
+            Work::BertBaseTrain {
+                batch: 32,
+                bf16: true
+            }
+        );
+        let cpu = crate::backend::DeviceSpec::Cpu;
+        let gpu_only = runs_on_device(table::row("bertbase_train_bf16_b128").unwrap(), &cpu);
+        assert!(gpu_only
+            .unwrap_err()
+            .to_string()
+            .contains("runs on a GPU only"));
+        assert!(runs_on_device(table::row("smollm2_prefill").unwrap(), &cpu).is_ok());
+        assert!(table::gpu_rows().contains(&"tweets_train"));
+        assert!(!table::gpu_rows().contains(&"smollm2_prefill"));
+        let unknown = table::row("resnet").unwrap_err().to_string();
+        assert!(
+            unknown.contains("unknown benchmark \"resnet\""),
+            "{unknown}"
+        );
+    }
 
     #[test]
     fn every_row_is_a_share_of_the_machine_peak_and_bf16_rows_of_both() {

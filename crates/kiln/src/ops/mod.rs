@@ -107,6 +107,28 @@ pub fn matmul_precision() -> MatmulPrecision {
     MATMUL_PRECISION.with(|c| c.get())
 }
 
+/// This thread's [`MatmulPrecision`] set for as long as the scope lives, and the one before put
+/// back when it is dropped (as leaving a `with torch.autocast(...)` block does), so a benchmark
+/// row or a test that asks for bf16 cannot leave it set for whatever runs next on the thread.
+#[must_use = "the precision goes back when the scope is dropped"]
+pub struct MatmulPrecisionScope {
+    previous: MatmulPrecision,
+}
+
+impl MatmulPrecisionScope {
+    pub fn set(p: MatmulPrecision) -> Self {
+        let previous = matmul_precision();
+        set_matmul_precision(p);
+        Self { previous }
+    }
+}
+
+impl Drop for MatmulPrecisionScope {
+    fn drop(&mut self) {
+        set_matmul_precision(self.previous);
+    }
+}
+
 /// The precision `--bf16` (`bf16`) gives Linear layers on backend `B`: bf16 where it has bf16
 /// arithmetic that is faster than f32; f32 where rounding operands to bf16 would only cost time
 /// (a CPU without AVX512-BF16, or one `KILN_CPU_ISA` caps below it), as issue 36 chose: never

@@ -1020,10 +1020,9 @@ fn a_weight_held_in_bf16_multiplies_on_the_bf16_kernels_under_bf16() {
         let b = rand([n], 73);
         let upstream = Tensor::<CpuTrain, 2>::from_inner(rand([m, n], 74).inner());
         let run = |w: Tensor<CpuTrain, 2>, precision: MatmulPrecision| {
-            set_matmul_precision(precision);
+            let _precision = MatmulPrecisionScope::set(precision);
             let y = linear(x.clone(), w, Some(b.clone()));
             let grads = (y.clone() * upstream.clone()).sum().backward();
-            set_matmul_precision(MatmulPrecision::F32);
             (host(y.inner()), host(x.grad(&grads).unwrap()))
         };
         let (y, dx) = run(held.clone(), MatmulPrecision::Bf16);
