@@ -81,7 +81,6 @@ where
     Autodiff<B>: kiln::ops::TrainBackend<InnerBackend = B, Device = B::Device>,
 {
     let sub = matches.subcommand_matches("train").expect("train matches");
-    kiln::train::precompile::set_shapes_only(cmd.precompile_shapes);
     cmd.lora.base_dtype()?;
     if cmd.task == Task::MnistMlp {
         if cmd.lora.setup()?.is_some() {
@@ -214,6 +213,7 @@ fn merged_training_args(
     let mut args: TrainingArguments = serde_path_to_error::deserialize(base)
         .map_err(|e| anyhow::anyhow!("training argument `{}`: {}", e.path(), e.inner()))?;
     args.recorded = recorded;
+    args.precompile_shapes = cmd.precompile_shapes;
     // Checked before any model or data is loaded.
     args.validate()?;
     Ok(args)

@@ -16,7 +16,6 @@ use std::time::Instant;
 use burn::module::AutodiffModule;
 use tracing::info;
 
-pub use super::trainer::set_shapes_only;
 use super::trainer::{evaluate, write_json, EvalOutput, Reported, TrainOutput, Trainer};
 use crate::contract::{BatchSource, Loss, Model};
 use crate::error::Result;

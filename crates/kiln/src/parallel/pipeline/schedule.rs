@@ -17,8 +17,10 @@ use std::fmt;
 
 use crate::{KilnError, Result};
 
-/// Which schedule a pipeline runs (`--pipeline-schedule`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Which schedule a pipeline runs (`--pipeline-schedule`; `pipeline_schedule` in argument files,
+/// read and written as its name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
 pub enum ScheduleKind {
     #[default]
     OneFOneB,
@@ -43,6 +45,26 @@ impl ScheduleKind {
             Self::OneFOneB => (stages - stage).min(micro_batches),
             Self::GPipe => micro_batches,
         }
+    }
+}
+
+impl ScheduleKind {
+    /// [`Self::parse`] as a flag's value parser (the error as text).
+    pub fn from_flag(s: &str) -> std::result::Result<Self, String> {
+        Self::parse(s).map_err(|e| e.to_string())
+    }
+}
+
+impl TryFrom<String> for ScheduleKind {
+    type Error = String;
+    fn try_from(s: String) -> std::result::Result<Self, String> {
+        Self::from_flag(&s)
+    }
+}
+
+impl From<ScheduleKind> for String {
+    fn from(k: ScheduleKind) -> String {
+        k.to_string()
     }
 }
 

@@ -64,8 +64,10 @@ pub fn cut_stages(layers: usize, stages: usize, cuts: Option<&[usize]>) -> Resul
         .collect())
 }
 
-/// How the default cut weighs a stage's work.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How the default cut weighs a stage's work (`--pipeline-balance`; `pipeline_balance` in argument
+/// files, read and written as its name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
 pub enum Balance {
     /// Each decoder layer, the embedding and the head count as one layer (torchtitan's rule).
     Layers,
@@ -83,6 +85,33 @@ impl Balance {
                 "--pipeline-balance {s:?} is not a balance (layers or compute)"
             ))),
         }
+    }
+
+    /// [`Self::parse`] as a flag's value parser (the error as text).
+    pub fn from_flag(s: &str) -> std::result::Result<Self, String> {
+        Self::parse(s).map_err(|e| e.to_string())
+    }
+}
+
+impl std::fmt::Display for Balance {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Layers => "layers",
+            Self::Compute => "compute",
+        })
+    }
+}
+
+impl TryFrom<String> for Balance {
+    type Error = String;
+    fn try_from(s: String) -> std::result::Result<Self, String> {
+        Self::from_flag(&s)
+    }
+}
+
+impl From<Balance> for String {
+    fn from(b: Balance) -> String {
+        b.to_string()
     }
 }
 

@@ -9,6 +9,7 @@ use super::hf_values::hf_bool;
 use super::optim::OptimizerType;
 use super::schedule::SchedulerType;
 use crate::error::{KilnError, Result};
+use crate::parallel::pipeline::{Balance, ScheduleKind};
 
 mod file;
 mod validate;
@@ -227,8 +228,8 @@ pub struct TrainingArguments {
     pub pipeline_parallel_num_microbatches: i64,
     /// The order each stage runs its micro-batches in: `1f1b` (at most as many in flight as
     /// stages after it) or `gpipe` (every forward, then every backward).
-    #[arg(long, default_value = "1f1b", help_heading = "Parallelism")]
-    pub pipeline_schedule: String,
+    #[arg(long, default_value = "1f1b", value_parser = ScheduleKind::from_flag, help_heading = "Parallelism")]
+    pub pipeline_schedule: ScheduleKind,
     /// Where stages 1, 2, … begin, as decoder-layer indices (`4,8` or `model.layers.4,…`); unset,
     /// the layers are spread evenly with the embedding and the head counted as one layer each.
     #[arg(long, help_heading = "Parallelism")]
@@ -236,8 +237,13 @@ pub struct TrainingArguments {
     /// How the default cut weighs the stages: `layers` (each decoder layer, the embedding and the
     /// head one layer each) or `compute` (each part's matrix work per token, so a large
     /// vocabulary's head gets a stage with fewer layers).
-    #[arg(long, default_value = "layers", help_heading = "Parallelism")]
-    pub pipeline_balance: String,
+    #[arg(long, default_value = "layers", value_parser = Balance::from_flag, help_heading = "Parallelism")]
+    pub pipeline_balance: Balance,
+    /// Set by `kiln precompile` in its child process: training runs one step per batch shape,
+    /// to compile the kernels each shape needs, instead of training ([`super::precompile`]).
+    #[arg(skip)]
+    #[serde(skip)]
+    pub precompile_shapes: bool,
     /// transformers fields kiln accepts without acting on them (see `hf_fields`), as given:
     /// written back to training_args.json.
     #[arg(skip)]
@@ -480,14 +486,14 @@ impl TrainingArguments {
                  for micro-batches of one example"
             ));
         }
-        let schedule = crate::parallel::pipeline::ScheduleKind::parse(&self.pipeline_schedule)?;
+        let schedule = self.pipeline_schedule;
         let cuts = self
             .pipeline_cuts
             .as_deref()
             .map(crate::parallel::pipeline::parse_cuts)
             .transpose()?;
-        let balance = crate::parallel::pipeline::Balance::parse(&self.pipeline_balance)?;
-        if cuts.is_some() && balance != crate::parallel::pipeline::Balance::Layers {
+        let balance = self.pipeline_balance;
+        if cuts.is_some() && balance != Balance::Layers {
             return bad(format!(
                 "--pipeline-cuts and --pipeline-balance {} both set the cut: give one of the two",
                 self.pipeline_balance
@@ -512,10 +518,10 @@ pub struct PipelineOptions {
     pub size: usize,
     /// `None`: micro-batches of one example.
     pub num_microbatches: Option<usize>,
-    pub schedule: crate::parallel::pipeline::ScheduleKind,
+    pub schedule: ScheduleKind,
     pub cuts: Option<Vec<usize>>,
     /// How the default cut weighs the stages (when `cuts` is not given).
-    pub balance: crate::parallel::pipeline::Balance,
+    pub balance: Balance,
 }
 
 #[cfg(test)]

@@ -33,20 +33,6 @@ mod save;
 mod start;
 mod step;
 
-/// Set in `kiln precompile`'s child process: the next [`Trainer::train`] or
-/// [`Trainer::train_and_evaluate`] runs one step per batch shape instead of training
-/// ([`super::precompile`]).
-static SHAPES_ONLY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Makes the next training run in this process precompile instead of training.
-pub fn set_shapes_only(on: bool) {
-    SHAPES_ONLY.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-fn shapes_only() -> bool {
-    SHAPES_ONLY.load(std::sync::atomic::Ordering::Relaxed)
-}
-
 /// The outcome of training.
 #[derive(Debug, Clone)]
 pub struct TrainOutput {
@@ -181,7 +167,7 @@ where
         S: BatchSource<Batch = M::Batch>,
         E: BatchSource<Batch = M::Batch>,
     {
-        if shapes_only() {
+        if self.args.precompile_shapes {
             return self.precompile_shapes(train, eval).map(|(out, _)| out);
         }
         let out = self.train_reporting(train, eval)?;
@@ -470,7 +456,7 @@ where
         S: BatchSource<Batch = M::Batch>,
         E: BatchSource<Batch = M::Batch>,
     {
-        if shapes_only() {
+        if self.args.precompile_shapes {
             return self.precompile_shapes(train, eval);
         }
         let out = self.train_reporting(train, eval)?;
