@@ -8,7 +8,7 @@
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, Element, Tensor, TensorData};
+use burn::tensor::{Distribution, Element, Int, Tensor, TensorData};
 
 use super::*;
 use crate::backend::{Cpu, CpuTrain};

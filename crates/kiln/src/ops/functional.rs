@@ -1,0 +1,382 @@
+//! The functional ops models call, as `torch.nn.functional` is to PyTorch's modules: Linear (with
+//! a bf16-held weight), GELU, LayerNorm, RMSNorm, SwiGLU, rotary embedding, cross-entropy, softmax,
+//! attention (padding-masked, causal, windowed) and dropout, each on the backend's fused kernel.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Int, Tensor};
+
+use super::*;
+
+/// A Linear's `(dx, dw, db)`, each present where it was wanted ([`LinearGrads`]).
+pub type LinearBackward<B> = (
+    Option<FloatTensor<B>>,
+    Option<FloatTensor<B>>,
+    Option<FloatTensor<B>>,
+);
+
+/// Which gradients a Linear's backward computes ([`KilnBackend::kiln_linear_backward`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearGrads {
+    pub input: bool,
+    pub weight: bool,
+    pub bias: bool,
+}
+
+/// Whether `w` is a weight held in bf16 by [`to_bf16_store`] (the CPU keeps its bits as u16).
+pub fn is_bf16_store<B: Backend, const D: usize>(w: &Tensor<B, D>) -> bool {
+    matches!(
+        w.dtype(),
+        burn::tensor::DType::U16 | burn::tensor::DType::BF16
+    )
+}
+
+/// `w` held in bf16 (see [`KilnBackend::kiln_bf16_store`]); `None` where the backend cannot.
+pub fn to_bf16_store<B: KilnBackend, const D: usize>(w: Tensor<B, D>) -> Option<Tensor<B, D>> {
+    B::kiln_bf16_store(p(w)).map(t)
+}
+
+/// The f32 values of `w`, which may be held in bf16.
+pub fn from_bf16_store<B: KilnBackend, const D: usize>(w: Tensor<B, D>) -> Tensor<B, D> {
+    if is_bf16_store(&w) {
+        t(B::kiln_bf16_load(p(w)))
+    } else {
+        w
+    }
+}
+
+/// `x wᵀ + b` over the last dimension of `x` (PyTorch's `F.linear`).
+pub fn linear<B: KilnBackend, const D: usize>(
+    x: Tensor<B, D>,
+    w: Tensor<B, 2>,
+    b: Option<Tensor<B, 1>>,
+) -> Tensor<B, D> {
+    let n = w.dims()[0];
+    over_rows(x, n, |x| B::kiln_linear(x, p(w), b.map(p)))
+}
+
+/// `x w + b` over the last dimension for a weight laid out `[in, out]` (see
+/// [`KilnBackend::kiln_linear_in_out`]).
+pub fn linear_in_out<B: KilnBackend, const D: usize>(
+    x: Tensor<B, D>,
+    w: Tensor<B, 2>,
+    b: Option<Tensor<B, 1>>,
+) -> Tensor<B, D> {
+    let n = w.dims()[1];
+    over_rows(x, n, |x| B::kiln_linear_in_out(x, p(w), b.map(p)))
+}
+
+/// `f` over `x`'s rows (all leading dimensions flattened to `[M, K]`), its `[M, n]` result put
+/// back under the leading dimensions.
+pub(crate) fn over_rows<B: KilnBackend, const D: usize>(
+    x: Tensor<B, D>,
+    n: usize,
+    f: impl FnOnce(FloatTensor<B>) -> FloatTensor<B>,
+) -> Tensor<B, D> {
+    let mut dims = x.dims();
+    let k = dims[D - 1];
+    let m: usize = dims[..D - 1].iter().product();
+    let y = f(p(reshape(x, [m, k])));
+    dims[D - 1] = n;
+    reshape(t::<B, 2>(y), dims)
+}
+
+/// Exact GELU, transformers' `"gelu"`.
+pub fn gelu<B: KilnBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let dims = x.dims();
+    let n: usize = dims.iter().product();
+    reshape(t::<B, 1>(B::kiln_gelu(p(reshape(x, [n])))), dims)
+}
+
+/// Layer norm over the last dimension.
+pub fn layer_norm<B: KilnBackend, const D: usize>(
+    x: Tensor<B, D>,
+    w: Tensor<B, 1>,
+    b: Tensor<B, 1>,
+    eps: f64,
+) -> Tensor<B, D> {
+    let dims = x.dims();
+    let h = dims[D - 1];
+    let r: usize = dims[..D - 1].iter().product();
+    let (y, _, _) = B::kiln_layer_norm(p(reshape(x, [r, h])), p(w), p(b), eps);
+    reshape(t::<B, 2>(y), dims)
+}
+
+/// RMS norm over the last dimension (Llama's `RMSNorm`).
+pub fn rms_norm<B: KilnBackend, const D: usize>(
+    x: Tensor<B, D>,
+    w: Tensor<B, 1>,
+    eps: f64,
+) -> Tensor<B, D> {
+    let dims = x.dims();
+    let h = dims[D - 1];
+    let r: usize = dims[..D - 1].iter().product();
+    let (y, _) = B::kiln_rms_norm(p(reshape(x, [r, h])), p(w), eps);
+    reshape(t::<B, 2>(y), dims)
+}
+
+/// `silu(gate) · up` (the SwiGLU MLP's gate), element-wise.
+pub fn swiglu<B: KilnBackend, const D: usize>(
+    gate: Tensor<B, D>,
+    up: Tensor<B, D>,
+) -> Tensor<B, D> {
+    let dims = gate.dims();
+    let n: usize = dims.iter().product();
+    let y = B::kiln_swiglu(p(reshape(gate, [n])), p(reshape(up, [n])));
+    reshape(t::<B, 1>(y), dims)
+}
+
+/// Entering a tensor-parallel region: see [`KilnBackend::kiln_tp_enter`].
+pub fn tp_enter<B: KilnBackend, const D: usize>(x: Tensor<B, D>, tp: &TpComm) -> Tensor<B, D> {
+    t(B::kiln_tp_enter(p(x), tp))
+}
+
+/// Leaving a tensor-parallel region: see [`KilnBackend::kiln_tp_sum`].
+pub fn tp_sum<B: KilnBackend, const D: usize>(x: Tensor<B, D>, tp: &TpComm) -> Tensor<B, D> {
+    t(B::kiln_tp_sum(p(x), tp))
+}
+
+/// `layer_norm(dropout(x) + residual)` over the last dimension (dropout only in training).
+pub fn residual_layer_norm<B: KilnBackend, const D: usize>(
+    x: Tensor<B, D>,
+    residual: Tensor<B, D>,
+    w: Tensor<B, 1>,
+    b: Tensor<B, 1>,
+    eps: f64,
+    dropout: f64,
+) -> Tensor<B, D> {
+    let dims = x.dims();
+    let h = dims[D - 1];
+    let r: usize = dims[..D - 1].iter().product();
+    let (dropout, seed) = training_dropout::<B>(dropout);
+    let (y, _, _, _) = B::kiln_residual_layer_norm(
+        p(reshape(x, [r, h])),
+        p(reshape(residual, [r, h])),
+        p(w),
+        p(b),
+        eps,
+        dropout,
+        seed,
+    );
+    reshape(t::<B, 2>(y), dims)
+}
+
+/// `softmax(scores·scale + mask)` for attention scores `[B, H, T, S]` and an additive key mask `[B, S]`.
+pub fn masked_softmax<B: KilnBackend>(
+    scores: Tensor<B, 4>,
+    mask: Tensor<B, 2>,
+    scale: f64,
+) -> Tensor<B, 4> {
+    t(B::kiln_masked_softmax(p(scores), p(mask), scale))
+}
+
+/// Rotary position embedding of `x [B, T, heads, D]` (see [`KilnBackend::kiln_rope`]).
+pub fn rope<B: KilnBackend>(
+    x: Tensor<B, 4>,
+    cos: &Tensor<B, 2>,
+    sin: &Tensor<B, 2>,
+) -> Tensor<B, 4> {
+    t(B::kiln_rope(p(x), p(cos.clone()), p(sin.clone()), false))
+}
+
+/// 1.0 where a target counts (is not `ignore`), else 0.0; and the targets with ignored ones set to
+/// class 0, so that gathering by them stays in range.
+pub(crate) fn kept_targets<B: Backend>(
+    targets: Tensor<B, 1, Int>,
+    ignore: i64,
+) -> (Tensor<B, 1>, Tensor<B, 1, Int>) {
+    let keep = targets.clone().not_equal_elem(ignore);
+    let safe = targets.mask_fill(keep.clone().bool_not(), 0);
+    (keep.float(), safe)
+}
+
+/// Rows `ids [N]` of the table `w [V, H]` (see [`KilnBackend::kiln_embedding`]).
+pub fn embedding<B: KilnBackend>(w: Tensor<B, 2>, ids: Tensor<B, 1, Int>) -> Tensor<B, 2> {
+    t(B::kiln_embedding(p(w), ids.into_primitive()))
+}
+
+/// Per-row cross-entropy of `logits [N, C]` against `targets [N]` (0 where the target is `ignore`),
+/// with its gradient from one fused kernel on the CPU.
+pub fn cross_entropy<B: KilnBackend>(
+    logits: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    ignore: i64,
+) -> Tensor<B, 1> {
+    t(B::kiln_cross_entropy(p(logits), targets.into_primitive(), ignore).0)
+}
+
+/// `[q, k, v]`, each `[B, T, H]`, of a `[B, T, 3H]` tensor.
+pub(crate) fn split_qkv<B: Backend>(qkv: FloatTensor<B>) -> [FloatTensor<B>; 3] {
+    let qkv = t::<B, 3>(qkv);
+    let h = qkv.dims()[2] / 3;
+    [0, 1, 2].map(|i| p(qkv.clone().narrow(2, i * h, h)))
+}
+
+/// Multi-head self-attention core, `dropout(softmax(q kᵀ/√d + mask)) v`, for q, k and v side by
+/// side in one `[B, T, 3H]` tensor (see [`KilnBackend::kiln_attention_qkv`]), `heads` heads each,
+/// and an additive key mask `[B, T]`. Dropout applies only in training.
+pub fn attention_qkv<B: KilnBackend>(
+    qkv: Tensor<B, 3>,
+    mask: Tensor<B, 2>,
+    heads: usize,
+    dropout: f64,
+) -> Tensor<B, 3> {
+    let scale = 1.0 / ((qkv.dims()[2] / 3 / heads) as f64).sqrt();
+    let (dropout, seed) = training_dropout::<B>(dropout);
+    let (out, _) = B::kiln_attention_qkv(p(qkv), p(mask), heads, scale, dropout, seed, false);
+    t(out)
+}
+
+/// Causal multi-head self-attention for `q [B, T, H]` (`heads` heads side by side) and `k, v`
+/// `[B, T, H]`, or of fewer heads for grouped-query attention (see [`KilnBackend::kiln_attention`]):
+/// query `i` attends to keys `0..=i`.
+pub fn causal_attention<B: KilnBackend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    heads: usize,
+) -> Tensor<B, 3> {
+    let [b, tq, h] = q.dims();
+    let scale = 1.0 / ((h / heads) as f64).sqrt();
+    let mask = Tensor::<B, 2>::zeros([b, tq], &q.device());
+    let (out, _) = B::kiln_attention(
+        p(q),
+        p(k),
+        p(v),
+        p(mask),
+        heads,
+        Window::CAUSAL,
+        scale,
+        0.0,
+        0,
+        false,
+    );
+    t(out)
+}
+
+/// Bidirectional multi-head self-attention for `q, k, v [B, T, H]` (`heads` heads side by side)
+/// and an additive key mask `[B, T]`, on the fused kernel. Dropout applies only in training.
+pub fn attention<B: KilnBackend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    mask: Tensor<B, 2>,
+    heads: usize,
+    dropout: f64,
+) -> Tensor<B, 3> {
+    windowed_attention(q, k, v, mask, heads, Window::FULL, dropout)
+}
+
+/// Which keys a query sees, beside the padding mask: those at most `before` positions earlier
+/// and `after` later (a sliding window: Mistral, ModernBERT's local layers). [`Window::FULL`]
+/// sees every key, [`Window::CAUSAL`] the query and the ones before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    pub before: usize,
+    pub after: usize,
+}
+
+impl Window {
+    pub const FULL: Self = Self {
+        before: usize::MAX,
+        after: usize::MAX,
+    };
+    pub const CAUSAL: Self = Self {
+        before: usize::MAX,
+        after: 0,
+    };
+
+    /// The keys query `i` of a `t`-token sequence sees.
+    pub fn keys(&self, i: usize, t: usize) -> std::ops::Range<usize> {
+        i.saturating_sub(self.before)..i.saturating_add(self.after).saturating_add(1).min(t)
+    }
+
+    /// Whether every query of a `t`-token sequence sees every key.
+    pub fn covers(&self, t: usize) -> bool {
+        let last = t.saturating_sub(1);
+        self.before >= last && self.after >= last
+    }
+
+    /// The additive `[T, T]` mask of the window: 0 inside, a large finite negative outside (not
+    /// -inf: it is scaled before the softmax, and a padding query whose keys are all hidden must
+    /// stay finite). Made once per window, length, backend and device on a thread and then shared
+    /// ([`BANDS`]): every layer of a step asks for the same one.
+    pub fn band<B: Backend>(&self, t: usize, device: &B::Device) -> Tensor<B, 2> {
+        let key = (std::any::TypeId::of::<B>(), *self, t);
+        let cached = BANDS.with(|bands| {
+            bands.borrow().iter().find_map(|(k, band)| {
+                let band = band.downcast_ref::<Tensor<B, 2>>()?;
+                (*k == key && band.device() == *device).then(|| band.clone())
+            })
+        });
+        if let Some(band) = cached {
+            return band;
+        }
+        let values: Vec<f32> = (0..t)
+            .flat_map(|i| {
+                let seen = self.keys(i, t);
+                (0..t).map(move |j| if seen.contains(&j) { 0.0 } else { -1e30 })
+            })
+            .collect();
+        let band = Tensor::<B, 2>::from_data(burn::tensor::TensorData::new(values, [t, t]), device);
+        BANDS.with(|bands| {
+            let mut bands = bands.borrow_mut();
+            if bands.len() == BANDS_KEPT {
+                bands.remove(0);
+            }
+            bands.push((key, Box::new(band.clone())));
+        });
+        band
+    }
+}
+
+/// How many bands [`BANDS`] keeps: a few lengths (dynamic padding) of a model's one or two windows.
+pub(crate) const BANDS_KEPT: usize = 8;
+
+thread_local! {
+    /// The bands [`Window::band`] made last on this thread, oldest first, keyed by backend, window
+    /// and length (the tensor holds its device). A host profile of a SmolLM2 step on an H200 found
+    /// a quarter of the step's host time building the causal band again for each of its 30 layers
+    /// (and each uploaded 1 MiB). A shared tensor is never changed in place: Burn writes in place
+    /// only into a tensor nothing else holds.
+    static BANDS: std::cell::RefCell<Vec<BandEntry>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+pub(crate) type BandEntry = ((std::any::TypeId, Window, usize), Box<dyn std::any::Any>);
+
+/// Multi-head self-attention of `q, k, v [B, T, H]` within `window` under the additive key mask
+/// `[B, T]`, on the fused kernel (dropout in training only).
+pub fn windowed_attention<B: KilnBackend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    mask: Tensor<B, 2>,
+    heads: usize,
+    window: Window,
+    dropout: f64,
+) -> Tensor<B, 3> {
+    let scale = 1.0 / ((q.dims()[2] / heads) as f64).sqrt();
+    let (dropout, seed) = training_dropout::<B>(dropout);
+    let (out, _) = B::kiln_attention(
+        p(q),
+        p(k),
+        p(v),
+        p(mask),
+        heads,
+        window,
+        scale,
+        dropout,
+        seed,
+        false,
+    );
+    t(out)
+}
+
+/// Inverted dropout, active only when the backend records gradients (training).
+pub fn dropout<B: KilnBackend, const D: usize>(x: Tensor<B, D>, prob: f64) -> Tensor<B, D> {
+    if !B::ad_enabled() || prob <= 0.0 {
+        return x;
+    }
+    let seed = next_dropout_seed();
+    t(B::kiln_dropout_apply(p(x), 1.0 - prob, seed))
+}
