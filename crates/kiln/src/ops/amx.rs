@@ -83,6 +83,25 @@ impl Drop for Tiles {
     }
 }
 
+/// How the AMX GEMM splits `m×k·k×n` over `threads`: `tm × tn` tasks of `rows × cols` of C, rows
+/// whole 32-row blocks and columns whole 32-column panels.
+///
+/// Tasks split the longer side while each gets whole blocks. Every task packs its own rows of A,
+/// and B (packed once, shared) streams past them from L3 or memory, so split rows a task reads all
+/// of B and 1/T of A, split columns all of A and 1/T of B: rows when m ≥ n. A held weight's input
+/// gradient at 1×128 tokens (deepseek-1.3B: 128 rows, 2048–5504 columns) read its 22 MB of packed
+/// weight in both tasks.
+fn task_grid(m: usize, n: usize, k: usize, threads: usize) -> (usize, usize, usize, usize) {
+    let (tm, tn) = match super::split::gemm_grid(m, n, k, threads) {
+        (tm, tn) if m >= n && m.div_ceil(ROWS) >= tm * tn => (tm * tn, 1),
+        (tm, tn) if m < n && n.div_ceil(32) >= tm * tn => (1, tm * tn),
+        grid => grid,
+    };
+    let rows = m.div_ceil(tm).div_ceil(ROWS) * ROWS;
+    let cols = n.div_ceil(tn).div_ceil(32) * 32;
+    (tm, tn, rows, cols)
+}
+
 /// C[m×n] (row stride `n`) = A·B + β·C (β 0 or 1, as [`super::bf16_pack::gemm_bf16_with`] asserts)
 /// with A and B rounded to bf16 and f32 accumulation, on AMX tiles.
 ///
@@ -112,20 +131,8 @@ pub(super) unsafe fn gemm(
     // K padded to whole tiles: 32 values, 16 pairs.
     let steps = k.div_ceil(32);
     let kp_pad = steps * PAIRS;
-    // Tasks split the longer side while each gets whole blocks. Every task packs its own rows of
-    // A, and B (packed once, shared) streams past them from L3 or memory, so split rows a task
-    // reads all of B and 1/T of A, split columns all of A and 1/T of B: rows when m ≥ n. A held
-    // weight's input gradient at 1×128 tokens (deepseek-1.3B: 128 rows, 2048–5504 columns)
-    // read its 22 MB of packed weight in both tasks.
-    let (tm, tn) = match super::split::gemm_grid(m, n, k, rayon::current_num_threads()) {
-        (tm, tn) if m >= n && m.div_ceil(ROWS) >= tm * tn => (tm * tn, 1),
-        (tm, tn) if m < n && n.div_ceil(32) >= tm * tn => (1, tm * tn),
-        grid => grid,
-    };
-    let rows = m.div_ceil(tm).div_ceil(ROWS) * ROWS;
-    let cols = n.div_ceil(tn).div_ceil(32) * 32;
-    // Chunks where B is row-major (the input gradient's weight): a transposed B packs fastest
-    // whole, 16×16 values at a time through a transpose.
+    let (tm, tn, rows, cols) = task_grid(m, n, k, rayon::current_num_threads());
+    // Chunks where B is row-major (the input gradient's weight); a transposed B packs fastest whole.
     let in_chunks = tm == 1 && m <= CHUNK_ROWS && csb == 1;
     let whole = if in_chunks {
         None
@@ -623,4 +630,37 @@ pub unsafe fn peak_loop(n: u64) -> f32 {
         options(nostack),
     );
     out.0[0]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tasks cover C in whole 32-row blocks and 32-column panels, splitting the longer side (no
+    /// AMX needed: the split is arithmetic).
+    #[test]
+    fn tasks_cover_c_in_whole_blocks_along_the_longer_side() {
+        for &(m, k, n) in &[
+            (128, 2048, 5504),
+            (1536, 2048, 384),
+            (4096, 768, 768),
+            (33, 64, 65),
+            (1, 32, 1),
+        ] {
+            for threads in [1, 2, 4, 7] {
+                let (tm, tn, rows, cols) = task_grid(m, n, k, threads);
+                assert!(tm * rows >= m && tn * cols >= n, "{m}×{n} on {threads}");
+                assert!(rows % ROWS == 0 && cols % 32 == 0, "{m}×{n} on {threads}");
+                assert!(tm * tn <= threads.max(1), "{m}×{n} on {threads}");
+                // No task lies wholly past C.
+                assert!(
+                    (tm - 1) * rows < m && (tn - 1) * cols < n,
+                    "{m}×{n} on {threads}"
+                );
+            }
+        }
+        // deepseek-1.3B's held weight at 128 tokens: its columns split, its rows not.
+        assert_eq!(task_grid(128, 5504, 2048, 2).0, 1);
+        assert_eq!(task_grid(1536, 384, 2048, 2).1, 1);
+    }
 }

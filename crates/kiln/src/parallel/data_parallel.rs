@@ -216,6 +216,14 @@ impl<B: Backend> DataParallel<B> {
         }
     }
 
+    /// Integers summed exactly over the ranks ([`Collectives::sum_exact`]).
+    pub fn sum_exact(&self, values: &[u64]) -> Result<Vec<u64>> {
+        match &self.group {
+            Some(g) => g.sum_exact(values),
+            None => Ok(values.to_vec()),
+        }
+    }
+
     /// Integers summed exactly over the whole job ([`Collectives::sum_exact`]).
     pub fn sum_exact_world(&self, values: &[u64]) -> Result<Vec<u64>> {
         match &self.world {

@@ -584,22 +584,7 @@ fn run_attempt(
         if std::env::var_os("RAYON_NUM_THREADS").is_none() {
             cmd.env("RAYON_NUM_THREADS", &per_worker);
         }
-        let files = match &o.log_dir {
-            Some(dir) => {
-                let dir = dir
-                    .join(&o.run_id)
-                    .join(format!("attempt_{restart}"))
-                    .join(local_rank.to_string());
-                std::fs::create_dir_all(&dir).map_err(|e| KilnError::io(&dir, e))?;
-                let open = |name: &str| {
-                    let p = dir.join(name);
-                    std::fs::File::create(&p).map_err(|e| KilnError::io(&p, e))
-                };
-                Some((open("stdout.log")?, open("stderr.log")?))
-            }
-            None => None,
-        };
-        let (out_file, err_file) = files.map_or((None, None), |(a, b)| (Some(a), Some(b)));
+        let (out_file, err_file) = log_files(o, restart, local_rank)?;
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
@@ -637,40 +622,7 @@ fn run_attempt(
         });
     }
 
-    let mut failed = Vec::new();
-    let result = loop {
-        if interrupted.load(Ordering::Relaxed) {
-            stop_all(&mut workers, libc::SIGTERM);
-            break Some(Failure::Interrupted);
-        }
-        for w in workers.iter_mut().filter(|w| w.status.is_none()) {
-            if let Ok(Some(s)) = w.child.try_wait() {
-                w.status = Some(s);
-                if !s.success() {
-                    failed.push((w.rank, s, Instant::now()));
-                }
-            }
-        }
-        if let Some((rank, status)) = verdict(&failed, Instant::now()) {
-            stop_all(&mut workers, libc::SIGTERM);
-            break Some(Failure::Worker {
-                rank,
-                status,
-                said: None,
-            });
-        }
-        if workers.iter().all(|w| w.status.is_some()) {
-            // Everyone has ended: no cause is still to come, so an echo is the verdict now.
-            break verdict(&failed, Instant::now() + ECHO_GRACE).map(|(rank, status)| {
-                Failure::Worker {
-                    rank,
-                    status,
-                    said: None,
-                }
-            });
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let result = watch(&mut workers, interrupted);
     // A worker's leftover children could hold its pipes open: end its group, then drain.
     for w in &workers {
         signal(&w.child, libc::SIGKILL);
@@ -690,6 +642,69 @@ fn run_attempt(
         },
         other => other,
     }))
+}
+
+/// Rank `local_rank`'s stdout and stderr files under `--log-dir` for this attempt (none without it).
+fn log_files(
+    o: &LaunchOptions,
+    restart: usize,
+    local_rank: usize,
+) -> Result<(Option<std::fs::File>, Option<std::fs::File>)> {
+    let files = match &o.log_dir {
+        Some(dir) => {
+            let dir = dir
+                .join(&o.run_id)
+                .join(format!("attempt_{restart}"))
+                .join(local_rank.to_string());
+            std::fs::create_dir_all(&dir).map_err(|e| KilnError::io(&dir, e))?;
+            let open = |name: &str| {
+                let p = dir.join(name);
+                std::fs::File::create(&p).map_err(|e| KilnError::io(&p, e))
+            };
+            Some((open("stdout.log")?, open("stderr.log")?))
+        }
+        None => None,
+    };
+    Ok(files.map_or((None, None), |(a, b)| (Some(a), Some(b))))
+}
+
+/// Waits for the workers: the first failure (a worker's exit, judged by [`verdict`], or an
+/// interrupt) stops the others; `None` when every worker ended well.
+fn watch(workers: &mut [Worker], interrupted: &AtomicBool) -> Option<Failure> {
+    let mut failed = Vec::new();
+    loop {
+        if interrupted.load(Ordering::Relaxed) {
+            stop_all(workers, libc::SIGTERM);
+            break Some(Failure::Interrupted);
+        }
+        for w in workers.iter_mut().filter(|w| w.status.is_none()) {
+            if let Ok(Some(s)) = w.child.try_wait() {
+                w.status = Some(s);
+                if !s.success() {
+                    failed.push((w.rank, s, Instant::now()));
+                }
+            }
+        }
+        if let Some((rank, status)) = verdict(&failed, Instant::now()) {
+            stop_all(workers, libc::SIGTERM);
+            break Some(Failure::Worker {
+                rank,
+                status,
+                said: None,
+            });
+        }
+        if workers.iter().all(|w| w.status.is_some()) {
+            // Everyone has ended: no cause is still to come, so an echo is the verdict now.
+            break verdict(&failed, Instant::now() + ECHO_GRACE).map(|(rank, status)| {
+                Failure::Worker {
+                    rank,
+                    status,
+                    said: None,
+                }
+            });
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 #[cfg(test)]

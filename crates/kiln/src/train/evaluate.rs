@@ -129,8 +129,8 @@ where
 {
     let Reported {
         label_names,
-        compute_metrics,
         token_metrics,
+        ..
     } = reported;
     let start = Instant::now();
     let (mut loss_sum, mut count) = (0.0, 0usize);
@@ -199,28 +199,14 @@ where
         ));
     }
     if parallel.size() > 1 {
-        // Each example's logits and label, as one row, in its global position on every rank.
         let classes = label_names.map_or(0, |l| l.len());
-        let rows: Vec<Vec<f32>> = preds
-            .logits
-            .iter()
-            .zip(&preds.labels)
-            .map(|(logits, &label)| logits.iter().copied().chain([label as f32]).collect())
-            .collect();
-        let width = if classes > 0 { classes + 1 } else { 0 };
-        let (rows, totals) = parallel.gather_rows(
-            eval.len(),
-            width,
-            &order,
-            &rows,
-            [loss_sum as f32, count as f32],
+        (preds, loss_sum, count) = gather_ranks(
+            parallel,
+            (eval.len(), &order),
+            classes,
+            &preds,
+            (loss_sum, count),
         )?;
-        preds = Predictions::default();
-        for row in rows {
-            preds.logits.push(row[..classes].to_vec());
-            preds.labels.push(row[classes] as usize);
-        }
-        (loss_sum, count) = (totals[0] as f64, totals[1] as usize);
     }
     if let Some(m) = token_metrics {
         if parallel.size() > 1 {
@@ -238,33 +224,7 @@ where
     }
     let runtime = start.elapsed().as_secs_f64();
     let eval_loss = loss_sum / count.max(1) as f64;
-    let mut metrics = BTreeMap::new();
-    metrics.insert("eval_loss".to_string(), eval_loss);
-    let mut report = None;
-    match label_names {
-        Some(names) => {
-            let r = classification_report(&preds.labels, &preds.predicted(), names);
-            metrics.insert("eval_accuracy".into(), r.accuracy);
-            metrics.insert("eval_f1".into(), r.f1_weighted);
-            metrics.insert("eval_f1_weighted".into(), r.f1_weighted);
-            metrics.insert("eval_f1_macro".into(), r.f1_macro);
-            report = Some(r);
-        }
-        None => {
-            metrics.insert("eval_perplexity".into(), eval_loss.exp());
-        }
-    }
-    metrics.extend(token_values);
-    if let Some(f) = compute_metrics {
-        for (k, v) in f(&preds) {
-            let k = if k.starts_with("eval_") {
-                k
-            } else {
-                format!("eval_{k}")
-            };
-            metrics.insert(k, v);
-        }
-    }
+    let (mut metrics, report) = reported_metrics(eval_loss, &preds, reported, token_values);
     metrics.insert("eval_runtime".into(), round4(runtime));
     metrics.insert(
         "eval_samples_per_second".into(),
@@ -281,6 +241,73 @@ where
         report,
         predictions: preds,
     })
+}
+
+/// Every rank's predictions put back in the examples' global order on every rank (each example's
+/// logits and label as one row), and the loss sum and target count added over the ranks (the
+/// count exactly: [`DataParallel::sum_exact`]). `examples`: how many the eval set has, and this
+/// rank's share of them.
+fn gather_ranks<B: crate::ops::KilnBackend>(
+    parallel: &DataParallel<B>,
+    (examples, order): (usize, &[usize]),
+    classes: usize,
+    preds: &Predictions,
+    (loss_sum, count): (f64, usize),
+) -> Result<(Predictions, f64, usize)> {
+    let rows: Vec<Vec<f32>> = preds
+        .logits
+        .iter()
+        .zip(&preds.labels)
+        .map(|(logits, &label)| logits.iter().copied().chain([label as f32]).collect())
+        .collect();
+    let width = if classes > 0 { classes + 1 } else { 0 };
+    let (rows, totals) =
+        parallel.gather_rows(examples, width, order, &rows, [loss_sum as f32, 0.0])?;
+    let mut gathered = Predictions::default();
+    for row in rows {
+        gathered.logits.push(row[..classes].to_vec());
+        gathered.labels.push(row[classes] as usize);
+    }
+    let count = parallel.sum_exact(&[count as u64])?[0] as usize;
+    Ok((gathered, totals[0] as f64, count))
+}
+
+/// The evaluation's metrics under transformers' `eval_*` names: the loss, the classification
+/// report or the perplexity, the streamed metric's values and the user's `compute_metrics`.
+fn reported_metrics(
+    eval_loss: f64,
+    preds: &Predictions,
+    reported: Reported<'_>,
+    token_values: Vec<(String, f64)>,
+) -> (BTreeMap<String, f64>, Option<ClassificationReport>) {
+    let mut metrics = BTreeMap::new();
+    metrics.insert("eval_loss".to_string(), eval_loss);
+    let mut report = None;
+    match reported.label_names {
+        Some(names) => {
+            let r = classification_report(&preds.labels, &preds.predicted(), names);
+            metrics.insert("eval_accuracy".into(), r.accuracy);
+            metrics.insert("eval_f1".into(), r.f1_weighted);
+            metrics.insert("eval_f1_weighted".into(), r.f1_weighted);
+            metrics.insert("eval_f1_macro".into(), r.f1_macro);
+            report = Some(r);
+        }
+        None => {
+            metrics.insert("eval_perplexity".into(), eval_loss.exp());
+        }
+    }
+    metrics.extend(token_values);
+    if let Some(f) = reported.compute_metrics {
+        for (k, v) in f(preds) {
+            let k = if k.starts_with("eval_") {
+                k
+            } else {
+                format!("eval_{k}")
+            };
+            metrics.insert(k, v);
+        }
+    }
+    (metrics, report)
 }
 
 /// The targets as an integer tensor on `device`.

@@ -280,6 +280,20 @@ pub fn read_rank_state(
             (model, cut_moments)
         }
     };
+    owned_moments(dir, place, shapes, model, &moments)
+}
+
+/// This rank's state: `model`, and the moments it updates from `moments` (this rank's
+/// tensor-parallel cut): under ZeRO-1 its data-parallel rank's range of each parameter, else all
+/// of them, with the range each covers; Adafactor's factored statistics checked against the
+/// parameter's shape.
+fn owned_moments(
+    dir: &Path,
+    place: ShardedRank,
+    shapes: &BTreeMap<String, Vec<usize>>,
+    model: BTreeMap<String, HostTensor>,
+    moments: &BTreeMap<String, HostTensor>,
+) -> Result<RankState> {
     // ZeRO-1: keep the moments of the values this data-parallel rank updates.
     let partition = (place.zero && place.mesh.dp > 1).then(|| {
         ZeroPartition::new(
@@ -297,7 +311,7 @@ pub fn read_rank_state(
             .map(|(p, s)| (p.clone(), 0..s.iter().product()))
             .collect(),
     };
-    for (key, m) in &moments {
+    for (key, m) in moments {
         let Some((path, slot)) = key
             .rsplit_once('.')
             .filter(|(_, slot)| FACTORED_SLOTS.contains(slot))
