@@ -5,7 +5,7 @@
 
 use burn::tensor::Tensor;
 
-use super::rules::{At, Slots};
+use super::slots::{At, Slots};
 use crate::ops::{recip_exact, KilnBackend};
 
 /// Adafactor's defaults in transformers.

@@ -4,7 +4,7 @@
 
 use burn::tensor::Tensor;
 
-use super::rules::{At, Slots};
+use super::slots::{At, Slots};
 use crate::ops::KilnBackend;
 
 /// One Lion update of a parameter (flat values `p`, gradient `g`); the momentum is slot `exp_avg`.

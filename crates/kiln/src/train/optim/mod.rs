@@ -9,6 +9,7 @@ pub mod grads;
 mod lion;
 pub mod rules;
 mod sgd;
+mod slots;
 
 use std::collections::BTreeMap;
 use std::ops::Range;

@@ -12,9 +12,9 @@
 use std::collections::BTreeMap;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Tensor, TensorData};
 
+use crate::error::Result;
 use crate::formats::safetensors::HostTensor;
 use crate::ops::{KilnBackend, SgdStep};
 
@@ -36,6 +36,17 @@ pub enum Rule {
 }
 
 impl Rule {
+    /// SGD's options from transformers' `optim_args` string (`momentum=0.9,nesterov=True`), as
+    /// its `_get_sgd` reads them; any other key is an error naming it.
+    pub fn sgd_from_optim_args(optim_args: Option<&str>) -> Result<Self> {
+        let (momentum, dampening, nesterov) = super::sgd::options_from(optim_args)?;
+        Ok(Self::Sgd {
+            momentum,
+            dampening,
+            nesterov,
+        })
+    }
+
     /// Whether the rule keeps state between steps (all but plain SGD).
     pub fn keeps_state(&self) -> bool {
         !matches!(self, Self::Sgd { momentum, .. } if *momentum == 0.0)
@@ -52,48 +63,6 @@ impl Rule {
     }
 }
 
-/// One parameter's state slots, stored under `<path>.<slot>` (torch's state names), as a rule's
-/// step reads and writes them.
-pub(super) struct Slots<'a, B: Backend> {
-    state: &'a mut BTreeMap<String, Tensor<B, 1>>,
-    path: &'a str,
-}
-
-impl<B: Backend> Slots<'_, B> {
-    /// Slot `slot`, or zeros like `like` (of `len` values) on the first step.
-    pub(super) fn take(&mut self, slot: &str, len: usize, like: &Tensor<B, 1>) -> Tensor<B, 1> {
-        let path = self.path;
-        match self.state.remove(&format!("{path}.{slot}")) {
-            Some(t) => {
-                assert_eq!(
-                    t.dims()[0],
-                    len,
-                    "{path}.{slot} does not match its parameter"
-                );
-                t
-            }
-            None => Tensor::zeros([len], &like.device()),
-        }
-    }
-
-    /// Slot `slot` if the parameter has it (a buffer some steps never make).
-    pub(super) fn remove(&mut self, slot: &str) -> Option<Tensor<B, 1>> {
-        self.state.remove(&format!("{}.{slot}", self.path))
-    }
-
-    pub(super) fn put(&mut self, slot: &str, t: Tensor<B, 1>) {
-        self.state.insert(format!("{}.{slot}", self.path), t);
-    }
-}
-
-/// The learning rate of a step and the weight decay that applies to the parameter (0 when it does
-/// not decay).
-#[derive(Clone, Copy)]
-pub(super) struct At {
-    pub lr: f64,
-    pub weight_decay: f64,
-}
-
 /// The state of a [`Rule`] for every parameter.
 pub struct RuleOptimizer<B: Backend> {
     pub rule: Rule,
@@ -101,15 +70,6 @@ pub struct RuleOptimizer<B: Backend> {
     /// Optimizer steps taken.
     pub step: u64,
     state: BTreeMap<String, Tensor<B, 1>>,
-}
-
-/// The backend's float tensor inside `t`, for the fused kernels.
-pub(super) fn prim<B: Backend>(t: Tensor<B, 1>) -> FloatTensor<B> {
-    t.into_primitive().tensor()
-}
-
-pub(super) fn tensor<B: Backend>(p: FloatTensor<B>) -> Tensor<B, 1> {
-    Tensor::from_primitive(TensorPrimitive::Float(p))
 }
 
 impl<B: KilnBackend> RuleOptimizer<B> {
@@ -143,11 +103,11 @@ impl<B: KilnBackend> RuleOptimizer<B> {
             _ if grad_scale != 1.0 => g * grad_scale,
             _ => g,
         };
-        let mut slots = Slots {
+        let mut slots = super::slots::Slots {
             state: &mut self.state,
             path,
         };
-        let at = At {
+        let at = super::slots::At {
             lr,
             weight_decay: wd,
         };

@@ -3,62 +3,56 @@
 
 use burn::tensor::Tensor;
 
-use super::rules::{prim, tensor, Rule, Slots};
+use super::slots::{prim, tensor, Slots};
 use crate::error::{KilnError, Result};
 use crate::ops::{KilnBackend, SgdStep};
 
-impl Rule {
-    /// SGD's options from transformers' `optim_args` string (`momentum=0.9,nesterov=True`), as
-    /// its `_get_sgd` reads them; any other key is an error naming it.
-    pub fn sgd_from_optim_args(optim_args: Option<&str>) -> Result<Self> {
-        let (mut momentum, mut dampening, mut nesterov) = (0.0, 0.0, false);
-        for pair in optim_args
-            .unwrap_or("")
-            .split(',')
-            .map(|p| p.replace(' ', ""))
-            .filter(|p| !p.is_empty())
-        {
-            let bad = |why: &str| KilnError::Config(format!("optim_args {pair:?}: {why}"));
-            let (key, value) = pair
-                .split_once('=')
-                .ok_or_else(|| bad("write key=value pairs separated by commas"))?;
-            let number = || -> Result<f64> {
-                value
-                    .parse::<f64>()
-                    .ok()
-                    .filter(|v| v.is_finite() && *v >= 0.0)
-                    .ok_or_else(|| bad("not a non-negative number"))
-            };
-            match key {
-                "momentum" => momentum = number()?,
-                "dampening" => dampening = number()?,
-                "nesterov" => {
-                    nesterov = crate::train::hf_values::hf_bool(value).map_err(|e| bad(&e))?
-                }
-                "weight_decay" => {
-                    return Err(bad(
-                        "the Trainer's parameter groups set the weight decay (use --weight-decay)",
-                    ))
-                }
-                other => {
-                    return Err(bad(&format!(
-                        "sgd takes momentum, dampening and nesterov, not `{other}`"
-                    )))
-                }
+/// SGD's momentum, dampening and Nesterov flag from transformers' `optim_args` string, as
+/// its `_get_sgd` reads them; any other key is an error naming it.
+pub(super) fn options_from(optim_args: Option<&str>) -> Result<(f64, f64, bool)> {
+    let (mut momentum, mut dampening, mut nesterov) = (0.0, 0.0, false);
+    for pair in optim_args
+        .unwrap_or("")
+        .split(',')
+        .map(|p| p.replace(' ', ""))
+        .filter(|p| !p.is_empty())
+    {
+        let bad = |why: &str| KilnError::Config(format!("optim_args {pair:?}: {why}"));
+        let (key, value) = pair
+            .split_once('=')
+            .ok_or_else(|| bad("write key=value pairs separated by commas"))?;
+        let number = || -> Result<f64> {
+            value
+                .parse::<f64>()
+                .ok()
+                .filter(|v| v.is_finite() && *v >= 0.0)
+                .ok_or_else(|| bad("not a non-negative number"))
+        };
+        match key {
+            "momentum" => momentum = number()?,
+            "dampening" => dampening = number()?,
+            "nesterov" => {
+                nesterov = crate::train::hf_values::hf_bool(value).map_err(|e| bad(&e))?
+            }
+            "weight_decay" => {
+                return Err(bad(
+                    "the Trainer's parameter groups set the weight decay (use --weight-decay)",
+                ))
+            }
+            other => {
+                return Err(bad(&format!(
+                    "sgd takes momentum, dampening and nesterov, not `{other}`"
+                )))
             }
         }
-        if nesterov && (momentum <= 0.0 || dampening != 0.0) {
-            return Err(KilnError::Config(
-                "optim_args: Nesterov momentum needs momentum above 0 and dampening 0 (as torch.optim.SGD)"
-                    .into(),
-            ));
-        }
-        Ok(Self::Sgd {
-            momentum,
-            dampening,
-            nesterov,
-        })
     }
+    if nesterov && (momentum <= 0.0 || dampening != 0.0) {
+        return Err(KilnError::Config(
+            "optim_args: Nesterov momentum needs momentum above 0 and dampening 0 (as torch.optim.SGD)"
+                .into(),
+        ));
+    }
+    Ok((momentum, dampening, nesterov))
 }
 
 /// One SGD update of a parameter (flat values `p`, gradient `g`, scaled by `h.grad_scale` as the
