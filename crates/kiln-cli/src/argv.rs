@@ -1,19 +1,17 @@
-//! The command line before clap reads it: flag names spelled with underscores take dashes, the
+//! The command line before clap reads it (`cli`, the command clap will parse it as): flag names spelled with underscores take dashes, the
 //! `--` before a launched worker's command is put in where it was left out, and the transformers
-//! flags `train` has no clap option for are taken out (hf_flags.rs) and kept for `kiln train`.
+//! flags `train` has no clap option for are taken out (hf_flags.rs) and handed to `kiln train`.
 
-use clap::CommandFactory;
+use crate::hf_flags::{self, normalize_flag, HfFlags};
 
-use crate::{hf_flags, Cli};
-
-/// transformers flags `train` took that clap does not parse (see hf_flags.rs).
-pub static HF_FLAGS: std::sync::OnceLock<hf_flags::HfFlags> = std::sync::OnceLock::new();
-
-/// The program's arguments (`std::env::args_os()`) as clap is to parse them; the transformers
-/// flags taken out of them are left in [`HF_FLAGS`]. An argument that is not UTF-8 (a file name
+/// The program's arguments (`std::env::args_os()`) as clap is to parse them, and the transformers
+/// flags taken out of them. An argument that is not UTF-8 (a file name
 /// in another encoding) passes through as it is: clap takes it as a path, or says in one
 /// sentence that the option needs UTF-8.
-pub fn prepare_os(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+pub fn prepare_os(
+    args: Vec<std::ffi::OsString>,
+    cli: &clap::Command,
+) -> (Vec<std::ffi::OsString>, HfFlags) {
     // Each non-UTF-8 argument stands in the string pass as a placeholder no real argument holds
     // (U+E002 is private-use), and is put back after it.
     let mut raw = Vec::new();
@@ -27,7 +25,8 @@ pub fn prepare_os(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
             }
         })
         .collect();
-    prepare(strings)
+    let (argv, hf) = prepare(strings, cli);
+    let argv = argv
         .into_iter()
         .map(|a| {
             match a
@@ -39,14 +38,15 @@ pub fn prepare_os(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
                 None => a.into(),
             }
         })
-        .collect()
+        .collect();
+    (argv, hf)
 }
 
 /// [`prepare_os`] on arguments that are UTF-8.
-pub fn prepare(args: Vec<String>) -> Vec<String> {
+pub fn prepare(args: Vec<String>, cli: &clap::Command) -> (Vec<String>, HfFlags) {
     // Flags before a `--` are normalised; a launched worker's own arguments pass through untouched.
     let mut after_dashes = false;
-    let argv: Vec<String> = separate_worker_command(args)
+    let argv: Vec<String> = separate_worker_command(args, cli)
         .into_iter()
         .map(|a| {
             if after_dashes {
@@ -56,31 +56,11 @@ pub fn prepare(args: Vec<String>) -> Vec<String> {
             normalize_flag(a)
         })
         .collect();
-    let (argv, hf) = hf_flags::take_hf_flags(argv, &train_flag_names());
-    HF_FLAGS.set(hf).expect("set once");
-    argv
-}
-
-/// Hugging Face scripts spell flags with underscores (`--per_device_train_batch_size`); accept both.
-pub fn normalize_flag(arg: String) -> String {
-    match arg.strip_prefix("--") {
-        Some(rest) if rest.contains('_') => {
-            let (name, value) = rest
-                .split_once('=')
-                .map_or((rest, None), |(n, v)| (n, Some(v)));
-            let name = name.replace('_', "-");
-            match value {
-                Some(v) => format!("--{name}={v}"),
-                None => format!("--{name}"),
-            }
-        }
-        _ => arg,
-    }
+    hf_flags::take_hf_flags(argv, &train_flag_names(cli))
 }
 
 /// Every long flag name (and alias) clap knows for `train`, global ones included.
-fn train_flag_names() -> Vec<String> {
-    let cli = Cli::command();
+fn train_flag_names(cli: &clap::Command) -> Vec<String> {
     let train = cli.find_subcommand("train").expect("a train subcommand");
     let mut names: Vec<String> = train
         .get_arguments()
@@ -99,8 +79,7 @@ fn train_flag_names() -> Vec<String> {
 /// Puts the `--` that `launch` and `precompile` take before their worker command when the user
 /// left it out (torchrun needs none): the worker's arguments are then its own, never read as
 /// the launcher's or normalised here.
-fn separate_worker_command(mut argv: Vec<String>) -> Vec<String> {
-    let cli = Cli::command();
+fn separate_worker_command(mut argv: Vec<String>, cli: &clap::Command) -> Vec<String> {
     let Some(at) = argv.iter().position(|a| a == "launch" || a == "precompile") else {
         return argv;
     };

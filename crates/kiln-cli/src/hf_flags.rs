@@ -90,6 +90,23 @@ fn json_value(v: Option<&str>) -> Value {
     serde_json::from_str(v).unwrap_or_else(|_| Value::String(v.to_string()))
 }
 
+/// Hugging Face scripts spell flags with underscores (`--per_device_train_batch_size`); accept both.
+pub fn normalize_flag(arg: String) -> String {
+    match arg.strip_prefix("--") {
+        Some(rest) if rest.contains('_') => {
+            let (name, value) = rest
+                .split_once('=')
+                .map_or((rest, None), |(n, v)| (n, Some(v)));
+            let name = name.replace('_', "-");
+            match value {
+                Some(v) => format!("--{name}={v}"),
+                None => format!("--{name}"),
+            }
+        }
+        _ => arg,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -106,7 +106,7 @@ pub enum Command {
 }
 
 fn run(mut cli: Cli, matches: &ArgMatches) -> Result<()> {
-    commands::resolve_hub_ids(&mut cli.command)?;
+    resolve_hub_ids(&mut cli.command)?;
     let spec: DeviceSpec = cli.device.parse()?;
     // Only these run a model in this process; the others pass --device on or ignore it.
     if !matches!(
@@ -175,7 +175,11 @@ where
         Command::Train(cmd) => train::run::<B>(&cmd, matches, &cli.device, device),
         Command::Eval(cmd) => eval::run::<B>(cmd, &cli.device, device),
         Command::Bench(cmd) => bench::run::<B>(cmd, cli.threads, &cli.device, device),
-        Command::Launch(cmd) => launch::run(cmd, &cli.device),
+        Command::Launch(cmd) => {
+            // A kiln subcommand (`train ...`) runs this binary; anything else is a program.
+            let kiln_command = |name: &str| Cli::command().find_subcommand(name).is_some();
+            launch::run(cmd, &cli.device, &kiln_command)
+        }
         Command::Precompile(cmd) => precompile::run(&cli.device, cli.threads, &cmd),
         Command::Convert(cmd) => convert::run(cmd),
         Command::Merge(cmd) => merge::run(cmd),
@@ -209,12 +213,15 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_target(false)
         .init();
-    let argv = argv::prepare_os(std::env::args_os().collect());
+    let (argv, hf_flags) = argv::prepare_os(std::env::args_os().collect(), &Cli::command());
     let matches = Cli::command().get_matches_from(argv);
-    let cli = match Cli::from_arg_matches(&matches) {
+    let mut cli = match Cli::from_arg_matches(&matches) {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
+    if let Command::Train(cmd) = &mut cli.command {
+        cmd.hf_flags = hf_flags;
+    }
     kiln::ops::init_threads(cli.threads);
     // KILN_PROFILE=1: time every fused kernel and print the table at exit (stderr).
     let profile = std::env::var_os("KILN_PROFILE").is_some();
@@ -236,6 +243,38 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Model, tokenizer and config arguments that name a Hub repo (`org/name[@revision]`) instead of
+/// an existing path become the cached files' paths, downloaded first when needed.
+fn resolve_hub_ids(command: &mut Command) -> Result<()> {
+    use kiln::hub::remote::{resolve, Need};
+    let tokenizer = |lm: &mut commands::data_opts::LmOpts| -> Result<()> {
+        if let Some(t) = &mut lm.tokenizer {
+            *t = resolve(t, Need::Tokenizer)?;
+        }
+        Ok(())
+    };
+    match command {
+        Command::Train(c) if c.task != commands::train::Task::MnistMlp => {
+            if let Some(m) = &mut c.model {
+                *m = resolve(m, Need::Model)?;
+            }
+            if let Some(f) = &mut c.from_config {
+                *f = resolve(f, Need::Config)?;
+            }
+            tokenizer(&mut c.lm)?;
+        }
+        Command::Eval(c) if c.task != commands::train::Task::MnistMlp => {
+            c.model = resolve(&c.model, Need::Model)?;
+            tokenizer(&mut c.lm)?;
+        }
+        Command::Predict(c) => c.model = resolve(&c.model, Need::Model)?,
+        Command::Generate(c) => c.model = resolve(&c.model, Need::Model)?,
+        Command::Merge(c) => c.model = resolve(&c.model, Need::Model)?,
+        _ => {}
+    }
+    Ok(())
 }
 
 /// The error and its causes, `a: b: c`, each once: kiln's I/O errors already quote their cause in

@@ -3,9 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, CommandFactory};
-
-use crate::Cli;
+use clap::Args;
 
 #[derive(Args)]
 pub struct LaunchCmd {
@@ -82,9 +80,10 @@ pub enum LaunchBackend {
 /// Runs the workers; `device` is the launcher's global `--device`, which kiln workers take too
 /// (`kiln --device cuda launch ... -- train ...` trains on GPUs). Threads are not passed on: the
 /// launcher gives each worker its share of the cores.
-pub fn run(cmd: LaunchCmd, device: &str) -> Result<()> {
-    // A kiln subcommand (`train ...`) runs this binary; anything else is a program.
-    let is_subcommand = Cli::command().find_subcommand(&cmd.command[0]).is_some();
+pub fn run(cmd: LaunchCmd, device: &str, kiln_command: &dyn Fn(&str) -> bool) -> Result<()> {
+    // A kiln subcommand (`train ...`, as `kiln_command` says) runs this binary; anything else is
+    // a program.
+    let is_subcommand = kiln_command(&cmd.command[0]);
     let (program, args) = if is_subcommand {
         let mut args = Vec::new();
         let worker_sets = |flag: &str| {

@@ -3,7 +3,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use crate::argv::normalize_flag;
+use crate::hf_flags::normalize_flag;
 
 #[derive(Args)]
 pub struct PrecompileCmd {

@@ -24,6 +24,9 @@ pub enum Task {
 
 #[derive(Args)]
 pub struct TrainCmd {
+    /// The transformers flags the command line's pre-pass took out (hf_flags.rs): not a flag.
+    #[arg(skip)]
+    pub hf_flags: crate::hf_flags::HfFlags,
     /// What to train: `text-classification` (a BERT-family model folder and labelled text),
     /// `causal-lm` (a Llama-family model and a text corpus, packed into --block-size blocks),
     /// `sft` (a Llama-family model on TRL's prompt/completion, messages or text rows, with the
@@ -181,7 +184,8 @@ fn merged_training_args(
         recorded.extend(given.recorded);
     }
     // transformers flags without a clap option of their own (hf_flags.rs).
-    if let Some(hf) = crate::argv::HF_FLAGS.get() {
+    {
+        let hf = &cmd.hf_flags;
         for flag in &hf.ignored {
             tracing::warn!("unknown flag {flag}: ignored (--ignore-unknown-args)");
         }
