@@ -5,11 +5,12 @@ use std::time::Instant;
 
 use burn::tensor::{Distribution, Tensor};
 use kiln::backend::{Cpu, CpuDevice};
-use kiln::ops::{set_matmul_precision, KilnBackend, MatmulPrecision, Window};
+use kiln::ops::{set_matmul_precision, AttentionSpec, KilnBackend, MatmulPrecision, Window};
 
 fn main() {
     let (b, t, heads, d) = (8, 512, 9, 64);
     let h = heads * d;
+    let spec = AttentionSpec::new(heads, d, Window::CAUSAL);
     let dev = CpuDevice::default();
     let rand = |shape: [usize; 3]| {
         Tensor::<Cpu, 3>::random(shape, Distribution::Uniform(-1.0, 1.0), &dev)
@@ -36,11 +37,7 @@ fn main() {
                     k.clone(),
                     v.clone(),
                     mask.clone(),
-                    heads,
-                    Window::CAUSAL,
-                    0.125,
-                    0.0,
-                    0,
+                    spec,
                     with_probs,
                 )
             };
@@ -51,8 +48,7 @@ fn main() {
             attend(false);
             infer = infer.min(start.elapsed().as_secs_f64());
             let start = Instant::now();
-            let grads =
-                Cpu::kiln_attention_backward(q, k, v, probs.unwrap(), dout, heads, 0.125, 0.0, 0);
+            let grads = Cpu::kiln_attention_backward(q, k, v, probs.unwrap(), dout, spec);
             bwd = bwd.min(start.elapsed().as_secs_f64());
             drop(grads);
         }

@@ -171,24 +171,24 @@ impl<B: KilnBackend> Backward<B, 3> for LayerNormOp {
 #[derive(Debug)]
 struct ResidualLayerNorm;
 impl<B: KilnBackend> Backward<B, 4> for ResidualLayerNorm {
-    /// z (the normalised input), w, mean, 1/σ, and (dropout, seed).
+    /// z (the normalised input), w, mean, 1/σ, and the dropout.
     type State = (
         FloatTensor<B>,
         FloatTensor<B>,
         FloatTensor<B>,
         FloatTensor<B>,
-        (f64, u64),
+        super::Dropout,
     );
     fn backward(self, ops: Ops<Self::State, 4>, grads: &mut Gradients, _: &mut Checkpointer) {
         let dy = grads.consume::<B>(&ops.node);
-        let (z, w, mean, rstd, (dropout, seed)) = ops.state;
+        let (z, w, mean, rstd, dropout) = ops.state;
         let (dz, dw, db) = B::kiln_layer_norm_backward(z, w, mean, rstd, dy);
         let [px, pr, pw, pb] = ids!(ops);
         if px.is_some() {
             give::<B>(
                 grads,
                 px,
-                Some(B::kiln_dropout_backward(dz.clone(), dropout, seed)),
+                Some(B::kiln_dropout_backward(dz.clone(), dropout)),
             );
         }
         give::<B>(grads, pr, Some(dz));
@@ -269,19 +269,18 @@ impl<B: KilnBackend> Backward<B, 1> for Reshape {
 #[derive(Debug)]
 struct Attention;
 impl<B: KilnBackend> Backward<B, 3> for Attention {
-    /// q, k, v, probabilities, and (heads, scale, dropout, seed).
+    /// q, k, v, probabilities, and the forward's spec.
     type State = (
         FloatTensor<B>,
         FloatTensor<B>,
         FloatTensor<B>,
         FloatTensor<B>,
-        (usize, f64, f64, u64),
+        super::AttentionSpec,
     );
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let dout = grads.consume::<B>(&ops.node);
-        let (q, k, v, probs, (heads, scale, dropout, seed)) = ops.state;
-        let (dq, dk, dv) =
-            B::kiln_attention_backward(q, k, v, probs, dout, heads, scale, dropout, seed);
+        let (q, k, v, probs, spec) = ops.state;
+        let (dq, dk, dv) = B::kiln_attention_backward(q, k, v, probs, dout, spec);
         let [pq, pk, pv] = ids!(ops);
         give::<B>(grads, pq, Some(dq));
         give::<B>(grads, pk, Some(dk));
@@ -292,12 +291,12 @@ impl<B: KilnBackend> Backward<B, 3> for Attention {
 #[derive(Debug)]
 struct AttentionQkv;
 impl<B: KilnBackend> Backward<B, 1> for AttentionQkv {
-    /// qkv, probabilities, and (heads, scale, dropout, seed).
-    type State = (FloatTensor<B>, FloatTensor<B>, (usize, f64, f64, u64));
+    /// qkv, probabilities, and the forward's spec.
+    type State = (FloatTensor<B>, FloatTensor<B>, super::AttentionSpec);
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let dout = grads.consume::<B>(&ops.node);
-        let (qkv, probs, (heads, scale, dropout, seed)) = ops.state;
-        let dqkv = B::kiln_attention_qkv_backward(qkv, probs, dout, heads, scale, dropout, seed);
+        let (qkv, probs, spec) = ops.state;
+        let dqkv = B::kiln_attention_qkv_backward(qkv, probs, dout, spec);
         let [px] = ids!(ops);
         give::<B>(grads, px, Some(dqkv));
     }
@@ -367,11 +366,7 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         mask: FloatTensor<Self>,
-        heads: usize,
-        window: super::Window,
-        scale: f64,
-        dropout: f64,
-        seed: u64,
+        spec: super::AttentionSpec,
         with_probs: bool,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let inner = |with_probs| {
@@ -380,11 +375,7 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
                 k.primitive.clone(),
                 v.primitive.clone(),
                 mask.primitive.clone(),
-                heads,
-                window,
-                scale,
-                dropout,
-                seed,
+                spec,
                 with_probs,
             )
         };
@@ -403,7 +394,7 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
                     k.primitive.clone(),
                     v.primitive.clone(),
                     probs,
-                    (heads, scale, dropout, seed),
+                    spec,
                 );
                 (prep.finish(state, out), probs_out)
             }
@@ -417,20 +408,14 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
     fn kiln_attention_qkv(
         qkv: FloatTensor<Self>,
         mask: FloatTensor<Self>,
-        heads: usize,
-        scale: f64,
-        dropout: f64,
-        seed: u64,
+        spec: super::AttentionSpec,
         with_probs: bool,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let inner = |with_probs| {
             B::kiln_attention_qkv(
                 qkv.primitive.clone(),
                 mask.primitive.clone(),
-                heads,
-                scale,
-                dropout,
-                seed,
+                spec,
                 with_probs,
             )
         };
@@ -443,7 +428,7 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
                 let (out, probs) = inner(true);
                 let probs = probs.expect("asked for the probabilities");
                 let probs_out = with_probs.then(|| Self::from_inner(probs.clone()));
-                let state = (qkv.primitive.clone(), probs, (heads, scale, dropout, seed));
+                let state = (qkv.primitive.clone(), probs, spec);
                 (prep.finish(state, out), probs_out)
             }
             OpsKind::UnTracked(prep) => {
@@ -583,22 +568,15 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
         w: FloatTensor<Self>,
         b: FloatTensor<Self>,
         eps: f64,
-        dropout: f64,
-        seed: u64,
-    ) -> (
-        FloatTensor<Self>,
-        FloatTensor<Self>,
-        FloatTensor<Self>,
-        FloatTensor<Self>,
-    ) {
-        let (y, z, mean, rstd) = B::kiln_residual_layer_norm(
+        dropout: super::Dropout,
+    ) -> super::ResidualNorm<Self> {
+        let super::ResidualNorm { y, z, mean, rstd } = B::kiln_residual_layer_norm(
             x.primitive,
             r.primitive,
             w.primitive.clone(),
             b.primitive,
             eps,
             dropout,
-            seed,
         );
         let aux = (
             Self::from_inner(z.clone()),
@@ -615,14 +593,19 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
             .compute_bound()
             .stateful()
         {
-            OpsKind::Tracked(prep) => prep.finish((z, w.primitive, mean, rstd, (dropout, seed)), y),
+            OpsKind::Tracked(prep) => prep.finish((z, w.primitive, mean, rstd, dropout), y),
             OpsKind::UnTracked(prep) => prep.finish(y),
         };
-        (out, aux.0, aux.1, aux.2)
+        super::ResidualNorm {
+            y: out,
+            z: aux.0,
+            mean: aux.1,
+            rstd: aux.2,
+        }
     }
 
-    fn kiln_dropout_backward(dz: FloatTensor<Self>, dropout: f64, seed: u64) -> FloatTensor<Self> {
-        Self::from_inner(B::kiln_dropout_backward(dz.primitive, dropout, seed))
+    fn kiln_dropout_backward(dz: FloatTensor<Self>, dropout: super::Dropout) -> FloatTensor<Self> {
+        Self::from_inner(B::kiln_dropout_backward(dz.primitive, dropout))
     }
 
     fn kiln_masked_softmax(

@@ -14,19 +14,18 @@ pub fn bmm<B: KilnBackend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> 
 
 /// [`KilnBackend::kiln_attention`] composed of Burn's ops and the backend's softmax and dropout
 /// (the default; a backend's own kernel may fall back to it for shapes it does not take).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn composed_attention<B: KilnBackend>(
-    q: FloatTensor<B>,
-    k: FloatTensor<B>,
-    v: FloatTensor<B>,
+    [q, k, v]: [FloatTensor<B>; 3],
     mask: FloatTensor<B>,
-    heads: usize,
-    window: Window,
-    scale: f64,
-    dropout: f64,
-    seed: u64,
+    spec: AttentionSpec,
     with_probs: bool,
 ) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
+    let AttentionSpec {
+        heads,
+        window,
+        scale,
+        dropout,
+    } = spec;
     let (k, v) = (
         repeat_kv_heads::<B>(k, heads, &q),
         repeat_kv_heads::<B>(v, heads, &q),
@@ -40,24 +39,24 @@ pub(crate) fn composed_attention<B: KilnBackend>(
         scores = scores + band.unsqueeze::<4>();
     }
     let probs = t::<B, 4>(B::kiln_masked_softmax(p(scores), mask, scale));
-    let dropped = attention_dropout::<B>(probs.clone(), dropout, seed);
+    let dropped = attention_dropout::<B>(probs.clone(), dropout);
     let out = bmm(dropped, split(v)).swap_dims(1, 2).reshape([b, tq, h]);
     (p(out), with_probs.then(|| p(probs)))
 }
 
 /// [`KilnBackend::kiln_attention_backward`] composed of Burn's ops (the default).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn composed_attention_backward<B: KilnBackend>(
-    q: FloatTensor<B>,
-    k: FloatTensor<B>,
-    v: FloatTensor<B>,
+    [q, k, v]: [FloatTensor<B>; 3],
     probs: FloatTensor<B>,
     dout: FloatTensor<B>,
-    heads: usize,
-    scale: f64,
-    dropout: f64,
-    seed: u64,
+    spec: AttentionSpec,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let AttentionSpec {
+        heads,
+        scale,
+        dropout,
+        ..
+    } = spec;
     let kv = burn::tensor::TensorMetadata::shape(&k).dims[2];
     let (k, v) = (
         repeat_kv_heads::<B>(k, heads, &q),
@@ -69,9 +68,9 @@ pub(crate) fn composed_attention_backward<B: KilnBackend>(
     let merge = |x: Tensor<B, 4>| x.swap_dims(1, 2).reshape([b, tq, h]);
     let probs = t::<B, 4>(probs);
     let dout = split(t::<B, 3>(dout));
-    let dropped = attention_dropout::<B>(probs.clone(), dropout, seed);
+    let dropped = attention_dropout::<B>(probs.clone(), dropout);
     let dv = bmm(dropped.swap_dims(2, 3), dout.clone());
-    let dprobs = attention_dropout::<B>(bmm(dout, split(v).swap_dims(2, 3)), dropout, seed);
+    let dprobs = attention_dropout::<B>(bmm(dout, split(v).swap_dims(2, 3)), dropout);
     let ds = t::<B, 4>(B::kiln_masked_softmax_backward(p(probs), p(dprobs), scale));
     let dq = bmm(ds.clone(), split(k));
     let dk = bmm(ds.swap_dims(2, 3), split(q));
@@ -120,16 +119,12 @@ pub(crate) fn sum_kv_groups<B: Backend>(
     p(dx.reshape([b, s, kvh, n, d]).sum_dim(3).reshape([b, s, kv]))
 }
 
-/// `x · dropout_mask(seed)` ([`KilnBackend::kiln_dropout_apply`]; identity at p = 0).
-pub(crate) fn attention_dropout<B: KilnBackend>(
-    x: Tensor<B, 4>,
-    prob: f64,
-    seed: u64,
-) -> Tensor<B, 4> {
-    if prob <= 0.0 {
+/// `x · dropout_mask(seed)` ([`KilnBackend::kiln_dropout_apply`]; identity without dropout).
+pub(crate) fn attention_dropout<B: KilnBackend>(x: Tensor<B, 4>, dropout: Dropout) -> Tensor<B, 4> {
+    if !dropout.is_active() {
         return x;
     }
-    t(B::kiln_dropout_apply(p(x), 1.0 - prob, seed))
+    t(B::kiln_dropout_apply(p(x), dropout.keep(), dropout.seed))
 }
 
 /// [`Tensor::reshape`] through [`KilnBackend::kiln_reshape`]: free on the CPU backend when `x` is

@@ -148,17 +148,15 @@ pub fn residual_layer_norm<B: KilnBackend, const D: usize>(
     let dims = x.dims();
     let h = dims[D - 1];
     let r: usize = dims[..D - 1].iter().product();
-    let (dropout, seed) = training_dropout::<B>(dropout);
-    let (y, _, _, _) = B::kiln_residual_layer_norm(
+    let out = B::kiln_residual_layer_norm(
         p(reshape(x, [r, h])),
         p(reshape(residual, [r, h])),
         p(w),
         p(b),
         eps,
-        dropout,
-        seed,
+        training_dropout::<B>(dropout),
     );
-    reshape(t::<B, 2>(y), dims)
+    reshape(t::<B, 2>(out.y), dims)
 }
 
 /// `softmax(scores·scale + mask)` for attention scores `[B, H, T, S]` and an additive key mask `[B, S]`.
@@ -221,9 +219,9 @@ pub fn attention_qkv<B: KilnBackend>(
     heads: usize,
     dropout: f64,
 ) -> Tensor<B, 3> {
-    let scale = 1.0 / ((qkv.dims()[2] / 3 / heads) as f64).sqrt();
-    let (dropout, seed) = training_dropout::<B>(dropout);
-    let (out, _) = B::kiln_attention_qkv(p(qkv), p(mask), heads, scale, dropout, seed, false);
+    let spec = AttentionSpec::new(heads, qkv.dims()[2] / 3 / heads, Window::FULL)
+        .with_dropout(training_dropout::<B>(dropout));
+    let (out, _) = B::kiln_attention_qkv(p(qkv), p(mask), spec, false);
     t(out)
 }
 
@@ -237,20 +235,9 @@ pub fn causal_attention<B: KilnBackend>(
     heads: usize,
 ) -> Tensor<B, 3> {
     let [b, tq, h] = q.dims();
-    let scale = 1.0 / ((h / heads) as f64).sqrt();
+    let spec = AttentionSpec::new(heads, h / heads, Window::CAUSAL);
     let mask = Tensor::<B, 2>::zeros([b, tq], &q.device());
-    let (out, _) = B::kiln_attention(
-        p(q),
-        p(k),
-        p(v),
-        p(mask),
-        heads,
-        Window::CAUSAL,
-        scale,
-        0.0,
-        0,
-        false,
-    );
+    let (out, _) = B::kiln_attention(p(q), p(k), p(v), p(mask), spec, false);
     t(out)
 }
 
@@ -267,83 +254,6 @@ pub fn attention<B: KilnBackend>(
     windowed_attention(q, k, v, mask, heads, Window::FULL, dropout)
 }
 
-/// Which keys a query sees, beside the padding mask: those at most `before` positions earlier
-/// and `after` later (a sliding window: Mistral, ModernBERT's local layers). [`Window::FULL`]
-/// sees every key, [`Window::CAUSAL`] the query and the ones before it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Window {
-    pub before: usize,
-    pub after: usize,
-}
-
-impl Window {
-    pub const FULL: Self = Self {
-        before: usize::MAX,
-        after: usize::MAX,
-    };
-    pub const CAUSAL: Self = Self {
-        before: usize::MAX,
-        after: 0,
-    };
-
-    /// The keys query `i` of a `t`-token sequence sees.
-    pub fn keys(&self, i: usize, t: usize) -> std::ops::Range<usize> {
-        i.saturating_sub(self.before)..i.saturating_add(self.after).saturating_add(1).min(t)
-    }
-
-    /// Whether every query of a `t`-token sequence sees every key.
-    pub fn covers(&self, t: usize) -> bool {
-        let last = t.saturating_sub(1);
-        self.before >= last && self.after >= last
-    }
-
-    /// The additive `[T, T]` mask of the window: 0 inside, a large finite negative outside (not
-    /// -inf: it is scaled before the softmax, and a padding query whose keys are all hidden must
-    /// stay finite). Made once per window, length, backend and device on a thread and then shared
-    /// ([`BANDS`]): every layer of a step asks for the same one.
-    pub fn band<B: Backend>(&self, t: usize, device: &B::Device) -> Tensor<B, 2> {
-        let key = (std::any::TypeId::of::<B>(), *self, t);
-        let cached = BANDS.with(|bands| {
-            bands.borrow().iter().find_map(|(k, band)| {
-                let band = band.downcast_ref::<Tensor<B, 2>>()?;
-                (*k == key && band.device() == *device).then(|| band.clone())
-            })
-        });
-        if let Some(band) = cached {
-            return band;
-        }
-        let values: Vec<f32> = (0..t)
-            .flat_map(|i| {
-                let seen = self.keys(i, t);
-                (0..t).map(move |j| if seen.contains(&j) { 0.0 } else { -1e30 })
-            })
-            .collect();
-        let band = Tensor::<B, 2>::from_data(burn::tensor::TensorData::new(values, [t, t]), device);
-        BANDS.with(|bands| {
-            let mut bands = bands.borrow_mut();
-            if bands.len() == BANDS_KEPT {
-                bands.remove(0);
-            }
-            bands.push((key, Box::new(band.clone())));
-        });
-        band
-    }
-}
-
-/// How many bands [`BANDS`] keeps: a few lengths (dynamic padding) of a model's one or two windows.
-pub(crate) const BANDS_KEPT: usize = 8;
-
-thread_local! {
-    /// The bands [`Window::band`] made last on this thread, oldest first, keyed by backend, window
-    /// and length (the tensor holds its device). A host profile of a SmolLM2 step on an H200 found
-    /// a quarter of the step's host time building the causal band again for each of its 30 layers
-    /// (and each uploaded 1 MiB). A shared tensor is never changed in place: Burn writes in place
-    /// only into a tensor nothing else holds.
-    static BANDS: std::cell::RefCell<Vec<BandEntry>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-pub(crate) type BandEntry = ((std::any::TypeId, Window, usize), Box<dyn std::any::Any>);
-
 /// Multi-head self-attention of `q, k, v [B, T, H]` within `window` under the additive key mask
 /// `[B, T]`, on the fused kernel (dropout in training only).
 pub fn windowed_attention<B: KilnBackend>(
@@ -355,20 +265,9 @@ pub fn windowed_attention<B: KilnBackend>(
     window: Window,
     dropout: f64,
 ) -> Tensor<B, 3> {
-    let scale = 1.0 / ((q.dims()[2] / heads) as f64).sqrt();
-    let (dropout, seed) = training_dropout::<B>(dropout);
-    let (out, _) = B::kiln_attention(
-        p(q),
-        p(k),
-        p(v),
-        p(mask),
-        heads,
-        window,
-        scale,
-        dropout,
-        seed,
-        false,
-    );
+    let spec = AttentionSpec::new(heads, q.dims()[2] / heads, window)
+        .with_dropout(training_dropout::<B>(dropout));
+    let (out, _) = B::kiln_attention(p(q), p(k), p(v), p(mask), spec, false);
     t(out)
 }
 

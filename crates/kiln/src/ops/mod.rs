@@ -32,6 +32,8 @@ mod precision;
 pub use precision::*;
 mod composed;
 pub use composed::*;
+mod attention;
+pub use attention::*;
 mod functional;
 pub use functional::*;
 mod runtime;
@@ -131,8 +133,6 @@ pub struct AdamWStep {
     pub grad_scale: f64,
 }
 
-/// Backend operations kiln fuses. Shapes: `x [M, K]`, `w [N, K]` (PyTorch layout), `b [N]` for linear;
-/// `x [R, H]` for layer norm; `x [B, H, T, S]` with `mask [B, S]` (additive) for softmax.
 /// A GPU's running counts, read before and after timed steps by the bench.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct DeviceCounters {
@@ -145,6 +145,17 @@ pub struct DeviceCounters {
     pub in_use_bytes: u64,
 }
 
+/// What [`KilnBackend::kiln_residual_layer_norm`] returns: the output `y`, the normalised input
+/// `z = dropout(x) + r` and the per-row `mean` and `rstd` its backward reads.
+pub struct ResidualNorm<B: Backend> {
+    pub y: FloatTensor<B>,
+    pub z: FloatTensor<B>,
+    pub mean: FloatTensor<B>,
+    pub rstd: FloatTensor<B>,
+}
+
+/// Backend operations kiln fuses. Shapes: `x [M, K]`, `w [N, K]` (PyTorch layout), `b [N]` for linear;
+/// `x [R, H]` for layer norm; `x [B, H, T, S]` with `mask [B, S]` (additive) for softmax.
 pub trait KilnBackend: Backend {
     /// `x` viewed with another shape of the same size. Burn's ndarray reshape always copies; the CPU
     /// kernel only relabels a contiguous buffer, which matters because every fused op below flattens
@@ -443,127 +454,96 @@ pub trait KilnBackend: Backend {
     }
 
     /// `layer_norm(dropout(x) + r)` over the last dimension of `[R, H]` inputs — a transformer block's
-    /// "dropout, residual add, norm" in one pass. Returns `(y, z, mean, rstd)` where `z` is the
-    /// normalised input, kept for the backward; the dropout mask is a function of `seed`.
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    /// "dropout, residual add, norm" in one pass; the normalised input `z` and the row statistics
+    /// come back for the backward ([`ResidualNorm`]).
     fn kiln_residual_layer_norm(
         x: FloatTensor<Self>,
         r: FloatTensor<Self>,
         w: FloatTensor<Self>,
         b: FloatTensor<Self>,
         eps: f64,
-        dropout: f64,
-        seed: u64,
-    ) -> (
-        FloatTensor<Self>,
-        FloatTensor<Self>,
-        FloatTensor<Self>,
-        FloatTensor<Self>,
-    ) {
+        dropout: Dropout,
+    ) -> ResidualNorm<Self> {
         let x = t::<Self, 2>(x);
-        let x = if dropout > 0.0 {
-            t(Self::kiln_dropout_apply(p(x), 1.0 - dropout, seed))
+        let x = if dropout.is_active() {
+            t(Self::kiln_dropout_apply(p(x), dropout.keep(), dropout.seed))
         } else {
             x
         };
         let z = x + t::<Self, 2>(r);
         let (y, mean, rstd) = Self::kiln_layer_norm(p(z.clone()), w, b, eps);
-        (y, p(z), mean, rstd)
+        ResidualNorm {
+            y,
+            z: p(z),
+            mean,
+            rstd,
+        }
     }
 
     /// `dropout(dz)` with [`Self::kiln_residual_layer_norm`]'s mask: the gradient reaching `x`.
-    fn kiln_dropout_backward(dz: FloatTensor<Self>, dropout: f64, seed: u64) -> FloatTensor<Self> {
-        if dropout <= 0.0 {
+    fn kiln_dropout_backward(dz: FloatTensor<Self>, dropout: Dropout) -> FloatTensor<Self> {
+        if !dropout.is_active() {
             return dz;
         }
-        Self::kiln_dropout_apply(dz, 1.0 - dropout, seed)
+        Self::kiln_dropout_apply(dz, dropout.keep(), dropout.seed)
     }
 
-    /// Multi-head attention core for `q, k, v [B, T, H]` (heads side by side in H) and an additive key
-    /// mask `[B, T]` (`k` and `v` may hold fewer heads, `[B, T, kv_heads·d]`: grouped-query
-    /// attention, query head `i` reading key/value head `i / (heads / kv_heads)`; their gradients
-    /// come back in that shape): `dropout(softmax(q kᵀ·scale + mask)) v`, back in `[B, T, H]`; query `i` sees
-    /// only the keys of its `window` ([`Window::CAUSAL`]: `0..=i`, decoders; a sliding window:
-    /// Mistral, ModernBERT's local layers). Also returns the softmax probabilities
-    /// `[B, heads, T, T]` (before dropout; exactly 0 where masked) when `with_probs`, for the
-    /// backward, which therefore needs no mask of its own; without it a kernel need not write them
-    /// (25 MB per MiniLM layer at 32×128). The dropout mask is a function of `seed`, so the
-    /// backward regenerates it instead of storing it.
-    #[allow(clippy::too_many_arguments)]
+    /// Multi-head attention core for `q, k, v [B, T, H]` (`spec.heads` heads side by side in H) and
+    /// an additive key mask `[B, T]` (`k` and `v` may hold fewer heads, `[B, T, kv_heads·d]`:
+    /// grouped-query attention, query head `i` reading key/value head `i / (heads / kv_heads)`;
+    /// their gradients come back in that shape): `dropout(softmax(q kᵀ·scale + mask)) v`, back in
+    /// `[B, T, H]`; query `i` sees only the keys of `spec.window` ([`Window::CAUSAL`]: `0..=i`,
+    /// decoders; a sliding window: Mistral, ModernBERT's local layers). Also returns the softmax
+    /// probabilities `[B, heads, T, T]` (before dropout; exactly 0 where masked) when `with_probs`,
+    /// for the backward, which therefore needs no mask of its own; without it a kernel need not
+    /// write them (25 MB per MiniLM layer at 32×128). The dropout mask is a function of its seed,
+    /// so the backward regenerates it instead of storing it.
     fn kiln_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         mask: FloatTensor<Self>,
-        heads: usize,
-        window: Window,
-        scale: f64,
-        dropout: f64,
-        seed: u64,
+        spec: AttentionSpec,
         with_probs: bool,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
-        composed_attention::<Self>(
-            q, k, v, mask, heads, window, scale, dropout, seed, with_probs,
-        )
+        composed_attention::<Self>([q, k, v], mask, spec, with_probs)
     }
 
-    /// `(dq, dk, dv)` of [`Self::kiln_attention`] for the output gradient `dout [B, T, H]`.
-    #[allow(clippy::too_many_arguments)]
+    /// `(dq, dk, dv)` of [`Self::kiln_attention`] for the output gradient `dout [B, T, H]`, given
+    /// the forward's `spec` and probabilities.
     fn kiln_attention_backward(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         probs: FloatTensor<Self>,
         dout: FloatTensor<Self>,
-        heads: usize,
-        scale: f64,
-        dropout: f64,
-        seed: u64,
+        spec: AttentionSpec,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        composed_attention_backward::<Self>(q, k, v, probs, dout, heads, scale, dropout, seed)
+        composed_attention_backward::<Self>([q, k, v], probs, dout, spec)
     }
 
-    /// [`Self::kiln_attention`] (not causal) with q, k and v side by side in one `[B, T, 3H]`
-    /// tensor, as one Linear with the three weights stacked makes them: one GEMM instead of three
-    /// forward, and one gradient tensor backward instead of three summed into the input's.
+    /// [`Self::kiln_attention`] with q, k and v side by side in one `[B, T, 3H]` tensor, as one
+    /// Linear with the three weights stacked makes them: one GEMM instead of three forward, and
+    /// one gradient tensor backward instead of three summed into the input's.
     fn kiln_attention_qkv(
         qkv: FloatTensor<Self>,
         mask: FloatTensor<Self>,
-        heads: usize,
-        scale: f64,
-        dropout: f64,
-        seed: u64,
+        spec: AttentionSpec,
         with_probs: bool,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let [q, k, v] = split_qkv::<Self>(qkv);
-        Self::kiln_attention(
-            q,
-            k,
-            v,
-            mask,
-            heads,
-            Window::FULL,
-            scale,
-            dropout,
-            seed,
-            with_probs,
-        )
+        Self::kiln_attention(q, k, v, mask, spec, with_probs)
     }
 
     /// The `[B, T, 3H]` gradient of [`Self::kiln_attention_qkv`]'s input.
-    #[allow(clippy::too_many_arguments)]
     fn kiln_attention_qkv_backward(
         qkv: FloatTensor<Self>,
         probs: FloatTensor<Self>,
         dout: FloatTensor<Self>,
-        heads: usize,
-        scale: f64,
-        dropout: f64,
-        seed: u64,
+        spec: AttentionSpec,
     ) -> FloatTensor<Self> {
         let [q, k, v] = split_qkv::<Self>(qkv);
-        let (dq, dk, dv) =
-            Self::kiln_attention_backward(q, k, v, probs, dout, heads, scale, dropout, seed);
+        let (dq, dk, dv) = Self::kiln_attention_backward(q, k, v, probs, dout, spec);
         p(Tensor::cat(
             vec![t::<Self, 3>(dq), t::<Self, 3>(dk), t::<Self, 3>(dv)],
             2,

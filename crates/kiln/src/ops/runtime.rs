@@ -77,12 +77,39 @@ pub(crate) fn next_dropout_seed() -> u64 {
     })
 }
 
-/// `(probability, seed)` for a fused kernel's dropout: a fresh seed from the dropout stream in
-/// training, `(0, 0)` (no dropout, no draw from the stream) otherwise.
-pub(crate) fn training_dropout<B: Backend>(prob: f64) -> (f64, u64) {
-    if B::ad_enabled() && prob > 0.0 {
-        (prob, next_dropout_seed())
+/// A fused kernel's dropout: each element is zeroed with probability `rate` (and the kept ones
+/// scaled by `1 / (1 - rate)`), the mask a function of `seed` alone, so a backward regenerates it
+/// instead of storing it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Dropout {
+    pub rate: f64,
+    pub seed: u64,
+}
+
+impl Dropout {
+    /// No dropout (inference, or a rate of 0).
+    pub const NONE: Self = Self { rate: 0.0, seed: 0 };
+
+    /// Whether any element is dropped.
+    pub fn is_active(&self) -> bool {
+        self.rate > 0.0
+    }
+
+    /// The probability an element is kept.
+    pub fn keep(&self) -> f64 {
+        1.0 - self.rate
+    }
+}
+
+/// A fused kernel's dropout at `rate`: a fresh seed from the dropout stream in training,
+/// [`Dropout::NONE`] (and no draw from the stream) otherwise.
+pub(crate) fn training_dropout<B: Backend>(rate: f64) -> Dropout {
+    if B::ad_enabled() && rate > 0.0 {
+        Dropout {
+            rate,
+            seed: next_dropout_seed(),
+        }
     } else {
-        (0.0, 0)
+        Dropout::NONE
     }
 }

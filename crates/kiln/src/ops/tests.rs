@@ -13,6 +13,16 @@ use burn::tensor::{Distribution, Element, Int, Tensor, TensorData};
 use super::*;
 use crate::backend::{Cpu, CpuTrain};
 
+/// An attention spec from its parts, as the tests vary them.
+fn attention_spec(heads: usize, window: Window, scale: f64, rate: f64, seed: u64) -> AttentionSpec {
+    AttentionSpec {
+        heads,
+        window,
+        scale,
+        dropout: Dropout { rate, seed },
+    }
+}
+
 /// The f64 reference backend.
 type Exact = Autodiff<NdArray<f64>>;
 
@@ -513,11 +523,7 @@ fn attention_case(b: usize, t: usize, h: usize, heads: usize) {
                     p(r(1)),
                     p(r(2)),
                     p(mask.clone()),
-                    heads,
-                    window,
-                    scale,
-                    dropout,
-                    seed,
+                    attention_spec(heads, window, scale, dropout, seed),
                     false,
                 );
                 super::t::<CpuTrain, 3>(out)
@@ -586,7 +592,14 @@ fn untracked_attention_matches_tracked() {
             let run = |x: Tensor<CpuTrain, 3>, with_probs| {
                 let [q, k, v] = [0, 1, 2].map(|i| p(x.clone().narrow(2, i * h, h)));
                 let m = p(Tensor::<CpuTrain, 2>::from_inner(mask.clone()));
-                CpuTrain::kiln_attention(q, k, v, m, heads, window, 0.3, 0.0, 0, with_probs)
+                CpuTrain::kiln_attention(
+                    q,
+                    k,
+                    v,
+                    m,
+                    attention_spec(heads, window, 0.3, 0.0, 0),
+                    with_probs,
+                )
             };
             let (tracked, probs) = run(qkv.clone(), true);
             let (untracked, none) = run(qkv.clone().detach(), false);
@@ -617,10 +630,7 @@ fn packed_qkv_attention_matches_separate() {
                 let (out, _) = CpuTrain::kiln_attention_qkv(
                     p(x[0].clone().reshape([b, t, 3 * h])),
                     p(mask.clone()),
-                    heads,
-                    0.5,
-                    dropout,
-                    seed,
+                    attention_spec(heads, super::Window::FULL, 0.5, dropout, seed),
                     false,
                 );
                 super::t::<CpuTrain, 3>(out)
@@ -632,11 +642,7 @@ fn packed_qkv_attention_matches_separate() {
                     part(1),
                     part(2),
                     p(mask.clone()),
-                    heads,
-                    super::Window::FULL,
-                    0.5,
-                    dropout,
-                    seed,
+                    attention_spec(heads, super::Window::FULL, 0.5, dropout, seed),
                     false,
                 );
                 super::t::<CpuTrain, 3>(out)
@@ -661,16 +667,18 @@ fn residual_layer_norm_matches_composed() {
             &format!("residual_layer_norm p={dropout}"),
             inputs.clone(),
             |x| {
-                let (y, _, _, _) = CpuTrain::kiln_residual_layer_norm(
+                let out = CpuTrain::kiln_residual_layer_norm(
                     p(x[0].clone()),
                     p(x[1].clone()),
                     p(x[2].clone().reshape([h])),
                     p(x[3].clone().reshape([h])),
                     1e-12,
-                    dropout,
-                    seed,
+                    Dropout {
+                        rate: dropout,
+                        seed,
+                    },
                 );
-                super::t::<CpuTrain, 2>(y)
+                super::t::<CpuTrain, 2>(out.y)
             },
             |x| {
                 let xd = if dropout > 0.0 {
@@ -870,11 +878,7 @@ fn kernels_give_the_same_bits_on_any_thread_count_and_under_load() {
             p(y.clone() * 0.5),
             p(y),
             p(mask.clone()),
-            heads,
-            Window::FULL,
-            0.125,
-            0.1,
-            3,
+            attention_spec(heads, Window::FULL, 0.125, 0.1, 3),
             false,
         );
         let att = super::t::<CpuTrain, 3>(att).reshape([b * t, h]);

@@ -9,7 +9,7 @@ use super::{
     exp_row, has_avx512, scale_by, simd, small_gemm, softmax_backward_row, uniform, SharedMut,
 };
 use crate::ops::bf16::{gemm_bf16_with, Bf16Kernel};
-use crate::ops::{MatmulPrecision, Window};
+use crate::ops::{AttentionSpec, MatmulPrecision, Window};
 
 /// One multi-head attention call on the CPU: `[B, T, H]` activations whose q, k and v rows lie `rs`
 /// floats apart — `H` when they are three tensors, `3H` when one Linear made them side by side.
@@ -30,28 +30,36 @@ pub(super) struct Attn {
     bf16: Option<Bf16Kernel>,
 }
 
+/// What every task of one forward reads and writes: q, k and v (each at its row 0, column 0),
+/// the additive key mask `[B, T]`, and the output `[B, T, H]`, whose rows and head columns the
+/// tasks share out.
+struct ForwardIo<'a> {
+    qkv: [&'a [f32]; 3],
+    mask: &'a [f32],
+    out: SharedMut,
+}
+
+/// Where a backward writes dq, dk and dv: each at its (row 0, column 0), rows `stride` floats
+/// apart (`H` for three tensors, `3H` for one `[B, T, 3H]` gradient).
+#[derive(Clone, Copy)]
+pub(super) struct GradsOut {
+    pub(super) at: [SharedMut; 3],
+    pub(super) stride: usize,
+}
+
 impl Attn {
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn new(
-        (b, t, h): (usize, usize, usize),
-        rs: usize,
-        heads: usize,
-        window: Window,
-        scale: f64,
-        dropout: f64,
-        seed: u64,
-    ) -> Self {
-        let (scale, keep) = (scale as f32, (1.0 - dropout) as f32);
+    pub(super) fn new((b, t, h): (usize, usize, usize), rs: usize, spec: AttentionSpec) -> Self {
+        let (scale, keep) = (spec.scale as f32, spec.dropout.keep() as f32);
         Self {
             b,
             t,
             h,
-            heads,
+            heads: spec.heads,
             rs,
-            window,
+            window: spec.window,
             scale,
             keep,
-            seed,
+            seed: spec.dropout.seed,
             // Read on the calling thread: the precision is the thread's, as for Linear layers.
             bf16: (crate::ops::matmul_precision() == MatmulPrecision::Bf16).then(Bf16Kernel::best),
         }
@@ -146,7 +154,11 @@ impl Attn {
         assert!(mask.len() >= b * t);
         let mut out = vec![0f32; b * t * h];
         let mut probs = with_probs.then(|| vec![0f32; b * heads * t * t]);
-        let out_ptr = SharedMut(out.as_mut_ptr());
+        let io = ForwardIo {
+            qkv,
+            mask,
+            out: SharedMut(out.as_mut_ptr()),
+        };
         let probs_ptr = probs.as_mut().map(|p| SharedMut(p.as_mut_ptr()));
         let blocks = t.div_ceil(BF16_ROWS);
         (0..b * heads * blocks).into_par_iter().for_each_init(
@@ -158,7 +170,7 @@ impl Attn {
                 let p = probs_ptr.map(|pp| unsafe {
                     std::slice::from_raw_parts_mut(pp.at((bh * t + rows.start) * t), rows.len() * t)
                 });
-                self.rows_bf16(kernel, bh, rows, qkv, mask, out_ptr, p, (s, o));
+                self.rows_bf16(kernel, &io, bh, rows, p, (s, o));
             },
         );
         (out, probs)
@@ -166,18 +178,20 @@ impl Attn {
 
     /// Query rows `rows` of head `bh` with bf16 products: S = Q·Kᵀ over the keys the rows see,
     /// softmax (stored to `probs`, T per row, if given; then dropped out), P·V written to `out`.
-    #[allow(clippy::too_many_arguments)]
     fn rows_bf16(
         &self,
         kernel: Bf16Kernel,
+        io: &ForwardIo,
         bh: usize,
         rows: std::ops::Range<usize>,
-        [qs, ks, vs]: [&[f32]; 3],
-        mask: &[f32],
-        out: SharedMut,
         mut probs: Option<&mut [f32]>,
         (s, o): (&mut [f32], &mut [f32]),
     ) {
+        let ForwardIo {
+            qkv: [qs, ks, vs],
+            mask,
+            out,
+        } = *io;
         let Self {
             t,
             h,
@@ -255,7 +269,11 @@ impl Attn {
         assert!(mask.len() >= b * t);
         let mut out = vec![0f32; b * t * h];
         let mut probs = with_probs.then(|| vec![0f32; b * heads * t * t]);
-        let out_ptr = SharedMut(out.as_mut_ptr());
+        let io = ForwardIo {
+            qkv,
+            mask,
+            out: SharedMut(out.as_mut_ptr()),
+        };
         let probs_ptr = probs.as_mut().map(|p| SharedMut(p.as_mut_ptr()));
         // Tasks are (head, block of query rows): whole heads when there are enough of them to
         // share out, else 32-row blocks (SmolLM2's prefill has 9 heads for 2 threads).
@@ -290,10 +308,10 @@ impl Attn {
                 });
                 if let Some(tiles) = tiles {
                     let scratch = (&mut scratch[..], &mut kt[..], &mut vp[..]);
-                    self.head_tiled(tiles, bh, rows, qkv, mask, out_ptr, p, scratch);
+                    self.head_tiled(tiles, &io, bh, rows, p, scratch);
                 } else {
                     let scratch = (&mut scratch[..], &mut kt[..]);
-                    self.head_gemm(bh, qkv, mask, out_ptr, p, scratch);
+                    self.head_gemm(&io, bh, p, scratch);
                 }
             },
         );
@@ -305,18 +323,20 @@ impl Attn {
     /// these rows' probabilities, T per row; and dropped out), and those rows' output, written to
     /// `out`. Without `probs` or dropout (inference) the probabilities stay unnormalised and each
     /// output row is divided by its sum instead: d divisions per row rather than T.
-    #[allow(clippy::too_many_arguments)]
     fn head_tiled(
         &self,
         tiles: Tiles,
+        io: &ForwardIo,
         bh: usize,
         rows: std::ops::Range<usize>,
-        [qs, ks, vs]: [&[f32]; 3],
-        mask: &[f32],
-        out: SharedMut,
         mut probs: Option<&mut [f32]>,
         (s, kt, vp): (&mut [f32], &mut [f32], &mut [f32]),
     ) {
+        let ForwardIo {
+            qkv: [qs, ks, vs],
+            mask,
+            out,
+        } = *io;
         let Self {
             t,
             h,
@@ -408,13 +428,16 @@ impl Attn {
     /// All of head `bh` through two `gemm` calls (head dimensions the tiles do not cover).
     fn head_gemm(
         &self,
+        io: &ForwardIo,
         bh: usize,
-        [qs, ks, vs]: [&[f32]; 3],
-        mask: &[f32],
-        out: SharedMut,
         probs: Option<&mut [f32]>,
         (scratch, dropped): (&mut [f32], &mut [f32]),
     ) {
+        let ForwardIo {
+            qkv: [qs, ks, vs],
+            mask,
+            out,
+        } = *io;
         let Self {
             t,
             h,
@@ -470,16 +493,19 @@ impl Attn {
         }
     }
 
-    /// Writes dq, dk and dv through `grads` (each at its (row 0, column 0); row stride `gs`) for
-    /// the output gradient `dout [B, T, H]` and the forward's `probs`.
+    /// Writes dq, dk and dv through `grads` for the output gradient `dout [B, T, H]` and the
+    /// forward's `probs`.
     pub(super) fn backward(
         &self,
         [qs, ks, vs]: [&[f32]; 3],
         probs: &[f32],
         dout: &[f32],
-        [dq, dk, dv]: [SharedMut; 3],
-        gs: usize,
+        grads: GradsOut,
     ) {
+        let GradsOut {
+            at: [dq, dk, dv],
+            stride: gs,
+        } = grads;
         let Self {
             b,
             t,
@@ -495,7 +521,7 @@ impl Attn {
         assert!(qs.len().min(ks.len()).min(vs.len()) >= (b * t - 1) * rs + h);
         assert!(probs.len() >= b * heads * t * t && dout.len() >= b * t * h);
         if let Some(kernel) = self.bf16 {
-            return self.backward_bf16(kernel, [qs, ks, vs], probs, dout, [dq, dk, dv], gs);
+            return self.backward_bf16(kernel, [qs, ks, vs], probs, dout, grads);
         }
         (0..b * heads).into_par_iter().for_each_init(
             || (vec![0f32; t * t], vec![0f32; t * t]),
@@ -568,16 +594,18 @@ impl Attn {
     /// causal block's last row, or a padded key) adds nothing to dV, dK or dQ, and its dP is
     /// never read, so causal heads do about half the products and half the element-wise passes.
     /// dQ's rows are stored per block; dK and dV are summed over the blocks.
-    #[allow(clippy::too_many_arguments)]
     fn backward_bf16(
         &self,
         kernel: Bf16Kernel,
         [qs, ks, vs]: [&[f32]; 3],
         probs: &[f32],
         dout: &[f32],
-        [dq, dk, dv]: [SharedMut; 3],
-        gs: usize,
+        grads: GradsOut,
     ) {
+        let GradsOut {
+            at: [dq, dk, dv],
+            stride: gs,
+        } = grads;
         let Self {
             b,
             t,
@@ -986,6 +1014,17 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::Dropout;
+
+    /// The tests' attention: scale 0.2, dropout at `rate` from seed 9.
+    fn test_spec(heads: usize, window: Window, rate: f64) -> AttentionSpec {
+        AttentionSpec {
+            heads,
+            window,
+            scale: 0.2,
+            dropout: Dropout { rate, seed: 9 },
+        }
+    }
 
     /// The whole forward on each tile kind this CPU runs (AVX2 on AVX-512 machines too, so the
     /// 4-row stepping of AVX2-only CPUs such as Zen 3 is exercised) against `gemm` per head:
@@ -1025,7 +1064,7 @@ mod tests {
                 (band, 0.0),
                 (sliding, 0.2),
             ] {
-                let a = Attn::new((b, t, h), 3 * h, heads, window, 0.2, dropout, 9);
+                let a = Attn::new((b, t, h), 3 * h, test_spec(heads, window, dropout));
                 let (want, want_p) = a.forward_on(None, x, &mask, true);
                 for &tiles in &kinds {
                     let (got, got_p) = a.forward_on(Some(tiles), x, &mask, true);
@@ -1106,7 +1145,15 @@ mod tests {
             ];
             let ptrs = grads.each_mut().map(|g| SharedMut(g.as_mut_ptr()));
             // The f32 probabilities for both, so only the backward's own products differ.
-            attn.backward(x, &want_p, &dout, ptrs, h);
+            attn.backward(
+                x,
+                &want_p,
+                &dout,
+                GradsOut {
+                    at: ptrs,
+                    stride: h,
+                },
+            );
             grads
         };
         let (want_g, got_g) = (backward(&f32_attn, x), backward(&bf16_attn, bf16_x));
@@ -1217,7 +1264,7 @@ mod tests {
                 // The last two keys padded: their probabilities are 0 for every query.
                 let mut mask = vec![0f32; b * t];
                 mask[b * t - 2..].fill(f32::MIN);
-                let a = Attn::new((b, t, h), rs, heads, window, 0.2, dropout, 9);
+                let a = Attn::new((b, t, h), rs, test_spec(heads, window, dropout));
                 let what = format!("{kernel:?} {b}x{t}x{h}/{heads} {window:?} p={dropout}");
                 let bad = bf16_violations(&a, kernel, x, x, &mask);
                 assert_eq!(

@@ -367,19 +367,13 @@ impl KilnBackend for Cpu {
         w: FloatTensor<Self>,
         b: FloatTensor<Self>,
         eps: f64,
-        dropout: f64,
-        seed: u64,
-    ) -> (
-        FloatTensor<Self>,
-        FloatTensor<Self>,
-        FloatTensor<Self>,
-        FloatTensor<Self>,
-    ) {
+        dropout: super::Dropout,
+    ) -> super::ResidualNorm<Self> {
         let _p = super::profile::scope("residual_layer_norm_fwd");
         let (x, r, w, b) = (dense(x), dense(r), dense(w), dense(b));
         let (rows, h) = (x.shape()[0], x.shape()[1]);
         let (ws, bs) = (slice(&w), slice(&b));
-        let keep = (1.0 - dropout) as f32;
+        let (keep, seed) = (dropout.keep() as f32, dropout.seed);
         let mut z = slice(&r).to_vec();
         let mut y = vec![0f32; rows * h];
         let mut stats = vec![(0f32, 0f32); rows];
@@ -418,21 +412,21 @@ impl KilnBackend for Cpu {
                 }
             });
         let (mean, rstd): (Vec<f32>, Vec<f32>) = stats.into_iter().unzip();
-        (
-            tensor(&[rows, h], y),
-            tensor(&[rows, h], z),
-            tensor(&[rows], mean),
-            tensor(&[rows], rstd),
-        )
+        super::ResidualNorm {
+            y: tensor(&[rows, h], y),
+            z: tensor(&[rows, h], z),
+            mean: tensor(&[rows], mean),
+            rstd: tensor(&[rows], rstd),
+        }
     }
 
-    fn kiln_dropout_backward(dz: FloatTensor<Self>, dropout: f64, seed: u64) -> FloatTensor<Self> {
-        if dropout <= 0.0 {
+    fn kiln_dropout_backward(dz: FloatTensor<Self>, dropout: super::Dropout) -> FloatTensor<Self> {
+        if !dropout.is_active() {
             return dz;
         }
         let dz = dense(dz);
         let shape = dz.shape().to_vec();
-        let keep = (1.0 - dropout) as f32;
+        let (keep, seed) = (dropout.keep() as f32, dropout.seed);
         let mut dx = into_vec(dz);
         dx.par_chunks_mut(16_384)
             .enumerate()
@@ -647,20 +641,17 @@ impl KilnBackend for Cpu {
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         mask: FloatTensor<Self>,
-        heads: usize,
-        window: super::Window,
-        scale: f64,
-        dropout: f64,
-        seed: u64,
+        spec: super::AttentionSpec,
         with_probs: bool,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let _p = super::profile::scope("attention_fwd");
+        let heads = spec.heads;
         // Grouped-query keys and values are repeated to the query heads (transformers' repeat_kv).
         let k = super::repeat_kv_heads::<Self>(k, heads, &q);
         let v = super::repeat_kv_heads::<Self>(v, heads, &q);
         let (q, k, v, mask) = (dense(q), dense(k), dense(v), dense(mask));
         let (b, t, h) = (q.shape()[0], q.shape()[1], q.shape()[2]);
-        let a = Attn::new((b, t, h), h, heads, window, scale, dropout, seed);
+        let a = Attn::new((b, t, h), h, spec);
         let (out, probs) = a.forward([slice(&q), slice(&k), slice(&v)], slice(&mask), with_probs);
         (
             tensor(&[b, t, h], out),
@@ -674,38 +665,31 @@ impl KilnBackend for Cpu {
         v: FloatTensor<Self>,
         probs: FloatTensor<Self>,
         dout: FloatTensor<Self>,
-        heads: usize,
-        scale: f64,
-        dropout: f64,
-        seed: u64,
+        spec: super::AttentionSpec,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let _p = super::profile::scope("attention_bwd");
+        let heads = spec.heads;
         let kv = burn::tensor::TensorMetadata::shape(&k).dims[2];
         let k = super::repeat_kv_heads::<Self>(k, heads, &q);
         let v = super::repeat_kv_heads::<Self>(v, heads, &q);
         let (q, k, v, probs, dout) = (dense(q), dense(k), dense(v), dense(probs), dense(dout));
         let (b, t, h) = (q.shape()[0], q.shape()[1], q.shape()[2]);
-        let a = Attn::new(
-            (b, t, h),
-            h,
-            heads,
-            super::Window::FULL,
-            scale,
-            dropout,
-            seed,
-        );
+        let a = Attn::new((b, t, h), h, spec);
         let mut grads = [
             vec![0f32; b * t * h],
             vec![0f32; b * t * h],
             vec![0f32; b * t * h],
         ];
         let [dq, dk, dv] = grads.each_mut().map(|g| SharedMut(g.as_mut_ptr()));
+        let out = attention::GradsOut {
+            at: [dq, dk, dv],
+            stride: h,
+        };
         a.backward(
             [slice(&q), slice(&k), slice(&v)],
             slice(&probs),
             slice(&dout),
-            [dq, dk, dv],
-            h,
+            out,
         );
         let [dq, dk, dv] = grads.map(|g| tensor(&[b, t, h], g));
         let group = |g| super::sum_kv_groups::<Self>(g, kv, heads);
@@ -715,24 +699,14 @@ impl KilnBackend for Cpu {
     fn kiln_attention_qkv(
         qkv: FloatTensor<Self>,
         mask: FloatTensor<Self>,
-        heads: usize,
-        scale: f64,
-        dropout: f64,
-        seed: u64,
+        spec: super::AttentionSpec,
         with_probs: bool,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let heads = spec.heads;
         let _p = super::profile::scope("attention_fwd");
         let (qkv, mask) = (dense(qkv), dense(mask));
         let (b, t, h) = (qkv.shape()[0], qkv.shape()[1], qkv.shape()[2] / 3);
-        let a = Attn::new(
-            (b, t, h),
-            3 * h,
-            heads,
-            super::Window::FULL,
-            scale,
-            dropout,
-            seed,
-        );
+        let a = Attn::new((b, t, h), 3 * h, spec);
         let x = slice(&qkv);
         let (out, probs) = a.forward([x, &x[h..], &x[2 * h..]], slice(&mask), with_probs);
         (
@@ -745,33 +719,20 @@ impl KilnBackend for Cpu {
         qkv: FloatTensor<Self>,
         probs: FloatTensor<Self>,
         dout: FloatTensor<Self>,
-        heads: usize,
-        scale: f64,
-        dropout: f64,
-        seed: u64,
+        spec: super::AttentionSpec,
     ) -> FloatTensor<Self> {
         let _p = super::profile::scope("attention_bwd");
         let (qkv, probs, dout) = (dense(qkv), dense(probs), dense(dout));
         let (b, t, h) = (qkv.shape()[0], qkv.shape()[1], qkv.shape()[2] / 3);
-        let a = Attn::new(
-            (b, t, h),
-            3 * h,
-            heads,
-            super::Window::FULL,
-            scale,
-            dropout,
-            seed,
-        );
+        let a = Attn::new((b, t, h), 3 * h, spec);
         let x = slice(&qkv);
         let mut grad = vec![0f32; b * t * 3 * h];
         let g = SharedMut(grad.as_mut_ptr());
-        a.backward(
-            [x, &x[h..], &x[2 * h..]],
-            slice(&probs),
-            slice(&dout),
-            [g, SharedMut(g.at(h)), SharedMut(g.at(2 * h))],
-            3 * h,
-        );
+        let out = attention::GradsOut {
+            at: [g, SharedMut(g.at(h)), SharedMut(g.at(2 * h))],
+            stride: 3 * h,
+        };
+        a.backward([x, &x[h..], &x[2 * h..]], slice(&probs), slice(&dout), out);
         tensor(&[b, t, 3 * h], grad)
     }
 

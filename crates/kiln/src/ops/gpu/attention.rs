@@ -29,7 +29,7 @@ use cubecl::prelude::*;
 
 use super::dropout::kept;
 use super::grid::{tree_reduce, MAX_GRID};
-use crate::ops::Window;
+use crate::ops::AttentionSpec;
 
 /// The largest head dimension the kernels take: one unit per output column, at most 256 units.
 const MAX_HEAD_DIM: usize = 256;
@@ -599,17 +599,18 @@ fn seed_args(seed: u64) -> (ScalarArg<u32>, ScalarArg<u32>) {
 
 /// `(out [B, T, H], probs [B, heads, T, T] if with_probs)`: `ops::KilnBackend::kiln_attention`'s
 /// contract. Callers check [`takes`] first.
-#[allow(clippy::too_many_arguments)]
 pub fn forward<R: CubeRuntime, F: FloatElement>(
     x: Qkv<R>,
     mask: CubeTensor<R>,
-    heads: usize,
-    window: Window,
-    scale: f64,
-    dropout: f64,
-    seed: u64,
+    spec: AttentionSpec,
     with_probs: bool,
 ) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
+    let AttentionSpec {
+        heads,
+        window,
+        scale,
+        dropout,
+    } = spec;
     let l = layout(&x, heads);
     let (q, k, v) = operands::<R, F>(x);
     let mask = into_contiguous(mask);
@@ -620,8 +621,8 @@ pub fn forward<R: CubeRuntime, F: FloatElement>(
     } else {
         placeholder::<R, F>(&q)
     };
-    let keep = 1.0 - dropout;
-    let (seed_hi, seed_lo) = seed_args(seed);
+    let keep = dropout.keep();
+    let (seed_hi, seed_lo) = seed_args(dropout.seed);
     let (count, dim) = l.grid(heads);
     let (k_off, v_off) = if l.fused { (l.h, 2 * l.h) } else { (0, 0) };
     attention_forward_kernel::launch::<F, R>(
@@ -652,7 +653,7 @@ pub fn forward<R: CubeRuntime, F: FloatElement>(
         l.units(),
         l.fused,
         with_probs,
-        dropout > 0.0,
+        dropout.is_active(),
     )
     .expect("attention_forward launches");
     (out, with_probs.then_some(probs))
@@ -660,16 +661,18 @@ pub fn forward<R: CubeRuntime, F: FloatElement>(
 
 /// The gradients of [`forward`]'s inputs for the output gradient `dout [B, T, H]`: `[dq, dk, dv]`
 /// (each `[B, T, H]`) for separate inputs, `[dqkv]` (`[B, T, 3H]`) for one fused tensor.
-#[allow(clippy::too_many_arguments)]
 pub fn backward<R: CubeRuntime, F: FloatElement>(
     x: Qkv<R>,
     probs: CubeTensor<R>,
     dout: CubeTensor<R>,
-    heads: usize,
-    scale: f64,
-    dropout: f64,
-    seed: u64,
+    spec: AttentionSpec,
 ) -> Vec<CubeTensor<R>> {
+    let AttentionSpec {
+        heads,
+        scale,
+        dropout,
+        ..
+    } = spec;
     let l = layout(&x, heads);
     let (q, k, v) = operands::<R, F>(x);
     let (probs, dout) = (into_contiguous(probs), into_contiguous(dout));
@@ -686,10 +689,10 @@ pub fn backward<R: CubeRuntime, F: FloatElement>(
             new(&[l.b, l.t, l.krs]),
         ]
     };
-    let keep = 1.0 - dropout;
+    let keep = dropout.keep();
     let (count, dim) = l.grid(heads);
     let (k_off, v_off) = if l.fused { (l.h, 2 * l.h) } else { (0, 0) };
-    let (seed_hi, seed_lo) = seed_args(seed);
+    let (seed_hi, seed_lo) = seed_args(dropout.seed);
     attention_backward_rows_kernel::launch::<F, R>(
         &client,
         count,
@@ -716,10 +719,10 @@ pub fn backward<R: CubeRuntime, F: FloatElement>(
         l.d(),
         l.units(),
         l.fused,
-        dropout > 0.0,
+        dropout.is_active(),
     )
     .expect("attention_backward_rows launches");
-    let (seed_hi, seed_lo) = seed_args(seed);
+    let (seed_hi, seed_lo) = seed_args(dropout.seed);
     let (count, dim) = l.grid(l.kv_heads);
     let (dk, dv) = if l.fused {
         (&grads[0], placeholder::<R, F>(&q))
@@ -750,7 +753,7 @@ pub fn backward<R: CubeRuntime, F: FloatElement>(
         l.d(),
         l.units(),
         l.fused,
-        dropout > 0.0,
+        dropout.is_active(),
     )
     .expect("attention_backward_keys launches");
     grads

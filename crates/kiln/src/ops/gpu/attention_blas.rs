@@ -27,7 +27,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use super::attention::{layout, Layout, Qkv};
 use super::cublas::{as_cuda, batched_calls, from_cuda};
 use crate::ops::blas_layout::{per_head_calls, HeadOf, HeadOperand};
-use crate::ops::KilnBackend;
+use crate::ops::{AttentionSpec, KilnBackend};
 
 /// Where q, k and v lie: their buffers (one, bound three times, when fused) and each one's head
 /// layout.
@@ -128,15 +128,10 @@ type Be<R, F, I, BT> = CubeBackend<R, F, I, BT>;
 
 /// `(out [B, T, H], probs [B, heads, T, T] if with_probs)`, as [`super::attention::forward`].
 /// Callers check [`takes`] first.
-#[allow(clippy::too_many_arguments)]
 pub fn forward<R, F, I, BT>(
     x: Qkv<R>,
     mask: CubeTensor<R>,
-    heads: usize,
-    window: crate::ops::Window,
-    scale: f64,
-    dropout: f64,
-    seed: u64,
+    spec: AttentionSpec,
     with_probs: bool,
 ) -> (CubeTensor<R>, Option<CubeTensor<R>>)
 where
@@ -145,6 +140,12 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    let AttentionSpec {
+        heads,
+        window,
+        scale,
+        dropout,
+    } = spec;
     let l = layout(&x, heads);
     let o = operands(x, &l);
     let [qh, kh, vh] = o.heads;
@@ -169,7 +170,6 @@ where
     let dropped = crate::ops::attention_dropout::<Be<R, F, I, BT>>(
         crate::ops::t::<Be<R, F, I, BT>, 4>(probs.clone()),
         dropout,
-        seed,
     );
     let dropped = as_cuda(into_contiguous(crate::ops::p::<Be<R, F, I, BT>, 4>(
         dropped,
@@ -188,15 +188,11 @@ where
 
 /// The gradients of [`forward`]'s inputs for the output gradient `dout [B, T, H]`: `[dq, dk, dv]`
 /// for separate inputs, `[dqkv]` for one fused tensor, as [`super::attention::backward`].
-#[allow(clippy::too_many_arguments)]
 pub fn backward<R, F, I, BT>(
     x: Qkv<R>,
     probs: CubeTensor<R>,
     dout: CubeTensor<R>,
-    heads: usize,
-    scale: f64,
-    dropout: f64,
-    seed: u64,
+    spec: AttentionSpec,
 ) -> Vec<CubeTensor<R>>
 where
     R: CubeRuntime,
@@ -204,6 +200,12 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    let AttentionSpec {
+        heads,
+        scale,
+        dropout,
+        ..
+    } = spec;
     let l = layout(&x, heads);
     let fused = matches!(x, Qkv::Fused(_));
     let o = operands(x, &l);
@@ -241,7 +243,6 @@ where
     let dropped = crate::ops::attention_dropout::<Be<R, F, I, BT>>(
         crate::ops::t::<Be<R, F, I, BT>, 4>(probs.clone()),
         dropout,
-        seed,
     );
     let dropped = cuda(crate::ops::p::<Be<R, F, I, BT>, 4>(dropped));
     // dv(b, g) = Σ_group dropout(p)ᵀ · dout.
@@ -264,7 +265,6 @@ where
     let dprobs = crate::ops::attention_dropout::<Be<R, F, I, BT>>(
         crate::ops::t::<Be<R, F, I, BT>, 4>(from_cuda::<R>(dprobs)),
         dropout,
-        seed,
     );
     let ds = Be::<R, F, I, BT>::kiln_masked_softmax_backward(
         probs,

@@ -304,15 +304,10 @@ where
         w: FloatTensor<Self>,
         b: FloatTensor<Self>,
         eps: f64,
-        dropout: f64,
-        seed: u64,
-    ) -> (
-        FloatTensor<Self>,
-        FloatTensor<Self>,
-        FloatTensor<Self>,
-        FloatTensor<Self>,
-    ) {
-        norm::residual_layer_norm::<R, F>(x, r, w, b, eps, dropout, seed)
+        dropout: super::Dropout,
+    ) -> super::ResidualNorm<Self> {
+        let (y, z, mean, rstd) = norm::residual_layer_norm::<R, F>([x, r], [w, b], eps, dropout);
+        super::ResidualNorm { y, z, mean, rstd }
     }
 
     fn kiln_layer_norm_backward(
@@ -365,27 +360,20 @@ where
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         mask: FloatTensor<Self>,
-        heads: usize,
-        window: super::Window,
-        scale: f64,
-        dropout: f64,
-        seed: u64,
+        spec: super::AttentionSpec,
         with_probs: bool,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let heads = spec.heads;
         if !attention::takes(q.shape.dims::<3>(), k.shape.dims::<3>()[2], heads) {
             #[cfg(feature = "cuda")]
             if attention_blas::takes(&[&q, &k, &v], q.shape.dims::<3>(), heads) {
                 let x = attention::Qkv::Separate([q, k, v]);
-                return attention_blas::forward::<R, F, I, BT>(
-                    x, mask, heads, window, scale, dropout, seed, with_probs,
-                );
+                return attention_blas::forward::<R, F, I, BT>(x, mask, spec, with_probs);
             }
-            return super::composed_attention::<Self>(
-                q, k, v, mask, heads, window, scale, dropout, seed, with_probs,
-            );
+            return super::composed_attention::<Self>([q, k, v], mask, spec, with_probs);
         }
         let x = attention::Qkv::Separate([q, k, v]);
-        attention::forward::<R, F>(x, mask, heads, window, scale, dropout, seed, with_probs)
+        attention::forward::<R, F>(x, mask, spec, with_probs)
     }
 
     fn kiln_attention_backward(
@@ -394,118 +382,72 @@ where
         v: FloatTensor<Self>,
         probs: FloatTensor<Self>,
         dout: FloatTensor<Self>,
-        heads: usize,
-        scale: f64,
-        dropout: f64,
-        seed: u64,
+        spec: super::AttentionSpec,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let heads = spec.heads;
         if !attention::takes(q.shape.dims::<3>(), k.shape.dims::<3>()[2], heads) {
             #[cfg(feature = "cuda")]
             if attention_blas::takes(&[&q, &k, &v, &probs, &dout], q.shape.dims::<3>(), heads) {
                 let x = attention::Qkv::Separate([q, k, v]);
-                let [dq, dk, dv]: [_; 3] = attention_blas::backward::<R, F, I, BT>(
-                    x, probs, dout, heads, scale, dropout, seed,
-                )
-                .try_into()
-                .expect("three gradients");
+                let [dq, dk, dv]: [_; 3] =
+                    attention_blas::backward::<R, F, I, BT>(x, probs, dout, spec)
+                        .try_into()
+                        .expect("three gradients");
                 return (dq, dk, dv);
             }
-            return super::composed_attention_backward::<Self>(
-                q, k, v, probs, dout, heads, scale, dropout, seed,
-            );
+            return super::composed_attention_backward::<Self>([q, k, v], probs, dout, spec);
         }
         let x = attention::Qkv::Separate([q, k, v]);
-        let [dq, dk, dv]: [_; 3] =
-            attention::backward::<R, F>(x, probs, dout, heads, scale, dropout, seed)
-                .try_into()
-                .expect("three gradients");
+        let [dq, dk, dv]: [_; 3] = attention::backward::<R, F>(x, probs, dout, spec)
+            .try_into()
+            .expect("three gradients");
         (dq, dk, dv)
     }
 
     fn kiln_attention_qkv(
         qkv: FloatTensor<Self>,
         mask: FloatTensor<Self>,
-        heads: usize,
-        scale: f64,
-        dropout: f64,
-        seed: u64,
+        spec: super::AttentionSpec,
         with_probs: bool,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let [b, t, h3] = qkv.shape.dims::<3>();
-        if !attention::takes([b, t, h3 / 3], h3 / 3, heads) {
+        if !attention::takes([b, t, h3 / 3], h3 / 3, spec.heads) {
             #[cfg(feature = "cuda")]
-            if attention_blas::takes(&[&qkv], [b, t, h3 / 3], heads) {
+            if attention_blas::takes(&[&qkv], [b, t, h3 / 3], spec.heads) {
                 let x = attention::Qkv::Fused(qkv);
-                return attention_blas::forward::<R, F, I, BT>(
-                    x,
-                    mask,
-                    heads,
-                    super::Window::FULL,
-                    scale,
-                    dropout,
-                    seed,
-                    with_probs,
-                );
+                return attention_blas::forward::<R, F, I, BT>(x, mask, spec, with_probs);
             }
-            let [q, k, v] = super::split_qkv::<Self>(qkv);
-            return super::composed_attention::<Self>(
-                q,
-                k,
-                v,
-                mask,
-                heads,
-                super::Window::FULL,
-                scale,
-                dropout,
-                seed,
-                with_probs,
-            );
+            let qkv = super::split_qkv::<Self>(qkv);
+            return super::composed_attention::<Self>(qkv, mask, spec, with_probs);
         }
         let x = attention::Qkv::Fused(qkv);
-        attention::forward::<R, F>(
-            x,
-            mask,
-            heads,
-            super::Window::FULL,
-            scale,
-            dropout,
-            seed,
-            with_probs,
-        )
+        attention::forward::<R, F>(x, mask, spec, with_probs)
     }
 
     fn kiln_attention_qkv_backward(
         qkv: FloatTensor<Self>,
         probs: FloatTensor<Self>,
         dout: FloatTensor<Self>,
-        heads: usize,
-        scale: f64,
-        dropout: f64,
-        seed: u64,
+        spec: super::AttentionSpec,
     ) -> FloatTensor<Self> {
         let [b, t, h3] = qkv.shape.dims::<3>();
-        if !attention::takes([b, t, h3 / 3], h3 / 3, heads) {
+        if !attention::takes([b, t, h3 / 3], h3 / 3, spec.heads) {
             #[cfg(feature = "cuda")]
-            if attention_blas::takes(&[&qkv, &probs, &dout], [b, t, h3 / 3], heads) {
+            if attention_blas::takes(&[&qkv, &probs, &dout], [b, t, h3 / 3], spec.heads) {
                 let x = attention::Qkv::Fused(qkv);
-                let [dqkv]: [_; 1] = attention_blas::backward::<R, F, I, BT>(
-                    x, probs, dout, heads, scale, dropout, seed,
-                )
-                .try_into()
-                .expect("one gradient");
+                let [dqkv]: [_; 1] = attention_blas::backward::<R, F, I, BT>(x, probs, dout, spec)
+                    .try_into()
+                    .expect("one gradient");
                 return dqkv;
             }
-            let [q, k, v] = super::split_qkv::<Self>(qkv);
-            let (dq, dk, dv) = super::composed_attention_backward::<Self>(
-                q, k, v, probs, dout, heads, scale, dropout, seed,
-            );
+            let qkv = super::split_qkv::<Self>(qkv);
+            let (dq, dk, dv) = super::composed_attention_backward::<Self>(qkv, probs, dout, spec);
             return Self::float_cat(vec![dq, dk, dv], 2);
         }
         let x = attention::Qkv::Fused(qkv);
-        let [dqkv]: [_; 1] =
-            attention::backward::<R, F>(x, probs, dout, heads, scale, dropout, seed)
-                .try_into()
-                .expect("one gradient");
+        let [dqkv]: [_; 1] = attention::backward::<R, F>(x, probs, dout, spec)
+            .try_into()
+            .expect("one gradient");
         dqkv
     }
 

@@ -19,6 +19,7 @@ use cubecl::prelude::*;
 use super::columns::{chunk_rows, chunks, column_grid, sum_rows};
 use super::dropout::kept;
 use super::grid::{row_grid, tree_reduce, ROW_UNITS};
+use crate::ops::Dropout;
 
 #[cube(launch)]
 fn rms_norm_forward<F: Float>(
@@ -211,16 +212,13 @@ fn residual_layer_norm_forward<F: Float>(
 
 /// `(y, z, mean, rstd)` of `layer_norm(dropout(x) + r)` over the rows of `[R, H]` inputs
 /// (`ops::KilnBackend::kiln_residual_layer_norm`'s contract), in one launch.
-#[allow(clippy::too_many_arguments)]
 pub fn residual_layer_norm<R: CubeRuntime, F: FloatElement>(
-    x: CubeTensor<R>,
-    r: CubeTensor<R>,
-    w: CubeTensor<R>,
-    b: CubeTensor<R>,
+    [x, r]: [CubeTensor<R>; 2],
+    [w, b]: [CubeTensor<R>; 2],
     eps: f64,
-    dropout: f64,
-    seed: u64,
+    dropout: Dropout,
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+    let seed = dropout.seed;
     let (x, r) = (into_contiguous(x), into_contiguous(r));
     let (w, b) = (into_contiguous(w), into_contiguous(b));
     let (rows, h) = (x.shape.dims[0], x.shape.dims[1]);
@@ -233,7 +231,7 @@ pub fn residual_layer_norm<R: CubeRuntime, F: FloatElement>(
     let new = |dims: &[usize]| empty_device::<R, F>(client.clone(), device.clone(), dims.into());
     let (y, z) = (new(&[rows, h]), new(&[rows, h]));
     let (mean, rstd) = (new(&[rows]), new(&[rows]));
-    let keep = 1.0 - dropout;
+    let keep = dropout.keep();
     let (row_count, row_dim) = row_grid(rows);
     residual_layer_norm_forward::launch::<F, R>(
         &client,
@@ -253,7 +251,7 @@ pub fn residual_layer_norm<R: CubeRuntime, F: FloatElement>(
         ScalarArg::new((seed >> 32) as u32),
         ScalarArg::new(seed as u32),
         ROW_UNITS as usize,
-        dropout > 0.0,
+        dropout.is_active(),
     )
     .expect("residual_layer_norm_forward launches");
     (y, z, mean, rstd)
