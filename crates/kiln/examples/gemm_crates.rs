@@ -1,7 +1,6 @@
 //! GEMM throughput on the models' shapes: matrixmultiply (split over rayon by rows, as kiln's
 //! `sgemm` did until issue 16) beside the `gemm` crate (what it calls now, with its own rayon parallelism). A probe for issue 16:
 //! `cargo run --release -p kiln --example gemm_crates`.
-#![allow(clippy::too_many_arguments)]
 use std::time::Instant;
 
 use rayon::prelude::*;
@@ -37,6 +36,18 @@ const SHAPES: &[(&str, usize, usize, usize, bool, bool)] = &[
     ("mnist fc2 dX", 32, 84, 120, false, false),
 ];
 
+/// One product's sizes and operands (by strides), as every variant below takes it.
+#[derive(Clone, Copy)]
+struct Product<'a> {
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &'a [f32],
+    sa: (usize, usize),
+    b: &'a [f32],
+    sb: (usize, usize),
+}
+
 fn strides(rows: usize, cols: usize, t: bool) -> (usize, usize) {
     // Element (i, j) of a rows×cols operand stored transposed lies at j*rows + i.
     if t {
@@ -46,16 +57,16 @@ fn strides(rows: usize, cols: usize, t: bool) -> (usize, usize) {
     }
 }
 
-fn mm(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f32],
-    sa: (usize, usize),
-    b: &[f32],
-    sb: (usize, usize),
-    c: &mut [f32],
-) {
+fn mm(p: Product, c: &mut [f32]) {
+    let Product {
+        m,
+        k,
+        n,
+        a,
+        sa,
+        b,
+        sb,
+    } = p;
     let parts = rayon::current_num_threads();
     let rows = m.div_ceil(parts).div_ceil(8) * 8;
     c.par_chunks_mut(rows * n).enumerate().for_each(|(i, cp)| {
@@ -82,17 +93,16 @@ fn mm(
     });
 }
 
-fn gm(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f32],
-    sa: (usize, usize),
-    b: &[f32],
-    sb: (usize, usize),
-    c: &mut [f32],
-    threads: usize,
-) {
+fn gm(p: Product, c: &mut [f32], threads: usize) {
+    let Product {
+        m,
+        k,
+        n,
+        a,
+        sa,
+        b,
+        sb,
+    } = p;
     let par = if threads > 1 {
         gemm::Parallelism::Rayon(threads)
     } else {
@@ -124,17 +134,16 @@ fn gm(
 }
 
 /// One thread, K cut into `parts` blocks accumulated into C (two calls' worth of gemm's own K blocking).
-fn gm_ksplit(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f32],
-    sa: (usize, usize),
-    b: &[f32],
-    sb: (usize, usize),
-    c: &mut [f32],
-    parts: usize,
-) {
+fn gm_ksplit(p: Product, c: &mut [f32], parts: usize) {
+    let Product {
+        m,
+        k,
+        n,
+        a,
+        sa,
+        b,
+        sb,
+    } = p;
     let kb = k.div_ceil(parts);
     for (i, k0) in (0..k).step_by(kb).enumerate() {
         let kr = kb.min(k - k0);
@@ -165,16 +174,16 @@ fn gm_ksplit(
 }
 
 /// One thread computing Cᵀ = Bᵀ·Aᵀ (the same product with the operands' roles swapped).
-fn gm_t(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f32],
-    sa: (usize, usize),
-    b: &[f32],
-    sb: (usize, usize),
-    c: &mut [f32],
-) {
+fn gm_t(p: Product, c: &mut [f32]) {
+    let Product {
+        m,
+        k,
+        n,
+        a,
+        sa,
+        b,
+        sb,
+    } = p;
     unsafe {
         gemm::gemm(
             n,
@@ -201,16 +210,16 @@ fn gm_t(
 }
 
 /// Two single-threaded products side by side: C's columns (or rows, when M is the larger side) split in half.
-fn split2(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f32],
-    sa: (usize, usize),
-    b: &[f32],
-    sb: (usize, usize),
-    c: &mut [f32],
-) {
+fn split2(p: Product, c: &mut [f32]) {
+    let Product {
+        m,
+        k,
+        n,
+        a,
+        sa,
+        b,
+        sb,
+    } = p;
     struct P(*mut f32);
     unsafe impl Sync for P {}
     unsafe impl Send for P {}
@@ -273,17 +282,26 @@ fn main() {
             .map(|i| ((i * 104729) % 1000) as f32 / 1000.0 - 0.5)
             .collect();
         let (sa, sb) = (strides(m, k, ta), strides(k, n, tb));
+        let p = Product {
+            m,
+            k,
+            n,
+            a: &a,
+            sa,
+            b: &b,
+            sb,
+        };
         let mut c1 = vec![0f32; m * n];
         let mut c2 = vec![0f32; m * n];
-        let t1 = time(&mut || mm(m, k, n, &a, sa, &b, sb, &mut c1));
+        let t1 = time(&mut || mm(p, &mut c1));
         let threads = rayon::current_num_threads();
-        let t2 = time(&mut || gm(m, k, n, &a, sa, &b, sb, &mut c2, threads));
-        let t3 = time(&mut || gm(m, k, n, &a, sa, &b, sb, &mut c2, 1));
+        let t2 = time(&mut || gm(p, &mut c2, threads));
+        let t3 = time(&mut || gm(p, &mut c2, 1));
         let mut c4 = vec![0f32; m * n];
-        let t5 = time(&mut || gm_t(m, k, n, &a, sa, &b, sb, &mut c4));
+        let t5 = time(&mut || gm_t(p, &mut c4));
         let mut c5 = vec![0f32; m * n];
-        let t6 = time(&mut || gm_ksplit(m, k, n, &a, sa, &b, sb, &mut c5, 2));
-        let t7 = time(&mut || gm_ksplit(m, k, n, &a, sa, &b, sb, &mut c5, 3));
+        let t6 = time(&mut || gm_ksplit(p, &mut c5, 2));
+        let t7 = time(&mut || gm_ksplit(p, &mut c5, 3));
         let err4 = c5
             .iter()
             .zip(&c2)
@@ -295,7 +313,7 @@ fn main() {
             .map(|(x, y)| (x - y).abs())
             .fold(0f32, f32::max);
         let mut c3 = vec![0f32; m * n];
-        let t4 = time(&mut || split2(m, k, n, &a, sa, &b, sb, &mut c3));
+        let t4 = time(&mut || split2(p, &mut c3));
         let err2 = c3
             .iter()
             .zip(&c2)

@@ -8,6 +8,8 @@
 //! `cargo run --release --example gemm_shapes [Amx Dot Rounded]`.
 use std::time::Instant;
 
+use kiln::ops::Strided;
+
 /// (label, m, k, n, A, A strides, B, B strides)
 type Case<'a> = (
     &'static str,
@@ -20,17 +22,14 @@ type Case<'a> = (
     (usize, usize),
 );
 
-#[allow(clippy::too_many_arguments)]
 fn f32_gemm(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f32],
-    sa: (usize, usize),
-    b: &[f32],
-    sb: (usize, usize),
+    (m, k, n): (usize, usize, usize),
+    a: Strided<&[f32]>,
+    b: Strided<&[f32]>,
     c: &mut [f32],
 ) {
+    let (sa, sb) = (a.strides(), b.strides());
+    let (a, b) = (a.data, b.data);
     unsafe {
         matrixmultiply::sgemm(
             m,
@@ -49,6 +48,11 @@ fn f32_gemm(
             1,
         );
     }
+}
+
+/// The f32 product of the kernels' rounded, row-major copies (CPUs without bf16 instructions).
+fn rounded(m: usize, k: usize, n: usize, a: &[f32], b: &[f32], _: f32, c: &mut [f32]) {
+    f32_gemm((m, k, n), Strided::rows(a, k), Strided::rows(b, n), c)
 }
 
 fn main() {
@@ -113,7 +117,8 @@ fn main() {
             let only: Vec<String> = std::env::args().skip(1).collect();
             let mut line = String::new();
             if only.is_empty() {
-                let g32 = time(&mut |c| f32_gemm(m, k, n, a, sa, b, sb, c));
+                let g32 =
+                    time(&mut |c| f32_gemm((m, k, n), Strided::new(a, sa), Strided::new(b, sb), c));
                 line += &format!("f32 1 thread {g32:6.1}");
             }
             for kernel in kiln::ops::bf16::Bf16Kernel::available()
@@ -121,17 +126,8 @@ fn main() {
                 .filter(|k| only.is_empty() || only.contains(&format!("{k:?}")))
             {
                 let g = time(&mut |c| {
-                    kiln::ops::bf16::gemm_bf16_with(
-                        kernel,
-                        (m, k, n),
-                        a,
-                        sa,
-                        b,
-                        sb,
-                        0.0,
-                        c,
-                        |m, k, n, a, b, _, c| f32_gemm(m, k, n, a, (k, 1), b, (n, 1), c),
-                    )
+                    let (a, b) = (Strided::new(a, sa), Strided::new(b, sb));
+                    kiln::ops::bf16::gemm_bf16_with(kernel, (m, k, n), a, b, 0.0, c, rounded)
                 });
                 line += &format!("  {kernel:?} {g:7.1}");
                 // B as held bf16 bits (a frozen base under `--base-dtype bf16`): w's products.
@@ -145,17 +141,11 @@ fn main() {
                     let mut call = 0;
                     let g = time(&mut |c| {
                         call += 1;
-                        kiln::ops::bf16::gemm_bf16_held_b(
-                            kernel,
-                            (m, k, n),
-                            a,
-                            sa,
-                            &bits[call % copies],
-                            sb,
-                            0.0,
-                            c,
-                            |m, k, n, a, b, _, c| f32_gemm(m, k, n, a, (k, 1), b, (n, 1), c),
-                        )
+                        let (a, b) = (
+                            Strided::new(a, sa),
+                            Strided::new(&bits[call % copies][..], sb),
+                        );
+                        kiln::ops::bf16::gemm_bf16_held_b(kernel, (m, k, n), a, b, 0.0, c, rounded)
                     });
                     line += &format!(" held {g:7.1}");
                 }

@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use burn::tensor::{Distribution, Tensor};
 use kiln::backend::Cpu;
+use kiln::ops::Strided;
 
 fn main() {
     let pool = rayon::ThreadPoolBuilder::new()
@@ -41,7 +42,8 @@ fn main() {
             );
             let mut c = vec![0f32; m * n];
             let bf16 = best(&mut || {
-                kiln::ops::bf16::gemm_bf16((m, k, n), &xs, (k, 1), &ws, (1, k), 0.0, &mut c, |m, k, n, a, b, beta, c| {
+                let (x, wt) = (Strided::rows(&xs[..], k), Strided::rows(&ws[..], k).t());
+                kiln::ops::bf16::gemm_bf16((m, k, n), x, wt, 0.0, &mut c, |m, k, n, a, b, beta, c| {
                     // Rounded copies (a CPU without bf16 instructions): a plain f32 product.
                     for i in 0..m {
                         for j in 0..n {

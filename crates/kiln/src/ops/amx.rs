@@ -102,7 +102,7 @@ fn task_grid(m: usize, n: usize, k: usize, threads: usize) -> (usize, usize, usi
     (tm, tn, rows, cols)
 }
 
-/// C[m×n] (row stride `n`) = A·B + β·C (β 0 or 1, as [`super::bf16_pack::gemm_bf16_with`] asserts)
+/// C[m×n] (row stride `n`) = A·B + β·C (β 0 or 1, as [`super::bf16::gemm_bf16_with`] asserts)
 /// with A and B rounded to bf16 and f32 accumulation, on AMX tiles.
 ///
 /// B is packed into the panels of [`super::bf16_pack::pack_b`] either whole, once, shared by tasks
@@ -117,16 +117,23 @@ fn task_grid(m: usize, n: usize, k: usize, threads: usize) -> (usize, usize, usi
 /// element `(row, kk)` at `row·rsa + kk·csa` for row < m, kk < k; `b` every element `(kk, col)`
 /// at `kk·rsb + col·csb`; `c` holds m·n values.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn gemm(
     (m, k, n): (usize, usize, usize),
-    a: &[f32],
-    (rsa, csa): (usize, usize),
-    b: super::bf16_pack::Values,
-    (rsb, csb): (usize, usize),
+    a: super::Strided<&[f32]>,
+    b: super::Strided<super::bf16_pack::Values>,
     beta: f32,
     c: &mut [f32],
 ) {
+    let super::Strided {
+        data: a,
+        rs: rsa,
+        cs: csa,
+    } = a;
+    let super::Strided {
+        data: b,
+        rs: rsb,
+        cs: csb,
+    } = b;
     use rayon::prelude::*;
     // K padded to whole tiles: 32 values, 16 pairs.
     let steps = k.div_ceil(32);

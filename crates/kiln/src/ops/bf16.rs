@@ -11,6 +11,7 @@
 
 pub use super::bf16_pack::{bf16_bits, round_bf16, Values};
 use super::bf16_pack::{pack_b, pack_pairs, pair, pairs_of, NR};
+use super::Strided;
 use rayon::prelude::*;
 
 /// Whether `--bf16` has bf16 arithmetic to run on: AVX512-BF16 dot products (and AMX tiles,
@@ -59,76 +60,71 @@ const MR: usize = 12;
 const KCP: usize = 128;
 
 /// C[m×n] (row stride `n`) = A·B + β·C (β 0 or 1) with A and B rounded to bf16 and f32
-/// accumulation, on [`Bf16Kernel::best`]. Operands are given by (row, column) element strides, as
-/// for the f32 GEMM; `f32_gemm` multiplies row-major rounded copies where the CPU has no bf16
+/// accumulation, on [`Bf16Kernel::best`]. Operands are read through their strides, as for the
+/// f32 GEMM; `f32_gemm` multiplies row-major rounded copies where the CPU has no bf16
 /// instructions.
-#[allow(clippy::too_many_arguments)]
 pub fn gemm_bf16(
     mkn: (usize, usize, usize),
-    a: &[f32],
-    a_strides: (usize, usize),
-    b: &[f32],
-    b_strides: (usize, usize),
+    a: Strided<&[f32]>,
+    b: Strided<&[f32]>,
     beta: f32,
     c: &mut [f32],
     f32_gemm: impl Fn(usize, usize, usize, &[f32], &[f32], f32, &mut [f32]),
 ) {
-    let kernel = Bf16Kernel::best();
-    gemm_bf16_with(kernel, mkn, a, a_strides, b, b_strides, beta, c, f32_gemm)
+    gemm_bf16_with(Bf16Kernel::best(), mkn, a, b, beta, c, f32_gemm)
 }
 
 /// [`gemm_bf16`] on the given kernel, one of [`Bf16Kernel::available`].
-#[allow(clippy::too_many_arguments)]
 pub fn gemm_bf16_with(
     kernel: Bf16Kernel,
     mkn: (usize, usize, usize),
-    a: &[f32],
-    a_strides: (usize, usize),
-    b: &[f32],
-    b_strides: (usize, usize),
+    a: Strided<&[f32]>,
+    b: Strided<&[f32]>,
     beta: f32,
     c: &mut [f32],
     f32_gemm: impl Fn(usize, usize, usize, &[f32], &[f32], f32, &mut [f32]),
 ) {
-    let b = Values::F32(b);
-    gemm_values(kernel, mkn, a, a_strides, b, b_strides, beta, c, f32_gemm)
+    gemm_values(kernel, mkn, a, b.map(Values::F32), beta, c, f32_gemm)
 }
 
 /// [`gemm_bf16_with`] for a B given as bf16 bits (a weight held in bf16), read as they are: the
 /// same packed panels, so the same products and sums, as for B's values widened to f32.
-#[allow(clippy::too_many_arguments)]
 pub fn gemm_bf16_held_b(
     kernel: Bf16Kernel,
     mkn: (usize, usize, usize),
-    a: &[f32],
-    a_strides: (usize, usize),
-    b: &[u16],
-    b_strides: (usize, usize),
+    a: Strided<&[f32]>,
+    b: Strided<&[u16]>,
     beta: f32,
     c: &mut [f32],
     f32_gemm: impl Fn(usize, usize, usize, &[f32], &[f32], f32, &mut [f32]),
 ) {
-    let b = Values::Bf16(b);
-    gemm_values(kernel, mkn, a, a_strides, b, b_strides, beta, c, f32_gemm)
+    gemm_values(kernel, mkn, a, b.map(Values::Bf16), beta, c, f32_gemm)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn gemm_values(
     kernel: Bf16Kernel,
     (m, k, n): (usize, usize, usize),
-    a: &[f32],
-    (rsa, csa): (usize, usize),
-    b: Values,
-    (rsb, csb): (usize, usize),
+    a_op: Strided<&[f32]>,
+    b_op: Strided<Values>,
     beta: f32,
     c: &mut [f32],
     f32_gemm: impl Fn(usize, usize, usize, &[f32], &[f32], f32, &mut [f32]),
 ) {
+    let Strided {
+        data: a,
+        rs: rsa,
+        cs: csa,
+    } = a_op;
+    let Strided {
+        data: b,
+        rs: rsb,
+        cs: csb,
+    } = b_op;
     if m == 0 || n == 0 {
         return;
     }
-    assert!(k == 0 || a.len() > (m - 1) * rsa + (k - 1) * csa);
-    assert!(k == 0 || b.len() > (k - 1) * rsb + (n - 1) * csb);
+    assert!(a_op.covers(m, k));
+    assert!(b_op.fits(b.len(), k, n));
     assert!(c.len() >= m * n);
     assert!(
         beta == 0.0 || beta == 1.0,
@@ -170,7 +166,7 @@ fn gemm_values(
             }
             // SAFETY: AMX is available (asserted above), and with it AVX-512 F/BW; the asserts
             // above bound every element the strides address.
-            unsafe { super::amx::gemm((m, k, n), a, (rsa, csa), b, (rsb, csb), beta, c) };
+            unsafe { super::amx::gemm((m, k, n), a_op, b_op, beta, c) };
             return;
         }
         let kp = k.div_ceil(2);
@@ -244,15 +240,18 @@ fn gemm_values(
                             // kc·MR values and panel j from pair kb holds kc·NR; the tile written
                             // is rows rb..rb+live, columns j·NR..j·NR+cols of this task's part of C.
                             unsafe {
+                                let tile = TileOfC {
+                                    at: cpart.as_mut_ptr().add(rb * n + j * NR),
+                                    ldc: n,
+                                    rows: live,
+                                    cols,
+                                };
                                 dot_tile(
                                     kc,
                                     ap.as_ptr(),
                                     bp.as_ptr().add((j * kp + kb) * NR),
-                                    cpart.as_mut_ptr().add(rb * n + j * NR),
-                                    n,
+                                    tile,
                                     beta,
-                                    live,
-                                    cols,
                                 );
                             }
                         }
@@ -262,22 +261,28 @@ fn gemm_values(
     }
 }
 
+/// Where one MR×NR tile of C lands: its first element, C's row stride, and how many of the tile's
+/// rows and columns lie inside C (fewer at C's edges).
+#[cfg(target_arch = "x86_64")]
+struct TileOfC {
+    at: *mut f32,
+    ldc: usize,
+    rows: usize,
+    cols: usize,
+}
+
 /// One MR×NR tile of C: `kp` steps of 12 broadcast A pairs times two 16-lane B vectors, into 24
 /// f32 accumulators held in registers.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn dot_tile(
-    kp: usize,
-    a: *const u32,
-    b: *const u32,
-    c: *mut f32,
-    ldc: usize,
-    beta: f32,
-    rows: usize,
-    cols: usize,
-) {
+unsafe fn dot_tile(kp: usize, a: *const u32, b: *const u32, tile: TileOfC, beta: f32) {
     use std::arch::x86_64::*;
+    let TileOfC {
+        at: c,
+        ldc,
+        rows,
+        cols,
+    } = tile;
     let mut acc0 = [_mm512_setzero_ps(); MR];
     let mut acc1 = [_mm512_setzero_ps(); MR];
     for p in 0..kp {
@@ -430,17 +435,17 @@ mod tests {
                     ] {
                         let mut c = init.clone();
                         let mkn = (m, k, n);
-                        gemm_bf16_with(
-                            kernel, mkn, a_op, a_strides, b_op, b_strides, beta, &mut c, naive_f32,
+                        let (a_in, b_in) = (
+                            Strided::new(&a_op[..], a_strides),
+                            Strided::new(&b_op[..], b_strides),
                         );
+                        gemm_bf16_with(kernel, mkn, a_in, b_in, beta, &mut c, naive_f32);
                         // B held as bf16 bits (a frozen base) packs to the same pairs: the same
                         // products and sums, bit for bit.
                         let bits: Vec<u16> = b_op.iter().map(|&v| bf16_bits(v)).collect();
                         let mut held = init.clone();
-                        gemm_bf16_held_b(
-                            kernel, mkn, a_op, a_strides, &bits, b_strides, beta, &mut held,
-                            naive_f32,
-                        );
+                        let held_b = Strided::new(&bits[..], b_strides);
+                        gemm_bf16_held_b(kernel, mkn, a_in, held_b, beta, &mut held, naive_f32);
                         assert!(
                             held.iter().zip(&c).all(|(h, c)| h.to_bits() == c.to_bits()),
                             "{kernel:?} {m}x{k}x{n} B{b_strides:?} β={beta}: held bits differ"
@@ -485,17 +490,8 @@ mod tests {
         a[9 * k..10 * k].fill(1e30);
         for kernel in kernels() {
             let mut c = vec![0f32; m * n];
-            gemm_bf16_with(
-                kernel,
-                (m, k, n),
-                &a,
-                (k, 1),
-                &b,
-                (n, 1),
-                0.0,
-                &mut c,
-                naive_f32,
-            );
+            let (a_in, b_in) = (Strided::rows(&a[..], k), Strided::rows(&b[..], n));
+            gemm_bf16_with(kernel, (m, k, n), a_in, b_in, 0.0, &mut c, naive_f32);
             assert!(
                 c[3 * n..4 * n].iter().all(|v| *v == f32::INFINITY),
                 "{kernel:?}"

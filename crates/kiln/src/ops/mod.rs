@@ -15,6 +15,8 @@ mod cpu;
 pub mod isa;
 pub mod profile;
 mod split;
+mod strided;
+pub use strided::Strided;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};

@@ -9,7 +9,7 @@ use super::{
     exp_row, has_avx512, scale_by, simd, small_gemm, softmax_backward_row, uniform, SharedMut,
 };
 use crate::ops::bf16::{gemm_bf16_with, Bf16Kernel};
-use crate::ops::{AttentionSpec, MatmulPrecision, Window};
+use crate::ops::{AttentionSpec, MatmulPrecision, Strided, Window};
 
 /// One multi-head attention call on the CPU: `[B, T, H]` activations whose q, k and v rows lie `rs`
 /// floats apart — `H` when they are three tensors, `3H` when one Linear made them side by side.
@@ -211,10 +211,8 @@ impl Attn {
         gemm_bf16_with(
             kernel,
             (n, d, kend),
-            q,
-            (rs, 1),
-            &ks[off..],
-            (1, rs),
+            Strided::new(q, (rs, 1)),
+            Strided::new(&ks[off..], (1, rs)),
             0.0,
             s,
             f32_gemm,
@@ -233,10 +231,8 @@ impl Attn {
         gemm_bf16_with(
             kernel,
             (n, kend, d),
-            s,
-            (kend, 1),
-            &vs[off..],
-            (rs, 1),
+            Strided::new(s, (kend, 1)),
+            Strided::new(&vs[off..], (rs, 1)),
             0.0,
             o,
             f32_gemm,
@@ -458,14 +454,11 @@ impl Attn {
         // the output block (rows of batch `bi`, columns of head `hi`) belongs to this task alone.
         unsafe {
             small_gemm(
-                (t, t, d),
-                p.as_mut_ptr(),
-                (t, 1),
-                qs[off..].as_ptr(),
-                (rs, 1),
-                ks[off..].as_ptr(),
-                (1, rs),
+                (t, d, t),
+                Strided::new(qs[off..].as_ptr(), (rs, 1)),
+                Strided::new(ks[off..].as_ptr(), (1, rs)),
                 false,
+                Strided::new(p.as_mut_ptr(), (t, 1)),
             );
         }
         for (i, row) in p.chunks_mut(t).enumerate() {
@@ -481,14 +474,11 @@ impl Attn {
         };
         unsafe {
             small_gemm(
-                (t, d, t),
-                out.at(out_off),
-                (h, 1),
-                pd.as_ptr(),
-                (t, 1),
-                vs[off..].as_ptr(),
-                (rs, 1),
+                (t, t, d),
+                Strided::new(pd.as_ptr(), (t, 1)),
+                Strided::new(vs[off..].as_ptr(), (rs, 1)),
                 false,
+                Strided::new(out.at(out_off), (h, 1)),
             );
         }
     }
@@ -537,25 +527,19 @@ impl Attn {
                 unsafe {
                     // dV = P_dropᵀ · dO
                     small_gemm(
-                        (t, d, t),
-                        dv.at(g_off),
-                        (gs, 1),
-                        pd.as_ptr(),
-                        (1, t),
-                        dout[out_off..].as_ptr(),
-                        (h, 1),
+                        (t, t, d),
+                        Strided::new(pd.as_ptr(), (1, t)),
+                        Strided::new(dout[out_off..].as_ptr(), (h, 1)),
                         false,
+                        Strided::new(dv.at(g_off), (gs, 1)),
                     );
                     // dP_drop = dO · Vᵀ
                     small_gemm(
-                        (t, t, d),
-                        dp.as_mut_ptr(),
-                        (t, 1),
-                        dout[out_off..].as_ptr(),
-                        (h, 1),
-                        vs[off..].as_ptr(),
-                        (1, rs),
+                        (t, d, t),
+                        Strided::new(dout[out_off..].as_ptr(), (h, 1)),
+                        Strided::new(vs[off..].as_ptr(), (1, rs)),
                         false,
+                        Strided::new(dp.as_mut_ptr(), (t, 1)),
                     );
                 }
                 dropout_block(dp, bh, t, keep, seed);
@@ -565,24 +549,18 @@ impl Attn {
                 unsafe {
                     // dQ = dS · K,  dK = dSᵀ · Q
                     small_gemm(
-                        (t, d, t),
-                        dq.at(g_off),
-                        (gs, 1),
-                        dp.as_ptr(),
-                        (t, 1),
-                        ks[off..].as_ptr(),
-                        (rs, 1),
+                        (t, t, d),
+                        Strided::new(dp.as_ptr(), (t, 1)),
+                        Strided::new(ks[off..].as_ptr(), (rs, 1)),
                         false,
+                        Strided::new(dq.at(g_off), (gs, 1)),
                     );
                     small_gemm(
-                        (t, d, t),
-                        dk.at(g_off),
-                        (gs, 1),
-                        dp.as_ptr(),
-                        (1, t),
-                        qs[off..].as_ptr(),
-                        (rs, 1),
+                        (t, t, d),
+                        Strided::new(dp.as_ptr(), (1, t)),
+                        Strided::new(qs[off..].as_ptr(), (rs, 1)),
                         false,
+                        Strided::new(dk.at(g_off), (gs, 1)),
                     );
                 }
             },
@@ -670,10 +648,8 @@ impl Attn {
                         gemm_bf16_with(
                             kernel,
                             (kend, n, d),
-                            pd,
-                            (1, pd_rs),
-                            dout_rows,
-                            (h, 1),
+                            Strided::new(pd, (1, pd_rs)),
+                            Strided::new(dout_rows, (h, 1)),
                             1.0,
                             gv,
                             f32_gemm,
@@ -683,10 +659,8 @@ impl Attn {
                         gemm_bf16_with(
                             kernel,
                             (n, d, kend),
-                            dout_rows,
-                            (h, 1),
-                            &vs[off..],
-                            (1, rs),
+                            Strided::new(dout_rows, (h, 1)),
+                            Strided::new(&vs[off..], (1, rs)),
                             0.0,
                             dp,
                             f32_gemm,
@@ -702,10 +676,8 @@ impl Attn {
                         gemm_bf16_with(
                             kernel,
                             (n, kend, d),
-                            dp,
-                            (kend, 1),
-                            &ks[off..],
-                            (rs, 1),
+                            Strided::new(dp, (kend, 1)),
+                            Strided::new(&ks[off..], (rs, 1)),
                             0.0,
                             gq,
                             f32_gemm,
@@ -714,10 +686,8 @@ impl Attn {
                         gemm_bf16_with(
                             kernel,
                             (kend, n, d),
-                            dp,
-                            (1, kend),
-                            q_rows,
-                            (rs, 1),
+                            Strided::new(dp, (1, kend)),
+                            Strided::new(q_rows, (rs, 1)),
                             1.0,
                             gk,
                             f32_gemm,
@@ -745,7 +715,14 @@ const BF16_BACKWARD_ROWS: usize = 128;
 
 /// The f32 GEMM the bf16 products fall back on where the kernel is [`Bf16Kernel::Rounded`].
 fn f32_gemm(m: usize, k: usize, n: usize, a: &[f32], b: &[f32], beta: f32, c: &mut [f32]) {
-    super::gemm::sgemm(m, k, n, a, (k, 1), b, (n, 1), beta, None, c)
+    super::gemm::sgemm(
+        (m, k, n),
+        Strided::rows(a, k),
+        Strided::rows(b, n),
+        beta,
+        None,
+        c,
+    )
 }
 
 /// Copies the rows of `src` (`width` values each) to rows `dst_stride` apart from `dst`.

@@ -15,15 +15,10 @@ use super::*;
 /// or faster on every model shape measured (+24 % on MiniLM's weight gradient, 3× on the MNIST
 /// MLP's first layer, where `gemm`'s split costs more than it saves), and products too small to
 /// pay for a second thread run on the caller's.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn sgemm(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f32],
-    (rsa, csa): (usize, usize),
-    b: &[f32],
-    (rsb, csb): (usize, usize),
+    (m, k, n): (usize, usize, usize),
+    a: Strided<&[f32]>,
+    b: Strided<&[f32]>,
     beta: f32,
     bias: Option<&[f32]>,
     c: &mut [f32],
@@ -31,8 +26,7 @@ pub(super) fn sgemm(
     if m == 0 || n == 0 {
         return;
     }
-    assert!(k == 0 || a.len() > (m - 1) * rsa + (k - 1) * csa);
-    assert!(k == 0 || b.len() > (k - 1) * rsb + (n - 1) * csb);
+    assert!(a.covers(m, k) && b.covers(k, n));
     assert!(c.len() >= m * n);
     assert!(bias.is_none_or(|b| b.len() >= n));
     assert!(
@@ -41,7 +35,7 @@ pub(super) fn sgemm(
     );
     // A side of at most 16 (LoRA's rank, a classifier's labels): the narrow kernel, on C or Cᵀ.
     if n <= NARROW {
-        return narrow_gemm((m, k, n), a, (rsa, csa), b, (rsb, csb), beta, bias, c);
+        return narrow_gemm((m, k, n), a, b, beta, bias, c);
     }
     if m <= NARROW && bias.is_none() {
         // Cᵀ = Bᵀ·Aᵀ: n rows of m columns, through a transposed copy of C.
@@ -51,7 +45,7 @@ pub(super) fn sgemm(
                 row.iter().enumerate().for_each(|(j, &v)| ct[j * m + i] = v);
             }
         }
-        narrow_gemm((n, k, m), b, (csb, rsb), a, (csa, rsa), beta, None, &mut ct);
+        narrow_gemm((n, k, m), b.t(), a.t(), beta, None, &mut ct);
         for (i, row) in c[..m * n].chunks_mut(n).enumerate() {
             row.iter_mut()
                 .enumerate()
@@ -65,31 +59,24 @@ pub(super) fn sgemm(
         m.div_ceil(tm).div_ceil(8) * 8,
         n.div_ceil(tn).div_ceil(16) * 16,
     );
-    let (cp, ap, bp) = (
-        SharedMut(c.as_mut_ptr()),
-        a.as_ptr() as usize,
-        b.as_ptr() as usize,
-    );
+    let cp = SharedMut(c.as_mut_ptr());
+    let (a_rs, b_cs) = (a.rs, b.cs);
     let tile = |t: usize| {
         let (i0, j0) = ((t / tn) * rows, (t % tn) * cols);
         if i0 >= m || j0 >= n {
             return;
         }
         let (mr, nr) = (rows.min(m - i0), cols.min(n - j0));
-        let (a, b) = (ap as *const f32, bp as *const f32);
         // SAFETY: the asserts above keep every element addressed by this tile of A, B and C in
         // bounds, and tiles are disjoint, so no two tasks write the same element of C.
         unsafe {
             let dst = cp.at(i0 * n + j0);
             small_gemm(
-                (mr, nr, k),
-                dst,
-                (n, 1),
-                a.add(i0 * rsa),
-                (rsa, csa),
-                b.add(j0 * csb),
-                (rsb, csb),
+                (mr, k, nr),
+                a.map(|a| a.as_ptr().add(i0 * a_rs)),
+                b.map(|b| b.as_ptr().add(j0 * b_cs)),
                 beta != 0.0,
+                Strided::new(dst, (n, 1)),
             );
             if let Some(bias) = bias {
                 for i in 0..mr {
@@ -116,36 +103,20 @@ pub(super) fn add_into(dst: &mut [f32], src: &[f32]) {
 
 /// C = A·B (+ `bias` on every row) through [`sgemm`], or its bf16 counterpart under
 /// [`crate::ops::MatmulPrecision::Bf16`]: the products of Linear layers (forward and both backward GEMMs).
-#[allow(clippy::too_many_arguments)]
 pub(super) fn matmul(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f32],
-    a_strides: (usize, usize),
-    b: &[f32],
-    b_strides: (usize, usize),
+    (m, k, n): (usize, usize, usize),
+    a: Strided<&[f32]>,
+    b: Strided<&[f32]>,
     bias: Option<&[f32]>,
     c: &mut [f32],
 ) {
     match crate::ops::matmul_precision() {
-        crate::ops::MatmulPrecision::F32 => {
-            sgemm(m, k, n, a, a_strides, b, b_strides, 0.0, bias, c)
-        }
+        crate::ops::MatmulPrecision::F32 => sgemm((m, k, n), a, b, 0.0, bias, c),
         crate::ops::MatmulPrecision::Bf16 => {
             let _p = crate::ops::profile::scope("part: bf16 GEMMs (inside linear_*)");
             // The bf16 kernel accumulates into C (β = 1) on top of the broadcast bias.
             let beta = bias_as_start(&mut c[..m * n], bias);
-            crate::ops::bf16::gemm_bf16(
-                (m, k, n),
-                a,
-                a_strides,
-                b,
-                b_strides,
-                beta,
-                c,
-                rounded_sgemm,
-            )
+            crate::ops::bf16::gemm_bf16((m, k, n), a, b, beta, c, rounded_sgemm)
         }
     }
 }
@@ -277,23 +248,22 @@ pub(super) fn gemv_rows_in_out(
 /// measured (more bands add more partial sums; 8 still keep up to 8 threads busy).
 pub(super) const GEMV_BANDS: usize = 8;
 
-/// dst[m×n] = lhs[m×k]·rhs[k×n] (+ dst if `accumulate`) on the calling thread. Operands are given by
-/// pointer and (row stride, column stride) in elements.
+/// C[m×n] = A[m×k]·B[k×n] (+ C if `accumulate`) on the calling thread, every operand given by
+/// pointer and strides.
 ///
 /// # Safety
 /// Every element addressed by the sizes and strides must lie inside the pointed-to buffers, and no
-/// other thread may write the `dst` elements concurrently.
-#[allow(clippy::too_many_arguments)]
+/// other thread may write the elements of `c` concurrently.
 pub(super) unsafe fn small_gemm(
-    (m, n, k): (usize, usize, usize),
-    dst: *mut f32,
-    (drs, dcs): (usize, usize),
-    lhs: *const f32,
-    (lrs, lcs): (usize, usize),
-    rhs: *const f32,
-    (rrs, rcs): (usize, usize),
+    (m, k, n): (usize, usize, usize),
+    a: Strided<*const f32>,
+    b: Strided<*const f32>,
     accumulate: bool,
+    c: Strided<*mut f32>,
 ) {
+    let (dst, drs, dcs) = (c.data, c.rs, c.cs);
+    let (lhs, lrs, lcs) = (a.data, a.rs, a.cs);
+    let (rhs, rrs, rcs) = (b.data, b.rs, b.cs);
     // `gemm` picks its kernels on its first product: `KILN_CPU_ISA` must have capped them by then.
     crate::ops::isa::cpu_isa();
     ::gemm::gemm(
@@ -349,7 +319,8 @@ pub(super) fn linear_forward(
     } else {
         // `[out, in]` read as wᵀ without a transpose: element (k, n) of wᵀ is w[n·K + k].
         let w_strides = if in_out { (n, 1) } else { (1, k) };
-        matmul(m, k, n, xs, (k, 1), ws, w_strides, bias, &mut y);
+        let w = Strided::new(ws, w_strides);
+        matmul((m, k, n), Strided::rows(xs, k), w, bias, &mut y);
     }
     tensor(&[m, n], y)
 }
@@ -375,7 +346,14 @@ const HELD_PIECE: usize = 4096;
 /// The f32 GEMM the bf16 kernels fall back on for row-major rounded copies (CPUs without bf16
 /// instructions; under `--bf16` those run in f32 anyway, see [`crate::ops::mixed_precision`]).
 fn rounded_sgemm(m: usize, k: usize, n: usize, a: &[f32], b: &[f32], beta: f32, c: &mut [f32]) {
-    sgemm(m, k, n, a, (k, 1), b, (n, 1), beta, None, c)
+    sgemm(
+        (m, k, n),
+        Strided::rows(a, k),
+        Strided::rows(b, n),
+        beta,
+        None,
+        c,
+    )
 }
 
 /// `x wᵀ + b` for `x [m, k]` and a weight `w [n, k]` held as bf16 bits. Under `--bf16` the bits
@@ -401,7 +379,8 @@ pub(super) fn linear_forward_bf16(
             .zip(w[j0 * k..(j0 + nb) * k].par_chunks(k))
             .for_each(|(out, bits)| widen_bf16(bits, out));
         let b = bias.map(|b| &b[j0..j0 + nb]);
-        matmul(m, k, nb, x, (k, 1), &panel, (1, k), b, &mut part[..m * nb]);
+        let wt = Strided::rows(&panel[..], k).t();
+        matmul((m, k, nb), Strided::rows(x, k), wt, b, &mut part[..m * nb]);
         y.par_chunks_mut(n)
             .zip(part[..m * nb].par_chunks(nb))
             .for_each(|(row, p)| row[j0..j0 + nb].copy_from_slice(p));
@@ -434,17 +413,9 @@ fn held_forward(
         };
         // The kernel accumulates onto the broadcast bias (β = 1).
         let beta = bias_as_start(out, bias.map(|b| &b[j0..j0 + nb]));
-        crate::ops::bf16::gemm_bf16_held_b(
-            kernel,
-            (m, k, nb),
-            x,
-            (k, 1),
-            &w[j0 * k..(j0 + nb) * k],
-            (1, k),
-            beta,
-            out,
-            rounded_sgemm,
-        );
+        let wt = Strided::rows(&w[j0 * k..(j0 + nb) * k], k).t();
+        let x = Strided::rows(x, k);
+        crate::ops::bf16::gemm_bf16_held_b(kernel, (m, k, nb), x, wt, beta, out, rounded_sgemm);
         if nb < n {
             y.par_chunks_mut(n)
                 .zip(part[..m * nb].par_chunks(nb))
@@ -462,17 +433,12 @@ fn held_dx((m, k, n): (usize, usize, usize), dy: &[f32], w: &[u16]) -> Vec<f32> 
     let mut dx = vec![0f32; m * k];
     for r0 in (0..n).step_by(HELD_PIECE) {
         let rb = HELD_PIECE.min(n - r0);
-        crate::ops::bf16::gemm_bf16_held_b(
-            kernel,
-            (m, rb, k),
-            &dy[r0..],
-            (n, 1),
-            &w[r0 * k..(r0 + rb) * k],
-            (k, 1),
-            if r0 == 0 { 0.0 } else { 1.0 },
-            &mut dx,
-            rounded_sgemm,
+        let (dy, w) = (
+            Strided::rows(&dy[r0..], n),
+            Strided::rows(&w[r0 * k..(r0 + rb) * k], k),
         );
+        let beta = if r0 == 0 { 0.0 } else { 1.0 };
+        crate::ops::bf16::gemm_bf16_held_b(kernel, (m, rb, k), dy, w, beta, &mut dx, rounded_sgemm);
     }
     dx
 }
@@ -493,17 +459,8 @@ pub(super) fn linear_dx_bf16((m, k, n): (usize, usize, usize), dy: &[f32], w: &[
             .par_chunks_mut(kb)
             .enumerate()
             .for_each(|(row, out)| widen_bf16(&w[row * k + c0..][..kb], out));
-        matmul(
-            m,
-            n,
-            kb,
-            dy,
-            (n, 1),
-            &panel,
-            (kb, 1),
-            None,
-            &mut part[..m * kb],
-        );
+        let (dy, panel) = (Strided::rows(dy, n), Strided::rows(&panel[..], kb));
+        matmul((m, n, kb), dy, panel, None, &mut part[..m * kb]);
         dx.par_chunks_mut(k)
             .zip(part[..m * kb].par_chunks(kb))
             .for_each(|(row, p)| row[c0..c0 + kb].copy_from_slice(p));

@@ -8,7 +8,7 @@ use ndarray::{ArcArray, IxDyn};
 use rayon::prelude::*;
 
 use super::split::{gemm_grid, GEMM_TASK_MIN};
-use super::KilnBackend;
+use super::{KilnBackend, Strided};
 
 mod attention;
 pub(super) mod gemm;
@@ -144,12 +144,19 @@ impl KilnBackend for Cpu {
         let (xs, ws, dys) = (slice(&x), slice(&w), slice(&dy));
         let dx = wants.input.then(|| {
             let mut dx = vec![0f32; m * k];
-            matmul(m, n, k, dys, (n, 1), ws, (k, 1), None, &mut dx); // dy · w
+            matmul(
+                (m, n, k),
+                Strided::rows(dys, n),
+                Strided::rows(ws, k),
+                None,
+                &mut dx,
+            ); // dy · w
             tensor(&[m, k], dx)
         });
         let dw = wants.weight.then(|| {
             let mut dw = vec![0f32; n * k];
-            matmul(n, m, k, dys, (1, n), xs, (k, 1), None, &mut dw); // dyᵀ · x
+            let dyt = Strided::rows(dys, n).t();
+            matmul((n, m, k), dyt, Strided::rows(xs, k), None, &mut dw); // dyᵀ · x
             tensor(&[n, k], dw)
         });
         let db = wants.bias.then(|| column_sums(dys, n));

@@ -16,13 +16,10 @@ pub(super) const NARROW: usize = 16;
 ///
 /// # Panics
 /// When `n > NARROW` or an operand is shorter than its strides address.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn narrow_gemm(
     (m, k, n): (usize, usize, usize),
-    a: &[f32],
-    (rsa, csa): (usize, usize),
-    b: &[f32],
-    (rsb, csb): (usize, usize),
+    a: Strided<&[f32]>,
+    b: Strided<&[f32]>,
     beta: f32,
     bias: Option<&[f32]>,
     c: &mut [f32],
@@ -31,9 +28,13 @@ pub(super) fn narrow_gemm(
     if m == 0 || n == 0 {
         return;
     }
-    assert!(k == 0 || a.len() > (m - 1) * rsa + (k - 1) * csa);
-    assert!(k == 0 || b.len() > (k - 1) * rsb + (n - 1) * csb);
+    assert!(a.covers(m, k) && b.covers(k, n));
     assert!(c.len() >= m * n && bias.is_none_or(|b| b.len() >= n));
+    let Strided {
+        data: b,
+        rs: rsb,
+        cs: csb,
+    } = b;
     // B as [k][NARROW], zero past column n.
     let mut bp = vec![0f32; k * NARROW];
     for (p, row) in bp.chunks_mut(NARROW).enumerate() {
@@ -44,9 +45,8 @@ pub(super) fn narrow_gemm(
     // Tasks of whole blocks of rows, each at least GEMM_TASK_MIN multiply-adds.
     let tasks = (m * n * k / GEMM_TASK_MIN).clamp(1, rayon::current_num_threads().max(1));
     let rows = m.div_ceil(tasks).div_ceil(BLOCK) * BLOCK;
-    let run = |(t, cpart): (usize, &mut [f32])| {
-        rows_from(t * rows, cpart, (k, n), a, (rsa, csa), &bp, beta, bias)
-    };
+    let run =
+        |(t, cpart): (usize, &mut [f32])| rows_from(t * rows, cpart, (k, n), a, &bp, beta, bias);
     let c = &mut c[..m * n];
     if tasks == 1 {
         run((0, c));
@@ -61,17 +61,20 @@ const BLOCK: usize = 24;
 /// Rows `i0..` of C (as many as `c` holds, row stride `n`), a register block of rows at a time
 /// on the widest kernel this CPU runs. Every kernel sums each element over K in order with fused
 /// multiply-adds, so all give the same bits.
-#[allow(clippy::too_many_arguments)]
 fn rows_from(
     i0: usize,
     c: &mut [f32],
     (k, n): (usize, usize),
-    a: &[f32],
-    (rsa, csa): (usize, usize),
+    a: Strided<&[f32]>,
     bp: &[f32],
     beta: f32,
     bias: Option<&[f32]>,
 ) {
+    let Strided {
+        data: a,
+        rs: rsa,
+        cs: csa,
+    } = a;
     let m = c.len() / n;
     #[cfg(target_arch = "x86_64")]
     let block = match crate::ops::isa::cpu_isa().level {
@@ -304,7 +307,9 @@ mod tests {
                     ] {
                         let mut c = init.clone();
                         let bias = with_bias.then_some(&bias[..]);
-                        sgemm(m, k, n, a_op, sa, b_op, sb, beta, bias, &mut c);
+                        let (a_in, b_in) =
+                            (Strided::new(&a_op[..], sa), Strided::new(&b_op[..], sb));
+                        sgemm((m, k, n), a_in, b_in, beta, bias, &mut c);
                         for (i, &got) in c.iter().enumerate() {
                             let extra = f64::from(beta * init[i])
                                 + bias.map_or(0.0, |b| f64::from(b[i % n]));
@@ -324,18 +329,8 @@ mod tests {
             let mut short = vec![0f32; m * n];
             let b_short = &b[..(k - 1) * n];
             if k > 1 {
-                sgemm(
-                    m,
-                    k - 1,
-                    n,
-                    &a,
-                    (k, 1),
-                    b_short,
-                    (n, 1),
-                    0.0,
-                    None,
-                    &mut short,
-                );
+                let (a_in, b_in) = (Strided::rows(&a[..], k), Strided::rows(b_short, n));
+                sgemm((m, k - 1, n), a_in, b_in, 0.0, None, &mut short);
                 assert!(
                     short.iter().enumerate().any(|(i, &x)| {
                         (f64::from(x) - want[i]).abs()
