@@ -96,7 +96,7 @@ fn full_and_resumed(
     args: impl Fn(&Path, Option<&str>) -> TrainingArguments,
 ) -> (PathBuf, PathBuf, u64) {
     let device = CpuDevice::default();
-    let quiet = |t: &mut kiln::train::Trainer<CpuTrain, _, _>| t.reporting.progress = false;
+    let quiet = |t: kiln::train::TrainerBuilder<CpuTrain, _, _>| t.progress(false);
     let full = tmp.join(format!("{name}-full"));
     train::<CpuTrain, _>(opts, args(&full, None), &device, CrossEntropy, quiet).unwrap();
     let resumed = tmp.join(format!("{name}-resumed"));
@@ -130,7 +130,7 @@ fn every_optimizers_state_resumes_exactly() {
         return;
     };
     let device = CpuDevice::default();
-    let quiet = |t: &mut kiln::train::Trainer<CpuTrain, _, _>| t.reporting.progress = false;
+    let quiet = |t: kiln::train::TrainerBuilder<CpuTrain, _, _>| t.progress(false);
     let weights = |dir: &Path| read_safetensors(&dir.join("model.safetensors")).unwrap();
     // Every tensor, the attention key bias included: its true gradient is zero (softmax ignores a
     // constant added to every key's score), so it receives only rounding noise, which Adafactor

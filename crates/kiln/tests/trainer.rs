@@ -70,17 +70,16 @@ fn user_loss_and_metric_are_used_in_training_and_evaluation() {
     };
     let device = CpuDevice::default();
     let (base, base_eval) = train::<CpuTrain, _>(&opts, args("ce"), &device, CrossEntropy, |t| {
-        t.reporting.progress = false
+        t.progress(false)
     })
     .unwrap();
     let (mine, mine_eval) =
         train::<CpuTrain, _>(&opts, args("x3"), &device, TripleCrossEntropy, |t| {
-            t.reporting.progress = false;
-            t.metrics.compute_metrics = Some(Box::new(|p| {
+            t.progress(false).compute_metrics(Box::new(|p| {
                 let n = p.labels.len() as f64;
                 let first = p.predicted().iter().filter(|&&c| c == 0).count() as f64;
                 vec![("share_first_class".into(), first / n)]
-            }));
+            }))
         })
         .unwrap();
     let ratio = mine.metrics["train_loss"] / base.metrics["train_loss"];
@@ -133,7 +132,7 @@ fn rotation_keeps_the_best_checkpoint_and_it_is_loaded_at_the_end() {
         args,
         &device,
         CrossEntropy,
-        |t| t.reporting.progress = false,
+        |t| t.progress(false),
     )
     .unwrap();
     let state: serde_json::Value =
@@ -194,7 +193,7 @@ fn a_nonfinite_step_stops_training_or_is_skipped_within_the_budget() {
     };
     let device = CpuDevice::default();
     let err = train::<CpuTrain, _>(&opts, args("stop", 0), &device, nan_at_3(), |t| {
-        t.reporting.progress = false
+        t.progress(false)
     })
     .expect_err("a NaN loss must stop training");
     assert!(err.to_string().contains("step 3: the loss is NaN"), "{err}");
@@ -204,7 +203,7 @@ fn a_nonfinite_step_stops_training_or_is_skipped_within_the_budget() {
     assert!(!stop.join("model.safetensors").exists());
 
     let (out, _) = train::<CpuTrain, _>(&opts, args("skip", 1), &device, nan_at_3(), |t| {
-        t.reporting.progress = false
+        t.progress(false)
     })
     .unwrap();
     assert_eq!(out.global_step, 5);
@@ -261,10 +260,8 @@ fn total_flos_counts_six_per_token_and_non_embedding_parameter() {
         ..TrainingArguments::default()
     };
     let device = CpuDevice::default();
-    let (res, _) = train::<CpuTrain, _>(&opts, args, &device, CrossEntropy, |t| {
-        t.reporting.progress = false
-    })
-    .unwrap();
+    let (res, _) =
+        train::<CpuTrain, _>(&opts, args, &device, CrossEntropy, |t| t.progress(false)).unwrap();
     assert_eq!(res.global_step, 3);
     // The parameters, counted from the saved file (not from the model kiln trained).
     let params: usize = read_safetensors(&out.join("model.safetensors"))

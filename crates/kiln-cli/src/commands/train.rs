@@ -153,7 +153,7 @@ where
     let loss = kiln::train::LabelSmoothedCrossEntropy {
         epsilon: args.label_smoothing_factor,
     };
-    let (out, eval) = tc::train::<Autodiff<B>, _>(&opts, args, device, loss, |_| {})?;
+    let (out, eval) = tc::train::<Autodiff<B>, _>(&opts, args, device, loss, |t| t)?;
     if kiln::parallel::is_main_process()? {
         println!("{}", serde_json::to_string_pretty(&out.metrics)?);
         if let Some(ev) = eval {

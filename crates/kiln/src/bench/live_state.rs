@@ -41,8 +41,7 @@ pub fn live_state_overhead<B: TrainBackend>(
             ..TrainingArguments::default()
         };
         let (out, _) = tc::train::<B, _>(&opts, args, device, CrossEntropy, |t| {
-            t.reporting.live_state = live;
-            t.reporting.progress = false;
+            t.live_state(live).progress(false)
         })?;
         out.metrics
             .get("train_runtime")

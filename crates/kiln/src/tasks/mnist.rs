@@ -135,9 +135,11 @@ pub fn train<B: TrainBackend>(
     let model =
         crate::ops::with_seeded_rng::<B, _>(device, args.seed, || MnistMlp::<B>::new(device));
     let plan = ParallelPlan::new(crate::parallel::DataParallel::join(device)?);
-    let mut trainer =
-        Trainer::<B, _, _>::new(args, model, device.clone(), CrossEntropy, files(), plan);
-    trainer.metrics.label_names = Some(digits());
+    let mut trainer = Trainer::<B, _>::builder(args, model, device.clone())
+        .files(files())
+        .parallel(plan)
+        .label_names(digits())
+        .build();
     let out = trainer.train(&train, None::<&MnistSplit>)?;
     if trainer.is_main() {
         println!(

@@ -21,7 +21,7 @@ use crate::train::checkpoint::ModelFiles;
 use crate::train::metrics::argmax;
 use crate::train::trainer::{evaluate, EvalOutput, Reported, TrainOutput};
 use crate::train::ParallelPlan;
-use crate::train::{Trainer, TrainingArguments};
+use crate::train::{Trainer, TrainerBuilder, TrainingArguments};
 
 /// Batches of a tokenized classification set.
 pub struct ClassificationBatches<'a> {
@@ -323,7 +323,9 @@ pub fn train<B: TrainBackend, L: Loss>(
     args: TrainingArguments,
     device: &B::Device,
     loss: L,
-    customize: impl FnOnce(&mut Trainer<B, SequenceClassifier<B>, L>),
+    customize: impl FnOnce(
+        TrainerBuilder<B, SequenceClassifier<B>, L>,
+    ) -> TrainerBuilder<B, SequenceClassifier<B>, L>,
 ) -> Result<(TrainOutput, Option<EvalOutput>)> {
     // Join the job first: workers meet before each spends time loading.
     let parallel = DataParallel::join(device)?;
@@ -379,15 +381,19 @@ pub fn train<B: TrainBackend, L: Loss>(
         adapter,
     };
     let plan = ParallelPlan::new(parallel);
-    let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files, plan);
-    trainer.metrics.label_names = Some(labels.names().to_vec());
-    trainer.reporting.origin = crate::train::RunOrigin::from_paths(
+    let origin = crate::train::RunOrigin::from_paths(
         Some(&opts.model_dir),
         opts.data.train_file.as_deref(),
         opts.data.eval_file.as_deref(),
         false,
     );
-    customize(&mut trainer);
+    let builder = Trainer::<B, _>::builder(args, model, device.clone())
+        .loss(loss)
+        .files(files)
+        .parallel(plan)
+        .label_names(labels.names().to_vec())
+        .origin(origin);
+    let mut trainer = customize(builder).build();
     let batches = |set| ClassificationBatches {
         set,
         padding: opts.padding(),

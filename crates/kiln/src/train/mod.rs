@@ -29,4 +29,4 @@ pub use reporters::{Reporting, RunOrigin};
 pub use crate::contract::{
     BatchSource, CrossEntropy, LabelSmoothedCrossEntropy, Loss, Model, IGNORE_INDEX,
 };
-pub use trainer::{EvalOutput, MetricFn, TokenMetrics, TrainOutput, Trainer};
+pub use trainer::{EvalOutput, MetricFn, TokenMetrics, TrainOutput, Trainer, TrainerBuilder};

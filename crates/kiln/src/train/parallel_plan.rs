@@ -1,6 +1,6 @@
 //! The run's parallelism as one value the trainer calls. Tasks build it before the trainer
 //! (`ParallelPlan::new(DataParallel::join(..))`, like `init_process_group` at the top of a
-//! script) and hand it to [`super::Trainer::new`]; training settles the rest from the model and
+//! script) and hand it to [`super::TrainerBuilder::parallel`]; training settles the rest from the model and
 //! the arguments. It holds:
 //! - the data-parallel strategy: this rank's share of the data, the initial broadcast, rank 0's
 //!   writes, the evaluation gather (a world of one when run alone);

@@ -396,14 +396,19 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
         }
     };
     let model = A::trainable(model);
-    let mut trainer = Trainer::<B, _, _>::new(args, model, device.clone(), loss, files, plan);
-    trainer.metrics.token_metrics = metrics;
-    trainer.reporting.origin = crate::train::RunOrigin::from_paths(
+    let origin = crate::train::RunOrigin::from_paths(
         opts.model_dir.as_deref(),
         opts.train_file.as_deref(),
         opts.eval_file.as_deref(),
         true,
     );
+    let mut trainer = Trainer::<B, _>::builder(args, model, device.clone())
+        .loss(loss)
+        .files(files)
+        .parallel(plan)
+        .token_metrics(metrics)
+        .origin(origin)
+        .build();
     trainer.train_and_evaluate(&train_set, eval_set.as_ref())
 }
 

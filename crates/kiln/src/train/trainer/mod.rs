@@ -29,9 +29,11 @@ use crate::ops::TrainBackend;
 use crate::parallel::mesh::{Coords, Mesh};
 use crate::report::live::{Phase, StepReport};
 
+mod builder;
 mod save;
 mod start;
 mod step;
+pub use builder::TrainerBuilder;
 
 /// The outcome of training.
 #[derive(Debug, Clone)]
@@ -45,11 +47,11 @@ pub struct Trainer<B: TrainBackend, M, L = CrossEntropy> {
     /// Always `Some` between calls; taken while the optimizer rebuilds it, so no second reference
     /// keeps the parameter buffers shared (the fused AdamW then updates them in place).
     model: Option<M>,
-    pub device: B::Device,
-    pub loss: L,
+    device: B::Device,
+    pub(crate) loss: L,
     /// What evaluations report besides the loss (class names, the user's metrics).
-    pub metrics: EvalMetrics,
-    pub files: ModelFiles,
+    pub(crate) metrics: EvalMetrics,
+    files: ModelFiles,
     pub state: TrainerState,
     optimizer: Optimizer<B::InnerBackend>,
     /// The run's parallelism, given to [`Self::new`]: data parallelism, and the tensor-parallel
@@ -62,7 +64,7 @@ pub struct Trainer<B: TrainBackend, M, L = CrossEntropy> {
     /// log.jsonl, TensorBoard and the live state (opened when training starts).
     reporters: Reporters,
     /// The progress bar, `kiln top`'s live state, the run's origin for the model card.
-    pub reporting: Reporting,
+    reporting: Reporting,
     /// What the run has counted so far (skipped steps, FLOs, pipeline waits, the last loss).
     counters: Counters,
 }
@@ -74,32 +76,9 @@ where
     M::InnerModule: Model<B::InnerBackend, Batch = M::Batch>,
     L: Loss,
 {
-    pub fn new(
-        args: TrainingArguments,
-        model: M,
-        device: B::Device,
-        loss: L,
-        files: ModelFiles,
-        parallel: ParallelPlan<B::InnerBackend>,
-    ) -> Self {
-        // Built again from the checked arguments when training starts (optim_args may be bad).
-        let optimizer = Optimizer::new(args.optim, adamw_config(&args));
-        Self {
-            args,
-            model: Some(model),
-            device,
-            loss,
-            metrics: EvalMetrics::default(),
-            files,
-            state: TrainerState::default(),
-            optimizer,
-            parallel,
-            checkpointer: Checkpointer::default(),
-            plateau: None,
-            reporters: Reporters::default(),
-            reporting: Reporting::default(),
-            counters: Counters::default(),
-        }
+    /// A trainer of `model` on `device` under `args`; the builder's setters add the rest.
+    pub fn builder(args: TrainingArguments, model: M, device: B::Device) -> TrainerBuilder<B, M> {
+        TrainerBuilder::new(args, model, device)
     }
 
     /// The loss of the last optimizer step, averaged over the ranks (NaN before the first).
