@@ -38,74 +38,32 @@ where
         S: BatchSource<Batch = M::Batch>,
     {
         let started = Instant::now();
-        let a = &self.args;
         // Dropout masks come from a stream re-seeded per step: resuming is exact.
-        let step_seed = a
+        let step_seed = self
+            .args
             .seed
             .wrapping_mul(1_000_003)
             .wrapping_add(self.state.global_step);
         crate::ops::reseed_dropout(step_seed);
-        let checkpointing = a.gradient_checkpointing;
-        let mut acc = GradAccumulator::default();
-        let mut loss_sum = 0.0;
-        let mut samples = 0;
-        let mut tokens = 0;
-        // Under pipeline parallelism: the time this stage waited for its neighbours.
-        let mut stage_wait = 0.0;
         let batches: Vec<_> = group.iter().map(|idx| train.batch(idx)).collect();
         let scales = self.micro_batch_scales(batches.iter().map(|(_, t)| t.as_slice()))?;
-        if let Some(p) = self.parallel.pipeline() {
-            // This stage's share of every micro-batch, in the schedule's order; the step's loss
-            // is the last stage's, summed to every stage.
-            let _fwd = profile::scope("step: pipeline stage");
-            for (idx, (batch, _)) in group.iter().zip(&batches) {
-                samples += idx.len();
-                let numel = self.model().input_ids_numel(batch);
-                tokens += numel;
-                self.counters.current_flos += 6.0 * numel as f64 * self.counters.flos_params;
-            }
-            let got = stage_loss_and_grads(
-                self.model(),
-                &batches,
-                &scales,
-                &self.loss,
-                (p.schedule(), self.args.gradient_checkpointing),
-                &p.stage(),
-            )?;
-            loss_sum = p.stage_sum(got.loss_sum)?;
-            acc = got.grads;
-            stage_wait = got.waited;
-            self.counters.pipeline_seconds.0 += got.waited;
-            self.counters.pipeline_seconds.1 += got.seconds;
-        } else {
-            for ((idx, (batch, targets)), scale) in group.iter().zip(batches).zip(scales) {
-                let fwd = profile::scope("step: data + forward");
-                samples += idx.len();
-                let numel = self.model().input_ids_numel(&batch);
-                tokens += numel;
-                self.counters.current_flos += 6.0 * numel as f64 * self.counters.flos_params;
-                let by_segment = if checkpointing {
-                    loss_and_grads_by_segment(self.model(), &batch, &targets, &self.loss, scale)
-                } else {
-                    None
-                };
-                if let Some((l, grads)) = by_segment {
-                    loss_sum += l;
-                    acc.merge(grads);
-                    continue;
-                }
-                let logits = self.model().logits(&batch);
-                let loss = self
-                    .loss
-                    .loss(logits, targets_tensor::<B>(targets, &self.device))
-                    * scale;
-                loss_sum += loss.clone().into_scalar().elem::<f64>();
-                drop(fwd);
-                let _bwd = profile::scope("step: backward");
-                let grads = loss.backward();
-                acc.accumulate::<B, M>(self.model(), &grads);
-            }
+        // The work counted once, whichever way the passes run.
+        let samples: usize = group.iter().map(|idx| idx.len()).sum();
+        let mut tokens = 0;
+        for (batch, _) in &batches {
+            let numel = self.model().input_ids_numel(batch);
+            tokens += numel;
+            self.counters.current_flos += 6.0 * numel as f64 * self.counters.flos_params;
         }
+        let ForwardBackward {
+            mut loss_sum,
+            grads: acc,
+            stage_wait,
+        } = if self.parallel.pipeline().is_some() {
+            self.forward_backward_staged(&batches, &scales)?
+        } else {
+            self.forward_backward_local(batches, scales)
+        };
         // Overflowed activations make a finite-looking loss meaningless (the outputs collapsed):
         // the step counts as non-finite, on every rank through the average.
         let overflowed = crate::ops::take_activation_overflow();
@@ -155,6 +113,71 @@ where
             tokens,
             seconds: started.elapsed().as_secs_f64(),
             collective_seconds,
+        })
+    }
+
+    /// Each micro-batch's forward and backward on this rank, its loss weighted by `scales`, the
+    /// gradients accumulated (segment by segment under `--gradient-checkpointing`).
+    fn forward_backward_local(
+        &self,
+        batches: Vec<(M::Batch, Vec<i64>)>,
+        scales: Vec<f64>,
+    ) -> ForwardBackward<B::InnerBackend> {
+        let mut out = ForwardBackward {
+            loss_sum: 0.0,
+            grads: GradAccumulator::default(),
+            stage_wait: 0.0,
+        };
+        for ((batch, targets), scale) in batches.into_iter().zip(scales) {
+            let fwd = profile::scope("step: data + forward");
+            let by_segment = if self.args.gradient_checkpointing {
+                loss_and_grads_by_segment(self.model(), &batch, &targets, &self.loss, scale)
+            } else {
+                None
+            };
+            if let Some((l, grads)) = by_segment {
+                out.loss_sum += l;
+                out.grads.merge(grads);
+                continue;
+            }
+            let logits = self.model().logits(&batch);
+            let loss = self
+                .loss
+                .loss(logits, targets_tensor::<B>(targets, &self.device))
+                * scale;
+            out.loss_sum += loss.clone().into_scalar().elem::<f64>();
+            drop(fwd);
+            let _bwd = profile::scope("step: backward");
+            let grads = loss.backward();
+            out.grads.accumulate::<B, M>(self.model(), &grads);
+        }
+        out
+    }
+
+    /// This pipeline stage's share of every micro-batch, in the schedule's order; the step's
+    /// loss is the last stage's, summed to every stage.
+    fn forward_backward_staged(
+        &mut self,
+        batches: &[(M::Batch, Vec<i64>)],
+        scales: &[f64],
+    ) -> Result<ForwardBackward<B::InnerBackend>> {
+        let _fwd = profile::scope("step: pipeline stage");
+        let p = self.parallel.pipeline().expect("a pipeline stage");
+        let got = stage_loss_and_grads(
+            self.model(),
+            batches,
+            scales,
+            &self.loss,
+            (p.schedule(), self.args.gradient_checkpointing),
+            &p.stage(),
+        )?;
+        let loss_sum = p.stage_sum(got.loss_sum)?;
+        self.counters.pipeline_seconds.0 += got.waited;
+        self.counters.pipeline_seconds.1 += got.seconds;
+        Ok(ForwardBackward {
+            loss_sum,
+            grads: got.grads,
+            stage_wait: got.waited,
         })
     }
 
@@ -230,4 +253,12 @@ where
             }
         )))
     }
+}
+
+/// What a step's forward and backward passes give: the micro-batches' weighted losses summed, the
+/// gradients accumulated, and (a pipeline stage) the seconds spent waiting for its neighbours.
+struct ForwardBackward<B: burn::tensor::backend::Backend> {
+    loss_sum: f64,
+    grads: GradAccumulator<B>,
+    stage_wait: f64,
 }
