@@ -7,7 +7,7 @@ use clap::{ArgMatches, Args};
 use kiln::backend::Autodiff;
 use kiln::tasks::causal_lm;
 use kiln::tasks::text_classification as tc;
-use kiln::train::TrainingArguments;
+use kiln::train::{ArgLayers, TrainingArguments};
 
 use super::data_opts::{DataOpts, LmOpts, TrainData};
 use super::lora_opts::LoraOpts;
@@ -100,7 +100,7 @@ where
         kiln::tasks::mnist::train::<Autodiff<B>>(&cmd.data_dir, args, device)?;
         return Ok(());
     }
-    let args = merged_training_args(cmd, sub, serde_json::json!({}))?;
+    let args = merged_training_args(cmd, sub, serde_json::Map::new())?;
     let is_main = kiln::parallel::is_main_process()?;
     if cmd.task != Task::TextClassification && args.label_smoothing_factor != 0.0 {
         bail!("label_smoothing_factor is implemented for text classification only");
@@ -163,62 +163,29 @@ where
     Ok(())
 }
 
-/// TrainingArguments from `--config` with every flag given on the command line laid over it.
-/// TrainingArguments from, lowest priority first: the task's defaults, the `--config` file, and the
-/// flags given on the command line.
+/// TrainingArguments from, lowest priority first: the task's defaults, the `--config` file,
+/// transformers flags without a clap option of their own (hf_flags.rs), and the flags given on
+/// the command line ([`ArgLayers`]).
 fn merged_training_args(
     cmd: &TrainCmd,
     matches: &ArgMatches,
-    task_defaults: serde_json::Value,
+    task_defaults: serde_json::Map<String, serde_json::Value>,
 ) -> Result<TrainingArguments> {
-    let mut base = serde_json::to_value(TrainingArguments::default())?;
-    if let (Some(b), Some(d)) = (base.as_object_mut(), task_defaults.as_object()) {
-        b.extend(d.clone());
-    }
-    let mut recorded = std::collections::BTreeMap::new();
+    let mut layers = ArgLayers::new(cmd.ignore_unknown_args).defaults(task_defaults);
     if let Some(path) = &cmd.config {
-        let given = TrainingArguments::file_entries(path, cmd.ignore_unknown_args)?;
-        if let Some(b) = base.as_object_mut() {
-            b.extend(given.known);
-        }
-        recorded.extend(given.recorded);
+        layers = layers.file(path)?;
     }
-    // transformers flags without a clap option of their own (hf_flags.rs).
-    {
-        let hf = &cmd.hf_flags;
-        for flag in &hf.ignored {
-            tracing::warn!("unknown flag {flag}: ignored (--ignore-unknown-args)");
-        }
-        let source = kiln::train::hf_fields::Source {
-            name: "the command line".into(),
-            text: None,
-        };
-        let given = kiln::train::hf_fields::sort_entries(
-            hf.entries.clone(),
-            &TrainingArguments::field_names(),
-            &source,
-            cmd.ignore_unknown_args,
-        )?;
-        if let Some(b) = base.as_object_mut() {
-            b.extend(given.known);
-        }
-        recorded.extend(given.recorded);
+    for flag in &cmd.hf_flags.ignored {
+        tracing::warn!("unknown flag {flag}: ignored (--ignore-unknown-args)");
     }
-    let flags = serde_json::to_value(&cmd.args)?;
-    let (Some(base_map), Some(flag_map)) = (base.as_object_mut(), flags.as_object()) else {
+    layers = layers.named(cmd.hf_flags.entries.clone(), "the command line")?;
+    let serde_json::Value::Object(flags) = serde_json::to_value(&cmd.args)? else {
         bail!("training arguments are not an object");
     };
-    for (key, value) in flag_map {
-        if matches.value_source(key) == Some(clap::parser::ValueSource::CommandLine) {
-            base_map.insert(key.clone(), value.clone());
-        }
-    }
-    // The merged keys as TrainingArguments; a bad value names its key.
-    let mut args: TrainingArguments = serde_path_to_error::deserialize(base)
-        .map_err(|e| anyhow::anyhow!("training argument `{}`: {}", e.path(), e.inner()))?;
-    args.recorded = recorded;
+    let given = flags.into_iter().filter(|(key, _)| {
+        matches.value_source(key) == Some(clap::parser::ValueSource::CommandLine)
+    });
+    let mut args = layers.set(given).build()?;
     args.precompile_shapes = cmd.precompile_shapes;
-    // Checked before any model or data is loaded.
-    args.validate()?;
     Ok(args)
 }

@@ -87,9 +87,10 @@ impl BatchSource for MnistSplit {
     }
 }
 
-/// The sample's settings as TrainingArguments defaults (a flag or config file still overrides).
-pub fn sample_defaults(world_size: usize) -> serde_json::Value {
-    json!({
+/// The sample's settings as TrainingArguments defaults (a flag or config file still overrides;
+/// see [`crate::train::ArgLayers::defaults`]).
+pub fn sample_defaults(world_size: usize) -> serde_json::Map<String, serde_json::Value> {
+    let serde_json::Value::Object(defaults) = json!({
         "learning_rate": 0.01 * world_size as f64,
         "per_device_train_batch_size": 32,
         "per_device_eval_batch_size": 32,
@@ -102,7 +103,10 @@ pub fn sample_defaults(world_size: usize) -> serde_json::Value {
         "logging_steps": 500,
         "save_strategy": "no",
         "eval_strategy": "no",
-    })
+    }) else {
+        unreachable!("an object literal")
+    };
+    defaults
 }
 
 fn digits() -> Vec<String> {

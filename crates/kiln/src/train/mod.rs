@@ -20,7 +20,7 @@ pub mod run_sizes;
 pub mod schedule;
 pub mod trainer;
 
-pub use args::{IntervalStrategy, PipelineOptions, SaveStrategy, TrainingArguments};
+pub use args::{ArgLayers, IntervalStrategy, PipelineOptions, SaveStrategy, TrainingArguments};
 pub use evaluate::EvalMetrics;
 pub use optim::OptimizerType;
 pub use parallel_plan::{ModelOutline, ParallelPlan};

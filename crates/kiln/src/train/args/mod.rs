@@ -12,7 +12,9 @@ use crate::error::{KilnError, Result};
 use crate::parallel::pipeline::{Balance, ScheduleKind};
 
 mod file;
+mod layers;
 mod validate;
+pub use layers::ArgLayers;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
