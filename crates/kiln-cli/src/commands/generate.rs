@@ -19,7 +19,11 @@ pub struct GenerateCmd {
     /// 0 decodes greedily; above 0 samples from softmax(logits / T).
     #[arg(long, default_value_t = 0.0)]
     temperature: f64,
-    /// Nucleus sampling threshold (with --temperature > 0).
+    /// Sample only among the K most likely tokens (with --temperature > 0; 0 keeps every token,
+    /// while transformers' generate defaults to 50).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Nucleus sampling threshold (with --temperature > 0), applied after --top-k.
     #[arg(long, default_value_t = 1.0)]
     top_p: f64,
     #[arg(long, default_value_t = 0)]
@@ -54,6 +58,7 @@ pub fn run<B: kiln::ops::KilnBackend>(cmd: GenerateCmd, device: &B::Device) -> R
     let opts = causal_lm::GenerateOptions {
         max_new_tokens: cmd.max_new_tokens,
         temperature: cmd.temperature,
+        top_k: cmd.top_k,
         top_p: cmd.top_p,
         seed: cmd.seed,
         stop_at_eos: !cmd.ignore_eos,

@@ -1,11 +1,11 @@
 //! `kiln generate`: KV-cached decoding of a causal LM, greedy or sampled (temperature, top-k,
-//! top-p, as transformers' `generate` names them), a chat turn through the model's template, and
-//! decoding under a pipeline (each stage its layers and cache, the last picking the token).
+//! top-p, as transformers' `generate` names them; [`Sampler`]), a chat turn through the model's
+//! template, and decoding under a pipeline (each stage its layers and cache, the last picking the
+//! token).
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use rand::{rngs::StdRng, Rng, SeedableRng};
 use tokenizers::Tokenizer;
 
 use crate::data::chat_template::ChatTemplate;
@@ -18,6 +18,7 @@ use crate::ops::KilnBackend;
 use crate::parallel::DataParallel;
 
 use super::eval::*;
+pub use super::sampler::Sampler;
 use super::*;
 
 /// One decoding step under a pipeline: the ids' embeddings (stage 0) or the previous stage's
@@ -29,8 +30,7 @@ fn decode_stage<B: KilnBackend, M: CausalLm<B>>(
     stage: &EvalStage<'_, B>,
     input: &[i64],
     cache: &mut M::Cache,
-    o: &GenerateOptions,
-    rng: &mut StdRng,
+    sampler: &mut Sampler,
 ) -> Result<Option<u32>> {
     use crate::train::pipeline_stage::{hand_over, receive};
     let x = if stage.cut.embedding {
@@ -43,7 +43,7 @@ fn decode_stage<B: KilnBackend, M: CausalLm<B>>(
     let mut token = [0f32];
     if stage.cut.head {
         let logits = model.last_logits(x);
-        token[0] = pick(&logits, o, rng).map_or(-1.0, |t| t as f32);
+        token[0] = sampler.sample(&logits).map_or(-1.0, |t| t as f32);
     } else {
         hand_over(stage.group, x, stage.index + 1)?;
     }
@@ -60,6 +60,9 @@ pub struct GenerateOptions {
     pub max_new_tokens: usize,
     /// 0 = greedy (argmax, ties to the lowest id as `torch.argmax`).
     pub temperature: f64,
+    /// Keep only the `top_k` most likely tokens before top-p (0 keeps every token;
+    /// transformers' `GenerationConfig` defaults to 50).
+    pub top_k: usize,
     /// Nucleus sampling: keep the smallest set of tokens whose probability reaches `top_p`.
     pub top_p: f64,
     pub seed: u64,
@@ -72,6 +75,7 @@ impl Default for GenerateOptions {
         Self {
             max_new_tokens: 32,
             temperature: 0.0,
+            top_k: 0,
             top_p: 1.0,
             seed: 0,
             stop_at_eos: true,
@@ -122,40 +126,6 @@ impl Generation {
     }
 }
 
-/// Picks the next token from one row of logits.
-fn choose(logits: &[f32], o: &GenerateOptions, rng: &mut StdRng) -> u32 {
-    if o.temperature <= 0.0 {
-        return crate::train::metrics::argmax(logits) as u32;
-    }
-    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let mut probs: Vec<(u32, f64)> = logits
-        .iter()
-        .enumerate()
-        .map(|(i, &v)| (i as u32, (((v - max) as f64) / o.temperature).exp()))
-        .collect();
-    let total: f64 = probs.iter().map(|p| p.1).sum();
-    probs.sort_by(|a, b| b.1.total_cmp(&a.1));
-    let mut kept = 0.0;
-    let mut cut = probs.len();
-    for (i, p) in probs.iter().enumerate() {
-        kept += p.1 / total;
-        if kept >= o.top_p {
-            cut = i + 1;
-            break;
-        }
-    }
-    probs.truncate(cut);
-    let mass: f64 = probs.iter().map(|p| p.1).sum();
-    let mut r = rng.random::<f64>() * mass;
-    for (id, p) in &probs {
-        r -= p;
-        if r <= 0.0 {
-            return *id;
-        }
-    }
-    probs.last().map_or(0, |p| p.0)
-}
-
 /// Continues `prompt_ids` with a KV cache; `on_text` receives the decoded text as it grows (each
 /// call gets only the new part, so it can be streamed).
 pub fn generate<B: KilnBackend, M: CausalLm<B>>(
@@ -167,26 +137,18 @@ pub fn generate<B: KilnBackend, M: CausalLm<B>>(
     on_text: impl FnMut(&str),
 ) -> Result<Generation> {
     let mut cache = model.new_cache();
-    let next = |input: &[i64], rng: &mut StdRng| {
+    let next = |input: &[i64], sampler: &mut Sampler| {
         let logits = model.next_token_logits(input, &mut cache);
-        Ok(pick(&logits, o, rng))
+        Ok(sampler.sample(&logits))
     };
     generate_by(next, tok, config, prompt_ids, o, on_text)
 }
 
-/// The next token from a row of logits, `None` when they are not all finite.
-fn pick(logits: &[f32], o: &GenerateOptions, rng: &mut StdRng) -> Option<u32> {
-    logits
-        .iter()
-        .all(|v| v.is_finite())
-        .then(|| choose(logits, o, rng))
-}
-
 /// [`generate`] with each step's token from `next`: given the ids that continue the cached
-/// positions (the prompt, then the last token) and the sampling stream, it returns the next id,
+/// positions (the prompt, then the last token) and the sampler, it returns the next id,
 /// or `None` when the model's logits were not finite.
 fn generate_by(
-    mut next: impl FnMut(&[i64], &mut StdRng) -> Result<Option<u32>>,
+    mut next: impl FnMut(&[i64], &mut Sampler) -> Result<Option<u32>>,
     tok: &Tokenizer,
     config: &impl DecoderConfig,
     prompt_ids: &[u32],
@@ -213,14 +175,14 @@ fn generate_by(
         "prompt + --max-new-tokens",
     );
     let eos = config.eos_ids();
-    let mut rng = StdRng::seed_from_u64(o.seed);
+    let mut sampler = Sampler::new(o);
     let mut input: Vec<i64> = prompt_ids.iter().map(|&t| t as i64).collect();
     let mut new_ids: Vec<u32> = Vec::new();
     let mut printed = String::new();
     let start = Instant::now();
     let mut prefill_secs = 0.0;
     while new_ids.len() < o.max_new_tokens {
-        let Some(next) = next(&input, &mut rng)? else {
+        let Some(next) = next(&input, &mut sampler)? else {
             return Err(KilnError::NonFinite(format!(
                 "generating token {}: the model gives non-finite logits (its weights are not finite)",
                 new_ids.len() + 1
@@ -309,8 +271,8 @@ pub fn generate_from_folder<B: KilnBackend>(
             // The stages are cut as training and `kiln eval` cut them.
             let stage = eval_stage(&model, group.as_ref(), layout)?;
             let mut cache = model.new_cache();
-            let next = |input: &[i64], rng: &mut StdRng| {
-                decode_stage(&model, &stage, input, &mut cache, o, rng)
+            let next = |input: &[i64], sampler: &mut Sampler| {
+                decode_stage(&model, &stage, input, &mut cache, sampler)
             };
             let g = generate_by(next, &tok, &config, &ids, o, on_text)?;
             Ok((ids, g))

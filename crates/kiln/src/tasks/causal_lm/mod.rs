@@ -29,6 +29,7 @@ use crate::train::{Trainer, TrainingArguments};
 
 mod eval;
 mod generate;
+mod sampler;
 pub use eval::*;
 pub use generate::*;
 
