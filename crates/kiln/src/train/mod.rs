@@ -12,7 +12,7 @@ pub mod metrics;
 pub mod optim;
 pub mod output_dir;
 pub mod parallel_plan;
-pub mod pipeline_stage;
+pub mod pipeline;
 pub mod precompile;
 pub mod reporters;
 pub mod reshard;

@@ -10,7 +10,7 @@
 //! A step's gradients go through it twice: [`ParallelPlan::sync_and_clip`] averages and clips
 //! them (whole, or this rank's ZeRO-1 chunk), and [`ParallelPlan::update`] applies them. The
 //! pipeline-parallel part (`--pipeline-parallel-size`) makes each rank one stage: its step runs
-//! the stage's share of the micro-batches (`super::pipeline_stage`), the step's loss comes from
+//! the stage's share of the micro-batches (`super::pipeline`), the step's loss comes from
 //! the last stage and the global norm counts every stage's gradients, a tied weight once.
 
 use std::collections::BTreeMap;
@@ -24,35 +24,20 @@ use super::grad_sync::{
     sync_and_clip, sync_and_clip_zero1, NormParts, StageNorm, Synced, SyncedGrads,
 };
 use super::optim::{GradAccumulator, Optimizer};
-use super::pipeline_stage::Stage;
+use super::pipeline::PipelinePlan;
 use crate::contract::TensorParallelLayout;
-use crate::models::params::{empty_where, module_bf16_params, module_shapes, module_tensors_where};
+use crate::models::params::{empty_where, module_bf16_params, module_shapes};
 use crate::ops::KilnBackend;
 use crate::parallel::broadcast_module;
-use crate::parallel::pipeline::{
-    cut_by_work, cut_stages, owner_stage, Balance, MicroBatches, ScheduleKind, StageCut,
-    StageHolds, Work,
-};
+use crate::parallel::pipeline::{owner_stage, MicroBatches};
 use crate::parallel::{DataParallel, SharedCollectives, Zero1};
-use crate::{KilnError, Result};
+use crate::Result;
 
 pub struct ParallelPlan<B: KilnBackend> {
     pub data: DataParallel<B>,
     tensor: Option<TensorParallelLayout>,
     zero: Option<Zero1<B>>,
     pipeline: Option<PipelinePlan<B>>,
-}
-
-/// This rank's stage of a pipeline.
-pub struct PipelinePlan<B: KilnBackend> {
-    /// The ranks holding the stages of this rank's replica (and TP shard); stage `s` is rank `s`.
-    group: SharedCollectives<B>,
-    options: PipelineOptions,
-    /// Every stage's cut and what this one holds (once cut: before the model is built when the
-    /// task cuts it from its config, else when training starts).
-    holds: StageHolds,
-    /// How a step splits into micro-batches, once training starts.
-    micro: MicroBatches,
 }
 
 /// What a pipeline cuts a model by: its decoder layers (`None`: not split into layers), every
@@ -64,137 +49,6 @@ pub struct ModelOutline {
     pub shapes: BTreeMap<String, Vec<usize>>,
     pub embedding: Vec<String>,
     pub tied: bool,
-}
-
-impl<B: KilnBackend> PipelinePlan<B> {
-    pub fn index(&self) -> usize {
-        self.group.rank()
-    }
-
-    pub fn count(&self) -> usize {
-        self.group.size()
-    }
-
-    pub fn schedule(&self) -> ScheduleKind {
-        self.options.schedule
-    }
-
-    pub fn cuts(&self) -> &[StageCut] {
-        &self.holds.cuts
-    }
-
-    /// This rank's stage, for the stage runner.
-    pub fn stage(&self) -> Stage<'_, B> {
-        Stage {
-            index: self.index(),
-            count: self.count(),
-            cut: self.holds.cuts[self.index()].clone(),
-            group: self.group.as_ref(),
-        }
-    }
-
-    /// How a data-parallel rank's step splits into micro-batches.
-    pub fn micro_batches(&self) -> MicroBatches {
-        self.micro
-    }
-
-    /// Sums a count over the stages, exactly ([`Collectives::sum_exact`]).
-    pub fn count_sum(&self, n: usize) -> Result<usize> {
-        Ok(self.group.sum_exact(&[n as u64])?[0] as usize)
-    }
-
-    /// Sums a step's loss over the stages (only the last computes it).
-    pub fn stage_sum(&self, v: f64) -> Result<f64> {
-        Ok(self.group.sum_host(vec![v as f32])?[0] as f64)
-    }
-
-    /// Whether this stage runs with parameter `path`: its layers', the embedding on stage 0,
-    /// the norm and head on the last (with a tied embedding, the embedding too).
-    pub fn holds(&self, path: &str) -> bool {
-        self.holds.holds(path)
-    }
-
-    /// Whether this stage owns `path`: it saves it, and the others receive it from it. A tied
-    /// embedding is stage 0's.
-    pub fn owns(&self, path: &str) -> bool {
-        self.holds.owns(path)
-    }
-
-    /// Cuts the model `outline` describes into this pipeline's stages (`--pipeline-cuts`, else
-    /// `--pipeline-balance`); a model not split into layers is one sentence.
-    fn cut(&mut self, outline: &ModelOutline) -> Result<()> {
-        let layers = outline.layers.ok_or_else(|| {
-            KilnError::Config(
-                "--pipeline-parallel-size cuts a model at its decoder layers, and this model \
-                 is not split into layers"
-                    .into(),
-            )
-        })?;
-        self.holds.cuts = match (&self.options.cuts, self.options.balance) {
-            (None, Balance::Compute) => {
-                let work =
-                    Work::of_shapes(&outline.shapes, layers, &outline.embedding, outline.tied);
-                cut_by_work(&work, self.options.size)?
-            }
-            (cuts, _) => cut_stages(layers, self.options.size, cuts.as_deref())?,
-        };
-        self.holds.embedding = outline.embedding.clone();
-        self.holds.tied = outline.tied;
-        Ok(())
-    }
-
-    /// With a tied embedding, checks that the first and last stages hold it equal bit for bit
-    /// (every stage of the group takes part): each puts a 32-bit hash of its copy into its slot
-    /// of an exact sum over the group.
-    pub(super) fn check_tied_copies<AB, M>(&self, model: &M, step: u64) -> Result<()>
-    where
-        AB: AutodiffBackend<InnerBackend = B> + KilnBackend,
-        M: AutodiffModule<AB>,
-    {
-        if !self.holds.tied {
-            return Ok(());
-        }
-        let last = self.count() - 1;
-        let mut slots = [0u64; 2];
-        if self.index() == 0 || self.index() == last {
-            let copies = module_tensors_where(model, |p| self.is_embedding(p));
-            let hash = copies
-                .values()
-                .flat_map(|t| &t.data)
-                .fold(0x811c_9dc5u32, |h, v| {
-                    (h ^ v.to_bits()).wrapping_mul(0x0100_0193)
-                });
-            slots[usize::from(self.index() != 0)] = u64::from(hash);
-        }
-        let all = self.group.sum_exact(&slots)?;
-        if all[0] != all[1] {
-            return Err(KilnError::Checkpoint(format!(
-                "the tied embedding {} differs between pipeline stages 0 and {last} at step \
-                 {step}: their summed gradients or updates went apart, so no checkpoint is written",
-                self.holds.embedding.join(", ")
-            )));
-        }
-        Ok(())
-    }
-
-    /// Whether another stage counts `name`'s gradient in the global norm: a tied embedding is
-    /// counted on stage 0 only.
-    pub(super) fn counted_elsewhere(&self, name: &str) -> bool {
-        self.index() > 0 && self.is_embedding(name)
-    }
-
-    fn is_embedding(&self, path: &str) -> bool {
-        self.holds.embedding.iter().any(|e| e == path)
-    }
-}
-
-impl<B: KilnBackend> StageNorm for PipelinePlan<B> {
-    fn counted_elsewhere(&self, name: &str) -> bool {
-        PipelinePlan::counted_elsewhere(self, name)
-    }
-    fn stage_sum(&self, v: f64) -> Result<f64> {
-        PipelinePlan::stage_sum(self, v)
-    }
 }
 
 impl<B: KilnBackend> ParallelPlan<B> {
@@ -215,20 +69,9 @@ impl<B: KilnBackend> ParallelPlan<B> {
         group: Option<SharedCollectives<B>>,
         options: Option<PipelineOptions>,
     ) -> Self {
-        self.pipeline = group.zip(options).map(|(group, options)| PipelinePlan {
-            holds: StageHolds {
-                index: group.rank(),
-                cuts: Vec::new(),
-                embedding: Vec::new(),
-                tied: false,
-            },
-            group,
-            options,
-            micro: MicroBatches {
-                micro_batches: 1,
-                micro_batch_size: 1,
-            },
-        });
+        self.pipeline = group
+            .zip(options)
+            .map(|(group, options)| PipelinePlan::new(group, options));
         self
     }
 
@@ -432,6 +275,7 @@ mod tests {
     use crate::models::llama::config::LlamaConfig;
     use crate::models::llama::LlamaForCausalLM;
     use crate::models::params::{module_shapes, module_tensors};
+    use crate::parallel::pipeline::{Balance, ScheduleKind};
     use crate::parallel::threads::ThreadComm;
 
     fn llama(tie: bool, seed: u64) -> LlamaForCausalLM<CpuTrain> {

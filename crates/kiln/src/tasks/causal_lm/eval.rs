@@ -272,7 +272,7 @@ impl<B: KilnBackend> EvalStage<'_, B> {
     /// hidden states, through its layers, to the next stage (`None`) or, on the last stage, to
     /// the logits.
     fn logits(&self, batch: &TokenBatch) -> Result<Option<Tensor<B, 2>>> {
-        use crate::train::pipeline_stage::{hand_over, receive};
+        use crate::parallel::pipeline::{hand_over, receive};
         let mut x = if self.cut.embedding {
             self.segments.embed(batch)
         } else {

@@ -32,7 +32,7 @@ fn decode_stage<B: KilnBackend, M: CausalLm<B>>(
     cache: &mut M::Cache,
     sampler: &mut Sampler,
 ) -> Result<Option<u32>> {
-    use crate::train::pipeline_stage::{hand_over, receive};
+    use crate::parallel::pipeline::{hand_over, receive};
     let x = if stage.cut.embedding {
         model.embed_ids(input)
     } else {

@@ -15,7 +15,7 @@ use crate::train::activation_checkpointing::loss_and_grads_by_segment;
 use crate::train::evaluate::targets_tensor;
 use crate::train::grad_sync::Synced;
 use crate::train::optim::GradAccumulator;
-use crate::train::pipeline_stage::stage_loss_and_grads;
+use crate::train::pipeline::stage_loss_and_grads;
 use crate::train::run_sizes::RunSizes;
 
 impl<B, M, L> Trainer<B, M, L>

@@ -16,8 +16,8 @@
 //! embedding and the last stage as the head. After the last backward their two gradients are
 //! summed, stage 0's first on both, so both copies take the same update and stay equal.
 //!
-//! Every hand-over carries the tensor's three dimensions before its values, so a stage needs no
-//! shape of its own for what arrives (packed and padded batches alike).
+//! Hand-overs carry the tensor's dimensions before its values (`parallel::pipeline::wire`), so
+//! a stage needs no shape of its own for what arrives (packed and padded batches alike).
 //!
 //! With activation checkpointing (`--gradient-checkpointing`) a forward runs without a graph and
 //! a micro-batch leaves only its stage input in flight; its backward first runs the stage's
@@ -27,11 +27,12 @@
 use burn::module::AutodiffModule;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 
-use super::optim::GradAccumulator;
 use crate::contract::{Loss, Model, Segments};
 use crate::ops::{dropout_position, set_dropout_position, TrainBackend};
+use crate::parallel::pipeline::{hand_over, receive};
 use crate::parallel::pipeline::{stage_actions, Action, ScheduleKind, StageCut};
 use crate::parallel::Collectives;
+use crate::train::optim::GradAccumulator;
 use crate::{KilnError, Result};
 
 /// This rank's place in its pipeline: stage `index` of `count`, the layers (and the embedding or
@@ -216,58 +217,6 @@ where
         seconds: started.elapsed().as_secs_f64(),
         waited,
     })
-}
-
-/// Sends `t` with its dimensions first.
-pub(crate) fn hand_over<B: burn::tensor::backend::Backend>(
-    group: &dyn Collectives<B>,
-    t: Tensor<B, 3>,
-    to: usize,
-) -> Result<()> {
-    let dims = t.dims();
-    let device = t.device();
-    let n = dims.iter().product::<usize>();
-    let head = Tensor::<B, 1>::from_data(
-        TensorData::new(dims.iter().map(|&d| d as f32).collect::<Vec<_>>(), [3]),
-        &device,
-    );
-    group.send(Tensor::cat(vec![head, t.reshape([n])], 0), to)?;
-    crate::io::files::crash_point("pipeline:hand-over");
-    Ok(())
-}
-
-/// What [`hand_over`] sent from `from`, in its shape.
-pub(crate) fn receive<B: burn::tensor::backend::Backend>(
-    group: &dyn Collectives<B>,
-    from: usize,
-) -> Result<Tensor<B, 3>> {
-    let flat = group.recv(from)?;
-    let n = flat.dims()[0];
-    let bad = |what: String| {
-        KilnError::Distributed(format!(
-            "stage {from} handed over a malformed tensor: {what}"
-        ))
-    };
-    if n < 3 {
-        return Err(bad(format!("{n} values, fewer than its 3 dimensions")));
-    }
-    let dims: Vec<usize> = flat
-        .clone()
-        .narrow(0, 0, 3)
-        .into_data()
-        .convert::<f32>()
-        .into_vec::<f32>()
-        .expect("f32 data")
-        .into_iter()
-        .map(|d| d as usize)
-        .collect();
-    let numel = dims.iter().try_fold(1usize, |p, &d| p.checked_mul(d));
-    if numel != Some(n - 3) {
-        return Err(bad(format!("{} values for the shape {dims:?}", n - 3)));
-    }
-    Ok(flat
-        .narrow(0, 3, n - 3)
-        .reshape([dims[0], dims[1], dims[2]]))
 }
 
 /// Sums the gradients of parameters held on both the first and the last stage (a tied embedding
