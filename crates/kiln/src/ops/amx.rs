@@ -124,16 +124,8 @@ pub(super) unsafe fn gemm(
     beta: f32,
     c: &mut [f32],
 ) {
-    let super::Strided {
-        data: a,
-        rs: rsa,
-        cs: csa,
-    } = a;
-    let super::Strided {
-        data: b,
-        rs: rsb,
-        cs: csb,
-    } = b;
+    let (a, rsa, csa) = (a.data, a.rs, a.cs);
+    let (b, rsb, csb) = (b.data, b.rs, b.cs);
     use rayon::prelude::*;
     // K padded to whole tiles: 32 values, 16 pairs.
     let steps = k.div_ceil(32);

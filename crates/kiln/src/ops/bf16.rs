@@ -110,16 +110,8 @@ fn gemm_values(
     c: &mut [f32],
     f32_gemm: impl Fn(usize, usize, usize, &[f32], &[f32], f32, &mut [f32]),
 ) {
-    let Strided {
-        data: a,
-        rs: rsa,
-        cs: csa,
-    } = a_op;
-    let Strided {
-        data: b,
-        rs: rsb,
-        cs: csb,
-    } = b_op;
+    let (a, rsa, csa) = (a_op.data, a_op.rs, a_op.cs);
+    let (b, rsb, csb) = (b_op.data, b_op.rs, b_op.cs);
     if m == 0 || n == 0 {
         return;
     }
@@ -169,96 +161,117 @@ fn gemm_values(
             unsafe { super::amx::gemm((m, k, n), a_op, b_op, beta, c) };
             return;
         }
-        let kp = k.div_ceil(2);
-        let at = |row: usize, kk: usize| if kk < k { a[row * rsa + kk * csa] } else { 0.0 };
-        let zeros = [0f32; NR];
-        // B packed once, shared by every task: panel j holds columns j·NR.. as [kp][NR] pairs.
-        // SAFETY: the dot-product kernel runs only where AVX-512 is (asserted above).
-        let bp = unsafe { pack_b((k, n), b, (rsb, csb), kp) };
-        let panels = n.div_ceil(NR);
-        let parts = rayon::current_num_threads().max(1);
-        let rows = m.div_ceil(parts).div_ceil(MR) * MR;
-        c[..m * n]
-            .par_chunks_mut(rows * n)
-            .enumerate()
-            .for_each(|(i, cpart)| {
-                let r0 = i * rows;
-                let mrows = cpart.len() / n;
-                let mut ap = vec![0u32; KCP * MR];
-                let mut row_pairs = [0u32; KCP];
-                // K in blocks of KCP pairs, so the A block stays in L1 and the B block (all panels,
-                // KCP pairs each) in L2 while every row block of this task streams past it.
-                for kb in (0..kp).step_by(KCP) {
-                    let kc = KCP.min(kp - kb);
-                    let beta = if kb == 0 { beta } else { 1.0 };
-                    for rb in (0..mrows).step_by(MR) {
-                        let live = MR.min(mrows - rb);
-                        let row0 = r0 + rb;
-                        if csa == 1 && live == MR {
-                            // Row-major A (the forward's x, the input gradient's dy): each row's
-                            // pairs are contiguous, converted 32 values at a time, then laid out
-                            // as [kc][MR]. Gathered value by value, packing took a fifth of the
-                            // products' time where B has few panels (768 columns).
-                            let (lo, hi) = (2 * kb, (2 * (kb + kc)).min(k));
-                            for r in 0..MR {
-                                let row = &a[(row0 + r) * rsa..];
-                                // SAFETY: as above.
-                                unsafe { pairs_of(&row[lo..hi], &mut row_pairs[..kc]) };
-                                for (p, &v) in row_pairs[..kc].iter().enumerate() {
-                                    ap[p * MR + r] = v;
-                                }
-                            }
-                        } else {
-                            // A's rows rb.., pairs kb.. as [kc][MR] (rows past the end are zero).
-                            for (p, lanes) in ap.chunks_mut(MR).take(kc).enumerate() {
-                                let kk = 2 * (kb + p);
-                                if rsa == 1 && live == MR {
-                                    // Column-major A (the weight gradient's dyᵀ): rows are contiguous.
-                                    let col = |kk: usize| {
-                                        if kk < k {
-                                            &a[kk * csa + row0..][..MR]
-                                        } else {
-                                            &zeros[..MR]
-                                        }
-                                    };
-                                    // SAFETY: as above.
-                                    unsafe { pack_pairs(col(kk), col(kk + 1), lanes) };
-                                    continue;
-                                }
-                                for (r, v) in lanes.iter_mut().enumerate() {
-                                    *v = if r < live {
-                                        pair(at(row0 + r, kk), at(row0 + r, kk + 1))
-                                    } else {
-                                        0
-                                    };
-                                }
+        // SAFETY: kernel ≤ best() (asserted above) makes Dot available, so AVX512-BF16 and
+        // AVX-512; the asserts above bound every element the strides address.
+        unsafe { dot_gemm((m, k, n), a_op, b_op, beta, c) };
+    }
+}
+
+/// [`gemm_values`] on the AVX512-BF16 dot-product kernel: B packed once into pairs of columns
+/// shared by every task, each task a band of C's rows, K in cache blocks of [`KCP`] pairs.
+///
+/// # Safety
+/// The CPU must have AVX-512 and AVX512-BF16, `k` must not be 0, `c` must hold m·n values, and
+/// `a` and `b` every element their strides address for an m×k and a k×n matrix.
+#[cfg(target_arch = "x86_64")]
+unsafe fn dot_gemm(
+    (m, k, n): (usize, usize, usize),
+    a_op: Strided<&[f32]>,
+    b_op: Strided<Values>,
+    beta: f32,
+    c: &mut [f32],
+) {
+    let (a, rsa, csa) = (a_op.data, a_op.rs, a_op.cs);
+    let (b, rsb, csb) = (b_op.data, b_op.rs, b_op.cs);
+    let kp = k.div_ceil(2);
+    let at = |row: usize, kk: usize| if kk < k { a[row * rsa + kk * csa] } else { 0.0 };
+    let zeros = [0f32; NR];
+    // B packed once, shared by every task: panel j holds columns j·NR.. as [kp][NR] pairs.
+    // SAFETY: the dot-product kernel runs only where AVX-512 is (asserted above).
+    let bp = unsafe { pack_b((k, n), b, (rsb, csb), kp) };
+    let panels = n.div_ceil(NR);
+    let parts = rayon::current_num_threads().max(1);
+    let rows = m.div_ceil(parts).div_ceil(MR) * MR;
+    c[..m * n]
+        .par_chunks_mut(rows * n)
+        .enumerate()
+        .for_each(|(i, cpart)| {
+            let r0 = i * rows;
+            let mrows = cpart.len() / n;
+            let mut ap = vec![0u32; KCP * MR];
+            let mut row_pairs = [0u32; KCP];
+            // K in blocks of KCP pairs, so the A block stays in L1 and the B block (all panels,
+            // KCP pairs each) in L2 while every row block of this task streams past it.
+            for kb in (0..kp).step_by(KCP) {
+                let kc = KCP.min(kp - kb);
+                let beta = if kb == 0 { beta } else { 1.0 };
+                for rb in (0..mrows).step_by(MR) {
+                    let live = MR.min(mrows - rb);
+                    let row0 = r0 + rb;
+                    if csa == 1 && live == MR {
+                        // Row-major A (the forward's x, the input gradient's dy): each row's
+                        // pairs are contiguous, converted 32 values at a time, then laid out
+                        // as [kc][MR]. Gathered value by value, packing took a fifth of the
+                        // products' time where B has few panels (768 columns).
+                        let (lo, hi) = (2 * kb, (2 * (kb + kc)).min(k));
+                        for r in 0..MR {
+                            let row = &a[(row0 + r) * rsa..];
+                            // SAFETY: as above.
+                            unsafe { pairs_of(&row[lo..hi], &mut row_pairs[..kc]) };
+                            for (p, &v) in row_pairs[..kc].iter().enumerate() {
+                                ap[p * MR + r] = v;
                             }
                         }
-                        for j in 0..panels {
-                            let cols = NR.min(n - j * NR);
-                            // SAFETY: the CPU has AVX512-BF16 (checked by the caller); `ap` holds
-                            // kc·MR values and panel j from pair kb holds kc·NR; the tile written
-                            // is rows rb..rb+live, columns j·NR..j·NR+cols of this task's part of C.
-                            unsafe {
-                                let tile = TileOfC {
-                                    at: cpart.as_mut_ptr().add(rb * n + j * NR),
-                                    ldc: n,
-                                    rows: live,
-                                    cols,
+                    } else {
+                        // A's rows rb.., pairs kb.. as [kc][MR] (rows past the end are zero).
+                        for (p, lanes) in ap.chunks_mut(MR).take(kc).enumerate() {
+                            let kk = 2 * (kb + p);
+                            if rsa == 1 && live == MR {
+                                // Column-major A (the weight gradient's dyᵀ): rows are contiguous.
+                                let col = |kk: usize| {
+                                    if kk < k {
+                                        &a[kk * csa + row0..][..MR]
+                                    } else {
+                                        &zeros[..MR]
+                                    }
                                 };
-                                dot_tile(
-                                    kc,
-                                    ap.as_ptr(),
-                                    bp.as_ptr().add((j * kp + kb) * NR),
-                                    tile,
-                                    beta,
-                                );
+                                // SAFETY: as above.
+                                unsafe { pack_pairs(col(kk), col(kk + 1), lanes) };
+                                continue;
+                            }
+                            for (r, v) in lanes.iter_mut().enumerate() {
+                                *v = if r < live {
+                                    pair(at(row0 + r, kk), at(row0 + r, kk + 1))
+                                } else {
+                                    0
+                                };
                             }
                         }
                     }
+                    for j in 0..panels {
+                        let cols = NR.min(n - j * NR);
+                        // SAFETY: the CPU has AVX512-BF16 (checked by the caller); `ap` holds
+                        // kc·MR values and panel j from pair kb holds kc·NR; the tile written
+                        // is rows rb..rb+live, columns j·NR..j·NR+cols of this task's part of C.
+                        unsafe {
+                            let tile = TileOfC {
+                                at: cpart.as_mut_ptr().add(rb * n + j * NR),
+                                ldc: n,
+                                rows: live,
+                                cols,
+                            };
+                            dot_tile(
+                                kc,
+                                ap.as_ptr(),
+                                bp.as_ptr().add((j * kp + kb) * NR),
+                                tile,
+                                beta,
+                            );
+                        }
+                    }
                 }
-            });
-    }
+            }
+        });
 }
 
 /// Where one MR×NR tile of C lands: its first element, C's row stride, and how many of the tile's
