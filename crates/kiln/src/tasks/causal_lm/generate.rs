@@ -175,7 +175,7 @@ fn generate_by(
         "prompt + --max-new-tokens",
     );
     let eos = config.eos_ids();
-    let mut sampler = Sampler::new(o);
+    let mut sampler = Sampler::new(o.temperature, o.top_k, o.top_p, o.seed);
     let mut input: Vec<i64> = prompt_ids.iter().map(|&t| t as i64).collect();
     let mut new_ids: Vec<u32> = Vec::new();
     let mut printed = String::new();

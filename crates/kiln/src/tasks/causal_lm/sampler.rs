@@ -5,8 +5,6 @@
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-use super::generate::GenerateOptions;
-
 /// Picks next tokens under one generation's settings, from one seeded stream: the same seed and
 /// logits give the same tokens.
 #[derive(Debug, Clone)]
@@ -18,14 +16,15 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    /// The settings of `o` ([`GenerateOptions::check`] has accepted them), the stream seeded with
-    /// `o.seed`.
-    pub fn new(o: &GenerateOptions) -> Self {
+    /// Greedy at `temperature` 0, else a draw among the `top_k` most likely tokens (0: all of
+    /// them), then the fewest whose probability reaches `top_p`; the stream seeded with `seed`.
+    /// The ranges are the caller's to check (`GenerateOptions::check`).
+    pub fn new(temperature: f64, top_k: usize, top_p: f64, seed: u64) -> Self {
         Self {
-            temperature: o.temperature,
-            top_k: o.top_k,
-            top_p: o.top_p,
-            rng: StdRng::seed_from_u64(o.seed),
+            temperature,
+            top_k,
+            top_p,
+            rng: StdRng::seed_from_u64(seed),
         }
     }
 
@@ -88,13 +87,7 @@ mod tests {
     use super::*;
 
     fn sampler(temperature: f64, top_k: usize, top_p: f64) -> Sampler {
-        Sampler::new(&GenerateOptions {
-            temperature,
-            top_k,
-            top_p,
-            seed: 3,
-            ..GenerateOptions::default()
-        })
+        Sampler::new(temperature, top_k, top_p, 3)
     }
 
     /// How often each token is drawn in `n` draws.
@@ -156,11 +149,7 @@ mod tests {
         assert_eq!(sampler(0.0, 0, 1.0).sample(&[0.5, 3.0, 3.0, -1.0]), Some(1));
         let logits: Vec<f32> = (0..50).map(|i| (i % 7) as f32 * 0.3).collect();
         let draws = |seed| {
-            let mut s = Sampler::new(&GenerateOptions {
-                temperature: 1.0,
-                seed,
-                ..GenerateOptions::default()
-            });
+            let mut s = Sampler::new(1.0, 0, 1.0, seed);
             (0..20)
                 .map(|_| s.sample(&logits).unwrap())
                 .collect::<Vec<_>>()
