@@ -746,3 +746,54 @@ fn sft_lora_on_a_base_held_in_bf16() {
         "control too close ({c}): the test cannot tell"
     );
 }
+
+/// `--assistant-only-loss` with SmolLM2's stock chat template, which has no `{% generation %}`
+/// tags: training runs on the assistant turns found by rendering turn by turn, and
+/// `--print-masks` shows them: the assistant's words and end of turn trained on, the system
+/// prompt, the user's words and the assistant header not.
+#[test]
+fn assistant_only_loss_without_generation_tags_prints_its_masks() {
+    let Some(model) = converted() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("chat.jsonl");
+    let rows: String = [("Name a colour.", "Blue."), ("Say hi.", "Hi there.")]
+        .iter()
+        .map(|(q, a)| {
+            serde_json::json!({"messages": [
+                {"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+            .to_string()
+                + "\n"
+        })
+        .collect();
+    std::fs::write(&data, rows).unwrap();
+    let out = succeed(
+        kiln_one_thread()
+            .args(["train", "--task", "sft", "--model"])
+            .arg(model)
+            .arg("--train-file")
+            .arg(&data)
+            .args(["--use-peft", "--lora-r", "4"])
+            .args(["--assistant-only-loss", "--print-masks", "2"])
+            .args(["--max-steps", "1", "--save-strategy", "no", "--output-dir"])
+            .arg(tmp.path().join("run")),
+    );
+    let out = String::from_utf8(out).unwrap();
+    let trained: Vec<&str> = out
+        .lines()
+        .filter(|l| l.trim_start().starts_with('+'))
+        .collect();
+    assert_eq!(trained.len(), 2, "one trained run per example:\n{out}");
+    assert!(trained[0].ends_with(r#""Blue.<|im_end|>\n""#), "{out}");
+    assert!(trained[1].ends_with(r#""Hi there.<|im_end|>\n""#), "{out}");
+    let untrained: Vec<&str> = out
+        .lines()
+        .filter(|l| l.trim_start().starts_with('·'))
+        .collect();
+    assert!(
+        untrained[0].contains("Name a colour.")
+            && untrained[0].ends_with(r#"<|im_start|>assistant\n""#),
+        "{out}"
+    );
+}

@@ -161,6 +161,44 @@ fn case_setup(fx: &Json, case: &Json, dir: &Path) -> (ChatTemplate, SftOptions, 
     (template, options, pad, padding_free)
 }
 
+/// `assistant_only_loss` with SmolLM2's stock template, which has no `{% generation %}` tags:
+/// each assistant turn found by rendering turn by turn gives TRL's masks and labels for every
+/// assistant-only case of the fixture, which TRL made with the tagged variant of the template.
+#[test]
+fn assistant_masks_without_generation_tags_equal_trls() {
+    let Some((tok, dir)) = smollm2() else { return };
+    let fx = fixture("sft_masks.json");
+    let mut stock =
+        ChatTemplate::new(fx["smollm2_template"].as_str().unwrap(), None, None).unwrap();
+    for (k, v) in special_tokens(&dir).unwrap() {
+        stock = stock.with_variable(&k, Json::String(v)).unwrap();
+    }
+    assert!(!stock.has_generation_blocks());
+    let mut rows_checked = 0;
+    for case in fx["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        if case["sft_config"]["assistant_only_loss"].as_bool() != Some(true) {
+            continue;
+        }
+        let (_, options, _, _) = case_setup(&fx, case, &dir);
+        let rows = case["rows"].as_array().unwrap();
+        let tokenized = case["tokenized"].as_array().unwrap();
+        for (i, (row, want)) in rows.iter().zip(tokenized).enumerate() {
+            let what = format!("{name} row {i}");
+            let ex = prepare_row(&object(row), &tok, Some(&stock), &options)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(ex.input_ids, ids(&want["input_ids"]), "{what}: input_ids");
+            assert_eq!(
+                ex.assistant_mask,
+                want.get("assistant_masks").map(mask),
+                "{what}: assistant_masks"
+            );
+            rows_checked += 1;
+        }
+    }
+    assert!(rows_checked > 0, "the fixture has assistant-only cases");
+}
+
 #[test]
 fn sft_rows_are_prepared_and_collated_as_trl() {
     let Some((tok, dir)) = smollm2() else { return };

@@ -12,9 +12,14 @@ pub struct SftOpts {
     #[arg(long, value_name = "BOOL")]
     completion_only_loss: Option<bool>,
     /// Train on the assistant's tokens only: those the chat template marks with
-    /// {% generation %} … {% endgeneration %}.
+    /// {% generation %} … {% endgeneration %}, or, for a template without those tags, each
+    /// assistant turn found by rendering the conversation turn by turn.
     #[arg(long)]
     assistant_only_loss: bool,
+    /// Print the first N training examples with the tokens trained on marked, to check what a
+    /// chat template's masks select.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    print_masks: usize,
     /// Pack rows best-fit-decreasing into sequences of at most --max-length tokens, a batch's
     /// sequences in one row with no attention and no positions crossing from one row to the
     /// next (TRL's packing with padding_free): no padding, unless --pad-to-multiple-of asks
@@ -46,11 +51,15 @@ impl SftOpts {
             },
             packing: self.packing,
             pad_to_multiple_of,
+            print_masks: self.print_masks,
         })
     }
 
     /// Whether any SFT option was given (they mean nothing to the other tasks).
     pub fn any(&self) -> bool {
-        self.completion_only_loss.is_some() || self.assistant_only_loss || self.packing
+        self.completion_only_loss.is_some()
+            || self.assistant_only_loss
+            || self.packing
+            || self.print_masks > 0
     }
 }

@@ -18,6 +18,7 @@
 //! - the completion starts where the tokenized prompt and prompt + completion first differ (TRL's
 //!   `common_prefix_length`);
 //! - with `assistant_only_loss`, the tokens overlapping the template's `{% generation %}` blocks
+//!   (a template without them: each assistant turn, found by rendering turn by turn)
 //!   are the assistant mask (transformers' `return_assistant_tokens_mask`).
 //!
 //! Labels ([`build_labels`]): a token is a target (its id) unless a mask that applies zeroes it
@@ -87,7 +88,8 @@ pub struct SftOptions {
     pub dataset_text_field: String,
     /// Train on the completion only; `None` (default): yes for prompt-completion rows.
     pub completion_only_loss: Option<bool>,
-    /// Train on the template's `{% generation %}` spans only (conversational rows).
+    /// Train on the assistant's turns only (conversational rows): the template's
+    /// `{% generation %}` spans, or each turn found by rendering turn by turn where it has none.
     pub assistant_only_loss: bool,
     /// Keep the first `max_length` tokens (default 1024); `None`: no truncation.
     pub max_length: Option<usize>,
@@ -115,7 +117,7 @@ pub struct SftExample {
     pub input_ids: Vec<u32>,
     /// 1 for the completion's tokens (prompt-completion rows).
     pub completion_mask: Option<Vec<u8>>,
-    /// 1 for tokens inside `{% generation %}` blocks (with `assistant_only_loss`).
+    /// 1 for tokens of the assistant's turns (with `assistant_only_loss`).
     pub assistant_mask: Option<Vec<u8>>,
 }
 
@@ -124,6 +126,30 @@ pub struct SftExample {
 pub struct LabelledExample {
     pub input_ids: Vec<u32>,
     pub labels: Vec<i64>,
+}
+
+impl LabelledExample {
+    /// The example as a person checks a template's masks: its text in runs of tokens, each run
+    /// on a line of its own, `+` where the tokens are trained on (a target) and `·` where they are
+    /// not, the text quoted with newlines and other controls escaped.
+    pub fn show_masks(&self, tok: &Tokenizer) -> Result<String, SftError> {
+        let trained: Vec<bool> = self.labels.iter().map(|&l| l != IGNORE_INDEX).collect();
+        let mut out = String::new();
+        let mut start = 0;
+        while start < self.input_ids.len() {
+            let on = trained[start];
+            let end = (start..self.input_ids.len())
+                .find(|&i| trained[i] != on)
+                .unwrap_or(self.input_ids.len());
+            let text = tok
+                .decode(&self.input_ids[start..end], false)
+                .map_err(|e| SftError::Tokenizer(e.to_string()))?;
+            let mark = if on { '+' } else { '·' };
+            out.push_str(&format!("  {mark} {:>4} tokens {text:?}\n", end - start));
+            start = end;
+        }
+        Ok(out)
+    }
 }
 
 /// Why a row cannot be prepared (one sentence each).
@@ -139,10 +165,10 @@ pub enum SftError {
     Template(#[from] ChatTemplateError),
     #[error("cannot tokenize the row: {0}")]
     Tokenizer(String),
-    /// `assistant_only_loss` found no token inside the template's `{% generation %}` blocks.
+    /// `assistant_only_loss` found no token of an assistant turn.
     #[error(
-        "assistant_only_loss is set but no token of the row lies inside the chat template's \
-         {{% generation %}} blocks"
+        "assistant_only_loss is set but no token of the row lies in an assistant turn (the \
+         chat template's {{% generation %}} blocks, or its assistant messages)"
     )]
     NoAssistantTokens,
     /// Truncation left no target token (TRL drops such rows silently).
@@ -256,13 +282,6 @@ pub fn prepare_row(
                         .into(),
                 )
             })?;
-            if options.assistant_only_loss && !template.has_generation_blocks() {
-                return Err(SftError::Config(
-                    "assistant_only_loss needs a chat template that marks the assistant's text \
-                     with {% generation %} … {% endgeneration %}, and this one does not"
-                        .into(),
-                ));
-            }
             let tools = tools(row)?;
             let variables = match row.get("chat_template_kwargs") {
                 None | Some(Json::Null) => None,
@@ -300,7 +319,20 @@ pub fn prepare_row(
                 all.extend(completion);
                 (all, Some(prompt_ids))
             };
-            let rendered = render(&conversation, false)?;
+            // The assistant's spans: the template's {% generation %} blocks, or for a template
+            // without them, each assistant turn found by rendering turn by turn.
+            let rendered = if options.assistant_only_loss && !template.has_generation_blocks() {
+                template.render_assistant_turns(
+                    &conversation,
+                    &RenderOptions {
+                        add_generation_prompt: false,
+                        tools: tools.as_deref(),
+                        variables,
+                    },
+                )?
+            } else {
+                render(&conversation, false)?
+            };
             let encoding = tokenizer
                 .encode_char_offsets(rendered.text.as_str(), false)
                 .map_err(|e| SftError::Tokenizer(e.to_string()))?;
@@ -786,12 +818,23 @@ mod tests {
             tok.decode(&targets, false).unwrap(),
             "Hello there<|im_end|>"
         );
-        // SmolLM2's own template has no generation blocks
+        // SmolLM2's own template has no generation blocks: the assistant's turn is found by
+        // rendering turn by turn (its template ends a turn with "<|im_end|>\n").
         let Some((_, plain, _)) = smollm2() else {
             return;
         };
-        let err = prepare_row(&r, &tok, Some(&plain), &o).unwrap_err();
-        assert!(err.to_string().contains("{% generation %}"), "{err}");
+        assert!(!plain.has_generation_blocks());
+        let e = prepare_labelled_row(&r, &tok, Some(&plain), &o).unwrap();
+        let targets: Vec<u32> = e
+            .labels
+            .iter()
+            .filter(|&&l| l != IGNORE_INDEX)
+            .map(|&l| l as u32)
+            .collect();
+        assert_eq!(
+            tok.decode(&targets, false).unwrap(),
+            "Hello there<|im_end|>\n"
+        );
         // and plain text cannot be masked by role
         let err = prepare_row(&row(r#"{"text": "x"}"#), &tok, None, &o).unwrap_err();
         assert!(matches!(err, SftError::Config(_)), "{err}");

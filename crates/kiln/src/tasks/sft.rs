@@ -32,6 +32,9 @@ pub struct SftData {
     /// Round each batch's padded length up to a multiple of this (TRL's `pad_to_multiple_of`;
     /// packed, the one row's length); `None` or 1: no rounding.
     pub pad_to_multiple_of: Option<usize>,
+    /// Print the first this many training examples with what is trained on
+    /// ([`LabelledExample::show_masks`]), as a person checks a chat template's masks.
+    pub print_masks: usize,
 }
 
 /// What preparing rows needs besides the rows: the tokenizer, the chat template (if the model

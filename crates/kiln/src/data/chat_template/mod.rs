@@ -16,7 +16,8 @@
 //! `-`/`+` whitespace controls act on it exactly as on the original tag) whose filter wraps the body
 //! in two private-use characters, U+E000 and U+E001. After rendering, they are taken out again and
 //! what lay between them becomes a span of [`Rendered::generation_spans`]. Templates and inputs that
-//! already contain those characters are refused.
+//! already contain those characters are refused. A template without the tags still gives the
+//! assistant's spans, found by rendering turn by turn ([`ChatTemplate::render_assistant_turns`]).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -36,6 +37,7 @@ mod generation;
 use generation::*;
 mod tokens;
 pub use tokens::*;
+mod turns;
 
 /// The name errors give the template.
 const TEMPLATE_NAME: &str = "chat_template";

@@ -468,6 +468,18 @@ fn sft_sets(
         opts.strict,
         opts.max_train_samples,
     )?;
+    if sft.print_masks > 0 && crate::parallel::is_main_process()? {
+        for (i, ex) in train.examples.iter().take(sft.print_masks).enumerate() {
+            let shown = ex
+                .show_masks(tok)
+                .map_err(|e| KilnError::Data(e.to_string()))?;
+            println!(
+                "{} example {i} ({} tokens; + trained on, · not):\n{shown}",
+                train_file.display(),
+                ex.input_ids.len()
+            );
+        }
+    }
     let eval = match &opts.eval_file {
         Some(p) => Some(SftSet::read(
             p,
