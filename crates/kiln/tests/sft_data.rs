@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 
 use kiln::data::chat_template::{special_tokens, ChatTemplate, Message, RenderOptions};
 use kiln::data::sft::{
-    build_labels, collate, prepare_labelled_row, prepare_row, LabelledExample, SftError,
-    SftExample, SftOptions, IGNORE_INDEX,
+    assistant_mask, build_labels, collate, prepare_labelled_row, prepare_row, LabelledExample,
+    SftError, SftExample, SftOptions, IGNORE_INDEX,
 };
 use kiln_testkit::common::{repo_root, smollm2_tokenizer};
 use serde_json::{Map, Value as Json};
@@ -396,4 +396,70 @@ fn packing_is_trls_best_fit_decreasing() {
         cu.push(cu.last().unwrap() + *n as i64);
     }
     assert_eq!(cu, ints(&col["cu_seq_lens_q"]), "sequence boundaries");
+}
+
+/// Turn-by-turn masks against transformers' `{% generation %}` masks on every chat template TRL
+/// ships with the tags (`template_masks.json`, `gen_template_masks.py`). Each template either
+/// gives transformers' mask exactly, or is refused in one sentence (it renders earlier turns
+/// differently once later ones follow), or its tags also take in the end of the generation
+/// prompt (a header, a newline, an empty think block: the tagged span starts earlier and ends
+/// where the turn ends) — nothing else.
+#[test]
+fn turn_masks_against_every_trl_template_with_tags() {
+    let Some((tok, dir)) = smollm2() else { return };
+    let fx = fixture("template_masks.json");
+    let (mut equal, mut refused, mut wider) = (0, 0, 0);
+    for case in fx["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        let mut t = ChatTemplate::new(case["template"].as_str().unwrap(), None, None).unwrap();
+        for (k, v) in special_tokens(&dir).unwrap() {
+            t = t.with_variable(&k, Json::String(v)).unwrap();
+        }
+        let messages: Vec<Message> = case["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| Message::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
+            .collect();
+        let turns = match t.render_assistant_turns(&messages, &RenderOptions::default()) {
+            Ok(r) => r,
+            Err(e) => {
+                let e = e.to_string();
+                assert!(
+                    e.contains("differently") && e.contains("{% generation %}"),
+                    "{name}: {e}"
+                );
+                refused += 1;
+                continue;
+            }
+        };
+        assert_eq!(turns.text, case["text"].as_str().unwrap(), "{name}: text");
+        let enc = tok.encode_char_offsets(turns.text.as_str(), false).unwrap();
+        assert_eq!(enc.get_ids(), &ids(&case["input_ids"])[..], "{name}: ids");
+        let got = assistant_mask(enc.get_offsets(), &turns.generation_char_spans());
+        if got == mask(&case["assistant_masks"]) {
+            equal += 1;
+            continue;
+        }
+        let tagged = t.render(&messages, false).unwrap();
+        assert_eq!(
+            tagged.generation_spans.len(),
+            turns.generation_spans.len(),
+            "{name}"
+        );
+        for (tag, turn) in tagged.generation_spans.iter().zip(&turns.generation_spans) {
+            assert!(
+                tag.start < turn.start && tag.end == turn.end,
+                "{name}: tagged {tag:?}, turn {turn:?} in {:?}",
+                turns.text
+            );
+        }
+        wider += 1;
+    }
+    eprintln!("{equal} equal, {refused} refused, {wider} tagged from inside the generation prompt");
+    assert!(equal >= 18, "{equal} templates give transformers' mask");
+    assert_eq!(
+        equal + refused + wider,
+        fx["cases"].as_array().unwrap().len()
+    );
 }
