@@ -807,34 +807,25 @@ mod tests {
             assistant_only_loss: true,
             ..opts(&eos)
         };
-        let e = prepare_labelled_row(&r, &tok, Some(&template), &o).unwrap();
-        let targets: Vec<u32> = e
-            .labels
-            .iter()
-            .filter(|&&l| l != IGNORE_INDEX)
-            .map(|&l| l as u32)
-            .collect();
-        assert_eq!(
-            tok.decode(&targets, false).unwrap(),
-            "Hello there<|im_end|>"
-        );
+        // The text of the tokens a template's masks train on.
+        let trained = |template: &ChatTemplate| {
+            let e = prepare_labelled_row(&r, &tok, Some(template), &o).unwrap();
+            let targets: Vec<u32> = e
+                .labels
+                .iter()
+                .filter(|&&l| l != IGNORE_INDEX)
+                .map(|&l| l as u32)
+                .collect();
+            tok.decode(&targets, false).unwrap()
+        };
+        assert_eq!(trained(&template), "Hello there<|im_end|>");
         // SmolLM2's own template has no generation blocks: the assistant's turn is found by
         // rendering turn by turn (its template ends a turn with "<|im_end|>\n").
         let Some((_, plain, _)) = smollm2() else {
             return;
         };
         assert!(!plain.has_generation_blocks());
-        let e = prepare_labelled_row(&r, &tok, Some(&plain), &o).unwrap();
-        let targets: Vec<u32> = e
-            .labels
-            .iter()
-            .filter(|&&l| l != IGNORE_INDEX)
-            .map(|&l| l as u32)
-            .collect();
-        assert_eq!(
-            tok.decode(&targets, false).unwrap(),
-            "Hello there<|im_end|>\n"
-        );
+        assert_eq!(trained(&plain), "Hello there<|im_end|>\n");
         // and plain text cannot be masked by role
         let err = prepare_row(&row(r#"{"text": "x"}"#), &tok, None, &o).unwrap_err();
         assert!(matches!(err, SftError::Config(_)), "{err}");
