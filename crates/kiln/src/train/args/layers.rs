@@ -16,6 +16,8 @@ use crate::train::hf_fields::{sort_entries, Sorted, Source};
 /// The layers laid so far: [`ArgLayers::new`], then each layer in order, then [`Self::build`].
 #[derive(Debug, Clone)]
 pub struct ArgLayers {
+    /// Every layer's entries so far, later ones over earlier; kiln's defaults fill in the rest
+    /// when the arguments are built ([`TrainingArguments::over_defaults`]).
     merged: Map<String, Value>,
     /// transformers fields kept as given, without effect (written back to training_args.json).
     recorded: BTreeMap<String, Value>,
@@ -26,12 +28,8 @@ impl ArgLayers {
     /// kiln's defaults. With `ignore_unknown` a key nobody knows only warns
     /// (`--ignore-unknown-args`); otherwise it is an error naming it and where it is.
     pub fn new(ignore_unknown: bool) -> Self {
-        let merged = match serde_json::to_value(TrainingArguments::default()) {
-            Ok(Value::Object(m)) => m,
-            _ => unreachable!("TrainingArguments serialises to an object"),
-        };
         Self {
-            merged,
+            merged: Map::new(),
             recorded: BTreeMap::new(),
             ignore_unknown,
         }
@@ -72,10 +70,9 @@ impl ArgLayers {
     /// The merged arguments, checked before any model or data is loaded
     /// ([`TrainingArguments::validate`]); a value of the wrong kind names its key.
     pub fn build(self) -> Result<TrainingArguments> {
-        let mut args: TrainingArguments =
-            serde_path_to_error::deserialize(Value::Object(self.merged)).map_err(|e| {
-                KilnError::Config(format!("training argument `{}`: {}", e.path(), e.inner()))
-            })?;
+        let mut args = TrainingArguments::over_defaults(self.merged, |key, e| {
+            KilnError::Config(format!("training argument `{key}`: {e}"))
+        })?;
         args.recorded = self.recorded;
         args.validate()?;
         Ok(args)
