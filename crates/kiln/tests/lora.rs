@@ -133,6 +133,7 @@ fn llama_adapters_match_peft() {
             batch: b,
             seq: t,
             segments: Vec::new(),
+            scoring: None,
         };
         let logits = m.logits(&batch);
         let got = host(logits.clone());

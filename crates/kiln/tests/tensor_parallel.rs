@@ -41,6 +41,7 @@ fn batch(vocab: usize) -> (TokenBatch, Vec<i64>) {
         batch: b,
         seq: s,
         segments: Vec::new(),
+        scoring: None,
     };
     (batch, targets)
 }

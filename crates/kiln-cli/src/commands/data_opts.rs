@@ -223,6 +223,7 @@ impl DataOpts {
             lora: None,
             lora_base_dtype: Default::default(),
             sft: None,
+            dpo: None,
         })
     }
     pub fn options(

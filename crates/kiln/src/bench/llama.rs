@@ -176,6 +176,7 @@ fn random_blocks(batch: usize, seq: usize) -> (crate::data::lm::TokenBatch, Vec<
         batch,
         seq,
         segments: Vec::new(),
+        scoring: None,
     };
     (tb, targets)
 }

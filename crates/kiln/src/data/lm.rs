@@ -135,6 +135,23 @@ pub struct TokenBatch {
     /// in it, whose attention and positions never cross from one to the next. Empty: each row
     /// is one sequence.
     pub segments: Vec<usize>,
+    /// Score each row's completion instead of returning logits (see [`CompletionScoring`]).
+    pub scoring: Option<std::sync::Arc<CompletionScoring>>,
+}
+
+/// Asks a causal LM for one row of scores per sequence instead of a row of logits per token:
+/// what TRL's preference trainers read from transformers' `fused_lm_head` outputs (the
+/// log-probability of each completion, and the statistics TRL logs beside it). The columns are
+/// `models::completion_scores::Column`'s.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CompletionScoring {
+    /// Per position of `[batch, seq]`: the next token, whose log-probability counts, or
+    /// `IGNORE_INDEX` where nothing is scored (the prompt, padding, the last position).
+    pub targets: Vec<i64>,
+    /// Per row, values the scores carry along unchanged after the computed columns (the
+    /// reference model's log-probability of the row's completion): `batch × carried_per_row`.
+    pub carried: Vec<f32>,
+    pub carried_per_row: usize,
 }
 
 #[cfg(test)]

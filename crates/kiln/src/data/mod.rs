@@ -8,6 +8,7 @@ mod csv_quotes;
 pub mod idx;
 pub mod labels;
 pub mod lm;
+pub mod preference;
 pub mod reader;
 pub mod records;
 pub mod saved_dataset;

@@ -283,16 +283,7 @@ pub fn prepare_row(
                 )
             })?;
             let tools = tools(row)?;
-            let variables = match row.get("chat_template_kwargs") {
-                None | Some(Json::Null) => None,
-                Some(Json::Object(o)) => Some(o),
-                Some(other) => {
-                    return Err(SftError::Row(format!(
-                        "\"chat_template_kwargs\" must be an object, not {}",
-                        json_kind(other)
-                    )))
-                }
-            };
+            let variables = template_variables(row)?;
             let render = |messages: &[Message], add_generation_prompt: bool| {
                 template.render_with(
                     messages,
@@ -516,7 +507,7 @@ fn eos_token(options: &SftOptions) -> Result<&str, SftError> {
     })
 }
 
-fn with_eos(text: &str, eos: &str) -> String {
+pub(crate) fn with_eos(text: &str, eos: &str) -> String {
     if text.ends_with(eos) {
         text.to_string()
     } else {
@@ -524,7 +515,7 @@ fn with_eos(text: &str, eos: &str) -> String {
     }
 }
 
-fn encode(
+pub(crate) fn encode(
     tokenizer: &Tokenizer,
     text: &str,
     add_special_tokens: bool,
@@ -543,13 +534,14 @@ fn encode(
         .map_err(|e| SftError::Tokenizer(e.to_string()))
 }
 
+/// How many tokens `a` and `b` share at their start (TRL's `common_prefix_length`).
+pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
 /// 0 for the tokens `prompt_ids` and `input_ids` share at their start, 1 after.
 fn completion_mask(prompt_ids: &[u32], input_ids: &[u32]) -> Vec<u8> {
-    let shared = prompt_ids
-        .iter()
-        .zip(input_ids)
-        .take_while(|(a, b)| a == b)
-        .count();
+    let shared = common_prefix(prompt_ids, input_ids);
     (0..input_ids.len())
         .map(|i| u8::from(i >= shared))
         .collect()
@@ -565,7 +557,7 @@ fn is_from_value(v: Option<&Json>) -> bool {
 }
 
 /// TRL's `maybe_convert_to_chatml` on one list: `from` becomes `role`, `value` becomes `content`.
-fn from_value_to_chatml(v: &Json) -> Json {
+pub(crate) fn from_value_to_chatml(v: &Json) -> Json {
     match v {
         Json::Array(items) => Json::Array(
             items
@@ -593,7 +585,7 @@ fn from_value_to_chatml(v: &Json) -> Json {
 
 /// The messages of `field`, each checked: an object with a known role and a string, a list of
 /// content parts, or no content.
-fn parse_messages(field: &str, value: &Json) -> Result<Vec<Message>, SftError> {
+pub(crate) fn parse_messages(field: &str, value: &Json) -> Result<Vec<Message>, SftError> {
     let Json::Array(items) = value else {
         return Err(SftError::Row(format!(
             "\"{field}\" must be a list of messages, not {}",
@@ -654,8 +646,22 @@ fn parse_messages(field: &str, value: &Json) -> Result<Vec<Message>, SftError> {
         .collect()
 }
 
+/// The row's `"chat_template_kwargs"`: more template variables, or none.
+pub(crate) fn template_variables(
+    row: &Map<String, Json>,
+) -> Result<Option<&Map<String, Json>>, SftError> {
+    match row.get("chat_template_kwargs") {
+        None | Some(Json::Null) => Ok(None),
+        Some(Json::Object(o)) => Ok(Some(o)),
+        Some(other) => Err(SftError::Row(format!(
+            "\"chat_template_kwargs\" must be an object, not {}",
+            json_kind(other)
+        ))),
+    }
+}
+
 /// The row's `"tools"`: a list of JSON schemas, or that list as a JSON string.
-fn tools(row: &Map<String, Json>) -> Result<Option<Vec<Json>>, SftError> {
+pub(crate) fn tools(row: &Map<String, Json>) -> Result<Option<Vec<Json>>, SftError> {
     match row.get("tools") {
         None | Some(Json::Null) => Ok(None),
         Some(Json::Array(a)) => Ok(Some(a.clone())),

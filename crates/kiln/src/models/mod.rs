@@ -6,6 +6,7 @@
 pub mod auto;
 pub mod bert;
 pub mod classifier;
+pub mod completion_scores;
 pub mod decoder;
 pub mod distilbert;
 pub mod encoder;

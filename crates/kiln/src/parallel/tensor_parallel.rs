@@ -157,6 +157,24 @@ impl Loss for VocabParallelCrossEntropy {
         logits: Tensor<B, 2>,
         targets: Tensor<B, 1, Int>,
     ) -> Tensor<B, 1> {
+        let count = targets
+            .clone()
+            .not_equal_elem(IGNORE_INDEX)
+            .float()
+            .sum()
+            .clamp_min(1.0);
+        self.token_losses(logits, targets).sum() / count
+    }
+}
+
+impl VocabParallelCrossEntropy {
+    /// Each row's cross-entropy against its target `[N]`, 0 where the target is
+    /// [`IGNORE_INDEX`] (as `ops::cross_entropy` of whole rows).
+    pub fn token_losses<B: KilnBackend>(
+        &self,
+        logits: Tensor<B, 2>,
+        targets: Tensor<B, 1, Int>,
+    ) -> Tensor<B, 1> {
         let [n, local] = logits.dims();
         let device = logits.device();
         let cols = chunk_range(self.vocab, self.tp.size(), self.tp.rank());
@@ -179,9 +197,7 @@ impl Loss for VocabParallelCrossEntropy {
         let local_idx = (targets - start).clamp(0, local.saturating_sub(1) as i64);
         let picked = z.gather(1, local_idx.reshape([n, 1])).reshape([n]) * mine.float();
         let target_logit = tp_sum(picked, &self.tp);
-        let keep = keep.float();
-        let count = keep.clone().sum().clamp_min(1.0);
-        ((sum_exp.log() - target_logit) * keep).sum() / count
+        (sum_exp.log() - target_logit) * keep.float()
     }
 }
 

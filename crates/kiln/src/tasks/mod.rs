@@ -3,6 +3,7 @@
 
 pub mod adapter;
 pub mod causal_lm;
+pub mod dpo;
 pub mod merge;
 pub mod mnist;
 pub mod sft;

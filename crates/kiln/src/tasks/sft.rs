@@ -247,6 +247,7 @@ impl BatchSource for SftSet {
                 batch: b.input_ids.len(),
                 seq,
                 segments,
+                scoring: None,
             },
             targets,
         )

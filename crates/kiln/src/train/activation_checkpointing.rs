@@ -23,14 +23,15 @@ use super::optim::GradAccumulator;
 use crate::contract::{Loss, Model};
 use crate::ops::{dropout_position, set_dropout_position, TrainBackend};
 
-/// Loss × `scale` and gradients of `model` on one batch, segment by segment; `None` when the model
-/// is not split into segments (it then trains without checkpointing).
+/// Loss × `scale` and gradients of `model` on one batch and its targets, segment by segment
+/// (`observe` sees the logits); `None` when the model is not split into segments (it then trains
+/// without checkpointing).
 pub fn loss_and_grads_by_segment<B, M, L>(
     model: &M,
-    batch: &M::Batch,
-    targets: &[i64],
+    (batch, targets): (&M::Batch, &[i64]),
     loss_fn: &L,
     scale: f64,
+    observe: &mut dyn FnMut(&Tensor<B, 2>),
 ) -> Option<(f64, GradAccumulator<B::InnerBackend>)>
 where
     B: TrainBackend,
@@ -59,6 +60,7 @@ where
         .require_grad();
     set_dropout_position(starts.pop().expect("the head's start"));
     let logits = segments.head(h.clone(), batch);
+    observe(&logits);
     let end = dropout_position();
     let device = logits.device();
     let n = targets.len();
@@ -121,8 +123,9 @@ mod tests {
         plain.accumulate::<CpuTrain, _>(m, &loss.backward());
 
         reseed_dropout(11);
-        let (ck_loss, ck) = loss_and_grads_by_segment(m, batch, targets, &CrossEntropy, 0.5)
-            .expect("the model is segmented");
+        let (ck_loss, ck) =
+            loss_and_grads_by_segment(m, (batch, targets), &CrossEntropy, 0.5, &mut |_| {})
+                .expect("the model is segmented");
         assert_eq!(dropout_position(), plain_end, "{what}: dropout stream");
         assert!(
             (ck_loss - plain_loss).abs() < 1e-6,

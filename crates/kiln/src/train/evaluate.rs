@@ -50,6 +50,11 @@ pub struct EvalMetrics {
     pub compute_metrics: Option<MetricFn>,
     /// The user's metric streamed per batch (causal LM).
     pub token_metrics: Option<std::sync::Arc<dyn TokenMetrics>>,
+    /// A metric streamed over the training batches too, logged with the loss (TRL's preference
+    /// trainers log their rewards at every logging step).
+    pub train_metrics: Option<std::sync::Arc<dyn TokenMetrics>>,
+    /// The loss is not a mean negative log-likelihood, so no perplexity is reported from it.
+    pub no_perplexity: bool,
 }
 
 impl EvalMetrics {
@@ -59,6 +64,7 @@ impl EvalMetrics {
             label_names: self.label_names.as_deref(),
             compute_metrics: self.compute_metrics.as_ref(),
             token_metrics: self.token_metrics.as_deref(),
+            no_perplexity: self.no_perplexity,
         }
     }
 }
@@ -72,6 +78,8 @@ pub struct Reported<'a> {
     pub compute_metrics: Option<&'a MetricFn>,
     /// The user's metric streamed per batch (causal LM).
     pub token_metrics: Option<&'a dyn TokenMetrics>,
+    /// No perplexity from the loss (see [`EvalMetrics::no_perplexity`]).
+    pub no_perplexity: bool,
 }
 
 impl<'a> Reported<'a> {
@@ -292,6 +300,7 @@ fn reported_metrics(
             metrics.insert("eval_f1_macro".into(), r.f1_macro);
             report = Some(r);
         }
+        None if reported.no_perplexity => {}
         None => {
             metrics.insert("eval_perplexity".into(), eval_loss.exp());
         }

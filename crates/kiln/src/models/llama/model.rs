@@ -14,6 +14,7 @@ use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 pub use super::parallel::LlamaShard;
 use crate::contract::{Model, Segments, TensorParallelLayout};
 use crate::data::lm::TokenBatch;
+use crate::models::completion_scores::{completion_scores, VocabSlice};
 use crate::models::layers::{packed_rope_tables, rope_tables, Embedding, Linear, RmsNorm};
 use crate::models::llama::config::LlamaConfig;
 use crate::ops::{self, tp_enter, tp_sum, KilnBackend, TpComm};
@@ -59,6 +60,9 @@ pub struct LlamaModel<B: Backend> {
     pub norm: RmsNorm<B>,
     /// Rotary inverse frequencies (head_dim / 2), the config's scaling applied.
     pub inv_freq: Ignored<Vec<f32>>,
+    /// `pad_token_id`: transformers builds the table with it as `padding_idx`, whose row PyTorch
+    /// never gives a gradient (an `<|im_end|>` that is also the pad token stays as loaded).
+    pub padding_idx: Ignored<Option<usize>>,
 }
 
 #[derive(Module, Debug)]
@@ -344,11 +348,11 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
         use crate::models::params::empty_where;
         let (h, std) = (c.hidden_size, c.initializer_range);
         let mut embed = Embedding::new(c.vocab_size, h, std, device);
-        if let Some(pad) = c
+        let padding_idx = c
             .pad_token_id
             .map(|p| p as usize)
-            .filter(|&p| p < c.vocab_size)
-        {
+            .filter(|&p| p < c.vocab_size);
+        if let Some(pad) = padding_idx {
             let w = embed.weight.val();
             // detach: an initial value is a leaf of the autodiff graph, not the result of an op
             let w = w.slice_assign([pad..pad + 1, 0..h], Tensor::zeros([1, h], device));
@@ -376,6 +380,7 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
                 layers,
                 norm: RmsNorm::new(h, c.rms_norm_eps, device),
                 inv_freq: Ignored(c.inv_freq()),
+                padding_idx: Ignored(padding_idx),
             },
             lm_head: (!c.tie_word_embeddings)
                 .then(|| Linear::new(h, c.vocab_size, false, std, device)),
@@ -457,17 +462,31 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
     /// Token embeddings `[B, T, H]`; under tensor parallelism each rank looks up the ids in its
     /// vocabulary rows (zeros for the others) and the ranks' rows are summed.
     fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let Some(s) = self.shard.as_ref() else {
-            return self.model.embed_tokens.forward(ids);
+        let padding = self.model.padding_idx.0.map(|p| {
+            ids.clone()
+                .equal_elem(p as i64)
+                .float()
+                .unsqueeze_dim::<3>(2)
+        });
+        let rows = match self.shard.as_ref() {
+            None => self.model.embed_tokens.forward(ids),
+            Some(s) => {
+                let start = s.vocab.start as i64;
+                let mine = ids
+                    .clone()
+                    .greater_equal_elem(start)
+                    .bool_and(ids.clone().lower_elem(s.vocab.end as i64));
+                let local = (ids - start).clamp(0, s.vocab.len() as i64 - 1);
+                let rows =
+                    self.model.embed_tokens.forward(local) * mine.float().unsqueeze_dim::<3>(2);
+                tp_sum(rows, &s.tp)
+            }
         };
-        let start = s.vocab.start as i64;
-        let mine = ids
-            .clone()
-            .greater_equal_elem(start)
-            .bool_and(ids.clone().lower_elem(s.vocab.end as i64));
-        let local = (ids - start).clamp(0, s.vocab.len() as i64 - 1);
-        let rows = self.model.embed_tokens.forward(local) * mine.float().unsqueeze_dim::<3>(2);
-        tp_sum(rows, &s.tp)
+        // The padding row's lookups pass on its value but no gradient.
+        match padding {
+            Some(pad) => rows.clone() * (pad.clone().neg() + 1.0) + rows.detach() * pad,
+            None => rows,
+        }
     }
 
     /// Vocabulary logits for hidden states `[…, H]` (under tensor parallelism: this rank's
@@ -587,11 +606,11 @@ impl<B: KilnBackend> Segments<B, TokenBatch> for LlamaForCausalLM<B> {
         self.model.layers[i].forward(x, &rope, None, &batch.segments)
     }
 
-    fn head(&self, h: Tensor<B, 3>, _batch: &TokenBatch) -> Tensor<B, 2> {
+    fn head(&self, h: Tensor<B, 3>, batch: &TokenBatch) -> Tensor<B, 2> {
         let [b, t, _] = h.dims();
         let logits = self.project(self.model.norm.forward(h));
         let v = logits.dims()[2];
-        logits.reshape([b * t, v])
+        self.scored(logits.reshape([b * t, v]), batch)
     }
 }
 
@@ -644,7 +663,23 @@ impl<B: KilnBackend> Model<B> for LlamaForCausalLM<B> {
             self.forward(self.ids(batch), None)
         };
         let v = logits.dims()[2];
-        logits.reshape([batch.batch * batch.seq, v])
+        self.scored(logits.reshape([batch.batch * batch.seq, v]), batch)
+    }
+}
+
+impl<B: KilnBackend> LlamaForCausalLM<B> {
+    /// The logits `[batch·seq, vocab]`, or each row's completion scores where the batch asks for
+    /// them ([`crate::data::lm::CompletionScoring`]).
+    fn scored(&self, logits: Tensor<B, 2>, batch: &TokenBatch) -> Tensor<B, 2> {
+        let Some(scoring) = &batch.scoring else {
+            return logits;
+        };
+        let slice = self.shard.as_ref().map(|s| VocabSlice {
+            tp: &s.tp,
+            columns: s.vocab.clone(),
+            vocab: s.vocab_size,
+        });
+        completion_scores(logits, batch.batch, scoring, slice)
     }
 }
 

@@ -21,6 +21,7 @@ use crate::models::decoder::{DecoderArchitecture, DecoderConfig, DecoderFamily, 
 use crate::ops::{KilnBackend, TrainBackend};
 use crate::parallel::{DataParallel, SharedCollectives, TpGroup, VocabParallelCrossEntropy};
 use crate::tasks::adapter::LoraSetup;
+use crate::tasks::dpo::{DpoData, PreferenceSet, PreferenceTokenization};
 use crate::tasks::sft::{SftData, SftSet, SftTokenization};
 use crate::train::checkpoint::ModelFiles;
 use crate::train::trainer::{EvalOutput, TokenMetrics, TrainOutput};
@@ -59,6 +60,7 @@ impl BatchSource for LmBlocks {
                 batch: indices.len(),
                 seq,
                 segments: Vec::new(),
+                scoring: None,
             },
             targets,
         )
@@ -124,6 +126,8 @@ pub struct CausalLmOptions {
     pub lora_base_dtype: crate::models::lora::BaseDtype,
     /// Supervised fine-tuning (`--task sft`): rows of TRL's formats instead of a packed corpus.
     pub sft: Option<SftData>,
+    /// Preference optimisation (`--task dpo`): preference rows and DPO's loss.
+    pub dpo: Option<DpoData>,
 }
 
 impl CausalLmOptions {
@@ -361,8 +365,37 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
         .train_file
         .as_ref()
         .ok_or_else(|| KilnError::Config("kiln train needs --train-file".into()))?;
-    let (train_set, eval_set) = match &opts.sft {
-        None => (
+    let data = match (&opts.sft, &opts.dpo) {
+        (_, Some(dpo)) => {
+            if plan.pipeline().is_some() {
+                return Err(KilnError::Config(
+                    "--task dpo does not run under --pipeline-parallel-size yet: use data or                      tensor parallelism (the reference log-probabilities are computed before                      training, through the whole model on each rank)"
+                        .into(),
+                ));
+            }
+            let (train, eval) = preference_sets(opts, dpo, &tok, eos, train_file)?;
+            // The reference is the policy before training: the model as loaded, before any
+            // adapter is put on it.
+            let reference = burn::module::AutodiffModule::valid(&A::trainable(model.clone()));
+            // In batches of the run's sizes (TRL's `precompute_ref_batch_size` default).
+            let train =
+                train.with_reference(&reference, args.per_device_train_batch_size, &plan.data)?;
+            let eval = match eval {
+                Some(e) => Some(e.with_reference(
+                    &reference,
+                    args.per_device_eval_batch_size,
+                    &plan.data,
+                )?),
+                None => None,
+            };
+            info!("reference log-probabilities computed for every preference pair");
+            RunData::Preference(train, eval, dpo)
+        }
+        (Some(sft), None) => {
+            let (train, eval) = sft_sets(opts, sft, &tok, eos, train_file)?;
+            RunData::Lm(LmData::Sft(train), eval.map(LmData::Sft))
+        }
+        (None, None) => RunData::Lm(
             LmData::Blocks(opts.blocks(train_file, &tok, eos, opts.max_train_samples)?),
             match &opts.eval_file {
                 Some(p) => Some(LmData::Blocks(opts.blocks(
@@ -374,10 +407,6 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
                 None => None,
             },
         ),
-        Some(sft) => {
-            let (train, eval) = sft_sets(opts, sft, &tok, eos, train_file)?;
-            (LmData::Sft(train), eval.map(LmData::Sft))
-        }
     };
     let mut files = model_files(opts, &tok_path, &config);
     let model = match &opts.lora {
@@ -403,14 +432,103 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
         opts.eval_file.as_deref(),
         true,
     );
-    let mut trainer = Trainer::<B, _>::builder(args, model, device.clone())
-        .loss(loss)
+    let builder = Trainer::<B, _>::builder(args, model, device.clone())
         .files(files)
         .parallel(plan)
-        .token_metrics(metrics)
-        .origin(origin)
-        .build();
-    trainer.train_and_evaluate(&train_set, eval_set.as_ref())
+        .origin(origin);
+    match data {
+        RunData::Lm(train, eval) => builder
+            .loss(loss)
+            .token_metrics(metrics)
+            .build()
+            .train_and_evaluate(&train, eval.as_ref()),
+        RunData::Preference(train, eval, dpo) => builder
+            .loss(dpo.loss())
+            .token_metrics(Some(dpo.metrics()))
+            .train_metrics(dpo.metrics())
+            .no_perplexity()
+            .build()
+            .train_and_evaluate(&train, eval.as_ref()),
+    }
+}
+
+/// A run's training and evaluation data: a corpus or SFT rows, or preference pairs with the
+/// settings of their loss.
+enum RunData<'a> {
+    Lm(LmData, Option<LmData>),
+    Preference(PreferenceSet, Option<PreferenceSet>, &'a DpoData),
+}
+
+/// The chat template of the model folder (if it has one), the EOS token string completions get,
+/// and the padding id (the pad token, else EOS, as TRL's collators pad).
+struct ChatSetup {
+    template: Option<ChatTemplate>,
+    eos_token: Option<String>,
+    pad_id: u32,
+}
+
+impl ChatSetup {
+    fn of(opts: &CausalLmOptions, tok: &Tokenizer, eos: Option<u32>) -> Result<Self> {
+        let dir = opts.model_dir.as_deref();
+        let bad =
+            |e: crate::data::chat_template::ChatTemplateError| KilnError::Config(e.to_string());
+        let template = match dir {
+            Some(d) => ChatTemplate::from_model_dir(d).map_err(bad)?,
+            None => None,
+        };
+        let special = match dir {
+            Some(d) => crate::data::chat_template::special_tokens(d).map_err(bad)?,
+            None => Default::default(),
+        };
+        let eos_token = special
+            .get("eos_token")
+            .cloned()
+            .or_else(|| eos.and_then(|id| tok.id_to_token(id)));
+        let pad_id = special
+            .get("pad_token")
+            .and_then(|t| tok.token_to_id(t))
+            .or(eos)
+            .unwrap_or(0);
+        Ok(Self {
+            template,
+            eos_token,
+            pad_id,
+        })
+    }
+}
+
+/// The training and evaluation pairs of `--task dpo`, prepared with the model folder's chat
+/// template and special tokens.
+fn preference_sets(
+    opts: &CausalLmOptions,
+    dpo: &DpoData,
+    tok: &Tokenizer,
+    eos: Option<u32>,
+    train_file: &Path,
+) -> Result<(PreferenceSet, Option<PreferenceSet>)> {
+    let setup = ChatSetup::of(opts, tok, eos)?;
+    let mut options = dpo.options.clone();
+    if options.eos_token.is_none() {
+        options.eos_token = setup.eos_token.clone();
+    }
+    let how = PreferenceTokenization {
+        tokenizer: tok,
+        template: setup.template.as_ref(),
+        options: &options,
+    };
+    let read = |path: &Path, limit| -> Result<PreferenceSet> {
+        let set = PreferenceSet::read(path, &how, setup.pad_id, opts.strict, limit)?;
+        Ok(PreferenceSet {
+            pad_to_multiple_of: dpo.pad_to_multiple_of,
+            ..set
+        })
+    };
+    let train = read(train_file, opts.max_train_samples)?;
+    let eval = match &opts.eval_file {
+        Some(p) => Some(read(p, opts.max_eval_samples)?),
+        None => None,
+    };
+    Ok((train, eval))
 }
 
 /// The training and evaluation rows of `--task sft`, prepared with the model folder's chat
@@ -423,28 +541,15 @@ fn sft_sets(
     train_file: &Path,
 ) -> Result<(SftSet, Option<SftSet>)> {
     let dir = opts.model_dir.as_deref();
-    let bad = |e: crate::data::chat_template::ChatTemplateError| KilnError::Config(e.to_string());
-    let template = match dir {
-        Some(d) => ChatTemplate::from_model_dir(d).map_err(bad)?,
-        None => None,
-    };
-    let special = match dir {
-        Some(d) => crate::data::chat_template::special_tokens(d).map_err(bad)?,
-        None => Default::default(),
-    };
+    let ChatSetup {
+        template,
+        eos_token,
+        pad_id,
+    } = ChatSetup::of(opts, tok, eos)?;
     let mut options = sft.options.clone();
     if options.eos_token.is_none() {
-        options.eos_token = special
-            .get("eos_token")
-            .cloned()
-            .or_else(|| eos.and_then(|id| tok.id_to_token(id)));
+        options.eos_token = eos_token;
     }
-    // TRL's collator pads with the pad token, else EOS.
-    let pad_id = special
-        .get("pad_token")
-        .and_then(|t| tok.token_to_id(t))
-        .or(eos)
-        .unwrap_or(0);
     let how = SftTokenization {
         tokenizer: tok,
         template: template.as_ref(),

@@ -100,6 +100,20 @@ where
         self
     }
 
+    /// A metric streamed over the training batches as well as the evaluations', its values
+    /// logged with the loss at every logging step (averaged over the steps since the last log).
+    pub fn train_metrics(mut self, metric: Arc<dyn TokenMetrics>) -> Self {
+        self.metrics.train_metrics = Some(metric);
+        self
+    }
+
+    /// Evaluations report no perplexity: the loss is not a mean negative log-likelihood
+    /// (default: a causal LM's evaluation reports `exp(eval_loss)`).
+    pub fn no_perplexity(mut self) -> Self {
+        self.metrics.no_perplexity = true;
+        self
+    }
+
     /// Whether rank 0 shows a progress bar when interactive (default: yes).
     pub fn progress(mut self, show: bool) -> Self {
         self.reporting.progress = show;

@@ -303,6 +303,9 @@ where
         if self.counters.skipped_nonfinite > 0 {
             entry["skipped_nonfinite_steps"] = json!(self.counters.skipped_nonfinite);
         }
+        for (name, value) in self.train_metric_values()? {
+            entry[name] = json!(value);
+        }
         if self.is_main() {
             run.bar.suspend(|| {
                 info!(
@@ -314,6 +317,26 @@ where
         self.log(entry.as_object().cloned().unwrap_or_default())?;
         (run.log_loss_sum, run.log_steps) = (0.0, 0);
         Ok(())
+    }
+
+    /// The training metric's values over the micro-batches since the last log, summed over the
+    /// data-parallel ranks (every rank logs at the same steps); its sums start again.
+    fn train_metric_values(&mut self) -> Result<Vec<(String, f64)>> {
+        let Some(metric) = &self.metrics.train_metrics else {
+            return Ok(Vec::new());
+        };
+        let mut sums = std::mem::take(&mut self.counters.train_metric_sums);
+        if sums.is_empty() {
+            sums = metric.batch(&[], 0, &[]);
+        }
+        if self.parallel.data.size() > 1 {
+            let summed = self
+                .parallel
+                .data
+                .sum_host(sums.iter().map(|&v| v as f32).collect())?;
+            sums = summed.into_iter().map(f64::from).collect();
+        }
+        Ok(metric.finish(&sums))
     }
 
     fn scheduler_state(&self, plan: &RunSizes) -> SchedulerState {
@@ -530,6 +553,9 @@ struct Counters {
     /// Under pipeline parallelism: the seconds this stage waited for its neighbours, and the
     /// seconds its share of the steps took.
     pipeline_seconds: (f64, f64),
+    /// The training metric's sums over the micro-batches since the last log
+    /// ([`EvalMetrics::train_metrics`]); empty when there is none.
+    train_metric_sums: Vec<f64>,
 }
 
 impl Default for Counters {
@@ -541,6 +567,7 @@ impl Default for Counters {
             flos_params: 0.0,
             current_flos: 0.0,
             pipeline_seconds: (0.0, 0.0),
+            train_metric_sums: Vec::new(),
         }
     }
 }

@@ -59,11 +59,13 @@ where
             mut loss_sum,
             grads: acc,
             stage_wait,
+            metric_sums,
         } = if self.parallel.pipeline().is_some() {
             self.forward_backward_staged(&batches, &scales)?
         } else {
             self.forward_backward_local(batches, scales)
         };
+        add_sums(&mut self.counters.train_metric_sums, metric_sums);
         // Overflowed activations make a finite-looking loss meaningless (the outputs collapsed):
         // the step counts as non-finite, on every rank through the average.
         let overflowed = crate::ops::take_activation_overflow();
@@ -127,11 +129,26 @@ where
             loss_sum: 0.0,
             grads: GradAccumulator::default(),
             stage_wait: 0.0,
+            metric_sums: Vec::new(),
         };
         for ((batch, targets), scale) in batches.into_iter().zip(scales) {
             let fwd = profile::scope("step: data + forward");
+            let mut observe = |logits: &burn::tensor::Tensor<B, 2>| {
+                if let Some(m) = &self.metrics.train_metrics {
+                    add_sums(
+                        &mut out.metric_sums,
+                        metric_sums(m.as_ref(), logits, &targets),
+                    );
+                }
+            };
             let by_segment = if self.args.gradient_checkpointing {
-                loss_and_grads_by_segment(self.model(), &batch, &targets, &self.loss, scale)
+                loss_and_grads_by_segment(
+                    self.model(),
+                    (&batch, &targets),
+                    &self.loss,
+                    scale,
+                    &mut observe,
+                )
             } else {
                 None
             };
@@ -141,6 +158,7 @@ where
                 continue;
             }
             let logits = self.model().logits(&batch);
+            observe(&logits);
             let loss = self
                 .loss
                 .loss(logits, targets_tensor::<B>(targets, &self.device))
@@ -178,6 +196,7 @@ where
             loss_sum,
             grads: got.grads,
             stage_wait: got.waited,
+            metric_sums: Vec::new(),
         })
     }
 
@@ -261,4 +280,26 @@ struct ForwardBackward<B: burn::tensor::backend::Backend> {
     loss_sum: f64,
     grads: GradAccumulator<B>,
     stage_wait: f64,
+    /// The training metric's sums over the micro-batches (empty without one).
+    metric_sums: Vec<f64>,
+}
+
+/// A training metric's sums of one micro-batch, from its logits (no gradient is kept).
+fn metric_sums<B: burn::tensor::backend::Backend>(
+    metric: &dyn crate::train::trainer::TokenMetrics,
+    logits: &burn::tensor::Tensor<B, 2>,
+    targets: &[i64],
+) -> Vec<f64> {
+    let width = logits.dims()[1];
+    let host = logits.clone().into_data().convert::<f32>();
+    metric.batch(host.as_slice::<f32>().expect("f32 logits"), width, targets)
+}
+
+/// `more` added to `sums` element by element (`sums` empty: it becomes `more`).
+fn add_sums(sums: &mut Vec<f64>, more: Vec<f64>) {
+    if sums.is_empty() {
+        *sums = more;
+    } else {
+        sums.iter_mut().zip(more).for_each(|(s, m)| *s += m);
+    }
 }

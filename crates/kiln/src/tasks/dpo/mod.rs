@@ -1,0 +1,270 @@
+//! Direct preference optimisation (`kiln train --task dpo`), with TRL's `DPOTrainer` semantics:
+//! preference rows prepared as TRL prepares them ([`crate::data::preference`]), each batch every
+//! pair's chosen sequence then its rejected one, the causal LM asked for each sequence's completion
+//! log-probability ([`crate::data::lm::CompletionScoring`]) and DPO's loss of those against the
+//! reference model's ([`DpoLoss`]), TRL's metrics logged in training and evaluation
+//! ([`DpoMetrics`]).
+//!
+//! The reference model is the policy before training (with LoRA: the base model, the adapter
+//! off), so its log-probabilities are computed once, before the first step, over the training and
+//! evaluation rows (TRL's `precompute_ref_log_probs`, which gives the numbers its default of a
+//! frozen copy gives, without holding that copy). Each data-parallel rank computes its share.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tokenizers::Tokenizer;
+use tracing::info;
+
+use crate::contract::{BatchSource, Model, IGNORE_INDEX};
+use crate::data::chat_template::ChatTemplate;
+use crate::data::collector::Skipped;
+use crate::data::lm::{CompletionScoring, TokenBatch};
+use crate::data::preference::{
+    collate_preferences, prepare_preference_row, PreferenceExample, PreferenceOptions,
+};
+use crate::data::records::read_records;
+use crate::error::{KilnError, Result};
+use crate::models::completion_scores::Column;
+use crate::ops::KilnBackend;
+use crate::parallel::DataParallel;
+
+mod loss;
+mod metrics;
+pub use loss::{DpoLoss, DpoLossType};
+pub use metrics::DpoMetrics;
+
+/// `--task dpo`'s settings, under TRL's `DPOConfig` names.
+#[derive(Debug, Clone)]
+pub struct DpoData {
+    pub options: PreferenceOptions,
+    /// β: how far the policy may move from the reference (TRL's default 0.1).
+    pub beta: f64,
+    pub loss_type: DpoLossType,
+    /// Round each batch's padded length up to a multiple of this.
+    pub pad_to_multiple_of: Option<usize>,
+}
+
+impl Default for DpoData {
+    fn default() -> Self {
+        Self {
+            options: PreferenceOptions::default(),
+            beta: 0.1,
+            loss_type: DpoLossType::Sigmoid,
+            pad_to_multiple_of: None,
+        }
+    }
+}
+
+impl DpoData {
+    pub fn loss(&self) -> DpoLoss {
+        DpoLoss {
+            beta: self.beta,
+            loss_type: self.loss_type,
+        }
+    }
+
+    pub fn metrics(&self) -> Arc<DpoMetrics> {
+        Arc::new(DpoMetrics { beta: self.beta })
+    }
+}
+
+/// Prepared preference pairs, batched as TRL's collator batches them, with the reference
+/// model's log-probabilities of each pair's completions once they are computed.
+#[derive(Debug, Clone)]
+pub struct PreferenceSet {
+    pub examples: Vec<PreferenceExample>,
+    pub pad_id: u32,
+    pub max_length: Option<usize>,
+    pub pad_to_multiple_of: Option<usize>,
+    /// Per pair: the reference log-probability of the chosen and of the rejected completion
+    /// (`None` until [`Self::with_reference`]; batches then carry zeros).
+    pub reference: Option<Vec<[f32; 2]>>,
+}
+
+/// What preparing rows needs besides the rows.
+pub struct PreferenceTokenization<'a> {
+    pub tokenizer: &'a Tokenizer,
+    pub template: Option<&'a ChatTemplate>,
+    pub options: &'a PreferenceOptions,
+}
+
+impl PreferenceSet {
+    /// Reads and prepares every row of `path` (the first `limit` that prepare, if given); a row
+    /// that cannot be prepared is skipped and counted with its line, or stops the run under
+    /// `strict` (a model without a chat template for conversations stops it always).
+    pub fn read(
+        path: &Path,
+        how: &PreferenceTokenization,
+        pad_id: u32,
+        strict: bool,
+        limit: Option<usize>,
+    ) -> Result<Self> {
+        let (records, mut report) = read_records(path, strict)?;
+        let mut examples = Vec::new();
+        for record in records {
+            if limit.is_some_and(|n| examples.len() >= n) {
+                break;
+            }
+            match prepare_preference_row(&record.fields, how.tokenizer, how.template, how.options) {
+                Ok(ex) => examples.push(ex),
+                Err(e) => {
+                    let always = matches!(e, crate::data::sft::SftError::Config(_));
+                    if strict || always {
+                        return Err(KilnError::Data(format!(
+                            "{}:{}: {e}",
+                            path.display(),
+                            record.line
+                        )));
+                    }
+                    report.skipped.push(Skipped {
+                        path: PathBuf::from(path),
+                        line: record.line,
+                        reason: e.to_string(),
+                    });
+                }
+            }
+        }
+        if report.skipped.is_empty() {
+            info!("{}: {}", path.display(), report.summary());
+        } else {
+            tracing::warn!("{}: {}", path.display(), report.summary());
+            for s in report.skipped.iter().skip(1).take(4) {
+                tracing::warn!("  also skipped {s}");
+            }
+        }
+        if examples.is_empty() {
+            return Err(KilnError::Data(format!(
+                "{}: no preference row could be prepared ({})",
+                path.display(),
+                report.summary()
+            )));
+        }
+        info!("{}: {} preference pairs", path.display(), examples.len());
+        Ok(Self {
+            examples,
+            pad_id,
+            max_length: how.options.max_length,
+            pad_to_multiple_of: None,
+            reference: None,
+        })
+    }
+
+    /// The set with the reference log-probabilities of every pair's completions under
+    /// `reference` (the policy before training), each data-parallel rank computing its share in
+    /// batches of `batch_size`.
+    pub fn with_reference<B: KilnBackend, M: Model<B, Batch = TokenBatch>>(
+        mut self,
+        reference: &M,
+        batch_size: usize,
+        data: &DataParallel<B>,
+    ) -> Result<Self> {
+        self.reference = None;
+        let pairs = self.examples.len();
+        let mut values = vec![0f32; 2 * pairs];
+        for idx in data.eval_share(pairs).chunks(batch_size.max(1)) {
+            let (batch, _) = self.batch(idx);
+            let scores = reference.logits(&batch);
+            let width = scores.dims()[1];
+            let host = scores
+                .into_data()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .map_err(|e| KilnError::Data(format!("reference log-probabilities: {e:?}")))?;
+            let logp = |row: usize| host[row * width + Column::LogProb.index()];
+            for (k, &i) in idx.iter().enumerate() {
+                values[2 * i] = logp(k);
+                values[2 * i + 1] = logp(idx.len() + k);
+            }
+        }
+        // Every pair's values come from one rank; the others add zeros.
+        let values = data.sum_host(values)?;
+        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+            return Err(KilnError::NonFinite(format!(
+                "the reference model's log-probability of pair {}'s {} completion is {}",
+                i / 2,
+                if i % 2 == 0 { "chosen" } else { "rejected" },
+                values[i]
+            )));
+        }
+        self.reference = Some(values.chunks(2).map(|c| [c[0], c[1]]).collect());
+        Ok(self)
+    }
+}
+
+impl BatchSource for PreferenceSet {
+    type Batch = TokenBatch;
+
+    fn len(&self) -> usize {
+        self.examples.len()
+    }
+
+    /// A pair's length is its longer sequence's (what its batch is padded to).
+    fn lengths(&self) -> Vec<usize> {
+        self.examples
+            .iter()
+            .map(|e| {
+                let n = e.prompt_ids.len() + e.chosen_ids.len().max(e.rejected_ids.len());
+                self.max_length.map_or(n, |m| n.min(m))
+            })
+            .collect()
+    }
+
+    fn padded_length(&self, longest: usize) -> usize {
+        match self.pad_to_multiple_of {
+            Some(m) if m > 1 => longest.div_ceil(m) * m,
+            _ => longest,
+        }
+    }
+
+    /// The pairs' chosen sequences then their rejected ones, asking the model for each row's
+    /// completion scores: each position's target is the next token where that token is a
+    /// completion token. The batch's targets are one per row (0 chosen, 1 rejected), so the
+    /// trainer weighs micro-batches by their rows.
+    fn batch(&self, indices: &[usize]) -> (TokenBatch, Vec<i64>) {
+        let examples: Vec<&PreferenceExample> =
+            indices.iter().map(|&i| &self.examples[i]).collect();
+        let b = collate_preferences(
+            &examples,
+            self.pad_id,
+            self.max_length,
+            self.pad_to_multiple_of,
+        );
+        let rows = b.input_ids.len();
+        let seq = b.input_ids.first().map_or(0, Vec::len);
+        let mut targets = Vec::with_capacity(rows * seq);
+        for (ids, mask) in b.input_ids.iter().zip(&b.completion_mask) {
+            for t in 0..seq {
+                targets.push(match mask.get(t + 1) {
+                    Some(1) => i64::from(ids[t + 1]),
+                    _ => IGNORE_INDEX,
+                });
+            }
+        }
+        let carried = match &self.reference {
+            Some(r) => [0, 1]
+                .iter()
+                .flat_map(|&side| indices.iter().map(move |&i| r[i][side]))
+                .collect(),
+            None => vec![0.0; rows],
+        };
+        let batch = TokenBatch {
+            ids: b
+                .input_ids
+                .iter()
+                .flatten()
+                .map(|&t| i64::from(t))
+                .collect(),
+            batch: rows,
+            seq,
+            segments: Vec::new(),
+            scoring: Some(Arc::new(CompletionScoring {
+                targets,
+                carried,
+                carried_per_row: 1,
+            })),
+        };
+        let sides = (0..rows).map(|r| i64::from(r >= indices.len())).collect();
+        (batch, sides)
+    }
+}
