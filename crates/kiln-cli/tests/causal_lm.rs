@@ -797,3 +797,71 @@ fn assistant_only_loss_without_generation_tags_prints_its_masks() {
         "{out}"
     );
 }
+
+/// `kiln train --task dpo` on TRL's fixture (tests/fixtures/dpo): a LoRA adapter continued from
+/// the one TRL started from, four steps whose logged loss and rewards are TRL's, TRL's metrics
+/// in the log and the evaluation, no perplexity, and the adapter saved as PEFT saves it.
+#[test]
+fn dpo_with_lora_logs_trls_numbers_and_saves_the_adapter() {
+    let fixtures = repo_root().join("tests/fixtures/dpo");
+    let trl: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixtures.join("dpo.json")).unwrap()).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let stdout = succeed(
+        kiln_one_thread()
+            .args(["train", "--task", "dpo", "--model"])
+            .arg(fixtures.join("tiny_chat_llama"))
+            .arg("--train-file")
+            .arg(fixtures.join("standard_train.jsonl"))
+            .arg("--eval-file")
+            .arg(fixtures.join("standard_eval.jsonl"))
+            .arg("--adapter")
+            .arg(fixtures.join("lora_initial_adapter"))
+            .args(["--beta", "0.1", "--loss-type", "sigmoid"])
+            .args([
+                "--per-device-train-batch-size",
+                "8",
+                "--per-device-eval-batch-size",
+                "4",
+            ])
+            .args(["--max-steps", "4", "--learning-rate", "5e-3"])
+            .args(["--lr-scheduler-type", "constant", "--weight-decay", "0"])
+            .args([
+                "--logging-steps",
+                "1",
+                "--seed",
+                "42",
+                "--eval-strategy",
+                "no",
+            ])
+            .arg("--output-dir")
+            .arg(&run),
+    );
+    let stdout = String::from_utf8(stdout).unwrap();
+    let log: Vec<serde_json::Value> = std::fs::read_to_string(run.join("log.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let want = trl["cases"]["standard_lora_sigmoid"]["log_history"]
+        .as_array()
+        .unwrap();
+    for step in 0..4 {
+        for key in ["loss", "rewards/margins", "logps/chosen"] {
+            let (g, w) = (
+                log[step][key].as_f64().unwrap(),
+                want[step][key].as_f64().unwrap(),
+            );
+            assert!(
+                (g - w).abs() <= 1e-4 + 2e-3 * w.abs(),
+                "step {}: {key} {g} vs TRL's {w}",
+                step + 1
+            );
+        }
+    }
+    assert!(stdout.contains("\"eval_rewards/accuracies\""), "{stdout}");
+    assert!(!stdout.contains("eval_perplexity"), "{stdout}");
+    assert!(run.join("adapter_model.safetensors").is_file());
+    assert!(run.join("adapter_config.json").is_file());
+}

@@ -5,6 +5,7 @@ pub mod bench;
 pub mod cache;
 pub mod convert;
 pub mod data_opts;
+pub mod dpo_opts;
 pub mod eval;
 pub mod generate;
 pub mod launch;

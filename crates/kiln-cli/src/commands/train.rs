@@ -10,6 +10,7 @@ use kiln::tasks::text_classification as tc;
 use kiln::train::{ArgLayers, TrainingArguments};
 
 use super::data_opts::{DataOpts, LmOpts, TrainData};
+use super::dpo_opts::DpoOpts;
 use super::lora_opts::LoraOpts;
 use super::sft_opts::SftOpts;
 
@@ -20,6 +21,8 @@ pub enum Task {
     CausalLm,
     /// Supervised fine-tuning of a causal LM on TRL's formats (prompt/completion, messages).
     Sft,
+    /// Direct preference optimisation of a causal LM on prompt/chosen/rejected rows (TRL's DPO).
+    Dpo,
 }
 
 #[derive(Args)]
@@ -30,7 +33,8 @@ pub struct TrainCmd {
     /// What to train: `text-classification` (a BERT-family model folder and labelled text),
     /// `causal-lm` (a Llama-family model and a text corpus, packed into --block-size blocks),
     /// `sft` (a Llama-family model on TRL's prompt/completion, messages or text rows, with the
-    /// model's chat template) or `mnist-mlp` (the AWS Neuron MNIST MLP sample on IDX files in
+    /// model's chat template), `dpo` (the same models on TRL's prompt/chosen/rejected preference
+    /// rows) or `mnist-mlp` (the AWS Neuron MNIST MLP sample on IDX files in
     /// --data-dir).
     #[arg(long, default_value = "text-classification", help_heading = "Model")]
     pub task: Task,
@@ -67,6 +71,8 @@ pub struct TrainCmd {
     lora: LoraOpts,
     #[command(flatten)]
     sft: SftOpts,
+    #[command(flatten)]
+    dpo: DpoOpts,
     /// Start from random weights with this config.json (or a Hub id's; pretraining from scratch).
     #[arg(long, help_heading = "Causal LM")]
     pub from_config: Option<PathBuf>,
@@ -100,7 +106,15 @@ where
         kiln::tasks::mnist::train::<Autodiff<B>>(&cmd.data_dir, args, device)?;
         return Ok(());
     }
-    let args = merged_training_args(cmd, sub, serde_json::Map::new())?;
+    // TRL's DPOConfig trains at 1e-6 unless told otherwise.
+    let task_defaults = match cmd.task {
+        Task::Dpo => serde_json::json!({"learning_rate": 1e-6}),
+        _ => serde_json::json!({}),
+    };
+    let serde_json::Value::Object(task_defaults) = task_defaults else {
+        unreachable!("an object")
+    };
+    let args = merged_training_args(cmd, sub, task_defaults)?;
     let is_main = kiln::parallel::is_main_process()?;
     if cmd.task != Task::TextClassification && args.label_smoothing_factor != 0.0 {
         bail!("label_smoothing_factor is implemented for text classification only");
@@ -111,7 +125,10 @@ where
             "--completion-only-loss, --assistant-only-loss and --packing are options of --task sft"
         );
     }
-    if cmd.task == Task::CausalLm || cmd.task == Task::Sft {
+    if cmd.task != Task::Dpo && cmd.dpo.any() {
+        bail!("--beta, --loss-type and --precompute-ref-log-probs are options of --task dpo");
+    }
+    if matches!(cmd.task, Task::CausalLm | Task::Sft | Task::Dpo) {
         let mut opts = cmd.data.lm_options(
             Some(&cmd.train_data),
             &cmd.lm,
@@ -120,10 +137,11 @@ where
         )?;
         opts.lora = lora;
         opts.lora_base_dtype = cmd.lora.base_dtype()?;
-        if cmd.task == Task::Sft {
-            let given =
-                sub.value_source("max_length") == Some(clap::parser::ValueSource::CommandLine);
-            let max_length = given.then(|| cmd.data.max_length());
+        let given = sub.value_source("max_length") == Some(clap::parser::ValueSource::CommandLine);
+        let max_length = given.then(|| cmd.data.max_length());
+        if cmd.task == Task::Dpo {
+            opts.dpo = Some(cmd.dpo.data(max_length, cmd.data.pad_to_multiple_of())?);
+        } else if cmd.task == Task::Sft {
             opts.sft = Some(cmd.sft.data(
                 max_length,
                 cmd.data.text_column(),
