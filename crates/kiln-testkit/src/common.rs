@@ -250,3 +250,33 @@ pub fn json_object(v: serde_json::Value) -> serde_json::Map<String, serde_json::
         other => panic!("not an object: {other}"),
     }
 }
+
+/// Runs the test `test` of the current test binary as `world` ranks (one process each, torchrun's
+/// environment on a free port, `env` added to every rank) and fails unless every rank succeeds.
+/// The test itself is the worker when it finds that environment (`DistEnv::from_env`).
+pub fn run_test_ranks(test: &str, world: usize, env: &[(&str, String)]) {
+    let exe = std::env::current_exe().unwrap();
+    let port = free_ports(world as u16);
+    let children: Vec<_> = (0..world)
+        .map(|r| {
+            std::process::Command::new(&exe)
+                .args(["--exact", test, "--nocapture"])
+                .env("RANK", r.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("KILN_DIST_TIMEOUT", "60")
+                .envs(env.iter().map(|(k, v)| (k, v)))
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (r, mut c) in children.into_iter().enumerate() {
+        let status = c.wait().unwrap();
+        assert!(
+            status.success(),
+            "rank {r} of {world} ({env:?}) failed: {status}"
+        );
+    }
+}

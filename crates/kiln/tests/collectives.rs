@@ -3,6 +3,7 @@
 //! test binary run again, by itself with the torchrun variables set or by `mpirun`) on a
 //! 2 (TP) × 2 (DP) mesh.
 
+#[cfg(feature = "mpi")]
 use std::process::Command;
 
 use burn::tensor::{Tensor, TensorData};
@@ -146,31 +147,11 @@ fn every_collective_equals_its_local_reference_on_the_world_and_mesh_groups() {
     if DistEnv::from_env().unwrap().is_some() {
         return worker();
     }
-    let exe = std::env::current_exe().unwrap();
-    let port = common::free_ports(WORLD as u16);
-    let children: Vec<_> = (0..WORLD)
-        .map(|r| {
-            Command::new(&exe)
-                .args([
-                    "--exact",
-                    "every_collective_equals_its_local_reference_on_the_world_and_mesh_groups",
-                    "--nocapture",
-                ])
-                .env("RANK", r.to_string())
-                .env("LOCAL_RANK", r.to_string())
-                .env("WORLD_SIZE", WORLD.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("KILN_DIST_TIMEOUT", "60")
-                .env("KILN_COLLECTIVES", "burn")
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for (r, mut c) in children.into_iter().enumerate() {
-        let status = c.wait().unwrap();
-        assert!(status.success(), "rank {r} failed: {status}");
-    }
+    common::run_test_ranks(
+        "every_collective_equals_its_local_reference_on_the_world_and_mesh_groups",
+        WORLD,
+        &[("KILN_COLLECTIVES", "burn".to_string())],
+    );
 }
 
 #[cfg(feature = "mpi")]

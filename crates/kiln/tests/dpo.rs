@@ -7,7 +7,6 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use kiln::backend::{CpuDevice, CpuTrain};
 use kiln::contract::{BatchSource, IGNORE_INDEX};
@@ -287,32 +286,15 @@ fn worker() {
 
 /// [`run`] as `world` processes of this binary at tensor-parallel size `tp`; rank 0's log.
 fn launch(name: &str, out: &Path, world: usize, tp: usize) -> Vec<Value> {
-    let exe = std::env::current_exe().unwrap();
-    let port = common::free_ports(world as u16);
-    let children: Vec<_> = (0..world)
-        .map(|r| {
-            Command::new(&exe)
-                .args(["--exact", TEST, "--nocapture"])
-                .env("RANK", r.to_string())
-                .env("LOCAL_RANK", r.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("KILN_DIST_TIMEOUT", "60")
-                .env("KILN_TEST_OUT", out)
-                .env("KILN_TEST_TP", tp.to_string())
-                .env("KILN_TEST_CASE", name)
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for (r, mut c) in children.into_iter().enumerate() {
-        let status = c.wait().unwrap();
-        assert!(
-            status.success(),
-            "rank {r} of {world} (TP {tp}) failed: {status}"
-        );
-    }
+    common::run_test_ranks(
+        TEST,
+        world,
+        &[
+            ("KILN_TEST_OUT", out.display().to_string()),
+            ("KILN_TEST_TP", tp.to_string()),
+            ("KILN_TEST_CASE", name.to_string()),
+        ],
+    );
     read_log(out)
 }
 

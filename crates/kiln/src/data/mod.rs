@@ -9,6 +9,7 @@ pub mod idx;
 pub mod labels;
 pub mod lm;
 pub mod preference;
+pub mod prepared;
 pub mod reader;
 pub mod records;
 pub mod saved_dataset;

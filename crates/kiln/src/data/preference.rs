@@ -22,8 +22,8 @@ use tokenizers::Tokenizer;
 
 use super::chat_template::{ChatTemplate, Message, RenderOptions};
 use super::sft::{
-    common_prefix, encode, from_value_to_chatml, parse_messages, template_variables, tools,
-    with_eos, SftError,
+    common_prefix, encode, from_value_to_chatml, no_chat_template, parse_messages,
+    template_variables, tools, with_eos, SftError,
 };
 use crate::error::json_kind;
 
@@ -101,13 +101,7 @@ pub fn prepare_preference_row(
             chosen,
             rejected,
         } => {
-            let template = template.ok_or_else(|| {
-                SftError::Config(
-                    "the row is a conversation but the model has no chat template \
-                     (tokenizer_config.json \"chat_template\" or chat_template.jinja)"
-                        .into(),
-                )
-            })?;
+            let template = template.ok_or_else(no_chat_template)?;
             let tools = tools(row)?;
             let variables = template_variables(row)?;
             let prompt = parse_messages("prompt", &prompt)?;

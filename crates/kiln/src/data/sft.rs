@@ -275,13 +275,7 @@ pub fn prepare_row(
             })
         }
         SftFormat::Messages | SftFormat::ConversationalPromptCompletion => {
-            let template = template.ok_or_else(|| {
-                SftError::Config(
-                    "the row is a conversation but the model has no chat template \
-                     (tokenizer_config.json \"chat_template\" or chat_template.jinja)"
-                        .into(),
-                )
-            })?;
+            let template = template.ok_or_else(no_chat_template)?;
             let tools = tools(row)?;
             let variables = template_variables(row)?;
             let render = |messages: &[Message], add_generation_prompt: bool| {
@@ -505,6 +499,15 @@ fn eos_token(options: &SftOptions) -> Result<&str, SftError> {
                 .into(),
         )
     })
+}
+
+/// A conversation's row for a model without a chat template (every row alike: it stops the run).
+pub(crate) fn no_chat_template() -> SftError {
+    SftError::Config(
+        "the row is a conversation but the model has no chat template \
+         (tokenizer_config.json \"chat_template\" or chat_template.jinja)"
+            .into(),
+    )
 }
 
 pub(crate) fn with_eos(text: &str, eos: &str) -> String {

@@ -8,18 +8,17 @@
 //! whose targets truncation removed) is skipped and counted with its file and line, or stops the
 //! run under `--strict`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use tokenizers::Tokenizer;
 use tracing::info;
 
 use crate::contract::{BatchSource, IGNORE_INDEX};
 use crate::data::chat_template::ChatTemplate;
-use crate::data::collector::{ReadReport, Skipped};
 use crate::data::lm::TokenBatch;
-use crate::data::records::read_records;
+use crate::data::prepared::{prepare_records, RowRefusal};
 use crate::data::sft::{collate, prepare_labelled_row, LabelledExample, SftError, SftOptions};
-use crate::error::{KilnError, Result};
+use crate::error::Result;
 
 /// How SFT rows become examples and batches: TRL's options, and whether they are packed.
 #[derive(Debug, Clone, Default)]
@@ -69,40 +68,10 @@ impl SftSet {
         strict: bool,
         limit: Option<usize>,
     ) -> Result<Self> {
-        let (records, mut report) = read_records(path, strict)?;
-        let mut examples = Vec::new();
-        for record in records {
-            if limit.is_some_and(|n| examples.len() >= n) {
-                break;
-            }
-            match prepare_labelled_row(&record.fields, how.tokenizer, how.template, how.options) {
-                Ok(ex) => examples.push(ex),
-                Err(e) => {
-                    let reason = row_error(e, how.model_dir);
-                    if strict || reason.1 {
-                        return Err(KilnError::Data(format!(
-                            "{}:{}: {}",
-                            path.display(),
-                            record.line,
-                            reason.0
-                        )));
-                    }
-                    report.skipped.push(Skipped {
-                        path: PathBuf::from(path),
-                        line: record.line,
-                        reason: reason.0,
-                    });
-                }
-            }
-        }
-        log_report(path, &report);
-        if examples.is_empty() {
-            return Err(KilnError::Data(format!(
-                "{}: no row could be prepared for supervised fine-tuning ({})",
-                path.display(),
-                report.summary()
-            )));
-        }
+        let examples = prepare_records(path, strict, limit, "supervised fine-tuning", |row| {
+            prepare_labelled_row(row, how.tokenizer, how.template, how.options)
+                .map_err(|e| row_error(e, how.model_dir))
+        })?;
         let targets = examples
             .iter()
             .map(|e| e.labels.iter().filter(|&&l| l != IGNORE_INDEX).count())
@@ -164,33 +133,26 @@ impl SftSet {
 
 /// A row's error as one sentence, and whether it stops the run whatever `--strict` says: a
 /// model without a chat template, or a template that cannot render, fails every row alike.
-fn row_error(e: SftError, model_dir: Option<&Path>) -> (String, bool) {
+fn row_error(e: SftError, model_dir: Option<&Path>) -> RowRefusal {
     match e {
         SftError::Config(m) if m.contains("has no chat template") => {
             let dir = model_dir.map_or("the model folder".to_string(), |d| d.display().to_string());
-            (
-                format!(
+            RowRefusal {
+                reason: format!(
                     "{m} in {dir}: use a chat model, add the template to its \
                      tokenizer_config.json, or give the rows as prompt/completion strings or text"
                 ),
-                true,
-            )
+                stops_the_run: true,
+            }
         }
-        SftError::Config(m) => (m, true),
-        e => (e.to_string(), false),
-    }
-}
-
-/// Rows used; skipped rows are a warning with their count and first lines (as the classification
-/// task's): data left out is never only an info line.
-fn log_report(path: &Path, report: &ReadReport) {
-    if report.skipped.is_empty() {
-        info!("{}: {}", path.display(), report.summary());
-        return;
-    }
-    tracing::warn!("{}: {}", path.display(), report.summary());
-    for s in report.skipped.iter().skip(1).take(4) {
-        tracing::warn!("  also skipped {s}");
+        SftError::Config(m) => RowRefusal {
+            reason: m,
+            stops_the_run: true,
+        },
+        e => RowRefusal {
+            reason: e.to_string(),
+            stops_the_run: false,
+        },
     }
 }
 

@@ -10,7 +10,7 @@
 //! evaluation rows (TRL's `precompute_ref_log_probs`, which gives the numbers its default of a
 //! frozen copy gives, without holding that copy). Each data-parallel rank computes its share.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use tokenizers::Tokenizer;
@@ -18,12 +18,12 @@ use tracing::info;
 
 use crate::contract::{BatchSource, Model, IGNORE_INDEX};
 use crate::data::chat_template::ChatTemplate;
-use crate::data::collector::Skipped;
 use crate::data::lm::{CompletionScoring, TokenBatch};
 use crate::data::preference::{
     collate_preferences, prepare_preference_row, PreferenceExample, PreferenceOptions,
 };
-use crate::data::records::read_records;
+use crate::data::prepared::{prepare_records, RowRefusal};
+use crate::data::sft::SftError;
 use crate::error::{KilnError, Result};
 use crate::models::completion_scores::Column;
 use crate::ops::KilnBackend;
@@ -100,46 +100,14 @@ impl PreferenceSet {
         strict: bool,
         limit: Option<usize>,
     ) -> Result<Self> {
-        let (records, mut report) = read_records(path, strict)?;
-        let mut examples = Vec::new();
-        for record in records {
-            if limit.is_some_and(|n| examples.len() >= n) {
-                break;
-            }
-            match prepare_preference_row(&record.fields, how.tokenizer, how.template, how.options) {
-                Ok(ex) => examples.push(ex),
-                Err(e) => {
-                    let always = matches!(e, crate::data::sft::SftError::Config(_));
-                    if strict || always {
-                        return Err(KilnError::Data(format!(
-                            "{}:{}: {e}",
-                            path.display(),
-                            record.line
-                        )));
-                    }
-                    report.skipped.push(Skipped {
-                        path: PathBuf::from(path),
-                        line: record.line,
-                        reason: e.to_string(),
-                    });
+        let examples = prepare_records(path, strict, limit, "preference optimisation", |row| {
+            prepare_preference_row(row, how.tokenizer, how.template, how.options).map_err(|e| {
+                RowRefusal {
+                    stops_the_run: matches!(e, SftError::Config(_)),
+                    reason: e.to_string(),
                 }
-            }
-        }
-        if report.skipped.is_empty() {
-            info!("{}: {}", path.display(), report.summary());
-        } else {
-            tracing::warn!("{}: {}", path.display(), report.summary());
-            for s in report.skipped.iter().skip(1).take(4) {
-                tracing::warn!("  also skipped {s}");
-            }
-        }
-        if examples.is_empty() {
-            return Err(KilnError::Data(format!(
-                "{}: no preference row could be prepared ({})",
-                path.display(),
-                report.summary()
-            )));
-        }
+            })
+        })?;
         info!("{}: {} preference pairs", path.display(), examples.len());
         Ok(Self {
             examples,
