@@ -1,9 +1,9 @@
-//! `--task dpo` against TRL's `DPOTrainer`, from the fixtures `tests/fixtures/gen_dpo.py` wrote
+//! `--task dpo` and `--task orpo` against TRL's `DPOTrainer` and `ORPOTrainer`, from the fixtures `tests/fixtures/gen_dpo.py` wrote
 //! (tests/fixtures/dpo/README.md): the same rows prepared into the same token ids, and four
 //! AdamW steps on a tiny chat Llama giving TRL's loss and every metric it logs, step by step,
 //! then its evaluation — for the sigmoid, hinge and IPO losses, standard, conversational and
-//! implicit-prompt rows, truncation, and a LoRA adapter; alone, at DP = 2 and at TP = 2 (ranks as
-//! processes of this test binary).
+//! implicit-prompt rows, truncation, and a LoRA adapter, and for ORPO with and without LoRA; alone,
+//! at DP = 2 and at TP = 2 (ranks as processes of this test binary).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -12,10 +12,13 @@ use kiln::backend::{CpuDevice, CpuTrain};
 use kiln::contract::{BatchSource, IGNORE_INDEX};
 use kiln::data::chat_template::ChatTemplate;
 use kiln::data::preference::PreferenceOptions;
+use kiln::data::preference::SpecialIds;
 use kiln::parallel::DistEnv;
 use kiln::tasks::adapter::LoraSetup;
 use kiln::tasks::causal_lm::{self, CausalLmOptions};
-use kiln::tasks::dpo::{DpoData, DpoLossType, PreferenceSet, PreferenceTokenization};
+use kiln::tasks::preference::{
+    DpoLossType, PreferenceData, PreferenceMethod, PreferenceSet, PreferenceTokenization,
+};
 use kiln::train::schedule::SchedulerType;
 use kiln::train::{IntervalStrategy, SaveStrategy, TrainingArguments};
 use kiln_testkit::common;
@@ -39,22 +42,31 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
-/// The DPO cases and their settings.
-fn dpo_case(case: &Value) -> DpoData {
+/// A case's settings: DPO's (with its loss type) or ORPO's.
+fn preference_case(case: &Value) -> PreferenceData {
     let config = &case["config"];
-    let loss = config["loss_type"][0].as_str().unwrap();
-    DpoData {
+    let method = if case["trainer"].as_str().unwrap().contains("ORPO") {
+        PreferenceMethod::Orpo
+    } else {
+        let loss = config["loss_type"][0].as_str().unwrap();
+        PreferenceMethod::Dpo(DpoLossType::from_name(loss).unwrap())
+    };
+    PreferenceData {
         options: PreferenceOptions {
             max_length: config["max_length"].as_u64().map(|m| m as usize),
             eos_token: None,
         },
         beta: config["beta"].as_f64().unwrap(),
-        loss_type: DpoLossType::from_name(loss).unwrap(),
+        method,
         pad_to_multiple_of: None,
     }
 }
 
-const CASES: [&str; 7] = [
+fn is_orpo(case: &Value) -> bool {
+    preference_case(case).method == PreferenceMethod::Orpo
+}
+
+const CASES: [&str; 9] = [
     "standard_sigmoid",
     "standard_hinge",
     "standard_ipo",
@@ -62,6 +74,8 @@ const CASES: [&str; 7] = [
     "standard_lora_sigmoid",
     "implicit_sigmoid",
     "conversational_sigmoid",
+    "orpo_standard",
+    "orpo_standard_lora",
 ];
 
 #[test]
@@ -74,18 +88,43 @@ fn preference_rows_are_prepared_and_batched_as_trl_does() {
         let case = &trl["cases"][name];
         let options = PreferenceOptions {
             eos_token: Some("<|im_end|>".into()),
-            ..dpo_case(case).options
+            ..preference_case(case).options
         };
         let how = PreferenceTokenization {
             tokenizer: &tok,
             template: template.as_ref(),
             options: &options,
+            orpo: is_orpo(case).then_some(SpecialIds {
+                bos: None,
+                eos: Some(2),
+            }),
         };
         let file = fixtures().join(case["train_file"].as_str().unwrap());
         let set = PreferenceSet::read(&file, &how, 2, false, None).unwrap();
         let prepared = case["prepared"].as_array().unwrap();
         assert_eq!(set.len(), prepared.len(), "{name}: rows kept");
         for (i, (got, want)) in set.examples.iter().zip(prepared).enumerate() {
+            if is_orpo(case) {
+                // Each side whole, its own prompt's tokens unlabelled.
+                for (side, key) in ["chosen", "rejected"].iter().enumerate() {
+                    let completion = [&got.chosen_ids, &got.rejected_ids][side];
+                    let seq: Vec<u32> = got.prompt_ids.iter().chain(completion).copied().collect();
+                    assert_eq!(
+                        seq,
+                        ids(&want[format!("{key}_input_ids")]),
+                        "{name} row {i} {key}"
+                    );
+                    let unlabelled = want[format!("{key}_labels")]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .take_while(|l| l.as_i64() == Some(IGNORE_INDEX))
+                        .count();
+                    let prompt = got.prompt_ids.len() + got.prompt_tail[side];
+                    assert_eq!(prompt, unlabelled, "{name} row {i} {key}'s prompt");
+                }
+                continue;
+            }
             assert_eq!(
                 got.prompt_ids,
                 ids(&want["prompt_ids"]),
@@ -101,6 +140,9 @@ fn preference_rows_are_prepared_and_batched_as_trl_does() {
                 ids(&want["rejected_ids"]),
                 "{name} row {i} rejected"
             );
+        }
+        if is_orpo(case) {
+            continue;
         }
         // The collated batch: TRL's ids, and a target wherever its completion mask marks the next
         // token.
@@ -123,13 +165,27 @@ fn preference_rows_are_prepared_and_batched_as_trl_does() {
             .collect();
         let seq = rows[0].len();
         let scoring = batch.scoring.as_ref().unwrap();
+        let attention: Vec<Vec<u32>> = collated["attention_mask"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(ids)
+            .collect();
         for (r, (row, mask)) in rows.iter().zip(&masks).enumerate() {
             for t in 0..seq {
-                let want = match mask.get(t + 1) {
-                    Some(1) => i64::from(row[t + 1]),
-                    _ => IGNORE_INDEX,
+                let real = attention[r].get(t + 1) == Some(&1);
+                let want = if real {
+                    i64::from(row[t + 1])
+                } else {
+                    IGNORE_INDEX
                 };
                 assert_eq!(scoring.targets[r * seq + t], want, "{name}: target {r},{t}");
+                let completion = mask.get(t + 1) == Some(&1);
+                assert_eq!(
+                    scoring.completion[r * seq + t],
+                    completion,
+                    "{name}: {r},{t}"
+                );
             }
         }
         assert_eq!(sides.len(), rows.len());
@@ -146,7 +202,7 @@ fn run(name: &str, out: &Path, (world, tp): (usize, usize)) -> Vec<Value> {
         model_dir: Some(fixtures.join("tiny_chat_llama")),
         train_file: Some(fixtures.join(case["train_file"].as_str().unwrap())),
         eval_file: case["eval_file"].as_str().map(|f| fixtures.join(f)),
-        dpo: Some(dpo_case(case)),
+        dpo: Some(preference_case(case)),
         lora: case["peft_config"]
             .is_object()
             .then(|| LoraSetup::Continue(fixtures.join("lora_initial_adapter"))),
@@ -193,7 +249,32 @@ fn read_log(out: &Path) -> Vec<Value> {
     log
 }
 
-/// The metrics TRL logs at every step, and that kiln must log alike.
+/// The metrics TRL's ORPO logs at every step that kiln logs alike (its `logits/*` average
+/// padding positions too, which kiln's unmasked attention computes otherwise).
+const ORPO_METRICS: [&str; 11] = [
+    "loss",
+    "grad_norm",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "nll_loss",
+    "log_odds_ratio",
+    "log_odds_chosen",
+];
+
+/// The metrics a case's trainer logs that kiln must log alike.
+fn metrics_of(case: &Value) -> &'static [&'static str] {
+    if is_orpo(case) {
+        &ORPO_METRICS
+    } else {
+        &METRICS
+    }
+}
+
+/// The metrics TRL's DPO logs at every step, and that kiln must log alike.
 const METRICS: [&str; 12] = [
     "loss",
     "grad_norm",
@@ -213,7 +294,7 @@ const METRICS: [&str; 12] = [
 /// the initial model alone (policy = reference); each later step has been through AdamW
 /// updates of 5e-3, which carry the f32 rounding of the gradients (which sum in another order
 /// than PyTorch's) into the weights: the bound grows with the step.
-fn compare(name: &str, got: &[Value], want: &[Value]) -> f64 {
+fn compare(name: &str, got: &[Value], want: &[Value], metrics: &[&str]) -> f64 {
     let mut worst: f64 = 0.0;
     let steps = |log: &[Value]| -> Vec<Value> {
         log.iter()
@@ -225,7 +306,7 @@ fn compare(name: &str, got: &[Value], want: &[Value]) -> f64 {
     assert_eq!(got_steps.len(), 4, "{name}: kiln logged {got:?}");
     assert_eq!(want_steps.len(), 4);
     for (s, (g, w)) in got_steps.iter().zip(&want_steps).enumerate() {
-        for key in METRICS {
+        for &key in metrics {
             // At step 1 every reward is 0 (policy = reference) up to the rounding of two
             // batchings of the same rows; whether the chosen one is ahead is then a coin toss.
             if s == 0 && key == "rewards/accuracies" && g.get(key).is_some() {
@@ -250,7 +331,7 @@ fn compare(name: &str, got: &[Value], want: &[Value]) -> f64 {
             .iter()
             .find(|e| e.get("eval_loss").is_some())
             .unwrap_or_else(|| panic!("{name}: no evaluation logged"));
-        for key in METRICS.iter().filter(|k| **k != "grad_norm") {
+        for key in metrics.iter().filter(|k| **k != "grad_norm") {
             let key = format!("eval_{key}");
             let (gv, wv) = (g[&key].as_f64().unwrap(), w[&key].as_f64().unwrap());
             let bound = 2e-3 * wv.abs().max(1.0);
@@ -271,7 +352,7 @@ fn dpo_steps_equal_trls() {
         let out = tmp.path().join(name);
         let got = run(name, &out, (1, 1));
         let want = trl["cases"][name]["log_history"].as_array().unwrap();
-        let worst = compare(name, &got, want);
+        let worst = compare(name, &got, want, metrics_of(&trl["cases"][name]));
         eprintln!("{name}: largest relative difference from TRL {worst:.2e}");
     }
 }
@@ -310,11 +391,19 @@ fn dpo_under_data_and_tensor_parallelism_equals_trl() {
         ("standard_sigmoid", 2, 1),
         ("standard_sigmoid", 2, 2),
         ("standard_lora_sigmoid", 2, 2),
+        // ORPO at TP = 2 only: its NLL is a mean over a batch's chosen tokens, so at DP = 2 each
+        // rank's mean over its own half is averaged (as under PyTorch DDP), not TRL's one batch's.
+        ("orpo_standard", 2, 2),
     ] {
         let out = tmp.path().join(format!("{name}-{world}-{tp}"));
         let got = launch(name, &out, world, tp);
         let want = trl["cases"][name]["log_history"].as_array().unwrap();
-        let worst = compare(&format!("{name} at world {world}, TP {tp}"), &got, want);
+        let worst = compare(
+            &format!("{name} at world {world}, TP {tp}"),
+            &got,
+            want,
+            metrics_of(&trl["cases"][name]),
+        );
         seen.insert(format!("{name} {world}/{tp}"), worst);
     }
     eprintln!("largest relative differences from TRL: {seen:?}");

@@ -1,14 +1,16 @@
-//! The options of `kiln train --task dpo`, under TRL's `DPOConfig` names.
+//! The options of `kiln train --task dpo` and `--task orpo`, under TRL's `DPOConfig` /
+//! `ORPOConfig` names.
 
 use anyhow::{bail, Result};
 use clap::Args;
 use kiln::data::preference::PreferenceOptions;
-use kiln::tasks::dpo::{DpoData, DpoLossType};
+use kiln::tasks::preference::{DpoLossType, PreferenceData, PreferenceMethod};
 
 #[derive(Args, Clone, Default)]
 #[command(next_help_heading = "Preference optimisation (TRL)")]
 pub struct DpoOpts {
-    /// How far the policy may move from the reference model: higher stays closer [default: 0.1].
+    /// DPO: how far the policy may move from the reference model (higher stays closer); ORPO:
+    /// the weight of the odds-ratio term beside the chosen answer's NLL [default: 0.1].
     #[arg(long, value_name = "BETA")]
     beta: Option<f64>,
     /// DPO's loss: `sigmoid` (the DPO paper's), `hinge` (SLiC) or `ipo` [default: sigmoid].
@@ -21,12 +23,13 @@ pub struct DpoOpts {
 }
 
 impl DpoOpts {
-    /// `max_length`: `--max-length` when given, else TRL's 1024.
+    /// `max_length`: `--max-length` when given, else TRL's 1024; `orpo`: `--task orpo`.
     pub fn data(
         &self,
+        orpo: bool,
         max_length: Option<usize>,
         pad_to_multiple_of: Option<usize>,
-    ) -> Result<DpoData> {
+    ) -> Result<PreferenceData> {
         let max_length = max_length.unwrap_or(1024);
         if max_length < 2 {
             bail!("--max-length {max_length}: a pair needs a prompt token and a completion token");
@@ -34,6 +37,12 @@ impl DpoOpts {
         let beta = self.beta.unwrap_or(0.1);
         if !(beta.is_finite() && beta > 0.0) {
             bail!("--beta {beta}: β must be a positive number");
+        }
+        if orpo && (self.loss_type.is_some() || self.precompute_ref_log_probs.is_some()) {
+            bail!(
+                "--loss-type and --precompute-ref-log-probs are options of --task dpo: ORPO has \
+                 one loss and no reference model"
+            );
         }
         let loss_type = match self.loss_type.as_deref() {
             None => DpoLossType::Sigmoid,
@@ -45,13 +54,17 @@ impl DpoOpts {
                 )
             })?,
         };
-        Ok(DpoData {
+        Ok(PreferenceData {
             options: PreferenceOptions {
                 max_length: Some(max_length),
                 eos_token: None,
             },
             beta,
-            loss_type,
+            method: if orpo {
+                PreferenceMethod::Orpo
+            } else {
+                PreferenceMethod::Dpo(loss_type)
+            },
             pad_to_multiple_of,
         })
     }

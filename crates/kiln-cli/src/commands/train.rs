@@ -23,6 +23,8 @@ pub enum Task {
     Sft,
     /// Direct preference optimisation of a causal LM on prompt/chosen/rejected rows (TRL's DPO).
     Dpo,
+    /// Odds-ratio preference optimisation on the same rows (TRL's ORPO, optimum-neuron's).
+    Orpo,
 }
 
 #[derive(Args)]
@@ -33,8 +35,8 @@ pub struct TrainCmd {
     /// What to train: `text-classification` (a BERT-family model folder and labelled text),
     /// `causal-lm` (a Llama-family model and a text corpus, packed into --block-size blocks),
     /// `sft` (a Llama-family model on TRL's prompt/completion, messages or text rows, with the
-    /// model's chat template), `dpo` (the same models on TRL's prompt/chosen/rejected preference
-    /// rows) or `mnist-mlp` (the AWS Neuron MNIST MLP sample on IDX files in
+    /// model's chat template), `dpo` or `orpo` (the same models on TRL's prompt/chosen/rejected
+    /// preference rows) or `mnist-mlp` (the AWS Neuron MNIST MLP sample on IDX files in
     /// --data-dir).
     #[arg(long, default_value = "text-classification", help_heading = "Model")]
     pub task: Task,
@@ -106,9 +108,10 @@ where
         kiln::tasks::mnist::train::<Autodiff<B>>(&cmd.data_dir, args, device)?;
         return Ok(());
     }
-    // TRL's DPOConfig trains at 1e-6 unless told otherwise.
+    // TRL's DPOConfig and ORPOConfig train at 1e-6 unless told otherwise.
+    let preference = matches!(cmd.task, Task::Dpo | Task::Orpo);
     let task_defaults = match cmd.task {
-        Task::Dpo => serde_json::json!({"learning_rate": 1e-6}),
+        Task::Dpo | Task::Orpo => serde_json::json!({"learning_rate": 1e-6}),
         _ => serde_json::json!({}),
     };
     let serde_json::Value::Object(task_defaults) = task_defaults else {
@@ -125,10 +128,13 @@ where
             "--completion-only-loss, --assistant-only-loss and --packing are options of --task sft"
         );
     }
-    if cmd.task != Task::Dpo && cmd.dpo.any() {
-        bail!("--beta, --loss-type and --precompute-ref-log-probs are options of --task dpo");
+    if !preference && cmd.dpo.any() {
+        bail!(
+            "--beta, --loss-type and --precompute-ref-log-probs are options of --task dpo (and \
+             --beta of --task orpo)"
+        );
     }
-    if matches!(cmd.task, Task::CausalLm | Task::Sft | Task::Dpo) {
+    if preference || matches!(cmd.task, Task::CausalLm | Task::Sft) {
         let mut opts = cmd.data.lm_options(
             Some(&cmd.train_data),
             &cmd.lm,
@@ -139,8 +145,12 @@ where
         opts.lora_base_dtype = cmd.lora.base_dtype()?;
         let given = sub.value_source("max_length") == Some(clap::parser::ValueSource::CommandLine);
         let max_length = given.then(|| cmd.data.max_length());
-        if cmd.task == Task::Dpo {
-            opts.dpo = Some(cmd.dpo.data(max_length, cmd.data.pad_to_multiple_of())?);
+        if preference {
+            opts.dpo = Some(cmd.dpo.data(
+                cmd.task == Task::Orpo,
+                max_length,
+                cmd.data.pad_to_multiple_of(),
+            )?);
         } else if cmd.task == Task::Sft {
             opts.sft = Some(cmd.sft.data(
                 max_length,

@@ -146,8 +146,11 @@ pub struct TokenBatch {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CompletionScoring {
     /// Per position of `[batch, seq]`: the next token, whose log-probability counts, or
-    /// `IGNORE_INDEX` where nothing is scored (the prompt, padding, the last position).
+    /// `IGNORE_INDEX` where there is none (padding, a sequence's last position).
     pub targets: Vec<i64>,
+    /// Per position: whether its target is a completion token (the completion columns sum over
+    /// these; the sequence columns over every target, the prompt's too).
+    pub completion: Vec<bool>,
     /// Per row, values the scores carry along unchanged after the computed columns (the
     /// reference model's log-probability of the row's completion): `batch × carried_per_row`.
     pub carried: Vec<f32>,

@@ -28,11 +28,15 @@ use super::sft::{
 use crate::error::json_kind;
 
 /// One preference pair, tokenized: the prompt's tokens and each completion's after them.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct PreferenceExample {
     pub prompt_ids: Vec<u32>,
     pub chosen_ids: Vec<u32>,
     pub rejected_ids: Vec<u32>,
+    /// How many of the chosen and of the rejected completion's first tokens still belong to that
+    /// side's prompt: ORPO tokenizes each side on its own, and a side's prompt may end on a token
+    /// its answer did not merge with (0 for DPO, whose prompt is one).
+    pub prompt_tail: [usize; 2],
 }
 
 /// TRL's `DPOConfig` fields that shape one row.
@@ -151,6 +155,7 @@ pub fn prepare_preference_row(
         prompt_ids: prompt_ids[..prompt_len].to_vec(),
         chosen_ids: chosen_full[prompt_len..].to_vec(),
         rejected_ids: rejected_full[prompt_len..].to_vec(),
+        prompt_tail: [0, 0],
     };
     if example.chosen_ids == example.rejected_ids {
         return Err(SftError::Row(
@@ -158,6 +163,155 @@ pub fn prepare_preference_row(
         ));
     }
     Ok(example)
+}
+
+/// The special tokens ORPO's preparation adds by id.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SpecialIds {
+    /// Put before a prompt that does not start with it (TRL's `add_bos_token_if_needed`).
+    pub bos: Option<u32>,
+    /// Put after an answer that does not end with it (`add_eos_token_if_needed`).
+    pub eos: Option<u32>,
+}
+
+/// Tokenizes one preference row as TRL's `ORPOTrainer` does (`tokenize_row`), which differs from
+/// DPO's preparation: conversations are rendered to text first (the prompt with the generation
+/// prompt when it ends on a user's turn, each answer as what its whole conversation adds), each
+/// side is tokenized on its own without special tokens (`tok(prompt + answer)`, the answer
+/// starting after `tok(prompt)`, one token earlier where the prompt's last token merged into the
+/// answer), the BOS id goes before the prompt and the EOS id after each answer where missing, and
+/// an answer is cut to what `max_length` leaves after its prompt.
+pub fn prepare_orpo_row(
+    row: &Map<String, Json>,
+    tokenizer: &Tokenizer,
+    template: Option<&ChatTemplate>,
+    options: &PreferenceOptions,
+    special: SpecialIds,
+) -> Result<PreferenceExample, SftError> {
+    let (prompt, chosen, rejected) = match parts(row)? {
+        Parts::Standard {
+            prompt,
+            chosen,
+            rejected,
+        } => (prompt, chosen, rejected),
+        Parts::Conversational {
+            prompt,
+            chosen,
+            rejected,
+        } => {
+            let template = template.ok_or_else(no_chat_template)?;
+            let tools = tools(row)?;
+            let variables = template_variables(row)?;
+            let prompt = parse_messages("prompt", &prompt)?;
+            let render = |messages: &[Message], add_generation_prompt: bool| {
+                Ok::<_, SftError>(
+                    template
+                        .render_with(
+                            messages,
+                            &RenderOptions {
+                                add_generation_prompt,
+                                tools: tools.as_deref(),
+                                variables,
+                            },
+                        )?
+                        .text,
+                )
+            };
+            let whole = |field: &str, completion: &Json| -> Result<String, SftError> {
+                let mut all = prompt.clone();
+                all.extend(parse_messages(field, completion)?);
+                render(&all, false)
+            };
+            let ends_on_user = prompt.last().is_some_and(|m| m.role == "user");
+            let (c, r) = (whole("chosen", &chosen)?, whole("rejected", &rejected)?);
+            // The prompt's text as both conversations render it (TRL keeps the shared start).
+            let p = render(&prompt, ends_on_user)?;
+            let shared = |a: &str, b: &str| {
+                a.char_indices()
+                    .zip(b.chars())
+                    .find(|((_, x), y)| x != y)
+                    .map_or(a.len().min(b.len()), |((i, _), _)| i)
+            };
+            let cut = shared(&p, &c).min(shared(&p, &r));
+            (
+                p[..cut].to_string(),
+                c[cut..].to_string(),
+                r[cut..].to_string(),
+            )
+        }
+    };
+    if prompt.is_empty() {
+        return Err(SftError::Row("\"prompt\" is empty".into()));
+    }
+    let prompt_ids = encode(tokenizer, &prompt, false)?;
+    // One side: its prompt's tokens and its answer's, as TRL's `build_tokenized_answer` splits
+    // `tok(prompt + answer)`.
+    let side = |answer: &str| -> Result<(Vec<u32>, Vec<u32>), SftError> {
+        let full = encode(tokenizer, &format!("{prompt}{answer}"), false)?;
+        let mut start = prompt_ids.len().min(full.len());
+        if full[..start] != prompt_ids[..] {
+            start = start.saturating_sub(1);
+        }
+        Ok((full[..start].to_vec(), full[start..].to_vec()))
+    };
+    let (mut chosen_prompt, mut chosen_answer) = side(&chosen)?;
+    let (mut rejected_prompt, mut rejected_answer) = side(&rejected)?;
+    let differing = chosen_prompt
+        .iter()
+        .zip(&rejected_prompt)
+        .filter(|(a, b)| a != b)
+        .count();
+    if differing > 1 || chosen_prompt.len().abs_diff(rejected_prompt.len()) > 1 {
+        return Err(SftError::Row(
+            "the prompt tokenizes differently before \"chosen\" and before \"rejected\" by more \
+             than the one token a merge with the answer can change"
+                .into(),
+        ));
+    }
+    if let Some(bos) = special.bos {
+        if chosen_prompt.first() != Some(&bos) {
+            chosen_prompt.insert(0, bos);
+            rejected_prompt.insert(0, bos);
+        }
+    }
+    if let Some(eos) = special.eos {
+        for answer in [&mut chosen_answer, &mut rejected_answer] {
+            if answer.last() != Some(&eos) {
+                answer.push(eos);
+            }
+        }
+    }
+    if let Some(max) = options.max_length {
+        for (prompt, answer) in [
+            (&chosen_prompt, &mut chosen_answer),
+            (&rejected_prompt, &mut rejected_answer),
+        ] {
+            answer.truncate(max.saturating_sub(prompt.len()));
+        }
+        if chosen_answer.is_empty() || rejected_answer.is_empty() {
+            return Err(SftError::Row(format!(
+                "the prompt's {} tokens fill max_length={max}: no answer token would be left",
+                chosen_prompt.len().min(rejected_prompt.len())
+            )));
+        }
+    }
+    if chosen_prompt == rejected_prompt && chosen_answer == rejected_answer {
+        return Err(SftError::Row(
+            "\"chosen\" and \"rejected\" are the same completion: the pair prefers nothing".into(),
+        ));
+    }
+    // The shared prompt, and each side's tokens after it (its own prompt's last token, where it
+    // differs, among them but not scored).
+    let shared = common_prefix(&chosen_prompt, &rejected_prompt);
+    let rest = |prompt: &[u32], answer: Vec<u32>| -> Vec<u32> {
+        prompt[shared..].iter().copied().chain(answer).collect()
+    };
+    Ok(PreferenceExample {
+        prompt_ids: chosen_prompt[..shared].to_vec(),
+        prompt_tail: [chosen_prompt.len() - shared, rejected_prompt.len() - shared],
+        chosen_ids: rest(&chosen_prompt, chosen_answer),
+        rejected_ids: rest(&rejected_prompt, rejected_answer),
+    })
 }
 
 /// The row's prompt, chosen and rejected parts, the prompt extracted where it is implicit.
@@ -281,16 +435,13 @@ pub fn collate_preferences(
     pad_to_multiple_of: Option<usize>,
 ) -> PreferenceBatch {
     let mut rows: Vec<(Vec<u32>, Vec<u8>)> = Vec::with_capacity(2 * examples.len());
-    for chosen in [true, false] {
+    for side in [0, 1] {
         for e in examples {
-            let completion = if chosen {
-                &e.chosen_ids
-            } else {
-                &e.rejected_ids
-            };
+            let completion = [&e.chosen_ids, &e.rejected_ids][side];
+            let prompt = e.prompt_ids.len() + e.prompt_tail[side];
             let mut ids: Vec<u32> = e.prompt_ids.iter().chain(completion).copied().collect();
-            let mut mask: Vec<u8> = std::iter::repeat_n(0, e.prompt_ids.len())
-                .chain(std::iter::repeat_n(1, completion.len()))
+            let mut mask: Vec<u8> = std::iter::repeat_n(0, prompt)
+                .chain(std::iter::repeat_n(1, ids.len() - prompt))
                 .collect();
             if let Some(max) = max_length {
                 ids.truncate(max);
@@ -354,11 +505,13 @@ mod tests {
             prompt_ids: vec![1, 2, 3],
             chosen_ids: vec![4, 5],
             rejected_ids: vec![6],
+            prompt_tail: [0, 0],
         };
         let b = PreferenceExample {
             prompt_ids: vec![7, 8],
             chosen_ids: vec![9],
             rejected_ids: vec![10, 11],
+            prompt_tail: [0, 0],
         };
         let batch = collate_preferences(&[&a, &b], 0, None, None);
         assert_eq!(

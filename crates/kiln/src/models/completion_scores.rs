@@ -27,11 +27,16 @@ pub enum Column {
     Entropy,
     /// How many scored tokens are the model's most likely next token.
     Top1,
+    /// Σ log p(token) over every target of the row, the prompt's too (ORPO's NLL); with a
+    /// gradient.
+    SequenceLogProb,
+    /// How many targets the row has.
+    SequenceTokens,
 }
 
 impl Column {
     /// Columns computed from the logits; the carried values follow them.
-    pub const COMPUTED: usize = 5;
+    pub const COMPUTED: usize = 7;
 
     pub fn index(self) -> usize {
         self as usize
@@ -59,16 +64,28 @@ pub fn completion_scores<B: KilnBackend>(
     let seq = n / rows.max(1);
     let targets =
         Tensor::<B, 1, Int>::from_data(TensorData::new(scoring.targets.clone(), [n]), &device);
-    let keep_host: Vec<f32> = scoring
+    assert_eq!(
+        scoring.completion.len(),
+        n,
+        "one completion flag per position"
+    );
+    let per_row_count = |flags: &[f32]| -> Tensor<B, 2> {
+        let counts: Vec<f32> = flags.chunks(seq.max(1)).map(|r| r.iter().sum()).collect();
+        Tensor::from_data(TensorData::new(counts, [rows, 1]), &device)
+    };
+    let completion_host: Vec<f32> = scoring
+        .targets
+        .iter()
+        .zip(&scoring.completion)
+        .map(|(&t, &c)| f32::from(u8::from(t != IGNORE_INDEX && c)))
+        .collect();
+    let target_host: Vec<f32> = scoring
         .targets
         .iter()
         .map(|&t| f32::from(u8::from(t != IGNORE_INDEX)))
         .collect();
-    let tokens: Vec<f32> = keep_host
-        .chunks(seq.max(1))
-        .map(|r| r.iter().sum())
-        .collect();
-    let keep = Tensor::<B, 1>::from_data(TensorData::new(keep_host, [n]), &device);
+    let (tokens, sequence_tokens) = (per_row_count(&completion_host), per_row_count(&target_host));
+    let keep = Tensor::<B, 1>::from_data(TensorData::new(completion_host, [n]), &device);
     let stats = token_statistics(logits.clone().detach(), targets.clone(), &slice);
     let losses = match &slice {
         None => crate::ops::cross_entropy(logits, targets, IGNORE_INDEX),
@@ -83,13 +100,16 @@ pub fn completion_scores<B: KilnBackend>(
         TensorData::new(scoring.carried.clone(), [rows, scoring.carried_per_row]),
         &device,
     );
+    let log_probs = losses.neg();
     Tensor::cat(
         vec![
-            per_row(losses.neg()),
-            Tensor::from_data(TensorData::new(tokens, [rows, 1]), &device),
+            per_row(log_probs.clone() * keep.clone()),
+            tokens,
             per_row(stats.mean_logit * keep.clone()),
             per_row(stats.entropy * keep.clone()),
             per_row(stats.top1 * keep),
+            per_row(log_probs),
+            sequence_tokens,
         ]
         .into_iter()
         .chain((scoring.carried_per_row > 0).then_some(carried))
@@ -162,10 +182,12 @@ mod tests {
         let logits: Vec<f32> = (0..rows * seq * vocab)
             .map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.3)
             .collect();
-        // Row 0 scores positions 1 and 2, row 1 position 0; the last row's target is its max.
-        let targets = vec![IGNORE_INDEX, 3, 0, 4, IGNORE_INDEX, IGNORE_INDEX];
+        // Row 0's completion is positions 1 and 2 (position 0 is prompt), row 1's position 0.
+        let targets = vec![1, 3, 0, 4, IGNORE_INDEX, IGNORE_INDEX];
+        let completion = vec![false, true, true, true, false, false];
         let scoring = CompletionScoring {
             targets: targets.clone(),
+            completion: completion.clone(),
             carried: vec![-1.5, 2.5],
             carried_per_row: 1,
         };
@@ -178,7 +200,8 @@ mod tests {
             .into_data()
             .into_vec()
             .unwrap();
-        let mut want = vec![0f64; rows * 6];
+        const W: usize = Column::COMPUTED + 1;
+        let mut want = vec![0f64; rows * W];
         for pos in 0..rows * seq {
             let Ok(target) = usize::try_from(targets[pos]) else {
                 continue;
@@ -189,15 +212,19 @@ mod tests {
             let lse = max + sum.ln();
             let p: Vec<f64> = row.iter().map(|&x| (x as f64 - lse).exp()).collect();
             let r = pos / seq;
-            want[r * 6] += row[target] as f64 - lse;
-            want[r * 6 + 1] += 1.0;
-            want[r * 6 + 2] += row.iter().map(|&x| x as f64).sum::<f64>() / vocab as f64;
-            want[r * 6 + 3] -= p.iter().map(|q| q * q.ln()).sum::<f64>();
-            want[r * 6 + 4] += f64::from(u8::from(row[target] as f64 == max));
+            want[r * W + 5] += row[target] as f64 - lse;
+            want[r * W + 6] += 1.0;
+            if !completion[pos] {
+                continue;
+            }
+            want[r * W] += row[target] as f64 - lse;
+            want[r * W + 1] += 1.0;
+            want[r * W + 2] += row.iter().map(|&x| x as f64).sum::<f64>() / vocab as f64;
+            want[r * W + 3] -= p.iter().map(|q| q * q.ln()).sum::<f64>();
+            want[r * W + 4] += f64::from(u8::from(row[target] as f64 == max));
         }
-        want[5] = -1.5;
-        want[11] = 2.5;
-        assert!(want[4] + want[10] >= 1.0, "a top-1 target is in the test");
+        want[W - 1] = -1.5;
+        want[2 * W - 1] = 2.5;
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert!((*g as f64 - w).abs() < 1e-5, "score {i}: {g} vs {w}");
         }

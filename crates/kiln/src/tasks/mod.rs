@@ -3,8 +3,8 @@
 
 pub mod adapter;
 pub mod causal_lm;
-pub mod dpo;
 pub mod merge;
 pub mod mnist;
+pub mod preference;
 pub mod sft;
 pub mod text_classification;

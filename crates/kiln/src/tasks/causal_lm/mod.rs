@@ -14,6 +14,7 @@ use tracing::info;
 use crate::contract::{BatchSource, CrossEntropy, Loss, IGNORE_INDEX};
 use crate::data::chat_template::ChatTemplate;
 use crate::data::lm::{read_documents, LmBlocks, TokenBatch};
+use crate::data::preference::SpecialIds;
 use crate::data::TextEncoding;
 use crate::error::{KilnError, Result};
 use crate::models::auto::with_causal_lm;
@@ -21,7 +22,9 @@ use crate::models::decoder::{DecoderArchitecture, DecoderConfig, DecoderFamily, 
 use crate::ops::{KilnBackend, TrainBackend};
 use crate::parallel::{DataParallel, SharedCollectives, TpGroup, VocabParallelCrossEntropy};
 use crate::tasks::adapter::LoraSetup;
-use crate::tasks::dpo::{DpoData, PreferenceSet, PreferenceTokenization};
+use crate::tasks::preference::{
+    PreferenceData, PreferenceMethod, PreferenceSet, PreferenceTokenization,
+};
 use crate::tasks::sft::{SftData, SftSet, SftTokenization};
 use crate::train::checkpoint::ModelFiles;
 use crate::train::trainer::{EvalOutput, TokenMetrics, TrainOutput};
@@ -127,7 +130,7 @@ pub struct CausalLmOptions {
     /// Supervised fine-tuning (`--task sft`): rows of TRL's formats instead of a packed corpus.
     pub sft: Option<SftData>,
     /// Preference optimisation (`--task dpo`): preference rows and DPO's loss.
-    pub dpo: Option<DpoData>,
+    pub dpo: Option<PreferenceData>,
 }
 
 impl CausalLmOptions {
@@ -369,26 +372,35 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
         (_, Some(dpo)) => {
             if plan.pipeline().is_some() {
                 return Err(KilnError::Config(
-                    "--task dpo does not run under --pipeline-parallel-size yet: use data or                      tensor parallelism (the reference log-probabilities are computed before                      training, through the whole model on each rank)"
+                    "--task dpo and --task orpo do not run under --pipeline-parallel-size yet: \
+                     use data or tensor parallelism"
                         .into(),
                 ));
             }
             let (train, eval) = preference_sets(opts, dpo, &tok, eos, train_file)?;
-            // The reference is the policy before training: the model as loaded, before any
-            // adapter is put on it.
-            let reference = burn::module::AutodiffModule::valid(&A::trainable(model.clone()));
-            // In batches of the run's sizes (TRL's `precompute_ref_batch_size` default).
-            let train =
-                train.with_reference(&reference, args.per_device_train_batch_size, &plan.data)?;
-            let eval = match eval {
-                Some(e) => Some(e.with_reference(
+            let (train, eval) = if dpo.method.needs_reference() {
+                // The reference is the policy before training: the model as loaded, before any
+                // adapter is put on it; in batches of the run's sizes (TRL's
+                // `precompute_ref_batch_size` default).
+                let reference = burn::module::AutodiffModule::valid(&A::trainable(model.clone()));
+                let train = train.with_reference(
                     &reference,
-                    args.per_device_eval_batch_size,
+                    args.per_device_train_batch_size,
                     &plan.data,
-                )?),
-                None => None,
+                )?;
+                let eval = match eval {
+                    Some(e) => Some(e.with_reference(
+                        &reference,
+                        args.per_device_eval_batch_size,
+                        &plan.data,
+                    )?),
+                    None => None,
+                };
+                info!("reference log-probabilities computed for every preference pair");
+                (train, eval)
+            } else {
+                (train, eval)
             };
-            info!("reference log-probabilities computed for every preference pair");
             RunData::Preference(train, eval, dpo)
         }
         (Some(sft), None) => {
@@ -456,7 +468,7 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
 /// settings of their loss.
 enum RunData<'a> {
     Lm(LmData, Option<LmData>),
-    Preference(PreferenceSet, Option<PreferenceSet>, &'a DpoData),
+    Preference(PreferenceSet, Option<PreferenceSet>, &'a PreferenceData),
 }
 
 /// The chat template of the model folder (if it has one), the EOS token string completions get,
@@ -465,6 +477,8 @@ struct ChatSetup {
     template: Option<ChatTemplate>,
     eos_token: Option<String>,
     pad_id: u32,
+    /// The tokenizer's BOS token's id, if it has one (what ORPO puts before a prompt).
+    bos_id: Option<u32>,
 }
 
 impl ChatSetup {
@@ -489,10 +503,12 @@ impl ChatSetup {
             .and_then(|t| tok.token_to_id(t))
             .or(eos)
             .unwrap_or(0);
+        let bos_id = special.get("bos_token").and_then(|t| tok.token_to_id(t));
         Ok(Self {
             template,
             eos_token,
             pad_id,
+            bos_id,
         })
     }
 }
@@ -501,7 +517,7 @@ impl ChatSetup {
 /// template and special tokens.
 fn preference_sets(
     opts: &CausalLmOptions,
-    dpo: &DpoData,
+    dpo: &PreferenceData,
     tok: &Tokenizer,
     eos: Option<u32>,
     train_file: &Path,
@@ -511,10 +527,19 @@ fn preference_sets(
     if options.eos_token.is_none() {
         options.eos_token = setup.eos_token.clone();
     }
+    let eos_id = options
+        .eos_token
+        .as_deref()
+        .and_then(|t| tok.token_to_id(t))
+        .or(eos);
     let how = PreferenceTokenization {
         tokenizer: tok,
         template: setup.template.as_ref(),
         options: &options,
+        orpo: (dpo.method == PreferenceMethod::Orpo).then_some(SpecialIds {
+            bos: setup.bos_id,
+            eos: eos_id,
+        }),
     };
     let read = |path: &Path, limit| -> Result<PreferenceSet> {
         let set = PreferenceSet::read(path, &how, setup.pad_id, opts.strict, limit)?;
@@ -545,6 +570,7 @@ fn sft_sets(
         template,
         eos_token,
         pad_id,
+        ..
     } = ChatSetup::of(opts, tok, eos)?;
     let mut options = sft.options.clone();
     if options.eos_token.is_none() {

@@ -1,14 +1,15 @@
-//! Direct preference optimisation (`kiln train --task dpo`), with TRL's `DPOTrainer` semantics:
-//! preference rows prepared as TRL prepares them ([`crate::data::preference`]), each batch every
-//! pair's chosen sequence then its rejected one, the causal LM asked for each sequence's completion
-//! log-probability ([`crate::data::lm::CompletionScoring`]) and DPO's loss of those against the
-//! reference model's ([`DpoLoss`]), TRL's metrics logged in training and evaluation
-//! ([`DpoMetrics`]).
+//! Preference optimisation (`kiln train --task dpo` and `--task orpo`), with the semantics of
+//! TRL's `DPOTrainer` and `ORPOTrainer`: preference rows prepared as each prepares them
+//! ([`crate::data::preference`]), each batch every pair's chosen sequence then its rejected one,
+//! the causal LM asked for each sequence's completion scores ([`crate::data::lm::CompletionScoring`])
+//! and the method's loss of those ([`PreferenceLoss`]), TRL's metrics logged in training and
+//! evaluation ([`PreferenceMetrics`]).
 //!
-//! The reference model is the policy before training (with LoRA: the base model, the adapter
+//! DPO's reference model is the policy before training (with LoRA: the base model, the adapter
 //! off), so its log-probabilities are computed once, before the first step, over the training and
 //! evaluation rows (TRL's `precompute_ref_log_probs`, which gives the numbers its default of a
 //! frozen copy gives, without holding that copy). Each data-parallel rank computes its share.
+//! ORPO has no reference model.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -20,7 +21,8 @@ use crate::contract::{BatchSource, Model, IGNORE_INDEX};
 use crate::data::chat_template::ChatTemplate;
 use crate::data::lm::{CompletionScoring, TokenBatch};
 use crate::data::preference::{
-    collate_preferences, prepare_preference_row, PreferenceExample, PreferenceOptions,
+    collate_preferences, prepare_orpo_row, prepare_preference_row, PreferenceExample,
+    PreferenceOptions, SpecialIds,
 };
 use crate::data::prepared::{prepare_records, RowRefusal};
 use crate::data::sft::SftError;
@@ -31,41 +33,44 @@ use crate::parallel::DataParallel;
 
 mod loss;
 mod metrics;
-pub use loss::{DpoLoss, DpoLossType};
-pub use metrics::DpoMetrics;
+pub use loss::{DpoLossType, PreferenceLoss, PreferenceMethod};
+pub use metrics::PreferenceMetrics;
 
-/// `--task dpo`'s settings, under TRL's `DPOConfig` names.
+/// `--task dpo` / `--task orpo`'s settings, under TRL's `DPOConfig` / `ORPOConfig` names.
 #[derive(Debug, Clone)]
-pub struct DpoData {
+pub struct PreferenceData {
     pub options: PreferenceOptions,
-    /// β: how far the policy may move from the reference (TRL's default 0.1).
+    /// β: DPO's pull towards the reference, ORPO's weight of the odds ratio (TRL's default 0.1).
     pub beta: f64,
-    pub loss_type: DpoLossType,
+    pub method: PreferenceMethod,
     /// Round each batch's padded length up to a multiple of this.
     pub pad_to_multiple_of: Option<usize>,
 }
 
-impl Default for DpoData {
+impl Default for PreferenceData {
     fn default() -> Self {
         Self {
             options: PreferenceOptions::default(),
             beta: 0.1,
-            loss_type: DpoLossType::Sigmoid,
+            method: PreferenceMethod::Dpo(DpoLossType::Sigmoid),
             pad_to_multiple_of: None,
         }
     }
 }
 
-impl DpoData {
-    pub fn loss(&self) -> DpoLoss {
-        DpoLoss {
+impl PreferenceData {
+    pub fn loss(&self) -> PreferenceLoss {
+        PreferenceLoss {
             beta: self.beta,
-            loss_type: self.loss_type,
+            method: self.method,
         }
     }
 
-    pub fn metrics(&self) -> Arc<DpoMetrics> {
-        Arc::new(DpoMetrics { beta: self.beta })
+    pub fn metrics(&self) -> Arc<PreferenceMetrics> {
+        Arc::new(PreferenceMetrics {
+            beta: self.beta,
+            method: self.method,
+        })
     }
 }
 
@@ -87,6 +92,8 @@ pub struct PreferenceTokenization<'a> {
     pub tokenizer: &'a Tokenizer,
     pub template: Option<&'a ChatTemplate>,
     pub options: &'a PreferenceOptions,
+    /// DPO's preparation, or ORPO's (which adds these ids).
+    pub orpo: Option<SpecialIds>,
 }
 
 impl PreferenceSet {
@@ -101,11 +108,13 @@ impl PreferenceSet {
         limit: Option<usize>,
     ) -> Result<Self> {
         let examples = prepare_records(path, strict, limit, "preference optimisation", |row| {
-            prepare_preference_row(row, how.tokenizer, how.template, how.options).map_err(|e| {
-                RowRefusal {
-                    stops_the_run: matches!(e, SftError::Config(_)),
-                    reason: e.to_string(),
-                }
+            match how.orpo {
+                None => prepare_preference_row(row, how.tokenizer, how.template, how.options),
+                Some(ids) => prepare_orpo_row(row, how.tokenizer, how.template, how.options, ids),
+            }
+            .map_err(|e| RowRefusal {
+                stops_the_run: matches!(e, SftError::Config(_)),
+                reason: e.to_string(),
             })
         })?;
         info!("{}: {} preference pairs", path.display(), examples.len());
@@ -201,12 +210,16 @@ impl BatchSource for PreferenceSet {
         let rows = b.input_ids.len();
         let seq = b.input_ids.first().map_or(0, Vec::len);
         let mut targets = Vec::with_capacity(rows * seq);
-        for (ids, mask) in b.input_ids.iter().zip(&b.completion_mask) {
+        let mut completion = Vec::with_capacity(rows * seq);
+        for ((ids, mask), &len) in b.input_ids.iter().zip(&b.completion_mask).zip(&b.lengths) {
             for t in 0..seq {
-                targets.push(match mask.get(t + 1) {
-                    Some(1) => i64::from(ids[t + 1]),
-                    _ => IGNORE_INDEX,
+                let real = t + 1 < len;
+                targets.push(if real {
+                    i64::from(ids[t + 1])
+                } else {
+                    IGNORE_INDEX
                 });
+                completion.push(real && mask[t + 1] == 1);
             }
         }
         let carried = match &self.reference {
@@ -228,6 +241,7 @@ impl BatchSource for PreferenceSet {
             segments: Vec::new(),
             scoring: Some(Arc::new(CompletionScoring {
                 targets,
+                completion,
                 carried,
                 carried_per_row: 1,
             })),
