@@ -193,7 +193,17 @@ fn preference_rows_are_prepared_and_batched_as_trl_does() {
 }
 
 /// A run of one TRL case's settings into `out`: its log lines (steps, then the evaluation).
-fn run(name: &str, out: &Path, (world, tp): (usize, usize)) -> Vec<Value> {
+fn run(name: &str, out: &Path, ranks: (usize, usize)) -> Vec<Value> {
+    run_with(name, out, ranks, |a| a)
+}
+
+/// [`run`] with `change` applied to its arguments.
+fn run_with(
+    name: &str,
+    out: &Path,
+    (world, tp): (usize, usize),
+    change: impl FnOnce(TrainingArguments) -> TrainingArguments,
+) -> Vec<Value> {
     let trl = trl();
     let case = &trl["cases"][name];
     let config = &case["config"];
@@ -225,7 +235,8 @@ fn run(name: &str, out: &Path, (world, tp): (usize, usize)) -> Vec<Value> {
         tensor_parallel_size: tp,
         ..TrainingArguments::default()
     };
-    let (_, eval) = causal_lm::train::<CpuTrain>(&opts, args, &CpuDevice::default()).unwrap();
+    let (_, eval) =
+        causal_lm::train::<CpuTrain>(&opts, change(args), &CpuDevice::default()).unwrap();
     if let (Some(eval), true) = (eval, kiln::parallel::is_main_process().unwrap()) {
         std::fs::write(
             out.join("eval.json"),
@@ -407,4 +418,68 @@ fn dpo_under_data_and_tensor_parallelism_equals_trl() {
         seen.insert(format!("{name} {world}/{tp}"), worst);
     }
     eprintln!("largest relative differences from TRL: {seen:?}");
+}
+
+/// Activation checkpointing (each segment recomputed, the scores observed from the recomputed
+/// head) and a resume from step 2's checkpoint give TRL's numbers too; the resumed run ends on
+/// the uninterrupted run's weights, bit for bit (the reference is recomputed from the model as
+/// loaded, which is the reference).
+#[test]
+fn dpo_by_segment_and_resumed_equals_trl() {
+    if DistEnv::from_env().unwrap().is_some() {
+        return;
+    }
+    let trl = trl();
+    let want = trl["cases"]["standard_sigmoid"]["log_history"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let tmp = tempfile::tempdir().unwrap();
+    let by_segment = run_with("standard_sigmoid", &tmp.path().join("ck"), (1, 1), |a| {
+        TrainingArguments {
+            gradient_checkpointing: true,
+            ..a
+        }
+    });
+    compare("standard_sigmoid by segment", &by_segment, &want, &METRICS);
+
+    let saving = |a: TrainingArguments| TrainingArguments {
+        save_strategy: SaveStrategy::Steps,
+        save_steps: 2.0,
+        ..a
+    };
+    let full_dir = tmp.path().join("full");
+    run_with("standard_sigmoid", &full_dir, (1, 1), saving);
+    let resumed_dir = tmp.path().join("resumed");
+    let checkpoint = full_dir.join("checkpoint-2").display().to_string();
+    let resumed = run_with("standard_sigmoid", &resumed_dir, (1, 1), |a| {
+        TrainingArguments {
+            resume_from_checkpoint: Some(checkpoint),
+            ..saving(a)
+        }
+    });
+    // The resumed run logs steps 3 and 4: TRL's.
+    let resumed_steps: Vec<&Value> = resumed
+        .iter()
+        .filter(|e| e.get("loss").is_some() && e.get("train_loss").is_none())
+        .collect();
+    assert_eq!(resumed_steps.len(), 2, "{resumed:?}");
+    for (g, w) in resumed_steps.iter().zip(&want[2..4]) {
+        for key in METRICS {
+            let (gv, wv) = (g[key].as_f64().unwrap(), w[key].as_f64().unwrap());
+            assert!(
+                (gv - wv).abs() <= 5e-5 + 2e-3 * wv.abs().max(1.0),
+                "resumed step {}: {key} {gv} vs TRL's {wv}",
+                g["step"]
+            );
+        }
+    }
+    let weights = |d: &Path| {
+        kiln::formats::safetensors::read_safetensors(&d.join("model.safetensors")).unwrap()
+    };
+    let (a, b) = (weights(&full_dir), weights(&resumed_dir));
+    assert_eq!(a.len(), b.len());
+    for (k, t) in &a {
+        assert!(t.data == b[k].data, "{k}: the resumed run's weights differ");
+    }
 }
