@@ -105,32 +105,12 @@ pub fn prepare_preference_row(
             chosen,
             rejected,
         } => {
-            let template = template.ok_or_else(no_chat_template)?;
-            let tools = tools(row)?;
-            let variables = template_variables(row)?;
-            let prompt = parse_messages("prompt", &prompt)?;
-            let render = |messages: &[Message], add_generation_prompt: bool| {
-                let text = template
-                    .render_with(
-                        messages,
-                        &RenderOptions {
-                            add_generation_prompt,
-                            tools: tools.as_deref(),
-                            variables,
-                        },
-                    )?
-                    .text;
-                encode(tokenizer, &text, false)
-            };
-            let whole = |field: &str, completion: &Json| -> Result<Vec<Message>, SftError> {
-                let mut all = prompt.clone();
-                all.extend(parse_messages(field, completion)?);
-                Ok(all)
-            };
+            let [p, c, r] =
+                render_conversation(row, template, [&prompt, &chosen, &rejected], true)?;
             (
-                render(&prompt, true)?,
-                render(&whole("chosen", &chosen)?, false)?,
-                render(&whole("rejected", &rejected)?, false)?,
+                encode(tokenizer, &p, false)?,
+                encode(tokenizer, &c, false)?,
+                encode(tokenizer, &r, false)?,
             )
         }
     };
@@ -199,33 +179,14 @@ pub fn prepare_orpo_row(
             chosen,
             rejected,
         } => {
-            let template = template.ok_or_else(no_chat_template)?;
-            let tools = tools(row)?;
-            let variables = template_variables(row)?;
-            let prompt = parse_messages("prompt", &prompt)?;
-            let render = |messages: &[Message], add_generation_prompt: bool| {
-                Ok::<_, SftError>(
-                    template
-                        .render_with(
-                            messages,
-                            &RenderOptions {
-                                add_generation_prompt,
-                                tools: tools.as_deref(),
-                                variables,
-                            },
-                        )?
-                        .text,
-                )
-            };
-            let whole = |field: &str, completion: &Json| -> Result<String, SftError> {
-                let mut all = prompt.clone();
-                all.extend(parse_messages(field, completion)?);
-                render(&all, false)
-            };
-            let ends_on_user = prompt.last().is_some_and(|m| m.role == "user");
-            let (c, r) = (whole("chosen", &chosen)?, whole("rejected", &rejected)?);
+            // TRL's ORPO renders the generation prompt only after a user's turn.
+            let ends_on_user = prompt
+                .as_array()
+                .and_then(|m| m.last())
+                .is_some_and(|m| m.get("role").and_then(Json::as_str) == Some("user"));
+            let [p, c, r] =
+                render_conversation(row, template, [&prompt, &chosen, &rejected], ends_on_user)?;
             // The prompt's text as both conversations render it (TRL keeps the shared start).
-            let p = render(&prompt, ends_on_user)?;
             let shared = |a: &str, b: &str| {
                 a.char_indices()
                     .zip(b.chars())
@@ -312,6 +273,38 @@ pub fn prepare_orpo_row(
         chosen_ids: rest(&chosen_prompt, chosen_answer),
         rejected_ids: rest(&rejected_prompt, rejected_answer),
     })
+}
+
+/// A conversational row's texts with the chat template: the prompt alone (with the generation
+/// prompt if `add_generation_prompt`), and the prompt followed by each answer.
+fn render_conversation(
+    row: &Map<String, Json>,
+    template: Option<&ChatTemplate>,
+    [prompt, chosen, rejected]: [&Json; 3],
+    add_generation_prompt: bool,
+) -> Result<[String; 3], SftError> {
+    let template = template.ok_or_else(no_chat_template)?;
+    let tools = tools(row)?;
+    let variables = template_variables(row)?;
+    let prompt = parse_messages("prompt", prompt)?;
+    let render = |messages: &[Message], add_generation_prompt: bool| -> Result<String, SftError> {
+        let options = RenderOptions {
+            add_generation_prompt,
+            tools: tools.as_deref(),
+            variables,
+        };
+        Ok(template.render_with(messages, &options)?.text)
+    };
+    let whole = |field: &str, answer: &Json| -> Result<String, SftError> {
+        let mut all = prompt.clone();
+        all.extend(parse_messages(field, answer)?);
+        render(&all, false)
+    };
+    Ok([
+        render(&prompt, add_generation_prompt)?,
+        whole("chosen", chosen)?,
+        whole("rejected", rejected)?,
+    ])
 }
 
 /// The row's prompt, chosen and rejected parts, the prompt extracted where it is implicit.
