@@ -116,6 +116,16 @@ pub trait Loss: Send + Sync {
     ) -> Tensor<B, 1>;
 }
 
+/// How many of `targets` are not [`IGNORE_INDEX`] (at least 1: the divisor of a mean over them).
+pub fn target_count<B: Backend>(targets: &Tensor<B, 1, Int>) -> Tensor<B, 1> {
+    targets
+        .clone()
+        .not_equal_elem(IGNORE_INDEX)
+        .float()
+        .sum()
+        .clamp_min(1.0)
+}
+
 /// Mean cross-entropy over the targets that are not [`IGNORE_INDEX`] (PyTorch's `cross_entropy`).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CrossEntropy;
@@ -126,12 +136,7 @@ impl Loss for CrossEntropy {
         logits: Tensor<B, 2>,
         targets: Tensor<B, 1, Int>,
     ) -> Tensor<B, 1> {
-        let count = targets
-            .clone()
-            .not_equal_elem(IGNORE_INDEX)
-            .float()
-            .sum()
-            .clamp_min(1.0);
+        let count = target_count(&targets);
         crate::ops::cross_entropy(logits, targets, IGNORE_INDEX).sum() / count
     }
 }

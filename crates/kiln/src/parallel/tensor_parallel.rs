@@ -157,12 +157,7 @@ impl Loss for VocabParallelCrossEntropy {
         logits: Tensor<B, 2>,
         targets: Tensor<B, 1, Int>,
     ) -> Tensor<B, 1> {
-        let count = targets
-            .clone()
-            .not_equal_elem(IGNORE_INDEX)
-            .float()
-            .sum()
-            .clamp_min(1.0);
+        let count = crate::contract::target_count(&targets);
         self.token_losses(logits, targets).sum() / count
     }
 }
