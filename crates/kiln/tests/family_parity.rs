@@ -205,6 +205,7 @@ fn lm_batch(fx: &Fixture) -> (TokenBatch, Vec<i64>) {
         seq: shape[1],
         segments: Vec::new(),
         scoring: None,
+        carried: Default::default(),
     };
     (b, targets)
 }

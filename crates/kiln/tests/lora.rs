@@ -134,6 +134,7 @@ fn llama_adapters_match_peft() {
             seq: t,
             segments: Vec::new(),
             scoring: None,
+            carried: Default::default(),
         };
         let logits = m.logits(&batch);
         let got = host(logits.clone());

@@ -42,6 +42,7 @@ fn batch(vocab: usize) -> (TokenBatch, Vec<i64>) {
         seq: s,
         segments: Vec::new(),
         scoring: None,
+        carried: Default::default(),
     };
     (batch, targets)
 }

@@ -224,6 +224,7 @@ impl DataOpts {
             lora_base_dtype: Default::default(),
             sft: None,
             dpo: None,
+            reward: None,
         })
     }
     pub fn options(

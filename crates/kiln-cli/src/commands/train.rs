@@ -25,6 +25,9 @@ pub enum Task {
     Dpo,
     /// Odds-ratio preference optimisation on the same rows (TRL's ORPO, optimum-neuron's).
     Orpo,
+    /// A reward model (a one-label sequence classifier on a Llama-family model) trained on
+    /// chosen/rejected pairs (TRL's RewardTrainer).
+    RewardModeling,
 }
 
 #[derive(Args)]
@@ -36,8 +39,9 @@ pub struct TrainCmd {
     /// `causal-lm` (a Llama-family model and a text corpus, packed into --block-size blocks),
     /// `sft` (a Llama-family model on TRL's prompt/completion, messages or text rows, with the
     /// model's chat template), `dpo` or `orpo` (the same models on TRL's prompt/chosen/rejected
-    /// preference rows) or `mnist-mlp` (the AWS Neuron MNIST MLP sample on IDX files in
-    /// --data-dir).
+    /// preference rows), `reward-modeling` (a reward model from such rows, saved as
+    /// `LlamaForSequenceClassification`) or `mnist-mlp` (the AWS Neuron MNIST MLP sample on IDX
+    /// files in --data-dir).
     #[arg(long, default_value = "text-classification", help_heading = "Model")]
     pub task: Task,
     /// A Hugging Face model folder (config.json, model.safetensors, tokenizer.json), or a Hub id
@@ -112,6 +116,8 @@ where
     let preference = matches!(cmd.task, Task::Dpo | Task::Orpo);
     let task_defaults = match cmd.task {
         Task::Dpo | Task::Orpo => serde_json::json!({"learning_rate": 1e-6}),
+        // TRL's RewardConfig.
+        Task::RewardModeling => serde_json::json!({"learning_rate": 1e-4}),
         _ => serde_json::json!({}),
     };
     let serde_json::Value::Object(task_defaults) = task_defaults else {
@@ -128,13 +134,16 @@ where
             "--completion-only-loss, --assistant-only-loss and --packing are options of --task sft"
         );
     }
-    if !preference && cmd.dpo.any() {
+    if cmd.task != Task::RewardModeling && cmd.dpo.any_reward() {
+        bail!("--center-rewards-coefficient is an option of --task reward-modeling");
+    }
+    if !preference && cmd.task != Task::RewardModeling && cmd.dpo.any() {
         bail!(
             "--beta, --loss-type and --precompute-ref-log-probs are options of --task dpo (and \
              --beta of --task orpo)"
         );
     }
-    if preference || matches!(cmd.task, Task::CausalLm | Task::Sft) {
+    if preference || matches!(cmd.task, Task::CausalLm | Task::Sft | Task::RewardModeling) {
         let mut opts = cmd.data.lm_options(
             Some(&cmd.train_data),
             &cmd.lm,
@@ -145,7 +154,9 @@ where
         opts.lora_base_dtype = cmd.lora.base_dtype()?;
         let given = sub.value_source("max_length") == Some(clap::parser::ValueSource::CommandLine);
         let max_length = given.then(|| cmd.data.max_length());
-        if preference {
+        if cmd.task == Task::RewardModeling {
+            opts.reward = Some(cmd.dpo.reward(max_length, cmd.data.pad_to_multiple_of())?);
+        } else if preference {
             opts.dpo = Some(cmd.dpo.data(
                 cmd.task == Task::Orpo,
                 max_length,

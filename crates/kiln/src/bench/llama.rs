@@ -177,6 +177,7 @@ fn random_blocks(batch: usize, seq: usize) -> (crate::data::lm::TokenBatch, Vec<
         seq,
         segments: Vec::new(),
         scoring: None,
+        carried: Default::default(),
     };
     (tb, targets)
 }

@@ -137,6 +137,17 @@ pub struct TokenBatch {
     pub segments: Vec<usize>,
     /// Score each row's completion instead of returning logits (see [`CompletionScoring`]).
     pub scoring: Option<std::sync::Arc<CompletionScoring>>,
+    /// Values each row's scores carry along unchanged after the computed columns, for the loss
+    /// and metrics to read (the reference model's log-probability of a DPO row's completion, a
+    /// reward pair's margin). Only heads that return one row per sequence carry them.
+    pub carried: RowValues,
+}
+
+/// `per_row` values for each row of a batch, row-major (`batch × per_row`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RowValues {
+    pub values: Vec<f32>,
+    pub per_row: usize,
 }
 
 /// Asks a causal LM for one row of scores per sequence instead of a row of logits per token:
@@ -151,10 +162,6 @@ pub struct CompletionScoring {
     /// Per position: whether its target is a completion token (the completion columns sum over
     /// these; the sequence columns over every target, the prompt's too).
     pub completion: Vec<bool>,
-    /// Per row, values the scores carry along unchanged after the computed columns (the
-    /// reference model's log-probability of the row's completion): `batch × carried_per_row`.
-    pub carried: Vec<f32>,
-    pub carried_per_row: usize,
 }
 
 #[cfg(test)]

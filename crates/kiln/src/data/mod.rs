@@ -12,6 +12,7 @@ pub mod preference;
 pub mod prepared;
 pub mod reader;
 pub mod records;
+pub mod reward;
 pub mod saved_dataset;
 pub mod sft;
 pub mod tokenize;

@@ -10,7 +10,7 @@ use std::ops::Range;
 use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::contract::IGNORE_INDEX;
-use crate::data::lm::CompletionScoring;
+use crate::data::lm::{CompletionScoring, RowValues};
 use crate::ops::{tp_sum, KilnBackend, TpComm};
 use crate::parallel::VocabParallelCrossEntropy;
 
@@ -51,11 +51,12 @@ pub struct VocabSlice<'a> {
 }
 
 /// `logits` `[rows × seq, vocab]` (a rank's `[…, columns]` under `slice`) → `[rows, COMPUTED +
-/// carried_per_row]` scores.
+/// carried.per_row]` scores.
 pub fn completion_scores<B: KilnBackend>(
     logits: Tensor<B, 2>,
     rows: usize,
     scoring: &CompletionScoring,
+    carried: &RowValues,
     slice: Option<VocabSlice<'_>>,
 ) -> Tensor<B, 2> {
     let [n, _] = logits.dims();
@@ -96,12 +97,8 @@ pub fn completion_scores<B: KilnBackend>(
         .token_losses(logits, targets),
     };
     let per_row = |x: Tensor<B, 1>| x.reshape([rows, seq]).sum_dim(1);
-    let carried = Tensor::<B, 2>::from_data(
-        TensorData::new(scoring.carried.clone(), [rows, scoring.carried_per_row]),
-        &device,
-    );
     let log_probs = losses.neg();
-    Tensor::cat(
+    with_carried(
         vec![
             per_row(log_probs.clone() * keep.clone()),
             tokens,
@@ -110,12 +107,25 @@ pub fn completion_scores<B: KilnBackend>(
             per_row(stats.top1 * keep),
             per_row(log_probs),
             sequence_tokens,
-        ]
-        .into_iter()
-        .chain((scoring.carried_per_row > 0).then_some(carried))
-        .collect(),
-        1,
+        ],
+        carried,
     )
+}
+
+/// `columns` (each `[rows, k]`) side by side, then the batch's `carried` values.
+pub fn with_carried<B: KilnBackend>(
+    mut columns: Vec<Tensor<B, 2>>,
+    carried: &RowValues,
+) -> Tensor<B, 2> {
+    if carried.per_row > 0 {
+        let rows = columns.first().map_or(0, |c| c.dims()[0]);
+        let device = columns[0].device();
+        columns.push(Tensor::from_data(
+            TensorData::new(carried.values.clone(), [rows, carried.per_row]),
+            &device,
+        ));
+    }
+    Tensor::cat(columns, 1)
 }
 
 /// Per position (no gradient): the mean logit over the vocabulary, the entropy of the softmax,
@@ -188,15 +198,17 @@ mod tests {
         let scoring = CompletionScoring {
             targets: targets.clone(),
             completion: completion.clone(),
-            carried: vec![-1.5, 2.5],
-            carried_per_row: 1,
+        };
+        let carried = RowValues {
+            values: vec![-1.5, 2.5],
+            per_row: 1,
         };
         let device = Default::default();
         let t = Tensor::<Cpu, 2>::from_data(
             TensorData::new(logits.clone(), [rows * seq, vocab]),
             &device,
         );
-        let got: Vec<f32> = completion_scores(t, rows, &scoring, None)
+        let got: Vec<f32> = completion_scores(t, rows, &scoring, &carried, None)
             .into_data()
             .into_vec()
             .unwrap();

@@ -37,6 +37,16 @@ pub trait DecoderConfig: Clone + Send + Sync + 'static {
     fn num_layers(&self) -> usize;
     /// Every parameter's shape of the whole model, by Hugging Face name, without building it.
     fn param_shapes(&self) -> BTreeMap<String, Vec<usize>>;
+    /// The labels of the sequence-classification head the config names
+    /// (`…ForSequenceClassification`, a reward model's `score`); `None` for a causal LM.
+    fn sequence_classifier_labels(&self) -> Option<usize>;
+    /// The config of the same decoder with a sequence-classification head of `num_labels` instead
+    /// of its language-model head, under the family's class name `{class_prefix}ForSequenceClassification`.
+    fn into_sequence_classifier(self, class_prefix: &str, num_labels: usize) -> Self;
+    /// The padding token's id, which a sequence classifier reads each row's score before.
+    fn pad_token_id(&self) -> Option<u32>;
+    /// The same config with `pad_token_id` set (as TRL sets it from the tokenizer).
+    fn with_pad_token_id(self, pad: u32) -> Self;
 }
 
 /// A causal LM: logits for every position of a token batch (the trainer's [`Model`]) and

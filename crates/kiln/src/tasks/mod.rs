@@ -6,5 +6,6 @@ pub mod causal_lm;
 pub mod merge;
 pub mod mnist;
 pub mod preference;
+pub mod reward;
 pub mod sft;
 pub mod text_classification;

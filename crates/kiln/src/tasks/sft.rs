@@ -210,6 +210,7 @@ impl BatchSource for SftSet {
                 seq,
                 segments,
                 scoring: None,
+                carried: Default::default(),
             },
             targets,
         )

@@ -317,8 +317,10 @@ impl LlamaConfig {
             linear(at("mlp.up_proj"), h, i, self.mlp_bias);
             linear(at("mlp.down_proj"), i, h, self.mlp_bias);
         }
-        if !self.tie_word_embeddings {
-            linear("lm_head".into(), h, v, false);
+        match self.sequence_classifier_labels() {
+            Some(labels) => linear("score".into(), h, labels, false),
+            None if !self.tie_word_embeddings => linear("lm_head".into(), h, v, false),
+            None => {}
         }
         for l in 0..self.num_hidden_layers {
             for norm in ["input_layernorm", "post_attention_layernorm"] {
@@ -345,7 +347,11 @@ impl LlamaConfig {
             + if self.attention_bias { h } else { 0.0 };
         let mlp_bias = if self.mlp_bias { 2.0 * i + h } else { 0.0 };
         let layer = h * q + 2.0 * h * kv + q * h + bias + 3.0 * h * i + mlp_bias + 2.0 * h;
-        let head = if self.tie_word_embeddings { 0.0 } else { v * h };
+        let head = match self.sequence_classifier_labels() {
+            Some(labels) => labels as f64 * h,
+            None if self.tie_word_embeddings => 0.0,
+            None => v * h,
+        };
         v * h + l * layer + h + head
     }
 
@@ -474,6 +480,54 @@ impl LlamaConfig {
             }
         };
         scaled.into_iter().map(|x| x as f32).collect()
+    }
+
+    /// The number of labels of the `score` head where `architectures` names a sequence
+    /// classifier (`LlamaForSequenceClassification`: transformers' reward models); `None` for a
+    /// causal LM. transformers stores the count as `id2label`'s size (`num_labels` is not saved),
+    /// 2 where neither is given.
+    pub fn sequence_classifier_labels(&self) -> Option<usize> {
+        let class = self.architectures.as_ref()?.first()?;
+        if !class.ends_with("ForSequenceClassification") {
+            return None;
+        }
+        let from_labels = self
+            .extra
+            .get("id2label")
+            .and_then(|m| m.as_object())
+            .map(|m| m.len())
+            .filter(|&n| n > 0);
+        let given = self
+            .extra
+            .get("num_labels")
+            .and_then(|n| n.as_u64())
+            .map(|n| n as usize);
+        Some(from_labels.or(given).unwrap_or(2))
+    }
+
+    /// This config as the `{class_prefix}ForSequenceClassification` of `num_labels` labels that
+    /// transformers' `AutoModelForSequenceClassification.from_pretrained(…, num_labels=…)` makes
+    /// of it (the labels named `LABEL_i`, as transformers names them).
+    pub fn into_sequence_classifier(mut self, class_prefix: &str, num_labels: usize) -> Self {
+        self.architectures = Some(vec![format!("{class_prefix}ForSequenceClassification")]);
+        let names = (0..num_labels).map(|i| (i.to_string(), format!("LABEL_{i}")));
+        self.extra.insert(
+            "id2label".into(),
+            names
+                .clone()
+                .map(|(i, n)| (i, serde_json::Value::from(n)))
+                .collect::<serde_json::Map<_, _>>()
+                .into(),
+        );
+        self.extra.insert(
+            "label2id".into(),
+            names
+                .map(|(i, n)| (n, serde_json::Value::from(i.parse::<u64>().unwrap_or(0))))
+                .collect::<serde_json::Map<_, _>>()
+                .into(),
+        );
+        self.extra.remove("num_labels");
+        self
     }
 
     pub fn to_json(&self) -> String {

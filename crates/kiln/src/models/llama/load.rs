@@ -36,8 +36,21 @@ pub fn load_shard_of<B: KilnBackend>(
     let model = crate::ops::with_seeded_rng::<B, _>(device, 0, || {
         LlamaForCausalLM::new_stage(config, device, shard, keep)
     });
-    let (model, mut report) = load_into(model, tensors, None, device)?;
+    let (mut model, mut report) = load_into(model, tensors, None, device)?;
     report.missing.retain(|p| keep(p));
+    // A causal LM's folder read as a sequence classifier (a reward model's start): its body is
+    // the checkpoint's and its head is new, as transformers' `from_pretrained` starts one.
+    let classifier = config.sequence_classifier_labels();
+    if classifier.is_some() && report.missing.iter().any(|p| p == "score.weight") {
+        report.missing.retain(|p| p != "score.weight");
+        model.score = Some(fresh_score(config, device));
+        info!(
+            "{}: no score.weight: the sequence-classification head starts from N(0, {}²), as \
+             transformers starts it",
+            dir.display(),
+            config.initializer_range
+        );
+    }
     if !report.missing.is_empty() {
         return Err(KilnError::Weights(format!(
             "{}: weights missing for {} (is this a LlamaForCausalLM folder?)",
@@ -48,7 +61,9 @@ pub fn load_shard_of<B: KilnBackend>(
     let unexpected: Vec<_> = report
         .unexpected
         .iter()
-        .filter(|k| !(config.tie_word_embeddings && *k == "lm_head.weight"))
+        .filter(|k| {
+            !((config.tie_word_embeddings || classifier.is_some()) && *k == "lm_head.weight")
+        })
         .collect();
     // Weights of layers past the config's count: the config does not describe this model, and
     // running the layers it names would silently drop the rest.
@@ -101,6 +116,37 @@ pub fn fresh_llama<B: KilnBackend>(
     });
     let tensors = crate::models::params::module_tensors_where(&fresh, keep);
     Ok(crate::models::params::load_into(model, tensors, None, device)?.0)
+}
+
+/// A new sequence-classification head, drawn on the CPU from a fixed seed whatever the device
+/// (so every rank and backend starts from the same head).
+fn fresh_score<B: KilnBackend>(
+    config: &LlamaConfig,
+    device: &B::Device,
+) -> crate::models::layers::Linear<B> {
+    use crate::backend::{Cpu, CpuDevice};
+    use crate::models::layers::Linear;
+    let labels = config.sequence_classifier_labels().unwrap_or(1);
+    let cpu = CpuDevice::default();
+    let head = crate::ops::with_seeded_rng::<Cpu, _>(&cpu, 0, || {
+        Linear::<Cpu>::new(
+            config.hidden_size,
+            labels,
+            false,
+            config.initializer_range,
+            &cpu,
+        )
+    });
+    let weight = head.weight.val().into_data();
+    let mut out = Linear::<B>::new(
+        config.hidden_size,
+        labels,
+        false,
+        config.initializer_range,
+        device,
+    );
+    out.weight = burn::module::Param::from_tensor(burn::tensor::Tensor::from_data(weight, device));
+    out
 }
 
 /// Tensor-parallel rank `s`'s weights of the model folder `dir`, those `keep` accepts.

@@ -96,6 +96,19 @@ impl DecoderConfig for LlamaConfig {
     fn param_shapes(&self) -> BTreeMap<String, Vec<usize>> {
         LlamaConfig::param_shapes(self)
     }
+    fn sequence_classifier_labels(&self) -> Option<usize> {
+        LlamaConfig::sequence_classifier_labels(self)
+    }
+    fn into_sequence_classifier(self, class_prefix: &str, num_labels: usize) -> Self {
+        LlamaConfig::into_sequence_classifier(self, class_prefix, num_labels)
+    }
+    fn pad_token_id(&self) -> Option<u32> {
+        self.pad_token_id
+    }
+    fn with_pad_token_id(mut self, pad: u32) -> Self {
+        self.pad_token_id = Some(pad);
+        self
+    }
 }
 
 impl<B: KilnBackend> CausalLm<B> for LlamaForCausalLM<B> {

@@ -68,8 +68,12 @@ pub struct LlamaModel<B: Backend> {
 #[derive(Module, Debug)]
 pub struct LlamaForCausalLM<B: Backend> {
     pub model: LlamaModel<B>,
-    /// `None` when the embeddings are tied.
+    /// `None` when the embeddings are tied, or when the model is a sequence classifier.
     pub lm_head: Option<Linear<B>>,
+    /// A sequence classifier's head (`LlamaForSequenceClassification`'s `score`, `[labels, H]`, no
+    /// bias; a reward model's has one label) in place of `lm_head`: each row is scored at its
+    /// last position whose token is not the padding token ([`last_non_padding`]).
+    pub score: Option<Linear<B>>,
     /// This rank's place in a tensor-parallel group (`None`: the whole model).
     pub shard: Ignored<Option<LlamaShard>>,
 }
@@ -382,8 +386,11 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
                 inv_freq: Ignored(c.inv_freq()),
                 padding_idx: Ignored(padding_idx),
             },
-            lm_head: (!c.tie_word_embeddings)
+            lm_head: (!c.tie_word_embeddings && c.sequence_classifier_labels().is_none())
                 .then(|| Linear::new(h, c.vocab_size, false, std, device)),
+            score: c
+                .sequence_classifier_labels()
+                .map(|labels| Linear::new(h, labels, false, std, device)),
             shard: Ignored(None),
         };
         let mut model = match shard {
@@ -396,6 +403,7 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
             empty_where(model.model.embed_tokens, "model.embed_tokens", keep);
         model.model.norm = empty_where(model.model.norm, "model.norm", keep);
         model.lm_head = model.lm_head.map(|h| empty_where(h, "lm_head", keep));
+        model.score = model.score.map(|h| empty_where(h, "score", keep));
         model
     }
 
@@ -531,6 +539,7 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
             })
             .collect();
         self.lm_head = self.lm_head.map(Linear::into_inference_layout);
+        self.score = self.score.map(Linear::into_inference_layout);
         self
     }
 
@@ -607,6 +616,9 @@ impl<B: KilnBackend> Segments<B, TokenBatch> for LlamaForCausalLM<B> {
     }
 
     fn head(&self, h: Tensor<B, 3>, batch: &TokenBatch) -> Tensor<B, 2> {
+        if let Some(score) = &self.score {
+            return self.pooled_scores(score, h, batch);
+        }
         let [b, t, _] = h.dims();
         let logits = self.project(self.model.norm.forward(h));
         let v = logits.dims()[2];
@@ -625,8 +637,10 @@ impl<B: KilnBackend> Model<B> for LlamaForCausalLM<B> {
         batch.batch * batch.seq
     }
 
+    /// A causal LM's; a sequence classifier's loss is per sequence (transformers' Trainer
+    /// averages its micro-batches' means).
     fn loss_over_step_tokens(&self) -> bool {
-        true
+        self.score.is_none()
     }
 
     /// A tied head has no parameter of its own; an untied `lm_head` counts, as in transformers.
@@ -651,6 +665,14 @@ impl<B: KilnBackend> Model<B> for LlamaForCausalLM<B> {
 
     /// One row of vocabulary logits per token, `[batch·seq, vocab]`.
     fn logits(&self, batch: &TokenBatch) -> Tensor<B, 2> {
+        if let Some(score) = &self.score {
+            let ids = self.ids(batch);
+            let rope = self.batch_rope(batch, &ids.device());
+            let x = self.model.layers.iter().fold(self.embed(ids), |x, layer| {
+                layer.forward(x, &rope, None, &batch.segments)
+            });
+            return self.pooled_scores(score, x, batch);
+        }
         let logits = if batch.segments.len() > 1 {
             let ids = self.ids(batch);
             let rope = self.batch_rope(batch, &ids.device());
@@ -667,7 +689,42 @@ impl<B: KilnBackend> Model<B> for LlamaForCausalLM<B> {
     }
 }
 
+/// Where a sequence classifier reads each row's score: the last position whose token is not
+/// `pad` (transformers' `GenericForSequenceClassification`: the attention mask is not read, so
+/// right and left padding alike work, and a trailing EOS that is also the pad token is skipped);
+/// 0 for a row of padding only; the last position when there is no padding token.
+pub fn last_non_padding(row: &[i64], pad: Option<i64>) -> usize {
+    match pad {
+        Some(p) => row.iter().rposition(|&t| t != p).unwrap_or(0),
+        None => row.len().saturating_sub(1),
+    }
+}
+
 impl<B: KilnBackend> LlamaForCausalLM<B> {
+    /// A sequence classifier's scores `[rows, labels]` (then the batch's carried values) from the
+    /// last layer's output `x` `[rows, seq, H]`: each row's final-norm hidden state at
+    /// [`last_non_padding`] through `score`. Only those positions are normed and projected:
+    /// both act on each position alone, so this is transformers' score-everywhere-then-pick.
+    fn pooled_scores(
+        &self,
+        score: &Linear<B>,
+        x: Tensor<B, 3>,
+        batch: &TokenBatch,
+    ) -> Tensor<B, 2> {
+        let [rows, seq, hidden] = x.dims();
+        let pad = self.model.padding_idx.0.map(|p| p as i64);
+        let at: Vec<i64> = batch
+            .ids
+            .chunks(seq.max(1))
+            .enumerate()
+            .map(|(r, row)| (r * seq + last_non_padding(row, pad)) as i64)
+            .collect();
+        let at = Tensor::<B, 1, Int>::from_data(TensorData::new(at, [rows]), &x.device());
+        let picked = x.reshape([rows * seq, hidden]).select(0, at);
+        let h = self.model.norm.forward(picked);
+        crate::models::completion_scores::with_carried(vec![score.forward(h)], &batch.carried)
+    }
+
     /// The logits `[batch·seq, vocab]`, or each row's completion scores where the batch asks for
     /// them ([`crate::data::lm::CompletionScoring`]).
     fn scored(&self, logits: Tensor<B, 2>, batch: &TokenBatch) -> Tensor<B, 2> {
@@ -679,7 +736,7 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
             columns: s.vocab.clone(),
             vocab: s.vocab_size,
         });
-        completion_scores(logits, batch.batch, scoring, slice)
+        completion_scores(logits, batch.batch, scoring, &batch.carried, slice)
     }
 }
 
@@ -731,11 +788,14 @@ impl<B: Backend> crate::models::lora::LoraTarget<B> for LlamaForCausalLM<B> {
         if let Some(h) = &mut self.lm_head {
             out.push(("lm_head".to_string(), h));
         }
+        if let Some(h) = &mut self.score {
+            out.push(("score".to_string(), h));
+        }
         out
     }
 
     fn output_layers(&self) -> Vec<String> {
-        vec!["lm_head".to_string()]
+        vec!["lm_head".to_string(), "score".to_string()]
     }
 
     fn default_target_modules(&self) -> &'static [&'static str] {
@@ -743,14 +803,25 @@ impl<B: Backend> crate::models::lora::LoraTarget<B> for LlamaForCausalLM<B> {
     }
 
     fn tied_modules(&self) -> Vec<String> {
-        match self.lm_head {
-            None => vec!["model.embed_tokens".to_string(), "lm_head".to_string()],
-            Some(_) => Vec::new(),
+        match (&self.lm_head, &self.score) {
+            (None, None) => vec!["model.embed_tokens".to_string(), "lm_head".to_string()],
+            _ => Vec::new(),
         }
     }
 
     fn peft_task_type(&self) -> &'static str {
-        "CAUSAL_LM"
+        match self.score {
+            Some(_) => "SEQ_CLS",
+            None => "CAUSAL_LM",
+        }
+    }
+
+    /// PEFT's SEQ_CLS adds these to `modules_to_save` itself: the score head trains whole.
+    fn task_modules_to_save(&self) -> Vec<String> {
+        match self.score {
+            Some(_) => vec!["classifier".to_string(), "score".to_string()],
+            None => Vec::new(),
+        }
     }
 
     fn split_of(&self, path: &str) -> crate::contract::ParamSplit {

@@ -25,6 +25,7 @@ use crate::tasks::adapter::LoraSetup;
 use crate::tasks::preference::{
     PreferenceData, PreferenceMethod, PreferenceSet, PreferenceTokenization,
 };
+use crate::tasks::reward::{RewardData, RewardSet, RewardTokenization};
 use crate::tasks::sft::{SftData, SftSet, SftTokenization};
 use crate::train::checkpoint::ModelFiles;
 use crate::train::trainer::{EvalOutput, TokenMetrics, TrainOutput};
@@ -64,6 +65,7 @@ impl BatchSource for LmBlocks {
                 seq,
                 segments: Vec::new(),
                 scoring: None,
+                carried: Default::default(),
             },
             targets,
         )
@@ -131,6 +133,9 @@ pub struct CausalLmOptions {
     pub sft: Option<SftData>,
     /// Preference optimisation (`--task dpo`): preference rows and DPO's loss.
     pub dpo: Option<PreferenceData>,
+    /// Reward modelling (`--task reward-modeling`): the model becomes a one-label sequence
+    /// classifier trained on preference pairs.
+    pub reward: Option<RewardData>,
 }
 
 impl CausalLmOptions {
@@ -260,10 +265,11 @@ pub fn train_with<B: TrainBackend, L: Loss + Clone + 'static>(
         type Output = Result<(TrainOutput, Option<EvalOutput>)>;
         fn visit<A: DecoderArchitecture>(
             self,
-            _: &'static DecoderFamily<A>,
+            family: &'static DecoderFamily<A>,
             config: A::Config,
         ) -> Self::Output {
             train_family::<B, A, L>(
+                family,
                 self.opts,
                 self.args,
                 self.device,
@@ -309,6 +315,7 @@ struct User<L> {
 
 /// [`train_with`] with the family's architecture `A` and its `config`.
 fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'static>(
+    family: &'static DecoderFamily<A>,
     opts: &CausalLmOptions,
     args: TrainingArguments,
     device: &B::Device,
@@ -321,6 +328,9 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
         tp: tp_group,
         pp: (pp_group, pipeline),
     } = layout;
+    let tok_path = opts.tokenizer_path()?;
+    let tok = load_tokenizer(&tok_path)?;
+    let config = head_for_task(family, opts, config, &tok)?;
     let (shard, builtin) = tensor_parallel_plan::<A, _>(&config, tp_group)?;
     // Under tensor parallelism the user's loss and metrics see whole rows of logits.
     let whole_vocab = match &builtin {
@@ -338,8 +348,6 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
         (Some(m), Some(w)) => Some(Arc::new(WholeVocabMetrics { inner: m, whole: w })),
         (m, _) => m,
     };
-    let tok_path = opts.tokenizer_path()?;
-    let tok = load_tokenizer(&tok_path)?;
     // A pipeline is cut from the config before anything is built, so each stage builds and
     // reads only its own layers.
     let mut plan = ParallelPlan::new(parallel).with_pipeline(pp_group, pipeline);
@@ -368,15 +376,19 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
         .train_file
         .as_ref()
         .ok_or_else(|| KilnError::Config("kiln train needs --train-file".into()))?;
-    let data = match (&opts.sft, &opts.dpo) {
-        (_, Some(dpo)) => {
-            if plan.pipeline().is_some() {
-                return Err(KilnError::Config(
-                    "--task dpo and --task orpo do not run under --pipeline-parallel-size yet: \
-                     use data or tensor parallelism"
-                        .into(),
-                ));
-            }
+    if (opts.dpo.is_some() || opts.reward.is_some()) && plan.pipeline().is_some() {
+        return Err(KilnError::Config(
+            "--task dpo, orpo and reward-modeling do not run under --pipeline-parallel-size yet: \
+             use data or tensor parallelism"
+                .into(),
+        ));
+    }
+    let data = match (&opts.sft, &opts.dpo, &opts.reward) {
+        (_, _, Some(reward)) => {
+            let (train, eval) = reward_sets(opts, reward, &tok, eos, train_file)?;
+            RunData::Reward(train, eval, reward)
+        }
+        (_, Some(dpo), None) => {
             let (train, eval) = preference_sets(opts, dpo, &tok, eos, train_file)?;
             let (train, eval) = if dpo.method.needs_reference() {
                 // The reference is the policy before training: the model as loaded, before any
@@ -403,11 +415,11 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
             };
             RunData::Preference(train, eval, dpo)
         }
-        (Some(sft), None) => {
+        (Some(sft), None, None) => {
             let (train, eval) = sft_sets(opts, sft, &tok, eos, train_file)?;
             RunData::Lm(LmData::Sft(train), eval.map(LmData::Sft))
         }
-        (None, None) => RunData::Lm(
+        (None, None, None) => RunData::Lm(
             LmData::Blocks(opts.blocks(train_file, &tok, eos, opts.max_train_samples)?),
             match &opts.eval_file {
                 Some(p) => Some(LmData::Blocks(opts.blocks(
@@ -461,14 +473,104 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
             .no_perplexity()
             .build()
             .train_and_evaluate(&train, eval.as_ref()),
+        RunData::Reward(train, eval, reward) => builder
+            .loss(reward.loss())
+            .token_metrics(Some(reward.metrics()))
+            .train_metrics(reward.metrics())
+            .no_perplexity()
+            .build()
+            .train_and_evaluate(&train, eval.as_ref()),
     }
 }
 
-/// A run's training and evaluation data: a corpus or SFT rows, or preference pairs with the
-/// settings of their loss.
+/// The config of the model the task trains: a causal LM's as it is; for `--task reward-modeling`,
+/// the same decoder with a one-label `score` head (a causal LM's folder is read as transformers'
+/// `AutoModelForSequenceClassification.from_pretrained(…, num_labels=1)` reads it), and the
+/// tokenizer's padding token as `pad_token_id` where the config has none (as TRL sets it), since
+/// each row is scored before its padding.
+fn head_for_task<A: DecoderArchitecture>(
+    family: &'static DecoderFamily<A>,
+    opts: &CausalLmOptions,
+    config: A::Config,
+    tok: &Tokenizer,
+) -> Result<A::Config> {
+    let config_path = || {
+        opts.from_config
+            .clone()
+            .or_else(|| opts.model_dir.as_ref().map(|d| d.join("config.json")))
+            .unwrap_or_default()
+    };
+    let labels = config.sequence_classifier_labels();
+    if opts.reward.is_none() {
+        return match labels {
+            Some(_) => Err(KilnError::Config(format!(
+                "{}: architectures names a sequence classifier: train it with --task \
+                 reward-modeling",
+                config_path().display()
+            ))),
+            None => Ok(config),
+        };
+    }
+    let config = match labels {
+        None => config.into_sequence_classifier(family.class_prefix, 1),
+        Some(1) => config,
+        Some(n) => {
+            return Err(KilnError::Config(format!(
+                "{}: a sequence classifier of {n} labels; a reward model has one (id2label of \
+                 one entry)",
+                config_path().display()
+            )))
+        }
+    };
+    if config.pad_token_id().is_some() {
+        return Ok(config);
+    }
+    let eos = eos_id(&config, tok);
+    let pad = ChatSetup::of(opts, tok, eos)?.pad_id;
+    info!("pad_token_id is not in the config: rows are scored before token {pad} (the tokenizer's padding token, else its EOS)");
+    Ok(config.with_pad_token_id(pad))
+}
+
+/// The training and evaluation pairs of `--task reward-modeling`, prepared with the model
+/// folder's chat template and special tokens.
+fn reward_sets(
+    opts: &CausalLmOptions,
+    reward: &RewardData,
+    tok: &Tokenizer,
+    eos: Option<u32>,
+    train_file: &Path,
+) -> Result<(RewardSet, Option<RewardSet>)> {
+    let setup = ChatSetup::of(opts, tok, eos)?;
+    let mut options = reward.options.clone();
+    if options.eos_token.is_none() {
+        options.eos_token = setup.eos_token.clone();
+    }
+    let how = RewardTokenization {
+        tokenizer: tok,
+        template: setup.template.as_ref(),
+        options: &options,
+    };
+    let read = |path: &Path, limit| -> Result<RewardSet> {
+        let set = RewardSet::read(path, &how, setup.pad_id, opts.strict, limit)?;
+        Ok(RewardSet {
+            pad_to_multiple_of: reward.pad_to_multiple_of,
+            ..set
+        })
+    };
+    let train = read(train_file, opts.max_train_samples)?;
+    let eval = match &opts.eval_file {
+        Some(p) => Some(read(p, opts.max_eval_samples)?),
+        None => None,
+    };
+    Ok((train, eval))
+}
+
+/// A run's training and evaluation data: a corpus or SFT rows, preference pairs with the settings
+/// of their loss, or reward pairs with theirs.
 enum RunData<'a> {
     Lm(LmData, Option<LmData>),
     Preference(PreferenceSet, Option<PreferenceSet>, &'a PreferenceData),
+    Reward(RewardSet, Option<RewardSet>, &'a RewardData),
 }
 
 /// The chat template of the model folder (if it has one), the EOS token string completions get,
@@ -675,6 +777,8 @@ fn model_files(opts: &CausalLmOptions, tok_path: &Path, config: &impl DecoderCon
             "tokenizer_config.json",
             "generation_config.json",
             "special_tokens_map.json",
+            // transformers 5 saves the chat template beside tokenizer_config.json.
+            "chat_template.jinja",
         ]
         .iter()
         .map(|f| source.join(f))

@@ -19,7 +19,7 @@ use tracing::info;
 
 use crate::contract::{BatchSource, Model, IGNORE_INDEX};
 use crate::data::chat_template::ChatTemplate;
-use crate::data::lm::{CompletionScoring, TokenBatch};
+use crate::data::lm::{CompletionScoring, RowValues, TokenBatch};
 use crate::data::preference::{
     collate_preferences, prepare_orpo_row, prepare_preference_row, PreferenceExample,
     PreferenceOptions, SpecialIds,
@@ -242,9 +242,11 @@ impl BatchSource for PreferenceSet {
             scoring: Some(Arc::new(CompletionScoring {
                 targets,
                 completion,
-                carried,
-                carried_per_row: 1,
             })),
+            carried: RowValues {
+                values: carried,
+                per_row: 1,
+            },
         };
         let sides = (0..rows).map(|r| i64::from(r >= indices.len())).collect();
         (batch, sides)
