@@ -65,6 +65,18 @@ test -f "$out/clm-tp2/checkpoint-2/shards.json"
   --ignore-eos --json 2>/dev/null | sed -n 's/^\[rank 0\] //p' | grep '^{' > "$out/gen-tp2.json"
 "$PY" tests/interop/check_llama.py "$out/clm-tp2" "$out/gen-tp2.json"
 
+# Reward modelling on real preference pairs: SmolLM2 with a new score head, two steps; transformers
+# must load the saved LlamaForSequenceClassification and score texts as `kiln predict` does.
+head -n 8 assets/prefs/eval.jsonl > "$out/pairs.jsonl"
+"$KILN" train --task reward-modeling --model "$out/smollm2" --train-file assets/prefs/train.jsonl \
+  --max-train-samples 4 --per-device-train-batch-size 2 --max-steps 2 --learning-rate 1e-4 \
+  --save-strategy no --output-dir "$out/rm" 2>&1 | tail -n 2
+"$PY" -c "import json,sys; [print(json.loads(l)[k].replace('\n',' ')) for l in open(sys.argv[1]) for k in ('chosen','rejected')]" \
+  "$out/pairs.jsonl" > "$out/rm-texts.txt"
+"$KILN" predict --model "$out/rm" --input "$out/rm-texts.txt" --max-length 96 --output "$out/rm.jsonl"
+"$PY" tests/interop/check_reward.py "$out/rm" "$out/rm.jsonl" 96
+"$KILN" eval --task reward-modeling --model "$out/rm" --eval-file "$out/pairs.jsonl" | grep -q eval_accuracy
+
 # SFT with LoRA: conversations through SmolLM2's chat template, an all-linear adapter trained for
 # two steps; peft must load the adapter onto the base and decode what `kiln generate --adapter
 # --chat` decodes, and the folder `kiln merge` writes must decode the same in transformers.
@@ -77,6 +89,15 @@ if "$PY" -c "import peft" 2>/dev/null; then
   "$KILN" merge --model "$out/smollm2" --adapter "$out/sft-lora" --out "$out/sft-merged"
   "$PY" tests/interop/check_peft.py "$out/smollm2" "$out/sft-lora" "$out/sft.json" "$out/sft-merged"
   "$PY" tests/interop/check_llama.py "$out/sft-merged" "$out/sft.json"
+  # A reward model's LoRA adapter (PEFT's SEQ_CLS: the score head trained whole beside it): peft
+  # loads it onto the causal LM it started from and scores as `kiln predict` scores the merged folder.
+  "$KILN" train --task reward-modeling --model "$out/smollm2" --train-file assets/prefs/train.jsonl \
+    --max-train-samples 4 --per-device-train-batch-size 2 --max-steps 2 --learning-rate 1e-3 \
+    --use-peft --lora-dropout 0 --save-strategy no --output-dir "$out/rm-lora" 2>&1 | tail -n 2
+  "$KILN" merge --model "$out/smollm2" --adapter "$out/rm-lora" --out "$out/rm-merged"
+  "$KILN" predict --model "$out/rm-merged" --input "$out/rm-texts.txt" --max-length 96 --output "$out/rm-lora.jsonl"
+  "$PY" tests/interop/check_reward.py "$out/rm-merged" "$out/rm-lora.jsonl" 96 "$out/smollm2" "$out/rm-lora"
+  "$PY" tests/interop/check_reward.py "$out/rm-merged" "$out/rm-lora.jsonl" 96
   # An rsLoRA adapter of rank 4 on Qwen2's attention (q/k/v biases, a tied head): the same checks.
   "$KILN" train --task causal-lm --model tests/fixtures/families/qwen2 --train-file assets/brown/train.jsonl \
     --max-train-samples 8 --block-size 32 --use-peft --lora-r 4 --lora-alpha 8 --use-rslora --lora-target-modules q_proj,k_proj,v_proj,o_proj \

@@ -173,7 +173,7 @@ where
 {
     match cli.command {
         Command::Train(cmd) => train::run::<B>(&cmd, matches, &cli.device, device),
-        Command::Eval(cmd) => eval::run::<B>(cmd, &cli.device, device),
+        Command::Eval(cmd) => eval::run::<B>(cmd, &cli.device, device, matches),
         Command::Bench(cmd) => bench::run::<B>(cmd, cli.threads, &cli.device, device),
         Command::Launch(cmd) => {
             // A kiln subcommand (`train ...`) runs this binary; anything else is a program.

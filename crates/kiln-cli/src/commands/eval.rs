@@ -1,4 +1,5 @@
-//! `kiln eval`: a model's metrics on labelled data (text classification, causal LM, MNIST).
+//! `kiln eval`: a model's metrics on labelled data (text classification, causal LM, reward model,
+//! MNIST).
 
 use std::path::PathBuf;
 
@@ -12,7 +13,8 @@ use super::train::Task;
 
 #[derive(Args)]
 pub struct EvalCmd {
-    /// What the model is: text-classification, causal-lm or mnist-mlp (as in `train`).
+    /// What the model is: text-classification, causal-lm, reward-modeling or mnist-mlp (as in
+    /// `train`).
     #[arg(long, default_value = "text-classification", help_heading = "Model")]
     pub task: Task,
     /// The model folder to evaluate (a `kiln train` output or checkpoint, any HF folder, a Hub id).
@@ -43,11 +45,12 @@ pub struct EvalCmd {
     pub lm: LmOpts,
 }
 
-/// `device_arg`: the global --device.
+/// `device_arg`: the global --device; `matches`: the command line's.
 pub fn run<B: kiln::ops::KilnBackend>(
     cmd: EvalCmd,
     device_arg: &str,
     device: &B::Device,
+    matches: &clap::ArgMatches,
 ) -> Result<()> {
     if cmd.task == Task::MnistMlp {
         kiln::tasks::mnist::eval::<B>(
@@ -58,10 +61,21 @@ pub fn run<B: kiln::ops::KilnBackend>(
         )?;
         return Ok(());
     }
-    if cmd.task == Task::CausalLm {
-        let opts = cmd
+    if matches!(cmd.task, Task::CausalLm | Task::RewardModeling) {
+        let mut opts = cmd
             .data
             .lm_options(None, &cmd.lm, Some(cmd.model.clone()), None)?;
+        if cmd.task == Task::RewardModeling {
+            let given = matches
+                .subcommand_matches("eval")
+                .and_then(|m| m.value_source("max_length"))
+                == Some(clap::parser::ValueSource::CommandLine);
+            let max_length = given.then(|| cmd.data.max_length());
+            opts.reward = Some(
+                super::dpo_opts::DpoOpts::default()
+                    .reward(max_length, cmd.data.pad_to_multiple_of())?,
+            );
+        }
         let layout = causal_lm::InferenceLayout::from_args(
             cmd.tensor_parallel_size,
             cmd.pipeline_parallel_size,
@@ -82,8 +96,8 @@ pub fn run<B: kiln::ops::KilnBackend>(
     }
     if cmd.tensor_parallel_size > 1 || cmd.pipeline_parallel_size > 1 {
         bail!(
-            "--tensor-parallel-size and --pipeline-parallel-size: only --task causal-lm is cut \
-             over processes"
+            "--tensor-parallel-size and --pipeline-parallel-size: only --task causal-lm and \
+             reward-modeling are cut over processes"
         );
     }
     let opts = cmd

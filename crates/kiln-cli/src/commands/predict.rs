@@ -1,4 +1,5 @@
-//! `kiln predict`: a fine-tuned text classifier's predictions, as JSON lines.
+//! `kiln predict`: a fine-tuned text classifier's predictions, or a reward model's scores, as JSON
+//! lines.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -6,11 +7,13 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kiln::data::Columns;
+use kiln::tasks::reward;
 use kiln::tasks::text_classification as tc;
 
 #[derive(Args)]
 pub struct PredictCmd {
-    /// A fine-tuned text-classification model folder, or a Hub id.
+    /// A fine-tuned text-classification model folder, a reward model's (`kiln train --task
+    /// reward-modeling`, any Llama-family `…ForSequenceClassification`), or a Hub id.
     #[arg(long)]
     pub model: PathBuf,
     /// One text to classify.
@@ -38,13 +41,27 @@ pub struct PredictCmd {
 
 pub fn run<B: kiln::ops::KilnBackend>(cmd: PredictCmd, device: &B::Device) -> Result<()> {
     let texts = read_texts(&cmd)?;
-    let preds = tc::predict::<B>(&cmd.model, &texts, cmd.max_length, cmd.batch_size, device)?;
     let mut out: Box<dyn std::io::Write> = match &cmd.output {
         Some(p) => Box::new(std::io::BufWriter::new(
             std::fs::File::create(p).with_context(|| format!("{}", p.display()))?,
         )),
         None => Box::new(std::io::stdout().lock()),
     };
+    // A reward model (a Llama-family sequence classifier): each text's score, as transformers'
+    // text-classification pipeline gives it with `function_to_apply="none"`.
+    if reward::is_decoder_classifier(&cmd.model) {
+        let scores =
+            reward::score_texts::<B>(&cmd.model, &texts, cmd.max_length, cmd.batch_size, device)?;
+        for (text, s) in texts.iter().zip(scores) {
+            let line = match s.as_slice() {
+                [one] => serde_json::json!({"text": text, "score": one}),
+                _ => serde_json::json!({"text": text, "scores": s}),
+            };
+            writeln!(out, "{line}")?;
+        }
+        return Ok(());
+    }
+    let preds = tc::predict::<B>(&cmd.model, &texts, cmd.max_length, cmd.batch_size, device)?;
     for p in preds {
         writeln!(out, "{}", serde_json::to_string(&p)?)?;
     }

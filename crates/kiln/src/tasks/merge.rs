@@ -41,6 +41,11 @@ pub fn merge_folder(base: &Path, adapter: &Path, out: &Path) -> Result<usize> {
         }
     }
     let merged = lora::merge(&mut weights, &tensors, &config)?;
+    // A decoder's classifier (a reward model's adapter on a causal LM) has `score` in place of
+    // the base's language-model head, which transformers would not read.
+    if classifier && weights.contains_key("score.weight") {
+        weights.retain(|name, _| !name.starts_with("lm_head."));
+    }
     // A classifier's config is the adapter folder's (its labels, its architecture).
     let config_path = if classifier {
         adapter.join("config.json")

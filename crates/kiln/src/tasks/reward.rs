@@ -234,6 +234,103 @@ impl TokenMetrics for RewardMetrics {
     }
 }
 
+/// Whether the model folder `dir` holds a decoder sequence classifier (a reward model: its
+/// `config.json` names a causal-LM family and `…ForSequenceClassification`), which `kiln predict`
+/// scores with [`score_texts`] rather than as an encoder classifier.
+pub fn is_decoder_classifier(dir: &Path) -> bool {
+    let Ok(bytes) = std::fs::read(dir.join("config.json")) else {
+        return false;
+    };
+    let Ok(json) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
+        return false;
+    };
+    let decoder = crate::models::auto::declared_model_type(&json).is_some_and(|t| {
+        crate::models::auto::causal_lms()
+            .iter()
+            .any(|(family, _)| *family == t)
+    });
+    let classifier = json["architectures"][0]
+        .as_str()
+        .is_some_and(|a| a.ends_with("ForSequenceClassification"));
+    decoder && classifier
+}
+
+/// The scores (one per label; a reward model's one reward) a decoder sequence classifier in
+/// `dir` gives each of `texts`, each tokenized with the tokenizer's special tokens and cut to its
+/// first `max_length` tokens, in batches of `batch_size` padded on the right: what
+/// transformers' `AutoModelForSequenceClassification` gives the same ids.
+pub fn score_texts<B: KilnBackend>(
+    dir: &Path,
+    texts: &[String],
+    max_length: usize,
+    batch_size: usize,
+    device: &B::Device,
+) -> Result<Vec<Vec<f32>>> {
+    use crate::models::decoder::{
+        DecoderArchitecture, DecoderConfig, DecoderFamily, DecoderVisitor,
+    };
+    struct Run<'a, B: KilnBackend>(&'a Path, &'a [String], usize, usize, &'a B::Device);
+    impl<B: KilnBackend> DecoderVisitor for Run<'_, B> {
+        type Output = Result<Vec<Vec<f32>>>;
+        fn visit<A: DecoderArchitecture>(
+            self,
+            _: &'static DecoderFamily<A>,
+            config: A::Config,
+        ) -> Self::Output {
+            let Run(dir, texts, max_length, batch_size, device) = self;
+            let labels = config.sequence_classifier_labels().ok_or_else(|| {
+                crate::error::KilnError::Config(format!(
+                    "{}: not a sequence classifier (architectures names no \
+                     …ForSequenceClassification)",
+                    dir.join("config.json").display()
+                ))
+            })?;
+            let tok = crate::tasks::causal_lm::load_tokenizer(dir)?;
+            let pad = i64::from(config.pad_token_id().unwrap_or(0));
+            let keep = crate::models::params::keep_all;
+            let model = A::load::<B>(dir, &config, device, None, &keep)?;
+            let mut out = Vec::with_capacity(texts.len());
+            for chunk in texts.chunks(batch_size.max(1)) {
+                let rows = chunk
+                    .iter()
+                    .map(|t| {
+                        let mut ids = crate::data::sft::encode(&tok, t, true)
+                            .map_err(|e| crate::error::KilnError::Data(e.to_string()))?;
+                        ids.truncate(max_length.max(1));
+                        Ok(ids)
+                    })
+                    .collect::<Result<Vec<Vec<u32>>>>()?;
+                let seq = rows.iter().map(Vec::len).max().unwrap_or(1).max(1);
+                let ids = rows
+                    .iter()
+                    .flat_map(|r| {
+                        let mut r: Vec<i64> = r.iter().map(|&t| i64::from(t)).collect();
+                        r.resize(seq, pad);
+                        r
+                    })
+                    .collect();
+                let batch = TokenBatch {
+                    ids,
+                    batch: rows.len(),
+                    seq,
+                    ..TokenBatch::default()
+                };
+                let scores: Vec<f32> = crate::contract::Model::logits(&model, &batch)
+                    .into_data()
+                    .convert::<f32>()
+                    .into_vec()
+                    .map_err(|e| crate::error::KilnError::Data(format!("scores: {e:?}")))?;
+                out.extend(scores.chunks(labels).map(<[f32]>::to_vec));
+            }
+            Ok(out)
+        }
+    }
+    crate::models::auto::with_causal_lm(
+        &dir.join("config.json"),
+        Run::<B>(dir, texts, max_length, batch_size, device),
+    )?
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -95,12 +95,20 @@ pub fn eval_layout<B: KilnBackend>(
         type Output = Result<(EvalOutput, bool)>;
         fn visit<A: DecoderArchitecture>(
             self,
-            _: &'static DecoderFamily<A>,
+            family: &'static DecoderFamily<A>,
             config: A::Config,
         ) -> Self::Output {
             let Run(opts, dir, batch_size, layout, device) = self;
             let tok_path = opts.tokenizer_path()?;
             let tok = load_tokenizer(&tok_path)?;
+            let config = head_for_task(family, opts, config, &tok)?;
+            if opts.reward.is_some() && layout.pipeline_parallel_size > 1 {
+                return Err(KilnError::Config(
+                    "--task reward-modeling is not evaluated under --pipeline-parallel-size yet: \
+                     use tensor parallelism"
+                        .into(),
+                ));
+            }
             let (tp, pp) = (layout.tensor_parallel_size, layout.pipeline_parallel_size);
             let (parallel, tp_group, pp_group) = DataParallel::<B>::join_mesh_pp(device, tp, pp)?;
             let tp_rank = tp_group.as_ref().map_or(0, |g| g.rank());
@@ -113,6 +121,18 @@ pub fn eval_layout<B: KilnBackend>(
                 .eval_file
                 .as_ref()
                 .ok_or_else(|| KilnError::Config("kiln eval needs --eval-file".into()))?;
+            if let Some(reward) = &opts.reward {
+                let eos = eos_id(&config, &tok);
+                let set = reward_set(opts, reward, &tok, eos, file, opts.max_eval_samples)?;
+                let metrics = reward.metrics();
+                let r = Reported {
+                    token_metrics: Some(metrics.as_ref()),
+                    no_perplexity: true,
+                    ..Reported::default()
+                };
+                let out = evaluate(&model, &set, batch_size, &reward.loss(), r, &parallel)?;
+                return Ok((out, parallel.is_main() && tp_rank == 0));
+            }
             let set = opts.blocks(file, &tok, eos_id(&config, &tok), opts.max_eval_samples)?;
             let (mut out, reports) = match &pp_group {
                 None => {

@@ -454,7 +454,8 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
         opts.model_dir.as_deref(),
         opts.train_file.as_deref(),
         opts.eval_file.as_deref(),
-        true,
+        // A reward model is a sequence classifier (the model card's task).
+        opts.reward.is_none(),
     );
     let builder = Trainer::<B, _>::builder(args, model, device.clone())
         .files(files)
@@ -488,7 +489,7 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
 /// `AutoModelForSequenceClassification.from_pretrained(…, num_labels=1)` reads it), and the
 /// tokenizer's padding token as `pad_token_id` where the config has none (as TRL sets it), since
 /// each row is scored before its padding.
-fn head_for_task<A: DecoderArchitecture>(
+pub(super) fn head_for_task<A: DecoderArchitecture>(
     family: &'static DecoderFamily<A>,
     opts: &CausalLmOptions,
     config: A::Config,
@@ -504,7 +505,7 @@ fn head_for_task<A: DecoderArchitecture>(
     if opts.reward.is_none() {
         return match labels {
             Some(_) => Err(KilnError::Config(format!(
-                "{}: architectures names a sequence classifier: train it with --task \
+                "{}: architectures names a sequence classifier (a reward model): use --task \
                  reward-modeling",
                 config_path().display()
             ))),
@@ -540,6 +541,30 @@ fn reward_sets(
     eos: Option<u32>,
     train_file: &Path,
 ) -> Result<(RewardSet, Option<RewardSet>)> {
+    let train = reward_set(opts, reward, tok, eos, train_file, opts.max_train_samples)?;
+    let eval = match &opts.eval_file {
+        Some(p) => Some(reward_set(
+            opts,
+            reward,
+            tok,
+            eos,
+            p,
+            opts.max_eval_samples,
+        )?),
+        None => None,
+    };
+    Ok((train, eval))
+}
+
+/// The pairs of `path` (its first `limit`) for `--task reward-modeling`.
+pub(super) fn reward_set(
+    opts: &CausalLmOptions,
+    reward: &RewardData,
+    tok: &Tokenizer,
+    eos: Option<u32>,
+    path: &Path,
+    limit: Option<usize>,
+) -> Result<RewardSet> {
     let setup = ChatSetup::of(opts, tok, eos)?;
     let mut options = reward.options.clone();
     if options.eos_token.is_none() {
@@ -550,19 +575,11 @@ fn reward_sets(
         template: setup.template.as_ref(),
         options: &options,
     };
-    let read = |path: &Path, limit| -> Result<RewardSet> {
-        let set = RewardSet::read(path, &how, setup.pad_id, opts.strict, limit)?;
-        Ok(RewardSet {
-            pad_to_multiple_of: reward.pad_to_multiple_of,
-            ..set
-        })
-    };
-    let train = read(train_file, opts.max_train_samples)?;
-    let eval = match &opts.eval_file {
-        Some(p) => Some(read(p, opts.max_eval_samples)?),
-        None => None,
-    };
-    Ok((train, eval))
+    let set = RewardSet::read(path, &how, setup.pad_id, opts.strict, limit)?;
+    Ok(RewardSet {
+        pad_to_multiple_of: reward.pad_to_multiple_of,
+        ..set
+    })
 }
 
 /// A run's training and evaluation data: a corpus or SFT rows, preference pairs with the settings
