@@ -865,3 +865,138 @@ fn dpo_with_lora_logs_trls_numbers_and_saves_the_adapter() {
     assert!(run.join("adapter_model.safetensors").is_file());
     assert!(run.join("adapter_config.json").is_file());
 }
+
+/// `--task reward-modeling` from the command line, continuing TRL's initial LoRA adapter (PEFT's
+/// SEQ_CLS: the score head trained whole beside it): TRL's numbers step by step, an adapter PEFT
+/// loads (its score copy saved as `base_model.model.score.weight`), and `kiln merge` + `kiln
+/// predict` scoring each evaluation text as `kiln eval` scores the pairs (its accuracy).
+#[test]
+fn reward_modeling_with_lora_logs_trls_numbers_and_merges_into_a_scorer() {
+    let fixtures = repo_root().join("tests/fixtures/reward");
+    let trl: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixtures.join("reward.json")).unwrap()).unwrap();
+    let data = repo_root().join("tests/fixtures/dpo");
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let model = fixtures.join("tiny_chat_llama_rm");
+    let stdout = succeed(
+        kiln_one_thread()
+            .args(["train", "--task", "reward-modeling", "--model"])
+            .arg(&model)
+            .arg("--train-file")
+            .arg(data.join("standard_train.jsonl"))
+            .arg("--eval-file")
+            .arg(data.join("standard_eval.jsonl"))
+            .arg("--adapter")
+            .arg(fixtures.join("lora_initial_adapter"))
+            .args([
+                "--per-device-train-batch-size",
+                "8",
+                "--per-device-eval-batch-size",
+                "4",
+            ])
+            .args(["--max-steps", "4", "--learning-rate", "5e-3"])
+            .args(["--lr-scheduler-type", "constant", "--weight-decay", "0"])
+            .args(["--logging-steps", "1", "--seed", "42"])
+            .args(["--eval-strategy", "no", "--save-strategy", "no"])
+            .arg("--output-dir")
+            .arg(&run),
+    );
+    let stdout = String::from_utf8(stdout).unwrap();
+    let log: Vec<serde_json::Value> = std::fs::read_to_string(run.join("log.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let want = trl["cases"]["standard_lora"]["log_history"]
+        .as_array()
+        .unwrap();
+    for step in 0..4 {
+        for key in ["loss", "accuracy", "margin", "mean_reward"] {
+            let (g, w) = (
+                log[step][key].as_f64().unwrap(),
+                want[step][key].as_f64().unwrap(),
+            );
+            assert!(
+                (g - w).abs() <= 1e-4 + 2e-3 * w.abs(),
+                "step {}: {key} {g} vs TRL's {w}",
+                step + 1
+            );
+        }
+    }
+    assert!(stdout.contains("\"eval_accuracy\""), "{stdout}");
+    assert!(!stdout.contains("perplexity"), "{stdout}");
+    let adapter: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(run.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(adapter["task_type"], "SEQ_CLS");
+    let saved = std::fs::read(run.join("adapter_model.safetensors")).unwrap();
+    let names = safetensors::SafeTensors::deserialize(&saved)
+        .unwrap()
+        .names()
+        .into_iter()
+        .map(String::from)
+        .collect::<Vec<_>>();
+    assert!(
+        names.iter().any(|n| n == "base_model.model.score.weight"),
+        "{names:?}"
+    );
+
+    // The merged model scores each evaluation side; kiln eval's accuracy is the share of pairs
+    // whose chosen side scores higher.
+    let merged = tmp.path().join("merged");
+    succeed(
+        kiln_one_thread()
+            .args(["merge", "--model"])
+            .arg(&model)
+            .arg("--adapter")
+            .arg(&run)
+            .arg("--out")
+            .arg(&merged),
+    );
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(data.join("standard_eval.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let score = |side: &str| -> Vec<f64> {
+        let mut cmd = kiln_one_thread();
+        cmd.args(["predict", "--model"]).arg(&merged);
+        for r in &rows {
+            let text = format!(
+                "{}{}<|im_end|>",
+                r["prompt"].as_str().unwrap(),
+                r[side].as_str().unwrap()
+            );
+            cmd.arg("--text").arg(text);
+        }
+        String::from_utf8(succeed(&mut cmd))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["score"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect()
+    };
+    let (chosen, rejected) = (score("chosen"), score("rejected"));
+    let wins = chosen.iter().zip(&rejected).filter(|(c, r)| c > r).count();
+    let eval = String::from_utf8(succeed(
+        kiln_one_thread()
+            .args(["eval", "--task", "reward-modeling", "--model"])
+            .arg(&merged)
+            .arg("--eval-file")
+            .arg(data.join("standard_eval.jsonl")),
+    ))
+    .unwrap();
+    let start = eval.find('{').unwrap();
+    let metrics: serde_json::Value = serde_json::from_str(&eval[start..]).unwrap();
+    assert_eq!(
+        metrics["eval_accuracy"].as_f64().unwrap(),
+        wins as f64 / rows.len() as f64,
+        "{eval}"
+    );
+    let mean = chosen.iter().chain(&rejected).sum::<f64>() / (2 * rows.len()) as f64;
+    let got = metrics["eval_mean_reward"].as_f64().unwrap();
+    assert!((got - mean).abs() < 1e-5, "{got} vs {mean}");
+}
