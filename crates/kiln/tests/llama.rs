@@ -259,3 +259,175 @@ fn sharded_folders_load() {
         "{e}"
     );
 }
+
+/// kiln's GGUF export stores values as llama.cpp's own Python package stores them, byte for
+/// byte: F16 and BF16 rounded to nearest even, Q8_0's scales and rounded quotients
+/// (tests/fixtures/gen_gguf_blocks.py, `encode`).
+#[test]
+fn gguf_export_encodes_as_llama_cpp_gguf_py() {
+    use kiln::formats::gguf_writer::encode;
+    let json: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repo_root().join("tests/fixtures/gguf_blocks.json")).unwrap(),
+    )
+    .unwrap();
+    let e = &json["encode"];
+    let values: Vec<f32> = e["values"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap() as f32)
+        .collect();
+    for (name, ty) in [
+        ("F16", GgmlType::F16),
+        ("BF16", GgmlType::BF16),
+        ("Q8_0", GgmlType::Q8_0),
+    ] {
+        let got: String = encode(ty, &values)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(got, e[name].as_str().unwrap(), "{name}");
+    }
+}
+
+/// Prompts the export round trips decode greedily.
+const GGUF_PROMPTS: [&str; 2] = ["The capital of France is", "Once upon a time"];
+
+/// Greedy ids of `dir` continuing each prompt.
+fn greedy(dir: &Path, n: usize) -> Vec<Vec<u32>> {
+    let layout = causal_lm::InferenceLayout {
+        tensor_parallel_size: 1,
+        pipeline_parallel_size: 1,
+        pipeline_cuts: None,
+    };
+    let options = GenerateOptions {
+        max_new_tokens: n,
+        stop_at_eos: false,
+        ..GenerateOptions::default()
+    };
+    GGUF_PROMPTS
+        .iter()
+        .map(|p| {
+            let prompt = causal_lm::Prompt {
+                text: p.to_string(),
+                chat: false,
+                adapter: None,
+            };
+            let (ids, _) = causal_lm::generate_from_folder::<Cpu>(
+                dir,
+                &prompt,
+                &layout,
+                &options,
+                &CpuDevice::default(),
+                |_| {},
+            )
+            .unwrap();
+            ids
+        })
+        .collect()
+}
+
+/// A Llama folder exported to GGUF (`kiln convert --to-gguf`) and read back by kiln's importer
+/// (`--from-gguf`): the config's shape, every tensor (F32 exactly, F16 as f16 rounds it, Q8_0
+/// within half a quantisation step), the tokenizer's ids, the special tokens and the chat
+/// template; and the F32 file decodes the source folder's greedy tokens. On the tiny chat Llama of
+/// the DPO fixtures (untied head, grouped-query attention, ChatML template) and, where the assets
+/// are fetched, SmolLM2-135M-Instruct (tied embeddings, 9 heads / 3 kv heads, SmolLM's
+/// pre-tokenizer) in F16 and Q8_0 too.
+#[test]
+fn exported_gguf_reads_back_as_the_source_folder() {
+    use kiln::models::llama::gguf_export::{hf_to_gguf, GgufOutType};
+    let mut sources = vec![repo_root().join("tests/fixtures/dpo/tiny_chat_llama")];
+    if let Some(smollm2) = asset("smollm2/hf") {
+        sources.push(smollm2);
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for (k, src) in sources.iter().enumerate() {
+        let original = kiln::formats::model_weights::read_model_weights(src).unwrap();
+        let src_config =
+            kiln::models::llama::config::LlamaConfig::from_file(&src.join("config.json")).unwrap();
+        let src_tok = causal_lm::load_tokenizer(src).unwrap();
+        for outtype in [
+            GgufOutType::F32,
+            GgufOutType::F16,
+            GgufOutType::BF16,
+            GgufOutType::Q8_0,
+        ] {
+            let file = tmp.path().join(format!("{k}-{outtype:?}.gguf"));
+            hf_to_gguf(src, &file, outtype).unwrap();
+            let back = tmp.path().join(format!("{k}-{outtype:?}"));
+            kiln::models::llama::gguf::gguf_to_hf(&file, &back, StoreDtype::F32).unwrap();
+            let c = kiln::models::llama::config::LlamaConfig::from_file(&back.join("config.json"))
+                .unwrap();
+            assert_eq!(
+                (
+                    c.vocab_size,
+                    c.hidden_size,
+                    c.intermediate_size,
+                    c.num_hidden_layers
+                ),
+                (
+                    src_config.vocab_size,
+                    src_config.hidden_size,
+                    src_config.intermediate_size,
+                    src_config.num_hidden_layers
+                )
+            );
+            assert_eq!(c.kv_heads(), src_config.kv_heads());
+            assert_eq!(c.head_size(), src_config.head_size());
+            assert_eq!(c.tie_word_embeddings, src_config.tie_word_embeddings);
+            assert_eq!(c.theta(), src_config.theta());
+            assert_eq!(c.eos_ids(), src_config.eos_ids());
+            assert_eq!(c.pad_token_id, src_config.pad_token_id);
+            let weights = kiln::formats::model_weights::read_model_weights(&back).unwrap();
+            let expected: Vec<&String> = original
+                .keys()
+                .filter(|n| !(src_config.tie_word_embeddings && *n == "lm_head.weight"))
+                .collect();
+            assert_eq!(weights.keys().collect::<Vec<_>>(), expected, "{outtype:?}");
+            for (name, t) in &weights {
+                let o = &original[name];
+                assert_eq!(t.shape, o.shape, "{name}");
+                let matrix = o.shape.len() == 2;
+                for (block, (got, want)) in t.data.chunks(32).zip(o.data.chunks(32)).enumerate() {
+                    let step = want.iter().fold(0f32, |a, &x| a.max(x.abs())) / 127.0;
+                    for (&g, &w) in got.iter().zip(want) {
+                        let ok = match outtype {
+                            _ if !matrix => g == w,
+                            GgufOutType::F32 => g == w,
+                            GgufOutType::F16 => g == half::f16::from_f32(w).to_f32(),
+                            GgufOutType::BF16 => g == half::bf16::from_f32(w).to_f32(),
+                            GgufOutType::Q8_0 => {
+                                // Half a step, plus up to 127 × the scale's f16 rounding
+                                // (2⁻¹¹ of it): the quotients are rounded with the f32 scale.
+                                (g - w).abs() <= step * (0.5 + 127.0 / 2048.0) * 1.001
+                            }
+                        };
+                        assert!(ok, "{outtype:?} {name} block {block}: {g} vs {w}");
+                    }
+                }
+            }
+            let tok = causal_lm::load_tokenizer(&back).unwrap();
+            for text in [
+                "Hello, world! 12345",
+                "<|im_start|>user\nhi<|im_end|>\n",
+                "  spaced  ",
+            ] {
+                assert_eq!(
+                    tok.encode(text, true).unwrap().get_ids(),
+                    src_tok.encode(text, true).unwrap().get_ids(),
+                    "{outtype:?}: {text:?}"
+                );
+            }
+            let template = |d: &Path| {
+                kiln::data::chat_template::ChatTemplate::from_model_dir(d)
+                    .unwrap()
+                    .map(|t| t.source().to_string())
+            };
+            assert_eq!(template(&back), template(src));
+            if outtype == GgufOutType::F32 {
+                assert_eq!(greedy(&back, 8), greedy(src, 8), "greedy tokens");
+            }
+        }
+    }
+}

@@ -1,6 +1,6 @@
-//! `kiln convert`: a GGUF file to a Hugging Face Llama folder, and causal-LM checkpoints (any
-//! family `models::auto` lists) cut into tensor-parallel shards (per pipeline stage with
-//! `--to-pp`) or put back together.
+//! `kiln convert`: a GGUF file to a Hugging Face Llama folder and back (`--to-gguf`, for
+//! llama.cpp and Ollama), and causal-LM checkpoints (any family `models::auto` lists) cut into
+//! tensor-parallel shards (per pipeline stage with `--to-pp`) or put back together.
 
 use std::path::PathBuf;
 
@@ -9,7 +9,7 @@ use clap::Args;
 use kiln::formats::safetensors::StoreDtype;
 
 #[derive(Args)]
-#[command(group(clap::ArgGroup::new("mode").required(true).args(["from_gguf", "to_tp", "to_full"])))]
+#[command(group(clap::ArgGroup::new("mode").required(true).args(["from_gguf", "to_tp", "to_full", "to_gguf"])))]
 pub struct ConvertCmd {
     /// A llama.cpp GGUF file of a Llama-family model (F32/F16/BF16/Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors).
     #[arg(long)]
@@ -29,6 +29,13 @@ pub struct ConvertCmd {
     /// Hugging Face folder (a plain checkpoint when it holds optimizer state).
     #[arg(long, requires = "model")]
     to_full: bool,
+    /// Write --model (a Hugging Face Llama folder: a merged SFT / DPO model) as one GGUF file
+    /// for llama.cpp / Ollama, at --out, as llama.cpp's convert_hf_to_gguf.py writes it.
+    #[arg(long, requires = "model")]
+    to_gguf: bool,
+    /// With --to-gguf: how the matrices are stored: f32, f16, bf16 or q8_0 (the norms stay f32).
+    #[arg(long, value_name = "TYPE", default_value = "f16", requires = "to_gguf")]
+    outtype: String,
     /// With --to-tp: store each rank's attention q/k/v as NxD's one fused `qkv_proj` (rows: the
     /// rank's query heads, then the key/value heads they read).
     #[arg(long, requires = "to_tp")]
@@ -36,7 +43,7 @@ pub struct ConvertCmd {
     /// The folder to convert (with --to-tp / --to-full).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// The folder to write (a new one).
+    /// The folder to write (a new one); with --to-gguf, the file.
     #[arg(long)]
     out: PathBuf,
     /// How to store the dequantised weights: f32 or bf16.
@@ -51,6 +58,22 @@ pub fn run(cmd: ConvertCmd) -> Result<()> {
         other => bail!("--dtype {other:?}: use f32 or bf16"),
     };
     let t0 = std::time::Instant::now();
+    if let (true, Some(model)) = (cmd.to_gguf, &cmd.model) {
+        use kiln::models::llama::gguf_export::{hf_to_gguf, GgufOutType};
+        let outtype = GgufOutType::from_name(&cmd.outtype)
+            .with_context(|| format!("--outtype {:?}: use {}", cmd.outtype, GgufOutType::NAMES))?;
+        let r = hf_to_gguf(model, &cmd.out, outtype)?;
+        println!(
+            "{} → {}: {} tensors {:?}, {:.1} M parameters ({:.1} s)",
+            model.display(),
+            cmd.out.display(),
+            r.tensors,
+            r.types,
+            r.parameters as f64 / 1e6,
+            t0.elapsed().as_secs_f64()
+        );
+        return Ok(());
+    }
     if let Some(model) = &cmd.model {
         let cuts = cmd
             .pipeline_cuts

@@ -4,6 +4,7 @@
 //! its model (`models/<family>/`).
 
 pub mod gguf;
+pub mod gguf_writer;
 pub mod model_weights;
 pub mod safetensors;
 pub mod sharded;

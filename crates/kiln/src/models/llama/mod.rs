@@ -5,6 +5,7 @@
 
 pub mod config;
 pub mod gguf;
+pub mod gguf_export;
 pub mod load;
 mod model;
 pub mod parallel;

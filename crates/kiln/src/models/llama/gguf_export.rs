@@ -1,0 +1,476 @@
+//! A Hugging Face Llama folder (a merged SFT / DPO model, any `LlamaForCausalLM`) → one GGUF file
+//! for llama.cpp and Ollama, written as llama.cpp's `convert_hf_to_gguf.py` writes a Llama:
+//! its metadata keys (`llama.*` hyperparameters, `general.file_type`), the byte-level BPE
+//! vocabulary (`tokenizer.ggml.*`: tokens, token types, merges, special ids, the pre-tokenizer's
+//! name) and the chat template (`tokenizer.chat_template`), tensors under llama.cpp's names with
+//! `q_proj` / `k_proj` rows permuted for its RoPE kernel, the norms in F32 and the matrices in the
+//! chosen type (a matrix whose rows do not fill Q8_0's blocks of 32 falls back to F16, as
+//! llama.cpp's converter falls back). `gguf.rs` reads such files back.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde_json::Value as Json;
+use tracing::info;
+
+use super::config::{LlamaConfig, RopeScaling};
+use crate::data::chat_template::{special_tokens, ChatTemplate};
+use crate::error::{KilnError, Result};
+use crate::formats::gguf::GgmlType;
+use crate::formats::gguf_writer::{storable, write_gguf, MetaValue, TensorEntry};
+use crate::formats::model_weights::read_model_weights;
+
+/// The type the matrices are stored in (llama.cpp's `--outtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgufOutType {
+    F32,
+    F16,
+    BF16,
+    Q8_0,
+}
+
+impl GgufOutType {
+    pub const NAMES: &'static str = "f32, f16, bf16, q8_0";
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Some(match name.to_ascii_lowercase().as_str() {
+            "f32" => Self::F32,
+            "f16" => Self::F16,
+            "bf16" => Self::BF16,
+            "q8_0" => Self::Q8_0,
+            _ => return None,
+        })
+    }
+
+    fn ggml(self) -> GgmlType {
+        match self {
+            Self::F32 => GgmlType::F32,
+            Self::F16 => GgmlType::F16,
+            Self::BF16 => GgmlType::BF16,
+            Self::Q8_0 => GgmlType::Q8_0,
+        }
+    }
+
+    /// `general.file_type` (llama.cpp's `LlamaFileType`: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0,
+    /// MOSTLY_BF16).
+    fn file_type(self) -> u32 {
+        match self {
+            Self::F32 => 0,
+            Self::F16 => 1,
+            Self::Q8_0 => 7,
+            Self::BF16 => 32,
+        }
+    }
+}
+
+/// What an export wrote.
+#[derive(Debug)]
+pub struct ExportReport {
+    pub tensors: usize,
+    pub parameters: usize,
+    /// Tensors per stored type (`F16`, `Q8_0`, …).
+    pub types: BTreeMap<String, usize>,
+}
+
+/// llama.cpp's name of a Llama tensor (`model.layers.3.self_attn.q_proj.weight` →
+/// `blk.3.attn_q.weight`).
+fn gguf_name(hf: &str) -> Option<String> {
+    let fixed = match hf {
+        "model.embed_tokens.weight" => Some("token_embd.weight"),
+        "model.norm.weight" => Some("output_norm.weight"),
+        "lm_head.weight" => Some("output.weight"),
+        _ => None,
+    };
+    if let Some(f) = fixed {
+        return Some(f.to_string());
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, leaf) = rest.split_once('.')?;
+    let (part, kind) = leaf.rsplit_once('.')?;
+    let part = match part {
+        "input_layernorm" => "attn_norm",
+        "post_attention_layernorm" => "ffn_norm",
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.o_proj" => "attn_output",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{part}.{kind}"))
+}
+
+/// The row order llama.cpp's converter gives `q_proj` / `k_proj` weights (`LlamaModel.permute`):
+/// within each of `heads` heads, row `p·half + i` of the Hugging Face weight becomes row `2i + p`
+/// (the inverse of [`crate::formats::gguf::unpermute_qk`]).
+pub fn permute_qk(w: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
+    assert_eq!(w.len(), rows * cols);
+    let head_dim = rows / heads;
+    let half = head_dim / 2;
+    let mut out = vec![0f32; w.len()];
+    for h in 0..heads {
+        for i in 0..half {
+            for p in 0..2 {
+                let dst = h * head_dim + 2 * i + p;
+                let src = h * head_dim + p * half + i;
+                out[dst * cols..dst * cols + cols]
+                    .copy_from_slice(&w[src * cols..src * cols + cols]);
+            }
+        }
+    }
+    out
+}
+
+/// Writes the Llama folder `dir` as the GGUF file `out` (a new file) with its matrices in
+/// `outtype`.
+pub fn hf_to_gguf(dir: &Path, out: &Path, outtype: GgufOutType) -> Result<ExportReport> {
+    if out.exists() {
+        return Err(KilnError::Config(format!(
+            "--to-gguf {}: the file exists (kiln writes a new one)",
+            out.display()
+        )));
+    }
+    let config_path = dir.join("config.json");
+    let config = LlamaConfig::from_file(&config_path)?;
+    let refuse = |m: String| KilnError::Config(format!("{}: {m}", config_path.display()));
+    if config.sequence_classifier_labels().is_some() {
+        return Err(refuse(
+            "a sequence classifier (reward model): GGUF holds causal LMs for llama.cpp".into(),
+        ));
+    }
+    if config.attention_bias || config.mlp_bias {
+        return Err(refuse(
+            "attention_bias / mlp_bias: llama.cpp's Llama has no biases".into(),
+        ));
+    }
+    let rope = config.rope().map_err(refuse)?;
+    if matches!(rope, RopeScaling::Llama3 { .. }) {
+        return Err(refuse(
+            "rope_scaling llama3: llama.cpp stores it as a rope_freqs tensor, which kiln does \
+             not write yet"
+                .into(),
+        ));
+    }
+    // Metadata and vocabulary first: a folder kiln cannot describe fails before the slow part.
+    let mut metadata = model_metadata(dir, &config, outtype, &rope);
+    metadata.extend(tokenizer_metadata(dir, config.vocab_size)?);
+    let weights = read_model_weights(dir)?;
+    let mut names: Vec<(&String, String)> = Vec::new();
+    for name in weights.keys() {
+        match gguf_name(name) {
+            Some(g) => names.push((name, g)),
+            None if config.tie_word_embeddings && name == "lm_head.weight" => {}
+            None => {
+                return Err(KilnError::Weights(format!(
+                    "{}: tensor {name} has no place in llama.cpp's Llama",
+                    dir.display()
+                )))
+            }
+        }
+    }
+    // llama.cpp's order: the embedding, each block, the final norm, the output head.
+    let rank = |g: &str| -> (usize, usize, String) {
+        if g.starts_with("token_embd") {
+            (0, 0, g.into())
+        } else if let Some(rest) = g.strip_prefix("blk.") {
+            let layer = rest
+                .split('.')
+                .next()
+                .and_then(|l| l.parse().ok())
+                .unwrap_or(0);
+            (1, layer, g.into())
+        } else {
+            (2, 0, g.into())
+        }
+    };
+    names.sort_by_key(|(_, g)| rank(g));
+    let mut types = BTreeMap::new();
+    let entries: Vec<TensorEntry> = names
+        .iter()
+        .map(|(hf, g)| {
+            let shape = weights[*hf].shape.clone();
+            let row = shape.last().copied().unwrap_or(1);
+            let ty = match (shape.len(), outtype.ggml()) {
+                (1, _) => GgmlType::F32,
+                (_, t) if storable(t, row) => t,
+                _ => GgmlType::F16,
+            };
+            *types.entry(format!("{ty:?}")).or_insert(0) += 1;
+            TensorEntry {
+                name: g.clone(),
+                shape,
+                ty,
+            }
+        })
+        .collect();
+    let (heads, kv_heads) = (config.num_attention_heads, config.kv_heads());
+    write_gguf(out, &metadata, &entries, |i| {
+        let (hf, g) = &names[i];
+        let t = &weights[*hf];
+        let heads = if g.ends_with("attn_q.weight") {
+            Some(heads)
+        } else if g.ends_with("attn_k.weight") {
+            Some(kv_heads)
+        } else {
+            None
+        };
+        Ok(match heads {
+            Some(h) => permute_qk(&t.data, t.shape[0], t.shape[1], h),
+            None => t.data.clone(),
+        })
+    })?;
+    let parameters = weights
+        .iter()
+        .filter(|(n, _)| gguf_name(n).is_some())
+        .map(|(_, t)| t.data.len())
+        .sum();
+    info!(
+        "{} → {}: {} tensors ({types:?})",
+        dir.display(),
+        out.display(),
+        entries.len()
+    );
+    Ok(ExportReport {
+        tensors: entries.len(),
+        parameters,
+        types,
+    })
+}
+
+/// `general.*` and `llama.*`, as llama.cpp's converter writes them for a Llama.
+fn model_metadata(
+    dir: &Path,
+    c: &LlamaConfig,
+    outtype: GgufOutType,
+    rope: &RopeScaling,
+) -> Vec<(String, MetaValue)> {
+    let name = dir
+        .canonicalize()
+        .ok()
+        .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "model".into());
+    let u = |v: usize| MetaValue::U32(v as u32);
+    let mut m: Vec<(String, MetaValue)> = vec![
+        (
+            "general.architecture".into(),
+            MetaValue::Str("llama".into()),
+        ),
+        ("general.type".into(), MetaValue::Str("model".into())),
+        ("general.name".into(), MetaValue::Str(name)),
+        ("llama.block_count".into(), u(c.num_hidden_layers)),
+        ("llama.context_length".into(), u(c.max_position_embeddings)),
+        ("llama.embedding_length".into(), u(c.hidden_size)),
+        ("llama.feed_forward_length".into(), u(c.intermediate_size)),
+        (
+            "llama.attention.head_count".into(),
+            u(c.num_attention_heads),
+        ),
+        ("llama.attention.head_count_kv".into(), u(c.kv_heads())),
+        (
+            "llama.rope.freq_base".into(),
+            MetaValue::F32(c.theta() as f32),
+        ),
+        (
+            "llama.attention.layer_norm_rms_epsilon".into(),
+            MetaValue::F32(c.rms_norm_eps as f32),
+        ),
+        (
+            "general.file_type".into(),
+            MetaValue::U32(outtype.file_type()),
+        ),
+        ("llama.vocab_size".into(), u(c.vocab_size)),
+        ("llama.rope.dimension_count".into(), u(c.head_size())),
+    ];
+    if let RopeScaling::Linear(factor) = rope {
+        m.push((
+            "llama.rope.scaling.type".into(),
+            MetaValue::Str("linear".into()),
+        ));
+        m.push((
+            "llama.rope.scaling.factor".into(),
+            MetaValue::F32(*factor as f32),
+        ));
+    }
+    m.push(("general.quantization_version".into(), MetaValue::U32(2)));
+    m
+}
+
+/// llama.cpp's token types.
+const NORMAL: i32 = 1;
+const CONTROL: i32 = 3;
+const USER_DEFINED: i32 = 4;
+const UNUSED: i32 = 5;
+
+/// `tokenizer.ggml.*` and `tokenizer.chat_template` of the folder's byte-level BPE tokenizer,
+/// padded to the model's `vocab_size` with unused `[PADn]` tokens (as llama.cpp pads it).
+fn tokenizer_metadata(dir: &Path, vocab_size: usize) -> Result<Vec<(String, MetaValue)>> {
+    let path = dir.join("tokenizer.json");
+    let bytes = crate::io::files::read_regular(&path, "tokenizer")?;
+    let tok: Json = crate::io::parse_json(&path, &bytes)?;
+    let bad = |m: String| KilnError::Config(format!("{}: {m}", path.display()));
+    let model = &tok["model"];
+    if model["type"].as_str() != Some("BPE") {
+        return Err(bad(format!(
+            "model.type {}: kiln writes byte-level BPE vocabularies (llama.cpp's \"gpt2\") to GGUF",
+            model["type"]
+        )));
+    }
+    let pre =
+        pre_tokenizer_name(&tok["pre_tokenizer"]).ok_or_else(|| {
+            bad("the pre_tokenizer is neither GPT-2's byte-level split nor SmolLM's (digits one by \
+             one, then byte-level), the ones kiln names for llama.cpp"
+            .into())
+        })?;
+    let mut tokens: BTreeMap<usize, (String, i32)> = BTreeMap::new();
+    for (text, id) in model["vocab"].as_object().into_iter().flatten() {
+        let id = id
+            .as_u64()
+            .ok_or_else(|| bad(format!("vocab id of {text:?}")))? as usize;
+        tokens.insert(id, (text.clone(), NORMAL));
+    }
+    for added in tok["added_tokens"].as_array().into_iter().flatten() {
+        let (Some(id), Some(text)) = (added["id"].as_u64(), added["content"].as_str()) else {
+            return Err(bad(format!("added token {added}")));
+        };
+        let kind = if added["special"].as_bool() == Some(true) {
+            CONTROL
+        } else {
+            USER_DEFINED
+        };
+        tokens.insert(id as usize, (text.to_string(), kind));
+    }
+    let count = vocab_size.max(tokens.keys().next_back().map_or(0, |&i| i + 1));
+    if count > vocab_size {
+        return Err(bad(format!(
+            "the tokenizer has ids up to {}, past the model's vocab_size {vocab_size}",
+            count - 1
+        )));
+    }
+    let (texts, kinds): (Vec<String>, Vec<i32>) = (0..count)
+        .map(|i| {
+            tokens
+                .get(&i)
+                .cloned()
+                .unwrap_or_else(|| (format!("[PAD{i}]"), UNUSED))
+        })
+        .unzip();
+    let merges = model["merges"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|m| match m {
+            Json::String(s) => Ok(s.clone()),
+            Json::Array(p) if p.len() == 2 => Ok(format!(
+                "{} {}",
+                p[0].as_str().unwrap_or_default(),
+                p[1].as_str().unwrap_or_default()
+            )),
+            other => Err(bad(format!("merge {other}"))),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut m = vec![
+        ("tokenizer.ggml.model".into(), MetaValue::Str("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), MetaValue::Str(pre.into())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            MetaValue::Strs(texts.clone()),
+        ),
+        ("tokenizer.ggml.token_type".into(), MetaValue::I32s(kinds)),
+        ("tokenizer.ggml.merges".into(), MetaValue::Strs(merges)),
+    ];
+    let special = special_tokens(dir).map_err(|e| KilnError::Config(e.to_string()))?;
+    for (name, key) in [
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ] {
+        let Some(text) = special.get(name) else {
+            continue;
+        };
+        if let Some(id) = texts.iter().position(|t| t == text) {
+            m.push((format!("tokenizer.ggml.{key}"), MetaValue::U32(id as u32)));
+        }
+    }
+    let config_path = dir.join("tokenizer_config.json");
+    if let Ok(bytes) = std::fs::read(&config_path) {
+        let config: Json = crate::io::parse_json(&config_path, &bytes)?;
+        for (field, key) in [
+            ("add_bos_token", "add_bos_token"),
+            ("add_eos_token", "add_eos_token"),
+        ] {
+            if let Some(b) = config[field].as_bool() {
+                m.push((format!("tokenizer.ggml.{key}"), MetaValue::Bool(b)));
+            }
+        }
+    }
+    let template =
+        ChatTemplate::from_model_dir(dir).map_err(|e| KilnError::Config(e.to_string()))?;
+    if let Some(t) = template {
+        m.push((
+            "tokenizer.chat_template".into(),
+            MetaValue::Str(t.source().to_string()),
+        ));
+    }
+    Ok(m)
+}
+
+/// llama.cpp's name for a tokenizer.json pre-tokenizer kiln recognises: GPT-2's byte-level regex
+/// alone (`gpt2`), or digits split one by one before it (`smollm`, as SmolLM and StarCoder).
+fn pre_tokenizer_name(pre: &Json) -> Option<&'static str> {
+    let byte_level = |p: &Json| p["type"] == "ByteLevel" && p["use_regex"] != false;
+    if byte_level(pre) {
+        return Some("gpt2");
+    }
+    let parts = pre["pretokenizers"].as_array()?;
+    match parts.as_slice() {
+        [digits, level]
+            if pre["type"] == "Sequence"
+                && digits["type"] == "Digits"
+                && digits["individual_digits"] == true
+                && byte_level(level) =>
+        {
+            Some("smollm")
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::gguf::unpermute_qk;
+
+    #[test]
+    fn permuting_rows_is_undone_by_the_reader() {
+        let (rows, cols, heads) = (8, 3, 2);
+        let w: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+        let p = permute_qk(&w, rows, cols, heads);
+        assert_ne!(p, w);
+        assert_eq!(unpermute_qk(&p, rows, cols, heads), w);
+        // Head 0 (rows 0..4, half 2): file rows are HF rows 0, 2, 1, 3.
+        assert_eq!(
+            &p[..4 * cols],
+            &[0., 1., 2., 6., 7., 8., 3., 4., 5., 9., 10., 11.]
+        );
+    }
+
+    #[test]
+    fn names_are_llama_cpps() {
+        assert_eq!(
+            gguf_name("model.layers.3.self_attn.q_proj.weight").as_deref(),
+            Some("blk.3.attn_q.weight")
+        );
+        assert_eq!(
+            gguf_name("model.layers.0.post_attention_layernorm.weight").as_deref(),
+            Some("blk.0.ffn_norm.weight")
+        );
+        assert_eq!(
+            gguf_name("lm_head.weight").as_deref(),
+            Some("output.weight")
+        );
+        assert_eq!(gguf_name("score.weight"), None);
+    }
+}
