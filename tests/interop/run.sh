@@ -42,6 +42,22 @@ done
 "$KILN" generate --model "$out/clm" --prompt "The jury said" --max-new-tokens 12 --ignore-eos --json > "$out/gen.json"
 "$PY" tests/interop/check_llama.py "$out/clm" "$out/gen.json"
 
+# GGUF export: the converted SmolLM2 back to GGUF (F16 and Q8_0); llama.cpp's own Python reader
+# must find every tensor byte-identical to its own quantisation, and transformers' GGUF loader must
+# decode the folder's greedy tokens; so must `kiln generate` on the file read back.
+if "$PY" -c "import gguf" 2>/dev/null; then
+  for t in f16 q8_0; do
+    "$KILN" convert --model "$out/smollm2" --to-gguf --out "$out/smollm2-$t.gguf" --outtype "$t"
+    "$PY" tests/interop/check_gguf.py "$out/smollm2" "$out/smollm2-$t.gguf" "$t"
+    "$KILN" convert --from-gguf "$out/smollm2-$t.gguf" --out "$out/smollm2-$t" > /dev/null
+    for m in "$out/smollm2" "$out/smollm2-$t"; do
+      "$KILN" generate --model "$m" --prompt "The capital of France is" --max-new-tokens 12 --ignore-eos --json
+    done | "$PY" -c "import json,sys; a,b=[json.loads(l)['new_ids'] for l in sys.stdin if l.startswith('{')]; assert a==b,(a,b); print('kiln generate: the GGUF file decodes the folder\'s greedy tokens')"
+  done
+else
+  echo "interop: GGUF export check SKIPPED (no gguf package; scripts/setup-reference-python installs it)"
+fi
+
 # Mistral (a 6-token sliding window, shorter than the decoded text) and Qwen2 (q/k/v biases, a tied
 # head): two steps on Brown, then transformers must decode the same greedy tokens as `kiln generate`.
 for family in mistral qwen2; do
