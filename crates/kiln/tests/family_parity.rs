@@ -204,6 +204,7 @@ fn lm_batch(fx: &Fixture) -> (TokenBatch, Vec<i64>) {
         batch: shape[0],
         seq: shape[1],
         segments: Vec::new(),
+        chunked_loss: None,
         scoring: None,
         carried: Default::default(),
     };

@@ -133,6 +133,7 @@ fn llama_adapters_match_peft() {
             batch: b,
             seq: t,
             segments: Vec::new(),
+            chunked_loss: None,
             scoring: None,
             carried: Default::default(),
         };

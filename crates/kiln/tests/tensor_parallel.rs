@@ -41,6 +41,7 @@ fn batch(vocab: usize) -> (TokenBatch, Vec<i64>) {
         batch: b,
         seq: s,
         segments: Vec::new(),
+        chunked_loss: None,
         scoring: None,
         carried: Default::default(),
     };

@@ -93,6 +93,12 @@ pub struct LmOpts {
     /// tokenizer.json (or its folder, or a Hub id), when it is not the model folder's.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// Causal LM and SFT training: the loss is computed inside the output head this many tokens
+    /// at a time, never holding the whole [tokens, vocabulary] logits (TRL's `nll`, Liger's
+    /// fused linear cross-entropy); 0 computes the whole logits first [default: ~32 MB of
+    /// logits per chunk].
+    #[arg(long, value_name = "TOKENS")]
+    loss_chunk_size: Option<usize>,
 }
 
 impl DataOpts {
@@ -225,6 +231,7 @@ impl DataOpts {
             sft: None,
             dpo: None,
             reward: None,
+            loss_chunk: lm.loss_chunk_size,
         })
     }
     pub fn options(

@@ -7,9 +7,10 @@ use std::time::Instant;
 
 use burn::tensor::{Int, Tensor, TensorData};
 
-use super::workloads::{train_steps, StepWork};
+use super::workloads::{train_steps, train_steps_with, StepWork};
 use super::BenchResult;
 use crate::backend::{Cpu, CpuTrain};
+use crate::contract::CrossEntropy;
 use crate::data::lm::{read_documents, LmBlocks};
 use crate::data::TextEncoding;
 use crate::error::Result;
@@ -98,8 +99,10 @@ pub fn train(dir: &Path, corpus: &Path, warmup: usize, steps: usize) -> Result<B
             (tb, targets, work)
         })
         .collect();
+    let mut batches: Vec<_> = batches;
+    let loss = lm_loss(&config, &mut batches);
     let opt = super::workloads::adamw();
-    Ok(train_steps(
+    Ok(train_steps_with(
         "smollm2_train_fp32",
         model,
         opt,
@@ -108,6 +111,7 @@ pub fn train(dir: &Path, corpus: &Path, warmup: usize, steps: usize) -> Result<B
         warmup,
         steps,
         &device,
+        &loss,
     ))
 }
 
@@ -140,18 +144,52 @@ pub fn family_train(key: &str, warmup: usize, steps: usize) -> Result<BenchResul
     let model = crate::ops::with_seeded_rng::<CpuTrain, _>(&device, 0, || {
         crate::models::llama::LlamaForCausalLM::<CpuTrain>::new(&config, &device)
     });
-    let (tb, targets, work) = random_step(&config, batch, seq);
+    let mut batches = vec![random_step(&config, batch, seq)];
+    let loss = lm_loss(&config, &mut batches);
     let opt = super::workloads::adamw();
-    Ok(train_steps(
+    Ok(train_steps_with(
         &format!("{key}_fp32"),
         model,
         opt,
         1e-4,
-        &[(tb, targets, work)],
+        &batches,
         warmup,
         steps,
         &device,
+        &loss,
     ))
+}
+
+/// How the causal-LM rows compute their loss, as the trainer does by default: inside the head, a
+/// chunk of positions at a time ([`crate::tasks::causal_lm::auto_chunk`]); `KILN_LOSS_CHUNK=N`
+/// sets the chunk, `0` computes the whole logits first (the "before" of BENCHMARKS.md's chunked
+/// loss section).
+fn lm_loss_chunk(config: &LlamaConfig) -> usize {
+    std::env::var("KILN_LOSS_CHUNK")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| crate::tasks::causal_lm::auto_chunk(config.vocab_size))
+}
+
+/// The trainer's loss for `batches` under [`lm_loss_chunk`]: each batch asks its head for its
+/// positions' losses and the loss is their mean, or the batches stay as they are (whole logits,
+/// cross-entropy).
+fn lm_loss(
+    config: &LlamaConfig,
+    batches: &mut [(crate::data::lm::TokenBatch, Vec<i64>, StepWork)],
+) -> crate::tasks::causal_lm::LmLoss {
+    use crate::tasks::causal_lm::{ChunkedMean, LmLoss};
+    let chunk = lm_loss_chunk(config);
+    if chunk == 0 {
+        return LmLoss::Plain(CrossEntropy);
+    }
+    for (tb, targets, _) in batches.iter_mut() {
+        tb.chunked_loss = Some(std::sync::Arc::new(crate::data::lm::ChunkedLoss {
+            targets: targets.clone(),
+            chunk,
+        }));
+    }
+    LmLoss::Chunked(ChunkedMean)
 }
 
 /// `batch` blocks of `seq` random ids in 1000..30000 (seed 1234, as bench_reference.py's
@@ -176,6 +214,7 @@ fn random_blocks(batch: usize, seq: usize) -> (crate::data::lm::TokenBatch, Vec<
         batch,
         seq,
         segments: Vec::new(),
+        chunked_loss: None,
         scoring: None,
         carried: Default::default(),
     };
@@ -318,10 +357,12 @@ pub fn lora_train(
             (tb, targets, work)
         })
         .collect();
+    let mut batches: Vec<_> = batches;
+    let loss = lm_loss(&config, &mut batches);
     let opt = super::workloads::adamw();
     let _precision =
         crate::ops::MatmulPrecisionScope::set(crate::ops::mixed_precision::<Cpu>(bf16_base));
-    Ok(train_steps(
+    Ok(train_steps_with(
         &format!("{key}_{}", if bf16_base { "bf16" } else { "fp32" }),
         model,
         opt,
@@ -330,6 +371,7 @@ pub fn lora_train(
         warmup,
         steps,
         &device,
+        &loss,
     ))
 }
 

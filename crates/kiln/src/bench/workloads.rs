@@ -95,10 +95,11 @@ pub fn bert_train_work(c: &BertConfig, b: &TextBatch) -> StepWork {
 /// Timed optimizer steps (forward, backward, update) of `model` over `batches` in turn: the first
 /// `warmup` steps are not timed. Returns the result with the mean work of the timed steps.
 #[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments)]
 pub fn train_steps<B, M>(
     name: &str,
-    mut model: M,
-    mut opt: Optimizer<B::InnerBackend>,
+    model: M,
+    opt: Optimizer<B::InnerBackend>,
     lr: f64,
     batches: &[(M::Batch, Vec<i64>, StepWork)],
     warmup: usize,
@@ -108,6 +109,37 @@ pub fn train_steps<B, M>(
 where
     B: TrainBackend,
     M: Model<B> + AutodiffModule<B>,
+{
+    train_steps_with(
+        name,
+        model,
+        opt,
+        lr,
+        batches,
+        warmup,
+        steps,
+        device,
+        &CrossEntropy,
+    )
+}
+
+/// [`train_steps`] with another `loss` of the model's output (a causal LM's chunked loss).
+#[allow(clippy::too_many_arguments)]
+pub fn train_steps_with<B, M, L>(
+    name: &str,
+    mut model: M,
+    mut opt: Optimizer<B::InnerBackend>,
+    lr: f64,
+    batches: &[(M::Batch, Vec<i64>, StepWork)],
+    warmup: usize,
+    steps: usize,
+    device: &B::Device,
+    loss_fn: &L,
+) -> BenchResult
+where
+    B: TrainBackend,
+    M: Model<B> + AutodiffModule<B>,
+    L: Loss,
 {
     let (mut times, mut losses, mut work) = (Vec::new(), Vec::new(), Vec::new());
     let mut gpu = DeviceSampler::<B::InnerBackend>::new(device);
@@ -122,7 +154,7 @@ where
         let t0 = Instant::now();
         let loss = {
             let _p = crate::ops::profile::scope("step: forward (all)");
-            CrossEntropy.loss(model.logits(batch), targets)
+            loss_fn.loss(model.logits(batch), targets)
         };
         let grads = {
             let _p = crate::ops::profile::scope("step: backward (all)");

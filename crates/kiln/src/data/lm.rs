@@ -137,10 +137,24 @@ pub struct TokenBatch {
     pub segments: Vec<usize>,
     /// Score each row's completion instead of returning logits (see [`CompletionScoring`]).
     pub scoring: Option<std::sync::Arc<CompletionScoring>>,
+    /// Ask the head for each position's cross-entropy against these targets instead of its
+    /// logits, the head's product and the loss computed a chunk of positions at a time (see
+    /// [`ChunkedLoss`]).
+    pub chunked_loss: Option<std::sync::Arc<ChunkedLoss>>,
     /// Values each row's scores carry along unchanged after the computed columns, for the loss
     /// and metrics to read (the reference model's log-probability of a DPO row's completion, a
     /// reward pair's margin). Only heads that return one row per sequence carry them.
     pub carried: RowValues,
+}
+
+/// A causal LM's loss computed inside its head (Liger's fused linear cross-entropy, TRL's `nll`
+/// that never materialises the logits): the head returns `[batch·seq, 1]`, each position's
+/// cross-entropy against `targets` (0 where the target is `IGNORE_INDEX`), and at most `chunk`
+/// positions' vocabulary logits (and their gradient) exist at once.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ChunkedLoss {
+    pub targets: Vec<i64>,
+    pub chunk: usize,
 }
 
 /// `per_row` values for each row of a batch, row-major (`batch × per_row`).

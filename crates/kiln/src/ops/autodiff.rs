@@ -242,6 +242,35 @@ impl<B: KilnBackend> Backward<B, 1> for CrossEntropyOp {
 }
 
 #[derive(Debug)]
+struct LinearCrossEntropyOp;
+impl<B: KilnBackend> Backward<B, 2> for LinearCrossEntropyOp {
+    /// The head's input and weight, the targets, the ignored target, the chunk's rows and each
+    /// row's log-sum-exp: never the logits.
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        IntTensor<B>,
+        i64,
+        usize,
+        FloatTensor<B>,
+    );
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dloss = grads.consume::<B>(&ops.node);
+        let (x, w, targets, ignore, chunk, lse) = ops.state;
+        let [px, pw] = ids!(ops);
+        let wants = LinearGrads {
+            input: px.is_some(),
+            weight: pw.is_some(),
+            bias: false,
+        };
+        let (dx, dw) =
+            B::kiln_linear_cross_entropy_backward(x, w, targets, ignore, chunk, lse, dloss, wants);
+        give::<B>(grads, px, dx);
+        give::<B>(grads, pw, dw);
+    }
+}
+
+#[derive(Debug)]
 struct EmbeddingOp;
 impl<B: KilnBackend> Backward<B, 1> for EmbeddingOp {
     /// The looked-up ids and the table's rows.
@@ -659,6 +688,35 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
             .stateful()
         {
             OpsKind::Tracked(prep) => prep.finish((logits.primitive, targets, ignore, lse), losses),
+            OpsKind::UnTracked(prep) => prep.finish(losses),
+        };
+        (out, lse_out)
+    }
+
+    fn kiln_linear_cross_entropy(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        ignore: i64,
+        chunk: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (losses, lse) = B::kiln_linear_cross_entropy(
+            x.primitive.clone(),
+            w.primitive.clone(),
+            targets.clone(),
+            ignore,
+            chunk,
+        );
+        let lse_out = Self::from_inner(lse.clone());
+        let out = match LinearCrossEntropyOp
+            .prepare::<C>([x.node.clone(), w.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(
+                (x.primitive, w.primitive, targets, ignore, chunk, lse),
+                losses,
+            ),
             OpsKind::UnTracked(prep) => prep.finish(losses),
         };
         (out, lse_out)

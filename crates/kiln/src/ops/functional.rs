@@ -203,6 +203,20 @@ pub fn cross_entropy<B: KilnBackend>(
     t(B::kiln_cross_entropy(p(logits), targets.into_primitive(), ignore).0)
 }
 
+/// Per-row cross-entropy of the logits `x wᵀ` against `targets` (0 where the target is
+/// `ignore`), `chunk` rows of logits at a time, forward and backward (see
+/// [`KilnBackend::kiln_linear_cross_entropy`]): the head's product and the loss without the
+/// whole `[N, V]` logits or their gradient.
+pub fn linear_cross_entropy<B: KilnBackend>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    ignore: i64,
+    chunk: usize,
+) -> Tensor<B, 1> {
+    t(B::kiln_linear_cross_entropy(p(x), p(w), targets.into_primitive(), ignore, chunk).0)
+}
+
 /// `[q, k, v]`, each `[B, T, H]`, of a `[B, T, 3H]` tensor.
 pub(crate) fn split_qkv<B: Backend>(qkv: FloatTensor<B>) -> [FloatTensor<B>; 3] {
     let qkv = t::<B, 3>(qkv);

@@ -807,6 +807,47 @@ fn cross_entropy_matches_log_softmax_gather() {
     }
 }
 
+/// The output head's product and the cross-entropy a chunk of rows at a time (forward, and the
+/// backward recomputing each chunk's logits) against the whole logits' log-softmax + gather:
+/// values and both gradients (the head's input and its weight), for chunks of one row, of a
+/// size that leaves a short last chunk, of all rows and of more, with ignored rows.
+#[test]
+fn linear_cross_entropy_in_chunks_matches_the_whole_logits() {
+    use burn::tensor::activation::log_softmax;
+    use burn::tensor::Int;
+    let (n, h, v) = (37, 16, 300);
+    let x = rand([n, h], 51).require_grad();
+    let w = rand([v, h], 52).require_grad();
+    let targets: Vec<i64> = (0..n)
+        .map(|r| {
+            if r % 6 == 2 {
+                -100
+            } else {
+                ((r * 7919) % v) as i64
+            }
+        })
+        .collect();
+    let keep: Vec<f32> = targets.iter().map(|&t| f32::from(t != -100)).collect();
+    let t = || {
+        Tensor::<CpuTrain, 1, Int>::from_data(
+            TensorData::new(targets.clone(), [n]),
+            &Default::default(),
+        )
+    };
+    for chunk in [1, 5, n, 64] {
+        check!(
+            &format!("linear_cross_entropy chunk {chunk}"),
+            [x.clone(), w.clone()],
+            |i| linear_cross_entropy(i[0].clone(), i[1].clone(), t(), -100, chunk),
+            |i| {
+                let safe = ints(i, &targets, [n]).clamp_min(0).reshape([n, 1]);
+                let logits = i[0].clone().matmul(i[1].clone().transpose());
+                log_softmax(logits, 1).gather(1, safe).reshape([n]).neg() * data(i, &keep, [n])
+            },
+        );
+    }
+}
+
 #[test]
 #[should_panic(expected = "cross-entropy target 10 is outside the 10 classes")]
 fn cross_entropy_refuses_a_target_outside_the_classes() {

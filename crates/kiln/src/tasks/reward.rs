@@ -135,6 +135,7 @@ impl BatchSource for RewardSet {
             batch: rows,
             seq,
             segments: Vec::new(),
+            chunked_loss: None,
             scoring: None,
             carried: RowValues {
                 values: margins,

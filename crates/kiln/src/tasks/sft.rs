@@ -209,6 +209,7 @@ impl BatchSource for SftSet {
                 batch: b.input_ids.len(),
                 seq,
                 segments,
+                chunked_loss: None,
                 scoring: None,
                 carried: Default::default(),
             },

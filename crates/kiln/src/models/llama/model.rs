@@ -12,7 +12,7 @@ use burn::tensor::activation::softmax;
 use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 
 pub use super::parallel::LlamaShard;
-use crate::contract::{Model, Segments, TensorParallelLayout};
+use crate::contract::{Model, Segments, TensorParallelLayout, IGNORE_INDEX};
 use crate::data::lm::TokenBatch;
 use crate::models::completion_scores::{completion_scores, VocabSlice};
 use crate::models::layers::{packed_rope_tables, rope_tables, Embedding, Linear, RmsNorm};
@@ -619,6 +619,9 @@ impl<B: KilnBackend> Segments<B, TokenBatch> for LlamaForCausalLM<B> {
         if let Some(score) = &self.score {
             return self.pooled_scores(score, h, batch);
         }
+        if let Some(loss) = &batch.chunked_loss {
+            return self.chunked_losses(h, loss);
+        }
         let [b, t, _] = h.dims();
         let logits = self.project(self.model.norm.forward(h));
         let v = logits.dims()[2];
@@ -664,28 +667,14 @@ impl<B: KilnBackend> Model<B> for LlamaForCausalLM<B> {
     }
 
     /// One row of vocabulary logits per token, `[batch·seq, vocab]`.
+    /// The head's output for the batch ([`Segments::head`] of the last layer's output).
     fn logits(&self, batch: &TokenBatch) -> Tensor<B, 2> {
-        if let Some(score) = &self.score {
-            let ids = self.ids(batch);
-            let rope = self.batch_rope(batch, &ids.device());
-            let x = self.model.layers.iter().fold(self.embed(ids), |x, layer| {
-                layer.forward(x, &rope, None, &batch.segments)
-            });
-            return self.pooled_scores(score, x, batch);
-        }
-        let logits = if batch.segments.len() > 1 {
-            let ids = self.ids(batch);
-            let rope = self.batch_rope(batch, &ids.device());
-            let mut x = self.embed(ids);
-            for layer in &self.model.layers {
-                x = layer.forward(x, &rope, None, &batch.segments);
-            }
-            self.project(self.model.norm.forward(x))
-        } else {
-            self.forward(self.ids(batch), None)
-        };
-        let v = logits.dims()[2];
-        self.scored(logits.reshape([batch.batch * batch.seq, v]), batch)
+        let ids = self.ids(batch);
+        let rope = self.batch_rope(batch, &ids.device());
+        let x = self.model.layers.iter().fold(self.embed(ids), |x, layer| {
+            layer.forward(x, &rope, None, &batch.segments)
+        });
+        Segments::head(self, x, batch)
     }
 }
 
@@ -723,6 +712,33 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
         let picked = x.reshape([rows * seq, hidden]).select(0, at);
         let h = self.model.norm.forward(picked);
         crate::models::completion_scores::with_carried(vec![score.forward(h)], &batch.carried)
+    }
+
+    /// Each position's cross-entropy `[b·t, 1]` from the last layer's output `h` `[b, t, H]`, the
+    /// output head's product and the loss a chunk of positions at a time
+    /// ([`crate::ops::linear_cross_entropy`]). A head that is not one plain product (a LoRA
+    /// adapter on it, an inference layout, a tensor-parallel cut) gets its logits whole instead.
+    fn chunked_losses(&self, h: Tensor<B, 3>, loss: &crate::data::lm::ChunkedLoss) -> Tensor<B, 2> {
+        let [b, t, hidden] = h.dims();
+        let n = b * t;
+        let h = self.model.norm.forward(h).reshape([n, hidden]);
+        let device = h.device();
+        assert_eq!(loss.targets.len(), n, "one target per position");
+        let targets =
+            Tensor::<B, 1, Int>::from_data(TensorData::new(loss.targets.clone(), [n]), &device);
+        let plain =
+            |l: &Linear<B>| l.lora_a.is_none() && l.weight_in_out.is_none() && l.bias.is_none();
+        let weight = match &self.lm_head {
+            _ if self.shard.is_some() => None,
+            Some(l) if plain(l) => Some(l.weight.val()),
+            Some(_) => None,
+            None => Some(self.model.embed_tokens.weight.val()),
+        };
+        let losses = match weight {
+            Some(w) => ops::linear_cross_entropy(h, w, targets, IGNORE_INDEX, loss.chunk),
+            None => ops::cross_entropy(self.project(h), targets, IGNORE_INDEX),
+        };
+        losses.reshape([n, 1])
     }
 
     /// The logits `[batch·seq, vocab]`, or each row's completion scores where the batch asks for

@@ -32,9 +32,11 @@ use crate::train::trainer::{EvalOutput, TokenMetrics, TrainOutput};
 use crate::train::ParallelPlan;
 use crate::train::{Trainer, TrainingArguments};
 
+mod chunked;
 mod eval;
 mod generate;
 mod sampler;
+pub use chunked::{auto_chunk, ChunkedLossBatches, ChunkedMean};
 pub use eval::*;
 pub use generate::*;
 
@@ -64,6 +66,7 @@ impl BatchSource for LmBlocks {
                 batch: indices.len(),
                 seq,
                 segments: Vec::new(),
+                chunked_loss: None,
                 scoring: None,
                 carried: Default::default(),
             },
@@ -136,6 +139,11 @@ pub struct CausalLmOptions {
     /// Reward modelling (`--task reward-modeling`): the model becomes a one-label sequence
     /// classifier trained on preference pairs.
     pub reward: Option<RewardData>,
+    /// The loss of causal-LM and SFT training computed inside the output head this many
+    /// positions at a time, never holding the whole logits: `None` picks [`auto_chunk`]'s size,
+    /// `Some(0)` computes the whole logits first (as before). Used without tensor or pipeline
+    /// parallelism and without a user's loss or metrics (which read the logits).
+    pub loss_chunk: Option<usize>,
 }
 
 impl CausalLmOptions {
@@ -335,7 +343,7 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
     // Under tensor parallelism the user's loss and metrics see whole rows of logits.
     let whole_vocab = match &builtin {
         LmLoss::VocabParallel(v) => Some(WholeVocab::new(v.tp.clone(), v.vocab)),
-        LmLoss::Plain(_) => None,
+        LmLoss::Plain(_) | LmLoss::Chunked(_) => None,
     };
     let loss = match user.loss {
         None => CausalLmLoss::Builtin(builtin),
@@ -457,11 +465,33 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
         // A reward model is a sequence classifier (the model card's task).
         opts.reward.is_none(),
     );
+    let chunk = match opts.loss_chunk {
+        None => auto_chunk(config.vocab_size()),
+        Some(n) => n,
+    };
+    let chunked = chunk > 0
+        && matches!(loss, CausalLmLoss::Builtin(LmLoss::Plain(_)))
+        && metrics.is_none()
+        && plan.pipeline().is_none();
     let builder = Trainer::<B, _>::builder(args, model, device.clone())
         .files(files)
         .parallel(plan)
         .origin(origin);
     match data {
+        RunData::Lm(train, eval) if chunked => {
+            info!("the loss is computed in the output head, {chunk} positions at a time");
+            let train = ChunkedLossBatches {
+                inner: &train,
+                chunk,
+            };
+            let eval = eval
+                .as_ref()
+                .map(|inner| ChunkedLossBatches { inner, chunk });
+            builder
+                .loss(CausalLmLoss::<L>::Builtin(LmLoss::Chunked(ChunkedMean)))
+                .build()
+                .train_and_evaluate(&train, eval.as_ref())
+        }
         RunData::Lm(train, eval) => builder
             .loss(loss)
             .token_metrics(metrics)
@@ -805,11 +835,13 @@ fn model_files(opts: &CausalLmOptions, tok_path: &Path, config: &impl DecoderCon
     }
 }
 
-/// A causal LM's loss: plain cross-entropy, or its vocab-parallel form for a sharded model.
+/// A causal LM's loss: plain cross-entropy, its vocab-parallel form for a sharded model, or the
+/// mean of the losses the head computed in chunks.
 #[derive(Debug, Clone)]
 pub enum LmLoss {
     Plain(CrossEntropy),
     VocabParallel(VocabParallelCrossEntropy),
+    Chunked(ChunkedMean),
 }
 
 impl Loss for LmLoss {
@@ -821,6 +853,7 @@ impl Loss for LmLoss {
         match self {
             Self::Plain(l) => l.loss(logits, targets),
             Self::VocabParallel(l) => l.loss(logits, targets),
+            Self::Chunked(l) => l.loss(logits, targets),
         }
     }
 }

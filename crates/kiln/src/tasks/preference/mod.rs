@@ -239,6 +239,7 @@ impl BatchSource for PreferenceSet {
             batch: rows,
             seq,
             segments: Vec::new(),
+            chunked_loss: None,
             scoring: Some(Arc::new(CompletionScoring {
                 targets,
                 completion,
