@@ -10,7 +10,7 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::NodeId;
 
-use super::{KilnBackend, LinearGrads, TpComm};
+use super::{KilnBackend, LinearCrossEntropy, LinearGrads, TpComm};
 
 /// Hands `grad` to `parent` if it takes part in the graph.
 fn give<B: KilnBackend>(
@@ -244,29 +244,101 @@ impl<B: KilnBackend> Backward<B, 1> for CrossEntropyOp {
 #[derive(Debug)]
 struct LinearCrossEntropyOp;
 impl<B: KilnBackend> Backward<B, 2> for LinearCrossEntropyOp {
-    /// The head's input and weight, the targets, the ignored target, the chunk's rows and each
-    /// row's log-sum-exp: never the logits.
+    /// The gradients of the rows' summed losses, computed with the losses; and for the rare
+    /// backward whose rows' upstream gradients differ, what recomputing the weight's needs (the
+    /// head's input and weight, the targets, the ignored target, the chunk, each row's
+    /// log-sum-exp).
     type State = (
-        FloatTensor<B>,
-        FloatTensor<B>,
-        IntTensor<B>,
-        i64,
-        usize,
-        FloatTensor<B>,
+        Option<FloatTensor<B>>,
+        Option<FloatTensor<B>>,
+        ChunkedHead<B>,
     );
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let dloss = grads.consume::<B>(&ops.node);
-        let (x, w, targets, ignore, chunk, lse) = ops.state;
+        let (dx, dw, head) = ops.state;
         let [px, pw] = ids!(ops);
-        let wants = LinearGrads {
-            input: px.is_some(),
-            weight: pw.is_some(),
-            bias: false,
-        };
-        let (dx, dw) =
-            B::kiln_linear_cross_entropy_backward(x, w, targets, ignore, chunk, lse, dloss, wants);
+        let g = burn::tensor::Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(
+            dloss,
+        ));
+        // Row r's input gradient is its upstream gradient times its unit one.
+        let dx = dx.map(|d| {
+            let d = burn::tensor::Tensor::<B, 2>::from_primitive(
+                burn::tensor::TensorPrimitive::Float(d),
+            );
+            let n = d.dims()[0];
+            (d * g.clone().reshape([n, 1])).into_primitive().tensor()
+        });
+        // The weight's sums every row's: one factor where the rows' upstream gradients are one
+        // (a mean or sum of the losses, as every causal-LM loss takes them; ignored rows add
+        // nothing whatever their factor).
+        let dw = dw.map(|d| {
+            let values: Vec<f32> = g
+                .clone()
+                .into_data()
+                .convert::<f32>()
+                .into_vec()
+                .expect("f32 upstream gradients");
+            let first = values.first().copied().unwrap_or(0.0);
+            if !values.iter().all(|&v| v == first) {
+                return head.weight_grad(g.clone().into_primitive().tensor());
+            }
+            let d = burn::tensor::Tensor::<B, 2>::from_primitive(
+                burn::tensor::TensorPrimitive::Float(d),
+            );
+            (d * f64::from(first)).into_primitive().tensor()
+        });
         give::<B>(grads, px, dx);
         give::<B>(grads, pw, dw);
+    }
+}
+
+/// What recomputing a chunked head's weight gradient needs.
+#[derive(Debug, Clone)]
+struct ChunkedHead<B: KilnBackend> {
+    x: FloatTensor<B>,
+    w: FloatTensor<B>,
+    targets: IntTensor<B>,
+    ignore: i64,
+    chunk: usize,
+    lse: FloatTensor<B>,
+}
+
+impl<B: KilnBackend> ChunkedHead<B> {
+    /// `dw` for per-row upstream gradients `g [N]`: each chunk's logits recomputed, turned into
+    /// their gradient and multiplied out.
+    fn weight_grad(self, g: FloatTensor<B>) -> FloatTensor<B> {
+        use burn::tensor::{Int, Tensor, TensorPrimitive};
+        let f = |t: FloatTensor<B>| TensorPrimitive::Float(t);
+        let x = Tensor::<B, 2>::from_primitive(f(self.x));
+        let (lse, g) = (
+            Tensor::<B, 1>::from_primitive(f(self.lse)),
+            Tensor::<B, 1>::from_primitive(f(g)),
+        );
+        let targets = Tensor::<B, 1, Int>::from_primitive(self.targets);
+        let wants = LinearGrads {
+            input: false,
+            weight: true,
+            bias: false,
+        };
+        let mut dw: Option<Tensor<B, 2>> = None;
+        for (start, len) in super::balanced_chunks(x.dims()[0], self.chunk) {
+            let xc = x.clone().narrow(0, start, len).into_primitive().tensor();
+            let logits = B::kiln_linear(xc.clone(), self.w.clone(), None);
+            let dlogits = B::kiln_cross_entropy_backward(
+                logits,
+                targets.clone().narrow(0, start, len).into_primitive(),
+                self.ignore,
+                lse.clone().narrow(0, start, len).into_primitive().tensor(),
+                g.clone().narrow(0, start, len).into_primitive().tensor(),
+            );
+            let (_, d, _) = B::kiln_linear_backward(xc, self.w.clone(), dlogits, wants);
+            let d = Tensor::<B, 2>::from_primitive(f(d.expect("asked for")));
+            dw = Some(match dw {
+                Some(sum) => sum + d,
+                None => d,
+            });
+        }
+        dw.expect("at least one chunk").into_primitive().tensor()
     }
 }
 
@@ -699,27 +771,46 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
         targets: IntTensor<Self>,
         ignore: i64,
         chunk: usize,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (losses, lse) = B::kiln_linear_cross_entropy(
+        _: LinearGrads,
+    ) -> LinearCrossEntropy<Self> {
+        let wants = LinearGrads {
+            input: !x.node.requirement.is_none(),
+            weight: !w.node.requirement.is_none(),
+            bias: false,
+        };
+        let out = B::kiln_linear_cross_entropy(
             x.primitive.clone(),
             w.primitive.clone(),
             targets.clone(),
             ignore,
             chunk,
+            wants,
         );
-        let lse_out = Self::from_inner(lse.clone());
-        let out = match LinearCrossEntropyOp
+        let lse = out.lse.clone();
+        let losses = match LinearCrossEntropyOp
             .prepare::<C>([x.node.clone(), w.node.clone()])
             .compute_bound()
             .stateful()
         {
-            OpsKind::Tracked(prep) => prep.finish(
-                (x.primitive, w.primitive, targets, ignore, chunk, lse),
-                losses,
-            ),
-            OpsKind::UnTracked(prep) => prep.finish(losses),
+            OpsKind::Tracked(prep) => {
+                let head = ChunkedHead {
+                    x: x.primitive,
+                    w: w.primitive,
+                    targets,
+                    ignore,
+                    chunk,
+                    lse: out.lse,
+                };
+                prep.finish((out.input_grad, out.weight_grad, head), out.losses)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out.losses),
         };
-        (out, lse_out)
+        LinearCrossEntropy {
+            losses,
+            lse: Self::from_inner(lse),
+            input_grad: None,
+            weight_grad: None,
+        }
     }
 
     fn kiln_embedding(w: FloatTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {

@@ -15,6 +15,24 @@ pub type LinearBackward<B> = (
     Option<FloatTensor<B>>,
 );
 
+/// [`KilnBackend::kiln_linear_cross_entropy`]'s result: each row's loss, and the gradients of
+/// their sum (every row's upstream gradient 1) where they were asked for.
+pub struct LinearCrossEntropy<B: Backend> {
+    pub losses: FloatTensor<B>,
+    /// Each row's log-sum-exp of its logits.
+    pub lse: FloatTensor<B>,
+    pub input_grad: Option<FloatTensor<B>>,
+    pub weight_grad: Option<FloatTensor<B>>,
+}
+
+/// `n` rows in chunks of at most `chunk`, all of one size but the last: as few chunks as
+/// `chunk` allows, split evenly (`(start, len)` of each).
+pub fn balanced_chunks(n: usize, chunk: usize) -> Vec<(usize, usize)> {
+    let count = n.div_ceil(chunk.max(1)).max(1);
+    let size = n.div_ceil(count).max(1);
+    (0..n).step_by(size).map(|s| (s, size.min(n - s))).collect()
+}
+
 /// Which gradients a Linear's backward computes ([`KilnBackend::kiln_linear_backward`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LinearGrads {
@@ -214,7 +232,16 @@ pub fn linear_cross_entropy<B: KilnBackend>(
     ignore: i64,
     chunk: usize,
 ) -> Tensor<B, 1> {
-    t(B::kiln_linear_cross_entropy(p(x), p(w), targets.into_primitive(), ignore, chunk).0)
+    // Outside autodiff no gradient is asked for; the autodiff backend asks for its own.
+    let none = LinearGrads {
+        input: false,
+        weight: false,
+        bias: false,
+    };
+    t(
+        B::kiln_linear_cross_entropy(p(x), p(w), targets.into_primitive(), ignore, chunk, none)
+            .losses,
+    )
 }
 
 /// `[q, k, v]`, each `[B, T, H]`, of a `[B, T, 3H]` tensor.

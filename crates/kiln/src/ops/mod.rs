@@ -456,71 +456,42 @@ pub trait KilnBackend: Backend {
     }
 
     /// Per-row cross-entropy of the logits `x wᵀ` (`x [N, H]`, `w [V, H]`, the output head's
-    /// weight) against `targets [N]`, `chunk` rows at a time, so that no more than `[chunk, V]`
-    /// logits exist at once (Liger's fused linear cross-entropy; what TRL's `nll` loss does
-    /// without materialising the logits). Returns `(losses [N], lse [N])` as
-    /// [`Self::kiln_cross_entropy`] does; the backward ([`Self::kiln_linear_cross_entropy_backward`])
-    /// recomputes each chunk's logits from `x` and `w`.
+    /// weight) against `targets [N]` (0 where the target is `ignore`), a chunk of at most `chunk`
+    /// rows at a time, so that no more than `[chunk, V]` logits exist at once (Liger's fused
+    /// linear cross-entropy; TRL's `nll`, which never materialises the logits). The gradients are
+    /// computed in the same pass, each chunk's logits turned into their gradient at once, for
+    /// every row's upstream gradient 1 (`wants`: of `x`, `[N, H]`, and of `w`, `[V, H]`): a
+    /// backward then only scales them, and the head's products are the whole logits' (its
+    /// forward and input-gradient products, a chunk at a time), not one more. Chunks are of
+    /// equal size (the rows split into as few as `chunk` allows).
     fn kiln_linear_cross_entropy(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
         targets: IntTensor<Self>,
         ignore: i64,
         chunk: usize,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let x = t::<Self, 2>(x);
-        let targets = Tensor::<Self, 1, Int>::from_primitive(targets);
-        let n = x.dims()[0];
-        let (mut losses, mut lses) = (Vec::new(), Vec::new());
-        for start in (0..n).step_by(chunk.max(1)) {
-            let len = chunk.max(1).min(n - start);
-            let logits = Self::kiln_linear(p(x.clone().narrow(0, start, len)), w.clone(), None);
-            let part = targets.clone().narrow(0, start, len).into_primitive();
-            let (l, lse) = Self::kiln_cross_entropy(logits, part, ignore);
-            losses.push(t::<Self, 1>(l));
-            lses.push(t::<Self, 1>(lse));
-        }
-        if losses.is_empty() {
-            let zeros = Tensor::<Self, 1>::zeros([0], &x.device());
-            return (p(zeros.clone()), p(zeros));
-        }
-        (p(Tensor::cat(losses, 0)), p(Tensor::cat(lses, 0)))
-    }
-
-    /// The gradients of [`Self::kiln_linear_cross_entropy`]'s losses for `dloss [N]`: `dx [N, H]`
-    /// and `dw [V, H]` (each only where `wants` asks), a chunk's logits recomputed, turned into
-    /// their gradient and multiplied out at a time.
-    #[allow(clippy::too_many_arguments)]
-    fn kiln_linear_cross_entropy_backward(
-        x: FloatTensor<Self>,
-        w: FloatTensor<Self>,
-        targets: IntTensor<Self>,
-        ignore: i64,
-        chunk: usize,
-        lse: FloatTensor<Self>,
-        dloss: FloatTensor<Self>,
         wants: LinearGrads,
-    ) -> (Option<FloatTensor<Self>>, Option<FloatTensor<Self>>) {
+    ) -> LinearCrossEntropy<Self> {
         let x = t::<Self, 2>(x);
-        let (lse, dloss) = (t::<Self, 1>(lse), t::<Self, 1>(dloss));
         let targets = Tensor::<Self, 1, Int>::from_primitive(targets);
         let n = x.dims()[0];
-        let (mut dx, mut dw): (Vec<Tensor<Self, 2>>, Option<Tensor<Self, 2>>) = (Vec::new(), None);
-        for start in (0..n).step_by(chunk.max(1)) {
-            let len = chunk.max(1).min(n - start);
+        let device = x.device();
+        let (mut losses, mut lses) = (Vec::new(), Vec::new());
+        let (mut dx, mut dw) = (Vec::new(), None::<Tensor<Self, 2>>);
+        for (start, len) in balanced_chunks(n, chunk) {
             let xc = p(x.clone().narrow(0, start, len));
+            let tc = targets.clone().narrow(0, start, len).into_primitive();
             let logits = Self::kiln_linear(xc.clone(), w.clone(), None);
-            let dlogits = Self::kiln_cross_entropy_backward(
-                logits,
-                targets.clone().narrow(0, start, len).into_primitive(),
-                ignore,
-                p(lse.clone().narrow(0, start, len)),
-                p(dloss.clone().narrow(0, start, len)),
-            );
-            let (dxc, dwc, _) = Self::kiln_linear_backward(xc, w.clone(), dlogits, wants);
-            if let Some(d) = dxc {
-                dx.push(t::<Self, 2>(d));
+            let (l, lse) = Self::kiln_cross_entropy(logits.clone(), tc.clone(), ignore);
+            losses.push(t::<Self, 1>(l));
+            lses.push(t::<Self, 1>(lse.clone()));
+            if !(wants.input || wants.weight) {
+                continue;
             }
+            let ones = p(Tensor::<Self, 1>::ones([len], &device));
+            let dlogits = Self::kiln_cross_entropy_backward(logits, tc, ignore, lse, ones);
+            let (dxc, dwc, _) = Self::kiln_linear_backward(xc, w.clone(), dlogits, wants);
+            dx.extend(dxc.map(t::<Self, 2>));
             if let Some(d) = dwc {
                 let d = t::<Self, 2>(d);
                 dw = Some(match dw {
@@ -529,8 +500,16 @@ pub trait KilnBackend: Backend {
                 });
             }
         }
-        let dx = (wants.input && !dx.is_empty()).then(|| p(Tensor::cat(dx, 0)));
-        (dx, dw.map(p))
+        let whole = |parts: Vec<Tensor<Self, 1>>| match parts.is_empty() {
+            true => Tensor::<Self, 1>::zeros([0], &device),
+            false => Tensor::cat(parts, 0),
+        };
+        LinearCrossEntropy {
+            losses: p(whole(losses)),
+            lse: p(whole(lses)),
+            input_grad: (!dx.is_empty()).then(|| p(Tensor::cat(dx, 0))),
+            weight_grad: dw.map(p),
+        }
     }
 
     /// `layer_norm(dropout(x) + r)` over the last dimension of `[R, H]` inputs — a transformer block's

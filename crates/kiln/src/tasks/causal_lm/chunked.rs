@@ -12,10 +12,12 @@ use crate::contract::{target_count, BatchSource, Loss};
 use crate::data::lm::{ChunkedLoss, TokenBatch};
 use crate::ops::KilnBackend;
 
-/// Positions per chunk for a vocabulary of `vocab`: ~32 MB of f32 logits, between 64 and 4096
-/// positions (enough rows for the product to run at the GEMM's rate).
+/// At most this many positions per chunk for a vocabulary of `vocab`: ~256 MB of f32 logits,
+/// between 256 and 8192 positions. Each chunk reads the whole head weight again (packing it for
+/// the product costs about what 30 rows of the product do), so chunks stay large: the saving is
+/// the whole logits against one chunk's, not more.
 pub fn auto_chunk(vocab: usize) -> usize {
-    ((8 << 20) / vocab.max(1)).clamp(64, 4096)
+    ((64 << 20) / vocab.max(1)).clamp(256, 8192)
 }
 
 /// `inner`'s batches, each asking the head for its positions' losses `chunk` at a time.
