@@ -716,8 +716,9 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
 
     /// Each position's cross-entropy `[b·t, 1]` from the last layer's output `h` `[b, t, H]`, the
     /// output head's product and the loss a chunk of positions at a time
-    /// ([`crate::ops::linear_cross_entropy`]). A head that is not one plain product (a LoRA
-    /// adapter on it, an inference layout, a tensor-parallel cut) gets its logits whole instead.
+    /// ([`crate::ops::linear_cross_entropy`]). A batch of at most two chunks' positions, and a
+    /// head that is not one plain product (a LoRA adapter on it, an inference layout, a
+    /// tensor-parallel cut), get their logits whole instead.
     fn chunked_losses(&self, h: Tensor<B, 3>, loss: &crate::data::lm::ChunkedLoss) -> Tensor<B, 2> {
         let [b, t, hidden] = h.dims();
         let n = b * t;
@@ -730,6 +731,9 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
             |l: &Linear<B>| l.lora_a.is_none() && l.weight_in_out.is_none() && l.bias.is_none();
         let weight = match &self.lm_head {
             _ if self.shard.is_some() => None,
+            // Two chunks' positions or fewer: the whole logits are small, and measured peaks
+            // were no lower chunked (BENCHMARKS.md).
+            _ if n <= 2 * loss.chunk => None,
             Some(l) if plain(l) => Some(l.weight.val()),
             Some(_) => None,
             None => Some(self.model.embed_tokens.weight.val()),
