@@ -280,3 +280,17 @@ pub fn run_test_ranks(test: &str, world: usize, env: &[(&str, String)]) {
         );
     }
 }
+
+/// The log lines (`log.jsonl`) of the training run in `out`, then its final evaluation's metrics
+/// (`eval.json`, where the test wrote one) as one more line.
+pub fn read_log_and_eval(out: &std::path::Path) -> Vec<serde_json::Value> {
+    let mut log: Vec<serde_json::Value> = std::fs::read_to_string(out.join("log.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    if let Ok(eval) = std::fs::read(out.join("eval.json")) {
+        log.push(serde_json::from_slice(&eval).unwrap());
+    }
+    log
+}

@@ -244,20 +244,7 @@ fn run_with(
         )
         .unwrap();
     }
-    read_log(out)
-}
-
-/// The log lines of the run in `out`, and its evaluation's metrics as one more line.
-fn read_log(out: &Path) -> Vec<Value> {
-    let mut log: Vec<Value> = std::fs::read_to_string(out.join("log.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    if let Ok(eval) = std::fs::read(out.join("eval.json")) {
-        log.push(serde_json::from_slice(&eval).unwrap());
-    }
-    log
+    common::read_log_and_eval(out)
 }
 
 /// The metrics TRL's ORPO logs at every step that kiln logs alike (its `logits/*` average
@@ -387,7 +374,7 @@ fn launch(name: &str, out: &Path, world: usize, tp: usize) -> Vec<Value> {
             ("KILN_TEST_CASE", name.to_string()),
         ],
     );
-    read_log(out)
+    common::read_log_and_eval(out)
 }
 
 #[test]

@@ -279,20 +279,7 @@ fn run(name: &str, out: &Path, (world, tp): (usize, usize)) -> Vec<Value> {
         )
         .unwrap();
     }
-    read_log(out)
-}
-
-/// The log lines of the run in `out`, and its evaluation's metrics as one more line.
-fn read_log(out: &Path) -> Vec<Value> {
-    let mut log: Vec<Value> = std::fs::read_to_string(out.join("log.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    if let Ok(eval) = std::fs::read(out.join("eval.json")) {
-        log.push(serde_json::from_slice(&eval).unwrap());
-    }
-    log
+    common::read_log_and_eval(out)
 }
 
 /// kiln's log against TRL's: every step's `metrics` and the evaluation's. Step 1 is a function
@@ -391,7 +378,7 @@ fn reward_under_data_and_tensor_parallelism_equals_trl() {
                 ("KILN_TEST_CASE", name.to_string()),
             ],
         );
-        let got = read_log(&out);
+        let got = common::read_log_and_eval(&out);
         let want = trl["cases"][name]["log_history"].as_array().unwrap();
         // At DP = 2 each rank's batch is half the pairs: TRL's least and greatest reward are
         // over the whole batch, kiln's the mean of the halves'.

@@ -16,6 +16,15 @@ pub enum Padding {
     MultipleOf { multiple: usize, max: usize },
 }
 
+/// `longest` rounded up to a multiple of `pad_to_multiple_of`, as TRL's collators round a batch's
+/// length (`None` or 1: as it is).
+pub fn round_to_multiple(longest: usize, pad_to_multiple_of: Option<usize>) -> usize {
+    match pad_to_multiple_of {
+        Some(m) if m > 1 => longest.div_ceil(m) * m,
+        _ => longest,
+    }
+}
+
 impl Padding {
     /// The length a batch whose longest example has `longest` tokens is padded to.
     pub fn padded_length(&self, longest: usize) -> usize {

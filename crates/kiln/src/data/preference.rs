@@ -444,10 +444,7 @@ pub fn collate_preferences(
         }
     }
     let longest = rows.iter().map(|(ids, _)| ids.len()).max().unwrap_or(0);
-    let seq = match pad_to_multiple_of {
-        Some(m) if m > 1 => longest.div_ceil(m) * m,
-        _ => longest,
-    };
+    let seq = super::batch::round_to_multiple(longest, pad_to_multiple_of);
     let mut batch = PreferenceBatch {
         input_ids: Vec::with_capacity(rows.len()),
         completion_mask: Vec::with_capacity(rows.len()),

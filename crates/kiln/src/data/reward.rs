@@ -169,10 +169,7 @@ pub fn collate_rewards(
         .chain(examples.iter().map(|e| &e.rejected_ids))
         .collect();
     let longest = rows.iter().map(|r| r.len()).max().unwrap_or(0);
-    let seq = match pad_to_multiple_of {
-        Some(m) if m > 1 => longest.div_ceil(m) * m,
-        _ => longest,
-    };
+    let seq = super::batch::round_to_multiple(longest, pad_to_multiple_of);
     let lengths = rows.iter().map(|r| r.len()).collect();
     let ids = rows
         .into_iter()

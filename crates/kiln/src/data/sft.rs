@@ -433,10 +433,7 @@ pub fn collate<E: Borrow<LabelledExample>>(
     padding_free: bool,
     pad_to_multiple_of: Option<usize>,
 ) -> SftBatch {
-    let round = |n: usize| match pad_to_multiple_of {
-        Some(m) if m > 1 => n.div_ceil(m) * m,
-        _ => n,
-    };
+    let round = |n: usize| super::batch::round_to_multiple(n, pad_to_multiple_of);
     if padding_free {
         let mut ids = Vec::new();
         let mut labels = Vec::new();

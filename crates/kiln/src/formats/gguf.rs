@@ -799,6 +799,24 @@ fn q6_k(b: &[u8], out: &mut [f32]) {
 /// with `rows = heads · head_dim`; within each head, row `2i + p` of the file is row `p·half + i` of
 /// the Hugging Face weight.
 pub fn unpermute_qk(w: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
+    move_qk_rows(w, rows, cols, heads, |file, hf| (file, hf))
+}
+
+/// The permutation itself (llama.cpp's `LlamaModel.permute`), for writing GGUF: Hugging Face row
+/// `p·half + i` of each head becomes row `2i + p`.
+pub fn permute_qk(w: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
+    move_qk_rows(w, rows, cols, heads, |file, hf| (hf, file))
+}
+
+/// Copies rows of `w` within each head from `src` to `dst`, where `(src, dst) = order(file row,
+/// Hugging Face row)` for each pair of rows the permutation relates.
+fn move_qk_rows(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    heads: usize,
+    order: impl Fn(usize, usize) -> (usize, usize),
+) -> Vec<f32> {
     assert_eq!(w.len(), rows * cols);
     let head_dim = rows / heads;
     let half = head_dim / 2;
@@ -806,8 +824,7 @@ pub fn unpermute_qk(w: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f3
     for h in 0..heads {
         for i in 0..half {
             for p in 0..2 {
-                let src = h * head_dim + 2 * i + p;
-                let dst = h * head_dim + p * half + i;
+                let (src, dst) = order(h * head_dim + 2 * i + p, h * head_dim + p * half + i);
                 out[dst * cols..dst * cols + cols]
                     .copy_from_slice(&w[src * cols..src * cols + cols]);
             }

@@ -111,10 +111,7 @@ impl BatchSource for RewardSet {
     }
 
     fn padded_length(&self, longest: usize) -> usize {
-        match self.pad_to_multiple_of {
-            Some(m) if m > 1 => longest.div_ceil(m) * m,
-            _ => longest,
-        }
+        crate::data::batch::round_to_multiple(longest, self.pad_to_multiple_of)
     }
 
     /// The pairs' chosen sequences then their rejected ones; each row carries its pair's margin

@@ -16,7 +16,7 @@ use tracing::info;
 use super::config::{LlamaConfig, RopeScaling};
 use crate::data::chat_template::{special_tokens, ChatTemplate};
 use crate::error::{KilnError, Result};
-use crate::formats::gguf::GgmlType;
+use crate::formats::gguf::{permute_qk, GgmlType};
 use crate::formats::gguf_writer::{storable, write_gguf, MetaValue, TensorEntry};
 use crate::formats::model_weights::read_model_weights;
 
@@ -100,27 +100,6 @@ fn gguf_name(hf: &str) -> Option<String> {
         _ => return None,
     };
     Some(format!("blk.{layer}.{part}.{kind}"))
-}
-
-/// The row order llama.cpp's converter gives `q_proj` / `k_proj` weights (`LlamaModel.permute`):
-/// within each of `heads` heads, row `p·half + i` of the Hugging Face weight becomes row `2i + p`
-/// (the inverse of [`crate::formats::gguf::unpermute_qk`]).
-pub fn permute_qk(w: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
-    assert_eq!(w.len(), rows * cols);
-    let head_dim = rows / heads;
-    let half = head_dim / 2;
-    let mut out = vec![0f32; w.len()];
-    for h in 0..heads {
-        for i in 0..half {
-            for p in 0..2 {
-                let dst = h * head_dim + 2 * i + p;
-                let src = h * head_dim + p * half + i;
-                out[dst * cols..dst * cols + cols]
-                    .copy_from_slice(&w[src * cols..src * cols + cols]);
-            }
-        }
-    }
-    out
 }
 
 /// Writes the Llama folder `dir` as the GGUF file `out` (a new file) with its matrices in
@@ -441,7 +420,7 @@ fn pre_tokenizer_name(pre: &Json) -> Option<&'static str> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::formats::gguf::unpermute_qk;
+    use crate::formats::gguf::{permute_qk, unpermute_qk};
 
     #[test]
     fn permuting_rows_is_undone_by_the_reader() {

@@ -188,10 +188,7 @@ impl BatchSource for PreferenceSet {
     }
 
     fn padded_length(&self, longest: usize) -> usize {
-        match self.pad_to_multiple_of {
-            Some(m) if m > 1 => longest.div_ceil(m) * m,
-            _ => longest,
-        }
+        crate::data::batch::round_to_multiple(longest, self.pad_to_multiple_of)
     }
 
     /// The pairs' chosen sequences then their rejected ones, asking the model for each row's
