@@ -35,21 +35,19 @@ fn corpus(dir: &Path) -> PathBuf {
     path
 }
 
+/// A run's step log, final evaluation and final weights.
+type Outcome = (
+    Vec<Value>,
+    BTreeMap<String, f64>,
+    BTreeMap<String, Vec<f32>>,
+);
+
 /// Four SGD steps of causal-LM training of `model` with the loss chunked `chunk` positions at
 /// a time (0: the whole logits); the log, the evaluation and the final weights. SGD, not AdamW:
 /// AdamW divides each gradient by its own size, so a rounding-sized difference of a gradient
 /// near 0 could move a weight by the whole learning rate, and the comparison would have to be
 /// loose.
-fn run(
-    model: &Path,
-    data: &Path,
-    out: &Path,
-    chunk: usize,
-) -> (
-    Vec<Value>,
-    BTreeMap<String, f64>,
-    BTreeMap<String, Vec<f32>>,
-) {
+fn run(model: &Path, data: &Path, out: &Path, chunk: usize) -> Outcome {
     let opts = CausalLmOptions {
         model_dir: Some(model.to_path_buf()),
         train_file: Some(data.to_path_buf()),

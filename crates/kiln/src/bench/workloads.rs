@@ -95,7 +95,6 @@ pub fn bert_train_work(c: &BertConfig, b: &TextBatch) -> StepWork {
 /// Timed optimizer steps (forward, backward, update) of `model` over `batches` in turn: the first
 /// `warmup` steps are not timed. Returns the result with the mean work of the timed steps.
 #[allow(clippy::too_many_arguments)]
-#[allow(clippy::too_many_arguments)]
 pub fn train_steps<B, M>(
     name: &str,
     model: M,

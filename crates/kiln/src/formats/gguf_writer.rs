@@ -97,7 +97,7 @@ impl TensorEntry {
 /// row in blocks of 32).
 pub fn storable(ty: GgmlType, row: usize) -> bool {
     let (per_block, _) = ty.block();
-    row % per_block == 0
+    row.is_multiple_of(per_block)
 }
 
 /// Writes `metadata` and `tensors` to `path` (a new file replaces any old one whole, or nothing
@@ -127,7 +127,7 @@ pub fn write_gguf(
     for t in tensors {
         let (per_block, _) = t.ty.block();
         let row = t.shape.last().copied().unwrap_or(1);
-        if row % per_block != 0 {
+        if !row.is_multiple_of(per_block) {
             return Err(KilnError::Config(format!(
                 "{}: rows of {row} values cannot be stored as {:?} (blocks of {per_block})",
                 t.name, t.ty
