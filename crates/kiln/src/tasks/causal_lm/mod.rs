@@ -336,10 +336,12 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
         tp: tp_group,
         pp: (pp_group, pipeline),
     } = layout;
+    // The cut is worked out (and refused) before the tokenizer is looked for; it does not
+    // depend on the head.
+    let (shard, builtin) = tensor_parallel_plan::<A, _>(&config, tp_group)?;
     let tok_path = opts.tokenizer_path()?;
     let tok = load_tokenizer(&tok_path)?;
     let config = head_for_task(family, opts, config, &tok)?;
-    let (shard, builtin) = tensor_parallel_plan::<A, _>(&config, tp_group)?;
     // Under tensor parallelism the user's loss and metrics see whole rows of logits.
     let whole_vocab = match &builtin {
         LmLoss::VocabParallel(v) => Some(WholeVocab::new(v.tp.clone(), v.vocab)),
