@@ -332,14 +332,14 @@ fn greedy(dir: &Path, n: usize) -> Vec<Vec<u32>> {
 /// within half a quantisation step), the tokenizer's ids, the special tokens and the chat
 /// template; and the F32 file decodes the source folder's greedy tokens. On the tiny chat Llama of
 /// the DPO fixtures (untied head, grouped-query attention, ChatML template) and, where the assets
-/// are fetched, SmolLM2-135M-Instruct (tied embeddings, 9 heads / 3 kv heads, SmolLM's
-/// pre-tokenizer) in F16 and Q8_0 too.
+/// are fetched, SmolLM2-135M-Instruct as converted from its GGUF file (tied embeddings, 9 heads /
+/// 3 kv heads, SmolLM's pre-tokenizer, its chat template), in F16, BF16 and Q8_0 too.
 #[test]
 fn exported_gguf_reads_back_as_the_source_folder() {
     use kiln::models::llama::gguf_export::{hf_to_gguf, GgufOutType};
     let mut sources = vec![repo_root().join("tests/fixtures/dpo/tiny_chat_llama")];
-    if let Some(smollm2) = asset("smollm2/hf") {
-        sources.push(smollm2);
+    if let Some(smollm2) = converted() {
+        sources.push(smollm2.to_path_buf());
     }
     let tmp = tempfile::tempdir().unwrap();
     for (k, src) in sources.iter().enumerate() {
