@@ -4,10 +4,10 @@ score head, as kiln starts it), optionally with LoRA (peft's SEQ_CLS: the score 
 beside the adapter), and the median wall time of a step, measured by a callback, beside the eval
 metrics at the end.
 
-    ~/.cache/kiln-venv/bin/python scripts/reward_reference.py MODEL_DIR TRAIN EVAL OUT_DIR EPOCHS LR TARGETS
+    ~/.cache/kiln-venv/bin/python scripts/reward_reference.py MODEL_DIR TRAIN EVAL OUT_DIR EPOCHS LR TARGETS [SEED]
 
 TARGETS: `none` (the whole model trains), `all-linear` or comma-separated module names. LoRA r 16,
-alpha 32, no dropout; batch 8 pairs, max_length 256, constant rate, no weight decay, seed 42, no
+alpha 32, no dropout; batch 8 pairs, max_length 256, constant rate, no weight decay, seed SEED (42), no
 gradient checkpointing (kiln's default), fp32.
 """
 import json
@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 from trl import RewardConfig, RewardTrainer
 
 model_dir, train_file, eval_file, out_dir, epochs, lr, targets = sys.argv[1:8]
+seed = int(sys.argv[8]) if len(sys.argv) > 8 else 42
 torch.set_num_threads(2)
 
 
@@ -44,7 +45,7 @@ class StepTimes(TrainerCallback):
 config = RewardConfig(
     output_dir=out_dir, per_device_train_batch_size=8, per_device_eval_batch_size=8,
     num_train_epochs=float(epochs), learning_rate=float(lr), lr_scheduler_type="constant",
-    warmup_steps=0, weight_decay=0.0, max_length=256, logging_steps=5, report_to=[], seed=42,
+    warmup_steps=0, weight_decay=0.0, max_length=256, logging_steps=5, report_to=[], seed=seed,
     use_cpu=True, bf16=False, save_strategy="no", eval_strategy="no", gradient_checkpointing=False,
     dataloader_num_workers=0, disable_tqdm=True,
     model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"})
