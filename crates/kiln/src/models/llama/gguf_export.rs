@@ -136,6 +136,18 @@ pub fn hf_to_gguf(dir: &Path, out: &Path, outtype: GgufOutType) -> Result<Export
     let mut metadata = model_metadata(dir, &config, outtype, &rope);
     metadata.extend(tokenizer_metadata(dir, config.vocab_size)?);
     let weights = read_model_weights(dir)?;
+    // Every tensor's shape as the config says (the q/k permutation cuts rows by heads).
+    let shapes = config.param_shapes();
+    for (name, t) in &weights {
+        if let Some(want) = shapes.get(name).filter(|want| **want != t.shape) {
+            return Err(KilnError::Weights(format!(
+                "{}: {name} is {:?}, but {} makes it {want:?}",
+                dir.display(),
+                t.shape,
+                config_path.display()
+            )));
+        }
+    }
     let mut names: Vec<(&String, String)> = Vec::new();
     for name in weights.keys() {
         match gguf_name(name) {
@@ -434,6 +446,36 @@ mod tests {
             &p[..4 * cols],
             &[0., 1., 2., 6., 7., 8., 3., 4., 5., 9., 10., 11.]
         );
+    }
+
+    /// A weight whose shape is not the config's is one sentence, not a panic in the permutation.
+    #[test]
+    fn a_weight_of_another_shape_is_refused() {
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/dpo/tiny_chat_llama");
+        let dir = tempfile::tempdir().unwrap();
+        for f in [
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+        ] {
+            std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+        }
+        let mut config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+        // 8 heads of 4 instead of 4 of 8: q_proj's rows no longer split as the file's do.
+        config["num_attention_heads"] = 8.into();
+        config["head_dim"] = 8.into();
+        config["num_key_value_heads"] = 4.into();
+        std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+        std::fs::copy(
+            src.join("model.safetensors"),
+            dir.path().join("model.safetensors"),
+        )
+        .unwrap();
+        let e = hf_to_gguf(dir.path(), &dir.path().join("m.gguf"), GgufOutType::F16).unwrap_err();
+        assert!(e.to_string().contains("but"), "{e}");
+        assert!(!dir.path().join("m.gguf").exists());
     }
 
     #[test]
