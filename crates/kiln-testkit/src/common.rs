@@ -294,3 +294,62 @@ pub fn read_log_and_eval(out: &std::path::Path) -> Vec<serde_json::Value> {
     }
     log
 }
+
+/// A training log kiln wrote against TRL's `log_history` of the same run: the 4 step entries'
+/// `metrics` (but those `skip(step, key)` names), each within a bound that grows with the step
+/// (step 1 is a function of the initial model alone; each later step carries AdamW updates of the
+/// f32 rounding of gradients summed in another order than PyTorch's; the logged loss is rounded
+/// to 4 decimals, as transformers rounds it), and the evaluation's `eval_*` (within 2e-3) where
+/// TRL evaluated. Returns the largest relative difference.
+pub fn compare_trl_log(
+    name: &str,
+    got: &[serde_json::Value],
+    want: &[serde_json::Value],
+    metrics: &[&str],
+    skip: &dyn Fn(usize, &str) -> bool,
+) -> f64 {
+    let mut worst: f64 = 0.0;
+    let steps = |log: &[serde_json::Value]| -> Vec<serde_json::Value> {
+        log.iter()
+            .filter(|e| e.get("loss").is_some() && e.get("train_loss").is_none())
+            .cloned()
+            .collect()
+    };
+    let (got_steps, want_steps) = (steps(got), steps(want));
+    assert_eq!(got_steps.len(), 4, "{name}: kiln logged {got:?}");
+    assert_eq!(want_steps.len(), 4);
+    for (s, (g, w)) in got_steps.iter().zip(&want_steps).enumerate() {
+        for &key in metrics {
+            if skip(s, key) && g.get(key).is_some() {
+                continue;
+            }
+            let wv = w[key].as_f64().unwrap();
+            let gv = g[key]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{name} step {}: no {key} in {g}", s + 1));
+            let round = if key == "loss" { 5e-5 } else { 0.0 };
+            let bound = round + [2e-5, 1e-3, 1e-3, 2e-3][s] * wv.abs().max(1.0);
+            let diff = (gv - wv).abs();
+            worst = worst.max(diff / wv.abs().max(1.0));
+            assert!(
+                diff <= bound,
+                "{name} step {}: {key} {gv} vs TRL's {wv} (bound {bound})",
+                s + 1
+            );
+        }
+    }
+    if let Some(w) = want.iter().find(|e| e.get("eval_loss").is_some()) {
+        let g = got
+            .iter()
+            .find(|e| e.get("eval_loss").is_some())
+            .unwrap_or_else(|| panic!("{name}: no evaluation logged"));
+        for key in metrics.iter().filter(|k| **k != "grad_norm") {
+            let key = format!("eval_{key}");
+            let (gv, wv) = (g[&key].as_f64().unwrap(), w[&key].as_f64().unwrap());
+            let bound = 2e-3 * wv.abs().max(1.0);
+            worst = worst.max((gv - wv).abs() / wv.abs().max(1.0));
+            assert!((gv - wv).abs() <= bound, "{name}: {key} {gv} vs TRL's {wv}");
+        }
+    }
+    worst
+}

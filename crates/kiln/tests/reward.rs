@@ -282,53 +282,9 @@ fn run(name: &str, out: &Path, (world, tp): (usize, usize)) -> Vec<Value> {
     common::read_log_and_eval(out)
 }
 
-/// kiln's log against TRL's: every step's `metrics` and the evaluation's. Step 1 is a function
-/// of the initial model alone; each later step has been through AdamW updates of 5e-3, which
-/// carry the f32 rounding of the gradients (summed in another order than PyTorch's) into the
-/// weights: the bound grows with the step.
+/// kiln's log against TRL's ([`common::compare_trl_log`]), every metric at every step.
 fn compare(name: &str, got: &[Value], want: &[Value], metrics: &[&str]) -> f64 {
-    let mut worst: f64 = 0.0;
-    let steps = |log: &[Value]| -> Vec<Value> {
-        log.iter()
-            .filter(|e| e.get("loss").is_some() && e.get("train_loss").is_none())
-            .cloned()
-            .collect()
-    };
-    let (got_steps, want_steps) = (steps(got), steps(want));
-    assert_eq!(got_steps.len(), 4, "{name}: kiln logged {got:?}");
-    assert_eq!(want_steps.len(), 4);
-    for (s, (g, w)) in got_steps.iter().zip(&want_steps).enumerate() {
-        for &key in metrics {
-            let wv = w[key].as_f64().unwrap();
-            let gv = g[key]
-                .as_f64()
-                .unwrap_or_else(|| panic!("{name} step {}: no {key} in {g}", s + 1));
-            // The logged loss is rounded to 4 decimals, as transformers' logs round it.
-            let round = if key == "loss" { 5e-5 } else { 0.0 };
-            let bound = round + [2e-5, 1e-3, 1e-3, 2e-3][s] * wv.abs().max(1.0);
-            let diff = (gv - wv).abs();
-            worst = worst.max(diff / wv.abs().max(1.0));
-            assert!(
-                diff <= bound,
-                "{name} step {}: {key} {gv} vs TRL's {wv} (bound {bound})",
-                s + 1
-            );
-        }
-    }
-    if let Some(w) = want.iter().find(|e| e.get("eval_loss").is_some()) {
-        let g = got
-            .iter()
-            .find(|e| e.get("eval_loss").is_some())
-            .unwrap_or_else(|| panic!("{name}: no evaluation logged"));
-        for key in metrics.iter().filter(|k| **k != "grad_norm") {
-            let key = format!("eval_{key}");
-            let (gv, wv) = (g[&key].as_f64().unwrap(), w[&key].as_f64().unwrap());
-            let bound = 2e-3 * wv.abs().max(1.0);
-            worst = worst.max((gv - wv).abs() / wv.abs().max(1.0));
-            assert!((gv - wv).abs() <= bound, "{name}: {key} {gv} vs TRL's {wv}");
-        }
-    }
-    worst
+    common::compare_trl_log(name, got, want, metrics, &|_, _| false)
 }
 
 #[test]
