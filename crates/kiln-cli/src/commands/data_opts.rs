@@ -93,10 +93,10 @@ pub struct LmOpts {
     /// tokenizer.json (or its folder, or a Hub id), when it is not the model folder's.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// Causal LM and SFT training: the loss is computed inside the output head this many tokens
-    /// at a time, never holding the whole [tokens, vocabulary] logits (TRL's `nll`, Liger's
-    /// fused linear cross-entropy); 0 computes the whole logits first [default: ~32 MB of
-    /// logits per chunk].
+    /// Causal LM, SFT, DPO and ORPO: the loss (DPO's and ORPO's completion scores) is computed
+    /// inside the output head this many tokens at a time, never holding the whole [tokens,
+    /// vocabulary] logits (TRL's `nll`, Liger's fused linear cross-entropy); 0 computes the
+    /// whole logits first [default: ~256 MB of f32 logits per chunk].
     #[arg(long, value_name = "TOKENS")]
     loss_chunk_size: Option<usize>,
 }

@@ -176,6 +176,9 @@ pub struct CompletionScoring {
     /// Per position: whether its target is a completion token (the completion columns sum over
     /// these; the sequence columns over every target, the prompt's too).
     pub completion: Vec<bool>,
+    /// The head's product and the scores computed this many positions at a time, never holding
+    /// the whole logits (as [`ChunkedLoss`]); 0: the whole logits.
+    pub chunk: usize,
 }
 
 #[cfg(test)]

@@ -5,13 +5,13 @@
 //! parallelism each rank holds a slice of the vocabulary; every sum over it crosses the group,
 //! so every rank gets the same scores.
 
-use std::ops::Range;
-
 use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::contract::IGNORE_INDEX;
 use crate::data::lm::{CompletionScoring, RowValues};
-use crate::ops::{tp_sum, KilnBackend, TpComm};
+use crate::ops::{
+    scored_linear_cross_entropy, token_statistics, KilnBackend, TokenStatistics, VocabSlice,
+};
 use crate::parallel::VocabParallelCrossEntropy;
 
 /// The columns of a row of scores, then the row's carried values.
@@ -43,13 +43,6 @@ impl Column {
     }
 }
 
-/// A tensor-parallel rank's slice of the vocabulary.
-pub struct VocabSlice<'a> {
-    pub tp: &'a TpComm,
-    pub columns: Range<usize>,
-    pub vocab: usize,
-}
-
 /// `logits` `[rows × seq, vocab]` (a rank's `[…, columns]` under `slice`) → `[rows, COMPUTED +
 /// carried.per_row]` scores.
 pub fn completion_scores<B: KilnBackend>(
@@ -59,17 +52,69 @@ pub fn completion_scores<B: KilnBackend>(
     carried: &RowValues,
     slice: Option<VocabSlice<'_>>,
 ) -> Tensor<B, 2> {
-    let [n, _] = logits.dims();
-    let device = logits.device();
+    let n = logits.dims()[0];
+    let targets = scoring_targets(scoring, n, &logits.device());
+    let stats = token_statistics(
+        logits.clone().detach(),
+        targets.clone(),
+        IGNORE_INDEX,
+        &slice,
+    );
+    let losses = match &slice {
+        None => crate::ops::cross_entropy(logits, targets, IGNORE_INDEX),
+        Some(s) => VocabParallelCrossEntropy {
+            tp: s.tp.clone(),
+            vocab: s.vocab,
+        }
+        .token_losses(logits, targets),
+    };
+    row_scores(losses, stats, rows, scoring, carried)
+}
+
+/// [`completion_scores`] of the logits `h wᵀ` (`h` the normed last hidden states `[rows × seq,
+/// H]`, `w` the output head's weight `[vocab, H]`) computed `chunk` positions at a time, forward
+/// and backward ([`crate::ops::scored_linear_cross_entropy`]): the same scores without the
+/// whole logits or their gradient.
+pub fn chunked_completion_scores<B: KilnBackend>(
+    h: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    rows: usize,
+    scoring: &CompletionScoring,
+    carried: &RowValues,
+) -> Tensor<B, 2> {
+    let n = h.dims()[0];
+    let targets = scoring_targets(scoring, n, &h.device());
+    let (losses, stats) =
+        scored_linear_cross_entropy(h, w, targets, IGNORE_INDEX, scoring.chunk.max(1));
+    row_scores(losses, stats, rows, scoring, carried)
+}
+
+fn scoring_targets<B: KilnBackend>(
+    scoring: &CompletionScoring,
+    n: usize,
+    device: &B::Device,
+) -> Tensor<B, 1, Int> {
     assert_eq!(scoring.targets.len(), n, "one scoring target per position");
-    let seq = n / rows.max(1);
-    let targets =
-        Tensor::<B, 1, Int>::from_data(TensorData::new(scoring.targets.clone(), [n]), &device);
     assert_eq!(
         scoring.completion.len(),
         n,
         "one completion flag per position"
     );
+    Tensor::from_data(TensorData::new(scoring.targets.clone(), [n]), device)
+}
+
+/// Each row's [`Column`]s from its positions' cross-entropies `losses` `[rows × seq]` and their
+/// statistics, then the carried values.
+fn row_scores<B: KilnBackend>(
+    losses: Tensor<B, 1>,
+    stats: TokenStatistics<B>,
+    rows: usize,
+    scoring: &CompletionScoring,
+    carried: &RowValues,
+) -> Tensor<B, 2> {
+    let n = losses.dims()[0];
+    let device = losses.device();
+    let seq = n / rows.max(1);
     let per_row_count = |flags: &[f32]| -> Tensor<B, 2> {
         let counts: Vec<f32> = flags.chunks(seq.max(1)).map(|r| r.iter().sum()).collect();
         Tensor::from_data(TensorData::new(counts, [rows, 1]), &device)
@@ -87,15 +132,6 @@ pub fn completion_scores<B: KilnBackend>(
         .collect();
     let (tokens, sequence_tokens) = (per_row_count(&completion_host), per_row_count(&target_host));
     let keep = Tensor::<B, 1>::from_data(TensorData::new(completion_host, [n]), &device);
-    let stats = token_statistics(logits.clone().detach(), targets.clone(), &slice);
-    let losses = match &slice {
-        None => crate::ops::cross_entropy(logits, targets, IGNORE_INDEX),
-        Some(s) => VocabParallelCrossEntropy {
-            tp: s.tp.clone(),
-            vocab: s.vocab,
-        }
-        .token_losses(logits, targets),
-    };
     let per_row = |x: Tensor<B, 1>| x.reshape([rows, seq]).sum_dim(1);
     let log_probs = losses.neg();
     with_carried(
@@ -128,58 +164,6 @@ pub fn with_carried<B: KilnBackend>(
     Tensor::cat(columns, 1)
 }
 
-/// Per position (no gradient): the mean logit over the vocabulary, the entropy of the softmax,
-/// and 1 where the target is the most likely token.
-struct TokenStatistics<B: KilnBackend> {
-    mean_logit: Tensor<B, 1>,
-    entropy: Tensor<B, 1>,
-    top1: Tensor<B, 1>,
-}
-
-fn token_statistics<B: KilnBackend>(
-    logits: Tensor<B, 2>,
-    targets: Tensor<B, 1, Int>,
-    slice: &Option<VocabSlice<'_>>,
-) -> TokenStatistics<B> {
-    let [n, local] = logits.dims();
-    let device = logits.device();
-    let across = |x: Tensor<B, 1>| match slice {
-        Some(s) => tp_sum(x, s.tp),
-        None => x,
-    };
-    let vocab = slice.as_ref().map_or(local, |s| s.vocab);
-    let mean_logit = across(logits.clone().sum_dim(1).reshape([n])) / vocab as f64;
-    // Shifted by the row max over the whole vocabulary: the most likely token's z is exactly 0.
-    let local_max = logits.clone().max_dim(1).reshape([n]);
-    let max = match slice {
-        Some(s) => Tensor::from_data(
-            TensorData::new(s.tp.max(crate::parallel::collectives::host(local_max)), [n]),
-            &device,
-        ),
-        None => local_max,
-    };
-    let z = logits - max.reshape([n, 1]);
-    let e = z.clone().exp();
-    let sum_exp = across(e.clone().sum_dim(1).reshape([n]));
-    // H = log Σe^z − Σ softmax·z (the shift cancels).
-    let entropy = sum_exp.clone().log() - across((e * z.clone()).sum_dim(1).reshape([n])) / sum_exp;
-    let start = slice.as_ref().map_or(0, |s| s.columns.start) as i64;
-    let end = start + local as i64;
-    let mine = targets
-        .clone()
-        .greater_equal_elem(start)
-        .bool_and(targets.clone().lower_elem(end))
-        .bool_and(targets.clone().not_equal_elem(IGNORE_INDEX));
-    let local_idx = (targets - start).clamp(0, local.saturating_sub(1) as i64);
-    let picked = across(z.gather(1, local_idx.reshape([n, 1])).reshape([n]) * mine.float());
-    let top1 = picked.greater_equal_elem(0.0).float();
-    TokenStatistics {
-        mean_logit,
-        entropy,
-        top1,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -198,6 +182,7 @@ mod tests {
         let scoring = CompletionScoring {
             targets: targets.clone(),
             completion: completion.clone(),
+            chunk: 0,
         };
         let carried = RowValues {
             values: vec![-1.5, 2.5],
@@ -239,6 +224,88 @@ mod tests {
         want[2 * W - 1] = 2.5;
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert!((*g as f64 - w).abs() < 1e-5, "score {i}: {g} vs {w}");
+        }
+    }
+
+    /// The scores of `h wᵀ` a few positions at a time against those of the whole logits: every
+    /// column, and the gradients of a weighted sum of them (each row's factor its own, as a
+    /// preference loss weighs them) with respect to the hidden states and the head's weight, for
+    /// chunks that leave a short last one and of one position.
+    #[test]
+    fn chunked_scores_equal_the_whole_logits_scores() {
+        use crate::backend::CpuTrain;
+        let (rows, seq, hidden, vocab) = (4usize, 6usize, 8usize, 50usize);
+        let n = rows * seq;
+        let device = Default::default();
+        let values = |len: usize, seed: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| (((i * 7919 + seed * 104_729) % 1000) as f32 / 500.0 - 1.0) * 0.8)
+                .collect()
+        };
+        let targets: Vec<i64> = (0..n)
+            .map(|i| match i % seq {
+                5 => IGNORE_INDEX,
+                _ => ((i * 31) % vocab) as i64,
+            })
+            .collect();
+        let completion: Vec<bool> = (0..n).map(|i| i % seq >= 2).collect();
+        let carried = RowValues {
+            values: (0..rows).map(|r| r as f32).collect(),
+            per_row: 1,
+        };
+        let factors = Tensor::<CpuTrain, 2>::from_data(
+            TensorData::new(
+                values(rows * (Column::COMPUTED + 1), 3),
+                [rows, Column::COMPUTED + 1],
+            ),
+            &device,
+        );
+        let run = |chunk: usize| {
+            let h = Tensor::<CpuTrain, 2>::from_data(
+                TensorData::new(values(n * hidden, 1), [n, hidden]),
+                &device,
+            )
+            .require_grad();
+            let w = Tensor::<CpuTrain, 2>::from_data(
+                TensorData::new(values(vocab * hidden, 2), [vocab, hidden]),
+                &device,
+            )
+            .require_grad();
+            let scoring = CompletionScoring {
+                targets: targets.clone(),
+                completion: completion.clone(),
+                chunk,
+            };
+            let scores = match chunk {
+                0 => {
+                    let logits = h.clone().matmul(w.clone().transpose());
+                    completion_scores(logits, rows, &scoring, &carried, None)
+                }
+                _ => chunked_completion_scores(h.clone(), w.clone(), rows, &scoring, &carried),
+            };
+            let grads = (scores.clone() * factors.clone()).sum().backward();
+            let host = |t: Tensor<crate::backend::Cpu, 2>| -> Vec<f32> {
+                t.into_data().convert::<f32>().into_vec().unwrap()
+            };
+            [
+                host(scores.inner()),
+                host(h.grad(&grads).unwrap()),
+                host(w.grad(&grads).unwrap()),
+            ]
+        };
+        let whole = run(0);
+        for chunk in [5, 1] {
+            let got = run(chunk);
+            for (what, (g, w)) in ["scores", "dh", "dw"].iter().zip(got.iter().zip(&whole)) {
+                let scale = w.iter().fold(0f32, |a, b| a.max(b.abs()));
+                assert!(scale > 1e-3, "{what}: all zero");
+                for (i, (a, b)) in g.iter().zip(w).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 2e-5 * scale.max(1.0),
+                        "chunk {chunk} {what}[{i}]: {a} vs the whole logits' {b}"
+                    );
+                }
+            }
         }
     }
 }

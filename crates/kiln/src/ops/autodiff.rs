@@ -10,7 +10,7 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::NodeId;
 
-use super::{KilnBackend, LinearCrossEntropy, LinearGrads, TpComm};
+use super::{ChunkedRows, KilnBackend, LinearCrossEntropy, LinearGrads, TpComm};
 
 /// Hands `grad` to `parent` if it takes part in the graph.
 fn give<B: KilnBackend>(
@@ -244,15 +244,11 @@ impl<B: KilnBackend> Backward<B, 1> for CrossEntropyOp {
 #[derive(Debug)]
 struct LinearCrossEntropyOp;
 impl<B: KilnBackend> Backward<B, 2> for LinearCrossEntropyOp {
-    /// The gradients of the rows' summed losses, computed with the losses; and for the rare
-    /// backward whose rows' upstream gradients differ, what recomputing the weight's needs (the
+    /// The input gradient of the rows' summed losses, computed with the losses; the weight's;
+    /// and what recomputing the weight's needs where the rows' upstream gradients differ (the
     /// head's input and weight, the targets, the ignored target, the chunk, each row's
     /// log-sum-exp).
-    type State = (
-        Option<FloatTensor<B>>,
-        Option<FloatTensor<B>>,
-        ChunkedHead<B>,
-    );
+    type State = (Option<FloatTensor<B>>, HeadWeightGrad<B>, ChunkedHead<B>);
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let dloss = grads.consume::<B>(&ops.node);
         let (dx, dw, head) = ops.state;
@@ -271,25 +267,43 @@ impl<B: KilnBackend> Backward<B, 2> for LinearCrossEntropyOp {
         // The weight's sums every row's: one factor where the rows' upstream gradients are one
         // (a mean or sum of the losses, as every causal-LM loss takes them; ignored rows add
         // nothing whatever their factor).
-        let dw = dw.map(|d| {
-            let values: Vec<f32> = g
-                .clone()
-                .into_data()
-                .convert::<f32>()
-                .into_vec()
-                .expect("f32 upstream gradients");
-            let first = values.first().copied().unwrap_or(0.0);
-            if !values.iter().all(|&v| v == first) {
-                return head.weight_grad(g.clone().into_primitive().tensor());
+        let recompute = || head.weight_grad(g.clone().into_primitive().tensor());
+        let dw = match dw {
+            HeadWeightGrad::NotWanted => None,
+            HeadWeightGrad::Deferred => Some(recompute()),
+            HeadWeightGrad::ForUnitRows(d) => {
+                let values: Vec<f32> = g
+                    .clone()
+                    .into_data()
+                    .convert::<f32>()
+                    .into_vec()
+                    .expect("f32 upstream gradients");
+                let first = values.first().copied().unwrap_or(0.0);
+                Some(match values.iter().all(|&v| v == first) {
+                    true => {
+                        let d = burn::tensor::Tensor::<B, 2>::from_primitive(
+                            burn::tensor::TensorPrimitive::Float(d),
+                        );
+                        (d * f64::from(first)).into_primitive().tensor()
+                    }
+                    false => recompute(),
+                })
             }
-            let d = burn::tensor::Tensor::<B, 2>::from_primitive(
-                burn::tensor::TensorPrimitive::Float(d),
-            );
-            (d * f64::from(first)).into_primitive().tensor()
-        });
+        };
         give::<B>(grads, px, dx);
         give::<B>(grads, pw, dw);
     }
+}
+
+/// A chunked head's weight gradient as its forward left it.
+#[derive(Debug, Clone)]
+enum HeadWeightGrad<B: KilnBackend> {
+    /// The weight is frozen.
+    NotWanted,
+    /// Computed with the losses, for an upstream gradient of one per row.
+    ForUnitRows(FloatTensor<B>),
+    /// Left for the backward ([`ChunkedRows::Scored`] rows).
+    Deferred,
 }
 
 /// What recomputing a chunked head's weight gradient needs.
@@ -772,10 +786,13 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
         ignore: i64,
         chunk: usize,
         _: LinearGrads,
+        rows: ChunkedRows,
     ) -> LinearCrossEntropy<Self> {
+        let weight_wanted = !w.node.requirement.is_none();
+        // Scored rows' factors differ: their weight gradient is the backward's to compute.
         let wants = LinearGrads {
             input: !x.node.requirement.is_none(),
-            weight: !w.node.requirement.is_none(),
+            weight: weight_wanted && rows == ChunkedRows::Uniform,
             bias: false,
         };
         let out = B::kiln_linear_cross_entropy(
@@ -785,8 +802,21 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
             ignore,
             chunk,
             wants,
+            rows,
         );
         let lse = out.lse.clone();
+        let statistics = out.statistics.map(|s| {
+            s.map(|v| {
+                burn::tensor::Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(
+                    Self::from_inner(v.into_primitive().tensor()),
+                ))
+            })
+        });
+        let weight_grad = match (out.weight_grad, weight_wanted) {
+            (Some(d), _) => HeadWeightGrad::ForUnitRows(d),
+            (None, true) => HeadWeightGrad::Deferred,
+            (None, false) => HeadWeightGrad::NotWanted,
+        };
         let losses = match LinearCrossEntropyOp
             .prepare::<C>([x.node.clone(), w.node.clone()])
             .compute_bound()
@@ -801,7 +831,7 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
                     chunk,
                     lse: out.lse,
                 };
-                prep.finish((out.input_grad, out.weight_grad, head), out.losses)
+                prep.finish((out.input_grad, weight_grad, head), out.losses)
             }
             OpsKind::UnTracked(prep) => prep.finish(out.losses),
         };
@@ -810,6 +840,7 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
             lse: Self::from_inner(lse),
             input_grad: None,
             weight_grad: None,
+            statistics,
         }
     }
 

@@ -17,12 +17,26 @@ pub type LinearBackward<B> = (
 
 /// [`KilnBackend::kiln_linear_cross_entropy`]'s result: each row's loss, and the gradients of
 /// their sum (every row's upstream gradient 1) where they were asked for.
-pub struct LinearCrossEntropy<B: Backend> {
+pub struct LinearCrossEntropy<B: KilnBackend> {
     pub losses: FloatTensor<B>,
     /// Each row's log-sum-exp of its logits.
     pub lse: FloatTensor<B>,
     pub input_grad: Option<FloatTensor<B>>,
     pub weight_grad: Option<FloatTensor<B>>,
+    /// Each row's statistics, for [`ChunkedRows::Scored`] rows.
+    pub statistics: Option<TokenStatistics<B>>,
+}
+
+/// What the rows of a chunked head's loss are for ([`KilnBackend::kiln_linear_cross_entropy`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkedRows {
+    /// Their losses are summed or averaged alike, as every causal-LM loss takes them: the
+    /// weight's gradient is computed with the losses, for an upstream gradient of one per row.
+    Uniform,
+    /// They are a sequence's scored tokens, whose sum a preference loss weighs by its own factor:
+    /// each row's [`TokenStatistics`] too, and the weight's gradient waits for the backward,
+    /// which knows the factors.
+    Scored,
 }
 
 /// `n` rows in chunks of at most `chunk`, all of one size but the last: as few chunks as
@@ -232,16 +246,41 @@ pub fn linear_cross_entropy<B: KilnBackend>(
     ignore: i64,
     chunk: usize,
 ) -> Tensor<B, 1> {
+    let out = chunked_head_loss(x, w, targets, ignore, chunk, ChunkedRows::Uniform);
+    t(out.losses)
+}
+
+/// [`linear_cross_entropy`] for a sequence's scored tokens ([`ChunkedRows::Scored`]): each
+/// row's cross-entropy and its [`TokenStatistics`] (without gradient), a chunk of rows at a
+/// time.
+pub fn scored_linear_cross_entropy<B: KilnBackend>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    ignore: i64,
+    chunk: usize,
+) -> (Tensor<B, 1>, TokenStatistics<B>) {
+    let out = chunked_head_loss(x, w, targets, ignore, chunk, ChunkedRows::Scored);
+    let statistics = out.statistics.expect("scored rows have statistics");
+    (t(out.losses), statistics)
+}
+
+fn chunked_head_loss<B: KilnBackend>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    ignore: i64,
+    chunk: usize,
+    rows: ChunkedRows,
+) -> LinearCrossEntropy<B> {
     // Outside autodiff no gradient is asked for; the autodiff backend asks for its own.
     let none = LinearGrads {
         input: false,
         weight: false,
         bias: false,
     };
-    t(
-        B::kiln_linear_cross_entropy(p(x), p(w), targets.into_primitive(), ignore, chunk, none)
-            .losses,
-    )
+    let targets = targets.into_primitive();
+    B::kiln_linear_cross_entropy(p(x), p(w), targets, ignore, chunk, none, rows)
 }
 
 /// `[q, k, v]`, each `[B, T, H]`, of a `[B, T, 3H]` tensor.

@@ -38,6 +38,8 @@ mod attention;
 pub use attention::*;
 mod functional;
 pub use functional::*;
+mod token_statistics;
+pub use token_statistics::{token_statistics, TokenStatistics, VocabSlice};
 mod runtime;
 pub use runtime::*;
 
@@ -463,7 +465,8 @@ pub trait KilnBackend: Backend {
     /// every row's upstream gradient 1 (`wants`: of `x`, `[N, H]`, and of `w`, `[V, H]`): a
     /// backward then only scales them, and the head's products are the whole logits' (its
     /// forward and input-gradient products, a chunk at a time), not one more. Chunks are of
-    /// equal size (the rows split into as few as `chunk` allows).
+    /// equal size (the rows split into as few as `chunk` allows). Rows that are
+    /// [`ChunkedRows::Scored`] also get their [`TokenStatistics`].
     fn kiln_linear_cross_entropy(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
@@ -471,6 +474,7 @@ pub trait KilnBackend: Backend {
         ignore: i64,
         chunk: usize,
         wants: LinearGrads,
+        rows: ChunkedRows,
     ) -> LinearCrossEntropy<Self> {
         let x = t::<Self, 2>(x);
         let targets = Tensor::<Self, 1, Int>::from_primitive(targets);
@@ -478,10 +482,20 @@ pub trait KilnBackend: Backend {
         let device = x.device();
         let (mut losses, mut lses) = (Vec::new(), Vec::new());
         let (mut dx, mut dw) = (Vec::new(), None::<Tensor<Self, 2>>);
+        let mut statistics = Vec::new();
         for (start, len) in balanced_chunks(n, chunk) {
             let xc = p(x.clone().narrow(0, start, len));
-            let tc = targets.clone().narrow(0, start, len).into_primitive();
+            let tc = targets.clone().narrow(0, start, len);
             let logits = Self::kiln_linear(xc.clone(), w.clone(), None);
+            if rows == ChunkedRows::Scored {
+                statistics.push(token_statistics(
+                    t(logits.clone()),
+                    tc.clone(),
+                    ignore,
+                    &None,
+                ));
+            }
+            let tc = tc.into_primitive();
             let (l, lse) = Self::kiln_cross_entropy(logits.clone(), tc.clone(), ignore);
             losses.push(t::<Self, 1>(l));
             lses.push(t::<Self, 1>(lse.clone()));
@@ -509,6 +523,7 @@ pub trait KilnBackend: Backend {
             lse: p(whole(lses)),
             input_grad: (!dx.is_empty()).then(|| p(Tensor::cat(dx, 0))),
             weight_grad: dw.map(p),
+            statistics: (!statistics.is_empty()).then(|| TokenStatistics::cat(statistics)),
         }
     }
 

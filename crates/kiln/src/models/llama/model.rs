@@ -14,9 +14,10 @@ use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 pub use super::parallel::LlamaShard;
 use crate::contract::{Model, Segments, TensorParallelLayout, IGNORE_INDEX};
 use crate::data::lm::TokenBatch;
-use crate::models::completion_scores::{completion_scores, VocabSlice};
+use crate::models::completion_scores::{chunked_completion_scores, completion_scores};
 use crate::models::layers::{packed_rope_tables, rope_tables, Embedding, Linear, RmsNorm};
 use crate::models::llama::config::LlamaConfig;
+use crate::ops::VocabSlice;
 use crate::ops::{self, tp_enter, tp_sum, KilnBackend, TpComm};
 
 #[derive(Module, Debug)]
@@ -619,13 +620,22 @@ impl<B: KilnBackend> Segments<B, TokenBatch> for LlamaForCausalLM<B> {
         if let Some(score) = &self.score {
             return self.pooled_scores(score, h, batch);
         }
-        if let Some(loss) = &batch.chunked_loss {
-            return self.chunked_losses(h, loss);
+        let [b, t, hidden] = h.dims();
+        let n = b * t;
+        let chunk = match (&batch.chunked_loss, &batch.scoring) {
+            (Some(loss), _) => loss.chunk,
+            (None, Some(scoring)) => scoring.chunk,
+            (None, None) => 0,
+        };
+        let weight = self.chunked_head_weight(n, chunk);
+        let h = self.model.norm.forward(h).reshape([n, hidden]);
+        match (&batch.chunked_loss, &batch.scoring, weight) {
+            (Some(loss), _, weight) => self.chunked_losses(h, loss, weight),
+            (None, Some(scoring), Some(w)) => {
+                chunked_completion_scores(h, w, b, scoring, &batch.carried)
+            }
+            _ => self.scored(self.project(h), batch),
         }
-        let [b, t, _] = h.dims();
-        let logits = self.project(self.model.norm.forward(h));
-        let v = logits.dims()[2];
-        self.scored(logits.reshape([b * t, v]), batch)
     }
 }
 
@@ -714,30 +724,38 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
         crate::models::completion_scores::with_carried(vec![score.forward(h)], &batch.carried)
     }
 
-    /// Each position's cross-entropy `[b·t, 1]` from the last layer's output `h` `[b, t, H]`, the
-    /// output head's product and the loss a chunk of positions at a time
-    /// ([`crate::ops::linear_cross_entropy`]). A batch of at most two chunks' positions, and a
-    /// head that is not one plain product (a LoRA adapter on it, an inference layout, a
-    /// tensor-parallel cut), get their logits whole instead.
-    fn chunked_losses(&self, h: Tensor<B, 3>, loss: &crate::data::lm::ChunkedLoss) -> Tensor<B, 2> {
-        let [b, t, hidden] = h.dims();
-        let n = b * t;
-        let h = self.model.norm.forward(h).reshape([n, hidden]);
-        let device = h.device();
-        assert_eq!(loss.targets.len(), n, "one target per position");
-        let targets =
-            Tensor::<B, 1, Int>::from_data(TensorData::new(loss.targets.clone(), [n]), &device);
+    /// The output head's weight where `n` positions' logits are computed `chunk` at a time. A
+    /// batch of at most two chunks' positions (or `chunk` 0), and a head that is not one plain
+    /// product (a LoRA adapter on it, an inference layout, a tensor-parallel cut), get their
+    /// logits whole instead (`None`).
+    fn chunked_head_weight(&self, n: usize, chunk: usize) -> Option<Tensor<B, 2>> {
         let plain =
             |l: &Linear<B>| l.lora_a.is_none() && l.weight_in_out.is_none() && l.bias.is_none();
-        let weight = match &self.lm_head {
-            _ if self.shard.is_some() => None,
+        match &self.lm_head {
+            _ if self.shard.is_some() || chunk == 0 => None,
             // Two chunks' positions or fewer: the whole logits are small, and measured peaks
             // were no lower chunked (BENCHMARKS.md).
-            _ if n <= 2 * loss.chunk => None,
+            _ if n <= 2 * chunk => None,
             Some(l) if plain(l) => Some(l.weight.val()),
             Some(_) => None,
             None => Some(self.model.embed_tokens.weight.val()),
-        };
+        }
+    }
+
+    /// Each position's cross-entropy `[n, 1]` from the normed last hidden states `h` `[n, H]`:
+    /// the output head's product and the loss a chunk of positions at a time
+    /// ([`crate::ops::linear_cross_entropy`]) where `weight` is the head's
+    /// ([`Self::chunked_head_weight`]), else from the whole logits.
+    fn chunked_losses(
+        &self,
+        h: Tensor<B, 2>,
+        loss: &crate::data::lm::ChunkedLoss,
+        weight: Option<Tensor<B, 2>>,
+    ) -> Tensor<B, 2> {
+        let n = h.dims()[0];
+        assert_eq!(loss.targets.len(), n, "one target per position");
+        let targets =
+            Tensor::<B, 1, Int>::from_data(TensorData::new(loss.targets.clone(), [n]), &h.device());
         let losses = match weight {
             Some(w) => ops::linear_cross_entropy(h, w, targets, IGNORE_INDEX, loss.chunk),
             None => ops::cross_entropy(self.project(h), targets, IGNORE_INDEX),

@@ -139,10 +139,11 @@ pub struct CausalLmOptions {
     /// Reward modelling (`--task reward-modeling`): the model becomes a one-label sequence
     /// classifier trained on preference pairs.
     pub reward: Option<RewardData>,
-    /// The loss of causal-LM and SFT training computed inside the output head this many
-    /// positions at a time, never holding the whole logits: `None` picks [`auto_chunk`]'s size,
-    /// `Some(0)` computes the whole logits first (as before). Used without tensor or pipeline
-    /// parallelism and without a user's loss or metrics (which read the logits).
+    /// The loss of causal-LM and SFT training, and the completion scores of DPO and ORPO (their
+    /// reference pass too), computed inside the output head this many positions at a time,
+    /// never holding the whole logits: `None` picks [`auto_chunk`]'s size, `Some(0)` computes
+    /// the whole logits first (as before). Used without tensor or pipeline parallelism and
+    /// without a user's loss or metrics (which read the logits).
     pub loss_chunk: Option<usize>,
 }
 
@@ -393,13 +394,17 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
                 .into(),
         ));
     }
+    // Positions per chunk of the output head's product and loss (0: the whole logits).
+    let loss_chunk = opts
+        .loss_chunk
+        .unwrap_or_else(|| auto_chunk(config.vocab_size()));
     let data = match (&opts.sft, &opts.dpo, &opts.reward) {
         (_, _, Some(reward)) => {
             let (train, eval) = reward_sets(opts, reward, &tok, eos, train_file)?;
             RunData::Reward(train, eval, reward)
         }
         (_, Some(dpo), None) => {
-            let (train, eval) = preference_sets(opts, dpo, &tok, eos, train_file)?;
+            let (train, eval) = preference_sets(opts, dpo, &tok, eos, train_file, loss_chunk)?;
             let (train, eval) = if dpo.method.needs_reference() {
                 // The reference is the policy before training: the model as loaded, before any
                 // adapter is put on it; in batches of the run's sizes (TRL's
@@ -467,10 +472,7 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
         // A reward model is a sequence classifier (the model card's task).
         opts.reward.is_none(),
     );
-    let chunk = match opts.loss_chunk {
-        None => auto_chunk(config.vocab_size()),
-        Some(n) => n,
-    };
+    let chunk = loss_chunk;
     let chunked = chunk > 0
         && matches!(loss, CausalLmLoss::Builtin(LmLoss::Plain(_)))
         && metrics.is_none()
@@ -672,6 +674,7 @@ fn preference_sets(
     tok: &Tokenizer,
     eos: Option<u32>,
     train_file: &Path,
+    loss_chunk: usize,
 ) -> Result<(PreferenceSet, Option<PreferenceSet>)> {
     let setup = ChatSetup::of(opts, tok, eos)?;
     let mut options = dpo.options.clone();
@@ -696,6 +699,7 @@ fn preference_sets(
         let set = PreferenceSet::read(path, &how, setup.pad_id, opts.strict, limit)?;
         Ok(PreferenceSet {
             pad_to_multiple_of: dpo.pad_to_multiple_of,
+            loss_chunk,
             ..set
         })
     };

@@ -85,6 +85,8 @@ pub struct PreferenceSet {
     /// Per pair: the reference log-probability of the chosen and of the rejected completion
     /// (`None` until [`Self::with_reference`]; batches then carry zeros).
     pub reference: Option<Vec<[f32; 2]>>,
+    /// Score this many positions at a time in the output head ([`CompletionScoring::chunk`]).
+    pub loss_chunk: usize,
 }
 
 /// What preparing rows needs besides the rows.
@@ -124,6 +126,7 @@ impl PreferenceSet {
             max_length: how.options.max_length,
             pad_to_multiple_of: None,
             reference: None,
+            loss_chunk: 0,
         })
     }
 
@@ -240,6 +243,7 @@ impl BatchSource for PreferenceSet {
             scoring: Some(Arc::new(CompletionScoring {
                 targets,
                 completion,
+                chunk: self.loss_chunk,
             })),
             carried: RowValues {
                 values: carried,
