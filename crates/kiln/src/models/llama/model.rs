@@ -361,7 +361,7 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
             let w = embed.weight.val();
             // detach: an initial value is a leaf of the autodiff graph, not the result of an op
             let w = w.slice_assign([pad..pad + 1, 0..h], Tensor::zeros([1, h], device));
-            embed.weight = burn::module::Param::from_tensor(w.detach());
+            embed.weight = burn::module::Param::from_tensor(ops::owned(w.detach()));
         }
         let layers = (0..c.num_hidden_layers)
             .map(|i| {
