@@ -145,9 +145,9 @@ fn fresh_score<B: KilnBackend>(
         config.initializer_range,
         device,
     );
-    out.weight = burn::module::Param::from_tensor(crate::ops::owned(burn::tensor::Tensor::from_data(
-        weight, device,
-    )));
+    out.weight = burn::module::Param::from_tensor(crate::ops::owned(
+        burn::tensor::Tensor::from_data(weight, device),
+    ));
     out
 }
 

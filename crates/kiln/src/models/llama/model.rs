@@ -959,6 +959,37 @@ mod tests {
         assert!(host(m.model.norm.weight.val()).iter().all(|&x| x == 1.0));
     }
 
+    /// Every weight of a model built from a config holds a buffer of its own: Burn's ndarray
+    /// backend keeps a tensor made from data (`Tensor::random`) as a borrowed view and copies it
+    /// whole on every use, so two uses of a weight would see two buffers (the tied embedding was
+    /// copied on each forward and each optimizer step). With and without a padding row (whose
+    /// zeroing rebuilds the table).
+    #[test]
+    fn a_fresh_models_weights_are_not_copied_on_use() {
+        use crate::models::params::map_params;
+        let d = CpuDevice::default();
+        let addr = |t: &burn::tensor::ops::FloatTensor<Cpu>| match t {
+            burn::backend::ndarray::NdArrayTensor::F32(s) => s.view().as_ptr() as usize,
+            _ => unreachable!("f32 weights"),
+        };
+        let mut untied = tiny();
+        untied.pad_token_id = None;
+        untied.tie_word_embeddings = false;
+        for c in [tiny(), untied] {
+            let m = crate::ops::with_seeded_rng::<Cpu, _>(&d, 1, || {
+                LlamaForCausalLM::<Cpu>::new(&c, &d)
+            });
+            let mut seen = 0;
+            let _ = map_params(m, |info, t| {
+                let (a, b) = (t.clone(), t.clone());
+                assert_eq!(addr(&a), addr(&b), "{} is copied on every use", info.path);
+                seen += 1;
+                t
+            });
+            assert!(seen > 10, "{seen} weights");
+        }
+    }
+
     /// A stage's model holds exactly what `keep` accepts, each weight equal to the whole
     /// model's of the same seed (every layer is still drawn), and nothing else; loading a folder
     /// for that stage reads only its tensors.
