@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Reads a GGUF file `kiln convert --to-gguf` wrote with llama.cpp's own Python package (PyPI `gguf`,
-gguf-py) and checks it against the Hugging Face folder it came from: the Llama hyperparameters,
+gguf-py) and checks it against the Hugging Face folder it came from (a Llama, or a Qwen2: llama.cpp's
+`qwen2`, whose q/k rows are not permuted and whose q/k/v biases are F32): the hyperparameters,
 the tokenizer (every token, the special tokens' types and ids, the merges, the chat template), and
 every tensor's bytes equal to what gguf-py's own quantiser makes of the folder's weight (llama.cpp's
 q/k row permutation applied as convert_hf_to_gguf.py applies it); then transformers' own GGUF
@@ -32,13 +33,16 @@ config = json.load(open(os.path.join(model_dir, "config.json")))
 tok = json.load(open(os.path.join(model_dir, "tokenizer.json")))
 tok_config = json.load(open(os.path.join(model_dir, "tokenizer_config.json")))
 heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-assert field("general.architecture") == "llama"
-for key, want in [("block_count", config["num_hidden_layers"]), ("embedding_length", config["hidden_size"]),
-                  ("feed_forward_length", config["intermediate_size"]), ("attention.head_count", heads),
-                  ("attention.head_count_kv", kv_heads), ("context_length", config["max_position_embeddings"]),
-                  ("vocab_size", config["vocab_size"])]:
-    assert field(f"llama.{key}") == want, (key, field(f"llama.{key}"), want)
-assert abs(field("llama.attention.layer_norm_rms_epsilon") - config["rms_norm_eps"]) < 1e-9
+arch = "qwen2" if config.get("model_type") == "qwen2" else "llama"
+assert field("general.architecture") == arch
+hyper = [("block_count", config["num_hidden_layers"]), ("embedding_length", config["hidden_size"]),
+         ("feed_forward_length", config["intermediate_size"]), ("attention.head_count", heads),
+         ("attention.head_count_kv", kv_heads), ("context_length", config["max_position_embeddings"])]
+if arch == "llama":  # convert_hf_to_gguf.py's LlamaModel adds the vocabulary size
+    hyper.append(("vocab_size", config["vocab_size"]))
+for key, want in hyper:
+    assert field(f"{arch}.{key}") == want, (key, field(f"{arch}.{key}"), want)
+assert abs(field(f"{arch}.attention.layer_norm_rms_epsilon") - config["rms_norm_eps"]) < 1e-9
 file_type = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}[outtype]
 assert field("general.file_type") == file_type
 
@@ -89,9 +93,9 @@ for hf, w in weights.items():
         name = f"blk.{layer}.{parts[part]}.{kind}"
     else:
         name = names[hf]
-    if name.endswith("attn_q.weight"):
+    if arch == "llama" and name.endswith("attn_q.weight"):
         w = permute(w, heads)
-    elif name.endswith("attn_k.weight"):
+    elif arch == "llama" and name.endswith("attn_k.weight"):
         w = permute(w, kv_heads)
     t = in_file[name]
     qt = T.F32 if w.ndim == 1 else want_type

@@ -54,6 +54,11 @@ if "$PY" -c "import gguf" 2>/dev/null; then
       "$KILN" generate --model "$m" --prompt "The capital of France is" --max-new-tokens 12 --ignore-eos --json
     done | "$PY" -c "import json,sys; a,b=[json.loads(l)['new_ids'] for l in sys.stdin if l.startswith('{')]; assert a==b,(a,b); print('kiln generate: the GGUF file decodes the folder\'s greedy tokens')"
   done
+  # A Qwen2 (llama.cpp's qwen2: biases, rows in transformers' order, Qwen2's pre-tokenizer).
+  for t in f32 q8_0; do
+    "$KILN" convert --model tests/fixtures/families/qwen2 --to-gguf --out "$out/qwen2-$t.gguf" --outtype "$t"
+    "$PY" tests/interop/check_gguf.py tests/fixtures/families/qwen2 "$out/qwen2-$t.gguf" "$t"
+  done
 else
   echo "interop: GGUF export check SKIPPED (no gguf package; scripts/setup-reference-python installs it)"
 fi

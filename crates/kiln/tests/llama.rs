@@ -331,21 +331,32 @@ fn greedy(dir: &Path, n: usize) -> Vec<Vec<u32>> {
 /// (`--from-gguf`): the config's shape, every tensor (F32 exactly, F16 as f16 rounds it, Q8_0
 /// within half a quantisation step), the tokenizer's ids, the special tokens and the chat
 /// template; and the F32 file decodes the source folder's greedy tokens. On the tiny chat Llama of
-/// the DPO fixtures (untied head, grouped-query attention, ChatML template) and, where the assets
-/// are fetched, SmolLM2-135M-Instruct as converted from its GGUF file (tied embeddings, 9 heads /
-/// 3 kv heads, SmolLM's pre-tokenizer, its chat template), in F16, BF16 and Q8_0 too.
+/// the DPO fixtures (untied head, grouped-query attention, ChatML template), on the tiny Qwen2 of
+/// the family fixtures (llama.cpp's `qwen2`: q/k/v biases, rows not permuted, Qwen2's
+/// pre-tokenizer, tied head) and, where the assets are fetched, SmolLM2-135M-Instruct as
+/// converted from its GGUF file (tied embeddings, 9 heads / 3 kv heads, SmolLM's pre-tokenizer,
+/// its chat template), in F16, BF16 and Q8_0 too.
 #[test]
 fn exported_gguf_reads_back_as_the_source_folder() {
+    use kiln::models::llama::config::LlamaConfig;
     use kiln::models::llama::gguf_export::{hf_to_gguf, GgufOutType};
-    let mut sources = vec![repo_root().join("tests/fixtures/dpo/tiny_chat_llama")];
+    let config = |dir: &Path| {
+        kiln::models::auto::read_causal_lm_config::<kiln::models::llama::Llama>(
+            &dir.join("config.json"),
+        )
+        .unwrap()
+    };
+    let mut sources = vec![
+        repo_root().join("tests/fixtures/dpo/tiny_chat_llama"),
+        repo_root().join("tests/fixtures/families/qwen2"),
+    ];
     if let Some(smollm2) = converted() {
         sources.push(smollm2.to_path_buf());
     }
     let tmp = tempfile::tempdir().unwrap();
     for (k, src) in sources.iter().enumerate() {
         let original = kiln::formats::model_weights::read_model_weights(src).unwrap();
-        let src_config =
-            kiln::models::llama::config::LlamaConfig::from_file(&src.join("config.json")).unwrap();
+        let src_config: LlamaConfig = config(src);
         let src_tok = causal_lm::load_tokenizer(src).unwrap();
         for outtype in [
             GgufOutType::F32,
@@ -357,8 +368,9 @@ fn exported_gguf_reads_back_as_the_source_folder() {
             hf_to_gguf(src, &file, outtype).unwrap();
             let back = tmp.path().join(format!("{k}-{outtype:?}"));
             kiln::models::llama::gguf::gguf_to_hf(&file, &back, StoreDtype::F32).unwrap();
-            let c = kiln::models::llama::config::LlamaConfig::from_file(&back.join("config.json"))
-                .unwrap();
+            let c: LlamaConfig = config(&back);
+            assert_eq!(c.model_type, src_config.model_type);
+            assert_eq!(c.qkv_bias(), src_config.qkv_bias());
             assert_eq!(
                 (
                     c.vocab_size,
@@ -378,7 +390,13 @@ fn exported_gguf_reads_back_as_the_source_folder() {
             assert_eq!(c.tie_word_embeddings, src_config.tie_word_embeddings);
             assert_eq!(c.theta(), src_config.theta());
             assert_eq!(c.eos_ids(), src_config.eos_ids());
-            assert_eq!(c.pad_token_id, src_config.pad_token_id);
+            // The GGUF's padding id is the tokenizer's pad token where the config has none (as
+            // llama.cpp's converter reads it), and the importer's config takes it.
+            let tokenizer_pad = std::fs::read_to_string(src.join("tokenizer_config.json"))
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .and_then(|t| src_tok.token_to_id(t["pad_token"].as_str()?));
+            assert_eq!(c.pad_token_id, src_config.pad_token_id.or(tokenizer_pad));
             let weights = kiln::formats::model_weights::read_model_weights(&back).unwrap();
             let expected: Vec<&String> = original
                 .keys()

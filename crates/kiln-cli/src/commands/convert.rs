@@ -1,4 +1,4 @@
-//! `kiln convert`: a GGUF file to a Hugging Face Llama folder and back (`--to-gguf`, for
+//! `kiln convert`: a GGUF file to a Hugging Face Llama / Qwen2 folder and back (`--to-gguf`, for
 //! llama.cpp and Ollama), and causal-LM checkpoints (any family `models::auto` lists) cut into
 //! tensor-parallel shards (per pipeline stage with `--to-pp`) or put back together.
 
@@ -11,7 +11,8 @@ use kiln::formats::safetensors::StoreDtype;
 #[derive(Args)]
 #[command(group(clap::ArgGroup::new("mode").required(true).args(["from_gguf", "to_tp", "to_full", "to_gguf"])))]
 pub struct ConvertCmd {
-    /// A llama.cpp GGUF file of a Llama-family model (F32/F16/BF16/Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors).
+    /// A llama.cpp GGUF file of a Llama or Qwen2 model (F32/F16/BF16/Q4_0/Q4_1/Q8_0/Q4_K/Q6_K
+    /// tensors).
     #[arg(long)]
     from_gguf: Option<PathBuf>,
     /// Cut --model (a Hugging Face Llama folder or a checkpoint, whole or sharded) into N
@@ -29,7 +30,7 @@ pub struct ConvertCmd {
     /// Hugging Face folder (a plain checkpoint when it holds optimizer state).
     #[arg(long, requires = "model")]
     to_full: bool,
-    /// Write --model (a Hugging Face Llama folder: a merged SFT / DPO model) as one GGUF file
+    /// Write --model (a Hugging Face Llama or Qwen2 folder: a merged SFT / DPO model) as one GGUF file
     /// for llama.cpp / Ollama, at --out, as llama.cpp's convert_hf_to_gguf.py writes it.
     #[arg(long, requires = "model")]
     to_gguf: bool,

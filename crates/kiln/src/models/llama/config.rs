@@ -106,6 +106,14 @@ impl LayerRules {
         qkv_bias: |c| c.attention_bias,
         sliding: |_, _| false,
     };
+
+    /// Qwen2 (`models/qwen2`): q/k/v biases always; the layers from `max_window_layers` on
+    /// slide when `use_sliding_window`. Here rather than there so that the GGUF conversion,
+    /// which writes and reads Qwen2 beside Llama, needs no import of `models/qwen2`.
+    pub const QWEN2: Self = Self {
+        qkv_bias: |_| true,
+        sliding: |c, i| c.use_sliding_window == Some(true) && i >= c.max_window_layers.unwrap_or(0),
+    };
 }
 
 impl Default for LayerRules {

@@ -1,10 +1,12 @@
-//! `kiln convert --from-gguf`: a llama.cpp GGUF file → a Hugging Face Llama folder (`config.json`,
-//! `model.safetensors`, `tokenizer.json`, `tokenizer_config.json`, `generation_config.json`) that
-//! `transformers.AutoModelForCausalLM.from_pretrained` and kiln both load.
+//! `kiln convert --from-gguf`: a llama.cpp GGUF file of a Llama or a Qwen2 → a Hugging Face folder
+//! (`config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json`,
+//! `generation_config.json`) that `transformers.AutoModelForCausalLM.from_pretrained` and kiln
+//! both load.
 //!
 //! Three things differ between the two formats: names (`blk.N.attn_q` ↔ `model.layers.N.self_attn.
 //! q_proj`), quantised storage (dequantised here, see [`super::gguf`]), and the Q/K row order that
-//! llama.cpp permutes for its RoPE kernel (undone with [`unpermute_qk`]).
+//! llama.cpp permutes for its Llama's RoPE kernel (undone with [`unpermute_qk`]; its Qwen2 keeps
+//! transformers' order).
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
@@ -24,6 +26,56 @@ pub struct ConvertReport {
     /// `(ggml type, tensor count)`.
     pub source_types: BTreeMap<String, usize>,
     pub config: LlamaConfig,
+}
+
+/// The llama.cpp architectures kiln converts to and from GGUF: its Llama, and Qwen2 (Llama's
+/// layers with q/k/v biases, whose rows llama.cpp keeps in transformers' order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgufArch {
+    Llama,
+    Qwen2,
+}
+
+impl GgufArch {
+    /// `general.architecture`, and the prefix of the model's metadata keys.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Qwen2 => "qwen2",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "llama" => Some(Self::Llama),
+            "qwen2" => Some(Self::Qwen2),
+            _ => None,
+        }
+    }
+
+    /// The architecture of a config of `model_type` (none: Llama's).
+    pub fn of_model_type(model_type: Option<&str>) -> Option<Self> {
+        match model_type {
+            None | Some("llama") => Some(Self::Llama),
+            Some("qwen2") => Some(Self::Qwen2),
+            Some(_) => None,
+        }
+    }
+
+    fn of(cfg: &LlamaConfig) -> Self {
+        Self::of_model_type(cfg.model_type.as_deref()).unwrap_or(Self::Llama)
+    }
+
+    /// Whether llama.cpp stores `q_proj` / `k_proj` rows permuted for its RoPE kernel (Llama's
+    /// interleaved pairs; Qwen2 rotates halves, as transformers does).
+    pub fn permutes_qk(self) -> bool {
+        self == Self::Llama
+    }
+
+    /// Whether q, k and v have biases.
+    pub fn qkv_bias(self) -> bool {
+        self == Self::Qwen2
+    }
 }
 
 /// The Hugging Face name of a GGUF tensor of a Llama model.
@@ -88,18 +140,20 @@ fn token_id(g: &GgufFile, k: &str, vocab: usize) -> Result<Option<u32>> {
 /// before anything divides by them, and token ids to lie in the vocabulary; `LlamaConfig::validate`
 /// then checks the config as a whole.
 pub fn llama_config(g: &GgufFile) -> Result<LlamaConfig> {
-    let arch = g.require("general.architecture")?.as_str().unwrap_or("");
-    if arch != "llama" {
+    let name = g.require("general.architecture")?.as_str().unwrap_or("");
+    let Some(arch) = GgufArch::from_name(name) else {
         return Err(bad(
             g,
             format!(
-                "general.architecture is {:?}; kiln converts Llama-family GGUF files (\"llama\")",
-                short(arch)
+                "general.architecture is {:?}; kiln converts Llama and Qwen2 GGUF files \
+                 (\"llama\", \"qwen2\")",
+                short(name)
             ),
         ));
-    }
+    };
+    let prefix = arch.name();
     let int = |k: &str| -> Result<usize> {
-        let key = format!("llama.{k}");
+        let key = format!("{prefix}.{k}");
         let v = g.require(&key)?;
         v.as_u64()
             .and_then(|v| usize::try_from(v).ok())
@@ -107,18 +161,18 @@ pub fn llama_config(g: &GgufFile) -> Result<LlamaConfig> {
     };
     let positive = |k: &str| -> Result<usize> {
         match int(k)? {
-            0 => Err(bad(g, format!("llama.{k} is 0"))),
+            0 => Err(bad(g, format!("{prefix}.{k} is 0"))),
             v => Ok(v),
         }
     };
     let optional = |k: &str| -> Result<Option<usize>> {
-        match g.get(&format!("llama.{k}")) {
+        match g.get(&format!("{prefix}.{k}")) {
             Some(_) => positive(k).map(Some),
             None => Ok(None),
         }
     };
     let float = |k: &str, default: f64| {
-        g.get(&format!("llama.{k}"))
+        g.get(&format!("{prefix}.{k}"))
             .and_then(Value::as_f64)
             .unwrap_or(default)
     };
@@ -137,7 +191,9 @@ pub fn llama_config(g: &GgufFile) -> Result<LlamaConfig> {
         Some(v) if v != n_tokens => {
             return Err(bad(
                 g,
-                format!("llama.vocab_size is {v}, but tokenizer.ggml.tokens has {n_tokens} tokens"),
+                format!(
+                    "{prefix}.vocab_size is {v}, but tokenizer.ggml.tokens has {n_tokens} tokens"
+                ),
             ))
         }
         _ if n_tokens == 0 => return Err(bad(g, "tokenizer.ggml.tokens is empty")),
@@ -147,7 +203,10 @@ pub fn llama_config(g: &GgufFile) -> Result<LlamaConfig> {
     let eos = token_id(g, "eos_token_id", vocab)?;
     let pad = token_id(g, "padding_token_id", vocab)?;
     token_id(g, "unknown_token_id", vocab)?;
-    let rope_scaling = match g.get("llama.rope.scaling.type").and_then(Value::as_str) {
+    let rope_scaling = match g
+        .get(&format!("{prefix}.rope.scaling.type"))
+        .and_then(Value::as_str)
+    {
         Some("linear") => {
             Some(json!({"rope_type": "linear", "factor": float("rope.scaling.factor", 1.0)}))
         }
@@ -156,7 +215,7 @@ pub fn llama_config(g: &GgufFile) -> Result<LlamaConfig> {
             return Err(bad(
                 g,
                 format!(
-                    "llama.rope.scaling.type {:?} is not supported",
+                    "{prefix}.rope.scaling.type {:?} is not supported",
                     short(other)
                 ),
             ))
@@ -181,14 +240,14 @@ pub fn llama_config(g: &GgufFile) -> Result<LlamaConfig> {
         head_dim: Some(head_dim),
         hidden_act: "silu".into(),
         max_position_embeddings: g
-            .get("llama.context_length")
+            .get(&format!("{prefix}.context_length"))
             .and_then(Value::as_u64)
             .map_or(2048, |v| usize::try_from(v).unwrap_or(usize::MAX)),
         rms_norm_eps: eps,
         rope_theta: Some(float("rope.freq_base", 10000.0)),
         rope_scaling,
         rope_parameters: None,
-        use_sliding_window: None,
+        use_sliding_window: (arch == GgufArch::Qwen2).then_some(false),
         max_window_layers: None,
         layer_types: None,
         tie_word_embeddings: g.tensor("output.weight").is_none(),
@@ -198,19 +257,25 @@ pub fn llama_config(g: &GgufFile) -> Result<LlamaConfig> {
         bos_token_id: bos,
         eos_token_id: eos.map(|v| json!(v)),
         pad_token_id: pad,
-        architectures: Some(vec!["LlamaForCausalLM".into()]),
-        model_type: Some("llama".into()),
+        architectures: Some(vec![match arch {
+            GgufArch::Llama => "LlamaForCausalLM".into(),
+            GgufArch::Qwen2 => "Qwen2ForCausalLM".into(),
+        }]),
+        model_type: Some(prefix.into()),
         extra,
-        rules: super::config::LayerRules::LLAMA,
+        rules: match arch {
+            GgufArch::Llama => super::config::LayerRules::LLAMA,
+            GgufArch::Qwen2 => super::config::LayerRules::QWEN2,
+        },
     };
     cfg.validate().map_err(|m| bad(g, m))?;
     Ok(cfg)
 }
 
-/// `blk.N.PART.weight` → `(N, PART)`.
+/// `blk.N.PART.KIND` → `(N, "PART.KIND")`.
 fn layer_part(gguf: &str) -> Option<(usize, &str)> {
     let (layer, leaf) = gguf.strip_prefix("blk.")?.split_once('.')?;
-    Some((layer.parse().ok()?, leaf.strip_suffix(".weight")?))
+    Some((layer.parse().ok()?, leaf))
 }
 
 /// Checks that the file's tensors are exactly the ones `cfg` implies, each with its shape: every
@@ -228,20 +293,32 @@ pub fn check_tensors(g: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
             .checked_mul(hd)
             .ok_or_else(|| bad(g, format!("{key} {heads} × head dim {hd} overflows")))
     };
-    let q = rows(cfg.num_attention_heads, "llama.attention.head_count")?;
-    let kv = rows(cfg.kv_heads(), "llama.attention.head_count_kv")?;
+    let arch = GgufArch::of(cfg);
+    let prefix = arch.name();
+    let q = rows(
+        cfg.num_attention_heads,
+        &format!("{prefix}.attention.head_count"),
+    )?;
+    let kv = rows(cfg.kv_heads(), &format!("{prefix}.attention.head_count_kv"))?;
     // PyTorch shapes (outermost first), as `TensorInfo::shape` holds them.
-    let layer: [(&str, Vec<usize>); 9] = [
-        ("attn_norm", vec![h]),
-        ("attn_q", vec![q, h]),
-        ("attn_k", vec![kv, h]),
-        ("attn_v", vec![kv, h]),
-        ("attn_output", vec![h, q]),
-        ("ffn_norm", vec![h]),
-        ("ffn_gate", vec![i, h]),
-        ("ffn_up", vec![i, h]),
-        ("ffn_down", vec![h, i]),
+    let mut layer: Vec<(&str, Vec<usize>)> = vec![
+        ("attn_norm.weight", vec![h]),
+        ("attn_q.weight", vec![q, h]),
+        ("attn_k.weight", vec![kv, h]),
+        ("attn_v.weight", vec![kv, h]),
+        ("attn_output.weight", vec![h, q]),
+        ("ffn_norm.weight", vec![h]),
+        ("ffn_gate.weight", vec![i, h]),
+        ("ffn_up.weight", vec![i, h]),
+        ("ffn_down.weight", vec![h, i]),
     ];
+    if arch.qkv_bias() {
+        layer.extend([
+            ("attn_q.bias", vec![q]),
+            ("attn_k.bias", vec![kv]),
+            ("attn_v.bias", vec![kv]),
+        ]);
+    }
     let mut global = vec![
         ("token_embd.weight", vec![v, h]),
         ("output_norm.weight", vec![h]),
@@ -259,7 +336,7 @@ pub fn check_tensors(g: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
                 return Err(bad(
                     g,
                     format!(
-                        "tensor {} is for layer {l}, but llama.block_count is {n_layers}",
+                        "tensor {} is for layer {l}, but {prefix}.block_count is {n_layers}",
                         t.name
                     ),
                 ))
@@ -267,22 +344,26 @@ pub fn check_tensors(g: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
             Some((l, part)) => {
                 layers_present = layers_present.max(l + 1);
                 let want = layer.iter().find(|(p, _)| *p == part).map(|(_, s)| s);
-                (format!("blk.{l}.{part}.weight"), want)
+                (format!("blk.{l}.{part}"), want)
             }
             None => {
                 let want = global.iter().find(|(n, _)| *n == t.name).map(|(_, s)| s);
                 (t.name.clone(), want)
             }
         };
-        let want =
-            want.ok_or_else(|| bad(g, format!("tensor {} has no Llama counterpart", t.name)))?;
+        let want = want.ok_or_else(|| {
+            bad(
+                g,
+                format!("tensor {} has no counterpart in {prefix}", t.name),
+            )
+        })?;
         if t.shape != *want {
             return Err(bad(
                 g,
                 format!(
                     "tensor {} has shape {:?}, but the metadata (vocabulary {v}, \
-                     llama.embedding_length {h}, llama.feed_forward_length {i}, {} heads and {} \
-                     kv heads of {hd}) implies {want:?}",
+                     {prefix}.embedding_length {h}, {prefix}.feed_forward_length {i}, {} heads \
+                     and {} kv heads of {hd}) implies {want:?}",
                     t.name,
                     t.shape,
                     cfg.num_attention_heads,
@@ -306,11 +387,9 @@ pub fn check_tensors(g: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
         let missing = global
             .iter()
             .map(|(n, _)| n.to_string())
-            .chain((0..n_layers).flat_map(|l| {
-                layer
-                    .iter()
-                    .map(move |(p, _)| format!("blk.{l}.{p}.weight"))
-            }))
+            .chain(
+                (0..n_layers).flat_map(|l| layer.iter().map(move |(p, _)| format!("blk.{l}.{p}"))),
+            )
             .find(|n| !seen.contains(n))
             .unwrap_or_default();
         let layers = if layers_present == 1 {
@@ -321,7 +400,7 @@ pub fn check_tensors(g: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
         return Err(bad(
             g,
             format!(
-                "tensor {missing} is missing: llama.block_count is {n_layers}, the file has \
+                "tensor {missing} is missing: {prefix}.block_count is {n_layers}, the file has \
                  tensors for {layers_present} {layers}"
             ),
         ));
@@ -329,15 +408,23 @@ pub fn check_tensors(g: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
     Ok(())
 }
 
-/// Every tensor of a Llama GGUF, dequantised, renamed and un-permuted (after [`check_tensors`]).
+/// Every tensor of a Llama or Qwen2 GGUF, dequantised, renamed and (a Llama's q/k) un-permuted
+/// (after [`check_tensors`]).
 pub fn llama_tensors(g: &GgufFile, cfg: &LlamaConfig) -> Result<BTreeMap<String, HostTensor>> {
     check_tensors(g, cfg)?;
+    let permuted = GgufArch::of(cfg).permutes_qk();
     let mut out = BTreeMap::new();
     for t in &g.tensors {
-        let name = hf_name(&t.name)
-            .ok_or_else(|| bad(g, format!("tensor {} has no Llama counterpart", t.name)))?;
+        let name = hf_name(&t.name).ok_or_else(|| {
+            bad(
+                g,
+                format!("tensor {} has no Hugging Face counterpart", t.name),
+            )
+        })?;
         let mut data = g.dequantize(t)?;
-        let heads = if name.ends_with("q_proj.weight") {
+        let heads = if !permuted {
+            None
+        } else if name.ends_with("q_proj.weight") {
             Some(cfg.num_attention_heads)
         } else if name.ends_with("k_proj.weight") {
             Some(cfg.kv_heads())
@@ -361,6 +448,9 @@ pub fn llama_tensors(g: &GgufFile, cfg: &LlamaConfig) -> Result<BTreeMap<String,
     }
     Ok(out)
 }
+
+/// Qwen2's pre-tokenizer regex, as its `tokenizer.json` holds it (llama.cpp's `qwen2`).
+pub const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// A `tokenizer.json` (the `tokenizers` library's own format) for a GGUF byte-level BPE vocabulary.
 pub fn tokenizer_json(g: &GgufFile) -> Result<Json> {
@@ -395,7 +485,8 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<Json> {
         ));
     }
     // llama.cpp's pre-tokenizer names: "smollm" and the StarCoder family split digits one by one
-    // before GPT-2's byte-level regex; "gpt2"/"default" use the regex alone.
+    // before GPT-2's byte-level regex; "gpt2"/"default" use the regex alone; "qwen2" splits by
+    // its own regex, then maps bytes.
     let pre = g
         .get("tokenizer.ggml.pre")
         .and_then(Value::as_str)
@@ -407,6 +498,15 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<Json> {
             "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level],
         }),
         "gpt2" | "default" => byte_level.clone(),
+        "qwen2" => json!({
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated",
+                 "invert": false},
+                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false,
+                 "use_regex": false},
+            ],
+        }),
         other => {
             return Err(bad(
                 g,
@@ -595,15 +695,21 @@ mod tests {
 
     /// A complete 2-layer Llama: hidden 8, 2 heads and 1 kv head of 4, ffn 16, 6 tokens, untied.
     fn tiny() -> Writer {
+        tiny_as("llama", false)
+    }
+
+    /// [`tiny`] as architecture `arch`, with q/k/v biases where `biases`.
+    fn tiny_as(arch: &str, biases: bool) -> Writer {
         let mut w = Writer::new();
-        w.str("general.architecture", "llama")
-            .u32("llama.block_count", 2)
-            .u32("llama.context_length", 64)
-            .u32("llama.embedding_length", 8)
-            .u32("llama.feed_forward_length", 16)
-            .u32("llama.attention.head_count", 2)
-            .u32("llama.attention.head_count_kv", 1)
-            .f32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+        let key = |k: &str| format!("{arch}.{k}");
+        w.str("general.architecture", arch)
+            .u32(&key("block_count"), 2)
+            .u32(&key("context_length"), 64)
+            .u32(&key("embedding_length"), 8)
+            .u32(&key("feed_forward_length"), 16)
+            .u32(&key("attention.head_count"), 2)
+            .u32(&key("attention.head_count_kv"), 1)
+            .f32(&key("attention.layer_norm_rms_epsilon"), 1e-5)
             .str("tokenizer.ggml.model", "gpt2")
             .strs(
                 "tokenizer.ggml.tokens",
@@ -632,8 +738,51 @@ mod tests {
             ] {
                 w.f32_tensor(&format!("blk.{l}.{part}.weight"), shape, f);
             }
+            if biases {
+                for (part, rows) in [("attn_q", 8), ("attn_k", 4), ("attn_v", 4)] {
+                    w.f32_tensor(&format!("blk.{l}.{part}.bias"), &[rows], f);
+                }
+            }
         }
         w
+    }
+
+    /// A `qwen2` file: read under its own keys as transformers' Qwen2 (q/k/v biases), its q/k
+    /// rows as stored (llama.cpp's Qwen2 does not permute them, its Llama does), Qwen2's
+    /// pre-tokenizer rebuilt; without the biases it is refused, naming the first missing one.
+    #[test]
+    fn converts_a_tiny_qwen2() {
+        let mut w = tiny_as("qwen2", true);
+        w.str("tokenizer.ggml.pre", "qwen2");
+        let g = open(&w);
+        let cfg = llama_config(&g).unwrap();
+        assert_eq!(cfg.model_type.as_deref(), Some("qwen2"));
+        assert!(cfg.qkv_bias());
+        let tensors = llama_tensors(&g, &cfg).unwrap();
+        let stored: Vec<f32> = (0..64).map(|i| i as f32 * 0.01).collect();
+        assert_eq!(
+            tensors["model.layers.1.self_attn.q_proj.weight"].data,
+            stored
+        );
+        assert_eq!(
+            tensors["model.layers.0.self_attn.k_proj.bias"].shape,
+            vec![4]
+        );
+        let llama = open(&tiny());
+        let llama_cfg = llama_config(&llama).unwrap();
+        let permuted =
+            &llama_tensors(&llama, &llama_cfg).unwrap()["model.layers.1.self_attn.q_proj.weight"];
+        assert_ne!(permuted.data, stored, "a Llama's q rows are un-permuted");
+        let tok = tokenizer_json(&g).unwrap();
+        assert_eq!(
+            tok["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"],
+            QWEN2_SPLIT
+        );
+        let e = error(&tiny_as("qwen2", false));
+        assert!(
+            e.contains("tensor blk.0.attn_q.bias is missing: qwen2.block_count is 2"),
+            "{e}"
+        );
     }
 
     fn open(w: &Writer) -> GgufFile {
@@ -766,7 +915,7 @@ mod tests {
         w.f32_tensor("blk.0.attn_q.bias", &[8], |_| 0.0);
         let e = error(&w);
         assert!(
-            e.contains("tensor blk.0.attn_q.bias has no Llama counterpart"),
+            e.contains("tensor blk.0.attn_q.bias has no counterpart in llama"),
             "{e}"
         );
         // Without output.weight the embeddings are tied, and that is complete too.

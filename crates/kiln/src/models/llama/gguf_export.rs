@@ -1,11 +1,12 @@
-//! A Hugging Face Llama folder (a merged SFT / DPO model, any `LlamaForCausalLM`) → one GGUF file
-//! for llama.cpp and Ollama, written as llama.cpp's `convert_hf_to_gguf.py` writes a Llama:
-//! its metadata keys (`llama.*` hyperparameters, `general.file_type`), the byte-level BPE
-//! vocabulary (`tokenizer.ggml.*`: tokens, token types, merges, special ids, the pre-tokenizer's
-//! name) and the chat template (`tokenizer.chat_template`), tensors under llama.cpp's names with
-//! `q_proj` / `k_proj` rows permuted for its RoPE kernel, the norms in F32 and the matrices in the
-//! chosen type (a matrix whose rows do not fill Q8_0's blocks of 32 falls back to F16, as
-//! llama.cpp's converter falls back). `gguf.rs` reads such files back.
+//! A Hugging Face Llama or Qwen2 folder (a merged SFT / DPO model, any `LlamaForCausalLM` /
+//! `Qwen2ForCausalLM`) → one GGUF file for llama.cpp and Ollama, written as llama.cpp's
+//! `convert_hf_to_gguf.py` writes those: its metadata keys (`llama.*` / `qwen2.*`
+//! hyperparameters, `general.file_type`), the byte-level BPE vocabulary (`tokenizer.ggml.*`:
+//! tokens, token types, merges, special ids, the pre-tokenizer's name) and the chat template
+//! (`tokenizer.chat_template`), tensors under llama.cpp's names (a Llama's `q_proj` / `k_proj`
+//! rows permuted for its RoPE kernel), norms and biases in F32 and the matrices in the chosen type
+//! (a matrix whose rows do not fill Q8_0's blocks of 32 falls back to F16, as llama.cpp's
+//! converter falls back). `gguf.rs` reads such files back.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -13,7 +14,8 @@ use std::path::Path;
 use serde_json::Value as Json;
 use tracing::info;
 
-use super::config::{LlamaConfig, RopeScaling};
+use super::config::{LayerRules, LlamaConfig, RopeScaling};
+use super::gguf::{GgufArch, QWEN2_SPLIT};
 use crate::data::chat_template::{special_tokens, ChatTemplate};
 use crate::error::{KilnError, Result};
 use crate::formats::gguf::{permute_qk, GgmlType};
@@ -112,7 +114,7 @@ pub fn hf_to_gguf(dir: &Path, out: &Path, outtype: GgufOutType) -> Result<Export
         )));
     }
     let config_path = dir.join("config.json");
-    let config = LlamaConfig::from_file(&config_path)?;
+    let (config, arch) = exportable_config(&config_path)?;
     let refuse = |m: String| KilnError::Config(format!("{}: {m}", config_path.display()));
     if config.sequence_classifier_labels().is_some() {
         return Err(refuse(
@@ -120,8 +122,19 @@ pub fn hf_to_gguf(dir: &Path, out: &Path, outtype: GgufOutType) -> Result<Export
         ));
     }
     if config.attention_bias || config.mlp_bias {
+        return Err(refuse(format!(
+            "attention_bias / mlp_bias: llama.cpp's {} has no biases on {}",
+            arch.name(),
+            match arch {
+                GgufArch::Llama => "any projection",
+                GgufArch::Qwen2 => "o_proj or the MLP",
+            }
+        )));
+    }
+    if (0..config.num_hidden_layers).any(|i| config.window(i).is_some()) {
         return Err(refuse(
-            "attention_bias / mlp_bias: llama.cpp's Llama has no biases".into(),
+            "a sliding attention window: llama.cpp's Llama and Qwen2 attend to every position"
+                .into(),
         ));
     }
     let rope = config.rope().map_err(refuse)?;
@@ -133,7 +146,7 @@ pub fn hf_to_gguf(dir: &Path, out: &Path, outtype: GgufOutType) -> Result<Export
         ));
     }
     // Metadata and vocabulary first: a folder kiln cannot describe fails before the slow part.
-    let mut metadata = model_metadata(dir, &config, outtype, &rope);
+    let mut metadata = model_metadata(dir, &config, arch, outtype, &rope);
     metadata.extend(tokenizer_metadata(dir, config.vocab_size)?);
     let weights = read_model_weights(dir)?;
     // Every tensor's shape as the config says (the q/k permutation cuts rows by heads).
@@ -155,8 +168,9 @@ pub fn hf_to_gguf(dir: &Path, out: &Path, outtype: GgufOutType) -> Result<Export
             None if config.tie_word_embeddings && name == "lm_head.weight" => {}
             None => {
                 return Err(KilnError::Weights(format!(
-                    "{}: tensor {name} has no place in llama.cpp's Llama",
-                    dir.display()
+                    "{}: tensor {name} has no place in llama.cpp's {}",
+                    dir.display(),
+                    arch.name()
                 )))
             }
         }
@@ -200,7 +214,9 @@ pub fn hf_to_gguf(dir: &Path, out: &Path, outtype: GgufOutType) -> Result<Export
     write_gguf(out, &metadata, &entries, |i| {
         let (hf, g) = &names[i];
         let t = &weights[*hf];
-        let heads = if g.ends_with("attn_q.weight") {
+        let heads = if !arch.permutes_qk() {
+            None
+        } else if g.ends_with("attn_q.weight") {
             Some(heads)
         } else if g.ends_with("attn_k.weight") {
             Some(kv_heads)
@@ -230,10 +246,32 @@ pub fn hf_to_gguf(dir: &Path, out: &Path, outtype: GgufOutType) -> Result<Export
     })
 }
 
-/// `general.*` and `llama.*`, as llama.cpp's converter writes them for a Llama.
+/// The config of the folder's `config.json` as its family reads it, and the llama.cpp
+/// architecture it exports as.
+fn exportable_config(path: &Path) -> Result<(LlamaConfig, GgufArch)> {
+    let bytes = crate::io::files::read_regular(path, "JSON file")?;
+    let model_type: Json = crate::io::parse_json(path, &bytes)?;
+    let model_type = model_type["model_type"].as_str();
+    let arch = GgufArch::of_model_type(model_type).ok_or_else(|| {
+        KilnError::Config(format!(
+            "{}: model_type {:?}: kiln writes Llama and Qwen2 models (\"llama\", \"qwen2\") to GGUF",
+            path.display(),
+            model_type.unwrap_or_default()
+        ))
+    })?;
+    let config = match arch {
+        GgufArch::Llama => LlamaConfig::from_file(path)?,
+        GgufArch::Qwen2 => LlamaConfig::from_bytes(path, &bytes, LayerRules::QWEN2)?,
+    };
+    Ok((config, arch))
+}
+
+/// `general.*` and the architecture's keys (`llama.*`, `qwen2.*`), as llama.cpp's converter
+/// writes them (the vocabulary size and rope dimension only for a Llama, as its `LlamaModel`).
 fn model_metadata(
     dir: &Path,
     c: &LlamaConfig,
+    arch: GgufArch,
     outtype: GgufOutType,
     rope: &RopeScaling,
 ) -> Vec<(String, MetaValue)> {
@@ -243,46 +281,39 @@ fn model_metadata(
         .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
         .unwrap_or_else(|| "model".into());
     let u = |v: usize| MetaValue::U32(v as u32);
+    let key = |k: &str| format!("{}.{k}", arch.name());
     let mut m: Vec<(String, MetaValue)> = vec![
         (
             "general.architecture".into(),
-            MetaValue::Str("llama".into()),
+            MetaValue::Str(arch.name().into()),
         ),
         ("general.type".into(), MetaValue::Str("model".into())),
         ("general.name".into(), MetaValue::Str(name)),
-        ("llama.block_count".into(), u(c.num_hidden_layers)),
-        ("llama.context_length".into(), u(c.max_position_embeddings)),
-        ("llama.embedding_length".into(), u(c.hidden_size)),
-        ("llama.feed_forward_length".into(), u(c.intermediate_size)),
+        (key("block_count"), u(c.num_hidden_layers)),
+        (key("context_length"), u(c.max_position_embeddings)),
+        (key("embedding_length"), u(c.hidden_size)),
+        (key("feed_forward_length"), u(c.intermediate_size)),
+        (key("attention.head_count"), u(c.num_attention_heads)),
+        (key("attention.head_count_kv"), u(c.kv_heads())),
+        (key("rope.freq_base"), MetaValue::F32(c.theta() as f32)),
         (
-            "llama.attention.head_count".into(),
-            u(c.num_attention_heads),
-        ),
-        ("llama.attention.head_count_kv".into(), u(c.kv_heads())),
-        (
-            "llama.rope.freq_base".into(),
-            MetaValue::F32(c.theta() as f32),
-        ),
-        (
-            "llama.attention.layer_norm_rms_epsilon".into(),
+            key("attention.layer_norm_rms_epsilon"),
             MetaValue::F32(c.rms_norm_eps as f32),
         ),
         (
             "general.file_type".into(),
             MetaValue::U32(outtype.file_type()),
         ),
-        ("llama.vocab_size".into(), u(c.vocab_size)),
-        ("llama.rope.dimension_count".into(), u(c.head_size())),
     ];
+    if arch == GgufArch::Llama {
+        m.push((key("vocab_size"), u(c.vocab_size)));
+    }
+    if arch == GgufArch::Llama || c.head_size() * c.num_attention_heads != c.hidden_size {
+        m.push((key("rope.dimension_count"), u(c.head_size())));
+    }
     if let RopeScaling::Linear(factor) = rope {
-        m.push((
-            "llama.rope.scaling.type".into(),
-            MetaValue::Str("linear".into()),
-        ));
-        m.push((
-            "llama.rope.scaling.factor".into(),
-            MetaValue::F32(*factor as f32),
-        ));
+        m.push((key("rope.scaling.type"), MetaValue::Str("linear".into())));
+        m.push((key("rope.scaling.factor"), MetaValue::F32(*factor as f32)));
     }
     m.push(("general.quantization_version".into(), MetaValue::U32(2)));
     m
@@ -308,12 +339,14 @@ fn tokenizer_metadata(dir: &Path, vocab_size: usize) -> Result<Vec<(String, Meta
             model["type"]
         )));
     }
-    let pre =
-        pre_tokenizer_name(&tok["pre_tokenizer"]).ok_or_else(|| {
-            bad("the pre_tokenizer is neither GPT-2's byte-level split nor SmolLM's (digits one by \
-             one, then byte-level), the ones kiln names for llama.cpp"
-            .into())
-        })?;
+    let pre = pre_tokenizer_name(&tok["pre_tokenizer"]).ok_or_else(|| {
+        bad(
+            "the pre_tokenizer is none of GPT-2's byte-level split, SmolLM's (digits one by \
+             one, then byte-level) and Qwen2's (its regex, then bytes), the ones kiln names for \
+             llama.cpp"
+                .into(),
+        )
+    })?;
     let mut tokens: BTreeMap<usize, (String, i32)> = BTreeMap::new();
     for (text, id) in model["vocab"].as_object().into_iter().flatten() {
         let id = id
@@ -409,7 +442,8 @@ fn tokenizer_metadata(dir: &Path, vocab_size: usize) -> Result<Vec<(String, Meta
 }
 
 /// llama.cpp's name for a tokenizer.json pre-tokenizer kiln recognises: GPT-2's byte-level regex
-/// alone (`gpt2`), or digits split one by one before it (`smollm`, as SmolLM and StarCoder).
+/// alone (`gpt2`), digits split one by one before it (`smollm`, as SmolLM and StarCoder), or
+/// Qwen2's regex before a byte mapping without one (`qwen2`).
 fn pre_tokenizer_name(pre: &Json) -> Option<&'static str> {
     let byte_level = |p: &Json| p["type"] == "ByteLevel" && p["use_regex"] != false;
     if byte_level(pre) {
@@ -417,6 +451,17 @@ fn pre_tokenizer_name(pre: &Json) -> Option<&'static str> {
     }
     let parts = pre["pretokenizers"].as_array()?;
     match parts.as_slice() {
+        [split, bytes]
+            if pre["type"] == "Sequence"
+                && split["type"] == "Split"
+                && split["pattern"]["Regex"] == QWEN2_SPLIT
+                && split["behavior"] == "Isolated"
+                && split["invert"] != true
+                && bytes["type"] == "ByteLevel"
+                && bytes["use_regex"] == false =>
+        {
+            Some("qwen2")
+        }
         [digits, level]
             if pre["type"] == "Sequence"
                 && digits["type"] == "Digits"
@@ -476,6 +521,43 @@ mod tests {
         let e = hf_to_gguf(dir.path(), &dir.path().join("m.gguf"), GgufOutType::F16).unwrap_err();
         assert!(e.to_string().contains("but"), "{e}");
         assert!(!dir.path().join("m.gguf").exists());
+    }
+
+    /// A family llama.cpp's converter writes otherwise (Mistral) and a Qwen2 whose layers slide
+    /// are refused in one sentence naming the config, before any file is written.
+    #[test]
+    fn families_and_windows_gguf_does_not_hold_are_refused() {
+        let fixtures =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/families");
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("m.gguf");
+        let e = hf_to_gguf(&fixtures.join("mistral"), &out, GgufOutType::F16).unwrap_err();
+        assert!(
+            e.to_string().contains(
+                "config.json: model_type \"mistral\": kiln writes Llama and Qwen2 models"
+            ),
+            "{e}"
+        );
+        let qwen2 = dir.path().join("qwen2");
+        std::fs::create_dir(&qwen2).unwrap();
+        for f in [
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "model.safetensors",
+        ] {
+            std::fs::copy(fixtures.join("qwen2").join(f), qwen2.join(f)).unwrap();
+        }
+        let mut config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(fixtures.join("qwen2/config.json")).unwrap())
+                .unwrap();
+        config["use_sliding_window"] = true.into();
+        config["sliding_window"] = 16.into();
+        config["max_window_layers"] = 1.into();
+        config.as_object_mut().unwrap().remove("layer_types");
+        std::fs::write(qwen2.join("config.json"), config.to_string()).unwrap();
+        let e = hf_to_gguf(&qwen2, &out, GgufOutType::F16).unwrap_err();
+        assert!(e.to_string().contains("a sliding attention window"), "{e}");
+        assert!(!out.exists());
     }
 
     #[test]

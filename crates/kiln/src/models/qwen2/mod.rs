@@ -14,10 +14,7 @@ pub static FAMILY: DecoderFamily<Llama> = DecoderFamily {
 };
 
 /// q/k/v biases always; the layers from `max_window_layers` on slide when `use_sliding_window`.
-pub const RULES: LayerRules = LayerRules {
-    qkv_bias: |_| true,
-    sliding: |c, i| c.use_sliding_window == Some(true) && i >= c.max_window_layers.unwrap_or(0),
-};
+pub const RULES: LayerRules = LayerRules::QWEN2;
 
 #[cfg(test)]
 mod tests {
