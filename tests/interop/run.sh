@@ -54,10 +54,18 @@ if "$PY" -c "import gguf" 2>/dev/null; then
       "$KILN" generate --model "$m" --prompt "The capital of France is" --max-new-tokens 12 --ignore-eos --json
     done | "$PY" -c "import json,sys; a,b=[json.loads(l)['new_ids'] for l in sys.stdin if l.startswith('{')]; assert a==b,(a,b); print('kiln generate: the GGUF file decodes the folder\'s greedy tokens')"
   done
-  # A Qwen2 (llama.cpp's qwen2: biases, rows in transformers' order, Qwen2's pre-tokenizer).
-  for t in f32 q8_0; do
-    "$KILN" convert --model tests/fixtures/families/qwen2 --to-gguf --out "$out/qwen2-$t.gguf" --outtype "$t"
-    "$PY" tests/interop/check_gguf.py tests/fixtures/families/qwen2 "$out/qwen2-$t.gguf" "$t"
+  # A Qwen2 (llama.cpp's qwen2: biases, rows in transformers' order, Qwen2's pre-tokenizer), and a
+  # Mistral without its window (llama.cpp writes it as a Llama; transformers reads it back as one).
+  # The Mistral's copy is not named "mistral": transformers' GGUF loader takes a Llama file whose
+  # general.name (the folder's) says "mistral" for a Mistral, which gguf 0.19 cannot map.
+  cp -r tests/fixtures/families/mistral "$out/no-window"
+  "$PY" -c "import json,sys; p=sys.argv[1]; c=json.load(open(p)); c['sliding_window']=None; json.dump(c,open(p,'w'))" "$out/no-window/config.json"
+  for m in tests/fixtures/families/qwen2 "$out/no-window"; do
+    for t in f32 q8_0; do
+      how=$([ "$t" = f32 ] || echo bytes-only)
+      "$KILN" convert --model "$m" --to-gguf --out "$out/$(basename "$m")-$t.gguf" --outtype "$t"
+      "$PY" tests/interop/check_gguf.py "$m" "$out/$(basename "$m")-$t.gguf" "$t" $how
+    done
   done
 else
   echo "interop: GGUF export check SKIPPED (no gguf package; scripts/setup-reference-python installs it)"

@@ -333,7 +333,8 @@ fn greedy(dir: &Path, n: usize) -> Vec<Vec<u32>> {
 /// template; and the F32 file decodes the source folder's greedy tokens. On the tiny chat Llama of
 /// the DPO fixtures (untied head, grouped-query attention, ChatML template), on the tiny Qwen2 of
 /// the family fixtures (llama.cpp's `qwen2`: q/k/v biases, rows not permuted, Qwen2's
-/// pre-tokenizer, tied head) and, where the assets are fetched, SmolLM2-135M-Instruct as
+/// pre-tokenizer, tied head), on the tiny Mistral without its window (llama.cpp's Llama: it comes
+/// back as a Llama) and, where the assets are fetched, SmolLM2-135M-Instruct as
 /// converted from its GGUF file (tied embeddings, 9 heads / 3 kv heads, SmolLM's pre-tokenizer,
 /// its chat template), in F16, BF16 and Q8_0 too.
 #[test]
@@ -346,14 +347,26 @@ fn exported_gguf_reads_back_as_the_source_folder() {
         )
         .unwrap()
     };
+    let tmp = tempfile::tempdir().unwrap();
+    let mistral = tmp.path().join("mistral");
+    std::fs::create_dir(&mistral).unwrap();
+    let fixture = repo_root().join("tests/fixtures/families/mistral");
+    for f in std::fs::read_dir(&fixture).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), mistral.join(f.file_name())).unwrap();
+    }
+    let mut c: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture.join("config.json")).unwrap()).unwrap();
+    c["sliding_window"] = serde_json::Value::Null;
+    std::fs::write(mistral.join("config.json"), c.to_string()).unwrap();
     let mut sources = vec![
         repo_root().join("tests/fixtures/dpo/tiny_chat_llama"),
         repo_root().join("tests/fixtures/families/qwen2"),
+        mistral,
     ];
     if let Some(smollm2) = converted() {
         sources.push(smollm2.to_path_buf());
     }
-    let tmp = tempfile::tempdir().unwrap();
     for (k, src) in sources.iter().enumerate() {
         let original = kiln::formats::model_weights::read_model_weights(src).unwrap();
         let src_config: LlamaConfig = config(src);
@@ -369,7 +382,11 @@ fn exported_gguf_reads_back_as_the_source_folder() {
             let back = tmp.path().join(format!("{k}-{outtype:?}"));
             kiln::models::llama::gguf::gguf_to_hf(&file, &back, StoreDtype::F32).unwrap();
             let c: LlamaConfig = config(&back);
-            assert_eq!(c.model_type, src_config.model_type);
+            let written_as = match src_config.model_type.as_deref() {
+                Some("mistral") => Some("llama"),
+                t => t,
+            };
+            assert_eq!(c.model_type.as_deref(), written_as);
             assert_eq!(c.qkv_bias(), src_config.qkv_bias());
             assert_eq!(
                 (

@@ -107,9 +107,16 @@ impl LayerRules {
         sliding: |_, _| false,
     };
 
+    /// Mistral (`models/mistral`): q/k/v biases only with `attention_bias`; every layer slides.
+    pub const MISTRAL: Self = Self {
+        qkv_bias: |c| c.attention_bias,
+        sliding: |_, _| true,
+    };
+
     /// Qwen2 (`models/qwen2`): q/k/v biases always; the layers from `max_window_layers` on
-    /// slide when `use_sliding_window`. Here rather than there so that the GGUF conversion,
-    /// which writes and reads Qwen2 beside Llama, needs no import of `models/qwen2`.
+    /// slide when `use_sliding_window`. These rules are here rather than in their families so
+    /// that the GGUF conversion, which writes Mistral and Qwen2 beside Llama, imports no other
+    /// family.
     pub const QWEN2: Self = Self {
         qkv_bias: |_| true,
         sliding: |c, i| c.use_sliding_window == Some(true) && i >= c.max_window_layers.unwrap_or(0),

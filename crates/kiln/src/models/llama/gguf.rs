@@ -53,10 +53,11 @@ impl GgufArch {
         }
     }
 
-    /// The architecture of a config of `model_type` (none: Llama's).
+    /// The architecture a config of `model_type` is written as (none: Llama's; Mistral's layers
+    /// are a Llama's to llama.cpp, which converts Mistral folders as Llamas).
     pub fn of_model_type(model_type: Option<&str>) -> Option<Self> {
         match model_type {
-            None | Some("llama") => Some(Self::Llama),
+            None | Some("llama") | Some("mistral") => Some(Self::Llama),
             Some("qwen2") => Some(Self::Qwen2),
             Some(_) => None,
         }

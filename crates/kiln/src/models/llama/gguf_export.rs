@@ -131,11 +131,15 @@ pub fn hf_to_gguf(dir: &Path, out: &Path, outtype: GgufOutType) -> Result<Export
             }
         )));
     }
-    if (0..config.num_hidden_layers).any(|i| config.window(i).is_some()) {
-        return Err(refuse(
-            "a sliding attention window: llama.cpp's Llama and Qwen2 attend to every position"
-                .into(),
-        ));
+    let context = config.max_position_embeddings;
+    if let Some(w) = (0..config.num_hidden_layers)
+        .filter_map(|i| config.window(i))
+        .find(|&w| w < context)
+    {
+        return Err(refuse(format!(
+            "a sliding attention window of {w} positions (the context is {context}): llama.cpp's \
+             Llama and Qwen2 attend to every position"
+        )));
     }
     let rope = config.rope().map_err(refuse)?;
     if matches!(rope, RopeScaling::Llama3 { .. }) {
@@ -254,15 +258,17 @@ fn exportable_config(path: &Path) -> Result<(LlamaConfig, GgufArch)> {
     let model_type = model_type["model_type"].as_str();
     let arch = GgufArch::of_model_type(model_type).ok_or_else(|| {
         KilnError::Config(format!(
-            "{}: model_type {:?}: kiln writes Llama and Qwen2 models (\"llama\", \"qwen2\") to GGUF",
+            "{}: model_type {:?}: kiln writes Llama, Mistral and Qwen2 models to GGUF",
             path.display(),
             model_type.unwrap_or_default()
         ))
     })?;
-    let config = match arch {
-        GgufArch::Llama => LlamaConfig::from_file(path)?,
-        GgufArch::Qwen2 => LlamaConfig::from_bytes(path, &bytes, LayerRules::QWEN2)?,
+    let rules = match model_type {
+        Some("mistral") => LayerRules::MISTRAL,
+        Some("qwen2") => LayerRules::QWEN2,
+        _ => LayerRules::LLAMA,
     };
+    let config = LlamaConfig::from_bytes(path, &bytes, rules)?;
     Ok((config, arch))
 }
 
@@ -523,19 +529,28 @@ mod tests {
         assert!(!dir.path().join("m.gguf").exists());
     }
 
-    /// A family llama.cpp's converter writes otherwise (Mistral) and a Qwen2 whose layers slide
-    /// are refused in one sentence naming the config, before any file is written.
+    /// A family GGUF does not hold (Gemma) and layers that slide (the Mistral fixture's window of
+    /// 6, a Qwen2's) are refused in one sentence naming the config, before any file is written.
     #[test]
     fn families_and_windows_gguf_does_not_hold_are_refused() {
         let fixtures =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/families");
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("m.gguf");
-        let e = hf_to_gguf(&fixtures.join("mistral"), &out, GgufOutType::F16).unwrap_err();
+        let gemma = dir.path().join("gemma");
+        std::fs::create_dir(&gemma).unwrap();
+        std::fs::write(gemma.join("config.json"), r#"{"model_type": "gemma"}"#).unwrap();
+        let e = hf_to_gguf(&gemma, &out, GgufOutType::F16).unwrap_err();
         assert!(
             e.to_string().contains(
-                "config.json: model_type \"mistral\": kiln writes Llama and Qwen2 models"
+                "config.json: model_type \"gemma\": kiln writes Llama, Mistral and Qwen2 models"
             ),
+            "{e}"
+        );
+        let e = hf_to_gguf(&fixtures.join("mistral"), &out, GgufOutType::F16).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("a sliding attention window of 6 positions (the context is 128)"),
             "{e}"
         );
         let qwen2 = dir.path().join("qwen2");

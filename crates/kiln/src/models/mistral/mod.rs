@@ -14,10 +14,7 @@ pub static FAMILY: DecoderFamily<Llama> = DecoderFamily {
 };
 
 /// q/k/v biases only with `attention_bias`; every layer slides.
-pub const RULES: LayerRules = LayerRules {
-    qkv_bias: |c| c.attention_bias,
-    sliding: |_, _| true,
-};
+pub const RULES: LayerRules = LayerRules::MISTRAL;
 
 #[cfg(test)]
 mod tests {
