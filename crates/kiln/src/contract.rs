@@ -32,6 +32,12 @@ pub trait Model<B: Backend>: Module<B> {
         0
     }
 
+    /// The batch's tokens that are not padding (TRL's `attention_mask.sum()`, what its trainers
+    /// count as `num_tokens`); by default every input id.
+    fn attended_tokens(&self, batch: &Self::Batch) -> usize {
+        self.input_ids_numel(batch)
+    }
+
     /// Whether a step's loss is the mean over all its target tokens (transformers' causal LMs,
     /// whose `model_accepts_loss_kwargs` makes the Trainer pass `num_items_in_batch`) rather than
     /// the mean of its micro-batches' means (every other model, as transformers' Trainer does

@@ -286,8 +286,9 @@ fn metrics_of(case: &Value) -> &'static [&'static str] {
 }
 
 /// The metrics TRL's DPO logs at every step, and that kiln must log alike.
-const METRICS: [&str; 12] = [
+const METRICS: [&str; 13] = [
     "loss",
+    "num_tokens",
     "grad_norm",
     "rewards/chosen",
     "rewards/rejected",
@@ -331,11 +332,16 @@ fn worker() {
     let world: usize = std::env::var("WORLD_SIZE").unwrap().parse().unwrap();
     let tp: usize = std::env::var("KILN_TEST_TP").unwrap().parse().unwrap();
     let name = std::env::var("KILN_TEST_CASE").unwrap();
-    run(&name, &out, (world, tp));
+    let zero_1 = std::env::var("KILN_TEST_ZERO1").is_ok_and(|v| v == "1");
+    run_with(&name, &out, (world, tp), |a| TrainingArguments {
+        zero_1,
+        ..a
+    });
 }
 
-/// [`run`] as `world` processes of this binary at tensor-parallel size `tp`; rank 0's log.
-fn launch(name: &str, out: &Path, world: usize, tp: usize) -> Vec<Value> {
+/// [`run`] as `world` processes of this binary at tensor-parallel size `tp`, AdamW's moments
+/// split over the data-parallel ranks where `zero_1`; rank 0's log.
+fn launch(name: &str, out: &Path, (world, tp): (usize, usize), zero_1: bool) -> Vec<Value> {
     common::run_test_ranks(
         TEST,
         world,
@@ -343,6 +349,7 @@ fn launch(name: &str, out: &Path, world: usize, tp: usize) -> Vec<Value> {
             ("KILN_TEST_OUT", out.display().to_string()),
             ("KILN_TEST_TP", tp.to_string()),
             ("KILN_TEST_CASE", name.to_string()),
+            ("KILN_TEST_ZERO1", u8::from(zero_1).to_string()),
         ],
     );
     common::read_log_and_eval(out)
@@ -356,16 +363,18 @@ fn dpo_under_data_and_tensor_parallelism_equals_trl() {
     let trl = trl();
     let tmp = tempfile::tempdir().unwrap();
     let mut seen = BTreeMap::new();
-    for (name, world, tp) in [
-        ("standard_sigmoid", 2, 1),
-        ("standard_sigmoid", 2, 2),
-        ("standard_lora_sigmoid", 2, 2),
+    for (name, world, tp, zero_1) in [
+        ("standard_sigmoid", 2, 1, false),
+        // ZeRO-1: each rank updates half of AdamW's moments, the same numbers.
+        ("standard_sigmoid", 2, 1, true),
+        ("standard_sigmoid", 2, 2, false),
+        ("standard_lora_sigmoid", 2, 2, false),
         // ORPO at TP = 2 only: its NLL is a mean over a batch's chosen tokens, so at DP = 2 each
         // rank's mean over its own half is averaged (as under PyTorch DDP), not TRL's one batch's.
-        ("orpo_standard", 2, 2),
+        ("orpo_standard", 2, 2, false),
     ] {
-        let out = tmp.path().join(format!("{name}-{world}-{tp}"));
-        let got = launch(name, &out, world, tp);
+        let out = tmp.path().join(format!("{name}-{world}-{tp}-{zero_1}"));
+        let got = launch(name, &out, (world, tp), zero_1);
         let want = trl["cases"][name]["log_history"].as_array().unwrap();
         let worst = compare(
             &format!("{name} at world {world}, TP {tp}"),
@@ -373,7 +382,7 @@ fn dpo_under_data_and_tensor_parallelism_equals_trl() {
             want,
             metrics_of(&trl["cases"][name]),
         );
-        seen.insert(format!("{name} {world}/{tp}"), worst);
+        seen.insert(format!("{name} {world}/{tp} zero_1 {zero_1}"), worst);
     }
     eprintln!("largest relative differences from TRL: {seen:?}");
 }

@@ -207,6 +207,7 @@ fn lm_batch(fx: &Fixture) -> (TokenBatch, Vec<i64>) {
         chunked_loss: None,
         scoring: None,
         carried: Default::default(),
+        attended_tokens: None,
     };
     (b, targets)
 }

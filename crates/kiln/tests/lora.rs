@@ -136,6 +136,7 @@ fn llama_adapters_match_peft() {
             chunked_loss: None,
             scoring: None,
             carried: Default::default(),
+            attended_tokens: None,
         };
         let logits = m.logits(&batch);
         let got = host(logits.clone());

@@ -40,8 +40,9 @@ const CASES: [&str; 7] = [
 ];
 
 /// What TRL logs at every step that kiln logs alike.
-const METRICS: [&str; 7] = [
+const METRICS: [&str; 8] = [
     "loss",
+    "num_tokens",
     "grad_norm",
     "accuracy",
     "margin",

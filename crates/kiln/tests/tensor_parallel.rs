@@ -44,6 +44,7 @@ fn batch(vocab: usize) -> (TokenBatch, Vec<i64>) {
         chunked_loss: None,
         scoring: None,
         carried: Default::default(),
+        attended_tokens: None,
     };
     (batch, targets)
 }

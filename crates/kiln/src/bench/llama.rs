@@ -217,6 +217,7 @@ fn random_blocks(batch: usize, seq: usize) -> (crate::data::lm::TokenBatch, Vec<
         chunked_loss: None,
         scoring: None,
         carried: Default::default(),
+        attended_tokens: None,
     };
     (tb, targets)
 }

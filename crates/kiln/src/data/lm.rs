@@ -145,6 +145,9 @@ pub struct TokenBatch {
     /// and metrics to read (the reference model's log-probability of a DPO row's completion, a
     /// reward pair's margin). Only heads that return one row per sequence carry them.
     pub carried: RowValues,
+    /// How many of the positions are tokens rather than padding (TRL's `attention_mask.sum()`,
+    /// which its trainers log as `num_tokens`); `None`: every position.
+    pub attended_tokens: Option<usize>,
 }
 
 /// A causal LM's loss computed inside its head (Liger's fused linear cross-entropy, TRL's `nll`

@@ -119,7 +119,7 @@ impl BatchSource for RewardSet {
     /// weighs micro-batches by their rows.
     fn batch(&self, indices: &[usize]) -> (TokenBatch, Vec<i64>) {
         let examples: Vec<&RewardExample> = indices.iter().map(|&i| &self.examples[i]).collect();
-        let (ids, _) = collate_rewards(&examples, self.pad_id, self.pad_to_multiple_of);
+        let (ids, lengths) = collate_rewards(&examples, self.pad_id, self.pad_to_multiple_of);
         let rows = ids.len();
         let seq = ids.first().map_or(0, Vec::len);
         let margins = examples
@@ -138,6 +138,7 @@ impl BatchSource for RewardSet {
                 values: margins,
                 per_row: 1,
             },
+            attended_tokens: Some(lengths.iter().sum()),
         };
         let sides = (0..rows).map(|r| i64::from(r >= indices.len())).collect();
         (batch, sides)

@@ -212,6 +212,7 @@ impl BatchSource for SftSet {
                 chunked_loss: None,
                 scoring: None,
                 carried: Default::default(),
+                attended_tokens: Some(examples.iter().map(|e| e.input_ids.len()).sum()),
             },
             targets,
         )
@@ -245,6 +246,8 @@ mod tests {
         assert_eq!(b.ids, vec![5, 6, 7, 8, 9, 2]);
         assert_eq!(t, vec![6, 7, -100, 9, -100, -100]);
         assert_eq!(set.lengths(), vec![3, 2]);
+        // TRL's num_tokens counts the attention mask: the padding is not a token.
+        assert_eq!(b.attended_tokens, Some(5));
 
         // Packed (capacity 5): both in one sequence, no padding, no target across the seam.
         let packed = set.clone().pack(5);
@@ -264,6 +267,7 @@ mod tests {
         assert_eq!((b.batch, b.seq), (2, 4));
         assert_eq!(b.ids, vec![5, 6, 7, 2, 8, 9, 2, 2]);
         assert_eq!(t, vec![6, 7, -100, -100, 9, -100, -100, -100]);
+        assert_eq!(b.attended_tokens, Some(5));
         // Packed, the row of 5 rounds up to 8; the padding is a segment of its own, untrained.
         let (b, t) = multiple.pack(5).batch(&[0]);
         assert_eq!((b.batch, b.seq), (1, 8));

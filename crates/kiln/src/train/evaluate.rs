@@ -55,6 +55,9 @@ pub struct EvalMetrics {
     pub train_metrics: Option<std::sync::Arc<dyn TokenMetrics>>,
     /// The loss is not a mean negative log-likelihood, so no perplexity is reported from it.
     pub no_perplexity: bool,
+    /// Training logs TRL's `num_tokens`: the tokens (padding aside) trained on so far, over all
+    /// data-parallel ranks.
+    pub num_tokens: bool,
 }
 
 impl EvalMetrics {

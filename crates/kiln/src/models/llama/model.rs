@@ -650,6 +650,12 @@ impl<B: KilnBackend> Model<B> for LlamaForCausalLM<B> {
         batch.batch * batch.seq
     }
 
+    fn attended_tokens(&self, batch: &TokenBatch) -> usize {
+        batch
+            .attended_tokens
+            .unwrap_or_else(|| self.input_ids_numel(batch))
+    }
+
     /// A causal LM's; a sequence classifier's loss is per sequence (transformers' Trainer
     /// averages its micro-batches' means).
     fn loss_over_step_tokens(&self) -> bool {

@@ -69,6 +69,7 @@ impl BatchSource for LmBlocks {
                 chunked_loss: None,
                 scoring: None,
                 carried: Default::default(),
+                attended_tokens: None,
             },
             targets,
         )
@@ -481,6 +482,16 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
         .files(files)
         .parallel(plan)
         .origin(origin);
+    // TRL's SFT, DPO and reward trainers log the tokens trained on; its ORPO trainer and a plain
+    // causal LM's (transformers' Trainer) do not.
+    let dpo = opts
+        .dpo
+        .as_ref()
+        .is_some_and(|d| d.method != PreferenceMethod::Orpo);
+    let builder = match opts.sft.is_some() || dpo || opts.reward.is_some() {
+        true => builder.log_num_tokens(),
+        false => builder,
+    };
     match data {
         RunData::Lm(train, eval) if chunked => {
             info!("the loss is computed in the output head, {chunk} positions at a time");

@@ -249,6 +249,7 @@ impl BatchSource for PreferenceSet {
                 values: carried,
                 per_row: 1,
             },
+            attended_tokens: Some(b.lengths.iter().sum()),
         };
         let sides = (0..rows).map(|r| i64::from(r >= indices.len())).collect();
         (batch, sides)

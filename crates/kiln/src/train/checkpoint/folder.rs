@@ -221,6 +221,14 @@ pub struct SchedulerState {
     /// run reports the very `train_loss` of an unbroken one. Absent in older checkpoints.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub train_loss_sum: Option<f64>,
+    /// The tokens (padding aside) trained on up to the last log, over all ranks (TRL's
+    /// `num_tokens`), so a resumed run counts on. 0 in older checkpoints.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub num_tokens: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// Everything one checkpoint holds.
@@ -528,6 +536,7 @@ mod tests {
             skipped_nonfinite: 0,
             plateau: None,
             train_loss_sum: None,
+            num_tokens: 0,
         };
         let ck = Checkpoint {
             model: &model,

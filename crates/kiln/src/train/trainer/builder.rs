@@ -107,6 +107,13 @@ where
         self
     }
 
+    /// Training logs TRL's `num_tokens` at every logging step: the tokens (padding aside) trained
+    /// on so far over all data-parallel ranks, as TRL's SFT, DPO and reward trainers log them.
+    pub fn log_num_tokens(mut self) -> Self {
+        self.metrics.num_tokens = true;
+        self
+    }
+
     /// Evaluations report no perplexity: the loss is not a mean negative log-likelihood
     /// (default: a causal LM's evaluation reports `exp(eval_loss)`).
     pub fn no_perplexity(mut self) -> Self {

@@ -254,6 +254,9 @@ where
                 if self.checkpointer.due(step, epoch_end, improved, last) {
                     let mut sched = self.scheduler_state(&plan);
                     sched.train_loss_sum = run.counts_from_step_1.then_some(run.loss_sum);
+                    if self.metrics.num_tokens {
+                        sched.num_tokens = self.tokens_so_far()?;
+                    }
                     let pending = run.pending_eval.take();
                     self.reporters.phase(Phase::Saving);
                     run.bar.suspend(|| self.save_checkpoint(&sched, pending))?;
@@ -306,6 +309,9 @@ where
         for (name, value) in self.train_metric_values()? {
             entry[name] = json!(value);
         }
+        if self.metrics.num_tokens {
+            entry["num_tokens"] = json!(self.tokens_so_far()? as f64);
+        }
         if self.is_main() {
             run.bar.suspend(|| {
                 info!(
@@ -317,6 +323,13 @@ where
         self.log(entry.as_object().cloned().unwrap_or_default())?;
         (run.log_loss_sum, run.log_steps) = (0.0, 0);
         Ok(())
+    }
+
+    /// Every data-parallel rank's tokens (padding aside) since step 1, this log's included.
+    fn tokens_so_far(&mut self) -> Result<u64> {
+        let mine = std::mem::take(&mut self.counters.tokens_since_log);
+        self.counters.num_tokens += self.parallel.data.sum_exact(&[mine])?[0];
+        Ok(self.counters.num_tokens)
     }
 
     /// The training metric's values over the micro-batches since the last log, summed over the
@@ -349,6 +362,7 @@ where
             skipped_nonfinite: self.counters.skipped_nonfinite,
             plateau: self.plateau.clone(),
             train_loss_sum: None,
+            num_tokens: self.counters.num_tokens,
         }
     }
 
@@ -526,14 +540,24 @@ where
     /// each rank evaluates its share and the results are gathered, so every rank computes the
     /// metrics over the whole eval set.
     pub fn evaluate<E: BatchSource<Batch = M::Batch>>(&self, eval: &E) -> Result<EvalOutput> {
-        evaluate(
+        let mut out = evaluate(
             &self.model().valid(),
             eval,
             self.args.per_device_eval_batch_size,
             &self.loss,
             self.metrics.reported(),
             &self.parallel.data,
-        )
+        )?;
+        if self.metrics.num_tokens {
+            // TRL's evaluation logs the tokens trained on so far.
+            let unlogged = self
+                .parallel
+                .data
+                .sum_exact(&[self.counters.tokens_since_log])?[0];
+            let total = self.counters.num_tokens + unlogged;
+            out.metrics.insert("eval_num_tokens".into(), total as f64);
+        }
+        Ok(out)
     }
 }
 
@@ -556,6 +580,10 @@ struct Counters {
     /// The training metric's sums over the micro-batches since the last log
     /// ([`EvalMetrics::train_metrics`]); empty when there is none.
     train_metric_sums: Vec<f64>,
+    /// This rank's tokens (padding aside) since the last log, and every rank's since step 1
+    /// ([`EvalMetrics::num_tokens`]).
+    tokens_since_log: u64,
+    num_tokens: u64,
 }
 
 impl Default for Counters {
@@ -568,6 +596,8 @@ impl Default for Counters {
             current_flos: 0.0,
             pipeline_seconds: (0.0, 0.0),
             train_metric_sums: Vec::new(),
+            tokens_since_log: 0,
+            num_tokens: 0,
         }
     }
 }

@@ -116,6 +116,7 @@ where
             .load_state(sched.step, &rank.moments, Some(&rank.covers), &self.device);
         self.counters.skipped_nonfinite = sched.skipped_nonfinite;
         self.counters.resumed_loss_sum = sched.train_loss_sum;
+        self.counters.num_tokens = sched.num_tokens;
         info!(
             "resumed from {} at step {} (epoch {:.2})",
             dir.display(),

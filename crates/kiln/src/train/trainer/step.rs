@@ -53,6 +53,7 @@ where
         for (batch, _) in &batches {
             let numel = self.model().input_ids_numel(batch);
             tokens += numel;
+            self.counters.tokens_since_log += self.model().attended_tokens(batch) as u64;
             self.counters.current_flos += 6.0 * numel as f64 * self.counters.flos_params;
         }
         let ForwardBackward {
