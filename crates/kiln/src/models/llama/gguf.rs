@@ -53,18 +53,12 @@ impl GgufArch {
         }
     }
 
-    /// The architecture a config of `model_type` is written as (none: Llama's; Mistral's layers
-    /// are a Llama's to llama.cpp, which converts Mistral folders as Llamas).
-    pub fn of_model_type(model_type: Option<&str>) -> Option<Self> {
-        match model_type {
-            None | Some("llama") | Some("mistral") => Some(Self::Llama),
-            Some("qwen2") => Some(Self::Qwen2),
-            Some(_) => None,
-        }
-    }
-
+    /// The architecture of a config this module read from a GGUF file (`llama` or `qwen2`).
     fn of(cfg: &LlamaConfig) -> Self {
-        Self::of_model_type(cfg.model_type.as_deref()).unwrap_or(Self::Llama)
+        match cfg.model_type.as_deref() {
+            Some("qwen2") => Self::Qwen2,
+            _ => Self::Llama,
+        }
     }
 
     /// Whether llama.cpp stores `q_proj` / `k_proj` rows permuted for its RoPE kernel (Llama's

@@ -251,22 +251,22 @@ pub fn hf_to_gguf(dir: &Path, out: &Path, outtype: GgufOutType) -> Result<Export
 }
 
 /// The config of the folder's `config.json` as its family reads it, and the llama.cpp
-/// architecture it exports as.
+/// architecture it exports as (a Mistral's layers are a Llama's to llama.cpp, which converts
+/// Mistral folders as Llamas).
 fn exportable_config(path: &Path) -> Result<(LlamaConfig, GgufArch)> {
     let bytes = crate::io::files::read_regular(path, "JSON file")?;
     let model_type: Json = crate::io::parse_json(path, &bytes)?;
     let model_type = model_type["model_type"].as_str();
-    let arch = GgufArch::of_model_type(model_type).ok_or_else(|| {
-        KilnError::Config(format!(
-            "{}: model_type {:?}: kiln writes Llama, Mistral and Qwen2 models to GGUF",
-            path.display(),
-            model_type.unwrap_or_default()
-        ))
-    })?;
-    let rules = match model_type {
-        Some("mistral") => LayerRules::MISTRAL,
-        Some("qwen2") => LayerRules::QWEN2,
-        _ => LayerRules::LLAMA,
+    let (arch, rules) = match model_type {
+        None | Some("llama") => (GgufArch::Llama, LayerRules::LLAMA),
+        Some("mistral") => (GgufArch::Llama, LayerRules::MISTRAL),
+        Some("qwen2") => (GgufArch::Qwen2, LayerRules::QWEN2),
+        Some(other) => {
+            return Err(KilnError::Config(format!(
+                "{}: model_type {other:?}: kiln writes Llama, Mistral and Qwen2 models to GGUF",
+                path.display()
+            )))
+        }
     };
     let config = LlamaConfig::from_bytes(path, &bytes, rules)?;
     Ok((config, arch))

@@ -473,8 +473,7 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
         // A reward model is a sequence classifier (the model card's task).
         opts.reward.is_none(),
     );
-    let chunk = loss_chunk;
-    let chunked = chunk > 0
+    let chunked = loss_chunk > 0
         && matches!(loss, CausalLmLoss::Builtin(LmLoss::Plain(_)))
         && metrics.is_none()
         && plan.pipeline().is_none();
@@ -494,14 +493,15 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
     };
     match data {
         RunData::Lm(train, eval) if chunked => {
-            info!("the loss is computed in the output head, {chunk} positions at a time");
+            info!("the loss is computed in the output head, {loss_chunk} positions at a time");
             let train = ChunkedLossBatches {
                 inner: &train,
-                chunk,
+                chunk: loss_chunk,
             };
-            let eval = eval
-                .as_ref()
-                .map(|inner| ChunkedLossBatches { inner, chunk });
+            let eval = eval.as_ref().map(|inner| ChunkedLossBatches {
+                inner,
+                chunk: loss_chunk,
+            });
             builder
                 .loss(CausalLmLoss::<L>::Builtin(LmLoss::Chunked(ChunkedMean)))
                 .build()

@@ -221,14 +221,10 @@ pub struct SchedulerState {
     /// run reports the very `train_loss` of an unbroken one. Absent in older checkpoints.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub train_loss_sum: Option<f64>,
-    /// The tokens (padding aside) trained on up to the last log, over all ranks (TRL's
-    /// `num_tokens`), so a resumed run counts on. 0 in older checkpoints.
-    #[serde(default, skip_serializing_if = "is_zero")]
+    /// The tokens (padding aside) trained on so far, over all ranks (TRL's `num_tokens`), so a
+    /// resumed run counts on. 0 in older checkpoints.
+    #[serde(default)]
     pub num_tokens: u64,
-}
-
-fn is_zero(v: &u64) -> bool {
-    *v == 0
 }
 
 /// Everything one checkpoint holds.
