@@ -104,7 +104,8 @@ head -n 8 assets/prefs/eval.jsonl > "$out/pairs.jsonl"
   "$out/pairs.jsonl" > "$out/rm-texts.txt"
 "$KILN" predict --model "$out/rm" --input "$out/rm-texts.txt" --max-length 96 --output "$out/rm.jsonl"
 "$PY" tests/interop/check_reward.py "$out/rm" "$out/rm.jsonl" 96
-"$KILN" eval --task reward-modeling --model "$out/rm" --eval-file "$out/pairs.jsonl" | grep -q eval_accuracy
+# grep reads the whole output (not -q): kiln must not find its stdout closed mid-print.
+"$KILN" eval --task reward-modeling --model "$out/rm" --eval-file "$out/pairs.jsonl" | grep eval_accuracy > /dev/null
 
 # SFT with LoRA: conversations through SmolLM2's chat template, an all-linear adapter trained for
 # two steps; peft must load the adapter onto the base and decode what `kiln generate --adapter
