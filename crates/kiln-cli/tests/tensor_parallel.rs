@@ -1,7 +1,8 @@
 //! Tensor parallelism through the `kiln` binary: `kiln launch` + `--tensor-parallel-size N` on a
 //! Llama initialised from a config takes the same 5 steps (with global-norm clipping) as one
 //! process, at TP = 2 and TP = 3, on configs with uneven head and vocabulary splits, replicated
-//! key/value heads, tied and untied heads and biases; and bad layouts are one sentence each.
+//! key/value heads, tied and untied heads and biases, the loss from whole logits and from the
+//! head a chunk of positions at a time; and bad layouts are one sentence each.
 //!
 //! How close "the same" is depends on the optimizer. A sharded run sums in other orders than one
 //! process (its GEMMs are cut, its vocabulary-parallel loss is composed), so its gradients differ
@@ -192,8 +193,18 @@ fn tensor_parallel_training_equals_one_process() {
             let l = same_losses(&run, &name, &format!("{stem}-tp1"));
             let sharded_sgd = train(&run, &format!("{stem}-sgd-tp{tp}"), (tp, tp), 3, &sgd);
             let e = max_diff(&sharded_sgd, &single_sgd);
+            // The vocabulary-parallel head a chunk of positions at a time (64 positions in 3
+            // chunks), against one process's whole logits.
+            let chunked = ["--optim", "sgd", "--loss-chunk-size", "24"];
+            let name_chunked = format!("{stem}-sgd-tp{tp}-chunked");
+            let sharded_chunked = train(&run, &name_chunked, (tp, tp), 3, &chunked);
+            let k = max_diff(&sharded_chunked, &single_sgd);
             eprintln!(
-                "{stem}: TP={tp} vs TP=1: AdamW max |Δw| = {d:e}, losses {l:e}; SGD max |Δw| = {e:e} (control {c:e})"
+                "{stem}: TP={tp} vs TP=1: AdamW max |Δw| = {d:e}, losses {l:e}; SGD max |Δw| = {e:e}, chunked {k:e} (control {c:e})"
+            );
+            assert!(
+                k <= SGD_ROUNDING,
+                "{stem}: TP={tp} with the loss in chunks differs from one process by {k} under SGD"
             );
             assert!(
                 d <= ADAMW_ROUNDING,

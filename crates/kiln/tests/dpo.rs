@@ -333,15 +333,30 @@ fn worker() {
     let tp: usize = std::env::var("KILN_TEST_TP").unwrap().parse().unwrap();
     let name = std::env::var("KILN_TEST_CASE").unwrap();
     let zero_1 = std::env::var("KILN_TEST_ZERO1").is_ok_and(|v| v == "1");
-    run_with(&name, &out, (world, tp), |a| TrainingArguments {
-        zero_1,
-        ..a
-    });
+    let chunk = std::env::var("KILN_TEST_LOSS_CHUNK")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let change = |a| TrainingArguments { zero_1, ..a };
+    run_chunked(
+        &name,
+        &out,
+        (world, tp),
+        change,
+        Some(chunk).filter(|&c| c > 0),
+    );
 }
 
 /// [`run`] as `world` processes of this binary at tensor-parallel size `tp`, AdamW's moments
-/// split over the data-parallel ranks where `zero_1`; rank 0's log.
-fn launch(name: &str, out: &Path, (world, tp): (usize, usize), zero_1: bool) -> Vec<Value> {
+/// split over the data-parallel ranks where `zero_1`, the head's scores computed `loss_chunk`
+/// positions at a time (0: kiln's default); rank 0's log.
+fn launch(
+    name: &str,
+    out: &Path,
+    (world, tp): (usize, usize),
+    zero_1: bool,
+    loss_chunk: usize,
+) -> Vec<Value> {
     common::run_test_ranks(
         TEST,
         world,
@@ -350,6 +365,7 @@ fn launch(name: &str, out: &Path, (world, tp): (usize, usize), zero_1: bool) -> 
             ("KILN_TEST_TP", tp.to_string()),
             ("KILN_TEST_CASE", name.to_string()),
             ("KILN_TEST_ZERO1", u8::from(zero_1).to_string()),
+            ("KILN_TEST_LOSS_CHUNK", loss_chunk.to_string()),
         ],
     );
     common::read_log_and_eval(out)
@@ -363,26 +379,35 @@ fn dpo_under_data_and_tensor_parallelism_equals_trl() {
     let trl = trl();
     let tmp = tempfile::tempdir().unwrap();
     let mut seen = BTreeMap::new();
-    for (name, world, tp, zero_1) in [
-        ("standard_sigmoid", 2, 1, false),
+    for (name, world, tp, zero_1, chunk) in [
+        ("standard_sigmoid", 2, 1, false, 0),
         // ZeRO-1: each rank updates half of AdamW's moments, the same numbers.
-        ("standard_sigmoid", 2, 1, true),
-        ("standard_sigmoid", 2, 2, false),
-        ("standard_lora_sigmoid", 2, 2, false),
+        ("standard_sigmoid", 2, 1, true, 0),
+        ("standard_sigmoid", 2, 2, false, 0),
+        ("standard_lora_sigmoid", 2, 2, false, 0),
         // ORPO at TP = 2 only: its NLL is a mean over a batch's chosen tokens, so at DP = 2 each
         // rank's mean over its own half is averaged (as under PyTorch DDP), not TRL's one batch's.
-        ("orpo_standard", 2, 2, false),
+        ("orpo_standard", 2, 2, false, 0),
+        // The vocabulary-parallel head a few positions at a time: each rank's rows of the head,
+        // the scores summed over the group, the head's gradient recomputed in the backward.
+        ("standard_sigmoid", 2, 2, false, 3),
+        ("orpo_standard", 2, 2, false, 3),
     ] {
-        let out = tmp.path().join(format!("{name}-{world}-{tp}-{zero_1}"));
-        let got = launch(name, &out, (world, tp), zero_1);
+        let out = tmp
+            .path()
+            .join(format!("{name}-{world}-{tp}-{zero_1}-{chunk}"));
+        let got = launch(name, &out, (world, tp), zero_1, chunk);
         let want = trl["cases"][name]["log_history"].as_array().unwrap();
         let worst = compare(
-            &format!("{name} at world {world}, TP {tp}"),
+            &format!("{name} at world {world}, TP {tp}, chunk {chunk}"),
             &got,
             want,
             metrics_of(&trl["cases"][name]),
         );
-        seen.insert(format!("{name} {world}/{tp} zero_1 {zero_1}"), worst);
+        seen.insert(
+            format!("{name} {world}/{tp} zero_1 {zero_1} chunk {chunk}"),
+            worst,
+        );
     }
     eprintln!("largest relative differences from TRL: {seen:?}");
 }

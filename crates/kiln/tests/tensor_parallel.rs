@@ -12,13 +12,14 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 use kiln::backend::{Cpu, CpuDevice, CpuTrain};
 use kiln::contract::{CrossEntropy, Loss, Model, IGNORE_INDEX};
-use kiln::data::lm::TokenBatch;
+use kiln::data::lm::{ChunkedLoss, TokenBatch};
 use kiln::formats::safetensors::HostTensor;
 use kiln::models::llama::config::LlamaConfig;
 use kiln::models::llama::{LlamaForCausalLM, LlamaShard};
 use kiln::models::params::{map_params, module_tensors};
 use kiln::parallel::threads::ThreadComm;
 use kiln::parallel::{TpGroup, VocabParallelCrossEntropy};
+use kiln::tasks::causal_lm::ChunkedMean;
 use kiln::train::optim::GradAccumulator;
 
 fn config(heads: usize, kv: usize, vocab: usize, tied: bool, bias: bool) -> LlamaConfig {
@@ -105,22 +106,51 @@ fn check(c: &LlamaConfig, what: &str) {
     let loss = CrossEntropy.loss(full.logits(&batch), targets_tensor(&targets));
     let want_loss: f32 = loss.clone().into_scalar();
     let want_grads = grad_module(&full, &loss.backward());
+    // The loss from the whole per-rank logits, and from the head a chunk of positions at a
+    // time (12 positions in chunks of 4).
+    let chunked = TokenBatch {
+        chunked_loss: Some(Arc::new(ChunkedLoss {
+            targets: targets.clone(),
+            chunk: 5,
+        })),
+        ..batch.clone()
+    };
+    for (batch, what) in [
+        (&batch, what.to_string()),
+        (&chunked, format!("{what} chunked")),
+    ] {
+        check_ranks(c, &what, batch, &targets, want_loss, &want_grads);
+    }
+}
+
+fn check_ranks(
+    c: &LlamaConfig,
+    what: &str,
+    batch: &TokenBatch,
+    targets: &[i64],
+    want_loss: f32,
+    want_grads: &LlamaForCausalLM<Cpu>,
+) {
     for size in [2, 3] {
         let comms = ThreadComm::<Cpu>::group(size, &CpuDevice::default());
         let ranks: Vec<RankResult> = std::thread::scope(|s| {
             let handles: Vec<_> = comms
                 .into_iter()
                 .map(|comm| {
-                    let (c, batch, targets, want) = (c, &batch, &targets, want_grads.clone());
+                    let want = want_grads.clone();
                     s.spawn(move || {
                         let tp = TpGroup::comm(Arc::new(comm));
                         let shard = LlamaShard::new(c, tp.clone()).unwrap();
                         let m = model(c).shard(shard.clone());
-                        let loss = VocabParallelCrossEntropy {
-                            tp,
-                            vocab: c.vocab_size,
-                        }
-                        .loss(m.logits(batch), targets_tensor(targets));
+                        let out = m.logits(batch);
+                        let loss = match batch.chunked_loss {
+                            Some(_) => ChunkedMean.loss(out, targets_tensor(targets)),
+                            None => VocabParallelCrossEntropy {
+                                tp,
+                                vocab: c.vocab_size,
+                            }
+                            .loss(out, targets_tensor(targets)),
+                        };
                         let value: f32 = loss.clone().into_scalar();
                         let got = module_tensors(&grad_module(&m, &loss.backward()));
                         let want = module_tensors(&want.shard(shard));

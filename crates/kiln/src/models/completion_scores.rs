@@ -12,7 +12,6 @@ use crate::data::lm::{CompletionScoring, RowValues};
 use crate::ops::{
     scored_linear_cross_entropy, token_statistics, KilnBackend, TokenStatistics, VocabSlice,
 };
-use crate::parallel::VocabParallelCrossEntropy;
 
 /// The columns of a row of scores, then the row's carried values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,7 +49,7 @@ pub fn completion_scores<B: KilnBackend>(
     rows: usize,
     scoring: &CompletionScoring,
     carried: &RowValues,
-    slice: Option<VocabSlice<'_>>,
+    slice: Option<VocabSlice>,
 ) -> Tensor<B, 2> {
     let n = logits.dims()[0];
     let targets = scoring_targets(scoring, n, &logits.device());
@@ -58,15 +57,11 @@ pub fn completion_scores<B: KilnBackend>(
         logits.clone().detach(),
         targets.clone(),
         IGNORE_INDEX,
-        &slice,
+        slice.as_ref(),
     );
     let losses = match &slice {
         None => crate::ops::cross_entropy(logits, targets, IGNORE_INDEX),
-        Some(s) => VocabParallelCrossEntropy {
-            tp: s.tp.clone(),
-            vocab: s.vocab,
-        }
-        .token_losses(logits, targets),
+        Some(s) => s.cross_entropy(logits, targets, IGNORE_INDEX).0,
     };
     row_scores(losses, stats, rows, scoring, carried)
 }
@@ -74,18 +69,19 @@ pub fn completion_scores<B: KilnBackend>(
 /// [`completion_scores`] of the logits `h wᵀ` (`h` the normed last hidden states `[rows × seq,
 /// H]`, `w` the output head's weight `[vocab, H]`) computed `chunk` positions at a time, forward
 /// and backward ([`crate::ops::scored_linear_cross_entropy`]): the same scores without the
-/// whole logits or their gradient.
+/// whole logits or their gradient (`w` this rank's rows of the head under `slice`).
 pub fn chunked_completion_scores<B: KilnBackend>(
     h: Tensor<B, 2>,
     w: Tensor<B, 2>,
     rows: usize,
     scoring: &CompletionScoring,
     carried: &RowValues,
+    slice: Option<VocabSlice>,
 ) -> Tensor<B, 2> {
     let n = h.dims()[0];
     let targets = scoring_targets(scoring, n, &h.device());
-    let (losses, stats) =
-        scored_linear_cross_entropy(h, w, targets, IGNORE_INDEX, scoring.chunk.max(1));
+    let chunk = scoring.chunk.max(1);
+    let (losses, stats) = scored_linear_cross_entropy(h, w, targets, IGNORE_INDEX, chunk, slice);
     row_scores(losses, stats, rows, scoring, carried)
 }
 
@@ -281,7 +277,9 @@ mod tests {
                     let logits = h.clone().matmul(w.clone().transpose());
                     completion_scores(logits, rows, &scoring, &carried, None)
                 }
-                _ => chunked_completion_scores(h.clone(), w.clone(), rows, &scoring, &carried),
+                _ => {
+                    chunked_completion_scores(h.clone(), w.clone(), rows, &scoring, &carried, None)
+                }
             };
             let grads = (scores.clone() * factors.clone()).sum().backward();
             let host = |t: Tensor<crate::backend::Cpu, 2>| -> Vec<f32> {

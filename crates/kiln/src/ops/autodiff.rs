@@ -10,7 +10,7 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::NodeId;
 
-use super::{ChunkedRows, KilnBackend, LinearCrossEntropy, LinearGrads, TpComm};
+use super::{ChunkedHeadLoss, ChunkedRows, KilnBackend, LinearCrossEntropy, LinearGrads, TpComm};
 
 /// Hands `grad` to `parent` if it takes part in the graph.
 fn give<B: KilnBackend>(
@@ -312,8 +312,7 @@ struct ChunkedHead<B: KilnBackend> {
     x: FloatTensor<B>,
     w: FloatTensor<B>,
     targets: IntTensor<B>,
-    ignore: i64,
-    chunk: usize,
+    head: ChunkedHeadLoss,
     lse: FloatTensor<B>,
 }
 
@@ -335,15 +334,14 @@ impl<B: KilnBackend> ChunkedHead<B> {
             bias: false,
         };
         let mut dw: Option<Tensor<B, 2>> = None;
-        for (start, len) in super::balanced_chunks(x.dims()[0], self.chunk) {
+        for (start, len) in super::balanced_chunks(x.dims()[0], self.head.chunk) {
             let xc = x.clone().narrow(0, start, len).into_primitive().tensor();
             let logits = B::kiln_linear(xc.clone(), self.w.clone(), None);
-            let dlogits = B::kiln_cross_entropy_backward(
+            let dlogits = self.head.logits_grad::<B>(
                 logits,
-                targets.clone().narrow(0, start, len).into_primitive(),
-                self.ignore,
-                lse.clone().narrow(0, start, len).into_primitive().tensor(),
-                g.clone().narrow(0, start, len).into_primitive().tensor(),
+                targets.clone().narrow(0, start, len),
+                lse.clone().narrow(0, start, len),
+                g.clone().narrow(0, start, len),
             );
             let (_, d, _) = B::kiln_linear_backward(xc, self.w.clone(), dlogits, wants);
             let d = Tensor::<B, 2>::from_primitive(f(d.expect("asked for")));
@@ -783,26 +781,22 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
         targets: IntTensor<Self>,
-        ignore: i64,
-        chunk: usize,
+        head: &ChunkedHeadLoss,
         _: LinearGrads,
-        rows: ChunkedRows,
     ) -> LinearCrossEntropy<Self> {
         let weight_wanted = !w.node.requirement.is_none();
         // Scored rows' factors differ: their weight gradient is the backward's to compute.
         let wants = LinearGrads {
             input: !x.node.requirement.is_none(),
-            weight: weight_wanted && rows == ChunkedRows::Uniform,
+            weight: weight_wanted && head.rows == ChunkedRows::Uniform,
             bias: false,
         };
         let out = B::kiln_linear_cross_entropy(
             x.primitive.clone(),
             w.primitive.clone(),
             targets.clone(),
-            ignore,
-            chunk,
+            head,
             wants,
-            rows,
         );
         let lse = out.lse.clone();
         let statistics = out.statistics.map(|s| {
@@ -823,15 +817,14 @@ impl<B: KilnBackend, C: CheckpointStrategy> KilnBackend for Autodiff<B, C> {
             .stateful()
         {
             OpsKind::Tracked(prep) => {
-                let head = ChunkedHead {
+                let recompute = ChunkedHead {
                     x: x.primitive,
                     w: w.primitive,
                     targets,
-                    ignore,
-                    chunk,
+                    head: head.clone(),
                     lse: out.lse,
                 };
-                prep.finish((out.input_grad, weight_grad, head), out.losses)
+                prep.finish((out.input_grad, weight_grad, recompute), out.losses)
             }
             OpsKind::UnTracked(prep) => prep.finish(out.losses),
         };

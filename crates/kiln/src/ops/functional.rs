@@ -39,6 +39,58 @@ pub enum ChunkedRows {
     Scored,
 }
 
+/// How a chunked head takes its loss ([`KilnBackend::kiln_linear_cross_entropy`]).
+#[derive(Debug, Clone)]
+pub struct ChunkedHeadLoss {
+    /// The target of rows without one.
+    pub ignore: i64,
+    /// At most this many rows of logits at once.
+    pub chunk: usize,
+    pub rows: ChunkedRows,
+    /// Under tensor parallelism, this rank's columns of the vocabulary: the head's weight holds
+    /// their rows, and each row's loss is the whole row's (equal on every rank); the input's
+    /// gradient is this rank's part of the sum over the group.
+    pub slice: Option<VocabSlice>,
+}
+
+impl ChunkedHeadLoss {
+    /// A chunk's losses and log-sum-exps from its logits (this rank's columns of them).
+    pub(crate) fn cross_entropy<B: KilnBackend>(
+        &self,
+        logits: FloatTensor<B>,
+        targets: Tensor<B, 1, Int>,
+    ) -> (Tensor<B, 1>, Tensor<B, 1>) {
+        match &self.slice {
+            None => {
+                let (l, lse) = B::kiln_cross_entropy(logits, targets.into_primitive(), self.ignore);
+                (t(l), t(lse))
+            }
+            Some(s) => s.cross_entropy(t(logits), targets, self.ignore),
+        }
+    }
+
+    /// The gradient of a chunk's logits for each row's upstream gradient `g`, from the rows'
+    /// log-sum-exps.
+    pub(crate) fn logits_grad<B: KilnBackend>(
+        &self,
+        logits: FloatTensor<B>,
+        targets: Tensor<B, 1, Int>,
+        lse: Tensor<B, 1>,
+        g: Tensor<B, 1>,
+    ) -> FloatTensor<B> {
+        match &self.slice {
+            None => B::kiln_cross_entropy_backward(
+                logits,
+                targets.into_primitive(),
+                self.ignore,
+                p(lse),
+                p(g),
+            ),
+            Some(s) => p(s.cross_entropy_grad(t(logits), targets, self.ignore, lse, g)),
+        }
+    }
+}
+
 /// `n` rows in chunks of at most `chunk`, all of one size but the last: as few chunks as
 /// `chunk` allows, split evenly (`(start, len)` of each).
 pub fn balanced_chunks(n: usize, chunk: usize) -> Vec<(usize, usize)> {
@@ -238,16 +290,23 @@ pub fn cross_entropy<B: KilnBackend>(
 /// Per-row cross-entropy of the logits `x wᵀ` against `targets` (0 where the target is
 /// `ignore`), `chunk` rows of logits at a time, forward and backward (see
 /// [`KilnBackend::kiln_linear_cross_entropy`]): the head's product and the loss without the
-/// whole `[N, V]` logits or their gradient.
+/// whole `[N, V]` logits or their gradient. Under `slice`, `w` holds this rank's rows of a
+/// vocabulary-parallel head, and the losses are the whole rows' on every rank.
 pub fn linear_cross_entropy<B: KilnBackend>(
     x: Tensor<B, 2>,
     w: Tensor<B, 2>,
     targets: Tensor<B, 1, Int>,
     ignore: i64,
     chunk: usize,
+    slice: Option<VocabSlice>,
 ) -> Tensor<B, 1> {
-    let out = chunked_head_loss(x, w, targets, ignore, chunk, ChunkedRows::Uniform);
-    t(out.losses)
+    let head = ChunkedHeadLoss {
+        ignore,
+        chunk,
+        rows: ChunkedRows::Uniform,
+        slice,
+    };
+    t(chunked_head_loss(x, w, targets, head).losses)
 }
 
 /// [`linear_cross_entropy`] for a sequence's scored tokens ([`ChunkedRows::Scored`]): each
@@ -259,8 +318,15 @@ pub fn scored_linear_cross_entropy<B: KilnBackend>(
     targets: Tensor<B, 1, Int>,
     ignore: i64,
     chunk: usize,
+    slice: Option<VocabSlice>,
 ) -> (Tensor<B, 1>, TokenStatistics<B>) {
-    let out = chunked_head_loss(x, w, targets, ignore, chunk, ChunkedRows::Scored);
+    let head = ChunkedHeadLoss {
+        ignore,
+        chunk,
+        rows: ChunkedRows::Scored,
+        slice,
+    };
+    let out = chunked_head_loss(x, w, targets, head);
     let statistics = out.statistics.expect("scored rows have statistics");
     (t(out.losses), statistics)
 }
@@ -269,10 +335,13 @@ fn chunked_head_loss<B: KilnBackend>(
     x: Tensor<B, 2>,
     w: Tensor<B, 2>,
     targets: Tensor<B, 1, Int>,
-    ignore: i64,
-    chunk: usize,
-    rows: ChunkedRows,
+    head: ChunkedHeadLoss,
 ) -> LinearCrossEntropy<B> {
+    // Each rank's input gradient is its columns' part: the group sums them.
+    let x = match &head.slice {
+        Some(s) => tp_enter(x, &s.tp),
+        None => x,
+    };
     // Outside autodiff no gradient is asked for; the autodiff backend asks for its own.
     let none = LinearGrads {
         input: false,
@@ -280,7 +349,7 @@ fn chunked_head_loss<B: KilnBackend>(
         bias: false,
     };
     let targets = targets.into_primitive();
-    B::kiln_linear_cross_entropy(p(x), p(w), targets, ignore, chunk, none, rows)
+    B::kiln_linear_cross_entropy(p(x), p(w), targets, &head, none)
 }
 
 /// `[q, k, v]`, each `[B, T, H]`, of a `[B, T, 3H]` tensor.

@@ -39,7 +39,9 @@ pub use attention::*;
 mod functional;
 pub use functional::*;
 mod token_statistics;
-pub use token_statistics::{token_statistics, TokenStatistics, VocabSlice};
+pub use token_statistics::{token_statistics, TokenStatistics};
+mod vocab_slice;
+pub use vocab_slice::VocabSlice;
 mod runtime;
 pub use runtime::*;
 
@@ -466,15 +468,15 @@ pub trait KilnBackend: Backend {
     /// backward then only scales them, and the head's products are the whole logits' (its
     /// forward and input-gradient products, a chunk at a time), not one more. Chunks are of
     /// equal size (the rows split into as few as `chunk` allows). Rows that are
-    /// [`ChunkedRows::Scored`] also get their [`TokenStatistics`].
+    /// [`ChunkedRows::Scored`] also get their [`TokenStatistics`]. Under a [`VocabSlice`], `w`
+    /// holds this rank's rows of the head, each row's loss is the whole row's, and the input's
+    /// gradient is this rank's part of the group's sum.
     fn kiln_linear_cross_entropy(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
         targets: IntTensor<Self>,
-        ignore: i64,
-        chunk: usize,
+        head: &ChunkedHeadLoss,
         wants: LinearGrads,
-        rows: ChunkedRows,
     ) -> LinearCrossEntropy<Self> {
         let x = t::<Self, 2>(x);
         let targets = Tensor::<Self, 1, Int>::from_primitive(targets);
@@ -483,27 +485,26 @@ pub trait KilnBackend: Backend {
         let (mut losses, mut lses) = (Vec::new(), Vec::new());
         let (mut dx, mut dw) = (Vec::new(), None::<Tensor<Self, 2>>);
         let mut statistics = Vec::new();
-        for (start, len) in balanced_chunks(n, chunk) {
+        for (start, len) in balanced_chunks(n, head.chunk) {
             let xc = p(x.clone().narrow(0, start, len));
             let tc = targets.clone().narrow(0, start, len);
             let logits = Self::kiln_linear(xc.clone(), w.clone(), None);
-            if rows == ChunkedRows::Scored {
+            if head.rows == ChunkedRows::Scored {
                 statistics.push(token_statistics(
                     t(logits.clone()),
                     tc.clone(),
-                    ignore,
-                    &None,
+                    head.ignore,
+                    head.slice.as_ref(),
                 ));
             }
-            let tc = tc.into_primitive();
-            let (l, lse) = Self::kiln_cross_entropy(logits.clone(), tc.clone(), ignore);
-            losses.push(t::<Self, 1>(l));
-            lses.push(t::<Self, 1>(lse.clone()));
+            let (l, lse) = head.cross_entropy::<Self>(logits.clone(), tc.clone());
+            losses.push(l);
+            lses.push(lse.clone());
             if !(wants.input || wants.weight) {
                 continue;
             }
-            let ones = p(Tensor::<Self, 1>::ones([len], &device));
-            let dlogits = Self::kiln_cross_entropy_backward(logits, tc, ignore, lse, ones);
+            let ones = Tensor::<Self, 1>::ones([len], &device);
+            let dlogits = head.logits_grad::<Self>(logits, tc, lse, ones);
             let (dxc, dwc, _) = Self::kiln_linear_backward(xc, w.clone(), dlogits, wants);
             dx.extend(dxc.map(t::<Self, 2>));
             if let Some(d) = dwc {

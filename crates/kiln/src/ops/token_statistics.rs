@@ -3,18 +3,10 @@
 //! `is_top1`), from a chunk of logits or the whole of them, and from a tensor-parallel rank's
 //! slice of the vocabulary as from all of it.
 
-use std::ops::Range;
+use burn::tensor::{Int, Tensor};
 
-use burn::tensor::{Int, Tensor, TensorData};
-
-use super::{tp_sum, KilnBackend, TpComm};
-/// A tensor-parallel rank's slice of the vocabulary: its logits are `columns` of `vocab`, and
-/// every sum over the vocabulary crosses `tp`.
-pub struct VocabSlice<'a> {
-    pub tp: &'a TpComm,
-    pub columns: Range<usize>,
-    pub vocab: usize,
-}
+use super::vocab_slice::local_targets;
+use super::{tp_sum, KilnBackend, VocabSlice};
 
 /// Per position (no gradient): the mean logit over the vocabulary, the entropy of the softmax,
 /// and 1 where the target is the most likely token (also where it is ignored: the caller masks).
@@ -57,44 +49,29 @@ pub fn token_statistics<B: KilnBackend>(
     logits: Tensor<B, 2>,
     targets: Tensor<B, 1, Int>,
     ignore: i64,
-    slice: &Option<VocabSlice<'_>>,
+    slice: Option<&VocabSlice>,
 ) -> TokenStatistics<B> {
     let [n, local] = logits.dims();
-    let device = logits.device();
     let across = |x: Tensor<B, 1>| match slice {
-        Some(s) => tp_sum(x, s.tp),
+        Some(s) => tp_sum(x, &s.tp),
         None => x,
     };
-    let vocab = slice.as_ref().map_or(local, |s| s.vocab);
+    let vocab = slice.map_or(local, |s| s.vocab);
     let mean_logit = across(logits.clone().sum_dim(1).reshape([n])) / vocab as f64;
     // Shifted by the row max over the whole vocabulary: the most likely token's z is exactly 0.
-    let local_max = logits.clone().max_dim(1).reshape([n]);
     let max = match slice {
-        Some(s) => {
-            let host: Vec<f32> = local_max
-                .into_data()
-                .convert::<f32>()
-                .into_vec()
-                .expect("f32 row maxima");
-            Tensor::from_data(TensorData::new(s.tp.max(host), [n]), &device)
-        }
-        None => local_max,
+        Some(s) => s.row_max(logits.clone()),
+        None => logits.clone().max_dim(1).reshape([n]),
     };
     let z = logits - max.reshape([n, 1]);
     let e = z.clone().exp();
     let sum_exp = across(e.clone().sum_dim(1).reshape([n]));
     // H = log Σe^z − Σ softmax·z (the shift cancels).
     let entropy = sum_exp.clone().log() - across((e * z.clone()).sum_dim(1).reshape([n])) / sum_exp;
-    let start = slice.as_ref().map_or(0, |s| s.columns.start) as i64;
-    let end = start + local as i64;
-    let mine = targets
-        .clone()
-        .greater_equal_elem(start)
-        .bool_and(targets.clone().lower_elem(end))
-        .bool_and(targets.clone().not_equal_elem(ignore));
-    let local_idx = (targets - start).clamp(0, local.saturating_sub(1) as i64);
-    let picked = across(z.gather(1, local_idx.reshape([n, 1])).reshape([n]) * mine.float());
-    let top1 = picked.greater_equal_elem(0.0).float();
+    let columns = slice.map_or(0..local, |s| s.columns.clone());
+    let (mine, at) = local_targets(targets, columns, ignore);
+    let target_z = across(z.gather(1, at.reshape([n, 1])).reshape([n]) * mine);
+    let top1 = target_z.greater_equal_elem(0.0).float();
     TokenStatistics {
         mean_logit,
         entropy,

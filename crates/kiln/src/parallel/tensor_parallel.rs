@@ -9,11 +9,11 @@ use burn::tensor::{Int, Tensor, TensorData};
 
 use std::collections::BTreeMap;
 
-use super::collectives::{chunk_range, host, Collectives, ReduceOp};
+use super::collectives::{host, Collectives, ReduceOp};
 use crate::contract::{Loss, ParamSplit, TensorParallelLayout, IGNORE_INDEX};
 use crate::formats::safetensors::HostTensor;
 use crate::formats::sharded::place_axis;
-use crate::ops::{tp_sum, KilnBackend, TpComm, TpReduce};
+use crate::ops::{KilnBackend, TpComm, TpReduce, VocabSlice};
 use crate::{KilnError, Result};
 
 /// A tensor-parallel group (any engine) as the ops' [`TpReduce`].
@@ -140,10 +140,9 @@ pub fn consolidate(
 
 /// Mean cross-entropy over the non-ignored targets (as [`crate::contract::CrossEntropy`]) of logits
 /// split by vocabulary over a tensor-parallel group: rank `r` holds columns
-/// `chunk_range(vocab, size, r)`. Per row, three sums cross the group — the max (a shift, no
-/// gradient), the sum of exponentials and the target's logit (from the rank that holds it) — so
-/// each rank moves `3 × rows` values instead of `rows × vocab`. Every rank gets the same loss, and
-/// the gradient of its own slice, `softmax − one-hot`, as Megatron's and NxD's do.
+/// `chunk_range(vocab, size, r)` ([`VocabSlice`], which computes it). Per row, three sums cross
+/// the group, so each rank moves `3 × rows` values instead of `rows × vocab`. Every rank gets the
+/// same loss, and the gradient of its own slice, `softmax − one-hot`, as Megatron's and NxD's do.
 #[derive(Debug, Clone)]
 pub struct VocabParallelCrossEntropy {
     pub tp: TpComm,
@@ -170,29 +169,8 @@ impl VocabParallelCrossEntropy {
         logits: Tensor<B, 2>,
         targets: Tensor<B, 1, Int>,
     ) -> Tensor<B, 1> {
-        let [n, local] = logits.dims();
-        let device = logits.device();
-        let cols = chunk_range(self.vocab, self.tp.size(), self.tp.rank());
-        debug_assert_eq!(local, cols.len(), "this rank's vocabulary slice");
-        // The row max over the whole vocabulary: a constant shift (no gradient flows through it).
-        let local_max = host(logits.clone().detach().max_dim(1).reshape([n]));
-        let shift =
-            Tensor::<B, 1>::from_data(TensorData::new(self.tp.max(local_max), [n]), &device)
-                .reshape([n, 1]);
-        let z = logits - shift;
-        let sum_exp = tp_sum(z.clone().exp().sum_dim(1).reshape([n]), &self.tp);
-        // The target's shifted logit, from the one rank whose slice holds it.
-        let keep = targets.clone().not_equal_elem(IGNORE_INDEX);
-        let start = cols.start as i64;
-        let mine = targets
-            .clone()
-            .greater_equal_elem(start)
-            .bool_and(targets.clone().lower_elem(cols.end as i64))
-            .bool_and(keep.clone());
-        let local_idx = (targets - start).clamp(0, local.saturating_sub(1) as i64);
-        let picked = z.gather(1, local_idx.reshape([n, 1])).reshape([n]) * mine.float();
-        let target_logit = tp_sum(picked, &self.tp);
-        (sum_exp.log() - target_logit) * keep.float()
+        let slice = VocabSlice::of(self.tp.clone(), self.vocab);
+        slice.cross_entropy(logits, targets, IGNORE_INDEX).0
     }
 }
 
@@ -201,6 +179,7 @@ mod tests {
     use super::*;
     use crate::backend::{Cpu, CpuTrain};
     use crate::contract::CrossEntropy;
+    use crate::parallel::collectives::chunk_range;
     use crate::parallel::threads::ThreadComm;
     use burn::tensor::Distribution;
 
@@ -277,11 +256,143 @@ mod tests {
         }
     }
 
+    /// The output head's product and the loss a chunk of rows at a time over a vocabulary split
+    /// by a tensor-parallel group (each rank holding its rows of the head) equal the whole head's
+    /// log-softmax + gather at one process: every rank's losses, the input's gradient (summed
+    /// over the group), each rank's rows of the weight's gradient, and the scored rows'
+    /// statistics. Upstream gradients of one per row take the forward's gradients; differing
+    /// ones recompute the weight's; scored rows always do.
+    #[test]
+    fn chunked_vocab_parallel_head_equals_the_whole_head() {
+        use crate::ops::{linear_cross_entropy, scored_linear_cross_entropy, token_statistics};
+        use burn::tensor::activation::log_softmax;
+        let device = Default::default();
+        let (n, h, vocab, chunk) = (13, 8, 23, 4);
+        let normal = |dims: [usize; 2], scale: f64| {
+            Tensor::<Cpu, 2>::random(dims, Distribution::Normal(0.0, scale), &device)
+        };
+        let (x0, w0) = (normal([n, h], 1.0), normal([vocab, h], 2.0));
+        let targets: Vec<i64> = (0..n)
+            .map(|r| match r % 5 {
+                3 => IGNORE_INDEX,
+                _ => ((r * 17 + 4) % vocab) as i64,
+            })
+            .collect();
+        let tt = || {
+            Tensor::<CpuTrain, 1, Int>::from_data(TensorData::new(targets.clone(), [n]), &device)
+        };
+        let upstream: Vec<f32> = (0..n).map(|r| 0.5 + r as f32 / 7.0).collect();
+        let g =
+            || Tensor::<CpuTrain, 1>::from_data(TensorData::new(upstream.clone(), [n]), &device);
+        let param = |t: Tensor<Cpu, 2>| Tensor::<CpuTrain, 2>::from_inner(t).require_grad();
+        let vec1 = |t: Tensor<Cpu, 1>| -> Vec<f32> { t.into_data().into_vec().unwrap() };
+        // The whole head at one process, for unit and for differing upstream gradients.
+        let whole = || {
+            let (x, w) = (param(x0.clone()), param(w0.clone()));
+            let logits = x.clone().matmul(w.clone().transpose());
+            let keep = tt().not_equal_elem(IGNORE_INDEX).float();
+            let safe = tt().clamp_min(0).reshape([n, 1]);
+            let losses = log_softmax(logits.clone(), 1)
+                .gather(1, safe)
+                .reshape([n])
+                .neg()
+                * keep;
+            (x, w, logits, losses)
+        };
+        let (_, _, logits, want_losses) = whole();
+        let want_stats = token_statistics(logits.inner(), tt().inner(), IGNORE_INDEX, None);
+        let want = |weighted: bool| {
+            let (x, w, _, losses) = whole();
+            let total = match weighted {
+                true => (losses * g()).sum(),
+                false => losses.sum(),
+            };
+            let grads = total.backward();
+            (vec2(x.grad(&grads).unwrap()), vec2(w.grad(&grads).unwrap()))
+        };
+        let want_values = vec1(want_losses.clone().inner());
+        for size in [2, 3] {
+            for (scored, weighted) in [(false, false), (false, true), (true, true)] {
+                let what = format!("tp={size} scored={scored} weighted={weighted}");
+                let (want_dx, want_dw) = want(weighted);
+                let got = on_ranks(size, |_, tp| {
+                    let slice = VocabSlice::of(tp, vocab);
+                    let rows = slice.columns.clone();
+                    let x = param(x0.clone());
+                    let w = param(w0.clone().slice([rows.clone(), 0..h]));
+                    let (losses, stats) = match scored {
+                        true => {
+                            let (l, s) = scored_linear_cross_entropy(
+                                x.clone(),
+                                w.clone(),
+                                tt(),
+                                IGNORE_INDEX,
+                                chunk,
+                                Some(slice),
+                            );
+                            (l, Some(s))
+                        }
+                        false => {
+                            let l = linear_cross_entropy(
+                                x.clone(),
+                                w.clone(),
+                                tt(),
+                                IGNORE_INDEX,
+                                chunk,
+                                Some(slice),
+                            );
+                            (l, None)
+                        }
+                    };
+                    let values = vec1(losses.clone().inner());
+                    let total = match weighted {
+                        true => (losses * g()).sum(),
+                        false => losses.sum(),
+                    };
+                    let grads = total.backward();
+                    let (dx, dw) = (vec2(x.grad(&grads).unwrap()), vec2(w.grad(&grads).unwrap()));
+                    let stats = stats.map(|s| {
+                        let s = s.map(|t| t.inner());
+                        [vec1(s.mean_logit), vec1(s.entropy), vec1(s.top1)]
+                    });
+                    (rows, values, dx, dw, stats)
+                });
+                for (rows, values, dx, dw, stats) in got {
+                    close(&values, &want_values, 1e-5, &format!("{what}: losses"));
+                    close(&dx, &want_dx, 1e-5, &format!("{what}: input gradient"));
+                    let want_rows = &want_dw[rows.start * h..rows.end * h];
+                    close(
+                        &dw,
+                        want_rows,
+                        1e-5,
+                        &format!("{what}: rows {rows:?} of dw"),
+                    );
+                    if let Some([mean, entropy, top1]) = stats {
+                        let s = want_stats.clone();
+                        close(
+                            &mean,
+                            &vec1(s.mean_logit),
+                            1e-5,
+                            &format!("{what}: mean logit"),
+                        );
+                        close(
+                            &entropy,
+                            &vec1(s.entropy),
+                            1e-5,
+                            &format!("{what}: entropy"),
+                        );
+                        close(&top1, &vec1(s.top1), 0.0, &format!("{what}: top-1"));
+                    }
+                }
+            }
+        }
+    }
+
     /// A column-parallel layer followed by a row-parallel one (Megatron's MLP split) gives the
     /// full layer's output and gradients: the region ops sum what must be summed, once.
     #[test]
     fn column_then_row_parallel_equals_the_full_layers() {
-        use crate::ops::{linear, swiglu, tp_enter};
+        use crate::ops::{linear, swiglu, tp_enter, tp_sum};
         let device = Default::default();
         let (n, h, i) = (5, 8, 12);
         let normal = |dims: [usize; 2]| {

@@ -17,7 +17,6 @@ use crate::data::lm::TokenBatch;
 use crate::models::completion_scores::{chunked_completion_scores, completion_scores};
 use crate::models::layers::{packed_rope_tables, rope_tables, Embedding, Linear, RmsNorm};
 use crate::models::llama::config::LlamaConfig;
-use crate::ops::VocabSlice;
 use crate::ops::{self, tp_enter, tp_sum, KilnBackend, TpComm};
 
 #[derive(Module, Debug)]
@@ -629,10 +628,11 @@ impl<B: KilnBackend> Segments<B, TokenBatch> for LlamaForCausalLM<B> {
         };
         let weight = self.chunked_head_weight(n, chunk);
         let h = self.model.norm.forward(h).reshape([n, hidden]);
+        let slice = self.shard.as_ref().map(LlamaShard::vocab_slice);
         match (&batch.chunked_loss, &batch.scoring, weight) {
             (Some(loss), _, weight) => self.chunked_losses(h, loss, weight),
             (None, Some(scoring), Some(w)) => {
-                chunked_completion_scores(h, w, b, scoring, &batch.carried)
+                chunked_completion_scores(h, w, b, scoring, &batch.carried, slice)
             }
             _ => self.scored(self.project(h), batch),
         }
@@ -730,15 +730,15 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
         crate::models::completion_scores::with_carried(vec![score.forward(h)], &batch.carried)
     }
 
-    /// The output head's weight where `n` positions' logits are computed `chunk` at a time. A
-    /// batch of at most two chunks' positions (or `chunk` 0), and a head that is not one plain
-    /// product (a LoRA adapter on it, an inference layout, a tensor-parallel cut), get their
-    /// logits whole instead (`None`).
+    /// The output head's weight (this rank's rows of it under tensor parallelism) where `n`
+    /// positions' logits are computed `chunk` at a time. A batch of at most two chunks'
+    /// positions (or `chunk` 0), and a head that is not one plain product (a LoRA adapter on
+    /// it, an inference layout), get their logits whole instead (`None`).
     fn chunked_head_weight(&self, n: usize, chunk: usize) -> Option<Tensor<B, 2>> {
         let plain =
             |l: &Linear<B>| l.lora_a.is_none() && l.weight_in_out.is_none() && l.bias.is_none();
         match &self.lm_head {
-            _ if self.shard.is_some() || chunk == 0 => None,
+            _ if chunk == 0 => None,
             // Two chunks' positions or fewer: the whole logits are small, and measured peaks
             // were no lower chunked (BENCHMARKS.md).
             _ if n <= 2 * chunk => None,
@@ -763,8 +763,19 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
         let targets =
             Tensor::<B, 1, Int>::from_data(TensorData::new(loss.targets.clone(), [n]), &h.device());
         let losses = match weight {
-            Some(w) => ops::linear_cross_entropy(h, w, targets, IGNORE_INDEX, loss.chunk),
-            None => ops::cross_entropy(self.project(h), targets, IGNORE_INDEX),
+            Some(w) => {
+                let slice = self.shard.as_ref().map(LlamaShard::vocab_slice);
+                ops::linear_cross_entropy(h, w, targets, IGNORE_INDEX, loss.chunk, slice)
+            }
+            None => match self.shard.as_ref() {
+                Some(s) => {
+                    let (losses, _) =
+                        s.vocab_slice()
+                            .cross_entropy(self.project(h), targets, IGNORE_INDEX);
+                    losses
+                }
+                None => ops::cross_entropy(self.project(h), targets, IGNORE_INDEX),
+            },
         };
         losses.reshape([n, 1])
     }
@@ -775,11 +786,7 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
         let Some(scoring) = &batch.scoring else {
             return logits;
         };
-        let slice = self.shard.as_ref().map(|s| VocabSlice {
-            tp: &s.tp,
-            columns: s.vocab.clone(),
-            vocab: s.vocab_size,
-        });
+        let slice = self.shard.as_ref().map(LlamaShard::vocab_slice);
         completion_scores(logits, batch.batch, scoring, &batch.carried, slice)
     }
 }

@@ -15,7 +15,7 @@ use std::ops::Range;
 
 use crate::contract::ParamSplit;
 use crate::models::llama::config::LlamaConfig;
-use crate::ops::{chunk_range as chunk, TpComm};
+use crate::ops::{chunk_range as chunk, TpComm, VocabSlice};
 use crate::{KilnError, Result};
 
 /// What one tensor-parallel rank holds of a Llama.
@@ -78,6 +78,15 @@ impl LlamaShard {
             intermediate_size: c.intermediate_size,
             tp,
         })
+    }
+
+    /// This rank's columns of the vocabulary (its rows of `embed_tokens` / `lm_head`).
+    pub fn vocab_slice(&self) -> VocabSlice {
+        VocabSlice {
+            tp: self.tp.clone(),
+            columns: self.vocab.clone(),
+            vocab: self.vocab_size,
+        }
     }
 
     /// For each local query head, the index of the key/value head it reads among those this rank

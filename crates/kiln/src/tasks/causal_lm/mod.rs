@@ -474,7 +474,10 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
         opts.reward.is_none(),
     );
     let chunked = loss_chunk > 0
-        && matches!(loss, CausalLmLoss::Builtin(LmLoss::Plain(_)))
+        && matches!(
+            loss,
+            CausalLmLoss::Builtin(LmLoss::Plain(_) | LmLoss::VocabParallel(_))
+        )
         && metrics.is_none()
         && plan.pipeline().is_none();
     let builder = Trainer::<B, _>::builder(args, model, device.clone())
@@ -909,18 +912,12 @@ impl<L: Loss> Loss for CausalLmLoss<L> {
 /// A tensor-parallel rank's vocabulary columns of the logits (the vocabulary-parallel head's
 /// cut), put together into whole rows on every rank of the group.
 #[derive(Debug, Clone)]
-pub struct WholeVocab {
-    tp: crate::ops::TpComm,
-    /// This rank's columns, of `vocab`.
-    columns: std::ops::Range<usize>,
-    vocab: usize,
-}
+pub struct WholeVocab(crate::ops::VocabSlice);
 
 impl WholeVocab {
     /// The decoder families cut the vocabulary as `ops::chunk_range` cuts it (`LlamaShard`).
     fn new(tp: crate::ops::TpComm, vocab: usize) -> Self {
-        let columns = crate::ops::chunk_range(vocab, tp.size(), tp.rank());
-        Self { tp, columns, vocab }
+        Self(crate::ops::VocabSlice::of(tp, vocab))
     }
 
     /// `[tokens, columns]` → `[tokens, vocab]`: this rank's columns set in zeros, summed over the
@@ -928,30 +925,31 @@ impl WholeVocab {
     /// the whole rows' gradient (which every rank computes alike).
     fn gather<B: KilnBackend>(&self, logits: Tensor<B, 2>) -> Tensor<B, 2> {
         let [n, width] = logits.dims();
-        assert_eq!(width, self.columns.len(), "this rank's vocabulary columns");
+        let (columns, vocab) = (&self.0.columns, self.0.vocab);
+        assert_eq!(width, columns.len(), "this rank's vocabulary columns");
         let device = logits.device();
         let mut parts = Vec::with_capacity(3);
-        if self.columns.start > 0 {
-            parts.push(Tensor::zeros([n, self.columns.start], &device));
+        if columns.start > 0 {
+            parts.push(Tensor::zeros([n, columns.start], &device));
         }
         parts.push(logits);
-        if self.columns.end < self.vocab {
-            parts.push(Tensor::zeros([n, self.vocab - self.columns.end], &device));
+        if columns.end < vocab {
+            parts.push(Tensor::zeros([n, vocab - columns.end], &device));
         }
-        crate::ops::tp_sum(Tensor::cat(parts, 1), &self.tp)
+        crate::ops::tp_sum(Tensor::cat(parts, 1), &self.0.tp)
     }
 
     /// [`Self::gather`] of host rows.
     fn gather_host(&self, logits: &[f32], tokens: usize) -> Vec<f32> {
-        let width = self.columns.len();
-        let mut whole = vec![0f32; tokens * self.vocab];
+        let (columns, vocab) = (&self.0.columns, self.0.vocab);
+        let mut whole = vec![0f32; tokens * vocab];
         for (row, part) in whole
-            .chunks_mut(self.vocab)
-            .zip(logits.chunks(width.max(1)))
+            .chunks_mut(vocab)
+            .zip(logits.chunks(columns.len().max(1)))
         {
-            row[self.columns.clone()].copy_from_slice(part);
+            row[columns.clone()].copy_from_slice(part);
         }
-        self.tp.sum(whole)
+        self.0.tp.sum(whole)
     }
 }
 
@@ -967,7 +965,7 @@ impl TokenMetrics for WholeVocabMetrics {
             return self.inner.batch(&[], 0, &[]);
         }
         let whole = self.whole.gather_host(logits, targets.len());
-        self.inner.batch(&whole, self.whole.vocab, targets)
+        self.inner.batch(&whole, self.whole.0.vocab, targets)
     }
     fn finish(&self, totals: &[f64]) -> Vec<(String, f64)> {
         self.inner.finish(totals)
