@@ -999,4 +999,34 @@ fn reward_modeling_with_lora_logs_trls_numbers_and_merges_into_a_scorer() {
     let mean = chosen.iter().chain(&rejected).sum::<f64>() / (2 * rows.len()) as f64;
     let got = metrics["eval_mean_reward"].as_f64().unwrap();
     assert!((got - mean).abs() < 1e-5, "{got} vs {mean}");
+
+    // Over two pipeline stages (the last scores, the first reports) the same evaluation.
+    let staged = String::from_utf8(succeed(
+        launched(2)
+            .args(["eval", "--task", "reward-modeling", "--model"])
+            .arg(&merged)
+            .arg("--eval-file")
+            .arg(data.join("standard_eval.jsonl"))
+            .args(["--pipeline-parallel-size", "2"]),
+    ))
+    .unwrap();
+    // The launcher shows rank 0's lines, each behind its rank.
+    let json: String = staged
+        .lines()
+        .filter_map(|l| l.strip_prefix("[rank 0] "))
+        .collect();
+    let at_pp: serde_json::Value =
+        serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}: {staged}"));
+    for key in [
+        "eval_loss",
+        "eval_accuracy",
+        "eval_mean_reward",
+        "eval_margin",
+    ] {
+        let (a, b) = (at_pp[key].as_f64().unwrap(), metrics[key].as_f64().unwrap());
+        assert!(
+            (a - b).abs() <= 1e-6 * (1.0 + b.abs()),
+            "{key}: PP 2 {a} vs {b}: {staged}"
+        );
+    }
 }

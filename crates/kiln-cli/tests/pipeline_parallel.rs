@@ -204,6 +204,21 @@ fn pipeline_training_equals_one_process() {
                     .collect(),
                 false,
             ),
+            // The last stage's head computes the loss 8 positions at a time (4 chunks of a
+            // micro-batch's 2 × 16 positions), never their whole logits.
+            (
+                "pp2-chunked",
+                2,
+                vec![
+                    "--pipeline-parallel-size",
+                    "2",
+                    "--pipeline-parallel-num-microbatches",
+                    "2",
+                    "--loss-chunk-size",
+                    "8",
+                ],
+                false,
+            ),
             // The 49157-token head outweighs the 5 small layers: stage 1 gets one layer.
             (
                 "pp2-compute",

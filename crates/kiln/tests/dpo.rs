@@ -235,7 +235,6 @@ fn run_chunked(
     let args = TrainingArguments {
         output_dir: out.to_path_buf(),
         max_steps: 4,
-        per_device_train_batch_size: batch * tp / world,
         per_device_eval_batch_size: config["per_device_eval_batch_size"].as_u64().unwrap() as usize,
         learning_rate: config["learning_rate"].as_f64().unwrap(),
         lr_scheduler_type: SchedulerType::Constant,
@@ -248,8 +247,13 @@ fn run_chunked(
         tensor_parallel_size: tp,
         ..TrainingArguments::default()
     };
-    let (_, eval) =
-        causal_lm::train::<CpuTrain>(&opts, change(args), &CpuDevice::default()).unwrap();
+    // Each data-parallel replica (of `tp × pp` processes) takes its share of TRL's batch.
+    let args = change(args);
+    let args = TrainingArguments {
+        per_device_train_batch_size: batch * tp * args.pipeline_parallel_size / world,
+        ..args
+    };
+    let (_, eval) = causal_lm::train::<CpuTrain>(&opts, args, &CpuDevice::default()).unwrap();
     if let (Some(eval), true) = (eval, kiln::parallel::is_main_process().unwrap()) {
         std::fs::write(
             out.join("eval.json"),
@@ -333,11 +337,16 @@ fn worker() {
     let tp: usize = std::env::var("KILN_TEST_TP").unwrap().parse().unwrap();
     let name = std::env::var("KILN_TEST_CASE").unwrap();
     let zero_1 = std::env::var("KILN_TEST_ZERO1").is_ok_and(|v| v == "1");
-    let chunk = std::env::var("KILN_TEST_LOSS_CHUNK")
-        .unwrap()
-        .parse()
-        .unwrap();
-    let change = |a| TrainingArguments { zero_1, ..a };
+    let var = |name: &str| std::env::var(name).unwrap();
+    let chunk: usize = var("KILN_TEST_LOSS_CHUNK").parse().unwrap();
+    let pp: usize = var("KILN_TEST_PP").parse().unwrap();
+    let micro: i64 = var("KILN_TEST_MICRO").parse().unwrap();
+    let change = |a| TrainingArguments {
+        zero_1,
+        pipeline_parallel_size: pp,
+        pipeline_parallel_num_microbatches: micro,
+        ..a
+    };
     run_chunked(
         &name,
         &out,
@@ -347,25 +356,40 @@ fn worker() {
     );
 }
 
-/// [`run`] as `world` processes of this binary at tensor-parallel size `tp`, AdamW's moments
-/// split over the data-parallel ranks where `zero_1`, the head's scores computed `loss_chunk`
-/// positions at a time (0: kiln's default); rank 0's log.
-fn launch(
-    name: &str,
-    out: &Path,
-    (world, tp): (usize, usize),
+/// How [`launch`] lays a run out besides its process count.
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    tp: usize,
+    pp: usize,
+    /// `--pipeline-parallel-num-microbatches` (-1: a micro-batch per pair).
+    micro: i64,
+    /// AdamW's moments split over the data-parallel ranks.
     zero_1: bool,
+    /// The head's scores computed this many positions at a time (0: kiln's default).
     loss_chunk: usize,
-) -> Vec<Value> {
+}
+
+const ALONE: Layout = Layout {
+    tp: 1,
+    pp: 1,
+    micro: -1,
+    zero_1: false,
+    loss_chunk: 0,
+};
+
+/// [`run`] as `world` processes of this binary laid out as `layout` says; rank 0's log.
+fn launch(name: &str, out: &Path, world: usize, layout: Layout) -> Vec<Value> {
     common::run_test_ranks(
         TEST,
         world,
         &[
             ("KILN_TEST_OUT", out.display().to_string()),
-            ("KILN_TEST_TP", tp.to_string()),
+            ("KILN_TEST_TP", layout.tp.to_string()),
+            ("KILN_TEST_PP", layout.pp.to_string()),
+            ("KILN_TEST_MICRO", layout.micro.to_string()),
             ("KILN_TEST_CASE", name.to_string()),
-            ("KILN_TEST_ZERO1", u8::from(zero_1).to_string()),
-            ("KILN_TEST_LOSS_CHUNK", loss_chunk.to_string()),
+            ("KILN_TEST_ZERO1", u8::from(layout.zero_1).to_string()),
+            ("KILN_TEST_LOSS_CHUNK", layout.loss_chunk.to_string()),
         ],
     );
     common::read_log_and_eval(out)
@@ -379,35 +403,72 @@ fn dpo_under_data_and_tensor_parallelism_equals_trl() {
     let trl = trl();
     let tmp = tempfile::tempdir().unwrap();
     let mut seen = BTreeMap::new();
-    for (name, world, tp, zero_1, chunk) in [
-        ("standard_sigmoid", 2, 1, false, 0),
+    let tp_2 = Layout { tp: 2, ..ALONE };
+    let pp_2 = Layout { pp: 2, ..ALONE };
+    for (name, world, layout) in [
+        ("standard_sigmoid", 2, ALONE),
         // ZeRO-1: each rank updates half of AdamW's moments, the same numbers.
-        ("standard_sigmoid", 2, 1, true, 0),
-        ("standard_sigmoid", 2, 2, false, 0),
-        ("standard_lora_sigmoid", 2, 2, false, 0),
+        (
+            "standard_sigmoid",
+            2,
+            Layout {
+                zero_1: true,
+                ..ALONE
+            },
+        ),
+        ("standard_sigmoid", 2, tp_2),
+        ("standard_lora_sigmoid", 2, tp_2),
         // ORPO at TP = 2 only: its NLL is a mean over a batch's chosen tokens, so at DP = 2 each
         // rank's mean over its own half is averaged (as under PyTorch DDP), not TRL's one batch's.
-        ("orpo_standard", 2, 2, false, 0),
+        ("orpo_standard", 2, tp_2),
         // The vocabulary-parallel head a few positions at a time: each rank's rows of the head,
         // the scores summed over the group, the head's gradient recomputed in the backward.
-        ("standard_sigmoid", 2, 2, false, 3),
-        ("orpo_standard", 2, 2, false, 3),
+        (
+            "standard_sigmoid",
+            2,
+            Layout {
+                loss_chunk: 3,
+                ..tp_2
+            },
+        ),
+        (
+            "orpo_standard",
+            2,
+            Layout {
+                loss_chunk: 3,
+                ..tp_2
+            },
+        ),
+        // Two pipeline stages, a micro-batch per pair: the reference pass runs through both
+        // stages, the last scores, and every stage gets the scores; TRL's metrics come from the
+        // last stage's micro-batches.
+        ("standard_sigmoid", 2, pp_2),
+        ("standard_lora_sigmoid", 2, pp_2),
+        // ORPO's NLL is the batch's mean: one micro-batch of the whole batch.
+        ("orpo_standard", 2, Layout { micro: 1, ..pp_2 }),
+        // Every layout at once: TP 2 × PP 2, the head in chunks, ZeRO-1 (a replica alone).
+        (
+            "standard_sigmoid",
+            4,
+            Layout {
+                tp: 2,
+                pp: 2,
+                micro: -1,
+                zero_1: true,
+                loss_chunk: 3,
+            },
+        ),
     ] {
-        let out = tmp
-            .path()
-            .join(format!("{name}-{world}-{tp}-{zero_1}-{chunk}"));
-        let got = launch(name, &out, (world, tp), zero_1, chunk);
+        let out = tmp.path().join(format!("{name}-{world}-{layout:?}"));
+        let got = launch(name, &out, world, layout);
         let want = trl["cases"][name]["log_history"].as_array().unwrap();
         let worst = compare(
-            &format!("{name} at world {world}, TP {tp}, chunk {chunk}"),
+            &format!("{name} at world {world}, {layout:?}"),
             &got,
             want,
             metrics_of(&trl["cases"][name]),
         );
-        seen.insert(
-            format!("{name} {world}/{tp} zero_1 {zero_1} chunk {chunk}"),
-            worst,
-        );
+        seen.insert(format!("{name} {world} {layout:?}"), worst);
     }
     eprintln!("largest relative differences from TRL: {seen:?}");
 }

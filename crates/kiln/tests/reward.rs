@@ -241,7 +241,9 @@ fn a_reward_model_transformers_saved_scores_in_kiln_as_in_transformers() {
 }
 
 /// A run of one TRL case's settings into `out`: its log lines (steps, then the evaluation).
-fn run(name: &str, out: &Path, (world, tp): (usize, usize)) -> Vec<Value> {
+/// `world` processes at tensor-parallel size `tp`, `pp` pipeline stages of `micro` micro-batches
+/// (-1: one per pair).
+fn run(name: &str, out: &Path, (world, tp, pp, micro): (usize, usize, usize, i64)) -> Vec<Value> {
     let trl = trl();
     let case = &trl["cases"][name];
     let config = &case["config"];
@@ -259,7 +261,7 @@ fn run(name: &str, out: &Path, (world, tp): (usize, usize)) -> Vec<Value> {
     let args = TrainingArguments {
         output_dir: out.to_path_buf(),
         max_steps: 4,
-        per_device_train_batch_size: batch * tp / world,
+        per_device_train_batch_size: batch * tp * pp / world,
         per_device_eval_batch_size: config["per_device_eval_batch_size"].as_u64().unwrap() as usize,
         learning_rate: config["learning_rate"].as_f64().unwrap(),
         lr_scheduler_type: SchedulerType::Constant,
@@ -270,6 +272,8 @@ fn run(name: &str, out: &Path, (world, tp): (usize, usize)) -> Vec<Value> {
         eval_strategy: IntervalStrategy::No,
         seed: 42,
         tensor_parallel_size: tp,
+        pipeline_parallel_size: pp,
+        pipeline_parallel_num_microbatches: micro,
         ..TrainingArguments::default()
     };
     let (_, eval) = causal_lm::train::<CpuTrain>(&opts, args, &CpuDevice::default()).unwrap();
@@ -297,7 +301,7 @@ fn reward_steps_equal_trls() {
     let tmp = tempfile::tempdir().unwrap();
     for name in CASES {
         let out = tmp.path().join(name);
-        let got = run(name, &out, (1, 1));
+        let got = run(name, &out, (1, 1, 1, -1));
         let want = trl["cases"][name]["log_history"].as_array().unwrap();
         let worst = compare(name, &got, want, &METRICS);
         eprintln!("{name}: largest relative difference from TRL {worst:.2e}");
@@ -307,9 +311,11 @@ fn reward_steps_equal_trls() {
 fn worker() {
     let out = PathBuf::from(std::env::var("KILN_TEST_OUT").unwrap());
     let world: usize = std::env::var("WORLD_SIZE").unwrap().parse().unwrap();
-    let tp: usize = std::env::var("KILN_TEST_TP").unwrap().parse().unwrap();
-    let name = std::env::var("KILN_TEST_CASE").unwrap();
-    run(&name, &out, (world, tp));
+    let var = |name: &str| std::env::var(name).unwrap();
+    let tp: usize = var("KILN_TEST_TP").parse().unwrap();
+    let pp: usize = var("KILN_TEST_PP").parse().unwrap();
+    let micro: i64 = var("KILN_TEST_MICRO").parse().unwrap();
+    run(&var("KILN_TEST_CASE"), &out, (world, tp, pp, micro));
 }
 
 #[test]
@@ -320,37 +326,42 @@ fn reward_under_data_and_tensor_parallelism_equals_trl() {
     let trl = trl();
     let tmp = tempfile::tempdir().unwrap();
     let mut seen = BTreeMap::new();
-    for (name, world, tp) in [
-        ("standard", 2, 1),
-        ("standard_center", 2, 2),
-        ("standard_lora", 2, 2),
+    // (case, processes, TP, PP, micro-batches: -1 one per pair).
+    for (name, world, tp, pp, micro) in [
+        ("standard", 2, 1, 1, -1),
+        ("standard_center", 2, 2, 1, -1),
+        ("standard_lora", 2, 2, 1, -1),
+        // Two pipeline stages: the last scores, every stage learns the loss and the metrics.
+        ("standard", 2, 1, 2, 1),
+        ("standard_center", 2, 1, 2, -1),
+        ("standard_lora", 2, 1, 2, 1),
     ] {
-        let out = tmp.path().join(format!("{name}-{world}-{tp}"));
+        let layout = format!("world {world}, TP {tp}, PP {pp}, micro-batches {micro}");
+        let out = tmp.path().join(format!("{name}-{world}-{tp}-{pp}-{micro}"));
         common::run_test_ranks(
             TEST,
             world,
             &[
                 ("KILN_TEST_OUT", out.display().to_string()),
                 ("KILN_TEST_TP", tp.to_string()),
+                ("KILN_TEST_PP", pp.to_string()),
+                ("KILN_TEST_MICRO", micro.to_string()),
                 ("KILN_TEST_CASE", name.to_string()),
             ],
         );
         let got = common::read_log_and_eval(&out);
         let want = trl["cases"][name]["log_history"].as_array().unwrap();
-        // At DP = 2 each rank's batch is half the pairs: TRL's least and greatest reward are
-        // over the whole batch, kiln's the mean of the halves'.
+        // At DP = 2 each rank's batch is half the pairs, and a pipeline's micro-batch of one
+        // pair is one pair: TRL's least and greatest reward are over the whole batch, kiln's the
+        // mean of the parts'.
+        let whole_batch = tp * pp == world && (pp == 1 || micro == 1);
         let metrics: Vec<&str> = METRICS
             .iter()
             .copied()
-            .filter(|m| tp == world || !m.ends_with("_reward") || *m == "mean_reward")
+            .filter(|m| whole_batch || !m.ends_with("_reward") || *m == "mean_reward")
             .collect();
-        let worst = compare(
-            &format!("{name} at world {world}, TP {tp}"),
-            &got,
-            want,
-            &metrics,
-        );
-        seen.insert(format!("{name} {world}/{tp}"), worst);
+        let worst = compare(&format!("{name} at {layout}"), &got, want, &metrics);
+        seen.insert(format!("{name} at {layout}"), worst);
     }
     eprintln!("largest relative differences from TRL: {seen:?}");
 }

@@ -51,6 +51,25 @@ pub struct ModelOutline {
     pub tied: bool,
 }
 
+impl ModelOutline {
+    /// The outline of a model of `layers` decoder layers and these parameter `shapes`, whose
+    /// embedding is `embedding`. Its head is tied to the embedding unless it has a parameter of
+    /// its own: a causal LM's `lm_head.weight`, a sequence classifier's `score.weight`.
+    pub fn new(
+        layers: Option<usize>,
+        shapes: BTreeMap<String, Vec<usize>>,
+        embedding: Vec<String>,
+    ) -> Self {
+        let own_head = |p: &String| p.ends_with("lm_head.weight") || p.ends_with("score.weight");
+        Self {
+            layers,
+            tied: !shapes.keys().any(own_head),
+            shapes,
+            embedding,
+        }
+    }
+}
+
 impl<B: KilnBackend> ParallelPlan<B> {
     /// A plan over `data`'s group; tensor parallelism and ZeRO-1 are settled when training starts.
     pub fn new(data: DataParallel<B>) -> Self {

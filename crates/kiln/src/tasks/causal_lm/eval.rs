@@ -102,13 +102,6 @@ pub fn eval_layout<B: KilnBackend>(
             let tok_path = opts.tokenizer_path()?;
             let tok = load_tokenizer(&tok_path)?;
             let config = head_for_task(family, opts, config, &tok)?;
-            if opts.reward.is_some() && layout.pipeline_parallel_size > 1 {
-                return Err(KilnError::Config(
-                    "--task reward-modeling is not evaluated under --pipeline-parallel-size yet: \
-                     use tensor parallelism"
-                        .into(),
-                ));
-            }
             let (tp, pp) = (layout.tensor_parallel_size, layout.pipeline_parallel_size);
             let (parallel, tp_group, pp_group) = DataParallel::<B>::join_mesh_pp(device, tp, pp)?;
             let tp_rank = tp_group.as_ref().map_or(0, |g| g.rank());
@@ -121,6 +114,16 @@ pub fn eval_layout<B: KilnBackend>(
                 .eval_file
                 .as_ref()
                 .ok_or_else(|| KilnError::Config("kiln eval needs --eval-file".into()))?;
+            let place = EvalPlace {
+                parallel: &parallel,
+                stage: match &pp_group {
+                    Some(group) => Some(eval_stage(&model, group.as_ref(), layout)?),
+                    None => None,
+                },
+                first_rank: parallel.is_main() && tp_rank == 0,
+                batch_size,
+                device,
+            };
             if let Some(reward) = &opts.reward {
                 let eos = eos_id(&config, &tok);
                 let set = reward_set(opts, reward, &tok, eos, file, opts.max_eval_samples)?;
@@ -130,30 +133,10 @@ pub fn eval_layout<B: KilnBackend>(
                     no_perplexity: true,
                     ..Reported::default()
                 };
-                let out = evaluate(&model, &set, batch_size, &reward.loss(), r, &parallel)?;
-                return Ok((out, parallel.is_main() && tp_rank == 0));
+                return place.evaluate(&model, &set, &reward.loss(), r);
             }
             let set = opts.blocks(file, &tok, eos_id(&config, &tok), opts.max_eval_samples)?;
-            let (mut out, reports) = match &pp_group {
-                None => {
-                    let r = Reported::default();
-                    let out = evaluate(&model, &set, batch_size, &loss, r, &parallel)?;
-                    (out, parallel.is_main())
-                }
-                Some(group) => {
-                    let stage = eval_stage(&model, group.as_ref(), layout)?;
-                    let logits = |batch: &TokenBatch| stage.logits(batch);
-                    let r = Reported::default();
-                    let mut out =
-                        evaluate_by(logits, device, &set, batch_size, &loss, r, &parallel)?;
-                    // The result is reported by the first stage, where a launcher shows it.
-                    stage.metrics_to_first_stage(&mut out, device)?;
-                    (
-                        out,
-                        stage.index == 0 && parallel.rank() == 0 && tp_rank == 0,
-                    )
-                }
-            };
+            let (mut out, reports) = place.evaluate(&model, &set, &loss, Reported::default())?;
             out.metrics.insert(
                 "eval_tokens".into(),
                 (set.len() * (set.block_size - 1)) as f64,
@@ -165,13 +148,48 @@ pub fn eval_layout<B: KilnBackend>(
     with_causal_lm(&dir.join("config.json"), run)?
 }
 
-/// One pipeline stage of an evaluation: its model's segments and its cut.
+/// Where an evaluation runs: this rank's data-parallel group and pipeline stage (if any), and
+/// whether it is the first rank of its tensor-parallel group and data-parallel replicas.
+struct EvalPlace<'a, B: KilnBackend> {
+    parallel: &'a DataParallel<B>,
+    stage: Option<EvalStage<'a, B>>,
+    first_rank: bool,
+    batch_size: usize,
+    device: &'a B::Device,
+}
+
+impl<B: KilnBackend> EvalPlace<'_, B> {
+    /// `model` on `set`, and whether this rank reports the result: the world's first rank
+    /// (under a pipeline the last stage computes it and hands it to the first).
+    fn evaluate<M, E, L>(
+        &self,
+        model: &M,
+        set: &E,
+        loss: &L,
+        reported: Reported<'_>,
+    ) -> Result<(EvalOutput, bool)>
+    where
+        M: crate::contract::Model<B, Batch = TokenBatch>,
+        E: crate::contract::BatchSource<Batch = TokenBatch>,
+        L: crate::contract::Loss,
+    {
+        let (parallel, size) = (self.parallel, self.batch_size);
+        let Some(stage) = &self.stage else {
+            let out = evaluate(model, set, size, loss, reported, parallel)?;
+            return Ok((out, self.first_rank));
+        };
+        let logits = |batch: &TokenBatch| stage.logits(batch);
+        let mut out = evaluate_by(logits, self.device, set, size, loss, reported, parallel)?;
+        // The result is reported by the first stage, where a launcher shows it.
+        stage.metrics_to_first_stage(&mut out, self.device)?;
+        Ok((out, stage.stage.index == 0 && self.first_rank))
+    }
+}
+
+/// One pipeline stage of an evaluation: its model's segments, and the stage.
 pub(super) struct EvalStage<'a, B: KilnBackend> {
     pub(super) segments: &'a dyn crate::contract::Segments<B, TokenBatch>,
-    pub(super) cut: crate::parallel::pipeline::StageCut,
-    pub(super) group: &'a dyn crate::parallel::Collectives<B>,
-    pub(super) index: usize,
-    pub(super) count: usize,
+    pub(super) stage: crate::train::pipeline::Stage<'a, B>,
 }
 
 /// What this rank of an inference pipeline over `group` builds and reads of a model of `config`
@@ -202,16 +220,13 @@ pub(super) fn inference_keep<B: KilnBackend>(
 }
 
 /// What a pipeline cuts a decoder of `config` by, worked out without building it: its layers,
-/// every parameter's whole shape, the embedding, and whether the head is tied to it (it has no
-/// `lm_head.weight` of its own).
+/// every parameter's whole shape, the embedding (and whether the head is tied to it).
 pub(super) fn decoder_outline(config: &impl DecoderConfig) -> ModelOutline {
-    let shapes = config.param_shapes();
-    ModelOutline {
-        layers: Some(config.num_layers()),
-        tied: !shapes.contains_key("lm_head.weight"),
-        shapes,
-        embedding: vec![crate::models::decoder::DECODER_EMBEDDING.to_string()],
-    }
+    ModelOutline::new(
+        Some(config.num_layers()),
+        config.param_shapes(),
+        vec![crate::models::decoder::DECODER_EMBEDDING.to_string()],
+    )
 }
 
 /// This rank's stage of `model` cut over the pipeline `group` as `layout` says.
@@ -232,13 +247,13 @@ pub(super) fn eval_stage<'a, B: KilnBackend, M: crate::contract::Model<B, Batch 
         group.size(),
         layout.pipeline_cuts.as_deref(),
     )?;
-    Ok(EvalStage {
-        segments,
+    let stage = crate::train::pipeline::Stage {
         cut: cuts[group.rank()].clone(),
         group,
         index: group.rank(),
         count: group.size(),
-    })
+    };
+    Ok(EvalStage { segments, stage })
 }
 
 impl<B: KilnBackend> EvalStage<'_, B> {
@@ -246,10 +261,10 @@ impl<B: KilnBackend> EvalStage<'_, B> {
     /// which reports them: `kiln launch` shows rank 0's output, as torchrun's filter does. Each
     /// value travels as its f64 bits in four 16-bit pieces (exact in f32), its name as bytes.
     fn metrics_to_first_stage(&self, out: &mut EvalOutput, device: &B::Device) -> Result<()> {
-        if self.count < 2 {
+        if self.stage.count < 2 {
             return Ok(());
         }
-        if self.index + 1 == self.count {
+        if self.stage.index + 1 == self.stage.count {
             let mut payload = vec![out.metrics.len() as f32];
             for (name, value) in &out.metrics {
                 payload.push(name.len() as f32);
@@ -259,9 +274,9 @@ impl<B: KilnBackend> EvalStage<'_, B> {
             }
             let n = payload.len();
             let t = Tensor::<B, 1>::from_data(TensorData::new(payload, [n]), device);
-            self.group.send(t, 0)?;
-        } else if self.index == 0 {
-            let got = self.group.recv(self.count - 1)?;
+            self.stage.group.send(t, 0)?;
+        } else if self.stage.index == 0 {
+            let got = self.stage.group.recv(self.stage.count - 1)?;
             let payload: Vec<f32> =
                 got.into_data().convert::<f32>().to_vec().map_err(|e| {
                     KilnError::Distributed(format!("the last stage's metrics: {e:?}"))
@@ -288,23 +303,8 @@ impl<B: KilnBackend> EvalStage<'_, B> {
         Ok(())
     }
 
-    /// A batch through this stage, forward only: from the embedding or the previous stage's
-    /// hidden states, through its layers, to the next stage (`None`) or, on the last stage, to
-    /// the logits.
+    /// A batch through this stage, forward only ([`crate::train::pipeline::Stage::forward_only`]).
     fn logits(&self, batch: &TokenBatch) -> Result<Option<Tensor<B, 2>>> {
-        use crate::parallel::pipeline::{hand_over, receive};
-        let mut x = if self.cut.embedding {
-            self.segments.embed(batch)
-        } else {
-            receive(self.group, self.index - 1)?
-        };
-        for i in self.cut.layers.clone() {
-            x = self.segments.layer(i, x, batch);
-        }
-        if self.cut.head {
-            return Ok(Some(self.segments.head(x, batch)));
-        }
-        hand_over(self.group, x, self.index + 1)?;
-        Ok(None)
+        self.stage.forward_only(self.segments, batch)
     }
 }

@@ -27,7 +27,7 @@ use super::*;
 /// rank stops with the same sentence).
 fn decode_stage<B: KilnBackend, M: CausalLm<B>>(
     model: &M,
-    stage: &EvalStage<'_, B>,
+    stage: &crate::train::pipeline::Stage<'_, B>,
     input: &[i64],
     cache: &mut M::Cache,
     sampler: &mut Sampler,
@@ -272,7 +272,7 @@ pub fn generate_from_folder<B: KilnBackend>(
             let stage = eval_stage(&model, group.as_ref(), layout)?;
             let mut cache = model.new_cache();
             let next = |input: &[i64], sampler: &mut Sampler| {
-                decode_stage(&model, &stage, input, &mut cache, sampler)
+                decode_stage(&model, &stage.stage, input, &mut cache, sampler)
             };
             let g = generate_by(next, &tok, &config, &ids, o, on_text)?;
             Ok((ids, g))

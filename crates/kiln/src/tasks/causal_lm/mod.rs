@@ -143,8 +143,9 @@ pub struct CausalLmOptions {
     /// The loss of causal-LM and SFT training, and the completion scores of DPO and ORPO (their
     /// reference pass too), computed inside the output head this many positions at a time,
     /// never holding the whole logits: `None` picks [`auto_chunk`]'s size, `Some(0)` computes
-    /// the whole logits first (as before). Used without tensor or pipeline parallelism and
-    /// without a user's loss or metrics (which read the logits).
+    /// the whole logits first (as before). Under tensor parallelism each rank computes its
+    /// vocabulary columns of each chunk; under a pipeline the last stage does. Not used with a
+    /// user's loss or metrics (which read the logits).
     pub loss_chunk: Option<usize>,
 }
 
@@ -388,13 +389,6 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
         .train_file
         .as_ref()
         .ok_or_else(|| KilnError::Config("kiln train needs --train-file".into()))?;
-    if (opts.dpo.is_some() || opts.reward.is_some()) && plan.pipeline().is_some() {
-        return Err(KilnError::Config(
-            "--task dpo, orpo and reward-modeling do not run under --pipeline-parallel-size yet: \
-             use data or tensor parallelism"
-                .into(),
-        ));
-    }
     // Positions per chunk of the output head's product and loss (0: the whole logits).
     let loss_chunk = opts
         .loss_chunk
@@ -410,17 +404,27 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
                 // The reference is the policy before training: the model as loaded, before any
                 // adapter is put on it; in batches of the run's sizes (TRL's
                 // `precompute_ref_batch_size` default).
+                // Under a pipeline each stage runs its layers, the last its head.
                 let reference = burn::module::AutodiffModule::valid(&A::trainable(model.clone()));
+                let stage = plan.pipeline().map(|p| p.stage());
+                use crate::contract::Model;
+                let scores_of = |batch: &TokenBatch| match (&stage, reference.segments()) {
+                    (Some(stage), Some(segments)) => stage.forward_only(segments, batch),
+                    _ => Ok(Some(reference.logits(batch))),
+                };
+                let stages = stage.as_ref().map(|s| s.group);
                 let train = train.with_reference(
-                    &reference,
+                    scores_of,
                     args.per_device_train_batch_size,
                     &plan.data,
+                    stages,
                 )?;
                 let eval = match eval {
                     Some(e) => Some(e.with_reference(
-                        &reference,
+                        scores_of,
                         args.per_device_eval_batch_size,
                         &plan.data,
+                        stages,
                     )?),
                     None => None,
                 };
@@ -478,8 +482,7 @@ fn train_family<B: TrainBackend, A: DecoderArchitecture, L: Loss + Clone + 'stat
             loss,
             CausalLmLoss::Builtin(LmLoss::Plain(_) | LmLoss::VocabParallel(_))
         )
-        && metrics.is_none()
-        && plan.pipeline().is_none();
+        && metrics.is_none();
     let builder = Trainer::<B, _>::builder(args, model, device.clone())
         .files(files)
         .parallel(plan)

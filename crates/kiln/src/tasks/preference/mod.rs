@@ -14,10 +14,11 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use burn::tensor::Tensor;
 use tokenizers::Tokenizer;
 use tracing::info;
 
-use crate::contract::{BatchSource, Model, IGNORE_INDEX};
+use crate::contract::{BatchSource, IGNORE_INDEX};
 use crate::data::chat_template::ChatTemplate;
 use crate::data::lm::{CompletionScoring, RowValues, TokenBatch};
 use crate::data::preference::{
@@ -29,7 +30,7 @@ use crate::data::sft::SftError;
 use crate::error::{KilnError, Result};
 use crate::models::completion_scores::Column;
 use crate::ops::KilnBackend;
-use crate::parallel::DataParallel;
+use crate::parallel::{Collectives, DataParallel};
 
 mod loss;
 mod metrics;
@@ -130,21 +131,26 @@ impl PreferenceSet {
         })
     }
 
-    /// The set with the reference log-probabilities of every pair's completions under
-    /// `reference` (the policy before training), each data-parallel rank computing its share in
-    /// batches of `batch_size`.
-    pub fn with_reference<B: KilnBackend, M: Model<B, Batch = TokenBatch>>(
+    /// The set with the reference log-probabilities of every pair's completions: `scores_of`
+    /// gives a batch's completion scores under the reference (the policy before training), or
+    /// `None` on a pipeline stage before the last, which hands its layers' output on. Each
+    /// data-parallel rank computes its share in batches of `batch_size`; `stages`, a pipeline's
+    /// group, then gives every stage the last one's values.
+    pub fn with_reference<B: KilnBackend>(
         mut self,
-        reference: &M,
+        mut scores_of: impl FnMut(&TokenBatch) -> Result<Option<Tensor<B, 2>>>,
         batch_size: usize,
         data: &DataParallel<B>,
+        stages: Option<&dyn Collectives<B>>,
     ) -> Result<Self> {
         self.reference = None;
         let pairs = self.examples.len();
         let mut values = vec![0f32; 2 * pairs];
         for idx in data.eval_share(pairs).chunks(batch_size.max(1)) {
             let (batch, _) = self.batch(idx);
-            let scores = reference.logits(&batch);
+            let Some(scores) = scores_of(&batch)? else {
+                continue;
+            };
             let width = scores.dims()[1];
             let host = scores
                 .into_data()
@@ -157,8 +163,11 @@ impl PreferenceSet {
                 values[2 * i + 1] = logp(idx.len() + k);
             }
         }
-        // Every pair's values come from one rank; the others add zeros.
-        let values = data.sum_host(values)?;
+        // Every pair's values come from one rank (and stage); the others add zeros.
+        let mut values = data.sum_host(values)?;
+        if let Some(stages) = stages {
+            values = stages.sum_host(values)?;
+        }
         if let Some(i) = values.iter().position(|v| !v.is_finite()) {
             return Err(KilnError::NonFinite(format!(
                 "the reference model's log-probability of pair {}'s {} completion is {}",

@@ -8,4 +8,4 @@ mod plan;
 mod stage;
 
 pub use plan::PipelinePlan;
-pub use stage::{stage_loss_and_grads, Stage, StageStep};
+pub use stage::{stage_loss_and_grads, Observe, Stage, StageStep};

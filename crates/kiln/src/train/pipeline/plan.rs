@@ -87,7 +87,19 @@ impl<B: KilnBackend> PipelinePlan<B> {
 
     /// Sums a step's loss over the stages (only the last computes it).
     pub fn stage_sum(&self, v: f64) -> Result<f64> {
-        Ok(self.group.sum_host(vec![v as f32])?[0] as f64)
+        Ok(self.stage_sums(&[v])?[0])
+    }
+
+    /// Sums values over the stages: the last stage's (a loss, a metric's sums), the others' 0,
+    /// so every stage gets the last one's exactly.
+    pub fn stage_sums(&self, values: &[f64]) -> Result<Vec<f64>> {
+        let sent = values.iter().map(|&v| v as f32).collect();
+        Ok(self
+            .group
+            .sum_host(sent)?
+            .into_iter()
+            .map(f64::from)
+            .collect())
     }
 
     /// Whether this stage runs with parameter `path`: its layers', the embedding on stage 0,

@@ -44,6 +44,30 @@ pub struct Stage<'c, B: burn::tensor::backend::Backend> {
     pub group: &'c dyn Collectives<B>,
 }
 
+impl<B: crate::ops::KilnBackend> Stage<'_, B> {
+    /// A batch through this stage, forward only: from the embedding or the previous stage's
+    /// hidden states, through its layers, to the next stage (`None`) or, on the last stage, to
+    /// the head's output (evaluation, and DPO's reference pass).
+    pub fn forward_only<Batch>(
+        &self,
+        segments: &dyn Segments<B, Batch>,
+        batch: &Batch,
+    ) -> Result<Option<Tensor<B, 2>>> {
+        let mut x = match self.cut.embedding {
+            true => segments.embed(batch),
+            false => receive(self.group, self.index - 1)?,
+        };
+        for i in self.cut.layers.clone() {
+            x = segments.layer(i, x, batch);
+        }
+        if self.cut.head {
+            return Ok(Some(segments.head(x, batch)));
+        }
+        hand_over(self.group, x, self.index + 1)?;
+        Ok(None)
+    }
+}
+
 /// What a micro-batch leaves on this stage between its forward and its backward.
 struct InFlight<B: TrainBackend> {
     /// The hidden states that arrived (stages after the first): their gradient goes back.
@@ -58,14 +82,19 @@ struct InFlight<B: TrainBackend> {
 /// A micro-batch's mean loss of its logits and targets.
 type LossOf<'a, B> = &'a dyn Fn(Tensor<B, 2>, Tensor<B, 1, Int>) -> Tensor<B, 1>;
 
+/// The last stage's look at a micro-batch's head output and its targets (a training metric's
+/// sums), once per micro-batch.
+pub type Observe<'a, B> = &'a mut dyn FnMut(&Tensor<B, 2>, &[i64]);
+
 /// The stage's part of micro-batch `j` on `segments` from `input` (`None`: the embedding): its
-/// output, and on the last stage its loss × `scale`.
+/// output, and on the last stage its loss × `scale` (the head's output seen by `observe`).
 fn stage_forward<B: TrainBackend, Batch>(
     segments: &dyn Segments<B, Batch>,
     cut: &StageCut,
     (batch, targets): &(Batch, Vec<i64>),
     input: Option<Tensor<B, 3>>,
     (loss_fn, scale): (LossOf<'_, B>, f64),
+    observe: Option<Observe<'_, B>>,
 ) -> (Tensor<B, 3>, Option<Tensor<B, 1>>) {
     let mut x = match input {
         Some(x) => x,
@@ -78,6 +107,9 @@ fn stage_forward<B: TrainBackend, Batch>(
         return (x, None);
     }
     let logits = segments.head(x.clone(), batch);
+    if let Some(observe) = observe {
+        observe(&logits, targets);
+    }
     let device = logits.device();
     let t =
         Tensor::<B, 1, Int>::from_data(TensorData::new(targets.clone(), [targets.len()]), &device);
@@ -99,7 +131,8 @@ pub struct StageStep<B: burn::tensor::backend::Backend> {
 
 /// Runs this stage's share of one step: `micro` are the step's micro-batches with their targets,
 /// `scales` what each micro-batch's mean loss is multiplied by; `checkpointing` recomputes each
-/// micro-batch's activations at its backward instead of keeping them.
+/// micro-batch's activations at its backward instead of keeping them. On the last stage
+/// `observe` sees each micro-batch's head output once (not again where it is recomputed).
 pub fn stage_loss_and_grads<B, M, L>(
     model: &M,
     micro: &[(M::Batch, Vec<i64>)],
@@ -107,6 +140,7 @@ pub fn stage_loss_and_grads<B, M, L>(
     loss_fn: &L,
     (kind, checkpointing): (ScheduleKind, bool),
     stage: &Stage<'_, B::InnerBackend>,
+    observe: Observe<'_, B>,
 ) -> Result<StageStep<B::InnerBackend>>
 where
     B: TrainBackend,
@@ -155,6 +189,7 @@ where
                     &micro[j],
                     input.clone(),
                     (&loss_of, scales[j]),
+                    Some(&mut *observe),
                 );
                 match &loss {
                     Some(l) => loss_sum += l.clone().into_scalar().elem::<f64>(),
@@ -184,6 +219,7 @@ where
                             &micro[j],
                             f.input.clone(),
                             (&loss_of, scales[j]),
+                            None,
                         );
                         set_dropout_position(now);
                         again
@@ -352,9 +388,17 @@ mod tests {
                             cut,
                             group: &comm,
                         };
-                        let got =
-                            stage_loss_and_grads(&m, micro, scales, &CrossEntropy, kind, &stage)
-                                .unwrap();
+                        let mut ignore = |_: &Tensor<CpuTrain, 2>, _: &[i64]| {};
+                        let got = stage_loss_and_grads(
+                            &m,
+                            micro,
+                            scales,
+                            &CrossEntropy,
+                            kind,
+                            &stage,
+                            &mut ignore,
+                        )
+                        .unwrap();
                         assert!(got.waited <= got.seconds);
                         (
                             got.loss_sum,

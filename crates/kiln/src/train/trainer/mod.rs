@@ -666,14 +666,11 @@ impl RunProgress {
 /// `name = value` pairs on one line, for logs.
 /// What a pipeline cuts `model` by, read from the built model.
 fn model_outline<B: Backend, M: Model<B>>(model: &M) -> ModelOutline {
-    let shapes = module_shapes(model);
-    ModelOutline {
-        layers: model.segments().map(|s| s.num_layers()),
-        embedding: model.embedding_parameters(),
-        // A decoder's head has a parameter of its own (`lm_head.weight`) unless it is tied.
-        tied: !shapes.keys().any(|p| p.ends_with("lm_head.weight")),
-        shapes,
-    }
+    ModelOutline::new(
+        model.segments().map(|s| s.num_layers()),
+        module_shapes(model),
+        model.embedding_parameters(),
+    )
 }
 
 pub fn format_metrics(m: &BTreeMap<String, f64>) -> String {

@@ -260,8 +260,8 @@ where
             .settle(tensor, a, || model_outline::<B, M>(model))?;
         if a.pipeline_parallel_size > 1 && self.parallel.pipeline().is_none() {
             return Err(KilnError::Config(format!(
-                "--pipeline-parallel-size {} cuts causal LMs (--task causal-lm or sft) into \
-                 stages; this task trains without it",
+                "--pipeline-parallel-size {} cuts decoders (--task causal-lm, sft, dpo, orpo or \
+                 reward-modeling) into stages; this task trains without it",
                 a.pipeline_parallel_size
             )));
         }

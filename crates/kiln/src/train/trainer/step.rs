@@ -182,6 +182,14 @@ where
     ) -> Result<ForwardBackward<B::InnerBackend>> {
         let _fwd = profile::scope("step: pipeline stage");
         let p = self.parallel.pipeline().expect("a pipeline stage");
+        // The training metric's sums, on the last stage (the others keep its zeros).
+        let metric = self.metrics.train_metrics.as_deref();
+        let mut sums = metric.map(|m| m.batch(&[], 0, &[])).unwrap_or_default();
+        let mut observe = |logits: &burn::tensor::Tensor<B, 2>, targets: &[i64]| {
+            if let Some(m) = metric {
+                add_sums(&mut sums, metric_sums(m, logits, targets));
+            }
+        };
         let got = stage_loss_and_grads(
             self.model(),
             batches,
@@ -189,15 +197,20 @@ where
             &self.loss,
             (p.schedule(), self.args.gradient_checkpointing),
             &p.stage(),
+            &mut observe,
         )?;
         let loss_sum = p.stage_sum(got.loss_sum)?;
+        let metric_sums = match metric {
+            Some(_) => p.stage_sums(&sums)?,
+            None => Vec::new(),
+        };
         self.counters.pipeline_seconds.0 += got.waited;
         self.counters.pipeline_seconds.1 += got.seconds;
         Ok(ForwardBackward {
             loss_sum,
             grads: got.grads,
             stage_wait: got.waited,
-            metric_sums: Vec::new(),
+            metric_sums,
         })
     }
 
