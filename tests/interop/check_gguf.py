@@ -6,7 +6,8 @@ the tokenizer (every token, the special tokens' types and ids, the merges, the c
 every tensor's bytes equal to what gguf-py's own quantiser makes of the folder's weight (llama.cpp's
 q/k row permutation applied as convert_hf_to_gguf.py applies it); then transformers' own GGUF
 loader reads the file (`from_pretrained(..., gguf_file=...)`) and its tokenizer and greedy
-continuation of a prompt equal the folder's.
+continuation of a prompt equal the folder's. A Llama 3.1 scaling's `rope_freqs.weight` is checked
+against convert_hf_to_gguf.py's formula (transformers' GGUF loader does not read it).
 
   python3 check_gguf.py MODEL_DIR FILE.gguf OUTTYPE [bytes-only]
 
@@ -108,6 +109,30 @@ for hf, w in weights.items():
     assert list(reversed([int(d) for d in t.shape])) == list(w.shape), (name, t.shape, w.shape)
     want = np.asarray(quants.quantize(w, qt)).tobytes()
     assert bytes(t.data.tobytes()) == want, f"{name}: bytes differ from gguf-py's {qt.name}"
+    seen += 1
+# Llama 3.1's rotary scaling: llama.cpp's `rope_freqs.weight`, each frequency's divisor, computed
+# as convert_hf_to_gguf.py computes it (f32 frequencies, the bands from the rope_scaling values).
+scaling = config.get("rope_scaling") or {}
+if scaling.get("rope_type") == "llama3":
+    import math
+    dim = config.get("head_dim") or config["hidden_size"] // heads
+    freqs = 1.0 / (np.float32(config.get("rope_theta", 10000.0)) ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / float(freq)
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    t = in_file["rope_freqs.weight"]
+    assert t.tensor_type == T.F32, t.tensor_type
+    got = np.asarray(t.data, dtype=np.float32)
+    assert np.allclose(got, np.asarray(factors, dtype=np.float32), rtol=1e-6, atol=0), (got, factors)
     seen += 1
 assert seen == len(r.tensors), (seen, len(r.tensors))
 if sys.argv[4:] == ["bytes-only"]:

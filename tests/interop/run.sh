@@ -60,9 +60,13 @@ if "$PY" -c "import gguf" 2>/dev/null; then
   # general.name (the folder's) says "mistral" for a Mistral, which gguf 0.19 cannot map.
   cp -r tests/fixtures/families/mistral "$out/no-window"
   "$PY" -c "import json,sys; p=sys.argv[1]; c=json.load(open(p)); c['sliding_window']=None; json.dump(c,open(p,'w'))" "$out/no-window/config.json"
-  for m in tests/fixtures/families/qwen2 "$out/no-window"; do
+  # And the tiny chat Llama with Llama 3.1's rotary scaling (its rope_freqs.weight; transformers'
+  # GGUF loader does not read that tensor, so its file is checked by bytes only).
+  cp -r tests/fixtures/dpo/tiny_chat_llama "$out/llama3-rope"
+  "$PY" -c "import json,sys; p=sys.argv[1]; c=json.load(open(p)); c['rope_scaling']={'rope_type':'llama3','factor':4.0,'low_freq_factor':0.5,'high_freq_factor':16.0,'original_max_position_embeddings':512}; json.dump(c,open(p,'w'))" "$out/llama3-rope/config.json"
+  for m in tests/fixtures/families/qwen2 "$out/no-window" "$out/llama3-rope"; do
     for t in f32 q8_0; do
-      how=$([ "$t" = f32 ] || echo bytes-only)
+      how=$([ "$t" = f32 ] && [ "$(basename "$m")" != llama3-rope ] || echo bytes-only)
       "$KILN" convert --model "$m" --to-gguf --out "$out/$(basename "$m")-$t.gguf" --outtype "$t"
       "$PY" tests/interop/check_gguf.py "$m" "$out/$(basename "$m")-$t.gguf" "$t" $how
     done

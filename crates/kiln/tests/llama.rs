@@ -331,7 +331,8 @@ fn greedy(dir: &Path, n: usize) -> Vec<Vec<u32>> {
 /// (`--from-gguf`): the config's shape, every tensor (F32 exactly, F16 as f16 rounds it, Q8_0
 /// within half a quantisation step), the tokenizer's ids, the special tokens and the chat
 /// template; and the F32 file decodes the source folder's greedy tokens. On the tiny chat Llama of
-/// the DPO fixtures (untied head, grouped-query attention, ChatML template), on the tiny Qwen2 of
+/// the DPO fixtures (untied head, grouped-query attention, ChatML template) and its copy with
+/// Llama 3.1's rotary scaling (llama.cpp's `rope_freqs.weight`), on the tiny Qwen2 of
 /// the family fixtures (llama.cpp's `qwen2`: q/k/v biases, rows not permuted, Qwen2's
 /// pre-tokenizer, tied head), on the tiny Mistral without its window (llama.cpp's Llama: it comes
 /// back as a Llama) and, where the assets are fetched, SmolLM2-135M-Instruct as
@@ -348,21 +349,42 @@ fn exported_gguf_reads_back_as_the_source_folder() {
         .unwrap()
     };
     let tmp = tempfile::tempdir().unwrap();
-    let mistral = tmp.path().join("mistral");
-    std::fs::create_dir(&mistral).unwrap();
-    let fixture = repo_root().join("tests/fixtures/families/mistral");
-    for f in std::fs::read_dir(&fixture).unwrap() {
-        let f = f.unwrap();
-        std::fs::copy(f.path(), mistral.join(f.file_name())).unwrap();
-    }
-    let mut c: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(fixture.join("config.json")).unwrap()).unwrap();
-    c["sliding_window"] = serde_json::Value::Null;
-    std::fs::write(mistral.join("config.json"), c.to_string()).unwrap();
+    // A fixture's copy under `name` with its config changed by `edit`.
+    let copy = |fixture: &str, name: &str, edit: &dyn Fn(&mut serde_json::Value)| {
+        let (from, to) = (repo_root().join(fixture), tmp.path().join(name));
+        std::fs::create_dir(&to).unwrap();
+        for f in std::fs::read_dir(&from).unwrap() {
+            let f = f.unwrap();
+            std::fs::copy(f.path(), to.join(f.file_name())).unwrap();
+        }
+        let mut c: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(from.join("config.json")).unwrap()).unwrap();
+        edit(&mut c);
+        std::fs::write(to.join("config.json"), c.to_string()).unwrap();
+        to
+    };
+    let mistral = copy("tests/fixtures/families/mistral", "mistral", &|c| {
+        c["sliding_window"] = serde_json::Value::Null
+    });
+    // Llama 3.1's rotary scaling (llama.cpp's `rope_freqs.weight`), its bands placed on the tiny
+    // model's four frequencies (wavelengths 6, 63, 628, 6283: one kept, two blended, one
+    // divided by 4); it comes back as the same frequencies from another original context.
+    let llama3 = copy("tests/fixtures/dpo/tiny_chat_llama", "llama3", &|c| {
+        c["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 4.0,
+            "low_freq_factor": 0.5, "high_freq_factor": 16.0,
+            "original_max_position_embeddings": 512})
+    });
+    let unscaled = config(&repo_root().join("tests/fixtures/dpo/tiny_chat_llama")).inv_freq();
+    let scaled = config(&llama3).inv_freq();
+    assert!(
+        scaled.iter().zip(&unscaled).filter(|(a, b)| a != b).count() == 3,
+        "{scaled:?} vs {unscaled:?}"
+    );
     let mut sources = vec![
         repo_root().join("tests/fixtures/dpo/tiny_chat_llama"),
         repo_root().join("tests/fixtures/families/qwen2"),
         mistral,
+        llama3,
     ];
     if let Some(smollm2) = converted() {
         sources.push(smollm2.to_path_buf());
@@ -406,6 +428,9 @@ fn exported_gguf_reads_back_as_the_source_folder() {
             assert_eq!(c.head_size(), src_config.head_size());
             assert_eq!(c.tie_word_embeddings, src_config.tie_word_embeddings);
             assert_eq!(c.theta(), src_config.theta());
+            for (a, b) in c.inv_freq().iter().zip(src_config.inv_freq()) {
+                assert!((a - b).abs() <= 1e-6 * b, "rotary frequencies {a} vs {b}");
+            }
             assert_eq!(c.eos_ids(), src_config.eos_ids());
             // The GGUF's padding id is the tokenizer's pad token where the config has none (as
             // llama.cpp's converter reads it), and the importer's config takes it.

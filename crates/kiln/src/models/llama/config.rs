@@ -150,6 +150,32 @@ pub enum RopeScaling {
     },
 }
 
+impl RopeScaling {
+    /// Llama 3.1's divisor of the rotary frequency `f`: 1 where its wavelength is shorter than
+    /// `original / high_freq_factor`, `factor` where it is longer than `original /
+    /// low_freq_factor`, a smooth blend between (1 for any other scaling).
+    pub fn llama3_factor(&self, f: f64) -> f64 {
+        let RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: low,
+            high_freq_factor: high,
+            original_max_position_embeddings: old,
+        } = *self
+        else {
+            return 1.0;
+        };
+        let wavelen = 2.0 * std::f64::consts::PI / f;
+        if wavelen < old / high {
+            1.0
+        } else if wavelen > old / low {
+            factor
+        } else {
+            let smooth = (old / wavelen - low) / (high - low);
+            1.0 / ((1.0 - smooth) / factor + smooth)
+        }
+    }
+}
+
 impl LlamaConfig {
     /// Reads and validates a Llama `config.json` (sizes, ranges, model type, and whether the
     /// parameters can fit in memory at all), naming the file in every error. Another family's
@@ -461,40 +487,37 @@ impl LlamaConfig {
         }
     }
 
-    /// Inverse rotary frequencies `θ^(−2i/d)` for `i < d/2`, with the config's scaling applied.
+    /// Inverse rotary frequencies `θ^(−2i/d)` for `i < d/2`, with the config's scaling applied
+    /// (each divided by its [`Self::rope_freq_factors`]).
     pub fn inv_freq(&self) -> Vec<f32> {
+        self.base_freqs()
+            .iter()
+            .zip(self.rope_freq_factors())
+            .map(|(f, factor)| (f / factor) as f32)
+            .collect()
+    }
+
+    /// The unscaled rotary frequencies `θ^(−2i/d)` for `i < d/2`.
+    pub fn base_freqs(&self) -> Vec<f64> {
         let d = self.head_size();
-        let base: Vec<f64> = (0..d / 2)
+        (0..d / 2)
             .map(|i| 1.0 / self.theta().powf(2.0 * i as f64 / d as f64))
-            .collect();
-        let scaled: Vec<f64> = match self.rope().unwrap_or(RopeScaling::None) {
-            RopeScaling::None => base,
-            RopeScaling::Linear(f) => base.iter().map(|x| x / f).collect(),
-            RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings: old,
-            } => {
-                let low_wavelen = old / low_freq_factor;
-                let high_wavelen = old / high_freq_factor;
-                base.iter()
-                    .map(|&f| {
-                        let wavelen = 2.0 * std::f64::consts::PI / f;
-                        if wavelen < high_wavelen {
-                            f
-                        } else if wavelen > low_wavelen {
-                            f / factor
-                        } else {
-                            let smooth = (old / wavelen - low_freq_factor)
-                                / (high_freq_factor - low_freq_factor);
-                            (1.0 - smooth) * f / factor + smooth * f
-                        }
-                    })
-                    .collect()
+            .collect()
+    }
+
+    /// What the config's scaling divides each rotary frequency by: 1 without scaling, `factor`
+    /// under linear scaling, and Llama 3.1's wavelength-dependent factors (1 for short
+    /// wavelengths, `factor` for long ones, a smooth blend between) — the values llama.cpp keeps
+    /// in a GGUF's `rope_freqs.weight`.
+    pub fn rope_freq_factors(&self) -> Vec<f64> {
+        let base = self.base_freqs();
+        match self.rope().unwrap_or(RopeScaling::None) {
+            RopeScaling::None => vec![1.0; base.len()],
+            RopeScaling::Linear(f) => vec![f; base.len()],
+            scaling @ RopeScaling::Llama3 { .. } => {
+                base.iter().map(|&f| scaling.llama3_factor(f)).collect()
             }
-        };
-        scaled.into_iter().map(|x| x as f32).collect()
+        }
     }
 
     /// The number of labels of the `score` head where `architectures` names a sequence

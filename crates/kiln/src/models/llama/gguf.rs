@@ -13,7 +13,7 @@ use std::path::Path;
 
 use serde_json::{json, Value as Json};
 
-use super::config::LlamaConfig;
+use super::config::{LlamaConfig, RopeScaling};
 use crate::error::{KilnError, Result};
 use crate::formats::gguf::{short, unpermute_qk, GgufFile, Value};
 use crate::formats::safetensors::{write_safetensors_as, HostTensor, StoreDtype};
@@ -106,6 +106,102 @@ fn hf_name(gguf: &str) -> Option<String> {
 /// An error about `g`, naming its file.
 fn bad(g: &GgufFile, msg: impl std::fmt::Display) -> KilnError {
     KilnError::Weights(format!("{}: {msg}", g.path.display()))
+}
+
+/// The context Llama 3.1's scaling was designed around (its `original_max_position_embeddings`;
+/// llama.cpp's converter assumes it too). Only its ratios to the frequency factors matter.
+const LLAMA3_ORIGINAL_CONTEXT: f64 = 8192.0;
+
+/// transformers' `rope_scaling` whose divisors of the rotary frequencies `θ^(−2i/d)` are
+/// `factors` (a GGUF's `rope_freqs.weight`): none where all are 1, linear where all are equal,
+/// else Llama 3.1's — its factor the largest, its low/high frequency factors fitted from the
+/// blended frequencies against [`LLAMA3_ORIGINAL_CONTEXT`] and checked to give every factor back.
+fn scaling_of_rope_freqs(
+    factors: &[f32],
+    theta: f64,
+    head_dim: usize,
+) -> std::result::Result<Option<Json>, String> {
+    let n = head_dim / 2;
+    if factors.len() != n {
+        return Err(format!(
+            "{} values for the {n} rotary frequencies of heads of {head_dim}",
+            factors.len()
+        ));
+    }
+    if let Some(f) = factors.iter().find(|f| !(f.is_finite() && **f > 0.0)) {
+        return Err(format!("a frequency divisor is {f}"));
+    }
+    let factors: Vec<f64> = factors.iter().map(|&f| f64::from(f)).collect();
+    let factor = factors.iter().copied().fold(0.0, f64::max);
+    let near = |a: f64, b: f64| (a - b).abs() <= 1e-6 * b.abs().max(1.0);
+    if factors.iter().all(|&f| near(f, 1.0)) {
+        return Ok(None);
+    }
+    if factors.iter().all(|&f| near(f, factor)) {
+        return Ok(Some(json!({"rope_type": "linear", "factor": factor})));
+    }
+    // Blended frequencies: s = (old/λ − low) / (high − low), with s from each divisor.
+    let old = LLAMA3_ORIGINAL_CONTEXT;
+    let base: Vec<f64> = (0..n)
+        .map(|i| 1.0 / theta.powf(2.0 * i as f64 / head_dim as f64))
+        .collect();
+    let blended: Vec<(f64, f64)> = base
+        .iter()
+        .zip(&factors)
+        .filter(|(_, &f)| !near(f, 1.0) && !near(f, factor))
+        .map(|(&freq, &f)| {
+            let x = old * freq / (2.0 * std::f64::consts::PI);
+            (x, (1.0 / f - 1.0 / factor) / (1.0 - 1.0 / factor))
+        })
+        .collect();
+    if blended.len() < 2 {
+        return Err(format!(
+            "{} of its values blend between 1 and {factor}: too few to tell Llama 3.1's \
+             low_freq_factor and high_freq_factor",
+            blended.len()
+        ));
+    }
+    // The least-squares line s = a·x + b: a = 1/(high − low), b = −low/(high − low).
+    let m = blended.len() as f64;
+    let (sx, sy) = blended
+        .iter()
+        .fold((0.0, 0.0), |(sx, sy), (x, y)| (sx + x, sy + y));
+    let (mx, my) = (sx / m, sy / m);
+    let (cov, var) = blended.iter().fold((0.0, 0.0), |(c, v), (x, y)| {
+        (c + (x - mx) * (y - my), v + (x - mx) * (x - mx))
+    });
+    let a = cov / var;
+    let b = my - a * mx;
+    let (low, high) = (-b / a, -b / a + 1.0 / a);
+    let scaling = |[factor, low, high]: [f64; 3]| RopeScaling::Llama3 {
+        factor,
+        low_freq_factor: low,
+        high_freq_factor: high,
+        original_max_position_embeddings: old,
+    };
+    let gives_back = |s: &RopeScaling| {
+        base.iter()
+            .zip(&factors)
+            .all(|(&freq, &f)| (s.llama3_factor(freq) - f).abs() <= 1e-5 * f)
+    };
+    // The values as written (1, 4, 8 …) where rounding keeps every factor, else as fitted.
+    let tidy = |x: f64| (x * 1e4).round() / 1e4;
+    let fitted = [factor, low, high];
+    let Some([factor, low, high]) = [fitted.map(tidy), fitted]
+        .into_iter()
+        .find(|v| v[1] > 0.0 && v[2] > v[1] && gives_back(&scaling(*v)))
+    else {
+        return Err(format!(
+            "its values are not a Llama 3.1 scaling of rotary frequencies {theta}^(-2i/{head_dim})"
+        ));
+    };
+    Ok(Some(json!({
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": old as u64,
+    })))
 }
 
 /// A token id `tokenizer.ggml.{k}` (`None` when absent), checked against the vocabulary size so
@@ -216,6 +312,24 @@ pub fn llama_config(g: &GgufFile) -> Result<LlamaConfig> {
             ))
         }
     };
+    // Llama 3.1's scaling comes as llama.cpp's `rope_freqs.weight` (each frequency's divisor).
+    let rope_scaling = match (rope_scaling, g.tensor("rope_freqs.weight")) {
+        (scaling, None) => scaling,
+        (None, Some(t)) if arch == GgufArch::Llama => {
+            let theta = float("rope.freq_base", 10000.0);
+            scaling_of_rope_freqs(&g.dequantize(t)?, theta, head_dim)
+                .map_err(|m| bad(g, format!("rope_freqs.weight: {m}")))?
+        }
+        (_, Some(_)) => {
+            return Err(bad(
+                g,
+                format!(
+                    "rope_freqs.weight beside {prefix}.rope.scaling.type: kiln reads one \
+                     rotary scaling"
+                ),
+            ))
+        }
+    };
     // Rounded through f32 (as stored) then printed short: 9.999999747e-06 → 1e-05.
     let eps: f64 = format!("{}", float("attention.layer_norm_rms_epsilon", 1e-6) as f32)
         .parse()
@@ -318,6 +432,10 @@ pub fn check_tensors(g: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
         ("token_embd.weight", vec![v, h]),
         ("output_norm.weight", vec![h]),
     ];
+    // Llama 3.1's frequency divisors, which the config holds (`llama_config`).
+    if g.tensor("rope_freqs.weight").is_some() {
+        global.push(("rope_freqs.weight", vec![hd / 2]));
+    }
     if !cfg.tie_word_embeddings {
         global.push(("output.weight", vec![v, h]));
     }
@@ -410,6 +528,9 @@ pub fn llama_tensors(g: &GgufFile, cfg: &LlamaConfig) -> Result<BTreeMap<String,
     let permuted = GgufArch::of(cfg).permutes_qk();
     let mut out = BTreeMap::new();
     for t in &g.tensors {
+        if t.name == "rope_freqs.weight" {
+            continue; // the config's rope_scaling
+        }
         let name = hf_name(&t.name).ok_or_else(|| {
             bad(
                 g,
@@ -685,6 +806,7 @@ mod tests {
         );
         assert_eq!(hf_name("output.weight").as_deref(), Some("lm_head.weight"));
         assert_eq!(hf_name("blk.x.attn_k.weight"), None);
+        // The config holds it (`scaling_of_rope_freqs`).
         assert_eq!(hf_name("rope_freqs.weight"), None);
     }
 
@@ -778,6 +900,50 @@ mod tests {
             e.contains("tensor blk.0.attn_q.bias is missing: qwen2.block_count is 2"),
             "{e}"
         );
+    }
+
+    /// Llama 3.1's and 3.2's scalings come back from the divisors llama.cpp writes for them
+    /// (`rope_freqs.weight`, from their config.json values: heads of 128 and 64, θ 500000), the
+    /// same numbers as written; plain and linear divisors as no and linear scaling; divisors no
+    /// Llama 3.1 scaling gives, or of the wrong count, are one sentence.
+    #[test]
+    fn rope_freqs_read_back_as_the_scaling_that_wrote_them() {
+        let divisors = |head_dim: usize, factor: f64| -> Vec<f32> {
+            let scaling = RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192.0,
+            };
+            (0..head_dim / 2)
+                .map(|i| 1.0 / 500000f64.powf(2.0 * i as f64 / head_dim as f64))
+                .map(|f| scaling.llama3_factor(f) as f32)
+                .collect()
+        };
+        for (head_dim, factor) in [(128, 8.0), (64, 32.0)] {
+            let got = scaling_of_rope_freqs(&divisors(head_dim, factor), 500000.0, head_dim)
+                .unwrap()
+                .unwrap();
+            assert_eq!(
+                got,
+                json!({"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+                "heads of {head_dim}"
+            );
+        }
+        assert_eq!(scaling_of_rope_freqs(&[1.0; 4], 1e4, 8).unwrap(), None);
+        assert_eq!(
+            scaling_of_rope_freqs(&[2.5; 4], 1e4, 8).unwrap(),
+            Some(json!({"rope_type": "linear", "factor": 2.5}))
+        );
+        let mut bent = divisors(128, 8.0);
+        bent[20] *= 1.01;
+        let e = scaling_of_rope_freqs(&bent, 500000.0, 128).unwrap_err();
+        assert!(e.contains("not a Llama 3.1 scaling"), "{e}");
+        let e = scaling_of_rope_freqs(&divisors(128, 8.0), 500000.0, 64).unwrap_err();
+        assert!(e.contains("64 values for the 32 rotary frequencies"), "{e}");
+        let e = scaling_of_rope_freqs(&[1.0, 1.0, 3.0, f32::NAN], 1e4, 8).unwrap_err();
+        assert!(e.contains("a frequency divisor is NaN"), "{e}");
     }
 
     fn open(w: &Writer) -> GgufFile {

@@ -142,13 +142,23 @@ pub fn hf_to_gguf(dir: &Path, out: &Path, outtype: GgufOutType) -> Result<Export
         )));
     }
     let rope = config.rope().map_err(refuse)?;
-    if matches!(rope, RopeScaling::Llama3 { .. }) {
-        return Err(refuse(
-            "rope_scaling llama3: llama.cpp stores it as a rope_freqs tensor, which kiln does \
-             not write yet"
-                .into(),
-        ));
-    }
+    // Llama 3.1's scaling travels as llama.cpp's `rope_freqs.weight`: what each rotary
+    // frequency is divided by (its converter writes no scaling keys for it).
+    let rope_freqs: Option<Vec<f32>> = match (&rope, arch) {
+        (RopeScaling::Llama3 { .. }, GgufArch::Llama) => Some(
+            config
+                .rope_freq_factors()
+                .into_iter()
+                .map(|f| f as f32)
+                .collect(),
+        ),
+        (RopeScaling::Llama3 { .. }, GgufArch::Qwen2) => {
+            return Err(refuse(
+                "rope_scaling llama3: llama.cpp's qwen2 has no rope_freqs tensor".into(),
+            ))
+        }
+        _ => None,
+    };
     // Metadata and vocabulary first: a folder kiln cannot describe fails before the slow part.
     let mut metadata = model_metadata(dir, &config, arch, outtype, &rope);
     metadata.extend(tokenizer_metadata(dir, config.vocab_size)?);
@@ -196,9 +206,22 @@ pub fn hf_to_gguf(dir: &Path, out: &Path, outtype: GgufOutType) -> Result<Export
     };
     names.sort_by_key(|(_, g)| rank(g));
     let mut types = BTreeMap::new();
-    let entries: Vec<TensorEntry> = names
+    // llama.cpp's converter writes its extra tensors (`rope_freqs.weight`) first.
+    let extra: Vec<(TensorEntry, Vec<f32>)> = rope_freqs
+        .into_iter()
+        .map(|factors| {
+            let entry = TensorEntry {
+                name: "rope_freqs.weight".into(),
+                shape: vec![factors.len()],
+                ty: GgmlType::F32,
+            };
+            (entry, factors)
+        })
+        .collect();
+    let entries: Vec<TensorEntry> = extra
         .iter()
-        .map(|(hf, g)| {
+        .map(|(e, _)| e.clone())
+        .chain(names.iter().map(|(hf, g)| {
             let shape = weights[*hf].shape.clone();
             let row = shape.last().copied().unwrap_or(1);
             let ty = match (shape.len(), outtype.ggml()) {
@@ -212,10 +235,16 @@ pub fn hf_to_gguf(dir: &Path, out: &Path, outtype: GgufOutType) -> Result<Export
                 shape,
                 ty,
             }
-        })
+        }))
         .collect();
+    for (e, _) in &extra {
+        *types.entry(format!("{:?}", e.ty)).or_insert(0) += 1;
+    }
     let (heads, kv_heads) = (config.num_attention_heads, config.kv_heads());
     write_gguf(out, &metadata, &entries, |i| {
+        let Some(i) = i.checked_sub(extra.len()) else {
+            return Ok(extra[i].1.clone());
+        };
         let (hf, g) = &names[i];
         let t = &weights[*hf];
         let heads = if !arch.permutes_qk() {
