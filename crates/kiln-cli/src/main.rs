@@ -191,7 +191,56 @@ where
     }
 }
 
+/// The exit status of a process that a closed pipe ended (128 + SIGPIPE), as a shell reports
+/// `yes | head -1`'s `yes`.
+const CLOSED_PIPE_EXIT: i32 = 141;
+
+/// Whether kiln's standard output is a pipe whose reader has gone (`poll` reports an error
+/// condition on its write end).
+fn stdout_closed() -> bool {
+    let mut fd = libc::pollfd {
+        fd: libc::STDOUT_FILENO,
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, no wait.
+    let ready = unsafe { libc::poll(&mut fd, 1, 0) };
+    ready > 0 && fd.revents & libc::POLLERR != 0
+}
+
+/// `kiln eval … | head -1`: a reader that closes kiln's standard output early ends kiln quietly,
+/// as it ends any Unix tool, instead of in a panic about printing. Rust ignores SIGPIPE, so that
+/// a write to a closed socket is an error the caller sees (how a worker learns that a peer is
+/// gone, and names it), and `println!` then panics on EPIPE: that panic, where standard output
+/// is indeed closed, becomes the exit.
+fn quiet_exit_on_closed_stdout() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if message.starts_with("failed printing to stdout") && stdout_closed() {
+            std::process::exit(CLOSED_PIPE_EXIT);
+        }
+        report(info)
+    }));
+}
+
+/// Whether `e` is a broken pipe on kiln's own standard output (a command that writes its
+/// results itself), not on a socket or a child's pipe, which stay errors that name them.
+fn is_closed_stdout(e: &anyhow::Error) -> bool {
+    let broken_pipe = e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    });
+    broken_pipe && stdout_closed()
+}
+
 fn main() -> ExitCode {
+    quiet_exit_on_closed_stdout();
     keep_freed_memory();
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -235,6 +284,7 @@ fn main() -> ExitCode {
     }
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if is_closed_stdout(&e) => ExitCode::from(CLOSED_PIPE_EXIT as u8),
         Err(e) => {
             // Errors quote names from files, data and the network (columns, config keys, Hub
             // file names): their control characters and bidi overrides are escaped here, once,

@@ -1,5 +1,6 @@
 //! What `kiln` prints from data files reaches a terminal: label names with escape sequences
-//! (a title change, a screen clear) are printed escaped, never raw.
+//! (a title change, a screen clear) are printed escaped, never raw; and a reader that stops
+//! reading (`kiln … | head -1`) ends kiln quietly.
 
 mod kiln_bin;
 
@@ -90,4 +91,28 @@ fn errors_escape_names_from_files() {
             "a bidi override reached the terminal"
         );
     }
+}
+
+/// `kiln predict … | head -1`: the reader closes the pipe before kiln prints (it is still loading
+/// the model), and kiln ends as a Unix tool ends on a closed pipe (status 141, nothing on stderr
+/// about it), not in a panic.
+#[test]
+fn a_closed_stdout_ends_kiln_quietly() {
+    let model = common::repo_root().join("tests/fixtures/reward/tiny_chat_llama_rm");
+    let mut cmd = kiln();
+    cmd.args(["predict", "--model"]).arg(&model);
+    for i in 0..50 {
+        cmd.args(["--text", &format!("text number {i}")]);
+    }
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(141), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(!stderr.contains("Broken pipe"), "{stderr}");
 }
