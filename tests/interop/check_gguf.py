@@ -9,10 +9,12 @@ loader reads the file (`from_pretrained(..., gguf_file=...)`) and its tokenizer 
 continuation of a prompt equal the folder's. A Llama 3.1 scaling's `rope_freqs.weight` is checked
 against convert_hf_to_gguf.py's formula (transformers' GGUF loader does not read it).
 
-  python3 check_gguf.py MODEL_DIR FILE.gguf OUTTYPE [bytes-only]
+  python3 check_gguf.py MODEL_DIR FILE.gguf OUTTYPE [bytes-only | no-greedy]
 
 bytes-only stops before transformers: a tiny random model's greedy tokens sit on near-ties that a
 quantised file may flip, so quantised files of such models are checked byte for byte only.
+no-greedy checks transformers' tokenizer from the file but not its model (which does not read a
+Llama 3.1 scaling's rope_freqs.weight).
 """
 import json
 import os
@@ -135,7 +137,15 @@ if scaling.get("rope_type") == "llama3":
     assert np.allclose(got, np.asarray(factors, dtype=np.float32), rtol=1e-6, atol=0), (got, factors)
     seen += 1
 assert seen == len(r.tensors), (seen, len(r.tensors))
-if sys.argv[4:] == ["bytes-only"]:
+if sys.argv[4:] in (["bytes-only"], ["no-greedy"]):
+    if sys.argv[4:] == ["no-greedy"]:
+        from transformers import AutoTokenizer
+        folder, name = os.path.split(os.path.abspath(path))
+        text = "It's 1234567 o'clock, isn't it?\n\n  Hello, world! 12345"
+        want_ids = AutoTokenizer.from_pretrained(model_dir)(text).input_ids
+        got_ids = AutoTokenizer.from_pretrained(folder, gguf_file=name)(text).input_ids
+        assert got_ids == want_ids, (got_ids, want_ids)
+        print(f"transformers' GGUF loader tokenizes as the folder ({field('tokenizer.ggml.pre')})")
     print(f"gguf-py reads {path}: {seen} tensors byte-identical to its own {outtype} quantisation of "
           f"{model_dir}, {len(tokens)} tokens, the chat template and special tokens")
     sys.exit(0)

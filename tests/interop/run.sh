@@ -60,13 +60,29 @@ if "$PY" -c "import gguf" 2>/dev/null; then
   # general.name (the folder's) says "mistral" for a Mistral, which gguf 0.19 cannot map.
   cp -r tests/fixtures/families/mistral "$out/no-window"
   "$PY" -c "import json,sys; p=sys.argv[1]; c=json.load(open(p)); c['sliding_window']=None; json.dump(c,open(p,'w'))" "$out/no-window/config.json"
-  # And the tiny chat Llama with Llama 3.1's rotary scaling (its rope_freqs.weight; transformers'
-  # GGUF loader does not read that tensor, so its file is checked by bytes only).
-  cp -r tests/fixtures/dpo/tiny_chat_llama "$out/llama3-rope"
-  "$PY" -c "import json,sys; p=sys.argv[1]; c=json.load(open(p)); c['rope_scaling']={'rope_type':'llama3','factor':4.0,'low_freq_factor':0.5,'high_freq_factor':16.0,'original_max_position_embeddings':512}; json.dump(c,open(p,'w'))" "$out/llama3-rope/config.json"
-  for m in tests/fixtures/families/qwen2 "$out/no-window" "$out/llama3-rope"; do
+  # And the tiny chat Llama made a Llama 3: Llama 3.1's rotary scaling (its rope_freqs.weight,
+  # which transformers' GGUF loader does not read, so no greedy tokens from it) and Llama 3's
+  # pre-tokenizer (llama-bpe, which transformers' loader rebuilds: its tokenizer is checked).
+  cp -r tests/fixtures/dpo/tiny_chat_llama "$out/llama3"
+  "$PY" - "$out/llama3" <<'PYEOF'
+import json, sys
+d = sys.argv[1]
+c = json.load(open(f"{d}/config.json"))
+c["rope_scaling"] = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 0.05,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+json.dump(c, open(f"{d}/config.json", "w"))
+t = json.load(open(f"{d}/tokenizer.json"))
+t["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+    {"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+     "behavior": "Isolated", "invert": False},
+    {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+t["model"]["ignore_merges"] = True
+json.dump(t, open(f"{d}/tokenizer.json", "w"))
+PYEOF
+  for m in tests/fixtures/families/qwen2 "$out/no-window" "$out/llama3"; do
     for t in f32 q8_0; do
-      how=$([ "$t" = f32 ] && [ "$(basename "$m")" != llama3-rope ] || echo bytes-only)
+      how=$([ "$t" = f32 ] || echo bytes-only)
+      [ "$t" = f32 ] && [ "$(basename "$m")" = llama3 ] && how=no-greedy
       "$KILN" convert --model "$m" --to-gguf --out "$out/$(basename "$m")-$t.gguf" --outtype "$t"
       "$PY" tests/interop/check_gguf.py "$m" "$out/$(basename "$m")-$t.gguf" "$t" $how
     done

@@ -331,8 +331,9 @@ fn greedy(dir: &Path, n: usize) -> Vec<Vec<u32>> {
 /// (`--from-gguf`): the config's shape, every tensor (F32 exactly, F16 as f16 rounds it, Q8_0
 /// within half a quantisation step), the tokenizer's ids, the special tokens and the chat
 /// template; and the F32 file decodes the source folder's greedy tokens. On the tiny chat Llama of
-/// the DPO fixtures (untied head, grouped-query attention, ChatML template) and its copy with
-/// Llama 3.1's rotary scaling (llama.cpp's `rope_freqs.weight`), on the tiny Qwen2 of
+/// the DPO fixtures (untied head, grouped-query attention, ChatML template) and its copy made a
+/// Llama 3 (its rotary scaling, llama.cpp's `rope_freqs.weight`, and its pre-tokenizer,
+/// `llama-bpe`), on the tiny Qwen2 of
 /// the family fixtures (llama.cpp's `qwen2`: q/k/v biases, rows not permuted, Qwen2's
 /// pre-tokenizer, tied head), on the tiny Mistral without its window (llama.cpp's Llama: it comes
 /// back as a Llama) and, where the assets are fetched, SmolLM2-135M-Instruct as
@@ -371,9 +372,20 @@ fn exported_gguf_reads_back_as_the_source_folder() {
     // divided by 4); it comes back as the same frequencies from another original context.
     let llama3 = copy("tests/fixtures/dpo/tiny_chat_llama", "llama3", &|c| {
         c["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 4.0,
-            "low_freq_factor": 0.5, "high_freq_factor": 16.0,
-            "original_max_position_embeddings": 512})
+            "low_freq_factor": 0.05, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
     });
+    // And Llama 3's pre-tokenizer (llama.cpp's `llama-bpe`: digits in runs of up to three) with
+    // its BPE's `ignore_merges`.
+    let tokenizer = llama3.join("tokenizer.json");
+    let mut t: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&tokenizer).unwrap()).unwrap();
+    t["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": kiln::models::llama::gguf::LLAMA3_SPLIT},
+         "behavior": "Isolated", "invert": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]});
+    t["model"]["ignore_merges"] = serde_json::json!(true);
+    std::fs::write(&tokenizer, t.to_string()).unwrap();
     let unscaled = config(&repo_root().join("tests/fixtures/dpo/tiny_chat_llama")).inv_freq();
     let scaled = config(&llama3).inv_freq();
     assert!(
@@ -467,9 +479,21 @@ fn exported_gguf_reads_back_as_the_source_folder() {
                     }
                 }
             }
+            // The pre-tokenizer's split and the BPE's `ignore_merges` come back as they were
+            // (the tiny vocabularies tokenize alike under several of them).
+            let json = |d: &Path| -> serde_json::Value {
+                serde_json::from_slice(&std::fs::read(d.join("tokenizer.json")).unwrap()).unwrap()
+            };
+            let (a, b) = (json(&back), json(src));
+            let split = |t: &serde_json::Value| t["pre_tokenizer"]["pretokenizers"][0].clone();
+            assert_eq!(split(&a)["pattern"], split(&b)["pattern"], "{outtype:?}");
+            let ignore =
+                |t: &serde_json::Value| t["model"]["ignore_merges"].as_bool() == Some(true);
+            assert_eq!(ignore(&a), ignore(&b), "{outtype:?}: ignore_merges");
             let tok = causal_lm::load_tokenizer(&back).unwrap();
             for text in [
                 "Hello, world! 12345",
+                "It's 1234567 o'clock, isn't it?\n\n  ok",
                 "<|im_start|>user\nhi<|im_end|>\n",
                 "  spaced  ",
             ] {

@@ -568,6 +568,35 @@ pub fn llama_tensors(g: &GgufFile, cfg: &LlamaConfig) -> Result<BTreeMap<String,
 /// Qwen2's pre-tokenizer regex, as its `tokenizer.json` holds it (llama.cpp's `qwen2`).
 pub const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Llama 3's pre-tokenizer regex (llama.cpp's `llama-bpe`): Qwen2's, with digits in runs of up
+/// to three.
+pub const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A pre-tokenizer that splits by a regex, then maps bytes without one, as llama.cpp names it.
+pub struct RegexSplit {
+    /// `tokenizer.ggml.pre`.
+    pub name: &'static str,
+    /// The regex, as `tokenizer.json` holds it.
+    pub regex: &'static str,
+    /// Whether a word found whole in the vocabulary skips the merges (the BPE model's
+    /// `ignore_merges`: Llama 3's, and llama.cpp's for it).
+    pub ignore_merges: bool,
+}
+
+/// The regex-split pre-tokenizers kiln reads and writes.
+pub const REGEX_SPLITS: [RegexSplit; 2] = [
+    RegexSplit {
+        name: "qwen2",
+        regex: QWEN2_SPLIT,
+        ignore_merges: false,
+    },
+    RegexSplit {
+        name: "llama-bpe",
+        regex: LLAMA3_SPLIT,
+        ignore_merges: true,
+    },
+];
+
 /// A `tokenizer.json` (the `tokenizers` library's own format) for a GGUF byte-level BPE vocabulary.
 pub fn tokenizer_json(g: &GgufFile) -> Result<Json> {
     let model = g
@@ -601,23 +630,24 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<Json> {
         ));
     }
     // llama.cpp's pre-tokenizer names: "smollm" and the StarCoder family split digits one by one
-    // before GPT-2's byte-level regex; "gpt2"/"default" use the regex alone; "qwen2" splits by
-    // its own regex, then maps bytes.
+    // before GPT-2's byte-level regex; "gpt2"/"default" use the regex alone; "qwen2" and
+    // "llama-bpe" (Llama 3) split by their own regex, then map bytes.
     let pre = g
         .get("tokenizer.ggml.pre")
         .and_then(Value::as_str)
         .unwrap_or("default");
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    let split = REGEX_SPLITS.iter().find(|s| s.name == pre);
     let pre_tokenizer = match pre {
         "smollm" | "starcoder" | "refact" | "codeshell" => json!({
             "type": "Sequence",
             "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level],
         }),
         "gpt2" | "default" => byte_level.clone(),
-        "qwen2" => json!({
+        _ if split.is_some() => json!({
             "type": "Sequence",
             "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated",
+                {"type": "Split", "pattern": {"Regex": split.map(|s| s.regex)}, "behavior": "Isolated",
                  "invert": false},
                 {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false,
                  "use_regex": false},
@@ -686,7 +716,8 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<Json> {
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
         "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
                   "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-                  "ignore_merges": false, "vocab": vocab_map, "merges": merges},
+                  "ignore_merges": split.is_some_and(|s| s.ignore_merges), "vocab": vocab_map,
+                  "merges": merges},
     }))
 }
 

@@ -15,7 +15,7 @@ use serde_json::Value as Json;
 use tracing::info;
 
 use super::config::{LayerRules, LlamaConfig, RopeScaling};
-use super::gguf::{GgufArch, QWEN2_SPLIT};
+use super::gguf::{GgufArch, REGEX_SPLITS};
 use crate::data::chat_template::{special_tokens, ChatTemplate};
 use crate::error::{KilnError, Result};
 use crate::formats::gguf::{permute_qk, GgmlType};
@@ -377,8 +377,8 @@ fn tokenizer_metadata(dir: &Path, vocab_size: usize) -> Result<Vec<(String, Meta
     let pre = pre_tokenizer_name(&tok["pre_tokenizer"]).ok_or_else(|| {
         bad(
             "the pre_tokenizer is none of GPT-2's byte-level split, SmolLM's (digits one by \
-             one, then byte-level) and Qwen2's (its regex, then bytes), the ones kiln names for \
-             llama.cpp"
+             one, then byte-level), Qwen2's and Llama 3's (their regex, then bytes), the ones \
+             kiln names for llama.cpp"
                 .into(),
         )
     })?;
@@ -478,7 +478,8 @@ fn tokenizer_metadata(dir: &Path, vocab_size: usize) -> Result<Vec<(String, Meta
 
 /// llama.cpp's name for a tokenizer.json pre-tokenizer kiln recognises: GPT-2's byte-level regex
 /// alone (`gpt2`), digits split one by one before it (`smollm`, as SmolLM and StarCoder), or
-/// Qwen2's regex before a byte mapping without one (`qwen2`).
+/// Qwen2's or Llama 3's regex before a byte mapping without one (`qwen2`, `llama-bpe`:
+/// [`REGEX_SPLITS`]).
 fn pre_tokenizer_name(pre: &Json) -> Option<&'static str> {
     let byte_level = |p: &Json| p["type"] == "ByteLevel" && p["use_regex"] != false;
     if byte_level(pre) {
@@ -489,13 +490,16 @@ fn pre_tokenizer_name(pre: &Json) -> Option<&'static str> {
         [split, bytes]
             if pre["type"] == "Sequence"
                 && split["type"] == "Split"
-                && split["pattern"]["Regex"] == QWEN2_SPLIT
                 && split["behavior"] == "Isolated"
                 && split["invert"] != true
                 && bytes["type"] == "ByteLevel"
                 && bytes["use_regex"] == false =>
         {
-            Some("qwen2")
+            let regex = split["pattern"]["Regex"].as_str()?;
+            REGEX_SPLITS
+                .iter()
+                .find(|s| s.regex == regex)
+                .map(|s| s.name)
         }
         [digits, level]
             if pre["type"] == "Sequence"
