@@ -10,7 +10,8 @@ use burn::tensor::{Int, Tensor, TensorData};
 use crate::contract::IGNORE_INDEX;
 use crate::data::lm::{CompletionScoring, RowValues};
 use crate::ops::{
-    scored_linear_cross_entropy, token_statistics, KilnBackend, TokenStatistics, VocabSlice,
+    row_cross_entropy, scored_linear_cross_entropy, token_statistics, KilnBackend, TokenStatistics,
+    VocabSlice,
 };
 
 /// The columns of a row of scores, then the row's carried values.
@@ -59,10 +60,7 @@ pub fn completion_scores<B: KilnBackend>(
         IGNORE_INDEX,
         slice.as_ref(),
     );
-    let losses = match &slice {
-        None => crate::ops::cross_entropy(logits, targets, IGNORE_INDEX),
-        Some(s) => s.cross_entropy(logits, targets, IGNORE_INDEX).0,
-    };
+    let losses = row_cross_entropy(logits, targets, IGNORE_INDEX, slice.as_ref());
     row_scores(losses, stats, rows, scoring, carried)
 }
 

@@ -41,7 +41,7 @@ pub use functional::*;
 mod token_statistics;
 pub use token_statistics::{token_statistics, TokenStatistics};
 mod vocab_slice;
-pub use vocab_slice::VocabSlice;
+pub use vocab_slice::{row_cross_entropy, VocabSlice};
 mod runtime;
 pub use runtime::*;
 

@@ -96,6 +96,20 @@ impl VocabSlice {
     }
 }
 
+/// Each row's cross-entropy against its target (0 where it is `ignore`) of whole rows of logits,
+/// or of this rank's columns under `slice` (the whole rows' loss, the same on every rank).
+pub fn row_cross_entropy<B: KilnBackend>(
+    logits: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    ignore: i64,
+    slice: Option<&VocabSlice>,
+) -> Tensor<B, 1> {
+    match slice {
+        Some(s) => s.cross_entropy(logits, targets, ignore).0,
+        None => super::cross_entropy(logits, targets, ignore),
+    }
+}
+
 /// Per row: 1 where the target is one of `columns` (and not `ignore`), and its index among them
 /// (clamped into them where it is not).
 pub(crate) fn local_targets<B: Backend>(

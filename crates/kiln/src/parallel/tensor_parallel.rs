@@ -13,7 +13,7 @@ use super::collectives::{host, Collectives, ReduceOp};
 use crate::contract::{Loss, ParamSplit, TensorParallelLayout, IGNORE_INDEX};
 use crate::formats::safetensors::HostTensor;
 use crate::formats::sharded::place_axis;
-use crate::ops::{KilnBackend, TpComm, TpReduce, VocabSlice};
+use crate::ops::{row_cross_entropy, KilnBackend, TpComm, TpReduce, VocabSlice};
 use crate::{KilnError, Result};
 
 /// A tensor-parallel group (any engine) as the ops' [`TpReduce`].
@@ -157,20 +157,8 @@ impl Loss for VocabParallelCrossEntropy {
         targets: Tensor<B, 1, Int>,
     ) -> Tensor<B, 1> {
         let count = crate::contract::target_count(&targets);
-        self.token_losses(logits, targets).sum() / count
-    }
-}
-
-impl VocabParallelCrossEntropy {
-    /// Each row's cross-entropy against its target `[N]`, 0 where the target is
-    /// [`IGNORE_INDEX`] (as `ops::cross_entropy` of whole rows).
-    pub fn token_losses<B: KilnBackend>(
-        &self,
-        logits: Tensor<B, 2>,
-        targets: Tensor<B, 1, Int>,
-    ) -> Tensor<B, 1> {
         let slice = VocabSlice::of(self.tp.clone(), self.vocab);
-        slice.cross_entropy(logits, targets, IGNORE_INDEX).0
+        row_cross_entropy(logits, targets, IGNORE_INDEX, Some(&slice)).sum() / count
     }
 }
 

@@ -150,6 +150,13 @@ pub enum RopeScaling {
     },
 }
 
+/// The unscaled rotary frequencies `θ^(−2i/d)` for `i < d/2` of heads of `d`.
+pub fn rope_base_freqs(theta: f64, d: usize) -> Vec<f64> {
+    (0..d / 2)
+        .map(|i| 1.0 / theta.powf(2.0 * i as f64 / d as f64))
+        .collect()
+}
+
 impl RopeScaling {
     /// Llama 3.1's divisor of the rotary frequency `f`: 1 where its wavelength is shorter than
     /// `original / high_freq_factor`, `factor` where it is longer than `original /
@@ -497,12 +504,9 @@ impl LlamaConfig {
             .collect()
     }
 
-    /// The unscaled rotary frequencies `θ^(−2i/d)` for `i < d/2`.
+    /// The unscaled rotary frequencies ([`rope_base_freqs`]).
     pub fn base_freqs(&self) -> Vec<f64> {
-        let d = self.head_size();
-        (0..d / 2)
-            .map(|i| 1.0 / self.theta().powf(2.0 * i as f64 / d as f64))
-            .collect()
+        rope_base_freqs(self.theta(), self.head_size())
     }
 
     /// What the config's scaling divides each rotary frequency by: 1 without scaling, `factor`

@@ -13,7 +13,7 @@ use std::path::Path;
 
 use serde_json::{json, Value as Json};
 
-use super::config::{LlamaConfig, RopeScaling};
+use super::config::{rope_base_freqs, LlamaConfig, RopeScaling};
 use crate::error::{KilnError, Result};
 use crate::formats::gguf::{short, unpermute_qk, GgufFile, Value};
 use crate::formats::safetensors::{write_safetensors_as, HostTensor, StoreDtype};
@@ -142,9 +142,7 @@ fn scaling_of_rope_freqs(
     }
     // Blended frequencies: s = (old/λ − low) / (high − low), with s from each divisor.
     let old = LLAMA3_ORIGINAL_CONTEXT;
-    let base: Vec<f64> = (0..n)
-        .map(|i| 1.0 / theta.powf(2.0 * i as f64 / head_dim as f64))
-        .collect();
+    let base = rope_base_freqs(theta, head_dim);
     let blended: Vec<(f64, f64)> = base
         .iter()
         .zip(&factors)
@@ -946,8 +944,8 @@ mod tests {
                 high_freq_factor: 4.0,
                 original_max_position_embeddings: 8192.0,
             };
-            (0..head_dim / 2)
-                .map(|i| 1.0 / 500000f64.powf(2.0 * i as f64 / head_dim as f64))
+            rope_base_freqs(500000.0, head_dim)
+                .into_iter()
                 .map(|f| scaling.llama3_factor(f) as f32)
                 .collect()
         };

@@ -628,13 +628,17 @@ impl<B: KilnBackend> Segments<B, TokenBatch> for LlamaForCausalLM<B> {
         };
         let weight = self.chunked_head_weight(n, chunk);
         let h = self.model.norm.forward(h).reshape([n, hidden]);
+        // Under tensor parallelism the head's rows are this rank's columns of the vocabulary.
         let slice = self.shard.as_ref().map(LlamaShard::vocab_slice);
         match (&batch.chunked_loss, &batch.scoring, weight) {
-            (Some(loss), _, weight) => self.chunked_losses(h, loss, weight),
+            (Some(loss), _, weight) => self.chunked_losses(h, loss, weight, slice),
             (None, Some(scoring), Some(w)) => {
                 chunked_completion_scores(h, w, b, scoring, &batch.carried, slice)
             }
-            _ => self.scored(self.project(h), batch),
+            (None, Some(scoring), None) => {
+                completion_scores(self.project(h), b, scoring, &batch.carried, slice)
+            }
+            (None, None, _) => self.project(h),
         }
     }
 }
@@ -757,37 +761,17 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
         h: Tensor<B, 2>,
         loss: &crate::data::lm::ChunkedLoss,
         weight: Option<Tensor<B, 2>>,
+        slice: Option<ops::VocabSlice>,
     ) -> Tensor<B, 2> {
         let n = h.dims()[0];
         assert_eq!(loss.targets.len(), n, "one target per position");
         let targets =
             Tensor::<B, 1, Int>::from_data(TensorData::new(loss.targets.clone(), [n]), &h.device());
         let losses = match weight {
-            Some(w) => {
-                let slice = self.shard.as_ref().map(LlamaShard::vocab_slice);
-                ops::linear_cross_entropy(h, w, targets, IGNORE_INDEX, loss.chunk, slice)
-            }
-            None => match self.shard.as_ref() {
-                Some(s) => {
-                    let (losses, _) =
-                        s.vocab_slice()
-                            .cross_entropy(self.project(h), targets, IGNORE_INDEX);
-                    losses
-                }
-                None => ops::cross_entropy(self.project(h), targets, IGNORE_INDEX),
-            },
+            Some(w) => ops::linear_cross_entropy(h, w, targets, IGNORE_INDEX, loss.chunk, slice),
+            None => ops::row_cross_entropy(self.project(h), targets, IGNORE_INDEX, slice.as_ref()),
         };
         losses.reshape([n, 1])
-    }
-
-    /// The logits `[batch·seq, vocab]`, or each row's completion scores where the batch asks for
-    /// them ([`crate::data::lm::CompletionScoring`]).
-    fn scored(&self, logits: Tensor<B, 2>, batch: &TokenBatch) -> Tensor<B, 2> {
-        let Some(scoring) = &batch.scoring else {
-            return logits;
-        };
-        let slice = self.shard.as_ref().map(LlamaShard::vocab_slice);
-        completion_scores(logits, batch.batch, scoring, &batch.carried, slice)
     }
 }
 
