@@ -133,13 +133,14 @@ pub fn kernel_cache_dir() -> PathBuf {
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GpuMemory {
-    /// CubeCL's default (`pooled`): buffers cut from large pages, free neighbours merged. Each new
-    /// buffer scans and re-indexes its pool's pages, which a host profile of a BERT-base step on an
-    /// H200 found to be most of the step's host time (BENCHMARKS.md).
+    /// CubeCL's default (`pooled`): buffers cut from large pages; a free buffer of the same
+    /// padded size is reused whole, and free neighbours are merged when nothing fits. Upstream
+    /// re-indexed every page on each new buffer, most of a BERT-base step's host time on an H200;
+    /// kiln's patched `cubecl-runtime` does not (third_party/cubecl-runtime/PATCHES.md).
     Pooled,
     /// Buffers kept per exact size and reused whole (`persistent`): a lookup by size, no merging.
     /// Memory for a size is never given back, so many distinct shapes (dynamic padding without
-    /// `--pad-to-multiple-of`) hold more of it.
+    /// `--pad-to-multiple-of`) hold more of it (three times `pooled`'s on the tweets run).
     Persistent,
 }
 
