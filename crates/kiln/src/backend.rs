@@ -163,12 +163,29 @@ impl GpuMemory {
     }
 }
 
+/// Checks that `KILN_GPU_MEMORY_TRACE`'s file (the patched CubeCL's memory trace,
+/// third_party/cubecl-runtime/PATCHES.md) can be written, so a bad path is one sentence here and
+/// not a panic on CubeCL's device thread when its first pool is made.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+fn check_memory_trace(path: Option<&std::ffi::OsStr>) -> Result<()> {
+    match path {
+        Some(path) => std::fs::File::create(path).map(drop).map_err(|e| {
+            KilnError::Config(format!(
+                "KILN_GPU_MEMORY_TRACE={}: the memory trace cannot be written there: {e}",
+                std::path::Path::new(path).display()
+            ))
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Points CubeCL's compiled-kernel (PTX) cache and autotune cache at [`kernel_cache_dir`] and sets
 /// its memory mode ([`GpuMemory`]). Must run before the first GPU kernel; later calls do nothing.
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 pub fn init_kernel_cache() -> Result<()> {
     use burn_cubecl::cubecl::config::{cache::CacheConfig, memory::PersistentMemory, GlobalConfig};
     let memory = GpuMemory::from_env()?;
+    check_memory_trace(std::env::var_os("KILN_GPU_MEMORY_TRACE").as_deref())?;
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         let dir = kernel_cache_dir().join(build_key());
@@ -395,6 +412,24 @@ mod tests {
         );
         let e = GpuMemory::parse(Some("exclusive")).unwrap_err().to_string();
         assert!(e.contains("KILN_GPU_MEMORY=\"exclusive\""), "{e}");
+    }
+
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    #[test]
+    fn a_memory_trace_that_cannot_be_written_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        check_memory_trace(None).unwrap();
+        let ok = dir.path().join("memory.trace");
+        check_memory_trace(Some(ok.as_os_str())).unwrap();
+        assert!(ok.exists());
+        let bad = dir.path().join("missing/memory.trace");
+        let e = check_memory_trace(Some(bad.as_os_str()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("KILN_GPU_MEMORY_TRACE=") && e.contains("missing/memory.trace"),
+            "{e}"
+        );
     }
 
     #[test]
