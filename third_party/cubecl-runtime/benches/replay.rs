@@ -138,6 +138,12 @@ fn read(path: &str) -> (usize, Vec<Event>) {
             _ => panic!("{path}:{}: not a trace line: {line:?}", n + 1),
         }
     }
+    if let Some(Event::Reserve { manager, .. }) = events
+        .iter()
+        .find(|e| matches!(e, Event::Reserve { manager, .. } if *manager >= managers))
+    {
+        panic!("{path}: manager {manager} reserves, but no `M {manager}` line names it");
+    }
     (managers, events)
 }
 
@@ -207,6 +213,7 @@ fn main() {
             }
         }
         best = best.min(start.elapsed().as_secs_f64());
+        // Each manager's own peak, summed (one manager under --one-manager).
         peak = mms.iter_mut().map(|m| m.storage().peak).sum();
         allocs = mms.iter_mut().map(|m| m.storage().allocs).sum();
     }

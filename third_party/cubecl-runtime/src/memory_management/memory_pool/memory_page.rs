@@ -112,6 +112,14 @@ impl MemoryPage {
         }
     }
 
+    /// Gives the free slice at `place`, whose effective size is `size + padding`, to a new user.
+    fn hand_out(&mut self, place: usize, size: u64, padding: u64) -> SliceHandle {
+        let slice = self.slice_mut(place);
+        slice.storage.utilization.size = size;
+        slice.padding = padding;
+        slice.handle.clone()
+    }
+
     /// Gets the [memory usage](MemoryUsage) of the current memory page.
     pub fn memory_usage(&self) -> MemoryUsage {
         let mut usage = MemoryUsage {
@@ -173,10 +181,7 @@ impl MemoryPage {
         let place = *places
             .iter()
             .find(|&&place| self.slice(place).handle.is_free())?;
-        let slice = self.slice_mut(place);
-        slice.storage.utilization.size = size;
-        slice.padding = padding;
-        Some(slice.handle.clone())
+        Some(self.hand_out(place, size, padding))
     }
 
     /// Reserves a slice of the given size if there is enough place in the page: the smallest
@@ -226,10 +231,7 @@ impl MemoryPage {
             self.insert(rest);
         }
 
-        let slice = self.slice_mut(place);
-        slice.storage.utilization.size = size;
-        slice.padding = padding;
-        Some(slice.handle.clone())
+        Some(self.hand_out(place, size, padding))
     }
 
     /// Gets the [storage handle](SliceHandle) with the correct offset and size using the slice
