@@ -433,22 +433,30 @@ pub fn bert_infer<B: KilnBackend>(
 /// The machine's fp32 GEMM rate through kiln's Linear kernel (1024³, like bench_hf.py's
 /// calibration): the best of five timings, so a busy moment on a shared machine does not lower it.
 pub fn gemm_gflops<B: KilnBackend>(device: &B::Device) -> f64 {
-    let a = Tensor::<B, 2>::random([1024, 1024], burn::tensor::Distribution::Default, device);
-    let b = Tensor::<B, 2>::random([1024, 1024], burn::tensor::Distribution::Default, device);
-    let run = || {
-        crate::ops::linear(a.clone(), b.clone(), None)
-            .sum()
-            .into_scalar()
-            .elem::<f64>()
+    // Operands with buffers of their own, as a step's weights and activations are: a tensor made
+    // from data borrows it, and kiln's kernels copy a borrowed operand on every call.
+    let operand = || {
+        crate::ops::owned(Tensor::<B, 2>::random(
+            [1024, 1024],
+            burn::tensor::Distribution::Default,
+            device,
+        ))
     };
-    run();
+    let (a, b) = (operand(), operand());
+    // The products alone, as PyTorch's calibration times `a @ b`: the outputs are dropped, and a
+    // round ends by reading one value of its last (what waits for a GPU), where each output was
+    // summed and the sum read.
+    let product = || crate::ops::linear(a.clone(), b.clone(), None);
+    let round = |k: usize| {
+        (1..k).for_each(|_| drop(product()));
+        product().slice([0..1, 0..1]).into_scalar().elem::<f64>()
+    };
+    round(1);
     (0..5)
         .map(|_| {
             let k = 4;
             let t0 = Instant::now();
-            for _ in 0..k {
-                run();
-            }
+            round(k);
             2.0 * 1024f64.powi(3) * k as f64 / t0.elapsed().as_secs_f64() / 1e9
         })
         .fold(0.0, f64::max)
