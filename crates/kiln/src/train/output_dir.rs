@@ -238,21 +238,29 @@ fn new_run_id() -> String {
 
 /// An exclusive advisory lock on the folder itself, released when the process ends (even by
 /// SIGKILL): two runs writing checkpoints into one folder would rotate each other's away.
+///
+/// A lock this process dropped a moment ago can still be held for a few milliseconds: a child
+/// another thread is starting shares every open descriptor between its fork and its exec (which
+/// closes them). So a busy folder is retried for half a second before it is refused; another run
+/// holds it for as long as it trains.
 fn lock_dir(dir: &Path) -> Result<File> {
     let f = File::open(dir).map_err(|e| KilnError::io(dir, e))?;
-    // SAFETY: flock on a descriptor this function owns; no memory is involved.
-    let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if r != 0 {
-        let e = std::io::Error::last_os_error();
-        if e.kind() == std::io::ErrorKind::WouldBlock {
-            return Err(KilnError::Config(format!(
-                "--output-dir {}: another kiln run is training into this folder right now",
-                dir.display()
-            )));
+    for _ in 0..25 {
+        // SAFETY: flock on a descriptor this function owns; no memory is involved.
+        let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if r == 0 {
+            return Ok(f);
         }
-        return Err(KilnError::io(dir, e));
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::WouldBlock {
+            return Err(KilnError::io(dir, e));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    Ok(f)
+    Err(KilnError::Config(format!(
+        "--output-dir {}: another kiln run is training into this folder right now",
+        dir.display()
+    )))
 }
 
 #[cfg(test)]
