@@ -71,13 +71,16 @@ pub(super) fn sgemm(
         // bounds, and tiles are disjoint, so no two tasks write the same element of C.
         unsafe {
             let dst = cp.at(i0 * n + j0);
-            small_gemm(
-                (mr, k, nr),
+            let (a, b) = (
                 a.map(|a| a.as_ptr().add(i0 * a_rs)),
                 b.map(|b| b.as_ptr().add(j0 * b_cs)),
-                beta != 0.0,
-                Strided::new(dst, (n, 1)),
             );
+            #[cfg(target_arch = "x86_64")]
+            if super::gemm_avx2::takes_here(mr, k, nr) {
+                let bias = bias.map(|b| b.as_ptr().add(j0));
+                return super::gemm_avx2::gemm_avx2((mr, k, nr), a, b, beta != 0.0, bias, dst, n);
+            }
+            small_gemm((mr, k, nr), a, b, beta != 0.0, Strided::new(dst, (n, 1)));
             if let Some(bias) = bias {
                 for i in 0..mr {
                     let row = std::slice::from_raw_parts_mut(dst.add(i * n), nr);
@@ -466,4 +469,88 @@ pub(super) fn linear_dx_bf16((m, k, n): (usize, usize, usize), dy: &[f32], w: &[
             .for_each(|(row, p)| row[c0..c0 + kb].copy_from_slice(p));
     }
     dx
+}
+
+/// A product under test: C = A·B (+ C when β is 1) (+ the bias on every row), as [`sgemm`].
+#[cfg(test)]
+pub(super) type Product = dyn Fn(
+    (usize, usize, usize),
+    Strided<&[f32]>,
+    Strided<&[f32]>,
+    f32,
+    Option<&[f32]>,
+    &mut [f32],
+);
+
+/// `product` at each shape against an f64 reference, within f32 summation's bound ((K + 2)·2⁻²⁴
+/// times the sum of the products' magnitudes), both layouts of each operand, β 0 and 1, with and
+/// without a bias. The control (the last K term dropped) must break the bound.
+#[cfg(test)]
+pub(super) fn assert_products_within_f32_bound(
+    shapes: &[(usize, usize, usize)],
+    product: &Product,
+) {
+    for &(m, k, n) in shapes {
+        let a: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
+            .collect();
+        let b: Vec<f32> = (0..k * n)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) / 23.0)
+            .collect();
+        let at: Vec<f32> = (0..k * m).map(|i| a[(i % m) * k + i / m]).collect();
+        let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
+        let init: Vec<f32> = (0..m * n).map(|i| (i % 5) as f32 - 2.0).collect();
+        let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.25 - 1.0).collect();
+        let (mut want, mut mag) = (vec![0f64; m * n], vec![0f64; m * n]);
+        for i in 0..m {
+            for j in 0..n {
+                for p in 0..k {
+                    let x = f64::from(a[i * k + p]) * f64::from(b[p * n + j]);
+                    want[i * n + j] += x;
+                    mag[i * n + j] += x.abs();
+                }
+            }
+        }
+        for beta in [0.0, 1.0] {
+            for with_bias in [false, true] {
+                for (a_op, sa, b_op, sb) in [
+                    (&a, (k, 1), &b, (n, 1)),
+                    (&at, (1, m), &b, (n, 1)),
+                    (&a, (k, 1), &bt, (1, k)),
+                    (&at, (1, m), &bt, (1, k)),
+                ] {
+                    let mut c = init.clone();
+                    let bias = with_bias.then_some(&bias[..]);
+                    let (a_in, b_in) = (Strided::new(&a_op[..], sa), Strided::new(&b_op[..], sb));
+                    product((m, k, n), a_in, b_in, beta, bias, &mut c);
+                    for (i, &got) in c.iter().enumerate() {
+                        let extra =
+                            f64::from(beta * init[i]) + bias.map_or(0.0, |b| f64::from(b[i % n]));
+                        let w = want[i] + extra;
+                        let bound = (k as f64 + 2.0) * f64::from(f32::EPSILON) / 2.0
+                            * (mag[i] + extra.abs());
+                        assert!(
+                            (f64::from(got) - w).abs() <= bound,
+                            "{m}x{k}x{n} A{sa:?} B{sb:?} β={beta} bias={with_bias} [{i}]: \
+                             {got} vs {w} (bound {bound})"
+                        );
+                    }
+                }
+            }
+        }
+        // The control: the product without its last K term breaks the bound.
+        let mut short = vec![0f32; m * n];
+        let b_short = &b[..(k - 1) * n];
+        if k > 1 {
+            let (a_in, b_in) = (Strided::rows(&a[..], k), Strided::rows(b_short, n));
+            product((m, k - 1, n), a_in, b_in, 0.0, None, &mut short);
+            assert!(
+                short.iter().enumerate().any(|(i, &x)| {
+                    (f64::from(x) - want[i]).abs()
+                        > (k as f64 + 2.0) * f64::from(f32::EPSILON) / 2.0 * mag[i]
+                }),
+                "{m}x{k}x{n}: the control is within the bound"
+            );
+        }
+    }
 }

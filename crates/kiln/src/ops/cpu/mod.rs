@@ -12,6 +12,7 @@ use super::{KilnBackend, Strided};
 
 mod attention;
 pub(super) mod gemm;
+mod gemm_avx2;
 mod narrow;
 mod row_kernels;
 mod vector;

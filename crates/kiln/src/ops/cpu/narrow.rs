@@ -260,10 +260,8 @@ mod tests {
     }
 
     /// Every product `sgemm` sends here — C narrow (n ≤ 16) or A short (m ≤ 16, through Cᵀ) —
-    /// against an f64 reference, within f32 summation's bound ((K + 2)·2⁻²⁴ times the sum of
-    /// the products' magnitudes): rows below, at and past a register block (8) and a task, K
-    /// from 1 to past a LoRA layer's, both layouts of each operand, β 0 and 1, with and without
-    /// a bias. The control (the last K term dropped) must break the bound.
+    /// against an f64 reference ([`super::super::gemm::assert_products_within_f32_bound`]): rows
+    /// below, at and past a register block (8) and a task, K from 1 to past a LoRA layer's.
     #[test]
     fn narrow_products_match_an_f64_reference() {
         let shapes = [
@@ -276,69 +274,6 @@ mod tests {
             (16, 512, 40),
             (3, 7, 100),
         ];
-        for &(m, k, n) in &shapes {
-            let a: Vec<f32> = (0..m * k)
-                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
-                .collect();
-            let b: Vec<f32> = (0..k * n)
-                .map(|i| ((i * 53 % 97) as f32 - 48.0) / 23.0)
-                .collect();
-            let at: Vec<f32> = (0..k * m).map(|i| a[(i % m) * k + i / m]).collect();
-            let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
-            let init: Vec<f32> = (0..m * n).map(|i| (i % 5) as f32 - 2.0).collect();
-            let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.25 - 1.0).collect();
-            let (mut want, mut mag) = (vec![0f64; m * n], vec![0f64; m * n]);
-            for i in 0..m {
-                for j in 0..n {
-                    for p in 0..k {
-                        let x = f64::from(a[i * k + p]) * f64::from(b[p * n + j]);
-                        want[i * n + j] += x;
-                        mag[i * n + j] += x.abs();
-                    }
-                }
-            }
-            for beta in [0.0, 1.0] {
-                for with_bias in [false, true] {
-                    for (a_op, sa, b_op, sb) in [
-                        (&a, (k, 1), &b, (n, 1)),
-                        (&at, (1, m), &b, (n, 1)),
-                        (&a, (k, 1), &bt, (1, k)),
-                        (&at, (1, m), &bt, (1, k)),
-                    ] {
-                        let mut c = init.clone();
-                        let bias = with_bias.then_some(&bias[..]);
-                        let (a_in, b_in) =
-                            (Strided::new(&a_op[..], sa), Strided::new(&b_op[..], sb));
-                        sgemm((m, k, n), a_in, b_in, beta, bias, &mut c);
-                        for (i, &got) in c.iter().enumerate() {
-                            let extra = f64::from(beta * init[i])
-                                + bias.map_or(0.0, |b| f64::from(b[i % n]));
-                            let w = want[i] + extra;
-                            let bound = (k as f64 + 2.0) * f64::from(f32::EPSILON) / 2.0
-                                * (mag[i] + extra.abs());
-                            assert!(
-                                (f64::from(got) - w).abs() <= bound,
-                                "{m}x{k}x{n} A{sa:?} B{sb:?} β={beta} bias={with_bias} [{i}]: \
-                                 {got} vs {w} (bound {bound})"
-                            );
-                        }
-                    }
-                }
-            }
-            // The control: the product without its last K term breaks the bound.
-            let mut short = vec![0f32; m * n];
-            let b_short = &b[..(k - 1) * n];
-            if k > 1 {
-                let (a_in, b_in) = (Strided::rows(&a[..], k), Strided::rows(b_short, n));
-                sgemm((m, k - 1, n), a_in, b_in, 0.0, None, &mut short);
-                assert!(
-                    short.iter().enumerate().any(|(i, &x)| {
-                        (f64::from(x) - want[i]).abs()
-                            > (k as f64 + 2.0) * f64::from(f32::EPSILON) / 2.0 * mag[i]
-                    }),
-                    "{m}x{k}x{n}: the control is within the bound"
-                );
-            }
-        }
+        super::super::gemm::assert_products_within_f32_bound(&shapes, &sgemm);
     }
 }
