@@ -52,8 +52,14 @@ static L2_BYTES: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| {
     (0..8)
         .find(|&i| cache(i, "level").as_deref() == Some("2"))
         .and_then(|i| cache(i, "size"))
-        .and_then(|s| s.strip_suffix('K').and_then(|kb| kb.parse::<usize>().ok()))
-        .map_or(1 << 20, |kb| kb << 10)
+        .and_then(|s| {
+            let (number, shift) = match s.strip_suffix('M') {
+                Some(mb) => (mb, 20),
+                None => (s.strip_suffix('K')?, 10),
+            };
+            number.parse::<usize>().ok().map(|v| v << shift)
+        })
+        .unwrap_or(1 << 20)
 });
 
 /// Whether this kernel runs a product of these sizes: at least one register tile's worth of
@@ -160,47 +166,39 @@ unsafe fn tile<const R: usize>(
         }
         at += a.cs;
     }
-    if cols == NR {
-        let bias = e
-            .bias
-            .map(|b| [_mm256_loadu_ps(b), _mm256_loadu_ps(b.add(8))]);
-        for (i, acc) in acc.iter().enumerate() {
-            let row = c.add(i * ldc);
-            for (h, &v) in acc.iter().enumerate() {
-                let at = row.add(8 * h);
-                let mut v = v;
-                if let Some(bias) = bias {
-                    v = _mm256_add_ps(v, bias[h]);
-                }
-                if e.load_c {
-                    v = _mm256_add_ps(_mm256_loadu_ps(at), v);
-                }
-                _mm256_storeu_ps(at, v);
-            }
+    // A full tile loads and stores plainly; a ragged one through lane masks (masked stores are
+    // slow on some AMD cores, so only the edge pays for them).
+    let full = cols == NR;
+    let lanes = |from: usize| {
+        let w = cols.saturating_sub(from).min(8) as i32;
+        _mm256_cmpgt_epi32(
+            _mm256_set1_epi32(w),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        )
+    };
+    let masks = [lanes(0), lanes(8)];
+    let load = |at: *const f32, h: usize| {
+        if full {
+            _mm256_loadu_ps(at)
+        } else {
+            _mm256_maskload_ps(at, masks[h])
         }
-    } else {
-        let lanes = |from: usize| {
-            let w = cols.saturating_sub(from).min(8) as i32;
-            _mm256_cmpgt_epi32(
-                _mm256_set1_epi32(w),
-                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-            )
-        };
-        let masks = [lanes(0), lanes(8)];
-        let bias = e
-            .bias
-            .map(|b| [0, 1].map(|h| _mm256_maskload_ps(b.add(8 * h), masks[h])));
-        for (i, acc) in acc.iter().enumerate() {
-            let row = c.add(i * ldc);
-            for (h, &v) in acc.iter().enumerate() {
-                let at = row.add(8 * h);
-                let mut v = v;
-                if let Some(bias) = bias {
-                    v = _mm256_add_ps(v, bias[h]);
-                }
-                if e.load_c {
-                    v = _mm256_add_ps(_mm256_maskload_ps(at, masks[h]), v);
-                }
+    };
+    let bias = e.bias.map(|b| [0, 1].map(|h| load(b.add(8 * h), h)));
+    for (i, acc) in acc.iter().enumerate() {
+        let row = c.add(i * ldc);
+        for (h, &v) in acc.iter().enumerate() {
+            let at = row.add(8 * h);
+            let mut v = v;
+            if let Some(bias) = bias {
+                v = _mm256_add_ps(v, bias[h]);
+            }
+            if e.load_c {
+                v = _mm256_add_ps(load(at, h), v);
+            }
+            if full {
+                _mm256_storeu_ps(at, v);
+            } else {
                 _mm256_maskstore_ps(at, masks[h], v);
             }
         }
