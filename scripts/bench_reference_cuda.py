@@ -13,6 +13,8 @@ GPU row's PyTorch twin on the device kiln used, with the same shapes, data, opti
                                                      -> bertbase_train_bf16[_b32|_b128]_autocast
   smollm2_train_bf16 SmolLM2-135M's architecture (random init, tied head), batch 8 × 512 random ids,
                      AdamW lr 1e-4 under autocast bf16, SDPA          -> smollm2_train_bf16_autocast
+  smollm2_lora_train_bf16  the same with a PEFT adapter (r 16, alpha 32, all-linear), f32 base
+                     under autocast bf16                        -> smollm2_lora_train_bf16_autocast
   mnist_train        the mnist_mlp sample's MLP, SGD lr 0.01, batch 32     -> mnist_train_fp32
   tweets_train       MiniLM fine-tuning on the tweet file's first rows, padded to 128 and per batch
                                                   -> tweets_train_fixed128, tweets_train_dynamic
@@ -172,6 +174,38 @@ def smollm2_train_bf16(warmup, steps, device, batch=8, seq=512):
            {"loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4)})
 
 
+def smollm2_lora_train_bf16(warmup, steps, device, batch=8, seq=512):
+    """smollm2_train_bf16's model and batch with a PEFT adapter (r 16, alpha 32, every Linear but
+    the head, no dropout: kiln's LoRA rows), the base in f32 under autocast bf16."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                      max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                      tie_word_embeddings=True)
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                      task_type="CAUSAL_LM")
+    model = get_peft_model(LlamaForCausalLM(cfg), lora).to(device).train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
+                            weight_decay=0.0)
+    gen = torch.Generator().manual_seed(1234)
+    ids = torch.randint(1000, 30000, (batch, seq), generator=gen).to(device)
+
+    def step(_):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    times, losses = timed_steps(step, warmup, steps, device)
+    report("smollm2_lora_train_bf16_autocast", times, batch, seq, [batch * seq] * len(times),
+           {"loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4)})
+
+
 def minilm(device):
     d = os.environ.get("MINILM_DIR", "assets/minilm")
     torch.manual_seed(0)
@@ -299,6 +333,8 @@ def main():
                        args.base_steps, device, bf16=True)
     if "smollm2_train_bf16" in which:
         smollm2_train_bf16(w, args.base_steps, device)
+    if "smollm2_lora_train_bf16" in which:
+        smollm2_lora_train_bf16(w, args.base_steps, device)
     if "mnist_train" in which:
         mnist_train(max(w, 5), args.mnist_steps, device)
     if "tweets_train" in which:

@@ -276,6 +276,41 @@ where
     )
 }
 
+/// The GPU's SmolLM2 LoRA row (issue 59, item 5): [`smollm2_train_bf16`]'s model and batch with
+/// [`bench_lora`]'s adapter, the frozen base in f32 and the products in bf16 (`--lora-r 16
+/// --bf16`), as a PEFT user fine-tunes a base loaded in f32 with the Trainer's `bf16=True`;
+/// bench_reference_cuda.py runs PEFT the same way under autocast. A step's work is the forward
+/// twice over (the backward reaches the activations and the adapter, not the frozen weights).
+pub fn smollm2_lora_train_bf16<B>(
+    warmup: usize,
+    steps: usize,
+    device: &B::Device,
+) -> Result<BenchResult>
+where
+    B: crate::ops::KilnBackend,
+    burn::backend::Autodiff<B>: crate::ops::TrainBackend<InnerBackend = B, Device = B::Device>,
+{
+    let (batch, seq) = (8, 512);
+    let config = smollm2_config();
+    let model = crate::ops::with_seeded_rng::<burn::backend::Autodiff<B>, _>(device, 0, || {
+        crate::models::llama::LlamaForCausalLM::<burn::backend::Autodiff<B>>::new(&config, device)
+    });
+    let (model, _adapter) = crate::models::lora::attach(model, &bench_lora(), 0)?;
+    let (tb, targets, mut work) = random_step(&config, batch, seq);
+    work.flops = 2.0 * llama_forward_flops(&config, batch, seq);
+    let _precision = crate::ops::MatmulPrecisionScope::set(crate::ops::mixed_precision::<B>(true));
+    Ok(train_steps(
+        "smollm2_lora_train_bf16",
+        model,
+        super::workloads::adamw(),
+        1e-4,
+        &[(tb, targets, work)],
+        warmup,
+        steps,
+        device,
+    ))
+}
+
 /// The LoRA rows' adapter: r 16, alpha 32 (TRL's defaults), every Linear but the head (PEFT's
 /// `all-linear`), no dropout.
 fn bench_lora() -> crate::models::lora::LoraConfig {

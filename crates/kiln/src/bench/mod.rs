@@ -295,6 +295,7 @@ where
             Work::SmolLm2TrainBf16 => {
                 Ok(llama::smollm2_train_bf16::<B>(w, opts.base_steps, &device))
             }
+            Work::SmolLm2LoraTrainBf16 => llama::smollm2_lora_train_bf16::<B>(w, opts.base_steps, &device),
             Work::LoraTrain { on_smollm2 } => {
                 let dir = on_smollm2
                     .then(|| llama::converted_folder(&opts.smollm2_gguf))
@@ -841,6 +842,7 @@ mod tests {
             .contains("runs on a GPU only"));
         assert!(runs_on_device(table::row("smollm2_prefill").unwrap(), &cpu).is_ok());
         assert!(table::gpu_rows().contains(&"tweets_train"));
+        assert!(table::gpu_rows().contains(&"smollm2_lora_train_bf16"));
         assert!(!table::gpu_rows().contains(&"smollm2_prefill"));
         let unknown = table::row("resnet").unwrap_err().to_string();
         assert!(

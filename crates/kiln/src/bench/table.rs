@@ -28,6 +28,8 @@ pub enum Work {
     SmolLm2Train,
     /// SmolLM2-135M's shapes under `--bf16`.
     SmolLm2TrainBf16,
+    /// A LoRA adapter on SmolLM2-135M's shapes under `--bf16` (a GPU row).
+    SmolLm2LoraTrainBf16,
     /// A LoRA adapter trained on SmolLM2's converted folder, or on a model of the row's config.
     LoraTrain { on_smollm2: bool },
     /// SmolLM2's prefill of the corpus.
@@ -224,6 +226,13 @@ pub const ROWS: &[RowSpec] = &[
         devices: Devices::CpuAndGpu,
         reference: Reference::Extra,
         pytorch_rows: &["smollm2_train_bf16_autocast"],
+    },
+    RowSpec {
+        key: "smollm2_lora_train_bf16",
+        work: Work::SmolLm2LoraTrainBf16,
+        devices: Devices::GpuOnly,
+        reference: Reference::Extra,
+        pytorch_rows: &["smollm2_lora_train_bf16_autocast"],
     },
     RowSpec {
         key: "smollm2_lora_train",
