@@ -295,7 +295,9 @@ where
             Work::SmolLm2TrainBf16 => {
                 Ok(llama::smollm2_train_bf16::<B>(w, opts.base_steps, &device))
             }
-            Work::SmolLm2LoraTrainBf16 => llama::smollm2_lora_train_bf16::<B>(w, opts.base_steps, &device),
+            Work::SmolLm2LoraTrainBf16 => {
+                llama::smollm2_lora_train_bf16::<B>(w, opts.base_steps, &device)
+            }
             Work::LoraTrain { on_smollm2 } => {
                 let dir = on_smollm2
                     .then(|| llama::converted_folder(&opts.smollm2_gguf))

@@ -1,0 +1,6 @@
+mod base;
+mod dequantize;
+pub mod view;
+
+pub use base::*;
+pub use dequantize::*;

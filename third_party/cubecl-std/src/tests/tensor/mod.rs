@@ -1,0 +1,4 @@
+pub mod identity;
+
+mod test_macros;
+mod test_utils;
