@@ -6,6 +6,12 @@ launch in the CUBECL_DEBUG_LOG file) by kernel name, per step, largest first.
 
 STEPS is how many steps the log covers (warm-up included); ROW_MS, the row's ms per step, makes the
 remainder (cuBLAS calls, which CubeCL does not see, and idle time) a line of its own.
+
+A fixed-shape row launches the same kernels in the same order every step after the first (which
+also makes the optimizer's moments), so its log ends in STEPS − 1 copies of one sequence of kernel
+names: then the last copy alone is summed, without the model's set-up and the first steps'
+compilation (which put BERT-base's weight initialisation at the top of the list). A log that does
+not (dynamic shapes) is averaged over STEPS.
 """
 import collections
 import re
@@ -19,10 +25,21 @@ def parse(text):
     return float(m.group(1)) * UNITS[m.group(2)] if m else None
 
 
+def last_step(launches, copies):
+    """The launches of one step: the longest p for which the log ends in `copies` copies of its
+    last p kernel names (a longer p would reach into the set-up), or None."""
+    names = [n for n, _ in launches]
+    for p in range(len(names) // copies, 0, -1):
+        tail = names[-p:]
+        if all(names[-(k + 1) * p:len(names) - k * p] == tail for k in range(1, copies)):
+            return p
+    return None
+
+
 def main():
     log, steps = sys.argv[1], int(sys.argv[2])
     row_ms = float(sys.argv[3]) if len(sys.argv) > 3 else None
-    total, calls = collections.Counter(), collections.Counter()
+    launches = []
     for line in open(log, encoding="utf-8", errors="replace"):
         parts = line.split("|")
         if len(parts) < 3:
@@ -31,7 +48,13 @@ def main():
         if ms is None:
             continue
         name = "|".join(parts[2:]).strip()
-        name = re.sub(r"\s+", " ", name)[:110]
+        launches.append((re.sub(r"\s+", " ", name)[:110], ms))
+    step = last_step(launches, steps - 1) if steps > 2 else None
+    if step:
+        print(f"The last of {steps} steps ({steps - 1} launching the same kernels):")
+        launches, steps = launches[-step:], 1
+    total, calls = collections.Counter(), collections.Counter()
+    for name, ms in launches:
         total[name] += ms
         calls[name] += 1
     all_ms = sum(total.values()) / steps

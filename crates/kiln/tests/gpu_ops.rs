@@ -279,6 +279,19 @@ case!(
         kiln::ops::embedding(x[0].clone(), ids)
     }
 );
+// A table of 2 rows (BERT's token types) over 1,000 ids: too few cubes for the table alone, so
+// the tokens are cut into 3 slices (the last shorter) whose partial tables a second kernel adds.
+case!(
+    embedding_sliced,
+    "embedding (2 rows, 1,000 ids in 3 slices)",
+    [[2, 150]],
+    |x| {
+        let device = x[0].device();
+        let ids: Vec<i64> = (0..1000).map(|i| i64::from(i * 7 % 3 == 0)).collect();
+        let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [1000]), &device);
+        kiln::ops::embedding(x[0].clone(), ids)
+    }
+);
 // A vocabulary wider than a cube (1,000 classes over 64 units), two ignored rows.
 case!(
     cross_entropy_wide,
