@@ -148,7 +148,10 @@ def bert_train(name, model, batch, seq, warmup, steps, device, bf16=False):
            {"loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4)})
 
 
-def smollm2_train_bf16(warmup, steps, device, batch=8, seq=512):
+def smollm2_train_bf16(warmup, steps, device, lora=False, batch=8, seq=512):
+    """SmolLM2-135M's architecture (random init, tied head) under autocast bf16, AdamW lr 1e-4;
+    with `lora`, a PEFT adapter (r 16, alpha 32, every Linear but the head, no dropout: kiln's
+    LoRA rows) on the f32 base, only its parameters trained."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -156,38 +159,14 @@ def smollm2_train_bf16(warmup, steps, device, batch=8, seq=512):
                       num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                       max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
                       tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg).to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(1234)
-    ids = torch.randint(1000, 30000, (batch, seq), generator=gen).to(device)
+    model = LlamaForCausalLM(cfg)
+    if lora:
+        from peft import LoraConfig, get_peft_model
 
-    def step(_):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    times, losses = timed_steps(step, warmup, steps, device)
-    report("smollm2_train_bf16_autocast", times, batch, seq, [batch * seq] * len(times),
-           {"loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4)})
-
-
-def smollm2_lora_train_bf16(warmup, steps, device, batch=8, seq=512):
-    """smollm2_train_bf16's model and batch with a PEFT adapter (r 16, alpha 32, every Linear but
-    the head, no dropout: kiln's LoRA rows), the base in f32 under autocast bf16."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                      max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
-                      tie_word_embeddings=True)
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
-                      task_type="CAUSAL_LM")
-    model = get_peft_model(LlamaForCausalLM(cfg), lora).to(device).train()
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                 target_modules="all-linear",
+                                                 task_type="CAUSAL_LM"))
+    model = model.to(device).train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
                             weight_decay=0.0)
     gen = torch.Generator().manual_seed(1234)
@@ -202,7 +181,8 @@ def smollm2_lora_train_bf16(warmup, steps, device, batch=8, seq=512):
         return loss.detach()
 
     times, losses = timed_steps(step, warmup, steps, device)
-    report("smollm2_lora_train_bf16_autocast", times, batch, seq, [batch * seq] * len(times),
+    name = "smollm2_lora_train_bf16_autocast" if lora else "smollm2_train_bf16_autocast"
+    report(name, times, batch, seq, [batch * seq] * len(times),
            {"loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4)})
 
 
@@ -334,7 +314,7 @@ def main():
     if "smollm2_train_bf16" in which:
         smollm2_train_bf16(w, args.base_steps, device)
     if "smollm2_lora_train_bf16" in which:
-        smollm2_lora_train_bf16(w, args.base_steps, device)
+        smollm2_train_bf16(w, args.base_steps, device, lora=True)
     if "mnist_train" in which:
         mnist_train(max(w, 5), args.mnist_steps, device)
     if "tweets_train" in which:

@@ -248,43 +248,17 @@ pub fn smollm2_config() -> LlamaConfig {
     .expect("a valid config")
 }
 
-/// The GPU's SmolLM2 training row (issue 32's done-means "SmolLM2 train bf16"): SmolLM2-135M's
+/// The GPU's SmolLM2 training rows (issue 32's done-means "SmolLM2 train bf16"): SmolLM2-135M's
 /// architecture with random weights (a step's time does not depend on the values, and the GPU
 /// machine holds no checkpoint), `--bf16` products, AdamW lr 1e-4, one batch of 8 random
 /// 512-token blocks on the run's device. bench_reference_cuda.py runs the same under autocast.
-pub fn smollm2_train_bf16<B>(warmup: usize, steps: usize, device: &B::Device) -> BenchResult
-where
-    B: crate::ops::KilnBackend,
-    burn::backend::Autodiff<B>: crate::ops::TrainBackend<InnerBackend = B, Device = B::Device>,
-{
-    let (batch, seq) = (8, 512);
-    let config = smollm2_config();
-    let model = crate::ops::with_seeded_rng::<burn::backend::Autodiff<B>, _>(device, 0, || {
-        crate::models::llama::LlamaForCausalLM::<burn::backend::Autodiff<B>>::new(&config, device)
-    });
-    let (tb, targets, work) = random_step(&config, batch, seq);
-    let _precision = crate::ops::MatmulPrecisionScope::set(crate::ops::mixed_precision::<B>(true));
-    train_steps(
-        "smollm2_train_bf16",
-        model,
-        super::workloads::adamw(),
-        1e-4,
-        &[(tb, targets, work)],
-        warmup,
-        steps,
-        device,
-    )
-}
-
-/// The GPU's SmolLM2 LoRA row (issue 59, item 5): [`smollm2_train_bf16`]'s model and batch with
-/// [`bench_lora`]'s adapter, the frozen base in f32 and the products in bf16 (`--lora-r 16
-/// --bf16`), as a PEFT user fine-tunes a base loaded in f32 with the Trainer's `bf16=True`;
-/// bench_reference_cuda.py runs PEFT the same way under autocast. A step's work is the forward
-/// twice over (the backward reaches the activations and the adapter, not the frozen weights).
-pub fn smollm2_lora_train_bf16<B>(
+/// With `lora` (issue 59, item 5), [`bench_lora`]'s adapter on the frozen f32 base, as a PEFT user
+/// fine-tunes a base loaded in f32 with the Trainer's `bf16=True`.
+pub fn smollm2_train_bf16<B>(
     warmup: usize,
     steps: usize,
     device: &B::Device,
+    lora: bool,
 ) -> Result<BenchResult>
 where
     B: crate::ops::KilnBackend,
@@ -295,12 +269,20 @@ where
     let model = crate::ops::with_seeded_rng::<burn::backend::Autodiff<B>, _>(device, 0, || {
         crate::models::llama::LlamaForCausalLM::<burn::backend::Autodiff<B>>::new(&config, device)
     });
-    let (model, _adapter) = crate::models::lora::attach(model, &bench_lora(), 0)?;
     let (tb, targets, mut work) = random_step(&config, batch, seq);
-    work.flops = 2.0 * llama_forward_flops(&config, batch, seq);
+    let (model, name) = match lora {
+        true => {
+            // The forward twice over: the backward reaches the activations and the adapter, not
+            // the frozen weights.
+            work.flops = 2.0 * llama_forward_flops(&config, batch, seq);
+            let (model, _) = crate::models::lora::attach(model, &bench_lora(), 0)?;
+            (model, "smollm2_lora_train_bf16")
+        }
+        false => (model, "smollm2_train_bf16"),
+    };
     let _precision = crate::ops::MatmulPrecisionScope::set(crate::ops::mixed_precision::<B>(true));
     Ok(train_steps(
-        "smollm2_lora_train_bf16",
+        name,
         model,
         super::workloads::adamw(),
         1e-4,

@@ -292,11 +292,8 @@ where
                 let dir = llama::converted_folder(&opts.smollm2_gguf)?;
                 llama::train(&dir, &opts.lm_corpus, w, opts.base_steps)
             }
-            Work::SmolLm2TrainBf16 => {
-                Ok(llama::smollm2_train_bf16::<B>(w, opts.base_steps, &device))
-            }
-            Work::SmolLm2LoraTrainBf16 => {
-                llama::smollm2_lora_train_bf16::<B>(w, opts.base_steps, &device)
+            Work::SmolLm2TrainBf16 { lora } => {
+                llama::smollm2_train_bf16::<B>(w, opts.base_steps, &device, lora)
             }
             Work::LoraTrain { on_smollm2 } => {
                 let dir = on_smollm2

@@ -26,10 +26,8 @@ pub enum Work {
     DecoderFamilyTrain,
     /// SmolLM2-135M, converted from its GGUF, trained on the corpus.
     SmolLm2Train,
-    /// SmolLM2-135M's shapes under `--bf16`.
-    SmolLm2TrainBf16,
-    /// A LoRA adapter on SmolLM2-135M's shapes under `--bf16` (a GPU row).
-    SmolLm2LoraTrainBf16,
+    /// SmolLM2-135M's shapes under `--bf16`, fully trained or a LoRA adapter on them.
+    SmolLm2TrainBf16 { lora: bool },
     /// A LoRA adapter trained on SmolLM2's converted folder, or on a model of the row's config.
     LoraTrain { on_smollm2: bool },
     /// SmolLM2's prefill of the corpus.
@@ -222,14 +220,14 @@ pub const ROWS: &[RowSpec] = &[
     },
     RowSpec {
         key: "smollm2_train_bf16",
-        work: Work::SmolLm2TrainBf16,
+        work: Work::SmolLm2TrainBf16 { lora: false },
         devices: Devices::CpuAndGpu,
         reference: Reference::Extra,
         pytorch_rows: &["smollm2_train_bf16_autocast"],
     },
     RowSpec {
         key: "smollm2_lora_train_bf16",
-        work: Work::SmolLm2LoraTrainBf16,
+        work: Work::SmolLm2TrainBf16 { lora: true },
         devices: Devices::GpuOnly,
         reference: Reference::Extra,
         pytorch_rows: &["smollm2_lora_train_bf16_autocast"],
