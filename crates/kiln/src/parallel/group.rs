@@ -61,7 +61,8 @@ fn install_peer_lost_hook(rank: usize) {
             .cloned()
             .or_else(|| info.payload().downcast_ref::<&str>().map(|s| s.to_string()))
             .unwrap_or_default();
-        // The payload is Burn's debug dump of a socket error; its gist is enough.
+        // The payload is Burn's debug dump of a socket error; its gist is enough. Any other
+        // payload is quoted (its first line), so that a break no gist names still says its cause.
         let cause = [
             ("eset", "connection reset"),
             ("roken pipe", "broken pipe"),
@@ -70,7 +71,7 @@ fn install_peer_lost_hook(rank: usize) {
         ]
         .iter()
         .find(|(needle, _)| payload.contains(needle))
-        .map_or("connection error", |(_, gist)| gist);
+        .map_or_else(|| unnamed_cause(&payload), |(_, gist)| gist.to_string());
         // Give the board a moment to see which peer went silent.
         std::thread::sleep(std::time::Duration::from_millis(2500));
         let during = Watchdog::get(rank)
@@ -82,6 +83,25 @@ fn install_peer_lost_hook(rank: usize) {
         );
         std::process::exit(PEER_LOST_EXIT_CODE);
     }));
+}
+
+/// "connection error", with the first line of a networking panic's payload that no known cause
+/// matched (at most 200 characters, escaped: it came from the network stack).
+fn unnamed_cause(payload: &str) -> String {
+    let line: String = payload
+        .lines()
+        .next()
+        .unwrap_or("")
+        .chars()
+        .take(200)
+        .collect();
+    match line.trim() {
+        "" => "connection error".into(),
+        line => format!(
+            "connection error: {}",
+            crate::error::escape_for_terminal(line)
+        ),
+    }
 }
 
 /// Runs `f` (a collective of rank `rank`) under the job's watchdog: if it takes longer than
@@ -549,5 +569,28 @@ impl<B: Backend> Drop for ProcessGroup<B> {
                 FINISH_WAIT.as_secs()
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unnamed_cause;
+
+    #[test]
+    fn an_unknown_networking_panic_is_quoted_cut_and_escaped() {
+        assert_eq!(unnamed_cause(""), "connection error");
+        assert_eq!(
+            unnamed_cause("Tungstenite(Protocol(ResetWithoutClosingHandshake))\nat worker.rs"),
+            "connection error: Tungstenite(Protocol(ResetWithoutClosingHandshake))"
+        );
+        let long = "x".repeat(300);
+        assert_eq!(
+            unnamed_cause(&long),
+            format!("connection error: {}", &long[..200])
+        );
+        assert_eq!(
+            unnamed_cause("bad\u{1b}[2J"),
+            "connection error: bad\\u{1b}[2J"
+        );
     }
 }
