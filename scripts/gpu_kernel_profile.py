@@ -29,9 +29,11 @@ def last_step(launches, copies):
     """The launches of one step: the longest p for which the log ends in `copies` copies of its
     last p kernel names (a longer p would reach into the set-up), or None."""
     names = [n for n, _ in launches]
-    for p in range(len(names) // copies, 0, -1):
-        tail = names[-p:]
-        if all(names[-(k + 1) * p:len(names) - k * p] == tail for k in range(1, copies)):
+    end = len(names)
+    for p in range(end // copies, 0, -1):
+        # Launch by launch from the end, so a wrong p is usually left at its first name.
+        if all(names[end - 1 - i] == names[end - 1 - i - k * p]
+               for i in range(p) for k in range(1, copies)):
             return p
     return None
 
