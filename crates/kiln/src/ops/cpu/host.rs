@@ -23,6 +23,19 @@ pub(crate) fn dense(t: NdArrayTensor) -> ArcArray<f32, IxDyn> {
     }
 }
 
+/// `len` floats for a kernel that writes every one of them before anything reads them: a GEMM
+/// with β = 0 (its C), whose output would otherwise be zero-filled first, a whole extra pass of
+/// writes over memory (for MiniLM's inference step, 340 MB of products' outputs).
+///
+/// # Safety
+/// Every element must be written before any is read; until then the contents are unspecified.
+pub(crate) unsafe fn unfilled(len: usize) -> Vec<f32> {
+    let mut v = std::mem::ManuallyDrop::new(Vec::<std::mem::MaybeUninit<f32>>::with_capacity(len));
+    // SAFETY: the buffer has room for `len` f32s (same size and alignment as their `MaybeUninit`),
+    // and the caller promises each is written before it is read.
+    unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<f32>(), len, v.capacity()) }
+}
+
 /// The elements of `a` (standard layout) as a vector to overwrite with a result of the same shape:
 /// `a`'s own buffer when nothing else holds it — the gradient a backward kernel receives usually
 /// is not kept anywhere else — and a copy otherwise. Saves an allocation and a pass over memory.

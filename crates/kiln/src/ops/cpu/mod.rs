@@ -144,21 +144,12 @@ impl KilnBackend for Cpu {
         let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
         let (xs, ws, dys) = (slice(&x), slice(&w), slice(&dy));
         let dx = wants.input.then(|| {
-            let mut dx = vec![0f32; m * k];
-            matmul(
-                (m, n, k),
-                Strided::rows(dys, n),
-                Strided::rows(ws, k),
-                None,
-                &mut dx,
-            ); // dy · w
-            tensor(&[m, k], dx)
+            let (dy, w) = (Strided::rows(dys, n), Strided::rows(ws, k));
+            tensor(&[m, k], matmul_new((m, n, k), dy, w, None)) // dy · w
         });
         let dw = wants.weight.then(|| {
-            let mut dw = vec![0f32; n * k];
-            let dyt = Strided::rows(dys, n).t();
-            matmul((n, m, k), dyt, Strided::rows(xs, k), None, &mut dw); // dyᵀ · x
-            tensor(&[n, k], dw)
+            let (dyt, x) = (Strided::rows(dys, n).t(), Strided::rows(xs, k));
+            tensor(&[n, k], matmul_new((n, m, k), dyt, x, None)) // dyᵀ · x
         });
         let db = wants.bias.then(|| column_sums(dys, n));
         (dx, dw, db)
