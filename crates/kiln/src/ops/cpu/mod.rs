@@ -345,7 +345,8 @@ impl KilnBackend for Cpu {
         let (x, w, b) = (dense(x), dense(w), dense(b));
         let (r, h) = (x.shape()[0], x.shape()[1]);
         let (ws, bs) = (slice(&w), slice(&b));
-        let mut y = vec![0f32; r * h];
+        // SAFETY: `normalize_row` writes every row of `y` below, and nothing reads it before.
+        let mut y = unsafe { unfilled(r * h) };
         let mut stats = vec![(0f32, 0f32); r];
         let task = rows_per_task(h);
         y.par_chunks_mut(task * h)
@@ -373,37 +374,43 @@ impl KilnBackend for Cpu {
         let (rows, h) = (x.shape()[0], x.shape()[1]);
         let (ws, bs) = (slice(&w), slice(&b));
         let (keep, seed) = (dropout.keep() as f32, dropout.seed);
-        let mut z = slice(&r).to_vec();
-        let mut y = vec![0f32; rows * h];
+        // SAFETY: each row of `z` is written (the residual sum) and then each row of `y`
+        // (`normalize_row`) below, each before anything reads it.
+        let (mut z, mut y) = unsafe { (unfilled(rows * h), unfilled(rows * h)) };
         let mut stats = vec![(0f32, 0f32); rows];
         let task = rows_per_task(h);
         z.par_chunks_mut(task * h)
             .zip(y.par_chunks_mut(task * h))
-            .zip(slice(&x).par_chunks(task * h))
+            .zip(
+                slice(&x)
+                    .par_chunks(task * h)
+                    .zip(slice(&r).par_chunks(task * h)),
+            )
             .zip(stats.par_chunks_mut(task))
             .enumerate()
-            .for_each(|(c, (((zc, yc), xc), sc))| {
-                for (j, ((zr, yr), (xr, s))) in zc
+            .for_each(|(c, (((zc, yc), (xc, rc)), sc))| {
+                for (j, ((zr, yr), ((xr, rr), s))) in zc
                     .chunks_mut(h)
                     .zip(yc.chunks_mut(h))
-                    .zip(xc.chunks(h).zip(sc))
+                    .zip(xc.chunks(h).zip(rc.chunks(h)).zip(sc))
                     .enumerate()
                 {
                     simd(
                         #[inline(always)]
                         || {
+                            let sum = zr.iter_mut().zip(xr.iter().zip(rr));
                             if keep < 1.0 {
                                 let base = ((c * task + j) * h) as u64;
-                                for (i, (z, &x)) in zr.iter_mut().zip(xr).enumerate() {
+                                for (i, (z, (&x, &r))) in sum.enumerate() {
                                     let m = if uniform(seed, base + i as u64) < keep {
                                         1.0 / keep
                                     } else {
                                         0.0
                                     };
-                                    *z += x * m;
+                                    *z = r + x * m;
                                 }
                             } else {
-                                zr.iter_mut().zip(xr).for_each(|(z, x)| *z += x);
+                                sum.for_each(|(z, (&x, &r))| *z = r + x);
                             }
                         },
                     );
