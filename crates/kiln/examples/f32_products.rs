@@ -1,7 +1,8 @@
 //! GFLOP/s of kiln's f32 Linear (`x·wᵀ`, a PyTorch-layout weight) on the models' shapes, 2
 //! threads (`THREADS=N`: N), best of 7 rounds, the calls of a round adding up to about 4 GFLOP:
 //! `cargo run --release --example f32_products`. `KILN_CPU_ISA` caps the kernels as in training;
-//! `ONLY=text` keeps the shapes whose label holds it.
+//! `ONLY=text` keeps the shapes whose label holds it; `IN_OUT=1` times `x·w` with the weight laid
+//! out `[in, out]`, as inference holds it (`Linear::into_inference_layout`).
 use std::time::Instant;
 
 use burn::tensor::{Distribution, Tensor};
@@ -45,12 +46,19 @@ fn main() {
             // data is borrowed, and kiln's kernels copy borrowed operands).
             let x = Tensor::<Cpu, 2>::random([m, k], Distribution::Normal(0.0, 1.0), &device) * 1.0;
             let w = Tensor::<Cpu, 2>::random([n, k], Distribution::Normal(0.0, 1.0), &device) * 1.0;
+            let in_out = std::env::var_os("IN_OUT").is_some();
+            let w_in_out = kiln::ops::owned(w.clone().transpose());
             let flops = 2.0 * (m * k * n) as f64;
             let calls = (4e9 / flops).ceil() as usize;
             let bias = Tensor::<Cpu, 1>::random([n], Distribution::Normal(0.0, 1.0), &device) * 1.0;
             let best = |b: Option<&Tensor<Cpu, 1>>| {
                 let run = || {
-                    let _ = kiln::ops::linear(x.clone(), w.clone(), b.cloned()).into_primitive();
+                    let _ = if in_out {
+                        kiln::ops::linear_in_out(x.clone(), w_in_out.clone(), b.cloned())
+                    } else {
+                        kiln::ops::linear(x.clone(), w.clone(), b.cloned())
+                    }
+                    .into_primitive();
                 };
                 run();
                 (0..7)

@@ -6,7 +6,8 @@
 use rayon::prelude::*;
 
 use super::{
-    exp_row, has_avx512, scale_by, simd, small_gemm, softmax_backward_row, uniform, SharedMut,
+    exp_row, has_avx512, scale_by, simd, small_gemm, softmax_backward_row, unfilled, uniform,
+    SharedMut,
 };
 use crate::ops::bf16::{gemm_bf16_with, Bf16Kernel};
 use crate::ops::{AttentionSpec, MatmulPrecision, Strided, Window};
@@ -263,7 +264,10 @@ impl Attn {
         assert!(tiles.is_none() || d.is_multiple_of(NR));
         assert!(qkv.iter().all(|x| x.len() >= (b * t - 1) * rs + h));
         assert!(mask.len() >= b * t);
-        let mut out = vec![0f32; b * t * h];
+        // SAFETY: the tasks below cover every (batch, head, query row), and each writes its rows'
+        // d output columns by overwriting (the tiles' `run` and `small_gemm` without accumulating),
+        // reading none of them before.
+        let mut out = unsafe { unfilled(b * t * h) };
         let mut probs = with_probs.then(|| vec![0f32; b * heads * t * t]);
         let io = ForwardIo {
             qkv,

@@ -25,11 +25,16 @@ pub(crate) fn dense(t: NdArrayTensor) -> ArcArray<f32, IxDyn> {
 
 /// `len` floats for a kernel that writes every one of them before anything reads them: a GEMM
 /// with β = 0 (its C), whose output would otherwise be zero-filled first, a whole extra pass of
-/// writes over memory (for MiniLM's inference step, 340 MB of products' outputs).
+/// writes over memory (for MiniLM's inference step, 340 MB of products' outputs). Debug builds
+/// (the test suite) fill the buffer with NaN, so a kernel that reads an element it has not
+/// written spoils its result where the tests compare it with their references.
 ///
 /// # Safety
 /// Every element must be written before any is read; until then the contents are unspecified.
 pub(crate) unsafe fn unfilled(len: usize) -> Vec<f32> {
+    if cfg!(debug_assertions) {
+        return vec![f32::NAN; len];
+    }
     let mut v = std::mem::ManuallyDrop::new(Vec::<std::mem::MaybeUninit<f32>>::with_capacity(len));
     // SAFETY: the buffer has room for `len` f32s (same size and alignment as their `MaybeUninit`),
     // and the caller promises each is written before it is read.
