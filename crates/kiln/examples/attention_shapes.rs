@@ -2,12 +2,17 @@
 //! MiniLM's inference batch (32 × 128, 12 heads of 32) and SmolLM2's prefill (1 × 128, 9 heads of
 //! 64, causal). `KILN_CPU_ISA=avx2 cargo run --release --example attention_shapes` times the AVX2
 //! tiles on any machine; rayon's pool takes `RAYON_NUM_THREADS`.
+
+#[path = "support/allocator.rs"]
+mod allocator;
+
 use std::time::Instant;
 
 use burn::tensor::{Distribution, Tensor};
 use kiln::backend::{Cpu, CpuDevice};
 
 fn main() {
+    allocator::keep_freed_memory();
     let device = CpuDevice::default();
     for (name, b, t, heads, d, causal) in [
         ("minilm_infer 32×128, 12×32", 32, 128, 12, 32, false),

@@ -1,6 +1,10 @@
 //! Times the CPU attention core alone at SmolLM2-135M's training shape (8×512, 9 heads of 64):
 //! forward with probabilities and backward, in f32 and under `--bf16`'s precision, best of 5.
 //! `cargo run --release --example attention_steps`.
+
+#[path = "support/allocator.rs"]
+mod allocator;
+
 use std::time::Instant;
 
 use burn::tensor::{Distribution, Tensor};
@@ -8,6 +12,7 @@ use kiln::backend::{Cpu, CpuDevice};
 use kiln::ops::{set_matmul_precision, AttentionSpec, KilnBackend, MatmulPrecision, Window};
 
 fn main() {
+    allocator::keep_freed_memory();
     let (b, t, heads, d) = (8, 512, 9, 64);
     let h = heads * d;
     let spec = AttentionSpec::new(heads, d, Window::CAUSAL);

@@ -3,6 +3,10 @@
 //! `cargo run --release --example f32_products`. `KILN_CPU_ISA` caps the kernels as in training;
 //! `ONLY=text` keeps the shapes whose label holds it; `IN_OUT=1` times `x·w` with the weight laid
 //! out `[in, out]`, as inference holds it (`Linear::into_inference_layout`).
+
+#[path = "support/allocator.rs"]
+mod allocator;
+
 use std::time::Instant;
 
 use burn::tensor::{Distribution, Tensor};
@@ -25,6 +29,7 @@ const SHAPES: &[(&str, usize, usize, usize)] = &[
 ];
 
 fn main() {
+    allocator::keep_freed_memory();
     kiln::ops::isa::init().expect("KILN_CPU_ISA is a level");
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(

@@ -1,6 +1,10 @@
 //! GEMM throughput on the models' shapes: matrixmultiply (split over rayon by rows, as kiln's
 //! `sgemm` did until issue 16) beside the `gemm` crate (what it calls now, with its own rayon parallelism). A probe for issue 16:
 //! `cargo run --release -p kiln --example gemm_crates`.
+
+#[path = "support/allocator.rs"]
+mod allocator;
+
 use std::time::Instant;
 
 use rayon::prelude::*;
@@ -273,6 +277,7 @@ fn time(f: &mut dyn FnMut()) -> f64 {
 }
 
 fn main() {
+    allocator::keep_freed_memory();
     println!("threads {}", rayon::current_num_threads());
     for &(name, m, k, n, tb, ta) in SHAPES {
         let a: Vec<f32> = (0..m * k)

@@ -6,6 +6,10 @@
 //! `KILN_SHAPES=deepseek`: deepseek-coder-1.3B's layer at 1×128, its held weights cycled through
 //! copies larger than L3, as a step reads them from memory):
 //! `cargo run --release --example gemm_shapes [Amx Dot Rounded]`.
+
+#[path = "support/allocator.rs"]
+mod allocator;
+
 use std::time::Instant;
 
 use kiln::ops::Strided;
@@ -56,6 +60,7 @@ fn rounded(m: usize, k: usize, n: usize, a: &[f32], b: &[f32], _: f32, c: &mut [
 }
 
 fn main() {
+    allocator::keep_freed_memory();
     if let Some(peak) = kiln::bench::peak::measure() {
         println!("{}", peak.how);
     }

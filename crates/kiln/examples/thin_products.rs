@@ -1,6 +1,10 @@
 //! GFLOP/s of a rank-16 LoRA adapter's products (SmolLM2's q at b4×128 tokens: one side of 16)
 //! on kiln's f32 Linear and on the fastest bf16 kernel this CPU has, 2 threads, best of 7 rounds
 //! of 20 calls: `cargo run --release --example thin_products`.
+
+#[path = "support/allocator.rs"]
+mod allocator;
+
 use std::time::Instant;
 
 use burn::tensor::{Distribution, Tensor};
@@ -8,6 +12,7 @@ use kiln::backend::Cpu;
 use kiln::ops::Strided;
 
 fn main() {
+    allocator::keep_freed_memory();
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(2)
         .build()
