@@ -49,7 +49,7 @@ fn slice_tokens(vocab: usize, h: usize, n: usize) -> usize {
 fn embedding_backward_kernel<F: Float, I: Int>(
     dy: &Tensor<F>,
     ids: &Tensor<I>,
-    dw: &mut Tensor<F>,
+    tables: &mut Tensor<F>,
     vocab: u32,
     slice_len: u32,
     #[comptime] rows: usize,
@@ -57,7 +57,8 @@ fn embedding_backward_kernel<F: Float, I: Int>(
     #[comptime] block: usize,
 ) {
     let h = dy.shape(1);
-    // This grid layer's slice of the tokens, and its own `[vocab, h]` table in `dw`.
+    // This grid layer's slice of the tokens, and its own `[vocab, h]` table in `tables` (the
+    // gradient itself when there is one slice).
     let first = CUBE_POS_Z as usize * slice_len as usize;
     let n = select(
         first + (slice_len as usize) < ids.len(),
@@ -96,7 +97,7 @@ fn embedding_backward_kernel<F: Float, I: Int>(
             let mut w = 0;
             while w < rows {
                 if start + w < v {
-                    dw[table + (start + w) * h + col] = tile[w * units + u];
+                    tables[table + (start + w) * h + col] = tile[w * units + u];
                 }
                 w += 1;
             }
@@ -134,7 +135,8 @@ pub fn embedding_backward<R: CubeRuntime, F: FloatElement, I: IntElement>(
     let n = ids.shape.num_elements();
     let slice_len = slice_tokens(vocab, h, n);
     let slices = n.div_ceil(slice_len).max(1);
-    let dw = empty_device::<R, F>(
+    // One `[vocab, H]` table per slice of the tokens, summed below when there is more than one.
+    let tables = empty_device::<R, F>(
         dy.client.clone(),
         dy.device.clone(),
         Shape::new([slices * vocab, h]),
@@ -150,7 +152,7 @@ pub fn embedding_backward<R: CubeRuntime, F: FloatElement, I: IntElement>(
         CubeDim::new_1d(UNITS as u32),
         dy.as_tensor_arg(1),
         ids.as_tensor_arg(1),
-        dw.as_tensor_arg(1),
+        tables.as_tensor_arg(1),
         ScalarArg::new(vocab as u32),
         ScalarArg::new(slice_len as u32),
         ROWS,
@@ -159,7 +161,7 @@ pub fn embedding_backward<R: CubeRuntime, F: FloatElement, I: IntElement>(
     )
     .expect("embedding_backward launches");
     if slices == 1 {
-        return dw;
+        return tables;
     }
     let out = empty_device::<R, F>(dy.client.clone(), dy.device.clone(), Shape::new([vocab, h]));
     let (count, dim) = flat_grid(vocab * h);
@@ -167,7 +169,7 @@ pub fn embedding_backward<R: CubeRuntime, F: FloatElement, I: IntElement>(
         &dy.client,
         count,
         dim,
-        dw.as_tensor_arg(1),
+        tables.as_tensor_arg(1),
         out.as_tensor_arg(1),
         ScalarArg::new(slices as u32),
     )
