@@ -20,11 +20,16 @@ fn main() {
     ] {
         let h = heads * d;
         let reps = if b > 1 { 20 } else { 200 };
-        // Inputs drawn beforehand, one per call and owned by it, as a model's layer hands over
-        // its projections (a shared tensor would be copied first).
-        // `* 1.0`: owned storage, as a projection's output is (a tensor made from data is
-        // borrowed, and kiln's kernels copy a borrowed operand).
-        let draw = || Tensor::<Cpu, 3>::random([b, t, 3 * h], Distribution::Default, &device) * 1.0;
+        // Inputs drawn beforehand, one per call, each with a buffer of its own as a layer's
+        // projection hands it over: a random tensor's storage is borrowed, and kiln's kernels
+        // copy a borrowed operand first.
+        let draw = || {
+            kiln::ops::owned(Tensor::<Cpu, 3>::random(
+                [b, t, 3 * h],
+                Distribution::Default,
+                &device,
+            ))
+        };
         let mask = Tensor::<Cpu, 2>::zeros([b, t], &device);
         let mut best = f64::INFINITY;
         for _ in 0..3 {

@@ -10,8 +10,11 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// mimalloc's `mi_option_purge_delay`, as the binary sets it.
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 
-/// Keeps freed memory committed, as the binary does (its `keep_freed_memory`).
+/// Keeps freed memory committed, as the binary does (its `keep_freed_memory`), unless
+/// `MIMALLOC_PURGE_DELAY` asks for another delay.
 pub fn keep_freed_memory() {
-    // SAFETY: sets a process-wide allocator option; valid at any time.
-    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        // SAFETY: sets a process-wide allocator option; valid at any time.
+        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+    }
 }
