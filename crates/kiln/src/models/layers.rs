@@ -16,9 +16,10 @@ use crate::ops::{self, KilnBackend, TpComm};
 pub struct Linear<B: Backend> {
     pub weight: Param<Tensor<B, 2>>,
     pub bias: Option<Param<Tensor<B, 1>>>,
-    /// The weight as `[in, out]` instead, for a model that only runs forward (see
-    /// [`Linear::into_inference_layout`]); a constant, neither trained nor saved.
-    pub weight_in_out: Option<Tensor<B, 2>>,
+    /// The weight as the backend's inference products read it instead (`[in, out]`, or panels on
+    /// an AVX-512 CPU), for a model that only runs forward (see [`Linear::into_inference_layout`]);
+    /// a constant, neither trained nor saved.
+    pub inference_weight: Option<Tensor<B, 2>>,
     /// This layer's part in a tensor-parallel group (`None`: a whole layer on its own).
     pub parallel: Ignored<Option<ParallelLinear>>,
     /// LoRA's down-projection `[r, in]` (PEFT's `lora_A`), when an adapter is attached
@@ -73,7 +74,7 @@ impl<B: KilnBackend> Linear<B> {
         Self {
             weight: Param::from_tensor(ops::owned(weight)),
             bias: bias.then(|| Param::from_tensor(ops::owned(Tensor::zeros([d_out], device)))),
-            weight_in_out: None,
+            inference_weight: None,
             parallel: Ignored(None),
             lora_a: None,
             lora_b: None,
@@ -131,7 +132,7 @@ impl<B: KilnBackend> Linear<B> {
     /// `x Wᵀ + b` alone, in this layer's tensor-parallel role.
     fn base_forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let bias = self.bias.as_ref().map(|b| b.val());
-        match (&self.parallel.0, &self.weight_in_out) {
+        match (&self.parallel.0, &self.inference_weight) {
             (None | Some(ParallelLinear::Column(_)), Some(w)) => {
                 ops::linear_in_out(x, w.clone(), bias)
             }
@@ -153,20 +154,21 @@ impl<B: KilnBackend> Linear<B> {
         }
     }
 
-    /// The same layer for inference only, its weight moved to `[in, out]` (no second copy: the
-    /// `[out, in]` parameter is left empty, so saving or training this layer fails on the shape
-    /// instead of going wrong). A GEMM of a few hundred rows packs its `[out, in]` operand
-    /// strided on every call; from `[in, out]` the packing reads rows (prefill's `down_proj`:
-    /// 302 against 444 GFLOP/s on Zen 5, 111 against 173 on Zen 4).
+    /// The same layer for inference only, its weight moved to the backend's inference layout
+    /// ([`ops::inference_layout`]; no second copy: the `[out, in]` parameter is left empty, so
+    /// saving or training this layer fails on the shape instead of going wrong). A GEMM of a few
+    /// hundred rows packs its `[out, in]` operand strided on every call; from `[in, out]` the
+    /// packing reads rows (prefill's `down_proj`: 302 against 444 GFLOP/s on Zen 5, 111 against
+    /// 173 on Zen 4), and from an AVX-512 CPU's panels there is no packing left to do.
     pub fn into_inference_layout(self) -> Self {
-        if self.weight_in_out.is_some() {
+        if self.inference_weight.is_some() {
             return self;
         }
         let w = self.weight.val();
         let [_, d_in] = w.dims();
         let device = w.device();
         Self {
-            weight_in_out: Some(ops::owned(w.transpose())),
+            inference_weight: Some(ops::inference_layout(w)),
             weight: self.weight.map(|_| Tensor::zeros([0, d_in], &device)),
             ..self
         }
@@ -378,7 +380,7 @@ impl<B: KilnBackend> Linear<B> {
         Linear {
             weight: slice_rows(self.weight, rows.clone()),
             bias: self.bias.map(|b| slice_vec(b, rows.clone())),
-            weight_in_out: None,
+            inference_weight: None,
             parallel: Ignored(Some(ParallelLinear::Column(tp))),
             lora_b: self.lora_b.map(|f| LoraFactor {
                 weight: slice_rows(f.weight, rows),
@@ -393,7 +395,7 @@ impl<B: KilnBackend> Linear<B> {
         let full = self.weight.dims()[1];
         Linear {
             weight: slice_cols(self.weight, cols.clone()),
-            weight_in_out: None,
+            inference_weight: None,
             parallel: Ignored(Some(ParallelLinear::Row {
                 tp,
                 cols: cols.clone(),

@@ -29,7 +29,7 @@ fn torch_linear<B: KilnBackend>(d_in: usize, d_out: usize, device: &B::Device) -
             u,
             device,
         )))),
-        weight_in_out: None,
+        inference_weight: None,
         parallel: burn::module::Ignored(None),
         lora_a: None,
         lora_b: None,

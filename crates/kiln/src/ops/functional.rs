@@ -135,34 +135,37 @@ pub fn linear<B: KilnBackend, const D: usize>(
     w: Tensor<B, 2>,
     b: Option<Tensor<B, 1>>,
 ) -> Tensor<B, D> {
-    let n = w.dims()[0];
-    over_rows(x, n, |x| B::kiln_linear(x, p(w), b.map(p)))
+    over_rows(x, |x| B::kiln_linear(x, p(w), b.map(p)))
 }
 
-/// `x w + b` over the last dimension for a weight laid out `[in, out]` (see
-/// [`KilnBackend::kiln_linear_in_out`]).
+/// `x w + b` over the last dimension for a weight laid out `[in, out]`, or as
+/// [`inference_layout`] made it (see [`KilnBackend::kiln_linear_in_out`]).
 pub fn linear_in_out<B: KilnBackend, const D: usize>(
     x: Tensor<B, D>,
     w: Tensor<B, 2>,
     b: Option<Tensor<B, 1>>,
 ) -> Tensor<B, D> {
-    let n = w.dims()[1];
-    over_rows(x, n, |x| B::kiln_linear_in_out(x, p(w), b.map(p)))
+    over_rows(x, |x| B::kiln_linear_in_out(x, p(w), b.map(p)))
+}
+
+/// `w [out, in]` as this backend's inference products read it ([`linear_in_out`]): `[in, out]`,
+/// or panels on an AVX-512 CPU (see [`KilnBackend::kiln_inference_layout`]).
+pub fn inference_layout<B: KilnBackend>(w: Tensor<B, 2>) -> Tensor<B, 2> {
+    t(B::kiln_inference_layout(p(w)))
 }
 
 /// `f` over `x`'s rows (all leading dimensions flattened to `[M, K]`), its `[M, n]` result put
 /// back under the leading dimensions.
 pub(crate) fn over_rows<B: KilnBackend, const D: usize>(
     x: Tensor<B, D>,
-    n: usize,
     f: impl FnOnce(FloatTensor<B>) -> FloatTensor<B>,
 ) -> Tensor<B, D> {
     let mut dims = x.dims();
     let k = dims[D - 1];
     let m: usize = dims[..D - 1].iter().product();
-    let y = f(p(reshape(x, [m, k])));
-    dims[D - 1] = n;
-    reshape(t::<B, 2>(y), dims)
+    let y = t::<B, 2>(f(p(reshape(x, [m, k]))));
+    dims[D - 1] = y.dims()[1];
+    reshape(y, dims)
 }
 
 /// Exact GELU, transformers' `"gelu"`.

@@ -192,7 +192,16 @@ pub trait KilnBackend: Backend {
         Self::kiln_linear_in_out(x, p(t::<Self, 2>(w).transpose()), b)
     }
 
-    /// `x w + b` for a weight already laid out `[in, out]` (`[K, N]`): inference's copy (see
+    /// `w [N, K]` (PyTorch's layout) as this backend's inference products read it
+    /// (`Linear::into_inference_layout`): `wᵀ [K, N]` in a buffer of its own by default. The CPU
+    /// packs it into panels where its inference GEMM reads them (`ops/cpu/panels.rs`); only
+    /// [`Self::kiln_linear_in_out`] reads the result.
+    fn kiln_inference_layout(w: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::kiln_into_owned(p(t::<Self, 2>(w).transpose()))
+    }
+
+    /// `x w + b` for a weight laid out `[in, out]` (`[K, N]`), or as
+    /// [`Self::kiln_inference_layout`] made it: inference's copy (see
     /// `Linear::into_inference_layout`). Composed of Burn ops by default, so it also differentiates.
     fn kiln_linear_in_out(
         x: FloatTensor<Self>,

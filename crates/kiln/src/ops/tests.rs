@@ -244,6 +244,33 @@ fn linear_in_out_matches_linear() {
     }
 }
 
+/// A weight in the backend's inference layout (panels on an AVX-512 CPU, `[in, out]` elsewhere)
+/// gives `linear`'s outputs: decoding's rows (1, 4), a prompt's (130), and more rows than the
+/// panel kernel takes (600, where the CPU unpacks the panels for the GEMM), with and without
+/// bias.
+#[test]
+fn inference_layout_matches_linear() {
+    let (k, n) = (40, 96);
+    let w = rand([n, k], 71).inner();
+    let packed = super::inference_layout(w.clone());
+    let b = rand([n], 72).inner();
+    for m in [1, 4, 130, 600] {
+        let x = rand([m, k], 73 + m as u64).inner();
+        for bias in [None, Some(b.clone())] {
+            assert_close(
+                &format!("inference layout m={m} bias={}", bias.is_some()),
+                host(super::linear_in_out(
+                    x.clone(),
+                    packed.clone(),
+                    bias.clone(),
+                )),
+                host(super::linear(x.clone(), w.clone(), bias)),
+                1e-5,
+            );
+        }
+    }
+}
+
 /// A first layer reads data that needs no gradient: the fused backward skips that product and
 /// still gives the weight and bias theirs.
 #[test]

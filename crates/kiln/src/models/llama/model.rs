@@ -740,7 +740,7 @@ impl<B: KilnBackend> LlamaForCausalLM<B> {
     /// it, an inference layout), get their logits whole instead (`None`).
     fn chunked_head_weight(&self, n: usize, chunk: usize) -> Option<Tensor<B, 2>> {
         let plain =
-            |l: &Linear<B>| l.lora_a.is_none() && l.weight_in_out.is_none() && l.bias.is_none();
+            |l: &Linear<B>| l.lora_a.is_none() && l.inference_weight.is_none() && l.bias.is_none();
         match &self.lm_head {
             _ if chunk == 0 => None,
             // Two chunks' positions or fewer: the whole logits are small, and measured peaks
@@ -1101,10 +1101,10 @@ mod tests {
         let down = &fast.model.layers[1].mlp.down_proj;
         assert_eq!(down.weight.dims(), [0, 50]);
         assert_eq!(
-            down.weight_in_out.as_ref().map(|w| w.dims()),
+            down.inference_weight.as_ref().map(|w| w.dims()),
             Some([50, 32])
         );
-        assert!(fast.lm_head.as_ref().unwrap().weight_in_out.is_some());
+        assert!(fast.lm_head.as_ref().unwrap().inference_weight.is_some());
         let ids: Vec<i64> = vec![5, 9, 1, 44, 17, 8, 30];
         let t = |v: &[i64]| {
             Tensor::<Cpu, 2, Int>::from_data(TensorData::new(v.to_vec(), [1, v.len()]), &d)

@@ -14,6 +14,7 @@ mod attention;
 pub(super) mod gemm;
 mod gemm_avx2;
 mod narrow;
+mod panels;
 mod row_kernels;
 mod vector;
 use attention::Attn;
@@ -112,12 +113,35 @@ impl KilnBackend for Cpu {
         linear_forward(x, w, b, false)
     }
 
+    fn kiln_inference_layout(w: FloatTensor<Self>) -> FloatTensor<Self> {
+        let (n, k) = (w.shape()[0], w.shape()[1]);
+        if bf16_bits(&w).is_none() && panels::packs(k, n) {
+            let w = dense(w);
+            return tensor(
+                &[n / panels::PANEL * k, panels::PANEL],
+                panels::pack(slice(&w), n, k),
+            );
+        }
+        Self::kiln_into_owned(<Self as burn::tensor::ops::FloatTensorOps<Self>>::float_transpose(w))
+    }
+
     fn kiln_linear_in_out(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
         b: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
-        linear_forward(x, w, b, true)
+        let (m, k) = (x.shape()[0], x.shape()[1]);
+        let Some(n) = panels::packed_outputs(&w.shape(), k) else {
+            return linear_forward(x, w, b, true);
+        };
+        if m > panels::MAX_ROWS {
+            let w = tensor(&[k, n], panels::unpack(slice(&dense(w)), k, n));
+            return linear_forward(x, w, b, true);
+        }
+        let _p = super::profile::scope("linear_fwd");
+        let (x, w, b) = (dense(x), dense(w), b.map(dense));
+        let y = panels::linear((m, k, n), slice(&x), slice(&w), b.as_ref().map(slice));
+        tensor(&[m, n], y)
     }
 
     fn kiln_linear_backward(
