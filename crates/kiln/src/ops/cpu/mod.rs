@@ -603,14 +603,19 @@ impl KilnBackend for Cpu {
         y.par_chunks_mut(rows * row)
             .enumerate()
             .for_each(|(task, chunk)| {
-                for (i, r) in chunk.chunks_mut(row).enumerate() {
-                    // Row (b, position) of the flattened [B·T, heads·D].
-                    let pos = (task * rows + i) % t;
-                    let (c, s) = (&cos[pos * d..][..d], &sin[pos * d..][..d]);
-                    for head in r.chunks_mut(d) {
-                        rope_head(head, c, s, transpose);
-                    }
-                }
+                simd(
+                    #[inline(always)]
+                    || {
+                        for (i, r) in chunk.chunks_mut(row).enumerate() {
+                            // Row (b, position) of the flattened [B·T, heads·D].
+                            let pos = (task * rows + i) % t;
+                            let (c, s) = (&cos[pos * d..][..d], &sin[pos * d..][..d]);
+                            for head in r.chunks_mut(d) {
+                                rope_head(head, c, s, transpose);
+                            }
+                        }
+                    },
+                )
             });
         tensor(&shape, y)
     }

@@ -5,27 +5,24 @@ use super::*;
 
 /// In place: one head's rotary embedding (or, with `transpose`, its transpose) at one position.
 /// Pairs `(i, i + D/2)` turn by the 2×2 matrix `[[c_i, −s_i], [s_j, c_j]]` (`j = i + D/2`).
+/// Vectorised where its caller runs inside [`simd`] (a head is 32–64 pairs: a [`simd`] call per
+/// head cost more than the head).
 #[inline(always)]
 pub(super) fn rope_head(x: &mut [f32], c: &[f32], s: &[f32], transpose: bool) {
     let h = x.len() / 2;
     let (a, b) = x.split_at_mut(h);
     let (c1, c2) = c.split_at(h);
     let (s1, s2) = s.split_at(h);
-    simd(
-        #[inline(always)]
-        || {
-            for i in 0..h {
-                let (u, v) = (a[i], b[i]);
-                if transpose {
-                    a[i] = u * c1[i] + v * s2[i];
-                    b[i] = v * c2[i] - u * s1[i];
-                } else {
-                    a[i] = u * c1[i] - v * s1[i];
-                    b[i] = v * c2[i] + u * s2[i];
-                }
-            }
-        },
-    )
+    for i in 0..h {
+        let (u, v) = (a[i], b[i]);
+        if transpose {
+            a[i] = u * c1[i] + v * s2[i];
+            b[i] = v * c2[i] - u * s1[i];
+        } else {
+            a[i] = u * c1[i] - v * s1[i];
+            b[i] = v * c2[i] + u * s2[i];
+        }
+    }
 }
 
 /// Cross-entropy of the rows of `x` (as many as `targets`): each row's log-sum-exp into `lse` and
