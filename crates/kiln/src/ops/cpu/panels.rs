@@ -29,9 +29,9 @@ const CHUNK_ROWS: usize = 16 * TILE_ROWS;
 const KC: usize = 384;
 
 /// The most rows [`linear`] runs on: past them (a long prompt) the `gemm` crate's blocking, which
-/// packs the activations, is ahead of this kernel's (406 against 365 GFLOP/s at 2048 rows), and
-/// a product long enough to lose unpacks the weight ([`unpack`]) for it instead: a copy of the
-/// weight per call, under 5 % of a product of 512 rows or more.
+/// packs the activations, is ahead of this kernel's (406 against 365 GFLOP/s at 2048 rows), so
+/// the weight is unpacked ([`unpack`]) for it instead: a copy per call that leaves such products
+/// 7–15 % behind the `[in, out]` layout at 1024 rows and 2–5 % at 2048 (BENCHMARKS.md, session 10).
 pub(super) const MAX_ROWS: usize = 512;
 
 /// Whether `w [n, k]` is packed for inference on this CPU: an f32 product on AVX-512, with whole
