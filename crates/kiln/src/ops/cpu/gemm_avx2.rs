@@ -1,7 +1,8 @@
 //! kiln's own f32 GEMM for one thread's tile of C on AVX2 + FMA, blocked as Goto and BLIS block:
 //! B packed once per block of K and panel of columns (kept in L2), A's rows broadcast straight
 //! from where they lie (six rows × a block of K stay in L1 while every column panel of B streams
-//! past them), a 6-row × 16-column register tile of 12 accumulators.
+//! past them), a 6-row × 16-column register tile of 12 accumulators. An A read down its columns
+//! (a weight gradient) is packed as well, in Goto's order ([`gemm_packed_a`]).
 //!
 //! Why not the `gemm` crate here: capped to AVX2 on an Intel Xeon its 16 × 6 kernel ran the
 //! models' products at 65–72 % of the FMA peak where MKL reaches 76–80 %; its inner loop steps
@@ -11,6 +12,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 use std::cell::RefCell;
+use std::sync::LazyLock;
 
 use crate::ops::Strided;
 
@@ -27,9 +29,26 @@ const PREFETCH: usize = 16;
 /// once per block).
 const KC: usize = 384;
 
+/// One cache line of packed values: the packed buffers are vectors of these, so every micro-panel
+/// row of B (16 values) is one aligned line.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([f32; 16]);
+
 thread_local! {
     /// The packed panel of B, kept per thread so a product maps no fresh pages.
-    static PACKED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static PACKED: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
+    /// The packed block of A (products reading A down its columns only), likewise.
+    static PACKED_A: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `buffer` grown to at least `floats` values, as a pointer to its first.
+fn lines_for(buffer: &mut Vec<Line>, floats: usize) -> *mut f32 {
+    let lines = floats.div_ceil(16);
+    if buffer.len() < lines {
+        buffer.resize(lines, Line([0.0; 16]));
+    }
+    buffer.as_mut_ptr().cast()
 }
 
 /// Columns of B per packed panel for blocks of `kc` values of K: the panel fills at most half of
@@ -41,7 +60,14 @@ fn panel_columns(kc: usize) -> usize {
 
 /// This core's L2 cache as Linux describes it (2 MB on a Sapphire Rapids core, 512 KB on a Zen 3
 /// one), 1 MB where it does not say.
-static L2_BYTES: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| {
+static L2_BYTES: LazyLock<usize> = LazyLock::new(|| cache_bytes(2).unwrap_or(1 << 20));
+
+/// This core's L1 data cache (32 KB on a Zen 3 core, 48 KB on a Zen 5 or Sapphire Rapids one),
+/// 32 KB where Linux does not say.
+static L1D_BYTES: LazyLock<usize> = LazyLock::new(|| cache_bytes(1).unwrap_or(32 << 10));
+
+/// The size of cpu0's data (or unified) cache of this `level` from sysfs.
+fn cache_bytes(level: u32) -> Option<usize> {
     let cache = |i: usize, file: &str| {
         std::fs::read_to_string(format!(
             "/sys/devices/system/cpu/cpu0/cache/index{i}/{file}"
@@ -49,17 +75,35 @@ static L2_BYTES: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| {
         .map(|s| s.trim().to_owned())
         .ok()
     };
-    (0..8)
-        .find(|&i| cache(i, "level").as_deref() == Some("2"))
-        .and_then(|i| cache(i, "size"))
-        .and_then(|s| {
-            let (number, shift) = match s.strip_suffix('M') {
-                Some(mb) => (mb, 20),
-                None => (s.strip_suffix('K')?, 10),
-            };
-            number.parse::<usize>().ok().map(|v| v << shift)
+    let s = (0..8)
+        .find(|&i| {
+            cache(i, "level").as_deref() == Some(&level.to_string())
+                && cache(i, "type").as_deref() != Some("Instruction")
         })
-        .unwrap_or(1 << 20)
+        .and_then(|i| cache(i, "size"))?;
+    let (number, shift) = match s.strip_suffix('M') {
+        Some(mb) => (mb, 20),
+        None => (s.strip_suffix('K')?, 10),
+    };
+    number.parse::<usize>().ok().map(|v| v << shift)
+}
+
+/// Blocks for a product whose A is read down its columns (a weight gradient dyᵀ·x), where A is
+/// packed too: `kc` values of K per block, so a packed micro-panel of B (`kc` × 16) fills at most
+/// half of L1 and stays there while A's micro-panels stream past; `mc` rows of A per packed block,
+/// filling at most half of L2; `nc` columns of B per packed block.
+struct PackedBlocking {
+    kc: usize,
+    mc: usize,
+    nc: usize,
+}
+
+static PACKED_BLOCKING: LazyLock<PackedBlocking> = LazyLock::new(|| {
+    // 256 on a 32 KB L1, 384 on 48 KB (the probe on Zen 3: 256 to 512 ran alike).
+    let kc = (*L1D_BYTES / 2 / (NR * 4)).clamp(256, 512);
+    // 252 rows on a 512 KB L2; at most 288, the most the probe measured (72 to 288 ran alike).
+    let mc = (*L2_BYTES / 2 / (kc * 4)).clamp(8 * MR, 288) / MR * MR;
+    PackedBlocking { kc, mc, nc: 4080 }
 });
 
 /// Whether this kernel runs a product of these sizes: at least one register tile's worth of
@@ -92,13 +136,33 @@ pub(super) unsafe fn gemm_avx2(
     ldc: usize,
 ) {
     debug_assert!(k >= 1);
+    if a.rs == 1 && a.cs != 1 {
+        gemm_packed_a((m, k, n), a, b, accumulate, bias, c, ldc)
+    } else {
+        gemm_a_in_place((m, k, n), a, b, accumulate, bias, c, ldc)
+    }
+}
+
+/// [`gemm_avx2`] reading A where it lies: six rows of a block of K stay in L1 while B's packed
+/// micro-panels stream past from L2.
+///
+/// # Safety
+/// As for [`gemm_avx2`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gemm_a_in_place(
+    (m, k, n): (usize, usize, usize),
+    a: Strided<*const f32>,
+    b: Strided<*const f32>,
+    accumulate: bool,
+    bias: Option<*const f32>,
+    c: *mut f32,
+    ldc: usize,
+) {
     let kb = k.div_ceil(k.div_ceil(KC));
     let nb = panel_columns(kb).min(n.div_ceil(NR) * NR);
     PACKED.with_borrow_mut(|packed| {
-        if packed.len() < nb * kb {
-            packed.resize(nb * kb, 0.0);
-        }
-        let pb = packed.as_mut_ptr();
+        let pb = lines_for(packed, nb * kb);
         for jc in (0..n).step_by(nb) {
             let nc = nb.min(n - jc);
             for pc in (0..k).step_by(kb) {
@@ -129,6 +193,116 @@ pub(super) unsafe fn gemm_avx2(
             }
         }
     })
+}
+
+/// [`gemm_avx2`] for an A read down its columns (`a.rs == 1`: the weight gradient dyᵀ·x), with A
+/// packed too, in Goto's order. Read in place, each step of K of such an A touches a new cache line
+/// for a tile's six values, so six rows of a block of K no longer fit in L1 (384 lines, 24 KB of a
+/// Zen 3's 32): on Zen 3 these products ran at 76–90 GFLOP/s against MKL's 125–134 (2 threads).
+/// Here a block of A (`mc` rows × `kc`) is packed into six-row micro-panels (`[kc][6]`) that stream
+/// from L2 past one micro-panel of B held in L1 (114–120 GFLOP/s in the probe on the same shapes).
+///
+/// # Safety
+/// As for [`gemm_avx2`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gemm_packed_a(
+    (m, k, n): (usize, usize, usize),
+    a: Strided<*const f32>,
+    b: Strided<*const f32>,
+    accumulate: bool,
+    bias: Option<*const f32>,
+    c: *mut f32,
+    ldc: usize,
+) {
+    let PackedBlocking { kc, mc, nc } = *PACKED_BLOCKING;
+    let kb = k.div_ceil(k.div_ceil(kc));
+    let nb = nc.min(n.div_ceil(NR) * NR);
+    let mb = mc.min(m.div_ceil(MR) * MR);
+    PACKED.with_borrow_mut(|packed_b| {
+        PACKED_A.with_borrow_mut(|packed_a| {
+            let (pb, pa) = (lines_for(packed_b, nb * kb), lines_for(packed_a, mb * kb));
+            for jc in (0..n).step_by(nb) {
+                let nc = nb.min(n - jc);
+                for pc in (0..k).step_by(kb) {
+                    let kc = kb.min(k - pc);
+                    let first = pc == 0;
+                    pack_b(kc, nc, b.map(|p| p.add(pc * b.rs + jc * b.cs)), pb);
+                    for ic in (0..m).step_by(mb) {
+                        let mc = mb.min(m - ic);
+                        pack_a(mc, kc, a.map(|p| p.add(ic * a.rs + pc * a.cs)), pa);
+                        for jr in (0..nc).step_by(NR) {
+                            // This micro-panel of B stays in L1 while A's stream past.
+                            let bp = pb.add(jr * kc);
+                            let e = Epilogue {
+                                load_c: accumulate || !first,
+                                bias: bias.filter(|_| first).map(|b| b.add(jc + jr)),
+                            };
+                            for ir in (0..mc).step_by(MR) {
+                                let ap = pa.add(ir * kc);
+                                let dst = (c.add((ic + ir) * ldc + jc + jr), ldc, NR.min(nc - jr));
+                                match MR.min(mc - ir) {
+                                    6 => packed_tile::<6>(kc, ap, bp, dst, e),
+                                    5 => packed_tile::<5>(kc, ap, bp, dst, e),
+                                    4 => packed_tile::<4>(kc, ap, bp, dst, e),
+                                    3 => packed_tile::<3>(kc, ap, bp, dst, e),
+                                    2 => packed_tile::<2>(kc, ap, bp, dst, e),
+                                    _ => packed_tile::<1>(kc, ap, bp, dst, e),
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        })
+    })
+}
+
+/// Packs `mc × kc` of A as micro-panels of six rows, each `[kc][6]` (a ragged last one leaves its
+/// missing rows unwritten: its tile reads only the rows it has).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pack_a(mc: usize, kc: usize, a: Strided<*const f32>, out: *mut f32) {
+    for (s, i0) in (0..mc).step_by(MR).enumerate() {
+        let rows = MR.min(mc - i0);
+        let panel = out.add(s * MR * kc);
+        if a.rs == 1 {
+            // A step of K's six values lie side by side.
+            for p in 0..kc {
+                let src = a.data.add(i0 + p * a.cs);
+                std::ptr::copy_nonoverlapping(src, panel.add(p * MR), rows);
+            }
+        } else {
+            for p in 0..kc {
+                for i in 0..rows {
+                    *panel.add(p * MR + i) = *a.data.add((i0 + i) * a.rs + p * a.cs);
+                }
+            }
+        }
+    }
+}
+
+/// [`tile`] on a packed micro-panel of A (`[kc][6]`, the first `R` rows used).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn packed_tile<const R: usize>(
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    dst: (*mut f32, usize, usize),
+    e: Epilogue,
+) {
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    for p in 0..kc {
+        let b0 = _mm256_load_ps(b.add(p * NR));
+        let b1 = _mm256_load_ps(b.add(p * NR + 8));
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let av = _mm256_broadcast_ss(&*a.add(p * MR + i));
+            acc[0] = _mm256_fmadd_ps(av, b0, acc[0]);
+            acc[1] = _mm256_fmadd_ps(av, b1, acc[1]);
+        }
+    }
+    store_tile(acc, dst, e)
 }
 
 /// What a register tile does with C after its block of K.
@@ -166,6 +340,17 @@ unsafe fn tile<const R: usize>(
         }
         at += a.cs;
     }
+    store_tile(acc, (c, ldc, cols), e)
+}
+
+/// Writes a register tile's `R` rows to C's `R × cols` corner through the [`Epilogue`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn store_tile<const R: usize>(
+    acc: [[__m256; 2]; R],
+    (c, ldc, cols): (*mut f32, usize, usize),
+    e: Epilogue,
+) {
     // A full tile loads and stores plainly; a ragged one through lane masks (masked stores are
     // slow on some AMD cores, so only the edge pays for them).
     let full = cols == NR;
@@ -302,14 +487,17 @@ mod tests {
 
     /// Shapes at, below and past every block edge: one register tile, ragged rows (7, 13) and
     /// columns (17, 33, 70), K of one value, not a multiple of the 8-value transposes, past
-    /// [`KC`] (two blocks), and columns past one packed panel.
-    const SHAPES: [(usize, usize, usize); 6] = [
+    /// [`KC`] (two blocks), columns past one packed panel, and, for an A read down its columns
+    /// (packed), rows past one packed block of A (at most 288) and past its 4080 columns of B.
+    const SHAPES: [(usize, usize, usize); 8] = [
         (6, 1, 16),
         (7, 17, 33),
         (13, 300, 70),
         (50, 40, 100),
         (24, 800, 40),
         (9, 20, 5000),
+        (601, 40, 20),
+        (7, 3, 4100),
     ];
 
     /// The kernel alone (one thread), every layout of both operands, β 0 and 1, with and
@@ -342,5 +530,56 @@ mod tests {
                 }
             },
         );
+    }
+
+    /// Not a test: times the weight gradient's layout (A read down its columns) packed against
+    /// read in place, one thread, the two alternating call by call so the VM's drift falls on
+    /// both alike: `cargo test --release -p kiln --lib packed_a_against_in_place -- --ignored
+    /// --nocapture` (`KILN_BENCH_SHAPES="m,k,n;…"` for other shapes, m rows of C).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    #[ignore]
+    fn packed_a_against_in_place() {
+        if !std::arch::is_x86_feature_detected!("fma") {
+            return;
+        }
+        let shapes: Vec<(usize, usize, usize)> = std::env::var("KILN_BENCH_SHAPES")
+            .unwrap_or("1152,1024,384;384,1024,384;1536,1024,384;384,1024,1536".into())
+            .split(';')
+            .map(|s| {
+                let d: Vec<usize> = s.split(',').map(|v| v.parse().unwrap()).collect();
+                (d[0], d[1], d[2])
+            })
+            .collect();
+        for (m, k, n) in shapes {
+            // dyᵀ·x: dy [k, m] row-major read as A [m, k]; x [k, n] row-major.
+            let dy: Vec<f32> = (0..k * m).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
+            let x: Vec<f32> = (0..k * n).map(|i| (i % 7) as f32 * 0.2 - 0.5).collect();
+            let mut c = vec![0f32; m * n];
+            let (a, b) = (
+                Strided::new(dy.as_ptr(), (1, m)),
+                Strided::new(x.as_ptr(), (n, 1)),
+            );
+            let kernels: [(&str, unsafe fn(_, _, _, _, _, _, _)); 2] =
+                [("in place", gemm_a_in_place), ("packed", gemm_packed_a)];
+            let mut rates = [vec![], vec![]];
+            for round in 0..40 {
+                for (v, (_, kernel)) in kernels.iter().enumerate() {
+                    let t0 = std::time::Instant::now();
+                    // SAFETY: FMA was detected (AVX2 with it on every CPU kiln runs on); A, B
+                    // and C hold m·k, k·n and m·n values.
+                    unsafe { kernel((m, k, n), a, b, false, None, c.as_mut_ptr(), n) };
+                    if round > 0 {
+                        rates[v].push(2.0 * (m * k * n) as f64 / t0.elapsed().as_secs_f64() / 1e9);
+                    }
+                }
+            }
+            let median = |r: &mut Vec<f64>| {
+                r.sort_by(f64::total_cmp);
+                r[r.len() / 2]
+            };
+            let (a, b) = (median(&mut rates[0]), median(&mut rates[1]));
+            println!("{m}x{k}x{n} dyT.x GFLOP/s, medians of 39: in place {a:.1}, packed {b:.1}");
+        }
     }
 }
