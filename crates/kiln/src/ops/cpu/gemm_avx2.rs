@@ -88,6 +88,13 @@ fn cache_bytes(level: u32) -> Option<usize> {
     number.parse::<usize>().ok().map(|v| v << shift)
 }
 
+/// Whether an A read down its columns is packed ([`gemm_packed_a`]): where the cache lines a
+/// tile's rows touch in one block of K read in place (one 64-byte line per step, 24 KB for
+/// [`KC`]) fill more than half of L1. On a Zen 3 (32 KB) packing took the weight gradient from 33
+/// to 49–57 GFLOP/s on one thread; on a Zen 5 (48 KB) it ran 9 % behind to 8 % ahead of reading in
+/// place, shape by shape (docs/DESIGN.md, "The weight gradient packs A too").
+static PACK_COLUMN_A: LazyLock<bool> = LazyLock::new(|| KC * 64 > *L1D_BYTES / 2);
+
 /// Blocks for a product whose A is read down its columns (a weight gradient dyᵀ·x), where A is
 /// packed too: `kc` values of K per block, so a packed micro-panel of B (`kc` × 16) fills at most
 /// half of L1 and stays there while A's micro-panels stream past; `mc` rows of A per packed block,
@@ -136,7 +143,7 @@ pub(super) unsafe fn gemm_avx2(
     ldc: usize,
 ) {
     debug_assert!(k >= 1);
-    if a.rs == 1 && a.cs != 1 {
+    if a.rs == 1 && a.cs != 1 && *PACK_COLUMN_A {
         gemm_packed_a((m, k, n), a, b, accumulate, bias, c, ldc)
     } else {
         gemm_a_in_place((m, k, n), a, b, accumulate, bias, c, ldc)
@@ -512,24 +519,30 @@ mod tests {
             return;
         }
         assert!(SHAPES.iter().all(|&(m, k, n)| takes(m, k, n)));
-        super::super::gemm::assert_products_within_f32_bound(
-            &SHAPES,
-            &|(m, k, n), a, b, beta, bias, c| {
-                // SAFETY: AVX2 and FMA were detected; the checker's operands hold their
-                // strides' reach and C is m rows of n.
-                unsafe {
-                    gemm_avx2(
-                        (m, k, n),
-                        a.map(|a| a.as_ptr()),
-                        b.map(|b| b.as_ptr()),
-                        beta != 0.0,
-                        bias.map(|b| b.as_ptr()),
-                        c.as_mut_ptr(),
-                        n,
-                    )
-                }
-            },
-        );
+        // The dispatch, then both blockings on every layout (only one of them is this CPU's
+        // choice for an A read down its columns).
+        let kernels: [unsafe fn(_, _, _, _, _, _, _); 3] =
+            [gemm_avx2, gemm_a_in_place, gemm_packed_a];
+        for kernel in kernels {
+            super::super::gemm::assert_products_within_f32_bound(
+                &SHAPES,
+                &move |(m, k, n), a, b, beta, bias, c| {
+                    // SAFETY: AVX2 and FMA were detected; the checker's operands hold their
+                    // strides' reach and C is m rows of n.
+                    unsafe {
+                        kernel(
+                            (m, k, n),
+                            a.map(|a| a.as_ptr()),
+                            b.map(|b| b.as_ptr()),
+                            beta != 0.0,
+                            bias.map(|b| b.as_ptr()),
+                            c.as_mut_ptr(),
+                            n,
+                        )
+                    }
+                },
+            );
+        }
     }
 
     /// Not a test: times the weight gradient's layout (A read down its columns) packed against
