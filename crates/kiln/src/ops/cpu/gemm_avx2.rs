@@ -35,6 +35,21 @@ const KC: usize = 384;
 #[repr(C, align(64))]
 struct Line([f32; 16]);
 
+/// Calls `kernel::<R>(args)` for a tile of `rows` (1 to [`MR`]): the row count is a const
+/// parameter, so each tile keeps its accumulators in registers fixed at compile time.
+macro_rules! by_rows {
+    ($rows:expr, $kernel:ident($($arg:expr),* $(,)?)) => {
+        match $rows {
+            6 => $kernel::<6>($($arg),*),
+            5 => $kernel::<5>($($arg),*),
+            4 => $kernel::<4>($($arg),*),
+            3 => $kernel::<3>($($arg),*),
+            2 => $kernel::<2>($($arg),*),
+            _ => $kernel::<1>($($arg),*),
+        }
+    };
+}
+
 thread_local! {
     /// The packed panel of B, kept per thread so a product maps no fresh pages.
     static PACKED: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
@@ -181,20 +196,9 @@ unsafe fn gemm_a_in_place(
                     let ap = a.map(|p| p.add(ir * a.rs + pc * a.cs));
                     for jr in (0..nc).step_by(NR) {
                         let dst = (c.add(ir * ldc + jc + jr), ldc, NR.min(nc - jr));
-                        let e = Epilogue {
-                            load_c: accumulate || !first,
-                            // The bias is added once, with the first block of K.
-                            bias: bias.filter(|_| first).map(|b| b.add(jc + jr)),
-                        };
+                        let e = Epilogue::of_block(accumulate, first, bias, jc + jr);
                         let bp = pb.add(jr * kc);
-                        match MR.min(m - ir) {
-                            6 => tile::<6>(kc, ap, bp, dst, e),
-                            5 => tile::<5>(kc, ap, bp, dst, e),
-                            4 => tile::<4>(kc, ap, bp, dst, e),
-                            3 => tile::<3>(kc, ap, bp, dst, e),
-                            2 => tile::<2>(kc, ap, bp, dst, e),
-                            _ => tile::<1>(kc, ap, bp, dst, e),
-                        }
+                        by_rows!(MR.min(m - ir), tile(kc, ap, bp, dst, e));
                     }
                 }
             }
@@ -241,21 +245,11 @@ unsafe fn gemm_packed_a(
                         for jr in (0..nc).step_by(NR) {
                             // This micro-panel of B stays in L1 while A's stream past.
                             let bp = pb.add(jr * kc);
-                            let e = Epilogue {
-                                load_c: accumulate || !first,
-                                bias: bias.filter(|_| first).map(|b| b.add(jc + jr)),
-                            };
+                            let e = Epilogue::of_block(accumulate, first, bias, jc + jr);
                             for ir in (0..mc).step_by(MR) {
                                 let ap = pa.add(ir * kc);
                                 let dst = (c.add((ic + ir) * ldc + jc + jr), ldc, NR.min(nc - jr));
-                                match MR.min(mc - ir) {
-                                    6 => packed_tile::<6>(kc, ap, bp, dst, e),
-                                    5 => packed_tile::<5>(kc, ap, bp, dst, e),
-                                    4 => packed_tile::<4>(kc, ap, bp, dst, e),
-                                    3 => packed_tile::<3>(kc, ap, bp, dst, e),
-                                    2 => packed_tile::<2>(kc, ap, bp, dst, e),
-                                    _ => packed_tile::<1>(kc, ap, bp, dst, e),
-                                }
+                                by_rows!(MR.min(mc - ir), packed_tile(kc, ap, bp, dst, e));
                             }
                         }
                     }
@@ -319,6 +313,26 @@ struct Epilogue {
     load_c: bool,
     /// Add these 16 (or the tile's columns') values to every row.
     bias: Option<*const f32>,
+}
+
+impl Epilogue {
+    /// A tile's epilogue in the block of K that starts at `first` or later, for the tile whose
+    /// columns start at `column`: C is overwritten only by the first block of a product that does
+    /// not accumulate, and the bias is added once, with the first block.
+    ///
+    /// # Safety
+    /// `bias`, when given, holds at least `column + 16` values (or the tile's columns).
+    unsafe fn of_block(
+        accumulate: bool,
+        first: bool,
+        bias: Option<*const f32>,
+        column: usize,
+    ) -> Self {
+        Self {
+            load_c: accumulate || !first,
+            bias: bias.filter(|_| first).map(|b| b.add(column)),
+        }
+    }
 }
 
 /// C's `R × cols` corner (`cols` ≤ 16) = (or +=) `R` rows of A (read through their strides, `kc`
@@ -573,11 +587,10 @@ mod tests {
                 Strided::new(dy.as_ptr(), (1, m)),
                 Strided::new(x.as_ptr(), (n, 1)),
             );
-            let kernels: [(&str, unsafe fn(_, _, _, _, _, _, _)); 2] =
-                [("in place", gemm_a_in_place), ("packed", gemm_packed_a)];
+            let kernels: [unsafe fn(_, _, _, _, _, _, _); 2] = [gemm_a_in_place, gemm_packed_a];
             let mut rates = [vec![], vec![]];
             for round in 0..40 {
-                for (v, (_, kernel)) in kernels.iter().enumerate() {
+                for (v, kernel) in kernels.iter().enumerate() {
                     let t0 = std::time::Instant::now();
                     // SAFETY: FMA was detected (AVX2 with it on every CPU kiln runs on); A, B
                     // and C hold m·k, k·n and m·n values.
