@@ -16,7 +16,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeRuntime, FloatElement};
 use cubecl::prelude::*;
 
-use super::columns::{chunk_rows, chunks, column_grid, sum_rows};
+use super::columns::{chunks, column_grid, lane_rows, lane_step, sum_lanes, sum_rows, LANE_CELLS};
 use super::dropout::kept;
 use super::grid::{row_grid, tree_reduce, ROW_UNITS};
 use crate::ops::Dropout;
@@ -304,9 +304,10 @@ fn layer_norm_backward_dx<F: Float>(
 }
 
 /// Partial column sums of the layer norm's parameter gradients over one chunk of rows (grid y):
-/// `dw += dy·x̂`, `db += dy`, one unit per column, rows in order. The chunk partials are summed
-/// after ([`sum_rows`]), in chunks as [`super::columns`] does.
+/// `dw += dy·x̂`, `db += dy`, a unit per column and row lane, as [`super::columns`] sums. The chunk
+/// partials are summed after ([`sum_rows`]).
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 fn layer_norm_params_partial<F: Float>(
     x: &Tensor<F>,
     mean: &Tensor<F>,
@@ -315,22 +316,31 @@ fn layer_norm_params_partial<F: Float>(
     pw: &mut Tensor<F>,
     pb: &mut Tensor<F>,
     chunk: u32,
+    #[comptime] cells: usize,
 ) {
     let col = ABSOLUTE_POS_X as usize;
     let h = x.shape(1);
+    let mut sw = F::new(0.0);
+    let mut sb = F::new(0.0);
     if col < h {
-        let rows = rstd.len();
-        let c = CUBE_POS_Y as usize;
-        let (start, end) = chunk_rows(rows, chunk);
-        let mut sw = F::new(0.0);
-        let mut sb = F::new(0.0);
-        for r in start..end {
+        let (mut r, end) = lane_rows(rstd.len(), chunk);
+        while r < end {
             let d = dy[r * h + col];
             sw += d * (x[r * h + col] - mean[r]) * rstd[r];
             sb += d;
+            r += lane_step();
         }
-        pw[c * h + col] = sw;
-        pb[c * h + col] = sb;
+    }
+    let mut lanes_w = SharedMemory::<F>::new(cells);
+    let mut lanes_b = SharedMemory::<F>::new(cells);
+    let (tw, tb) = (
+        sum_lanes::<F>(sw, &mut lanes_w),
+        sum_lanes::<F>(sb, &mut lanes_b),
+    );
+    if col < h && UNIT_POS_Y == 0 {
+        let c = CUBE_POS_Y as usize;
+        pw[c * h + col] = tw;
+        pb[c * h + col] = tb;
     }
 }
 
@@ -407,6 +417,7 @@ pub fn layer_norm_backward<R: CubeRuntime, F: FloatElement>(
         pw.as_tensor_arg(1),
         pb.as_tensor_arg(1),
         ScalarArg::new(chunk as u32),
+        LANE_CELLS,
     )
     .expect("layer_norm_params_partial launches");
     (dx, sum_rows::<R, F>(pw), sum_rows::<R, F>(pb))
@@ -460,18 +471,22 @@ fn rms_norm_params_partial<F: Float>(
     dy: &Tensor<F>,
     pw: &mut Tensor<F>,
     chunk: u32,
+    #[comptime] cells: usize,
 ) {
     let col = ABSOLUTE_POS_X as usize;
     let h = x.shape(1);
+    let mut s = F::new(0.0);
     if col < h {
-        let rows = rinv.len();
-        let c = CUBE_POS_Y as usize;
-        let (start, end) = chunk_rows(rows, chunk);
-        let mut s = F::new(0.0);
-        for r in start..end {
+        let (mut r, end) = lane_rows(rinv.len(), chunk);
+        while r < end {
             s += dy[r * h + col] * x[r * h + col] * rinv[r];
+            r += lane_step();
         }
-        pw[c * h + col] = s;
+    }
+    let mut lanes = SharedMemory::<F>::new(cells);
+    let total = sum_lanes::<F>(s, &mut lanes);
+    if col < h && UNIT_POS_Y == 0 {
+        pw[CUBE_POS_Y as usize * h + col] = total;
     }
 }
 
@@ -516,6 +531,7 @@ pub fn rms_norm_backward<R: CubeRuntime, F: FloatElement>(
         dy.as_tensor_arg(1),
         pw.as_tensor_arg(1),
         ScalarArg::new(chunk as u32),
+        LANE_CELLS,
     )
     .expect("rms_norm_params_partial launches");
     (dx, sum_rows::<R, F>(pw))
