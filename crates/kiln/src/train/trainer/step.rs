@@ -132,6 +132,7 @@ where
             stage_wait: 0.0,
             metric_sums: Vec::new(),
         };
+        let mut losses = Vec::new();
         for ((batch, targets), scale) in batches.into_iter().zip(scales) {
             let fwd = profile::scope("step: data + forward");
             let mut observe = |logits: &burn::tensor::Tensor<B, 2>| {
@@ -164,11 +165,17 @@ where
                 .loss
                 .loss(logits, targets_tensor::<B>(targets, &self.device))
                 * scale;
-            out.loss_sum += loss.clone().into_scalar().elem::<f64>();
+            // Read once every backward is queued: on a GPU, reading it here would make the host
+            // wait for this forward to finish before queuing a single backward kernel.
+            losses.push(loss.clone().inner());
             drop(fwd);
             let _bwd = profile::scope("step: backward");
             let grads = loss.backward();
             out.grads.accumulate::<B, M>(self.model(), &grads);
+        }
+        // Summed in micro-batch order, as when each was read before its backward.
+        for loss in losses {
+            out.loss_sum += loss.into_scalar().elem::<f64>();
         }
         out
     }
