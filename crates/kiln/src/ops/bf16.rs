@@ -10,7 +10,7 @@
 //! numerics up to the order of the f32 sums. [`Bf16Kernel`] names the three.
 
 pub use super::bf16_pack::{bf16_bits, round_bf16, Values};
-use super::bf16_pack::{pack_b, pack_pairs, pair, pairs_of, NR};
+use super::bf16_pack::{pack_b, pack_pairs, pack_panel, pair, pairs_of, NR};
 use super::Strided;
 use rayon::prelude::*;
 
@@ -168,7 +168,8 @@ fn gemm_values(
 }
 
 /// [`gemm_values`] on the AVX512-BF16 dot-product kernel: B packed once into pairs of columns
-/// shared by every task, each task a band of C's rows, K in cache blocks of [`KCP`] pairs.
+/// shared by every task, each task a band of C's rows (or, for a wide B and few rows, of its
+/// columns), K in cache blocks of [`KCP`] pairs and B's columns in L2 chunks.
 ///
 /// # Safety
 /// The CPU must have AVX-512 and AVX512-BF16, `k` must not be 0, `c` must hold m·n values, and
@@ -186,25 +187,60 @@ unsafe fn dot_gemm(
     let kp = k.div_ceil(2);
     let at = |row: usize, kk: usize| if kk < k { a[row * rsa + kk * csa] } else { 0.0 };
     let zeros = [0f32; NR];
-    // B packed once, shared by every task: panel j holds columns j·NR.. as [kp][NR] pairs.
-    // SAFETY: the dot-product kernel runs only where AVX-512 is (asserted above).
-    let bp = unsafe { pack_b((k, n), b, (rsb, csb), kp) };
-    let panels = n.div_ceil(NR);
     let parts = rayon::current_num_threads().max(1);
-    let rows = m.div_ceil(parts).div_ceil(MR) * MR;
-    c[..m * n]
-        .par_chunks_mut(rows * n)
-        .enumerate()
-        .for_each(|(i, cpart)| {
-            let r0 = i * rows;
-            let mrows = cpart.len() / n;
-            let mut ap = vec![0u32; KCP * MR];
-            let mut row_pairs = [0u32; KCP];
-            // K in blocks of KCP pairs, so the A block stays in L1 and the B block (all panels,
-            // KCP pairs each) in L2 while every row block of this task streams past it.
-            for kb in (0..kp).step_by(KCP) {
-                let kc = KCP.min(kp - kb);
-                let beta = if kb == 0 { beta } else { 1.0 };
+    // Split rows, each task reads all of B and its rows of A; split columns, all of A and its
+    // columns of B. A held weight's products at 1×128 tokens (deepseek-1.3B: 128 rows, 2048–5504
+    // columns) read all 22 MB of packed weight in both tasks when split by rows.
+    let (tm, tn) = if m < n && n.div_ceil(NR) >= parts {
+        (1, parts)
+    } else {
+        (parts, 1)
+    };
+    let rows = m.div_ceil(tm).div_ceil(MR) * MR;
+    let cols = n.div_ceil(tn).div_ceil(NR) * NR;
+    // Panels per L2 chunk: half of L2 holds a chunk's block of K (KCP pairs of NR columns), which
+    // every row block of the task then reads from L2. Sweeping all of a wide B's panels per row
+    // block (5504 columns: 2.8 MB a block) read it from L3 once per twelve rows.
+    let chunk_panels = (*crate::ops::cpu::L2_BYTES / 2 / (KCP * NR * 4)).max(1);
+    // Tasks that split the rows share B, packed once: panel j holds columns j·NR.. as [kp][NR]
+    // pairs. Tasks that split the columns pack their own, a block of K and an L2 chunk at a time,
+    // just before their tiles read it: packed whole, a held weight went through memory twice more
+    // (written, then read back), 16 MB a product at 1×128 tokens.
+    // SAFETY: the dot-product kernel runs only where AVX-512 is (asserted above).
+    let shared = (tn == 1).then(|| unsafe { pack_b((k, n), b, (rsb, csb), kp) });
+    let cp = c.as_mut_ptr() as usize;
+    (0..tm * tn).into_par_iter().for_each(|task| {
+        let (r0, c0) = ((task / tn) * rows, (task % tn) * cols);
+        if r0 >= m || c0 >= n {
+            return;
+        }
+        let (mrows, ncols) = (rows.min(m - r0), cols.min(n - c0));
+        let task_panels = ncols.div_ceil(NR);
+        let mut ap = vec![0u32; KCP * MR];
+        let mut row_pairs = [0u32; KCP];
+        // Sized to this product: attention's small products come here thousands of times a step.
+        let own_len = chunk_panels.min(task_panels) * KCP.min(kp) * NR;
+        let mut own_b = vec![0u32; if shared.is_none() { own_len } else { 0 }];
+        // K in blocks of KCP pairs and B's columns in L2 chunks: the A block stays in L1 and the
+        // B chunk in L2 while every row block of this task streams past it.
+        for kb in (0..kp).step_by(KCP) {
+            let kc = KCP.min(kp - kb);
+            let beta = if kb == 0 { beta } else { 1.0 };
+            for jc in (0..task_panels).step_by(chunk_panels) {
+                let chunk = jc..task_panels.min(jc + chunk_panels);
+                if shared.is_none() {
+                    for jl in chunk.clone() {
+                        let out = &mut own_b[(jl - jc) * kc * NR..][..kc * NR];
+                        if (c0 / NR + jl + 1) * NR > n {
+                            // Columns past n: the packing leaves them, the tile reads zeros.
+                            out.fill(0);
+                        }
+                        // SAFETY: as above; panel c0/NR + jl starts inside B's columns.
+                        unsafe {
+                            pack_panel((k, n), b, (rsb, csb), c0 / NR + jl, kb..kb + kc, out)
+                        };
+                    }
+                }
                 for rb in (0..mrows).step_by(MR) {
                     let live = MR.min(mrows - rb);
                     let row0 = r0 + rb;
@@ -248,14 +284,16 @@ unsafe fn dot_gemm(
                             }
                         }
                     }
-                    for j in 0..panels {
-                        let cols = NR.min(n - j * NR);
+                    for jl in chunk.clone() {
+                        let j = c0 / NR + jl;
+                        let cols = NR.min(c0 + ncols - j * NR);
                         // SAFETY: the CPU has AVX512-BF16 (checked by the caller); `ap` holds
                         // kc·MR values and panel j from pair kb holds kc·NR; the tile written
-                        // is rows rb..rb+live, columns j·NR..j·NR+cols of this task's part of C.
+                        // is rows row0..row0+live, columns j·NR..j·NR+cols of this task's part
+                        // of C, which no other task writes.
                         unsafe {
                             let tile = TileOfC {
-                                at: cpart.as_mut_ptr().add(rb * n + j * NR),
+                                at: (cp as *mut f32).add(row0 * n + j * NR),
                                 ldc: n,
                                 rows: live,
                                 cols,
@@ -263,7 +301,10 @@ unsafe fn dot_gemm(
                             dot_tile(
                                 kc,
                                 ap.as_ptr(),
-                                bp.as_ptr().add((j * kp + kb) * NR),
+                                match &shared {
+                                    Some(bp) => bp.as_ptr().add((j * kp + kb) * NR),
+                                    None => own_b.as_ptr().add((jl - jc) * kc * NR),
+                                },
                                 tile,
                                 beta,
                             );
@@ -271,7 +312,8 @@ unsafe fn dot_gemm(
                     }
                 }
             }
-        });
+        }
+    });
 }
 
 /// Where one MR×NR tile of C lands: its first element, C's row stride, and how many of the tile's
@@ -421,6 +463,9 @@ mod tests {
             // More rows per task and more columns than the AMX kernel's L2 chunks (512), with
             // edges in both.
             (1060, 40, 530),
+            // Fewer rows than columns: the dot-product kernel's tasks split the columns, each
+            // past one L2 chunk of panels (1024 columns on a 1 MB L2), with a ragged last panel.
+            (30, 71, 2 * 1024 + 2 * 32 + 7),
         ];
         for &(m, k, n) in &shapes {
             let a: Vec<f32> = (0..m * k)

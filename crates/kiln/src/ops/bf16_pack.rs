@@ -270,59 +270,70 @@ pub(super) unsafe fn pack_b(
         bp.fill(0);
         bp.resize(len, 0);
     }
-    // A transposed B (the forward's wᵀ): each column's K values are contiguous.
-    let by_columns = rsb == 1 && csb != 1;
     bp.par_chunks_mut(kp_pad * NR)
         .enumerate()
-        .for_each(|(j, panel)| {
-            let col = j * NR;
-            let pairs = k.div_ceil(2);
-            if by_columns {
-                // 16 columns × 16 pairs at a time: each column's 32 K values converted into a row
-                // of `block`, then the block transposed into the panel's [pair][column] layout.
-                let live = NR.min(n - col);
-                let mut block = [0u32; 256];
-                for l0 in (0..live).step_by(16) {
-                    for p0 in (0..pairs).step_by(16) {
-                        let width = 16.min(live - l0);
-                        for (l, row) in block.chunks_mut(16).enumerate() {
-                            if l < width {
-                                let start = (col + l0 + l) * csb + 2 * p0;
-                                // SAFETY: the caller's CPU has AVX512-BF16.
-                                unsafe { b.pairs_from(start, (k - 2 * p0).min(32), row) };
-                            } else {
-                                row.fill(0);
-                            }
-                        }
-                        if p0 + 16 <= kp_pad {
-                            // SAFETY: as above; the panel holds kp_pad rows of NR pairs.
-                            unsafe {
-                                transpose16(
-                                    block.as_ptr(),
-                                    16,
-                                    panel.as_mut_ptr().add(p0 * NR + l0),
-                                    NR,
-                                )
-                            };
-                        } else {
-                            // The last rows of a panel whose pair count is no multiple of 16.
-                            for p in p0..kp_pad {
-                                for l in 0..16 {
-                                    panel[p * NR + l0 + l] = block[l * 16 + p - p0];
-                                }
-                            }
+        // SAFETY: the caller's CPU has AVX-512 F/BW and AVX512-BF16; each panel holds kp_pad
+        // rows of NR pairs.
+        .for_each(|(j, panel)| unsafe { pack_panel((k, n), b, (rsb, csb), j, 0..kp_pad, panel) });
+    PackedB(bp)
+}
+
+/// Pairs `pairs` of B's panel `j` (columns `j·NR..`) into `out`, `pairs.len()` rows of [`NR`], as
+/// [`pack_b`] lays out a panel. Pairs past K and columns past `n` are left as they are: `out`
+/// starts zeroed wherever B has such padding.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW and AVX512-BF16; `j·NR < n`; `pairs.start` is a multiple of 16;
+/// `out` holds `pairs.len() · NR` values.
+#[cfg(target_arch = "x86_64")]
+pub(super) unsafe fn pack_panel(
+    (k, n): (usize, usize),
+    b: Values,
+    (rsb, csb): (usize, usize),
+    j: usize,
+    pairs: std::ops::Range<usize>,
+    out: &mut [u32],
+) {
+    let col = j * NR;
+    let in_k = pairs.start..pairs.end.min(k.div_ceil(2));
+    // A transposed B (the forward's wᵀ): each column's K values are contiguous.
+    if rsb == 1 && csb != 1 {
+        // 16 columns × 16 pairs at a time: each column's 32 K values converted into a row of
+        // `block`, then the block transposed into the panel's [pair][column] layout.
+        let live = NR.min(n - col);
+        let mut block = [0u32; 256];
+        for l0 in (0..live).step_by(16) {
+            for p0 in in_k.clone().step_by(16) {
+                let width = 16.min(live - l0);
+                for (l, row) in block.chunks_mut(16).enumerate() {
+                    if l < width {
+                        let start = (col + l0 + l) * csb + 2 * p0;
+                        // SAFETY: the caller's CPU has AVX512-BF16.
+                        unsafe { b.pairs_from(start, (k - 2 * p0).min(32), row) };
+                    } else {
+                        row.fill(0);
+                    }
+                }
+                let at = (p0 - pairs.start) * NR + l0;
+                if p0 + 16 <= pairs.end {
+                    // SAFETY: as above; rows p0..p0 + 16 lie inside `out`.
+                    unsafe { transpose16(block.as_ptr(), 16, out.as_mut_ptr().add(at), NR) };
+                } else {
+                    // The last rows of a range whose pair count is no multiple of 16.
+                    for p in p0..pairs.end {
+                        for l in 0..16 {
+                            out[(p - pairs.start) * NR + l0 + l] = block[l * 16 + p - p0];
                         }
                     }
                 }
-                return;
             }
-            // Pairs from k on are K's zero padding.
-            for (p, lanes) in panel.chunks_mut(NR).take(pairs).enumerate() {
-                // SAFETY: the caller's CPU has AVX-512 F/BW and AVX512-BF16.
-                unsafe { pack_pair_row((k, n), b, (rsb, csb), 2 * p, col, lanes) };
-            }
-        });
-    PackedB(bp)
+        }
+        return;
+    }
+    for (p, lanes) in out.chunks_mut(NR).take(in_k.len()).enumerate() {
+        // SAFETY: the caller's CPU has AVX-512 F/BW and AVX512-BF16.
+        unsafe { pack_pair_row((k, n), b, (rsb, csb), 2 * (in_k.start + p), col, lanes) };
+    }
 }
 
 /// One row of a panel: the pairs of B's values `(kk, col + l)` and `(kk + 1, col + l)` for the

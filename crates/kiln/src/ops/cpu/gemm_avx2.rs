@@ -75,7 +75,7 @@ fn panel_columns(kc: usize) -> usize {
 
 /// This core's L2 cache as Linux describes it (2 MB on a Sapphire Rapids core, 512 KB on a Zen 3
 /// one), 1 MB where it does not say.
-static L2_BYTES: LazyLock<usize> = LazyLock::new(|| cache_bytes(2).unwrap_or(1 << 20));
+pub(crate) static L2_BYTES: LazyLock<usize> = LazyLock::new(|| cache_bytes(2).unwrap_or(1 << 20));
 
 /// This core's L1 data cache (32 KB on a Zen 3 core, 48 KB on a Zen 5 or Sapphire Rapids one),
 /// 32 KB where Linux does not say.

@@ -13,6 +13,7 @@ use super::{KilnBackend, Strided};
 mod attention;
 pub(super) mod gemm;
 mod gemm_avx2;
+pub(crate) use gemm_avx2::L2_BYTES;
 mod narrow;
 mod panels;
 mod row_kernels;
