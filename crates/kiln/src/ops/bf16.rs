@@ -10,7 +10,7 @@
 //! numerics up to the order of the f32 sums. [`Bf16Kernel`] names the three.
 
 pub use super::bf16_pack::{bf16_bits, round_bf16, Values};
-use super::bf16_pack::{pack_b, pack_pairs, pack_panel, pair, pairs_of, NR};
+use super::bf16_pack::{pack_b, pack_b_chunk, pack_pairs, pack_panel, pair, pairs_of, NR};
 use super::Strided;
 use rayon::prelude::*;
 
@@ -219,18 +219,35 @@ unsafe fn dot_gemm(
         let mut ap = vec![0u32; KCP * MR];
         let mut row_pairs = [0u32; KCP];
         // Sized to this product: attention's small products come here thousands of times a step.
-        let own_len = chunk_panels.min(task_panels) * KCP.min(kp) * NR;
+        let own_len = chunk_panels.min(task_panels) * KCP.min(kp.div_ceil(16) * 16) * NR;
         let mut own_b = vec![0u32; if shared.is_none() { own_len } else { 0 }];
         // K in blocks of KCP pairs and B's columns in L2 chunks: the A block stays in L1 and the
         // B chunk in L2 while every row block of this task streams past it.
         for kb in (0..kp).step_by(KCP) {
             let kc = KCP.min(kp - kb);
+            // Own panels hold whole steps of 16 pairs (zero past K): the chunk packing's unit.
+            let kc16 = kc.div_ceil(16) * 16;
             let beta = if kb == 0 { beta } else { 1.0 };
             for jc in (0..task_panels).step_by(chunk_panels) {
                 let chunk = jc..task_panels.min(jc + chunk_panels);
-                if shared.is_none() {
+                if shared.is_none() && csb == 1 {
+                    // A row-major B (the input gradient's W): a pair of rows at a time across the
+                    // chunk's panels, the rows ahead prefetched (a held weight comes from
+                    // memory, and a panel reads each row for 64 bytes only).
+                    // SAFETY: as above; own_b holds the chunk's panels of kc16 pairs.
+                    unsafe {
+                        pack_b_chunk(
+                            (k, n),
+                            b,
+                            rsb,
+                            (kb, kc16 / 16),
+                            (c0 + jc * NR, chunk.len() * NR),
+                            &mut own_b,
+                        )
+                    };
+                } else if shared.is_none() {
                     for jl in chunk.clone() {
-                        let out = &mut own_b[(jl - jc) * kc * NR..][..kc * NR];
+                        let out = &mut own_b[(jl - jc) * kc16 * NR..][..kc * NR];
                         if (c0 / NR + jl + 1) * NR > n {
                             // Columns past n: the packing leaves them, the tile reads zeros.
                             out.fill(0);
@@ -303,7 +320,7 @@ unsafe fn dot_gemm(
                                 ap.as_ptr(),
                                 match &shared {
                                     Some(bp) => bp.as_ptr().add((j * kp + kb) * NR),
-                                    None => own_b.as_ptr().add((jl - jc) * kc * NR),
+                                    None => own_b.as_ptr().add((jl - jc) * kc16 * NR),
                                 },
                                 tile,
                                 beta,

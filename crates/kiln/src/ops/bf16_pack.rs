@@ -305,6 +305,22 @@ pub(super) unsafe fn pack_panel(
         for l0 in (0..live).step_by(16) {
             for p0 in in_k.clone().step_by(16) {
                 let width = 16.min(live - l0);
+                let at = (p0 - pairs.start) * NR + l0;
+                if let Values::Bf16(w) = b {
+                    if csb % 2 == 0 && width == 16 && 2 * (p0 + 16) <= k && p0 + 16 <= pairs.end {
+                        // Held bf16 bits with whole pairs in place: 16 columns' 16 pairs are a
+                        // 16×16 block of 32-bit values in W itself, transposed straight into the
+                        // panel. Through `block` it cost a 64-byte copy per column (a libc call),
+                        // 14 % of a held 1.3B model's step.
+                        // SAFETY: as above; columns col + l0.. + 16 ≤ n and K values 2·p0.. + 32
+                        // ≤ k lie inside W, whose rows are csb (even) values apart.
+                        unsafe {
+                            let src = w.as_ptr().add((col + l0) * csb + 2 * p0).cast::<u32>();
+                            transpose16(src, csb / 2, out.as_mut_ptr().add(at), NR);
+                        }
+                        continue;
+                    }
+                }
                 for (l, row) in block.chunks_mut(16).enumerate() {
                     if l < width {
                         let start = (col + l0 + l) * csb + 2 * p0;
@@ -314,7 +330,6 @@ pub(super) unsafe fn pack_panel(
                         row.fill(0);
                     }
                 }
-                let at = (p0 - pairs.start) * NR + l0;
                 if p0 + 16 <= pairs.end {
                     // SAFETY: as above; rows p0..p0 + 16 lie inside `out`.
                     unsafe { transpose16(block.as_ptr(), 16, out.as_mut_ptr().add(at), NR) };
@@ -382,6 +397,7 @@ unsafe fn pack_pair_row(
 /// # Safety
 /// The CPU must have AVX-512 F/BW and AVX512-BF16; `out` holds `cols · steps · 16` values.
 #[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 pub(super) unsafe fn pack_b_chunk(
     (k, n): (usize, usize),
     b: Values,
@@ -405,12 +421,10 @@ pub(super) unsafe fn pack_b_chunk(
         for r in [ahead, ahead + 1].into_iter().filter(|&r| r < k) {
             let row = base.wrapping_add((r * rsb + c0) * bytes);
             for off in (0..live).step_by(64) {
-                // SAFETY: a prefetch of an address inside B's row r; it never faults.
-                unsafe {
-                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                        row.wrapping_add(off).cast(),
-                    )
-                };
+                // A prefetch of an address inside B's row r; it never faults.
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    row.wrapping_add(off).cast(),
+                );
             }
         }
         for (j, panel) in out.chunks_mut(rows * NR).take(cols / NR).enumerate() {
