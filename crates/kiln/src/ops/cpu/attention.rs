@@ -6,8 +6,8 @@
 use rayon::prelude::*;
 
 use super::{
-    exp_row, has_avx512, scale_by, simd, small_gemm, softmax_backward_row, unfilled, uniform,
-    SharedMut,
+    exp_row, has_avx512, scale_by, scale_by_dropout, simd, small_gemm, softmax_backward_row,
+    unfilled, SharedMut,
 };
 use crate::ops::bf16::{gemm_bf16_with, Bf16Kernel};
 use crate::ops::{AttentionSpec, MatmulPrecision, Strided, Window};
@@ -743,18 +743,9 @@ unsafe fn store_rows(src: &[f32], width: usize, dst: *mut f32, dst_stride: usize
 /// Scales a row of attention probabilities by the dropout mask of element indices `base..`.
 #[inline]
 fn dropout_row(row: &mut [f32], base: u64, keep: f32, seed: u64) {
-    let value = 1.0 / keep;
     simd(
         #[inline(always)]
-        || {
-            for (j, v) in row.iter_mut().enumerate() {
-                *v *= if uniform(seed, base + j as u64) < keep {
-                    value
-                } else {
-                    0.0
-                };
-            }
-        },
+        || scale_by_dropout(row, base, seed, (keep, 1.0 / keep)),
     )
 }
 

@@ -77,14 +77,34 @@ pub(crate) fn uniform(seed: u64, i: u64) -> f32 {
 /// the same units on the CPU and on a GPU.
 pub(crate) fn dropout_mask_values(n: usize, keep: f64, seed: u64) -> Vec<f32> {
     let (keep, value) = (keep as f32, (1.0 / keep) as f32);
-    let mut m = vec![0f32; n];
+    let mut m = vec![1f32; n];
     m.par_chunks_mut(16_384).enumerate().for_each(|(c, chunk)| {
-        for (i, v) in chunk.iter_mut().enumerate() {
-            let u = uniform(seed, (c * 16_384 + i) as u64);
-            *v = if u < keep { value } else { 0.0 };
-        }
+        simd(
+            #[inline(always)]
+            || scale_by_dropout(chunk, (c * 16_384) as u64, seed, (keep, value)),
+        )
     });
     m
+}
+
+/// `values[j] ×= value` (1/keep, as the caller rounds it) where element `first + j` of the dropout
+/// mask of `seed` and `keep` is kept, else 0:
+/// the mask of [`dropout_mask_values`], applied in place. Branch-free, and every operand a value
+/// the loop holds in a register, so it vectorises inside [`simd`]: read through a closure's
+/// captured references, the attention's copy of this loop reloaded `keep` per element, took a
+/// branch per element (a misprediction per ten kept), and ran scalar, 10 % of a MiniLM training
+/// step on an AVX2 Zen 4.
+#[inline(always)]
+pub(crate) fn scale_by_dropout(
+    values: &mut [f32],
+    first: u64,
+    seed: u64,
+    (keep, value): (f32, f32),
+) {
+    for (j, v) in values.iter_mut().enumerate() {
+        let kept = uniform(seed, first + j as u64) < keep;
+        *v *= if kept { value } else { 0.0 };
+    }
 }
 
 /// A pointer that rayon tasks may share because each writes a disjoint region (see call sites).

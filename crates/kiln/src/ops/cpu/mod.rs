@@ -464,12 +464,7 @@ impl KilnBackend for Cpu {
             .for_each(|(c, chunk)| {
                 simd(
                     #[inline(always)]
-                    || {
-                        for (i, v) in chunk.iter_mut().enumerate() {
-                            let u = uniform(seed, (c * 16_384 + i) as u64);
-                            *v *= if u < keep { 1.0 / keep } else { 0.0 };
-                        }
-                    },
+                    || scale_by_dropout(chunk, (c * 16_384) as u64, seed, (keep, 1.0 / keep)),
                 )
             });
         tensor(&shape, dx)
