@@ -268,10 +268,16 @@ unsafe fn pack_a(mc: usize, kc: usize, a: Strided<*const f32>, out: *mut f32) {
         let rows = MR.min(mc - i0);
         let panel = out.add(s * MR * kc);
         if a.rs == 1 {
-            // A step of K's six values lie side by side.
+            // A step of K's six values lie side by side. A whole panel copies a constant six, which
+            // compiles to two register moves; a copy of `rows` values was a `memcpy` call per
+            // step of K, a tenth of a weight gradient with 384 columns.
             for p in 0..kc {
-                let src = a.data.add(i0 + p * a.cs);
-                std::ptr::copy_nonoverlapping(src, panel.add(p * MR), rows);
+                let (src, dst) = (a.data.add(i0 + p * a.cs), panel.add(p * MR));
+                if rows == MR {
+                    std::ptr::copy_nonoverlapping(src, dst, MR);
+                } else {
+                    std::ptr::copy_nonoverlapping(src, dst, rows);
+                }
             }
         } else {
             for p in 0..kc {
