@@ -14,8 +14,9 @@ use super::bf16_pack::{pack_b, pack_b_chunk, pack_pairs, pack_panel, pair, pairs
 use super::Strided;
 use rayon::prelude::*;
 
-/// Whether `--bf16` has bf16 arithmetic to run on: AVX512-BF16 dot products (and AMX tiles,
-/// which come with them), unless `KILN_CPU_ISA` caps them away ([`super::isa`]).
+/// Whether `--bf16` has bf16 arithmetic to run on that outruns f32: AVX512-BF16 dot products where
+/// they are faster than the FMAs (AMD), AMX tiles, unless `KILN_CPU_ISA` caps them away
+/// ([`super::isa`]).
 pub fn has_bf16_dot() -> bool {
     super::isa::cpu_isa().bf16_dot
 }

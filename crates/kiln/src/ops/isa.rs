@@ -101,8 +101,11 @@ pub struct CpuIsa {
     /// The vector level every kernel dispatches to: the CPU's, lowered to the cap.
     pub level: IsaLevel,
     /// Whether the bf16 GEMM may use AVX512-BF16's `vdpbf16ps` (else it rounds operands to bf16
-    /// and multiplies them in f32).
+    /// and multiplies them in f32, and `--bf16` keeps Linear's products in f32).
     pub bf16_dot: bool,
+    /// The CPU has AVX512-BF16 but its `vdpbf16ps` multiplies slower than its f32 FMAs
+    /// ([`dot_outruns_fma`]), so kiln leaves it out unless `KILN_CPU_ISA=avx512bf16` asks for it.
+    pub slow_dot: bool,
     /// Whether the bf16 GEMM runs on AMX tiles (`TDPBF16PS`): the CPU has AMX-BF16, the kernel
     /// let this process use the tile registers, and the cap allows it.
     pub amx: bool,
@@ -111,10 +114,13 @@ pub struct CpuIsa {
 impl CpuIsa {
     /// What this CPU has, lowered to `cap`.
     pub fn capped(cap: IsaCap) -> Self {
-        let (level, bf16_dot, amx) = detected();
+        let (level, has_dot, amx) = detected();
+        // An AMX CPU keeps the dot products too: its tiles' packing converts with them, and the
+        // tests compare every kernel below the best.
+        let slow_dot = has_dot && !amx && !dot_outruns_fma();
         let (level, bf16_dot, amx) = match cap {
-            IsaCap::Native => (level, bf16_dot, amx),
-            IsaCap::Avx512Bf16 => (level, bf16_dot, false),
+            IsaCap::Native => (level, has_dot && !slow_dot, amx),
+            IsaCap::Avx512Bf16 => (level, has_dot, false),
             IsaCap::Avx512 => (level, false, false),
             IsaCap::Avx2 => (level.min(IsaLevel::Avx2), false, false),
         };
@@ -122,6 +128,7 @@ impl CpuIsa {
             cap,
             level,
             bf16_dot,
+            slow_dot: slow_dot && cap == IsaCap::Native,
             amx,
         }
     }
@@ -133,6 +140,9 @@ impl CpuIsa {
             IsaLevel::Avx2 => "avx2",
             IsaLevel::Avx512 if self.amx => "avx512 + avx512_bf16 + amx",
             IsaLevel::Avx512 if self.bf16_dot => "avx512 + avx512_bf16",
+            IsaLevel::Avx512 if self.slow_dot => {
+                "avx512 (avx512_bf16 left out: its vdpbf16ps is slower than the f32 FMAs here)"
+            }
             IsaLevel::Avx512 => "avx512",
         };
         match self.cap {
@@ -164,6 +174,29 @@ fn detected() -> (IsaLevel, bool, bool) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     (IsaLevel::Portable, false, false)
+}
+
+/// Whether this CPU's `vdpbf16ps` (32 bf16 multiply-adds a register) outruns its f32 FMAs (16):
+/// true on AMD, whose Zen 4 and Zen 5 issue it at their FMAs' rate (the bench's register-only
+/// loops: 455–461 against 223–230 GFLOP/s on a Zen 4, 994 against 537 on a Zen 5, 2 threads);
+/// false on Intel, whose cores issue it on one port, at a quarter of their two ports' FMAs (166
+/// against 326 on an Emerald Rapids without AMX). There a bf16 GEMM on dot products runs at half
+/// the f32 GEMM's rate: `--bf16`'s MiniLM step took 1.47–1.56 s against the f32 step's 0.86–0.93.
+/// Decided by the vendor, not timed, so that every process of a run, restarts included,
+/// multiplies in the same order.
+fn dot_outruns_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // CPUID leaf 0: the vendor string in EBX, EDX, ECX.
+        let leaf0 = std::arch::x86_64::__cpuid(0);
+        let vendor: Vec<u8> = [leaf0.ebx, leaf0.edx, leaf0.ecx]
+            .iter()
+            .flat_map(|r| r.to_le_bytes())
+            .collect();
+        vendor == b"AuthenticAMD"
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// `KILN_CPU_ISA` from the environment.
@@ -261,9 +294,19 @@ mod tests {
         assert!(!avx2.bf16_dot && !CpuIsa::capped(IsaCap::Avx512).bf16_dot);
         assert!(!avx2.amx && !CpuIsa::capped(IsaCap::Avx512).amx);
         let dot = CpuIsa::capped(IsaCap::Avx512Bf16);
-        assert_eq!((dot.bf16_dot, dot.amx), (bf16, false));
-        assert_eq!(CpuIsa::capped(IsaCap::Native).bf16_dot, bf16);
-        assert_eq!(CpuIsa::capped(IsaCap::Native).amx, amx);
+        assert_eq!((dot.bf16_dot, dot.amx, dot.slow_dot), (bf16, false, false));
+        let own = CpuIsa::capped(IsaCap::Native);
+        assert_eq!(own.amx, amx);
+        // Natively the dot products run where the CPU has them and they pay (AMD), or with AMX.
+        let pays = bf16 && (amx || dot_outruns_fma());
+        assert_eq!((own.bf16_dot, own.slow_dot), (pays, bf16 && !pays));
+        if own.slow_dot {
+            assert!(
+                own.describe().contains("avx512_bf16 left out"),
+                "{}",
+                own.describe()
+            );
+        }
         // AMX is there exactly when the CPU lists it (and Linux grants it: every kernel since 5.16).
         let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
         let listed = flags

@@ -55,7 +55,8 @@ impl Drop for MatmulPrecisionScope {
 
 /// The precision `--bf16` (`bf16`) gives Linear layers on backend `B`: bf16 where it has bf16
 /// arithmetic that is faster than f32; f32 where rounding operands to bf16 would only cost time
-/// (a CPU without AVX512-BF16, or one `KILN_CPU_ISA` caps below it), as issue 36 chose: never
+/// (a CPU without AVX512-BF16, an Intel one without AMX tiles, whose `vdpbf16ps` is slower than its
+/// FMAs, or one `KILN_CPU_ISA` caps below it), as issue 36 chose: never
 /// slower than f32, and no less accurate. See [`KilnBackend::kiln_bf16_is_native`].
 pub fn mixed_precision<B: KilnBackend>(bf16: bool) -> MatmulPrecision {
     if bf16 && B::kiln_bf16_is_native() {

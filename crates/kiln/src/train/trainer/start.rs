@@ -172,8 +172,9 @@ where
         let precision = crate::ops::mixed_precision::<B>(a.bf16);
         if a.bf16 && precision == crate::ops::MatmulPrecision::F32 && self.is_main() {
             tracing::info!(
-                "--bf16: no bf16 arithmetic here ({}), so the products stay f32: as fast as \
-                 without --bf16 and no less accurate (rounding to bf16 here would only cost time)",
+                "--bf16: no bf16 arithmetic faster than f32 here ({}), so the products stay f32: \
+                 as fast as without --bf16 and no less accurate (rounding to bf16 here would only \
+                 cost time)",
                 crate::ops::isa::cpu_isa().describe()
             );
         }
