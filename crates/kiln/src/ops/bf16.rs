@@ -446,7 +446,10 @@ mod tests {
             );
         }
         if !kernels.contains(&Bf16Kernel::Dot) {
-            eprintln!("no avx512_bf16 on this CPU (or KILN_CPU_ISA caps it): vdpbf16ps not tested");
+            eprintln!(
+                "no avx512_bf16 on this CPU, or slower than its FMAs (Intel without AMX: \
+                 KILN_CPU_ISA=avx512bf16 tests it), or KILN_CPU_ISA caps it: vdpbf16ps not tested"
+            );
         }
         kernels
     }
