@@ -50,16 +50,13 @@ pub fn measure() -> Option<MachinePeak> {
                 rate(CHAINS as f64 * 64.0, |n| unsafe { x86::dpbf16(n) }),
                 "a register-only vdpbf16ps loop".to_string(),
             )
-        } else if isa.slow_dot {
-            (
-                fp32_gflops,
-                "the fp32 loop (bf16 products run in f32: vdpbf16ps is slower here)".to_string(),
-            )
         } else {
-            (
-                fp32_gflops,
-                "the fp32 loop (no bf16 arithmetic)".to_string(),
-            )
+            let why = if isa.slow_dot {
+                "bf16 products run in f32: vdpbf16ps is slower here"
+            } else {
+                "no bf16 arithmetic"
+            };
+            (fp32_gflops, format!("the fp32 loop ({why})"))
         };
         Some(MachinePeak {
             fp32_gflops,

@@ -187,13 +187,10 @@ fn detected() -> (IsaLevel, bool, bool) {
 fn dot_outruns_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        // CPUID leaf 0: the vendor string in EBX, EDX, ECX.
+        // CPUID leaf 0: the vendor string in EBX, EDX, ECX ("Auth", "enti", "cAMD").
         let leaf0 = std::arch::x86_64::__cpuid(0);
-        let vendor: Vec<u8> = [leaf0.ebx, leaf0.edx, leaf0.ecx]
-            .iter()
-            .flat_map(|r| r.to_le_bytes())
-            .collect();
-        vendor == b"AuthenticAMD"
+        let word = |s: &[u8; 4]| u32::from_le_bytes(*s);
+        (leaf0.ebx, leaf0.edx, leaf0.ecx) == (word(b"Auth"), word(b"enti"), word(b"cAMD"))
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
