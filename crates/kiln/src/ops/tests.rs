@@ -1011,10 +1011,16 @@ fn kernels_give_the_same_bits_on_any_thread_count_and_under_load() {
 
 /// `--base-dtype bf16`: a frozen weight held in bf16 multiplies (forward and the input's
 /// gradient, panel by panel) and looks up as its values rounded to bf16 in f32, and has no
-/// gradient. Shapes cross the widening panels (512) on both the output and the input side.
+/// gradient. Shapes cross the widening panels (512) on both the output and the input side; the
+/// second has whole 32-wide panels on both sides, which AVX-512 makes as it reaches them.
 #[test]
 fn a_weight_held_in_bf16_multiplies_as_its_rounded_f32_values() {
-    let (n, k) = (1030, 600);
+    for (n, k) in [(1030, 600), (1056, 608)] {
+        held_weight_multiplies_as_its_rounded_values(n, k);
+    }
+}
+
+fn held_weight_multiplies_as_its_rounded_values(n: usize, k: usize) {
     let w = rand([n, k], 61).inner();
     let rounded: Vec<f32> = host(w.clone()).into_iter().map(bf16::round_bf16).collect();
     let w_r = Tensor::<CpuTrain, 2>::from_data(

@@ -394,6 +394,9 @@ pub(super) fn linear_forward_bf16(
     if crate::ops::matmul_precision() == crate::ops::MatmulPrecision::Bf16 {
         return held_forward((m, k, n), x, w, bias);
     }
+    if super::panels::takes_held(m, n) {
+        return super::panels::linear((m, k, n), x, super::panels::Weight::HeldOutIn(w), bias);
+    }
     let mut y = vec![0f32; m * n];
     let nb_max = BF16_PANEL.min(n);
     let (mut panel, mut part) = (vec![0f32; nb_max * k], vec![0f32; m * nb_max]);
@@ -474,6 +477,9 @@ fn held_dx((m, k, n): (usize, usize, usize), dy: &[f32], w: &[u16]) -> Vec<f32> 
 pub(super) fn linear_dx_bf16((m, k, n): (usize, usize, usize), dy: &[f32], w: &[u16]) -> Vec<f32> {
     if crate::ops::matmul_precision() == crate::ops::MatmulPrecision::Bf16 {
         return held_dx((m, k, n), dy, w);
+    }
+    if super::panels::takes_held(m, k) {
+        return super::panels::linear((m, n, k), dy, super::panels::Weight::HeldInOut(w), None);
     }
     let mut dx = vec![0f32; m * k];
     let kb_max = BF16_PANEL.min(k);

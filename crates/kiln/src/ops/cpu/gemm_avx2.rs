@@ -478,7 +478,19 @@ unsafe fn pack_b(kc: usize, nc: usize, b: Strided<*const f32>, out: *mut f32) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn transpose8(src: *const f32, lds: usize, dst: *mut f32, ldd: usize) {
-    let r: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(src.add(i * lds)));
+    let rows: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(src.add(i * lds)));
+    for (c, column) in transposed8(rows).into_iter().enumerate() {
+        _mm256_storeu_ps(dst.add(c * ldd), column);
+    }
+}
+
+/// The columns of the 8 × 8 block whose rows are `r`.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn transposed8(r: [__m256; 8]) -> [__m256; 8] {
     // Pairs of rows interleaved, then quads, then the 128-bit halves exchanged.
     let t: [__m256; 8] = std::array::from_fn(|i| {
         let (x, y) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
@@ -498,14 +510,14 @@ unsafe fn transpose8(src: *const f32, lds: usize, dst: *mut f32, ldd: usize) {
             _mm256_shuffle_ps::<0xEE>(x, y)
         }
     });
-    for col in 0..4 {
-        let (lo, hi) = (s[col], s[4 + col]);
-        _mm256_storeu_ps(dst.add(col * ldd), _mm256_permute2f128_ps::<0x20>(lo, hi));
-        _mm256_storeu_ps(
-            dst.add((col + 4) * ldd),
-            _mm256_permute2f128_ps::<0x31>(lo, hi),
-        );
-    }
+    std::array::from_fn(|c| {
+        let (lo, hi) = (s[c % 4], s[4 + c % 4]);
+        if c < 4 {
+            _mm256_permute2f128_ps::<0x20>(lo, hi)
+        } else {
+            _mm256_permute2f128_ps::<0x31>(lo, hi)
+        }
+    })
 }
 
 #[cfg(test)]

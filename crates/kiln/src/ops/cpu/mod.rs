@@ -141,7 +141,8 @@ impl KilnBackend for Cpu {
         }
         let _p = super::profile::scope("linear_fwd");
         let (x, w, b) = (dense(x), dense(w), b.map(dense));
-        let y = panels::linear((m, k, n), slice(&x), slice(&w), b.as_ref().map(slice));
+        let w = panels::Weight::Panels(slice(&w));
+        let y = panels::linear((m, k, n), slice(&x), w, b.as_ref().map(slice));
         tensor(&[m, n], y)
     }
 

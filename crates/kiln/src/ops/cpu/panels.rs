@@ -11,6 +11,8 @@
 //! AMX Xeon that ran prefill's shapes 3–13 % faster than packing per call (BENCHMARKS.md, session
 //! 10). AVX-512 only: elsewhere the inference layout stays `[K, N]` and the GEMM packs.
 
+use std::cell::RefCell;
+
 use super::*;
 
 /// Output columns per panel: two AVX-512 registers.
@@ -83,7 +85,29 @@ pub(super) fn unpack(panels: &[f32], k: usize, n: usize) -> Vec<f32> {
     out
 }
 
-/// `y = x · W + bias` for `x [m, k]` and `W [k, n]` held as [`pack`]'s panels. Each output is
+/// Where [`linear`]'s panels come from: packed once, or made from a weight held in bf16 (a frozen
+/// base under `--base-dtype bf16`) one panel at a time, as each thread reaches it.
+#[derive(Clone, Copy)]
+pub(super) enum Weight<'a> {
+    /// [`pack`]'s panels (inference).
+    Panels(&'a [f32]),
+    /// The bf16 bits of `w [n, k]`, PyTorch's layout, for `x · wᵀ` (a held base's forward): a
+    /// panel is 32 of its rows, widened and transposed.
+    HeldOutIn(&'a [u16]),
+    /// The bf16 bits of `w [k, n]`, for `x · w` (a held base's input gradient `dy · w`, whose sum
+    /// runs over the weight's rows): a panel is 32 of its columns, widened.
+    HeldInOut(&'a [u16]),
+}
+
+/// Whether [`linear`] runs a product of `m` rows into `n` outputs on a weight held in bf16: on
+/// AVX-512 under f32 products, whole panels, and rows up to [`MAX_ROWS`]. There the panel is made
+/// in L2 as it is needed, where the GEMM's path widened a block of the weight into memory and
+/// packed it again (DESIGN.md, "A held base's panels").
+pub(super) fn takes_held(m: usize, n: usize) -> bool {
+    m <= MAX_ROWS && packs(1, n)
+}
+
+/// `y = x · W + bias` for `x [m, k]` and `W [k, n]` given as panels ([`Weight`]). Each output is
 /// summed over K in order in blocks of at most [`KC`] (fused multiply-adds, the blocks' sums
 /// added in order, then the bias), so the bits do not depend on the thread count.
 ///
@@ -92,10 +116,14 @@ pub(super) fn unpack(panels: &[f32], k: usize, n: usize) -> Vec<f32> {
 pub(super) fn linear(
     (m, k, n): (usize, usize, usize),
     x: &[f32],
-    panels: &[f32],
+    w: Weight,
     bias: Option<&[f32]>,
 ) -> Vec<f32> {
-    assert!(n.is_multiple_of(PANEL) && panels.len() == n * k && x.len() >= m * k);
+    let len = match w {
+        Weight::Panels(panels) => panels.len(),
+        Weight::HeldOutIn(bits) | Weight::HeldInOut(bits) => bits.len(),
+    };
+    assert!(n.is_multiple_of(PANEL) && len == n * k && x.len() >= m * k);
     assert!(bias.is_none_or(|b| b.len() == n));
     assert!(
         crate::ops::isa::cpu_isa().level == crate::ops::isa::IsaLevel::Avx512,
@@ -115,7 +143,7 @@ pub(super) fn linear(
             let rows = CHUNK_ROWS.min(m - r0);
             // SAFETY: this task writes columns `own` of rows `r0..r0 + rows` only; the asserts
             // above keep every read and write in bounds.
-            unsafe { chunk(&own, (r0, rows), (k, n), x, panels, bias, out) };
+            unsafe { chunk(&own, (r0, rows), (k, n), x, w, bias, out) };
         }
     };
     if threads <= 1 {
@@ -126,57 +154,103 @@ pub(super) fn linear(
     y
 }
 
-/// Rows `r0..r0 + rows` of y for panels `own`, each panel's next one prefetched as it runs.
+thread_local! {
+    /// The panel widened from a held weight, kept per thread so a product maps no fresh pages.
+    static WIDENED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Panel `p` of a weight (`k` rows of the panel, `n` outputs) as f32 values: where it lies for
+/// packed panels, else widened into `widened`; and where the next panel's source lies, to be
+/// requested into L2 while this one runs (`None` for the last).
 ///
 /// # Safety
-/// The CPU must have AVX-512; `x`, `panels`, `bias` and `y` hold what [`linear`] asserts, and no
-/// other thread writes these elements of y.
+/// The CPU must have AVX-512; `w` holds `n · k` values and `p < n / 32`.
+unsafe fn panel_at(
+    w: Weight,
+    p: usize,
+    last: bool,
+    (k, n): (usize, usize),
+    widened: &mut Vec<f32>,
+) -> (*const f32, Option<Prefetch>) {
+    let next = |at: *const u8, lines: usize, stride: usize| {
+        (!last).then_some(Prefetch { at, lines, stride })
+    };
+    match w {
+        Weight::Panels(panels) => {
+            let panel = panels.as_ptr().add(p * k * PANEL);
+            let next = next(panel.add(k * PANEL).cast(), k * PANEL * 4 / 64, 64);
+            (panel, next)
+        }
+        Weight::HeldOutIn(bits) => {
+            widened.resize(k * PANEL, 0.0);
+            let rows = bits.as_ptr().add(p * PANEL * k);
+            x86::widen_rows_transposed(rows, k, widened.as_mut_ptr());
+            let next = next(rows.add(PANEL * k).cast(), (k * PANEL * 2).div_ceil(64), 64);
+            (widened.as_ptr(), next)
+        }
+        Weight::HeldInOut(bits) => {
+            widened.resize(k * PANEL, 0.0);
+            let columns = bits.as_ptr().add(p * PANEL);
+            x86::widen_columns(columns, k, n, widened.as_mut_ptr());
+            (widened.as_ptr(), next(columns.add(PANEL).cast(), k, n * 2))
+        }
+    }
+}
+
+/// Rows `r0..r0 + rows` of y for panels `own`, each panel's next one's source requested into L2
+/// as it runs.
+///
+/// # Safety
+/// The CPU must have AVX-512; `x`, `w`, `bias` and `y` hold what [`linear`] asserts, and no other
+/// thread writes these elements of y.
 unsafe fn chunk(
     own: &std::ops::Range<usize>,
     (r0, rows): (usize, usize),
     (k, n): (usize, usize),
     x: &[f32],
-    panels: &[f32],
+    w: Weight,
     bias: Option<&[f32]>,
     y: SharedMut,
 ) {
     let blocks = k.div_ceil(KC);
     let kc = k.div_ceil(blocks);
     let tiles_per_block = rows.div_ceil(TILE_ROWS);
-    // The next panel's cache lines, shared out over this panel's tiles.
-    let lines = k * PANEL * 4 / 64;
-    let per_tile = lines.div_ceil(blocks * tiles_per_block);
-    for p in own.clone() {
-        let panel = panels.as_ptr().add(p * k * PANEL);
-        let next = (p + 1 < own.end).then(|| panels.as_ptr().add((p + 1) * k * PANEL));
-        let bias = bias.map(|b| b.as_ptr().add(p * PANEL));
-        for b in 0..blocks {
-            let k0 = b * kc;
-            let steps = kc.min(k - k0);
-            for t in 0..tiles_per_block {
-                let i0 = t * TILE_ROWS;
-                let tile_rows = TILE_ROWS.min(rows - i0);
-                let first = (b * tiles_per_block + t) * per_tile;
-                let prefetch = match next {
-                    Some(next) if first < lines => Prefetch {
-                        at: next.cast::<u8>().add(first * 64),
-                        lines: per_tile.min(lines - first),
-                    },
-                    _ => Prefetch::NONE,
-                };
-                let io = Io {
-                    x: x.as_ptr().add((r0 + i0) * k + k0),
-                    ldx: k,
-                    panel: panel.add(k0 * PANEL),
-                    y: y.at((r0 + i0) * n + p * PANEL),
-                    ldy: n,
-                    bias: bias.filter(|_| b + 1 == blocks),
-                    accumulate: b > 0,
-                };
-                x86::tile_rows(tile_rows, steps, io, prefetch);
+    WIDENED.with_borrow_mut(|widened| {
+        for p in own.clone() {
+            let (panel, next) = panel_at(w, p, p + 1 == own.end, (k, n), widened);
+            // The next panel's cache lines, shared out over this panel's tiles.
+            let lines = next.map_or(0, |next| next.lines);
+            let per_tile = lines.div_ceil(blocks * tiles_per_block);
+            let bias = bias.map(|b| b.as_ptr().add(p * PANEL));
+            for b in 0..blocks {
+                let k0 = b * kc;
+                let steps = kc.min(k - k0);
+                for t in 0..tiles_per_block {
+                    let i0 = t * TILE_ROWS;
+                    let tile_rows = TILE_ROWS.min(rows - i0);
+                    let first = (b * tiles_per_block + t) * per_tile;
+                    let prefetch = match next {
+                        Some(next) if first < lines => Prefetch {
+                            at: next.at.add(first * next.stride),
+                            lines: per_tile.min(lines - first),
+                            stride: next.stride,
+                        },
+                        _ => Prefetch::NONE,
+                    };
+                    let io = Io {
+                        x: x.as_ptr().add((r0 + i0) * k + k0),
+                        ldx: k,
+                        panel: panel.add(k0 * PANEL),
+                        y: y.at((r0 + i0) * n + p * PANEL),
+                        ldy: n,
+                        bias: bias.filter(|_| b + 1 == blocks),
+                        accumulate: b > 0,
+                    };
+                    x86::tile_rows(tile_rows, steps, io, prefetch);
+                }
             }
         }
-    }
+    })
 }
 
 /// One tile's operands: `x`'s rows `ldx` apart from the tile's first row and K block, the panel
@@ -193,17 +267,20 @@ struct Io {
     accumulate: bool,
 }
 
-/// Cache lines to request into L2 during a tile: `lines` from `at`, spread evenly over its steps.
+/// Cache lines to request into L2 during a tile: `lines` lines `stride` bytes apart from `at`,
+/// spread evenly over its steps.
 #[derive(Clone, Copy)]
 struct Prefetch {
     at: *const u8,
     lines: usize,
+    stride: usize,
 }
 
 impl Prefetch {
     const NONE: Self = Self {
         at: std::ptr::null(),
         lines: 0,
+        stride: 0,
     };
 }
 
@@ -211,7 +288,52 @@ impl Prefetch {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{Io, Prefetch, TILE_ROWS};
+    use super::{Io, PANEL, Prefetch, TILE_ROWS};
+
+    /// Widens 32 rows of bf16 bits (`k` apart, a panel of `w [n, k]`) into the panel `[k][32]`:
+    /// blocks of 8 rows × 8 values widened in registers (a shift of the 16 bits into an f32's
+    /// high half, exact) and transposed with AVX's 8 × 8 shuffle.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F; `rows` holds 32 rows of `k` values and `out` room for `32·k`.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn widen_rows_transposed(rows: *const u16, k: usize, out: *mut f32) {
+        let whole = k / 8 * 8;
+        for k0 in (0..whole).step_by(8) {
+            for g in 0..PANEL / 8 {
+                let block: [__m256; 8] = std::array::from_fn(|i| {
+                    let bits = _mm_loadu_si128(rows.add((8 * g + i) * k + k0).cast());
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(bits)))
+                });
+                let columns = super::super::gemm_avx2::transposed8(block);
+                for (c, column) in columns.into_iter().enumerate() {
+                    _mm256_storeu_ps(out.add((k0 + c) * PANEL + 8 * g), column);
+                }
+            }
+        }
+        for r in whole..k {
+            for j in 0..PANEL {
+                *out.add(r * PANEL + j) = f32::from_bits(u32::from(*rows.add(j * k + r)) << 16);
+            }
+        }
+    }
+
+    /// Widens 32 columns of bf16 bits (a panel of `w [k, n]`, its rows `n` apart) into the panel
+    /// `[k][32]`, two registers a row.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F; `columns` holds `k` rows of 32 values `n` apart and `out` room
+    /// for `32·k`.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn widen_columns(columns: *const u16, k: usize, n: usize, out: *mut f32) {
+        for r in 0..k {
+            for h in 0..2 {
+                let bits = _mm256_loadu_si256(columns.add(r * n + 16 * h).cast());
+                let wide = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits));
+                _mm512_storeu_ps(out.add(r * PANEL + 16 * h), _mm512_castsi512_ps(wide));
+            }
+        }
+    }
 
     /// [`tile`] for `rows` (1..=12) rows.
     ///
@@ -251,7 +373,7 @@ mod x86 {
         for s in 0..steps {
             due += pf.lines;
             while due >= steps && issued < pf.lines {
-                _mm_prefetch::<_MM_HINT_T1>(pf.at.add(issued * 64).cast());
+                _mm_prefetch::<_MM_HINT_T1>(pf.at.add(issued * pf.stride).cast());
                 issued += 1;
                 due -= steps;
             }
@@ -289,6 +411,16 @@ mod x86 {
 
     /// Never reached: [`super::packs`] makes panels on AVX-512 CPUs only.
     pub(super) unsafe fn tile_rows(_: usize, _: usize, _: Io, _: Prefetch) {
+        unreachable!("panel weights are made on AVX-512 CPUs only")
+    }
+
+    /// Never reached, as [`tile_rows`].
+    pub(super) unsafe fn widen_rows_transposed(_: *const u16, _: usize, _: *mut f32) {
+        unreachable!("panel weights are made on AVX-512 CPUs only")
+    }
+
+    /// Never reached, as [`tile_rows`].
+    pub(super) unsafe fn widen_columns(_: *const u16, _: usize, _: usize, _: *mut f32) {
         unreachable!("panel weights are made on AVX-512 CPUs only")
     }
 }
@@ -335,7 +467,7 @@ mod tests {
                 let w: Vec<f32> = (0..n * k)
                     .map(|i| b.data[(i % k) * b.rs + (i / k) * b.cs])
                     .collect();
-                let y = linear((m, k, n), &x, &pack(&w, n, k), bias);
+                let y = linear((m, k, n), &x, Weight::Panels(&pack(&w, n, k)), bias);
                 for (c, y) in c.iter_mut().zip(y) {
                     *c = if beta == 0.0 { y } else { *c + y };
                 }
@@ -364,11 +496,49 @@ mod tests {
                 .num_threads(threads)
                 .build()
                 .expect("a thread pool");
-            pool.install(|| linear((m, k, n), &x, &panels, Some(&bias)))
+            pool.install(|| linear((m, k, n), &x, Weight::Panels(&panels), Some(&bias)))
         };
         let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
         assert_eq!(bits(on(1)), bits(on(3)));
         let wt: Vec<f32> = (0..k * n).map(|i| w[(i % n) * k + i / n]).collect();
         assert_eq!(unpack(&panels, k, n), wt);
+    }
+
+    /// A weight held in bf16 gives, through panels widened as they are reached, the bits of the
+    /// same product on its values widened and packed once (itself checked against f64 above):
+    /// both layouts (`[n, k]` read transposed, `[k, n]` read by columns), K not a multiple of the
+    /// 8-value transposes (13, 805) and across blocks, one panel and several, 1 and 3 threads.
+    #[test]
+    fn held_bf16_panels_give_the_packed_panels_bits() {
+        if !avx512_here() {
+            return;
+        }
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        for (m, k, n) in [(5, 13, 32), (37, 805, 96), (200, 64, 64)] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 31 % 97) as f32 - 48.0) / 13.0)
+                .collect();
+            let held: Vec<u16> = (0..n * k)
+                .map(|i| crate::ops::bf16_pack::bf16_bits(((i * 17 % 89) as f32 - 44.0) / 19.0))
+                .collect();
+            let wide: Vec<f32> = held.iter().map(|&b| f32::from_bits(u32::from(b) << 16)).collect();
+            let bias: Vec<f32> = (0..n).map(|j| j as f32 / 7.0).collect();
+            // `held` as `[n, k]` (y = x · heldᵀ) and, the same values, as `[k, n]` (y = x · held).
+            let held_t: Vec<u16> = (0..k * n).map(|i| held[(i % n) * k + i / n]).collect();
+            let want = bits(linear((m, k, n), &x, Weight::Panels(&pack(&wide, n, k)), Some(&bias)));
+            for threads in [1, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .expect("a thread pool");
+                for (label, w) in [
+                    ("[n, k]", Weight::HeldOutIn(&held)),
+                    ("[k, n]", Weight::HeldInOut(&held_t)),
+                ] {
+                    let got = pool.install(|| linear((m, k, n), &x, w, Some(&bias)));
+                    assert_eq!(bits(got), want, "{label} held, {m}×{k}×{n}, {threads} threads");
+                }
+            }
+        }
     }
 }
