@@ -33,7 +33,7 @@ const KC: usize = 384;
 /// row of B (16 values) is one aligned line.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-struct Line([f32; 16]);
+pub(super) struct Line([f32; 16]);
 
 /// Calls `kernel::<R>(args)` for a tile of `rows` (1 to [`MR`]): the row count is a const
 /// parameter, so each tile keeps its accumulators in registers fixed at compile time.
@@ -58,7 +58,7 @@ thread_local! {
 }
 
 /// `buffer` grown to at least `floats` values, as a pointer to its first.
-fn lines_for(buffer: &mut Vec<Line>, floats: usize) -> *mut f32 {
+pub(super) fn lines_for(buffer: &mut Vec<Line>, floats: usize) -> *mut f32 {
     let lines = floats.div_ceil(16);
     if buffer.len() < lines {
         buffer.resize(lines, Line([0.0; 16]));

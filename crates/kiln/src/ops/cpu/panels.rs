@@ -13,6 +13,7 @@
 
 use std::cell::RefCell;
 
+use super::gemm_avx2::{Line, lines_for};
 use super::*;
 
 /// Output columns per panel: two AVX-512 registers.
@@ -155,8 +156,9 @@ pub(super) fn linear(
 }
 
 thread_local! {
-    /// The panel widened from a held weight, kept per thread so a product maps no fresh pages.
-    static WIDENED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The panel widened from a held weight, kept per thread so a product maps no fresh pages;
+    /// in 64-byte lines, so each of its rows (two registers) is two aligned loads.
+    static WIDENED: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Panel `p` of a weight (`k` rows of the panel, `n` outputs) as f32 values: where it lies for
@@ -170,7 +172,7 @@ unsafe fn panel_at(
     p: usize,
     last: bool,
     (k, n): (usize, usize),
-    widened: &mut Vec<f32>,
+    widened: &mut Vec<Line>,
 ) -> (*const f32, Option<Prefetch>) {
     let next = |at: *const u8, lines: usize, stride: usize| {
         (!last).then_some(Prefetch { at, lines, stride })
@@ -182,17 +184,17 @@ unsafe fn panel_at(
             (panel, next)
         }
         Weight::HeldOutIn(bits) => {
-            widened.resize(k * PANEL, 0.0);
+            let out = lines_for(widened, k * PANEL);
             let rows = bits.as_ptr().add(p * PANEL * k);
-            x86::widen_rows_transposed(rows, k, widened.as_mut_ptr());
+            x86::widen_rows_transposed(rows, k, out);
             let next = next(rows.add(PANEL * k).cast(), (k * PANEL * 2).div_ceil(64), 64);
-            (widened.as_ptr(), next)
+            (out, next)
         }
         Weight::HeldInOut(bits) => {
-            widened.resize(k * PANEL, 0.0);
+            let out = lines_for(widened, k * PANEL);
             let columns = bits.as_ptr().add(p * PANEL);
-            x86::widen_columns(columns, k, n, widened.as_mut_ptr());
-            (widened.as_ptr(), next(columns.add(PANEL).cast(), k, n * 2))
+            x86::widen_columns(columns, k, n, out);
+            (out, next(columns.add(PANEL).cast(), k, n * 2))
         }
     }
 }
