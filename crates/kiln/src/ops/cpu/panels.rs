@@ -13,7 +13,7 @@
 
 use std::cell::RefCell;
 
-use super::gemm_avx2::{Line, lines_for};
+use super::gemm_avx2::{lines_for, Line};
 use super::*;
 
 /// Output columns per panel: two AVX-512 registers.
@@ -161,46 +161,88 @@ thread_local! {
     static WIDENED: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Panel `p` of a weight (`k` rows of the panel, `n` outputs) as f32 values: where it lies for
-/// packed panels, else widened into `widened`; and where the next panel's source lies, to be
-/// requested into L2 while this one runs (`None` for the last).
+/// Values `k0..k0 + kc` of K of panel `p` (of a weight of `n` outputs over `k`) as `[kc][32]` f32
+/// values: where they lie in packed panels, else widened into `widened`.
 ///
 /// # Safety
-/// The CPU must have AVX-512; `w` holds `n · k` values and `p < n / 32`.
-unsafe fn panel_at(
+/// The CPU must have AVX-512; `w` holds `n · k` values, `p < n / 32` and `k0 + kc ≤ k`.
+unsafe fn block_at(
     w: Weight,
     p: usize,
-    last: bool,
+    (k0, kc): (usize, usize),
     (k, n): (usize, usize),
     widened: &mut Vec<Line>,
-) -> (*const f32, Option<Prefetch>) {
-    let next = |at: *const u8, lines: usize, stride: usize| {
-        (!last).then_some(Prefetch { at, lines, stride })
-    };
+) -> *const f32 {
     match w {
-        Weight::Panels(panels) => {
-            let panel = panels.as_ptr().add(p * k * PANEL);
-            let next = next(panel.add(k * PANEL).cast(), k * PANEL * 4 / 64, 64);
-            (panel, next)
-        }
+        Weight::Panels(panels) => panels.as_ptr().add((p * k + k0) * PANEL),
         Weight::HeldOutIn(bits) => {
-            let out = lines_for(widened, k * PANEL);
-            let rows = bits.as_ptr().add(p * PANEL * k);
-            x86::widen_rows_transposed(rows, k, out);
-            let next = next(rows.add(PANEL * k).cast(), (k * PANEL * 2).div_ceil(64), 64);
-            (out, next)
+            let out = lines_for(widened, kc * PANEL);
+            x86::widen_rows_transposed(bits.as_ptr().add(p * PANEL * k + k0), k, kc, out);
+            out
         }
         Weight::HeldInOut(bits) => {
-            let out = lines_for(widened, k * PANEL);
-            let columns = bits.as_ptr().add(p * PANEL);
-            x86::widen_columns(columns, k, n, out);
-            (out, next(columns.add(PANEL).cast(), k, n * 2))
+            let out = lines_for(widened, kc * PANEL);
+            x86::widen_columns(bits.as_ptr().add(k0 * n + p * PANEL), kc, n, out);
+            out
         }
     }
 }
 
-/// Rows `r0..r0 + rows` of y for panels `own`, each panel's next one's source requested into L2
-/// as it runs.
+/// The cache lines [`block_at`] reads for the same block, to request into L2 while the block
+/// before it runs.
+///
+/// # Safety
+/// As [`block_at`].
+unsafe fn source_of(
+    w: Weight,
+    p: usize,
+    (k0, kc): (usize, usize),
+    (k, n): (usize, usize),
+) -> Prefetch {
+    match w {
+        Weight::Panels(panels) => {
+            let lines = kc * PANEL * 4 / 64;
+            let at = panels.as_ptr().add((p * k + k0) * PANEL).cast();
+            Prefetch {
+                at,
+                run: lines,
+                stride: 0,
+                from: 0,
+                lines,
+            }
+        }
+        // 32 rows of the weight, `kc` bf16 values each.
+        Weight::HeldOutIn(bits) => {
+            let run = (kc * 2).div_ceil(64);
+            let at = bits.as_ptr().add(p * PANEL * k + k0).cast();
+            Prefetch {
+                at,
+                run,
+                stride: k * 2,
+                from: 0,
+                lines: PANEL * run,
+            }
+        }
+        // `kc` rows of the weight, 32 bf16 values (one line) each.
+        Weight::HeldInOut(bits) => {
+            let at = bits.as_ptr().add(k0 * n + p * PANEL).cast();
+            Prefetch {
+                at,
+                run: 1,
+                stride: n * 2,
+                from: 0,
+                lines: kc,
+            }
+        }
+    }
+}
+
+/// Rows `r0..r0 + rows` of y for panels `own`, one block of K of one panel at a time, each next
+/// block's source requested into L2 as the one before it runs. Where these rows of x fit in half
+/// of L2 they stay there while every panel passes, a panel's blocks in turn; where they do not
+/// (a long K: 2.8 MB for 128 rows of 5504), the blocks of K go outermost, so each block of x
+/// stays in L2 across the panels instead of all of x coming from L3 once per panel. Each output
+/// adds its blocks' sums in the same order either way.
 ///
 /// # Safety
 /// The CPU must have AVX-512; `x`, `w`, `bias` and `y` hold what [`linear`] asserts, and no other
@@ -216,40 +258,47 @@ unsafe fn chunk(
 ) {
     let blocks = k.div_ceil(KC);
     let kc = k.div_ceil(blocks);
-    let tiles_per_block = rows.div_ceil(TILE_ROWS);
+    let tiles = rows.div_ceil(TILE_ROWS);
+    let panels = own.len();
+    let x_in_l2 = rows * k * 4 <= *super::gemm_avx2::L2_BYTES / 2;
+    // Item `i` of this chunk's work: (panel, block of K).
+    let item = |i: usize| {
+        if x_in_l2 {
+            (own.start + i / blocks, i % blocks)
+        } else {
+            (own.start + i % panels, i / panels)
+        }
+    };
+    let items = panels * blocks;
+    let span = |b: usize| (b * kc, kc.min(k - b * kc));
     WIDENED.with_borrow_mut(|widened| {
-        for p in own.clone() {
-            let (panel, next) = panel_at(w, p, p + 1 == own.end, (k, n), widened);
-            // The next panel's cache lines, shared out over this panel's tiles.
-            let lines = next.map_or(0, |next| next.lines);
-            let per_tile = lines.div_ceil(blocks * tiles_per_block);
+        for i in 0..items {
+            let (p, b) = item(i);
+            let (k0, steps) = span(b);
+            let block = block_at(w, p, (k0, steps), (k, n), widened);
+            // The next block's cache lines, shared out over this block's tiles.
+            let next = if i + 1 < items {
+                let (p, b) = item(i + 1);
+                source_of(w, p, span(b), (k, n))
+            } else {
+                Prefetch::NONE
+            };
+            let per_tile = next.lines.div_ceil(tiles);
             let bias = bias.map(|b| b.as_ptr().add(p * PANEL));
-            for b in 0..blocks {
-                let k0 = b * kc;
-                let steps = kc.min(k - k0);
-                for t in 0..tiles_per_block {
-                    let i0 = t * TILE_ROWS;
-                    let tile_rows = TILE_ROWS.min(rows - i0);
-                    let first = (b * tiles_per_block + t) * per_tile;
-                    let prefetch = match next {
-                        Some(next) if first < lines => Prefetch {
-                            at: next.at.add(first * next.stride),
-                            lines: per_tile.min(lines - first),
-                            stride: next.stride,
-                        },
-                        _ => Prefetch::NONE,
-                    };
-                    let io = Io {
-                        x: x.as_ptr().add((r0 + i0) * k + k0),
-                        ldx: k,
-                        panel: panel.add(k0 * PANEL),
-                        y: y.at((r0 + i0) * n + p * PANEL),
-                        ldy: n,
-                        bias: bias.filter(|_| b + 1 == blocks),
-                        accumulate: b > 0,
-                    };
-                    x86::tile_rows(tile_rows, steps, io, prefetch);
-                }
+            for t in 0..tiles {
+                let i0 = t * TILE_ROWS;
+                let first = (t * per_tile).min(next.lines);
+                let io = Io {
+                    x: x.as_ptr().add((r0 + i0) * k + k0),
+                    ldx: k,
+                    panel: block,
+                    y: y.at((r0 + i0) * n + p * PANEL),
+                    ldy: n,
+                    bias: bias.filter(|_| b + 1 == blocks),
+                    accumulate: b > 0,
+                };
+                let prefetch = next.part(first, per_tile.min(next.lines - first));
+                x86::tile_rows(TILE_ROWS.min(rows - i0), steps, io, prefetch);
             }
         }
     })
@@ -269,38 +318,64 @@ struct Io {
     accumulate: bool,
 }
 
-/// Cache lines to request into L2 during a tile: `lines` lines `stride` bytes apart from `at`,
-/// spread evenly over its steps.
+/// Cache lines to request into L2 during a tile, spread evenly over its steps: lines
+/// `from..from + lines` of a source laid out as runs of `run` consecutive lines, `stride` bytes
+/// apart from `at`.
 #[derive(Clone, Copy)]
 struct Prefetch {
     at: *const u8,
-    lines: usize,
+    run: usize,
     stride: usize,
+    from: usize,
+    lines: usize,
 }
 
 impl Prefetch {
     const NONE: Self = Self {
         at: std::ptr::null(),
-        lines: 0,
+        run: 1,
         stride: 0,
+        from: 0,
+        lines: 0,
     };
+
+    /// Lines `from..from + lines` of this source.
+    fn part(self, from: usize, lines: usize) -> Self {
+        Self {
+            from,
+            lines,
+            ..self
+        }
+    }
+
+    /// The address of the source's line `i`.
+    fn line(&self, i: usize) -> *const u8 {
+        self.at
+            .wrapping_add(i / self.run * self.stride + i % self.run * 64)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{Io, PANEL, Prefetch, TILE_ROWS};
+    use super::{Io, Prefetch, PANEL, TILE_ROWS};
 
-    /// Widens 32 rows of bf16 bits (`k` apart, a panel of `w [n, k]`) into the panel `[k][32]`:
-    /// blocks of 8 rows × 8 values widened in registers (a shift of the 16 bits into an f32's
-    /// high half, exact) and transposed with AVX's 8 × 8 shuffle.
+    /// Widens `kc` values of 32 rows of bf16 bits (`k` apart, a block of a panel of `w [n, k]`)
+    /// into `[kc][32]`: blocks of 8 rows × 8 values widened in registers (a shift of the 16 bits
+    /// into an f32's high half, exact) and transposed with AVX's 8 × 8 shuffle.
     ///
     /// # Safety
-    /// The CPU must have AVX-512F; `rows` holds 32 rows of `k` values and `out` room for `32·k`.
+    /// The CPU must have AVX-512F; `rows` holds 32 rows of `kc` values `k` apart and `out` room
+    /// for `32·kc`.
     #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(super) unsafe fn widen_rows_transposed(rows: *const u16, k: usize, out: *mut f32) {
-        let whole = k / 8 * 8;
+    pub(super) unsafe fn widen_rows_transposed(
+        rows: *const u16,
+        k: usize,
+        kc: usize,
+        out: *mut f32,
+    ) {
+        let whole = kc / 8 * 8;
         for k0 in (0..whole).step_by(8) {
             for g in 0..PANEL / 8 {
                 let block: [__m256; 8] = std::array::from_fn(|i| {
@@ -313,22 +388,22 @@ mod x86 {
                 }
             }
         }
-        for r in whole..k {
+        for r in whole..kc {
             for j in 0..PANEL {
                 *out.add(r * PANEL + j) = f32::from_bits(u32::from(*rows.add(j * k + r)) << 16);
             }
         }
     }
 
-    /// Widens 32 columns of bf16 bits (a panel of `w [k, n]`, its rows `n` apart) into the panel
-    /// `[k][32]`, two registers a row.
+    /// Widens 32 columns of `kc` rows of bf16 bits (a block of a panel of `w [k, n]`, its rows
+    /// `n` apart) into `[kc][32]`, two registers a row.
     ///
     /// # Safety
-    /// The CPU must have AVX-512F; `columns` holds `k` rows of 32 values `n` apart and `out` room
-    /// for `32·k`.
+    /// The CPU must have AVX-512F; `columns` holds `kc` rows of 32 values `n` apart and `out` room
+    /// for `32·kc`.
     #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(super) unsafe fn widen_columns(columns: *const u16, k: usize, n: usize, out: *mut f32) {
-        for r in 0..k {
+    pub(super) unsafe fn widen_columns(columns: *const u16, kc: usize, n: usize, out: *mut f32) {
+        for r in 0..kc {
             for h in 0..2 {
                 let bits = _mm256_loadu_si256(columns.add(r * n + 16 * h).cast());
                 let wide = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits));
@@ -375,7 +450,7 @@ mod x86 {
         for s in 0..steps {
             due += pf.lines;
             while due >= steps && issued < pf.lines {
-                _mm_prefetch::<_MM_HINT_T1>(pf.at.add(issued * pf.stride).cast());
+                _mm_prefetch::<_MM_HINT_T1>(pf.line(pf.from + issued).cast());
                 issued += 1;
                 due -= steps;
             }
@@ -417,7 +492,7 @@ mod x86 {
     }
 
     /// Never reached, as [`tile_rows`].
-    pub(super) unsafe fn widen_rows_transposed(_: *const u16, _: usize, _: *mut f32) {
+    pub(super) unsafe fn widen_rows_transposed(_: *const u16, _: usize, _: usize, _: *mut f32) {
         unreachable!("panel weights are made on AVX-512 CPUs only")
     }
 
@@ -444,7 +519,8 @@ mod tests {
     /// The product on packed panels against the f64 reference within f32 summation's bound:
     /// one row and a few, a partial last tile (13, 25 rows), more rows than a chunk (200), K of 1,
     /// across a block (385) and over three (800), one panel and several, with and without a
-    /// bias. The checker's operands come in every layout; the adapter packs B and lays A out in
+    /// bias; and a chunk of x too long for half of L2 (192 × 1400 floats, on any L2 up to 2 MB),
+    /// whose blocks of K run outermost, beside a last chunk of 8 rows that fits. The checker's operands come in every layout; the adapter packs B and lays A out in
     /// rows, as a model's weight and activations are.
     #[test]
     fn panel_products_match_an_f64_reference() {
@@ -459,6 +535,7 @@ mod tests {
             (200, 64, 32),
             (25, 800, 64),
             (5, 1, 32),
+            (200, 1400, 64),
         ];
         super::super::gemm::assert_products_within_f32_bound(
             &shapes,
@@ -523,11 +600,19 @@ mod tests {
             let held: Vec<u16> = (0..n * k)
                 .map(|i| crate::ops::bf16_pack::bf16_bits(((i * 17 % 89) as f32 - 44.0) / 19.0))
                 .collect();
-            let wide: Vec<f32> = held.iter().map(|&b| f32::from_bits(u32::from(b) << 16)).collect();
+            let wide: Vec<f32> = held
+                .iter()
+                .map(|&b| f32::from_bits(u32::from(b) << 16))
+                .collect();
             let bias: Vec<f32> = (0..n).map(|j| j as f32 / 7.0).collect();
             // `held` as `[n, k]` (y = x · heldᵀ) and, the same values, as `[k, n]` (y = x · held).
             let held_t: Vec<u16> = (0..k * n).map(|i| held[(i % n) * k + i / n]).collect();
-            let want = bits(linear((m, k, n), &x, Weight::Panels(&pack(&wide, n, k)), Some(&bias)));
+            let want = bits(linear(
+                (m, k, n),
+                &x,
+                Weight::Panels(&pack(&wide, n, k)),
+                Some(&bias),
+            ));
             for threads in [1, 3] {
                 let pool = rayon::ThreadPoolBuilder::new()
                     .num_threads(threads)
@@ -538,7 +623,11 @@ mod tests {
                     ("[k, n]", Weight::HeldInOut(&held_t)),
                 ] {
                     let got = pool.install(|| linear((m, k, n), &x, w, Some(&bias)));
-                    assert_eq!(bits(got), want, "{label} held, {m}×{k}×{n}, {threads} threads");
+                    assert_eq!(
+                        bits(got),
+                        want,
+                        "{label} held, {m}×{k}×{n}, {threads} threads"
+                    );
                 }
             }
         }
