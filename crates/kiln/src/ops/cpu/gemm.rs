@@ -383,8 +383,10 @@ fn rounded_sgemm(m: usize, k: usize, n: usize, a: &[f32], b: &[f32], beta: f32, 
 
 /// `x wᵀ + b` for `x [m, k]` and a weight `w [n, k]` held as bf16 bits. Under `--bf16` the bits
 /// are read as they are by the bf16 kernels ([`held_forward`]: x rounded to bf16, as PyTorch
-/// multiplies a bf16 base). Otherwise [`matmul`] runs on f32 panels of `w`'s rows, each panel's
-/// columns of `y` copied into place: the products of the f32 path on the same (rounded) weight.
+/// multiplies a bf16 base). Otherwise the products of the f32 path on the same (rounded) weight:
+/// on AVX-512, up to 192 rows, the panel kernel widening 32 of `w`'s rows at a time as it reaches
+/// them ([`super::panels::Weight::HeldOutIn`]); elsewhere [`matmul`] on f32 copies of 512 of
+/// `w`'s rows at a time, each copy's columns of `y` copied into place.
 pub(super) fn linear_forward_bf16(
     (m, k, n): (usize, usize, usize),
     x: &[f32],
@@ -472,8 +474,9 @@ fn held_dx((m, k, n): (usize, usize, usize), dy: &[f32], w: &[u16]) -> Vec<f32> 
 }
 
 /// `dy · w` (`[m, k]`) for `dy [m, n]` and a weight `w [n, k]` held as bf16 bits. Under `--bf16`
-/// on the bf16 kernels ([`held_dx`]); otherwise panels of `w`'s columns widened to f32, so each
-/// output element is summed over all of `n` in one product, as on the f32 path.
+/// on the bf16 kernels ([`held_dx`]); otherwise on `w`'s columns widened to f32 (32 at a time by
+/// the panel kernel on AVX-512 up to 192 rows, [`super::panels::Weight::HeldInOut`], else 512 at
+/// a time for [`matmul`]), so each output element is summed over all of `n`, as on the f32 path.
 pub(super) fn linear_dx_bf16((m, k, n): (usize, usize, usize), dy: &[f32], w: &[u16]) -> Vec<f32> {
     if crate::ops::matmul_precision() == crate::ops::MatmulPrecision::Bf16 {
         return held_dx((m, k, n), dy, w);

@@ -101,11 +101,13 @@ pub(super) enum Weight<'a> {
 }
 
 /// Whether [`linear`] runs a product of `m` rows into `n` outputs on a weight held in bf16: on
-/// AVX-512 under f32 products, whole panels, and rows up to [`MAX_ROWS`]. There the panel is made
-/// in L2 as it is needed, where the GEMM's path widened a block of the weight into memory and
-/// packed it again (DESIGN.md, "A held base's panels").
+/// AVX-512 under f32 products, whole panels, and rows that fit one chunk ([`CHUNK_ROWS`]), so each
+/// block of a panel is widened once, in L2, as it is needed, where the GEMM's path widens 512 of
+/// the weight's rows into memory and packs them again. Past one chunk every chunk widens the
+/// panels anew, and at 512 rows that measured no faster than the GEMM's path (DESIGN.md, "A held
+/// base's panels").
 pub(super) fn takes_held(m: usize, n: usize) -> bool {
-    m <= MAX_ROWS && packs(1, n)
+    m <= CHUNK_ROWS && packs(1, n)
 }
 
 /// `y = x · W + bias` for `x [m, k]` and `W [k, n]` given as panels ([`Weight`]). Each output is
