@@ -9,7 +9,7 @@
 //! products (a product of two bf16 values is exact in f32), so every machine trains with the same
 //! numerics up to the order of the f32 sums. [`Bf16Kernel`] names the three.
 
-pub use super::bf16_pack::{bf16_bits, round_bf16, Values};
+pub use super::bf16_pack::{bf16_bits, round_bf16, widen_bf16_bits, Values};
 use super::bf16_pack::{pack_b, pack_b_chunk, pack_pairs, pack_panel, pair, pairs_of, NR};
 use super::Strided;
 use rayon::prelude::*;
@@ -139,7 +139,7 @@ fn gemm_values(
             .collect();
         let br: Vec<f32> = (0..k * n)
             .into_par_iter()
-            .map(|i| f32::from_bits(u32::from(b.bits((i / n) * rsb + (i % n) * csb)) << 16))
+            .map(|i| widen_bf16_bits(b.bits((i / n) * rsb + (i % n) * csb)))
             .collect();
         f32_gemm(m, k, n, &ar, &br, beta, c);
         return;

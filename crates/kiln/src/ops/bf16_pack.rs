@@ -17,10 +17,16 @@ pub fn bf16_bits(x: f32) -> u16 {
     (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16
 }
 
+/// The f32 value of bf16 `bits` (exact: they become its high half).
+#[inline(always)]
+pub fn widen_bf16_bits(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
+}
+
 /// `x` rounded to the nearest bf16 value, as an f32.
 #[inline(always)]
 pub fn round_bf16(x: f32) -> f32 {
-    f32::from_bits(u32::from(bf16_bits(x)) << 16)
+    widen_bf16_bits(bf16_bits(x))
 }
 
 /// Columns of C per micro-kernel call (and per packed panel of B): two 16-lane vectors.

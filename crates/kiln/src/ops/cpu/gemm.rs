@@ -360,7 +360,7 @@ const BF16_PANEL: usize = 512;
 pub(super) fn widen_bf16(bits: &[u16], out: &mut [f32]) {
     out.iter_mut()
         .zip(bits)
-        .for_each(|(o, &b)| *o = f32::from_bits(u32::from(b) << 16));
+        .for_each(|(o, &b)| *o = crate::ops::bf16::widen_bf16_bits(b));
 }
 
 /// Rows of a held weight per bf16 product under `--bf16` ([`held_forward`], [`held_dx`]): packed,

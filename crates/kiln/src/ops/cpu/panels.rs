@@ -392,7 +392,7 @@ mod x86 {
         }
         for r in whole..kc {
             for j in 0..PANEL {
-                *out.add(r * PANEL + j) = f32::from_bits(u32::from(*rows.add(j * k + r)) << 16);
+                *out.add(r * PANEL + j) = crate::ops::bf16::widen_bf16_bits(*rows.add(j * k + r));
             }
         }
     }
@@ -522,8 +522,9 @@ mod tests {
     /// one row and a few, a partial last tile (13, 25 rows), more rows than a chunk (200), K of 1,
     /// across a block (385) and over three (800), one panel and several, with and without a
     /// bias; and a chunk of x too long for half of L2 (192 × 1400 floats, on any L2 up to 2 MB),
-    /// whose blocks of K run outermost, beside a last chunk of 8 rows that fits. The checker's operands come in every layout; the adapter packs B and lays A out in
-    /// rows, as a model's weight and activations are.
+    /// whose blocks of K run outermost, beside a last chunk of 8 rows that fits. The checker's
+    /// operands come in every layout; the adapter packs B and lays A out in rows, as a model's
+    /// weight and activations are.
     #[test]
     fn panel_products_match_an_f64_reference() {
         if !avx512_here() {
@@ -600,11 +601,11 @@ mod tests {
                 .map(|i| ((i * 31 % 97) as f32 - 48.0) / 13.0)
                 .collect();
             let held: Vec<u16> = (0..n * k)
-                .map(|i| crate::ops::bf16_pack::bf16_bits(((i * 17 % 89) as f32 - 44.0) / 19.0))
+                .map(|i| crate::ops::bf16::bf16_bits(((i * 17 % 89) as f32 - 44.0) / 19.0))
                 .collect();
             let wide: Vec<f32> = held
                 .iter()
-                .map(|&b| f32::from_bits(u32::from(b) << 16))
+                .map(|&b| crate::ops::bf16::widen_bf16_bits(b))
                 .collect();
             let bias: Vec<f32> = (0..n).map(|j| j as f32 / 7.0).collect();
             // `held` as `[n, k]` (y = x · heldᵀ) and, the same values, as `[k, n]` (y = x · held).
